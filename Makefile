@@ -1,0 +1,52 @@
+# tensorfs: `make demo` to see it work, `make test` to run every test. Both install what is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config
+DEMO_DIR ?= demo
+
+.PHONY: install system-packages test lint demo demo-umount bench clean
+
+install: $(VENV)/.installed
+
+# pyfuse3 builds against libfuse 3, and mounting needs fusermount3.
+system-packages:
+	@missing=""; \
+	for pkg in $(SYSTEM_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing system packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else \
+	    echo "tensorfs needs these system packages:$$missing"; \
+	    echo "install them as root, e.g.: sudo apt-get install$$missing"; \
+	    exit 1; \
+	  fi; \
+	fi
+
+$(VENV)/.installed: pyproject.toml | system-packages
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tensorfs needs Python >= 3.11 (set PYTHON=...)")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+lint: install
+	$(VENV)/bin/ruff check tensorfs tests scripts
+	$(VENV)/bin/ruff format --check tensorfs tests scripts
+	$(VENV)/bin/mypy
+
+test: install lint
+	$(PY) -m pytest
+
+demo: install
+	$(PY) scripts/demo.py $(DEMO_DIR)
+
+bench: install
+	$(PY) scripts/bench_open.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

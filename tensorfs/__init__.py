@@ -1,0 +1,19 @@
+"""tensorfs: serve the tensors of a safetensors model as files, or as zero-copy numpy views."""
+
+from .errors import InvalidModelError, MountError, Problem, TensorfsError
+from .header import ShardHeader, TensorInfo
+from .model import Model, open_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InvalidModelError",
+    "Model",
+    "MountError",
+    "Problem",
+    "ShardHeader",
+    "TensorInfo",
+    "TensorfsError",
+    "__version__",
+    "open_model",
+]

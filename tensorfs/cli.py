@@ -1,0 +1,135 @@
+"""The `tensorfs` command line: one subcommand per thing a user does with a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import TensorfsError, printable
+from .model import Model, open_model
+from .names import LAYOUTS, Layout
+
+
+def human_size(nbytes: int) -> str:
+    """1536 -> '1.5 KiB'; bytes below 1 KiB are shown exactly."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        size /= 1024
+        if size < 1024 or unit == "PiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+layout_option = click.option(
+    "--layout",
+    type=click.Choice(LAYOUTS),
+    default="slash",
+    show_default=True,
+    help="How tensor names become paths: 'slash' nests on '/', 'dotted' also on '.'.",
+)
+model_argument = click.argument("path", metavar="MODEL", type=click.Path(path_type=Path))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tensorfs")
+def cli() -> None:
+    """Serve the tensors of a safetensors model as files, one per tensor.
+
+    MODEL is a .safetensors file, a directory of shards (with or without
+    model.safetensors.index.json), or an index file.
+    """
+
+
+@cli.command()
+@model_argument
+@layout_option
+def validate(path: Path, layout: Layout) -> None:
+    """Check every header of MODEL as `mount` would, and summarise it.
+
+    Exit 0 when valid; exit 1 and one line per problem on stderr when not.
+    """
+    with open_model(path, layout=layout) as model:
+        click.echo(
+            f"{printable(str(path))}: valid: {len(model.shards)} shard{'s' * (len(model.shards) != 1)}, "
+            f"{len(model)} tensor{'s' * (len(model) != 1)}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
+        )
+
+
+@cli.command(name="ls")
+@model_argument
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, sizes in bytes.")
+def ls_command(path: Path, as_json: bool) -> None:
+    """List the tensors of MODEL: name, dtype, shape, size and shard."""
+    with open_model(path) as model:
+        if as_json:
+            _ls_json(model)
+        else:
+            _ls_table(model)
+
+
+def _ls_json(model: Model) -> None:
+    out = sys.stdout
+    for name in model:
+        info = model.info(name)
+        record = {
+            "name": name,
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "nbytes": info.nbytes,
+            "shard": info.shard.name,
+            "offset": info.offset,
+            "data_offsets": list(info.data_offsets),
+        }
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def _ls_table(model: Model) -> None:
+    rows = [("NAME", "DTYPE", "SHAPE", "SIZE", "SHARD")]
+    for name in model:
+        info = model.info(name)
+        rows.append((printable(name), info.dtype, shape_text(info.shape), human_size(info.nbytes), info.shard.name))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    out = sys.stdout
+    for row in rows:
+        out.write(
+            f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>{widths[3]}}  {row[4]}\n"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return its exit code: 0 done, 1 bad input or failure, 2 usage error."""
+    try:
+        result = cli.main(args=list(argv) if argv is not None else None, prog_name="tensorfs", standalone_mode=False)
+        sys.stdout.flush()
+    except TensorfsError as exc:
+        for line in exc.lines():
+            click.echo(f"error: {line}", err=True)
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`tensorfs ls | head`): stop quietly, as ls would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The errors tensorfs raises for bad input; each carries the exit code the CLI uses for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def printable(text: str) -> str:
+    """Escape control characters and lone surrogates, so that one message stays one readable line."""
+    if text.isprintable():
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:
+            pass
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch.isprintable() and not 0xD800 <= code <= 0xDFFF:
+            out.append(ch)
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a model: the file it is in, the tensor (if any) and why."""
+
+    file: str
+    reason: str
+    tensor: str | None = None
+
+    def __str__(self) -> str:
+        where = printable(self.file)
+        if self.tensor is not None:
+            where += f": tensor '{printable(self.tensor)}'"
+        return f"{where}: {self.reason}"
+
+
+class TensorfsError(Exception):
+    """Base class of every error tensorfs raises on purpose (never a bug)."""
+
+    exit_code = 1
+
+    def lines(self) -> list[str]:
+        """The message as the one-line-per-problem form the CLI prints."""
+        return str(self).splitlines() or [type(self).__name__]
+
+
+class InvalidModelError(TensorfsError):
+    """The model breaks the safetensors rules or tensorfs's naming rules; lists every problem."""
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class MountError(TensorfsError):
+    """A mount or unmount could not be done (bad mountpoint, FUSE unavailable, daemon failed)."""

@@ -1,0 +1,291 @@
+"""A model: its shards (from an index or a glob), validated together, one read-only mmap per shard."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import orjson
+
+from .errors import InvalidModelError, Problem
+from .gcpause import gc_paused
+from .header import Entry, ShardHeader, TensorInfo, open_shard, read_header_fd
+from .names import Layout, collisions, name_problems
+
+INDEX_NAME = "model.safetensors.index.json"
+_MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
+
+
+@dataclass(frozen=True)
+class _Shard:
+    header: ShardHeader
+    label: str
+    mapping: mmap.mmap
+    view: memoryview
+
+    @cached_property
+    def by_name(self) -> dict[str, Entry]:
+        return {entry[2]: entry for entry in self.header.entries}
+
+    def release(self) -> None:
+        self.view.release()
+        self.mapping.close()
+
+
+class Model:
+    """A validated model whose tensors are zero-copy, read-only views on one mmap per shard.
+
+    Use as a context manager, or call close(); views handed out stay valid while referenced.
+    """
+
+    def __init__(self, source: Path, shards: list[_Shard], owner: dict[str, _Shard], layout: Layout) -> None:
+        self.source = source
+        self.layout: Layout = layout
+        self._shards = {s.header.path: s for s in shards}
+        self._owner = owner
+        self.metadata: dict[str, dict[str, str]] = {s.header.path.name: dict(s.header.metadata or {}) for s in shards}
+        """Each shard's `__metadata__` (empty when it has none), keyed by the shard's file name."""
+
+    # -- the set of tensors --------------------------------------------------------------
+    @cached_property
+    def _sorted_names(self) -> list[str]:
+        return sorted(self._owner)
+
+    def names(self) -> list[str]:
+        """Every tensor name, sorted."""
+        return list(self._sorted_names)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._owner
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sorted_names)
+
+    @property
+    def shards(self) -> list[Path]:
+        """The shard files, sorted by path."""
+        return sorted(self._shards)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data over all shards."""
+        return sum(s.header.file_size - s.header.data_start for s in self._shards.values())
+
+    def shard_header(self, shard: Path) -> ShardHeader:
+        """The validated header of one shard."""
+        return self._shards[shard].header
+
+    def info(self, name: str) -> TensorInfo:
+        """Where tensor `name` lives and what it is; KeyError when there is no such tensor."""
+        shard = self._owner[name]
+        return shard.header.info(shard.by_name[name])
+
+    # -- the data ------------------------------------------------------------------------
+    def raw(self, name: str) -> memoryview:
+        """The tensor's bytes: a read-only view on the shard's mmap, no copy."""
+        shard = self._owner[name]
+        begin, end, _, _, _ = shard.by_name[name]
+        start = shard.header.data_start
+        return shard.view[start + begin : start + end]
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor as a read-only numpy array on the shard's mmap, no copy.
+
+        BF16 and FP8 come as ml_dtypes dtypes; the packed F4/F6 types as their raw uint8 bytes.
+        """
+        shard = self._owner[name]
+        _, _, _, dtype, shape = shard.by_name[name]
+        if dtype.numpy is None:
+            return np.frombuffer(self.raw(name), dtype=np.uint8)
+        return np.frombuffer(self.raw(name), dtype=dtype.numpy).reshape(shape)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the mmaps; a mapping that still backs a live view is released with the view."""
+        for shard in self._shards.values():
+            # A view handed out may still be alive: then the mapping goes when it does.
+            with contextlib.suppress(BufferError):
+                shard.release()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Model {str(self.source)!r}: {len(self._shards)} shards, {len(self)} tensors>"
+
+
+def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Model:
+    """Validate every header of the model at `path` and map its shards.
+
+    `path` is a .safetensors file, a directory of shards (with or without
+    model.safetensors.index.json), or an index file. Raises InvalidModelError naming every
+    problem found; no tensor data is read.
+    """
+    source = Path(path)
+    problems: list[Problem] = []
+    with gc_paused():
+        shard_paths, weight_map, index_label = _find_shards(source, problems)
+        if problems:
+            raise InvalidModelError(problems)
+        opened = _open_shards(shard_paths, problems)
+        try:
+            if problems:
+                raise InvalidModelError(problems)
+            owner = _check_model(opened, weight_map, index_label, layout, problems)
+            if problems:
+                raise InvalidModelError(problems)
+            return Model(source, opened, owner, layout)
+        except BaseException:
+            for shard in opened:
+                shard.release()
+            raise
+
+
+def _find_shards(source: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str | None]:
+    """The shard files of `source`, and the index's weight map when there is one."""
+    if source.is_dir():
+        index = source / INDEX_NAME
+        if index.exists():
+            return _shards_from_index(index, problems)
+        shards = sorted(source.glob("*.safetensors"))
+        if not shards:
+            problems.append(Problem(str(source), "no .safetensors files in this directory"))
+        return shards, None, None
+    if source.name.endswith(".index.json") and source.is_file():
+        return _shards_from_index(source, problems)
+    if not source.exists() and not source.is_symlink():
+        problems.append(Problem(str(source), "no such file or directory"))
+    return [source], None, None
+
+
+def _shards_from_index(index: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str]:
+    label = str(index)
+    weight_map = _read_weight_map(index, label, problems)
+    if weight_map is None:
+        return [], None, label
+    shards: dict[str, Path] = {}
+    first_tensor = {shard: name for name, shard in reversed(weight_map.items())}
+    for shard, name in first_tensor.items():
+        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or "\0" in shard:
+            problems.append(Problem(label, f"weight_map names '{shard}', which is not a plain file name", name))
+            continue
+        path = index.parent / shard
+        if not path.exists():
+            problems.append(Problem(label, f"weight_map names shard '{shard}', which does not exist", name))
+            continue
+        shards[shard] = path
+    return sorted(shards.values()), weight_map, label
+
+
+def _read_weight_map(index: Path, label: str, problems: list[Problem]) -> dict[str, str] | None:
+    # A repeated key needs no check of its own: every mapping is compared with the shards' contents.
+    try:
+        document = orjson.loads(index.read_bytes())
+    except OSError as exc:
+        problems.append(Problem(label, f"cannot read: {exc.strerror}"))
+        return None
+    except orjson.JSONDecodeError as exc:
+        problems.append(Problem(label, f"index is not valid JSON: {exc}"))
+        return None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        problems.append(Problem(label, "index has no weight_map object"))
+        return None
+    if set(map(type, weight_map.values())) <= {str}:
+        return weight_map
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            problems.append(Problem(label, "weight_map value is not a shard file name", name))
+    return None
+
+
+def _open_shards(paths: list[Path], problems: list[Problem]) -> list[_Shard]:
+    """Read, validate and map every shard, in parallel; problems of all shards are collected."""
+
+    def open_one(path: Path) -> _Shard | InvalidModelError:
+        label = str(path)
+        try:
+            fd = open_shard(path, label)
+        except InvalidModelError as exc:
+            return exc
+        try:
+            header = read_header_fd(fd, path, label)
+            # Map the descriptor the header was read from: the bytes served are the bytes validated.
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except InvalidModelError as exc:
+            return exc
+        except OSError as exc:
+            return InvalidModelError([Problem(label, f"cannot map: {exc.strerror}")])
+        finally:
+            os.close(fd)
+        return _Shard(header, label, mapping, memoryview(mapping))
+
+    if len(paths) == 1:
+        results = [open_one(paths[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(paths))) as pool:
+            results = list(pool.map(open_one, paths))
+    opened: list[_Shard] = []
+    for result in results:
+        if isinstance(result, InvalidModelError):
+            problems.extend(result.problems)
+        else:
+            opened.append(result)
+    return opened
+
+
+def _check_model(
+    shards: list[_Shard],
+    weight_map: dict[str, str] | None,
+    index_label: str | None,
+    layout: Layout,
+    problems: list[Problem],
+) -> dict[str, _Shard]:
+    """The rules that span shards: unique names, the index agrees, names are safe paths.
+
+    Returns which shard holds each tensor.
+    """
+    owner: dict[str, _Shard] = {}
+    located: dict[str, str] = {}  # tensor -> the file name of its shard, to compare with the index
+    for shard in shards:
+        names = [entry[2] for entry in shard.header.entries]
+        owner.update(dict.fromkeys(names, shard))
+        located.update(dict.fromkeys(names, shard.header.path.name))
+    if len(owner) != sum(len(shard.header.entries) for shard in shards):
+        first: dict[str, _Shard] = {}
+        for shard in shards:
+            for entry in shard.header.entries:
+                holder = first.setdefault(entry[2], shard)
+                if holder is not shard:
+                    problems.append(Problem(shard.label, f"is also in shard {holder.header.path.name}", entry[2]))
+    for name, reason in name_problems(owner, layout):
+        problems.append(Problem(owner[name].label, reason, name))
+    if weight_map is not None and index_label is not None and located != weight_map:
+        for name, shard_name in weight_map.items():
+            if located.get(name) != shard_name:
+                problems.append(
+                    Problem(index_label, f"the index maps it to {shard_name}, which does not hold it", name)
+                )
+        for name, holder in owner.items():
+            if name not in weight_map:
+                problems.append(Problem(holder.label, "is not listed in the index's weight_map", name))
+    if not problems:  # path clashes only make sense between names that are each valid
+        for name, reason in collisions(owner, layout):
+            problems.append(Problem(owner[name].label, reason, name))
+    return owner

@@ -1,0 +1,113 @@
+"""Model builders for the tests: the reference writer (safetensors) and hand-made bytes."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+
+from tensorfs.model import INDEX_NAME
+
+# safetensors dtype -> the name safetensors.serialize takes; the F6 types it cannot write.
+REFERENCE_WRITER_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+    "C64": "complex64",
+}
+
+Tensor = tuple[str, Sequence[int], bytes]  # (dtype, logical shape, raw bytes)
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def write_reference(path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` with the reference writer (safetensors.serialize_file)."""
+    keep = []
+    specs = {}
+    for name, (dtype, shape, data) in tensors.items():
+        buffer = np.frombuffer(data, dtype=np.uint8).copy() if data else np.zeros(1, dtype=np.uint8)
+        keep.append(buffer)
+        storage_shape = list(shape)
+        if dtype == "F4":  # the writer takes F4's storage shape and doubles the last dimension
+            storage_shape[-1] //= 2
+        specs[name] = safetensors.TensorSpec(
+            dtype=REFERENCE_WRITER_DTYPES[dtype], shape=storage_shape, data_ptr=buffer.ctypes.data, data_len=len(data)
+        )
+    safetensors.serialize_file(specs, str(path), metadata=dict(metadata) if metadata is not None else None)
+
+
+def raw_shard(header: bytes | Mapping[str, Any], data: bytes = b"", *, length: int | None = None) -> bytes:
+    """A shard made by hand: an 8-byte length (given, or the header's), the header, the data."""
+    if not isinstance(header, bytes):
+        header = json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<Q", len(header) if length is None else length) + header + data
+
+
+def entry(dtype: str, shape: Sequence[int], begin: int, end: int) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+
+
+def reference_accepts(path: Path) -> bool:
+    try:
+        with safetensors.safe_open(str(path), framework="np") as f:
+            f.keys()
+    except Exception:
+        return False
+    return True
+
+
+def reference_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Every tensor of a shard as the reference reads it: dtype, shape, raw bytes."""
+    return {
+        name: (t["dtype"], list(t["shape"]), bytes(t["data"])) for name, t in safetensors.deserialize(path.read_bytes())
+    }
+
+
+def every_dtype_tensors(seed: int = 0) -> dict[str, Tensor]:
+    """One tensor of each dtype the reference writer knows, plus a 0-d and an empty one."""
+    tensors: dict[str, Tensor] = {}
+    for i, dtype in enumerate(REFERENCE_WRITER_DTYPES):
+        bits = {"F4": 4}.get(dtype) or np.dtype(_numpy_for(dtype)).itemsize * 8
+        shape = [3, 4]
+        nbytes = 3 * 4 * bits // 8
+        tensors[f"t.{dtype.lower()}"] = (dtype, shape, random_bytes(nbytes, seed + i))
+    tensors["scalar"] = ("F32", [], random_bytes(4, seed + 100))
+    tensors["empty"] = ("F16", [0, 5], b"")
+    tensors["ünïcødé/名前.weight"] = ("I32", [2], random_bytes(8, seed + 101))
+    return tensors
+
+
+def _numpy_for(dtype: str) -> Any:
+    from tensorfs.dtypes import DTYPES
+
+    found = DTYPES[dtype].numpy
+    return found if found is not None else np.uint8
+
+
+def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int = 0) -> None:
+    document = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    (directory / INDEX_NAME).write_text(json.dumps(document))

@@ -1,0 +1,115 @@
+"""The command line: exit codes, messages, output; no traceback for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import entry, random_bytes, raw_shard, write_index, write_reference
+from tensorfs.cli import human_size, main
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "model-00001-of-00002.safetensors", {"embed": ("BF16", [8, 4], random_bytes(64, 1))})
+    write_reference(
+        directory / "model-00002-of-00002.safetensors",
+        {"layers/0/w": ("F32", [2, 3], random_bytes(24, 2)), "scalar": ("I64", [], random_bytes(8, 3))},
+    )
+    write_index(
+        directory,
+        {
+            "embed": "model-00001-of-00002.safetensors",
+            "layers/0/w": "model-00002-of-00002.safetensors",
+            "scalar": "model-00002-of-00002.safetensors",
+        },
+    )
+    return directory
+
+
+def test_validate_valid(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(model_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{model_dir}: valid: 2 shards, 3 tensors, 96 B (96 bytes)\n"
+    assert err == ""
+
+
+def test_validate_invalid_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.safetensors").write_bytes(
+        raw_shard({"x": entry("F32", [2], 0, 4), "y": entry("Q", [1], 4, 5)}, bytes(5))
+    )
+    (tmp_path / "b.safetensors").write_bytes(b"\x01")
+    assert main(["validate", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"error: {tmp_path / 'a.safetensors'}: tensor 'x': data_offsets [0, 4] hold 4 bytes but F32 [2] needs 8",
+        f"error: {tmp_path / 'a.safetensors'}: tensor 'y': unknown dtype \"Q\" (dtype names are case-sensitive, e.g. F32, BF16)",
+        f"error: {tmp_path / 'b.safetensors'}: file is 1 bytes, too short to hold the 8-byte header length",
+    ]
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate"]) == 2
+    assert "Missing argument 'MODEL'" in capsys.readouterr().err
+    assert main(["frobnicate"]) == 2
+    assert main(["validate", "--layout", "weird", "x"]) == 2
+
+
+def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "validate" in out and "ls" in out
+    assert main(["--version"]) == 0
+    assert "tensorfs, version" in capsys.readouterr().out
+
+
+def test_ls_table(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(model_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "DTYPE", "SHAPE", "SIZE", "SHARD"]
+    assert lines[1].split() == ["embed", "BF16", "[8,", "4]", "64", "B", "model-00001-of-00002.safetensors"]
+    assert lines[2].split() == ["layers/0/w", "F32", "[2,", "3]", "24", "B", "model-00002-of-00002.safetensors"]
+    assert lines[3].split() == ["scalar", "I64", "[]", "8", "B", "model-00002-of-00002.safetensors"]
+
+
+def test_ls_json(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", "--json", str(model_dir)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["name"] for r in records] == ["embed", "layers/0/w", "scalar"]
+    assert records[2] == {
+        "name": "scalar",
+        "dtype": "I64",
+        "shape": [],
+        "nbytes": 8,
+        "shard": "model-00002-of-00002.safetensors",
+        "offset": records[2]["offset"],
+        "data_offsets": [0, 8],  # the reference writer puts 8-byte types first
+    }
+
+
+def test_bad_input_never_shows_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "x.safetensors").write_bytes(b"\xff" * 20)
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "validate", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+
+
+def test_human_size() -> None:
+    assert [human_size(n) for n in (0, 1023, 1024, 1536, 5 << 20, 3 << 30)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "5.0 MiB",
+        "3.0 GiB",
+    ]

@@ -1,0 +1,42 @@
+"""The scripts under scripts/ keep working (no timings are asserted: those are the benchmark's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_open_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_open.py"),
+            "--tensors",
+            "2000",
+            "--shards",
+            "3",
+            "--repeat",
+            "1",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    assert result["tensors"] == 2000 and result["ratio"] > 0
+
+
+def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
+    import tensorfs
+    from tensorfs.synth import many_tiny_tensors
+
+    many_tiny_tensors(tmp_path, 1001, 4)
+    with tensorfs.open_model(tmp_path) as model:
+        assert len(model) == 1001
+        assert len(model.shards) == 4
