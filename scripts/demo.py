@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build a small sharded demo model (generated, nothing downloaded) and show what tensorfs makes of it.
+"""Build a small sharded demo model (generated, nothing downloaded), mount it, and take a short tour.
 
 .venv/bin/python scripts/demo.py [DEMO_DIR]      (what `make demo` runs)
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from tensorfs.mounttable import mount_at, unmount
 from tensorfs.synth import Tensor, write_sharded
 
 HIDDEN, VOCAB, LAYERS, FFN = 512, 8000, 4, 1536
@@ -48,16 +49,38 @@ def demo_shards(seed: int = 0) -> list[dict[str, Tensor]]:
     return shards
 
 
+def run(command: list[str], cwd: Path | None = None) -> None:
+    shown = " ".join(command).replace(sys.executable + " -m tensorfs.cli", "tensorfs")
+    print(f"\n$ {shown}", flush=True)
+    subprocess.run(command, check=True, cwd=cwd)
+
+
 def main(argv: list[str]) -> int:
-    demo_dir = Path(argv[1] if len(argv) > 1 else "demo")
-    model = demo_dir / "model"
+    demo_dir = Path(argv[1] if len(argv) > 1 else "demo").absolute()
+    model, mountpoint = demo_dir / "model", demo_dir / "mnt"
     if not (model / "model.safetensors.index.json").exists():
         print(f"building a demo model in {model}/ ...")
         write_sharded(model, demo_shards())
     tensorfs = [sys.executable, "-m", "tensorfs.cli"]
-    for command in (["validate", str(model)], ["ls", str(model)]):
-        print(f"\n$ tensorfs {' '.join(command)}", flush=True)
-        subprocess.run([*tensorfs, *command], check=True)
+    run([*tensorfs, "validate", str(model)])
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    if mount_at(mountpoint) is not None:  # a previous demo's mount: start afresh
+        unmount(mountpoint, lazy=True)
+    # The dotted layout nests names on '.', which makes a transformer's weights a browsable tree.
+    run([*tensorfs, "mount", "--layout", "dotted", str(model), str(mountpoint)])
+    run(["ls", str(mountpoint)])
+    run(["ls", "-l", str(mountpoint / "model" / "embed_tokens")])
+    embed = mountpoint / "model" / "embed_tokens"
+    run(["cat", "weight.meta.json"], cwd=embed)
+    run(["sha256sum", "-c", "weight.sha256"], cwd=embed)
+    code = (
+        "import tensorfs; "
+        f"a = tensorfs.memmap('{embed / 'weight'}'); "
+        "print(type(a).__name__, a.dtype, a.shape, a[0, :4])"
+    )
+    print(f'\n$ python -c "{code}"', flush=True)
+    subprocess.run([sys.executable, "-c", code], check=True)
+    print(f"\nThe model stays mounted at {mountpoint}. Unmount it with:\n  .venv/bin/tensorfs umount {mountpoint}")
     return 0
 
 

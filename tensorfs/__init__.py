@@ -3,6 +3,7 @@
 from .errors import InvalidModelError, MountError, Problem, TensorfsError
 from .header import ShardHeader, TensorInfo
 from .model import Model, open_model
+from .mounted import memmap
 
 __version__ = "0.1.0"
 
@@ -15,5 +16,6 @@ __all__ = [
     "TensorInfo",
     "TensorfsError",
     "__version__",
+    "memmap",
     "open_model",
 ]

@@ -69,7 +69,7 @@ def validate(path: Path, layout: Layout) -> None:
 
 @cli.command(name="ls")
 @model_argument
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, sizes in bytes.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
 def ls_command(path: Path, as_json: bool) -> None:
     """List the tensors of MODEL: name, dtype, shape, size and shard."""
     with open_model(path) as model:
@@ -82,17 +82,7 @@ def ls_command(path: Path, as_json: bool) -> None:
 def _ls_json(model: Model) -> None:
     out = sys.stdout
     for name in model:
-        info = model.info(name)
-        record = {
-            "name": name,
-            "dtype": info.dtype,
-            "shape": list(info.shape),
-            "nbytes": info.nbytes,
-            "shard": info.shard.name,
-            "offset": info.offset,
-            "data_offsets": list(info.data_offsets),
-        }
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        out.write(json.dumps(model.info(name).as_json(), ensure_ascii=False) + "\n")
 
 
 def _ls_table(model: Model) -> None:
@@ -106,6 +96,106 @@ def _ls_table(model: Model) -> None:
         out.write(
             f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>{widths[3]}}  {row[4]}\n"
         )
+
+
+@cli.command()
+@click.argument("source", metavar="MODEL", type=click.Path(path_type=Path))
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("-f", "--foreground", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
+@click.option(
+    "-o",
+    "fuse_options",
+    multiple=True,
+    metavar="OPT[,OPT...]",
+    help="FUSE mount options, e.g. -o allow_other (repeatable).",
+)
+@layout_option
+@click.option("--debug", is_flag=True, help="Log every request (and libfuse's own debug output with -f).")
+@click.option(
+    "--log-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Where the daemon logs. Default: stderr with -f, else $XDG_STATE_HOME/tensorfs/tensorfs.log.",
+)
+@click.option(
+    "--readahead-kb",
+    type=click.IntRange(min=0),
+    default=1024,
+    show_default=True,
+    help="The mount's kernel readahead, raised once it is up (0 leaves the kernel's default).",
+)
+def mount(
+    source: Path,
+    mountpoint: Path,
+    foreground: bool,
+    fuse_options: tuple[str, ...],
+    layout: Layout,
+    debug: bool,
+    log_file: Path | None,
+    readahead_kb: int,
+) -> int:
+    """Mount MODEL read-only at MOUNTPOINT: one file per tensor, with .meta.json and .sha256 beside it.
+
+    Everything is validated first, as `validate` does; nothing is mounted if anything is wrong.
+    Returns once the mount answers, leaving the daemon in the background (unless -f).
+    """
+    from .daemon import MountOptions, check_mountpoint, split_fuse_options
+    from .daemon import mount as mount_model
+
+    options = MountOptions(
+        layout=layout,
+        fuse_options=split_fuse_options(fuse_options),
+        foreground=foreground,
+        debug=debug,
+        log_file=log_file.absolute() if log_file else None,
+        readahead_kb=readahead_kb,
+    )
+    check_mountpoint(mountpoint)
+    model = open_model(source, layout=layout)
+    return mount_model(model, mountpoint, options)
+
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("-z", "--lazy", is_flag=True, help="Detach now, finish when the mount is no longer busy.")
+def umount(mountpoint: Path, lazy: bool) -> None:
+    """Unmount a tensorfs mount, also one whose daemon died."""
+    from .mounttable import unmount
+
+    unmount(mountpoint, lazy=lazy)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per mount and line.")
+def status(as_json: bool) -> None:
+    """List the tensorfs mounts: live ones with their source and daemon, dead ones with what to do."""
+    from .mounttable import read_daemon_info, tensorfs_mounts
+
+    rows = []
+    for mountpoint in tensorfs_mounts():
+        info = read_daemon_info(mountpoint)
+        if as_json:
+            click.echo(json.dumps({"mountpoint": str(mountpoint), "live": info is not None, **(info or {})}))
+        elif info is None:
+            rows.append((str(mountpoint), "DEAD", "-", "-", f"run: tensorfs umount {mountpoint}"))
+        else:
+            rows.append(
+                (
+                    str(mountpoint),
+                    str(info.get("pid")),
+                    str(info.get("tensors")),
+                    human_size(int(str(info.get("bytes", 0)))),
+                    str(info.get("source")),
+                )
+            )
+    if as_json:
+        return
+    if not rows:
+        click.echo("no tensorfs mounts")
+        return
+    header = ("MOUNTPOINT", "PID", "TENSORS", "SIZE", "SOURCE")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

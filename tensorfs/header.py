@@ -52,6 +52,19 @@ class TensorInfo:
     numpy_dtype: np.dtype | None
     """The numpy dtype (ml_dtypes for bf16/fp8); None for the packed F4/F6 types."""
 
+    def as_json(self) -> dict[str, Any]:
+        """The fields as JSON values: what `.meta.json` and `ls --json` say of a tensor."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "shard": self.shard.name,
+            "offset": self.offset,
+            "data_offsets": list(self.data_offsets),
+            "numpy_dtype": DTYPES[self.dtype].numpy_name,
+        }
+
 
 Entry = tuple[int, int, str, DType, list[int]]
 """One tensor of a header as (begin, end, name, dtype, shape): compact, since models hold 100k."""

@@ -92,6 +92,10 @@ class Model:
         return shard.header.info(shard.by_name[name])
 
     # -- the data ------------------------------------------------------------------------
+    def shard_view(self, shard: Path) -> memoryview:
+        """A read-only view of the whole shard file, on its mmap."""
+        return self._shards[shard].view
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes: a read-only view on the shard's mmap, no copy."""
         shard = self._owner[name]

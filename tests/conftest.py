@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers import raw_shard
+from tensorfs.mounttable import mount_at, pid_alive
 
 
 @pytest.fixture
@@ -20,3 +30,86 @@ def shard_file(tmp_path: Path):  # type: ignore[no-untyped-def]
         return path
 
     return make
+
+
+def _fuse_unusable() -> str | None:
+    """Why a real FUSE mount cannot be made here, or None when it can."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "no read/write access to /dev/fuse"
+    return None
+
+
+@pytest.fixture(scope="session")
+def fuse() -> None:
+    """Real-mount tests need FUSE: on CI (CI set) its absence fails them, elsewhere it skips them."""
+    reason = _fuse_unusable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"FUSE is required on CI: {reason}")
+        pytest.skip(f"FUSE unavailable: {reason}")
+
+
+class Mounts:
+    """Mounts made by a test, each unmounted (lazily, so a busy one goes too) and its daemon gone at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.mountpoints: list[Path] = []
+        self.log_file = tmp_path / "daemon.log"
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run the tensorfs CLI in a child process."""
+        return subprocess.run(
+            [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    def mount(self, source: Path, *options: str, mountpoint: Path | None = None) -> Path:
+        if mountpoint is None:
+            mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
+            mountpoint.mkdir()
+        self.mountpoints.append(mountpoint)
+        result = self.run("mount", "--log-file", str(self.log_file), *options, str(source), str(mountpoint))
+        assert result.returncode == 0, result.stderr + self.log()
+        assert os.path.ismount(mountpoint)
+        return mountpoint
+
+    def daemon_pid(self, mountpoint: Path) -> int:
+        return int(json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["pid"])
+
+    def log(self) -> str:
+        return self.log_file.read_text() if self.log_file.exists() else ""
+
+    def cleanup(self) -> None:
+        for mountpoint in self.mountpoints:
+            pid = None
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pid = self.daemon_pid(mountpoint)
+            if os.path.ismount(mountpoint) or mount_at(mountpoint) is not None:
+                subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+            if pid is not None:
+                wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10, kill=pid)
+
+
+def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.0, kill: int | None = None) -> None:
+    """Poll `condition` until it holds; fail (after SIGKILL to `kill`, so nothing is left) at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            if kill is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(kill, signal.SIGKILL)
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def mounts(fuse: None, tmp_path: Path) -> Iterator[Mounts]:
+    made = Mounts(tmp_path)
+    try:
+        yield made
+    finally:
+        made.cleanup()

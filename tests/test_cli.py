@@ -91,6 +91,7 @@ def test_ls_json(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "shard": "model-00002-of-00002.safetensors",
         "offset": records[2]["offset"],
         "data_offsets": [0, 8],  # the reference writer puts 8-byte types first
+        "numpy_dtype": "<i8",
     }
 
 

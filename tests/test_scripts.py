@@ -40,3 +40,29 @@ def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
     with tensorfs.open_model(tmp_path) as model:
         assert len(model) == 1001
         assert len(model.shards) == 4
+
+
+def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
+    from conftest import wait_until
+    from tensorfs.mounttable import mount_at, pid_alive, read_daemon_info
+
+    mountpoint = tmp_path / "mnt"
+    pid = None
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "demo.py"), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "weight: OK" in result.stdout
+        assert "memmap bfloat16 (8000, 512)" in result.stdout
+        assert mount_at(mountpoint) is not None
+        info = read_daemon_info(mountpoint)
+        assert info is not None
+        pid = int(str(info["pid"]))
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+        if pid is not None:
+            wait_until(lambda: not pid_alive(pid), what="the demo daemon to exit", kill=pid)

@@ -1,0 +1,222 @@
+"""pyfuse3 Operations for a Tree: FUSE requests in, bytes out. The only place errors become errnos.
+
+Every handler runs on pyfuse3's one trio thread. Tensor reads answer with a memoryview slice of
+the shard's mmap, never a copy: the kernel copies straight from the mapping, and a shard truncated
+under the mount costs the reader an EIO instead of killing the daemon with SIGBUS.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+
+from .errors import TensorfsError
+from .integrity import sha256_hex
+from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
+
+log = logging.getLogger(__name__)
+
+# The files never change while mounted: let the kernel cache names, attributes and pages for long.
+CACHE_TIMEOUT = 24 * 3600.0
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+# Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
+_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Turn what a handler raises into the errno FUSE answers; never let it end the daemon."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except TensorfsError as exc:
+            code = _ERRNO_OF.get(type(exc))
+            if code is None:
+                log.error("%s%s: %s", method.__name__, args[1:], exc)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:
+            log.exception("bug in %s%s; answered EIO", method.__name__, args[1:])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+async def _read_only(*_: Any, **__: Any) -> Any:
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
+class TensorOperations(pyfuse3.Operations):
+    """Serves one Tree, read-only."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, tree: Tree) -> None:
+        super().__init__()
+        self.tree = tree
+        self._uid = os.getuid()
+        self._gid = os.getgid()
+        self._spans: dict[int, tuple[memoryview, int, int]] = {}  # tensor inode -> (shard view, start, end)
+        self._digests: dict[str, str] = {}
+        self._hashing: dict[str, trio.Event] = {}
+        self.files = self.tree.inode_count
+
+    # -- names and attributes ---------------------------------------------------------------
+    def _entry(self, attributes: Attributes) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = attributes.inode
+        entry.generation = 0
+        entry.entry_timeout = CACHE_TIMEOUT
+        entry.attr_timeout = CACHE_TIMEOUT
+        entry.st_mode = attributes.mode
+        entry.st_nlink = attributes.nlink
+        entry.st_uid = self._uid
+        entry.st_gid = self._gid
+        entry.st_rdev = 0
+        entry.st_size = attributes.size
+        entry.st_blksize = 1 << 20
+        entry.st_blocks = -(-attributes.size // 512)
+        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = attributes.mtime_ns
+        return entry
+
+    @handler
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if name == b".":
+            inode = parent_inode
+        elif name == b"..":
+            inode = self.tree.parent(parent_inode)
+        else:
+            inode = self.tree.lookup(parent_inode, _decode(name))
+        return self._entry(self.tree.attributes(inode))
+
+    @handler
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self.tree.attributes(inode))
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """Nothing to free: inodes are fixed numbers for the life of the mount, not objects."""
+
+    # -- directories ------------------------------------------------------------------------
+    @handler
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if self.tree.node(inode).kind is not Kind.DIRECTORY:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        listing = self.tree.listing(fh)
+        dots = ((".", fh), ("..", self.tree.parent(fh)))
+        # Offset i + 1 follows entry i (. and .. first): the kernel resumes where it last stopped.
+        for offset in range(start_id, len(listing) + 2):
+            name, inode = dots[offset] if offset < 2 else listing[offset - 2]
+            if not pyfuse3.readdir_reply(token, name.encode(), self._entry(self.tree.attributes(inode)), offset + 1):
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    # -- files ------------------------------------------------------------------------------
+    @handler
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self.tree.node(inode)
+        if node.kind is Kind.DIRECTORY:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if node.kind is Kind.TENSOR and inode not in self._spans:
+            assert node.tensor is not None
+            info = self.tree.model.info(node.tensor)
+            self._spans[inode] = (self.tree.model.shard_view(info.shard), info.offset, info.offset + info.nbytes)
+        # keep_cache: the bytes never change, so pages the kernel holds stay valid across opens.
+        # Never direct_io: it would break shared mmap (np.memmap) of the mounted files.
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=False)
+
+    @handler
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+        span = self._spans.get(fh)
+        if span is not None:
+            view, start, end = span
+            return view[min(start + off, end) : min(start + off + size, end)]
+        node = self.tree.node(fh)
+        if node.kind is Kind.SHA256:
+            assert node.tensor is not None
+            content = self.tree.sha256_file(fh, await self.digest(node.tensor))
+        else:
+            content = self.tree.small_file(fh)
+        return content[off : off + size]
+
+    async def digest(self, name: str) -> str:
+        """The tensor's SHA-256, hashed once, in a worker thread; concurrent callers share it."""
+        found = self._digests.get(name)
+        if found is not None:
+            return found
+        running = self._hashing.get(name)
+        if running is not None:
+            await running.wait()
+            return self._digests[name]
+        done = self._hashing[name] = trio.Event()
+        try:
+            self._digests[name] = await trio.to_thread.run_sync(sha256_hex, self.tree.model.raw(name))
+        finally:
+            del self._hashing[name]
+            done.set()
+        return self._digests[name]
+
+    async def release(self, fh: int) -> None:
+        pass
+
+    async def flush(self, fh: int) -> None:
+        pass
+
+    @handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        stats = pyfuse3.StatvfsData()
+        stats.f_bsize = stats.f_frsize = 4096
+        stats.f_blocks = -(-self.tree.model.nbytes // 4096)
+        stats.f_bfree = stats.f_bavail = 0
+        stats.f_files = self.files
+        stats.f_ffree = stats.f_favail = 0
+        stats.f_namemax = 255
+        return stats
+
+    # -- extended attributes: there are none ------------------------------------------------
+    @handler
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        self.tree.node(inode)
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @handler
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        self.tree.node(inode)
+        return []
+
+    # -- everything that would change the tree: refused -------------------------------------
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
+    create = write = setxattr = removexattr = _read_only
+
+
+def _decode(name: bytes) -> str:
+    try:
+        return name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise NoSuchEntry("name is not UTF-8") from None
+
+
+__all__ = ["ROOT_INODE", "TensorOperations", "handler"]

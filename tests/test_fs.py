@@ -1,0 +1,177 @@
+"""The FUSE handlers, awaited directly (no mount): errnos, reads, listings, hashing."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import pytest
+import trio
+
+import tensorfs
+from helpers import random_bytes, write_reference
+from tensorfs.fs import TensorOperations
+from tensorfs.tree import ROOT_INODE, Tree, index_json
+
+DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
+
+
+@pytest.fixture
+def ops(tmp_path: Path) -> Iterator[TensorOperations]:
+    tensors = {"big": ("U8", [len(DATA)], DATA), "dir/small": ("F32", [2], DATA[:8])}
+    tensors.update({f"many/t{i:04d}": ("U8", [1], bytes([i % 256])) for i in range(500)})
+    write_reference(tmp_path / "m.safetensors", tensors)
+    with tensorfs.open_model(tmp_path / "m.safetensors") as model:
+        yield TensorOperations(Tree(model, "slash", {"index.json": lambda: index_json(model)}))
+
+
+def run(fn: Any, *args: Any) -> Any:
+    return trio.run(fn, *args)
+
+
+def errno_of(fn: Any, *args: Any) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as caught:
+        run(fn, *args)
+    return caught.value.errno
+
+
+def test_lookup_getattr(ops: TensorOperations) -> None:
+    entry = run(ops.lookup, ROOT_INODE, b"big", None)
+    assert entry.st_size == len(DATA)
+    assert entry.st_mode == 0o100444
+    assert entry.st_uid == os.getuid()
+    assert entry.entry_timeout >= 3600 and entry.attr_timeout >= 3600
+    assert run(ops.getattr, entry.st_ino, None).st_size == len(DATA)
+    assert run(ops.lookup, ROOT_INODE, b".", None).st_ino == ROOT_INODE
+    directory = run(ops.lookup, ROOT_INODE, b"dir", None)
+    assert run(ops.lookup, directory.st_ino, b"..", None).st_ino == ROOT_INODE
+    assert errno_of(ops.lookup, ROOT_INODE, b"missing", None) == errno.ENOENT
+    assert errno_of(ops.lookup, ROOT_INODE, b"\xff", None) == errno.ENOENT
+    assert errno_of(ops.getattr, 999_999, None) == errno.ENOENT
+
+
+def test_read_returns_views_of_the_mapping(ops: TensorOperations) -> None:
+    inode = run(ops.lookup, ROOT_INODE, b"big", None).st_ino
+    info = run(ops.open, inode, os.O_RDONLY, None)
+    assert info.keep_cache and not info.direct_io
+    chunk = run(ops.read, info.fh, 1000, 1 << 20)
+    assert isinstance(chunk, memoryview) and chunk.readonly
+    assert bytes(chunk) == DATA[1000 : 1000 + (1 << 20)]
+    assert bytes(run(ops.read, info.fh, len(DATA) - 5, 100)) == DATA[-5:]
+    assert bytes(run(ops.read, info.fh, len(DATA) + 10, 100)) == b""
+    whole = b"".join(bytes(run(ops.read, info.fh, off, 128 << 10)) for off in range(0, len(DATA), 128 << 10))
+    assert whole == DATA
+
+
+def test_sidecars(ops: TensorOperations) -> None:
+    inode = run(ops.lookup, ROOT_INODE, b"big.sha256", None).st_ino
+    fh = run(ops.open, inode, os.O_RDONLY, None).fh
+    content = run(ops.read, fh, 0, 4096)
+    assert content == f"{hashlib.sha256(DATA).hexdigest()}  big\n".encode()
+    assert run(ops.getattr, inode, None).st_size == len(content)
+    meta = run(ops.lookup, ROOT_INODE, b"big.meta.json", None)
+    assert b'"nbytes": 3145728' in run(ops.read, run(ops.open, meta.st_ino, 0, None).fh, 0, 4096)
+
+
+def test_concurrent_readers_share_one_hashing(ops: TensorOperations, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = tensorfs.fs.sha256_hex
+
+    def counting(data: memoryview) -> str:
+        calls.append(1)
+        return real(data)
+
+    monkeypatch.setattr(tensorfs.fs, "sha256_hex", counting)
+    inode = run(ops.lookup, ROOT_INODE, b"big.sha256", None).st_ino
+    results: list[bytes] = []
+
+    async def readers() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(lambda: _append(results, ops.read(inode, 0, 4096)))
+
+    run(readers)
+    assert len(calls) == 1
+    assert len(set(results)) == 1 and results[0].startswith(hashlib.sha256(DATA).hexdigest().encode())
+
+
+async def _append(results: list[bytes], pending: Any) -> None:
+    results.append(bytes(await pending))
+
+
+def test_readdir_with_offsets(ops: TensorOperations, monkeypatch: pytest.MonkeyPatch) -> None:
+    many = run(ops.lookup, ROOT_INODE, b"many", None).st_ino
+    fh = run(ops.opendir, many, None)
+    seen: list[tuple[bytes, int]] = []
+    budget = [0]
+
+    def reply(token: Any, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:
+        if budget[0] == 0:
+            return False  # the kernel's buffer is full
+        budget[0] -= 1
+        seen.append((name, next_id))
+        return True
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    start = 0
+    while True:  # read the listing 37 entries at a time, resuming where the last reply stopped
+        budget[0] = 37
+        before = len(seen)
+        run(ops.readdir, fh, start, None)
+        if len(seen) == before:
+            break
+        start = seen[-1][1]
+    names = [name for name, _ in seen]
+    assert names[:2] == [b".", b".."]
+    expected = sorted(f"t{i:04d}{suffix}".encode() for i in range(500) for suffix in ("", ".meta.json", ".sha256"))
+    assert names[2:] == expected
+    assert [n for _, n in seen] == list(range(1, len(seen) + 1))
+
+
+def test_every_mutation_is_refused(ops: TensorOperations) -> None:
+    inode = run(ops.lookup, ROOT_INODE, b"big", None).st_ino
+    calls = [
+        (ops.setattr, inode, None, None, None, None),
+        (ops.mknod, ROOT_INODE, b"n", 0o644, 0, None),
+        (ops.mkdir, ROOT_INODE, b"d", 0o755, None),
+        (ops.unlink, ROOT_INODE, b"big", None),
+        (ops.rmdir, ROOT_INODE, b"dir", None),
+        (ops.symlink, ROOT_INODE, b"s", b"big", None),
+        (ops.rename, ROOT_INODE, b"big", ROOT_INODE, b"b2", 0, None),
+        (ops.link, inode, ROOT_INODE, b"l", None),
+        (ops.create, ROOT_INODE, b"c", 0o644, os.O_WRONLY, None),
+        (ops.write, inode, 0, b"x"),
+        (ops.setxattr, inode, b"user.x", b"1", None),
+        (ops.removexattr, inode, b"user.x", None),
+    ]
+    for fn, *args in calls:
+        assert errno_of(fn, *args) == errno.EROFS, fn
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
+        assert errno_of(ops.open, inode, flags, None) == errno.EROFS
+    assert errno_of(ops.open, ROOT_INODE, os.O_RDONLY, None) == errno.EISDIR
+    assert errno_of(ops.opendir, inode, None) == errno.ENOTDIR
+
+
+def test_xattrs_and_statfs(ops: TensorOperations) -> None:
+    assert errno_of(ops.getxattr, ROOT_INODE, b"user.x", None) == pyfuse3.ENOATTR
+    assert run(ops.listxattr, ROOT_INODE, None) == []
+    stats = run(ops.statfs, None)
+    assert stats.f_namemax == 255 and stats.f_files == ops.tree.inode_count and stats.f_bfree == 0
+
+
+def test_a_bug_in_a_handler_is_logged_and_answered_eio(
+    ops: TensorOperations, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(inode: int) -> Any:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(ops.tree, "attributes", broken)
+    with caplog.at_level(logging.ERROR, logger="tensorfs.fs"):
+        assert errno_of(ops.getattr, ROOT_INODE, None) == errno.EIO
+    assert "bug in getattr" in caplog.text and "ZeroDivisionError: boom" in caplog.text

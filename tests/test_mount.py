@@ -1,0 +1,264 @@
+"""Real mounts (FUSE): what readers see, what is refused, and the mount's lifecycle."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorfs
+from conftest import Mounts, wait_until
+from helpers import entry, every_dtype_tensors, random_bytes, raw_shard, reference_tensors, write_index, write_reference
+from tensorfs.dtypes import DTYPES
+from tensorfs.mounttable import pid_alive, tensorfs_mounts
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """Three shards with an index: every dtype, 0-d, empty, unicode and '/' names, packed F4/F6."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    shard1 = every_dtype_tensors(seed=1)
+    shard2 = {f"layers/{i}/w": ("BF16", [16, 8], random_bytes(256, 50 + i)) for i in range(4)}
+    shard2["layers/name with spaces"] = ("F16", [3], random_bytes(6, 60))
+    write_reference(directory / "model-00001-of-00003.safetensors", shard1, metadata={"format": "pt"})
+    write_reference(directory / "model-00002-of-00003.safetensors", shard2)
+    f6 = {"packed.f6": entry("F6_E2M3", [8], 0, 6), "packed.f6b": entry("F6_E3M2", [4], 6, 9)}
+    (directory / "model-00003-of-00003.safetensors").write_bytes(raw_shard(f6, random_bytes(9, 70)))
+    weight_map = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        weight_map.update(dict.fromkeys(reference_tensors(shard), shard.name))
+    write_index(directory, weight_map)
+    return directory
+
+
+def test_every_tensor_is_byte_exact_with_its_sidecars(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    expected = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        for name, (dtype, shape, data) in reference_tensors(shard).items():
+            expected[name] = (shard, dtype, shape, data)
+    assert len(expected) == len(every_dtype_tensors()) + 5 + 2
+    for name, (shard, dtype, shape, data) in expected.items():
+        path = mountpoint / name
+        st = path.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_size, st.st_uid) == (0o444, len(data), os.getuid()), name
+        assert st.st_mtime_ns == shard.stat().st_mtime_ns
+        assert path.read_bytes() == data, name
+        meta = json.loads((mountpoint / f"{name}.meta.json").read_bytes())
+        with tensorfs.open_model(model_dir) as model:
+            info = model.info(name)
+        assert meta == {
+            "name": name,
+            "dtype": dtype,
+            "shape": shape,
+            "nbytes": len(data),
+            "shard": shard.name,
+            "offset": info.offset,
+            "data_offsets": list(info.data_offsets),
+            "numpy_dtype": DTYPES[dtype].numpy_name,
+        }
+        with open(shard, "rb") as f:  # the offset points at the bytes in the shard file
+            f.seek(meta["offset"])
+            assert f.read(len(data)) == data
+        array = tensorfs.memmap(path)
+        if meta["numpy_dtype"] is None:
+            assert array.tobytes() == data
+        else:
+            assert array.dtype == np.dtype(meta["numpy_dtype"]) and list(array.shape) == shape
+            assert array.tobytes() == data
+            if len(data):
+                assert isinstance(array, np.memmap)
+    # sha256sum -c passes on every sidecar, from the sidecar's own directory
+    for directory in {(mountpoint / name).parent for name in expected}:
+        sidecars = sorted(p.name for p in directory.iterdir() if p.name.endswith(".sha256"))
+        result = subprocess.run(
+            ["sha256sum", "--strict", "-c", *sidecars], cwd=directory, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count(": OK") == len(sidecars)
+
+
+def test_listing_and_control_files(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    root = sorted(os.listdir(mountpoint))
+    assert ".tensorfs" in root and "layers" in root
+    assert {"scalar", "scalar.meta.json", "scalar.sha256"} <= set(root)
+    assert sorted(os.listdir(mountpoint / "layers" / "0")) == ["w", "w.meta.json", "w.sha256"]
+    index = json.loads((mountpoint / ".tensorfs" / "index.json").read_bytes())
+    assert index["weight_map"]["layers/3/w"] == "model-00002-of-00003.safetensors"
+    assert index["metadata"]["total_size"] == sum(
+        len(d) for s in model_dir.glob("*.safetensors") for _, _, d in reference_tensors(s).values()
+    )
+    daemon = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_bytes())
+    assert pid_alive(daemon["pid"]) and daemon["pid"] != os.getpid()
+    assert daemon["source"] == str(model_dir) and daemon["version"] == tensorfs.__version__
+    assert daemon["options"]["layout"] == "slash"
+    assert stat.S_IMODE(os.stat(mountpoint).st_mode) == 0o555
+
+
+def test_every_mutating_call_gets_erofs(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    tensor = mountpoint / "scalar"
+    attempts = {
+        "open for writing": lambda: os.open(tensor, os.O_WRONLY),
+        "open read-write": lambda: os.open(tensor, os.O_RDWR),
+        "create": lambda: os.open(mountpoint / "new", os.O_WRONLY | os.O_CREAT, 0o644),
+        "truncate": lambda: os.truncate(tensor, 0),
+        "mkdir": lambda: os.mkdir(mountpoint / "d"),
+        "mknod": lambda: os.mknod(mountpoint / "fifo", stat.S_IFIFO | 0o644),
+        "unlink": lambda: os.unlink(tensor),
+        "rmdir": lambda: os.rmdir(mountpoint / "layers" / "0"),
+        "rename": lambda: os.rename(tensor, mountpoint / "renamed"),
+        "symlink": lambda: os.symlink("scalar", mountpoint / "link"),
+        "link": lambda: os.link(tensor, mountpoint / "hard"),
+        "chmod": lambda: os.chmod(tensor, 0o644),
+        "chown": lambda: os.chown(tensor, 1, 1),
+        "utime": lambda: os.utime(tensor, (0, 0)),
+        "setxattr": lambda: os.setxattr(tensor, "user.x", b"1"),
+        "removexattr": lambda: os.removexattr(tensor, "user.x"),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(OSError) as caught:
+            attempt()
+        assert caught.value.errno == errno.EROFS, what
+    assert os.listxattr(tensor) == []
+    assert tensor.read_bytes() == reference_tensors(model_dir / "model-00001-of-00003.safetensors")["scalar"][2]
+
+
+def test_bad_models_are_refused_with_nothing_mounted(mounts: Mounts, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.safetensors").write_bytes(raw_shard({"x": entry("F32", [2], 0, 4)}, bytes(4)))
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    before = tensorfs_mounts()
+    result = mounts.run("mount", str(bad), str(mountpoint))
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == f"error: {bad / 'a.safetensors'}: tensor 'x': data_offsets [0, 4] hold 4 bytes but F32 [2] needs 8\n"
+    )
+    assert not os.path.ismount(mountpoint) and tensorfs_mounts() == before
+
+
+def test_bad_mountpoints_are_refused(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "something").write_text("x")
+    cases = {
+        tmp_path / "missing": "does not exist",
+        a_file: "is not a directory",
+        full: "is not empty",
+    }
+    for mountpoint, words in cases.items():
+        result = mounts.run("mount", str(model_dir), str(mountpoint))
+        assert result.returncode == 1 and words in result.stderr and "Traceback" not in result.stderr
+        assert result.stderr.count("\n") == 1
+    live = mounts.mount(model_dir)
+    result = mounts.run("mount", str(model_dir), str(live))
+    assert result.returncode == 1 and "already holds a tensorfs mount" in result.stderr
+    result = mounts.run("mount", "-o", "direct_io", str(model_dir), str(tmp_path / "missing"))
+    assert result.returncode == 1 and "option 'direct_io' is not supported" in result.stderr
+
+
+def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    status = mounts.run("status")
+    assert status.returncode == 0
+    line = next(line for line in status.stdout.splitlines() if line.startswith(str(mountpoint)))
+    assert line.split()[1:3] == [str(pid), str(len(every_dtype_tensors()) + 5 + 2)] and line.endswith(str(model_dir))
+    records = [json.loads(line) for line in mounts.run("status", "--json").stdout.splitlines()]
+    assert any(r["mountpoint"] == str(mountpoint) and r["live"] and r["pid"] == pid for r in records)
+    result = mounts.run("umount", str(mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert not os.path.ismount(mountpoint) and not pid_alive(pid)  # umount waits for the daemon
+    result = mounts.run("umount", str(mountpoint))
+    assert result.returncode == 1 and "not mounted" in result.stderr
+
+
+def test_busy_mount_needs_lazy_umount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    with open(mountpoint / "scalar", "rb"):
+        result = mounts.run("umount", str(mountpoint))
+        assert result.returncode == 1 and "--lazy" in result.stderr
+        assert mounts.run("umount", "--lazy", str(mountpoint)).returncode == 0
+    wait_until(lambda: not os.path.ismount(mountpoint), what="the lazy unmount")
+
+
+def test_umount_after_sigkill_and_mount_again(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what="the daemon to die")
+    with pytest.raises(OSError) as caught:
+        os.listdir(mountpoint)
+    assert caught.value.errno == errno.ENOTCONN
+    status = mounts.run("status")
+    assert f"run: tensorfs umount {mountpoint}" in status.stdout
+    result = mounts.run("mount", str(model_dir), str(mountpoint))
+    assert (
+        result.returncode == 1 and f"holds a dead tensorfs mount: run `tensorfs umount {mountpoint}`" in result.stderr
+    )
+    result = mounts.run("umount", str(mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert not os.path.ismount(mountpoint)
+    mounts.mount(model_dir, mountpoint=mountpoint)
+    assert (mountpoint / "scalar").read_bytes()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_foreground_daemon_unmounts_cleanly_on_signal(
+    mounts: Mounts, model_dir: Path, tmp_path: Path, signum: int
+) -> None:
+    mountpoint = tmp_path / "fg"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    with subprocess.Popen(
+        [sys.executable, "-m", "tensorfs.cli", "mount", "-f", str(model_dir), str(mountpoint)],
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as daemon:
+        try:
+
+            def mounted() -> bool:
+                assert daemon.poll() is None, "the foreground daemon exited"
+                return os.path.ismount(mountpoint)
+
+            wait_until(mounted, what="the foreground mount", timeout=60)
+            assert (mountpoint / "layers" / "0" / "w").stat().st_size == 256
+            daemon.send_signal(signum)
+            _, stderr = daemon.communicate(timeout=30)
+            assert daemon.returncode == 0, stderr
+            assert not os.path.ismount(mountpoint)
+            assert "mounted at" in stderr
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.communicate()
+
+
+def test_dotted_layout(mounts: Mounts, tmp_path: Path) -> None:
+    write_reference(
+        tmp_path / "m.safetensors", {"model.layers.0.w": ("U8", [2], b"ab"), "model.norm": ("U8", [1], b"c")}
+    )
+    mountpoint = mounts.mount(tmp_path / "m.safetensors", "--layout", "dotted")
+    assert (mountpoint / "model" / "layers" / "0" / "w").read_bytes() == b"ab"
+    assert json.loads((mountpoint / "model" / "norm.meta.json").read_bytes())["name"] == "model.norm"
+    clash = tmp_path / "clash.safetensors"
+    write_reference(clash, {"m.w": ("U8", [1], b"a"), "m.w.b": ("U8", [1], b"b")})
+    target = tmp_path / "clash-mnt"
+    target.mkdir()
+    result = mounts.run("mount", "--layout", "dotted", str(clash), str(target))
+    assert result.returncode == 1 and "needs 'm/w' as a directory" in result.stderr

@@ -1,0 +1,141 @@
+"""The namespace of a mount, without a mount."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorfs
+from helpers import entry, raw_shard, write_reference
+from tensorfs.tree import DIR_MODE, FILE_MODE, ROOT_INODE, Kind, NoSuchEntry, Tree, index_json, sha256_line
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Iterator[tensorfs.Model]:
+    write_reference(
+        tmp_path / "m.safetensors",
+        {
+            "b/x": ("F32", [2], bytes(8)),
+            "b/c/y": ("BF16", [3], bytes(6)),
+            "a": ("U8", [], b"\x07"),
+            "é": ("F4", [2], b"\x21"),
+        },
+    )
+    with tensorfs.open_model(tmp_path / "m.safetensors") as opened:
+        yield opened
+
+
+def make_tree(model: tensorfs.Model, layout: str = "slash") -> Tree:
+    return Tree(model, layout, {"index.json": lambda: index_json(model), "hello": lambda: b"hi\n"})  # type: ignore[arg-type]
+
+
+def walk(tree: Tree, inode: int = ROOT_INODE, prefix: str = "") -> dict[str, int]:
+    found = {}
+    for name, child in tree.listing(inode):
+        found[prefix + name] = child
+        if tree.node(child).kind is Kind.DIRECTORY:
+            found.update(walk(tree, child, prefix + name + "/"))
+    return found
+
+
+def test_every_tensor_has_a_file_and_two_sidecars(model: tensorfs.Model) -> None:
+    tree = make_tree(model)
+    paths = walk(tree)
+    assert sorted(paths) == sorted(
+        [
+            ".tensorfs", ".tensorfs/hello", ".tensorfs/index.json",
+            "a", "a.meta.json", "a.sha256",
+            "b", "b/c", "b/c/y", "b/c/y.meta.json", "b/c/y.sha256",
+            "b/x", "b/x.meta.json", "b/x.sha256",
+            "é", "é.meta.json", "é.sha256",
+        ]
+    )  # fmt: skip
+    assert len(set(paths.values())) == len(paths)  # one inode per entry
+    assert tree.node(paths["b/c/y"]).tensor == "b/c/y"
+    assert tree.node(paths["b/c/y.sha256"]).kind is Kind.SHA256
+    assert tree.tensor_inode("b/c/y") == paths["b/c/y"]
+
+
+def test_lookup_and_parent(model: tensorfs.Model) -> None:
+    tree = make_tree(model)
+    b = tree.lookup(ROOT_INODE, "b")
+    c = tree.lookup(b, "c")
+    assert tree.parent(c) == b and tree.parent(b) == ROOT_INODE and tree.parent(ROOT_INODE) == ROOT_INODE
+    assert tree.lookup(c, "y") == walk(tree)["b/c/y"]
+    with pytest.raises(NoSuchEntry):
+        tree.lookup(ROOT_INODE, "nope")
+    with pytest.raises(NoSuchEntry):
+        tree.lookup(walk(tree)["a"], "x")  # a file is no directory
+    with pytest.raises(NoSuchEntry):
+        tree.node(10_000)
+
+
+def test_attributes(model: tensorfs.Model) -> None:
+    tree = make_tree(model)
+    paths = walk(tree)
+    mtime = (model.shards[0]).stat().st_mtime_ns
+    root = tree.attributes(ROOT_INODE)
+    assert (root.mode, root.nlink, root.mtime_ns) == (DIR_MODE, 4, mtime)  # b/ and .tensorfs/
+    x = tree.attributes(paths["b/x"])
+    assert (x.mode, x.size, x.nlink, x.mtime_ns) == (FILE_MODE, 8, 1, mtime)
+    assert tree.attributes(paths["a"]).size == 1
+    assert tree.attributes(paths["a.sha256"]).size == len(f"{'0' * 64}  a\n")
+    assert tree.attributes(paths["é.sha256"]).size == len(f"{'0' * 64}  é\n".encode())
+    meta = tree.attributes(paths["b/x.meta.json"])
+    assert meta.size == len(tree.small_file(paths["b/x.meta.json"]))
+    assert tree.attributes(paths[".tensorfs/hello"]).size == 3
+
+
+def test_meta_json(model: tensorfs.Model) -> None:
+    tree = make_tree(model)
+    paths = walk(tree)
+    meta = json.loads(tree.small_file(paths["b/c/y.meta.json"]))
+    info = model.info("b/c/y")
+    assert meta == {
+        "name": "b/c/y",
+        "dtype": "BF16",
+        "shape": [3],
+        "nbytes": 6,
+        "shard": "m.safetensors",
+        "offset": info.offset,
+        "data_offsets": list(info.data_offsets),
+        "numpy_dtype": "bfloat16",
+    }
+    assert np.dtype(meta["numpy_dtype"]) == info.numpy_dtype
+    assert json.loads(tree.small_file(paths["é.meta.json"]))["numpy_dtype"] is None
+    assert json.loads(tree.small_file(paths["a.meta.json"]))["numpy_dtype"] == "|u1"
+
+
+def test_hostile_names_stay_inside_json(tmp_path: Path) -> None:
+    name = 'q"}, "dtype": "X\n\\'
+    (tmp_path / "m.safetensors").write_bytes(raw_shard({name: entry("U8", [1], 0, 1)}, b"x"))
+    with tensorfs.open_model(tmp_path) as model:
+        tree = make_tree(model)
+        meta = json.loads(tree.small_file(tree.tensor_inode(name) + 1))
+        assert meta["name"] == name and meta["dtype"] == "U8"
+
+
+def test_sha256_lines_escape_like_gnu() -> None:
+    digest = hashlib.sha256(b"").hexdigest()
+    assert sha256_line(digest, "w") == f"{digest}  w\n".encode()
+    assert sha256_line(digest, "a\\b\nc") == f"\\{digest}  a\\\\b\\nc\n".encode()
+
+
+def test_dotted_layout(model: tensorfs.Model, tmp_path: Path) -> None:
+    write_reference(tmp_path / "d.safetensors", {"m.l.0.w": ("U8", [1], b"a"), "m.l.1.w": ("U8", [1], b"b")})
+    with tensorfs.open_model(tmp_path / "d.safetensors", layout="dotted") as dotted:
+        paths = walk(make_tree(dotted, "dotted"))
+        assert "m/l/0/w" in paths and "m/l/1/w.sha256" in paths and "m/l" in paths
+
+
+def test_index_json(model: tensorfs.Model) -> None:
+    document = json.loads(index_json(model))
+    assert document == {
+        "metadata": {"total_size": 8 + 6 + 1 + 1},
+        "weight_map": dict.fromkeys(["a", "b/c/y", "b/x", "é"], "m.safetensors"),
+    }
