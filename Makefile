@@ -46,6 +46,7 @@ demo: install
 
 bench: install
 	$(PY) scripts/bench_open.py
+	$(PY) scripts/bench_hash.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -5,27 +5,30 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
 from . import __version__
-from .errors import TensorfsError, printable
+from .errors import InvalidModelError, Problem, TensorfsError, printable
+from .integrity import (
+    DEFAULT_MANIFEST,
+    HashCache,
+    Hasher,
+    Integrity,
+    compare,
+    default_cache_dir,
+    find_default_manifest,
+    format_manifest,
+    read_manifest,
+    require_coverage,
+)
 from .model import Model, open_model
 from .names import LAYOUTS, Layout
-
-
-def human_size(nbytes: int) -> str:
-    """1536 -> '1.5 KiB'; bytes below 1 KiB are shown exactly."""
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        size /= 1024
-        if size < 1024 or unit == "PiB":
-            break
-    return f"{size:.1f} {unit}"
+from .progress import Progress
+from .units import human_size
 
 
 def shape_text(shape: Sequence[int]) -> str:
@@ -98,6 +101,82 @@ def _ls_table(model: Model) -> None:
         )
 
 
+def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    command = click.option("--no-cache", is_flag=True, help="Neither read nor write the hash cache.")(command)
+    return click.option(
+        "--cache-dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        help="Where the hash cache lives. Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs).",
+    )(command)
+
+
+def open_cache(cache_dir: Path | None, no_cache: bool) -> HashCache:
+    return HashCache(None if no_cache else (cache_dir or default_cache_dir()))
+
+
+def hash_model(model: Model, cache: HashCache) -> dict[str, str]:
+    """Every tensor's SHA-256, with a progress line on a terminal."""
+    with Progress(model.nbytes, "hashing") as progress:
+        return Hasher(model, cache).hash_all(progress=progress.advance)
+
+
+@cli.command()
+@model_argument
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write here, not to stdout.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON object {tensor name: hex SHA-256}.")
+@cache_options
+def manifest(path: Path, output: Path | None, as_json: bool, cache_dir: Path | None, no_cache: bool) -> None:
+    """The SHA-256 of every tensor's raw bytes, in sha256sum format (`<hex>  <tensor name>`) by name.
+
+    Hashes found in the cache (same shard file, unchanged) are not computed again.
+    """
+    with open_model(path) as model:
+        text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(output)  # all or nothing: never a half-written manifest
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise TensorfsError(f"cannot write {output}: {exc.strerror}") from None
+
+
+@cli.command()
+@model_argument
+@click.option(
+    "--manifest",
+    "manifest_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help=f"The manifest to check against (sha256sum or JSON). Default: {DEFAULT_MANIFEST} in MODEL.",
+)
+@cache_options
+def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_cache: bool) -> None:
+    """Hash every tensor of MODEL and compare with a manifest.
+
+    Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor.
+    """
+    manifest_path = manifest_path or find_default_manifest(path)
+    if manifest_path is None:
+        raise TensorfsError(f"{path}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
+    expected = read_manifest(manifest_path)
+    with open_model(path) as model:
+        actual = hash_model(model, open_cache(cache_dir, no_cache))
+        result = compare(model, expected, actual)
+        label = str(manifest_path)
+        problems = [
+            Problem(str(model.info(name).shard), f"does not match {label} (sha256 {actual[name]})", name)
+            for name in result.mismatched
+        ]
+        problems += [Problem(label, "is in the manifest but not in the model", name) for name in result.missing]
+        problems += [Problem(label, "is in the model but not in the manifest", name) for name in result.unexpected]
+        if problems:
+            raise InvalidModelError(problems)
+        click.echo(f"{printable(str(path))}: all {len(model)} tensors match {printable(label)}")
+
+
 @cli.command()
 @click.argument("source", metavar="MODEL", type=click.Path(path_type=Path))
 @click.argument("mountpoint", type=click.Path(path_type=Path))
@@ -123,6 +202,18 @@ def _ls_table(model: Model) -> None:
     show_default=True,
     help="The mount's kernel readahead, raised once it is up (0 leaves the kernel's default).",
 )
+@click.option(
+    "--manifest",
+    "manifest_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help=f"Serve no tensor before its bytes match this manifest. Default: {DEFAULT_MANIFEST} in MODEL, if there.",
+)
+@click.option(
+    "--verify",
+    type=click.Choice(["open", "all", "off"]),
+    help="With a manifest: hash each tensor on its first open (default), all before mounting, or not at all.",
+)
+@cache_options
 def mount(
     source: Path,
     mountpoint: Path,
@@ -132,6 +223,10 @@ def mount(
     debug: bool,
     log_file: Path | None,
     readahead_kb: int,
+    manifest_path: Path | None,
+    verify: str | None,
+    cache_dir: Path | None,
+    no_cache: bool,
 ) -> int:
     """Mount MODEL read-only at MOUNTPOINT: one file per tensor, with .meta.json and .sha256 beside it.
 
@@ -151,7 +246,27 @@ def mount(
     )
     check_mountpoint(mountpoint)
     model = open_model(source, layout=layout)
-    return mount_model(model, mountpoint, options)
+    cache = open_cache(cache_dir, no_cache)
+    manifest_path = manifest_path or (find_default_manifest(source) if verify != "off" else None)
+    if verify is not None and verify != "off" and manifest_path is None:
+        raise TensorfsError(f"--verify={verify} needs a manifest: --manifest FILE, or {DEFAULT_MANIFEST} in MODEL")
+    expected = None
+    verified: set[str] = set()
+    if manifest_path is not None and verify != "off":
+        expected = read_manifest(manifest_path)
+        require_coverage(model, expected, str(manifest_path))
+        if verify == "all":
+            actual = hash_model(model, cache)
+            bad = compare(model, expected, actual).mismatched
+            if bad:
+                raise InvalidModelError(
+                    Problem(str(model.info(name).shard), f"does not match {manifest_path}; nothing mounted", name)
+                    for name in bad
+                )
+            verified = set(actual)
+        cache.close()  # the daemon opens its own connection
+    integrity = Integrity(Hasher(model, cache), expected, verified)
+    return mount_model(model, mountpoint, options, integrity)
 
 
 @cli.command()

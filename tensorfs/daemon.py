@@ -20,6 +20,7 @@ import trio
 from . import __version__
 from .errors import MountError
 from .fs import TensorOperations
+from .integrity import Integrity
 from .model import Model
 from .mounttable import FSTYPE, mount_at, read_daemon_info
 from .names import Layout
@@ -90,7 +91,7 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mountpoint {mountpoint} is not empty")
 
 
-def mount(model: Model, mountpoint: Path, options: MountOptions) -> int:
+def mount(model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity) -> int:
     """Mount `model` at `mountpoint`; return once it answers (or, in the foreground, once unmounted)."""
     check_mountpoint(mountpoint)
     mountpoint = Path(os.path.abspath(mountpoint))
@@ -98,8 +99,8 @@ def mount(model: Model, mountpoint: Path, options: MountOptions) -> int:
     # one-line error now rather than a daemon that dies without a word.
     _setup_logging(options, to_stderr=options.foreground and options.log_file is None)
     if options.foreground:
-        return serve(model, mountpoint, options, notify=lambda message: _announce(message, mountpoint))
-    return _mount_in_background(model, mountpoint, options)
+        return serve(model, mountpoint, options, integrity, notify=lambda message: _announce(message, mountpoint))
+    return _mount_in_background(model, mountpoint, options, integrity)
 
 
 def _announce(message: str, mountpoint: Path) -> None:
@@ -109,7 +110,7 @@ def _announce(message: str, mountpoint: Path) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def _mount_in_background(model: Model, mountpoint: Path, options: MountOptions) -> int:
+def _mount_in_background(model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity) -> int:
     """Fork a daemon that mounts and serves; wait until it says the mount answers, or why not."""
     read_end, write_end = os.pipe()
     sys.stdout.flush()
@@ -129,7 +130,7 @@ def _mount_in_background(model: Model, mountpoint: Path, options: MountOptions) 
             def notify(message: str) -> None:
                 os.write(write_end, message.encode("utf-8", "backslashreplace") + b"\n")
 
-            code = serve(model, mountpoint, options, notify)
+            code = serve(model, mountpoint, options, integrity, notify)
         except BaseException:
             log.exception("daemon failed")
         finally:
@@ -188,7 +189,9 @@ def _setup_logging(options: MountOptions, *, to_stderr: bool) -> None:
     root.setLevel(logging.DEBUG if options.debug else logging.INFO)
 
 
-def serve(model: Model, mountpoint: Path, options: MountOptions, notify: Callable[[str], None]) -> int:
+def serve(
+    model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity, notify: Callable[[str], None]
+) -> int:
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
@@ -206,6 +209,8 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, notify: Callabl
                 "fuse": list(options.fuse_options),
                 "readahead_kb": options.readahead_kb,
                 "debug": options.debug,
+                "manifest": integrity.expected is not None,
+                "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
             },
             "log_file": None
             if options.foreground and options.log_file is None
@@ -214,7 +219,7 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, notify: Callabl
         return (json.dumps(document, indent=2) + "\n").encode()
 
     tree = Tree(model, options.layout, {"index.json": lambda: index_json(model), "daemon.json": daemon_json})
-    operations = TensorOperations(tree)
+    operations = TensorOperations(tree, integrity)
     fuse_options = set(pyfuse3.default_options) | {"fsname=tensorfs", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)
     if options.debug and options.foreground:

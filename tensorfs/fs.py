@@ -11,14 +11,14 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
 
 from .errors import TensorfsError
-from .integrity import sha256_hex
+from .integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ CACHE_TIMEOUT = 24 * 3600.0
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 # Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
-_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT}
+_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, TensorCorrupt: errno.EIO}
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,9 +67,12 @@ class TensorOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, tree: Tree) -> None:
+    def __init__(self, tree: Tree, integrity: Integrity) -> None:
         super().__init__()
         self.tree = tree
+        self.integrity = integrity
+        self._failed: set[str] = set()
+        self._hashers = trio.CapacityLimiter(HASH_WORKERS)  # hashing threads at once, over all requests
         self._uid = os.getuid()
         self._gid = os.getgid()
         self._spans: dict[int, tuple[memoryview, int, int]] = {}  # tensor inode -> (shard view, start, end)
@@ -140,6 +143,9 @@ class TensorOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
+        if node.kind is Kind.TENSOR:
+            assert node.tensor is not None
+            await self.verify(node.tensor)
         if node.kind is Kind.TENSOR and inode not in self._spans:
             assert node.tensor is not None
             info = self.tree.model.info(node.tensor)
@@ -157,27 +163,67 @@ class TensorOperations(pyfuse3.Operations):
         node = self.tree.node(fh)
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
-            content = self.tree.sha256_file(fh, await self.digest(node.tensor))
+            content = self.tree.sha256_file(fh, await self.sidecar_digest(node.tensor))
+        elif node.kind is Kind.SUMS:
+            content = self.tree.sha256sums(await self.sidecar_digests())
         else:
             content = self.tree.small_file(fh)
         return content[off : off + size]
 
     async def digest(self, name: str) -> str:
-        """The tensor's SHA-256, hashed once, in a worker thread; concurrent callers share it."""
+        """The tensor's actual SHA-256, found or hashed once in a worker thread; callers share it."""
         found = self._digests.get(name)
         if found is not None:
             return found
         running = self._hashing.get(name)
         if running is not None:
             await running.wait()
+            if name not in self._digests:  # the hashing that was waited for failed
+                raise pyfuse3.FUSEError(errno.EIO)
             return self._digests[name]
         done = self._hashing[name] = trio.Event()
         try:
-            self._digests[name] = await trio.to_thread.run_sync(sha256_hex, self.tree.model.raw(name))
+            self._digests[name] = await trio.to_thread.run_sync(self.integrity.digest, name, limiter=self._hashers)
         finally:
             del self._hashing[name]
             done.set()
         return self._digests[name]
+
+    async def sidecar_digest(self, name: str) -> str:
+        """What a .sha256 sidecar says: the manifest's value when there is one, else the bytes' hash."""
+        if self.integrity.expected is not None:
+            return self.integrity.expected[name]
+        return await self.digest(name)
+
+    async def sidecar_digests(self) -> Mapping[str, str]:
+        if self.integrity.expected is not None:
+            return self.integrity.expected
+        async with trio.open_nursery() as nursery:
+            for name in self.tree.names:
+                if name not in self._digests:
+                    nursery.start_soon(self.digest, name)
+        return self._digests
+
+    async def verify(self, name: str) -> None:
+        """With a manifest, serve no byte of a tensor before its hash matches: EIO when it does not."""
+        expected = self.integrity.expected
+        if expected is None or name in self.integrity.verified:
+            return
+        if name not in self._failed:
+            actual = await self.digest(name)
+            if actual == expected[name]:
+                self.integrity.verified.add(name)
+                return
+            if name not in self._failed:
+                self._failed.add(name)
+                log.error(
+                    "tensor %r in shard %s does not match the manifest (sha256 %s, expected %s): refused",
+                    name,
+                    self.tree.model.info(name).shard,
+                    actual,
+                    expected[name],
+                )
+        raise TensorCorrupt(f"tensor {name!r} does not match the manifest")
 
     async def release(self, fh: int) -> None:
         pass

@@ -1,15 +1,358 @@
-"""SHA-256 of tensors' raw bytes."""
+"""Proving bytes: SHA-256 of tensors, manifests, the persistent hash cache, verification."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from .errors import InvalidModelError, Problem, TensorfsError, printable
+from .model import Model
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20  # hashlib releases the GIL while it hashes a chunk this large
+DEFAULT_MANIFEST = "tensors.sha256"
+HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
-def sha256_hex(data: memoryview) -> str:
-    """The SHA-256 of `data`, hashed in chunks so other threads run meanwhile."""
+def sha256_hex(data: memoryview, progress: Callable[[int], None] | None = None) -> str:
+    """The SHA-256 of `data`, hashed in chunks so that other threads run meanwhile."""
     digest = hashlib.sha256()
     for start in range(0, len(data), _CHUNK):
-        digest.update(data[start : start + _CHUNK])
+        chunk = data[start : start + _CHUNK]
+        digest.update(chunk)
+        if progress is not None:
+            progress(len(chunk))
     return digest.hexdigest()
+
+
+class TensorCorrupt(TensorfsError):
+    """A tensor's bytes do not hash to what its manifest says."""
+
+
+# -- the persistent cache -------------------------------------------------------------------
+
+
+class FileIdentity(NamedTuple):
+    """What changes whenever a file's bytes may have: a cached hash is only valid for the same identity.
+
+    ctime is in it because no one can set it back: a shard rewritten in place and given its old
+    mtime again still gets a new ctime.
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def default_cache_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "tensorfs"
+
+
+class HashCache:
+    """SHA-256 of tensors by (shard identity, offsets), in SQLite; safe for several processes at once.
+
+    Any trouble with the database (corrupt, unwritable, locked for too long) turns the cache off
+    with one warning: a cache can make tensorfs faster, never make it fail.
+    """
+
+    FILE_NAME = "hashes.sqlite"
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._connection: sqlite3.Connection | None = None
+        self._pid = 0
+        self._disabled = directory is None
+
+    @property
+    def enabled(self) -> bool:
+        return not self._disabled
+
+    def _connect(self) -> sqlite3.Connection | None:
+        if self._disabled:
+            return None
+        if self._connection is not None and self._pid == os.getpid():
+            return self._connection
+        # A connection must never cross a fork: a child opens its own.
+        assert self.directory is not None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            connection = sqlite3.connect(self.directory / self.FILE_NAME, timeout=5.0, check_same_thread=False)
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(
+                "CREATE TABLE IF NOT EXISTS hashes (device INTEGER, inode INTEGER, size INTEGER, mtime_ns INTEGER,"
+                " ctime_ns INTEGER, begin INTEGER, end INTEGER, sha256 TEXT NOT NULL,"
+                " PRIMARY KEY (device, inode, size, mtime_ns, ctime_ns, begin, end)) WITHOUT ROWID"
+            )
+            connection.commit()
+        except (sqlite3.Error, OSError) as exc:
+            self._give_up(exc)
+            return None
+        self._connection, self._pid = connection, os.getpid()
+        return connection
+
+    def _give_up(self, exc: Exception) -> None:
+        if not self._disabled:
+            log.warning("hash cache %s unusable, going on without it: %s", self.directory, exc)
+        self._disabled = True
+        self._connection = None
+
+    def get_many(self, identity: FileIdentity, spans: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """Cached hashes of the shard's byte ranges [begin, end) that have one."""
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return {}
+            try:
+                rows = connection.execute(
+                    "SELECT begin, end, sha256 FROM hashes WHERE device=? AND inode=? AND size=? AND mtime_ns=?"
+                    " AND ctime_ns=?",
+                    tuple(identity),
+                ).fetchall()
+            except sqlite3.Error as exc:
+                self._give_up(exc)
+                return {}
+        wanted = set(spans)
+        return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
+
+    def put_many(self, identity: FileIdentity, hashes: Mapping[tuple[int, int], str]) -> None:
+        if not hashes:
+            return
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return
+            try:
+                with connection:
+                    connection.executemany(
+                        "INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        [(*identity, begin, end, digest) for (begin, end), digest in hashes.items()],
+                    )
+            except sqlite3.Error as exc:
+                self._give_up(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection is not None and self._pid == os.getpid():
+                with contextlib.suppress(sqlite3.Error):
+                    self._connection.close()
+            self._connection = None
+
+
+# -- hashing a model ------------------------------------------------------------------------
+
+
+class Hasher:
+    """Hashes a model's tensors, through the cache, several tensors at once."""
+
+    def __init__(self, model: Model, cache: HashCache | None = None) -> None:
+        self.model = model
+        self.cache = cache or HashCache(None)
+
+    def cached(self, names: Iterable[str]) -> dict[str, str]:
+        """The hashes the cache already holds for `names` (for shards unchanged since the model opened)."""
+        by_shard: dict[Path, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(self.model.info(name).shard, []).append(name)
+        found: dict[str, str] = {}
+        for shard, shard_names in by_shard.items():
+            identity = self._current_identity(shard)
+            if identity is None:
+                continue
+            spans = {self.model.info(name).data_offsets: name for name in shard_names}
+            for span, digest in self.cache.get_many(identity, spans).items():
+                found[spans[span]] = digest
+        return found
+
+    def _current_identity(self, shard: Path) -> FileIdentity | None:
+        """The shard's identity, if the file is still the one the model mapped."""
+        opened = FileIdentity.of(self.model.shard_stat(shard))
+        try:
+            now = FileIdentity.of(os.stat(shard))
+        except OSError:
+            return None
+        return opened if now == opened else None
+
+    def hash_one(self, name: str, progress: Callable[[int], None] | None = None) -> str:
+        """Hash one tensor (no cache lookup) and remember it in the cache."""
+        info = self.model.info(name)
+        digest = sha256_hex(self.model.raw(name), progress)
+        # Stored only if the file is still the one mapped: bytes of a changed file are not its bytes.
+        identity = self._current_identity(info.shard)
+        if identity is not None:
+            self.cache.put_many(identity, {info.data_offsets: digest})
+        return digest
+
+    def hash_all(
+        self, names: Iterable[str] | None = None, progress: Callable[[int], None] | None = None
+    ) -> dict[str, str]:
+        """SHA-256 of every tensor in `names` (all by default): cached ones looked up, the rest hashed."""
+        names = list(self.model.names() if names is None else names)
+        digests = self.cached(names)
+        if progress is not None:
+            progress(sum(self.model.info(name).nbytes for name in digests))
+        todo = [name for name in names if name not in digests]
+        # Largest first, so the workers finish together.
+        todo.sort(key=lambda name: -self.model.info(name).nbytes)
+        with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
+            for name, digest in zip(todo, pool.map(lambda n: self.hash_one(n, progress), todo), strict=True):
+                digests[name] = digest
+        return {name: digests[name] for name in names}
+
+
+@dataclass
+class Integrity:
+    """What a mount knows of its tensors' hashes: the hasher, the manifest's values, what is verified."""
+
+    hasher: Hasher
+    expected: Mapping[str, str] | None = None
+    """The manifest: tensor -> hex SHA-256. With one, no tensor is served before it matches."""
+    verified: set[str] = field(default_factory=set)
+
+    def digest(self, name: str) -> str:
+        """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread)."""
+        return self.hasher.cached([name]).get(name) or self.hasher.hash_one(name)
+
+
+# -- manifests ------------------------------------------------------------------------------
+
+
+def _escape(name: str) -> tuple[str, str]:
+    """GNU sha256sum's escaping of a file name: (prefix for the line, escaped name)."""
+    if "\\" in name or "\n" in name or "\r" in name:
+        return "\\", name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return "", name
+
+
+def sha256sum_line(hex_digest: str, name: str) -> str:
+    """One line in the format `sha256sum` writes and `sha256sum -c` reads."""
+    prefix, escaped = _escape(name)
+    return f"{prefix}{hex_digest}  {escaped}\n"
+
+
+def format_manifest(digests: Mapping[str, str], *, as_json: bool = False) -> str:
+    if as_json:
+        return json.dumps(dict(sorted(digests.items())), indent=2, ensure_ascii=False) + "\n"
+    return "".join(sha256sum_line(digests[name], name) for name in sorted(digests))
+
+
+class ManifestError(TensorfsError):
+    """A manifest file that cannot be read."""
+
+
+def parse_manifest(text: str, source: str) -> dict[str, str]:
+    """Tensor name -> hex digest from a manifest in sha256sum format or JSON ({name: hex})."""
+    if text.lstrip().startswith("{"):
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            raise ManifestError(f"{source}: not valid JSON: {exc}") from None
+        if not isinstance(document, dict) or not all(
+            isinstance(v, str) and _is_hex_digest(v) for v in document.values()
+        ):
+            raise ManifestError(f"{source}: a JSON manifest maps tensor names to 64-digit hex SHA-256 strings")
+        return {name: digest.lower() for name, digest in document.items()}
+    digests: dict[str, str] = {}
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        escaped = line.startswith("\\")
+        body = line[1:] if escaped else line
+        digest, separator, name = body[:64], body[64:66], body[66:]
+        if not _is_hex_digest(digest) or separator not in ("  ", " *") or not name:
+            raise ManifestError(f"{source}:{number}: not a sha256sum line: {printable(line[:80])}")
+        if escaped:
+            name = _unescape(name)
+        if name in digests:
+            raise ManifestError(f"{source}:{number}: tensor '{printable(name)}' is listed twice")
+        digests[name] = digest.lower()
+    return digests
+
+
+def _unescape(name: str) -> str:
+    out, chars = [], iter(name)
+    for ch in chars:
+        if ch == "\\":
+            nxt = next(chars, "")
+            out.append({"n": "\n", "r": "\r", "\\": "\\"}.get(nxt, "\\" + nxt))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _is_hex_digest(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
+
+
+def read_manifest(path: Path) -> dict[str, str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
+    return parse_manifest(text, str(path))
+
+
+def find_default_manifest(source: Path) -> Path | None:
+    """SOURCE/tensors.sha256, when SOURCE is a directory that holds one."""
+    candidate = source / DEFAULT_MANIFEST
+    return candidate if source.is_dir() and candidate.is_file() else None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    mismatched: list[str]
+    missing: list[str]
+    """In the manifest, not in the model."""
+    unexpected: list[str]
+    """In the model, not in the manifest."""
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatched or self.missing or self.unexpected)
+
+
+def compare(model: Model, expected: Mapping[str, str], actual: Mapping[str, str]) -> Comparison:
+    return Comparison(
+        mismatched=sorted(name for name, digest in actual.items() if name in expected and expected[name] != digest),
+        missing=sorted(name for name in expected if name not in model),
+        unexpected=sorted(name for name in model.names() if name not in expected),
+    )
+
+
+def manifest_coverage_problems(model: Model, expected: Mapping[str, str], manifest: str) -> list[Problem]:
+    """Problems when a manifest does not list exactly the model's tensors."""
+    problems = [
+        Problem(manifest, "is in the manifest but not in the model", name) for name in expected if name not in model
+    ]
+    problems += [
+        Problem(manifest, "is in the model but not in the manifest", name)
+        for name in model.names()
+        if name not in expected
+    ]
+    return problems
+
+
+def require_coverage(model: Model, expected: Mapping[str, str], manifest: str) -> None:
+    problems = manifest_coverage_problems(model, expected, manifest)
+    if problems:
+        raise InvalidModelError(problems)

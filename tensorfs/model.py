@@ -30,6 +30,8 @@ class _Shard:
     label: str
     mapping: mmap.mmap
     view: memoryview
+    stat: os.stat_result
+    """The shard file's status when it was mapped."""
 
     @cached_property
     def by_name(self) -> dict[str, Entry]:
@@ -92,6 +94,10 @@ class Model:
         return shard.header.info(shard.by_name[name])
 
     # -- the data ------------------------------------------------------------------------
+    def shard_stat(self, shard: Path) -> os.stat_result:
+        """The shard file's status (identity, size, times) when the model mapped it."""
+        return self._shards[shard].stat
+
     def shard_view(self, shard: Path) -> memoryview:
         """A read-only view of the whole shard file, on its mmap."""
         return self._shards[shard].view
@@ -232,13 +238,14 @@ def _open_shards(paths: list[Path], problems: list[Problem]) -> list[_Shard]:
             header = read_header_fd(fd, path, label)
             # Map the descriptor the header was read from: the bytes served are the bytes validated.
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            status = os.fstat(fd)
         except InvalidModelError as exc:
             return exc
         except OSError as exc:
             return InvalidModelError([Problem(label, f"cannot map: {exc.strerror}")])
         finally:
             os.close(fd)
-        return _Shard(header, label, mapping, memoryview(mapping))
+        return _Shard(header, label, mapping, memoryview(mapping), status)
 
     if len(paths) == 1:
         results = [open_one(paths[0])]

@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import stat
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 from .errors import TensorfsError
+from .integrity import sha256sum_line
 from .model import Model
 from .names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 
 ROOT_INODE = 1
+SUMS_NAME = "SHA256SUMS"
 FILE_MODE = stat.S_IFREG | 0o444
 DIR_MODE = stat.S_IFDIR | 0o555
 META_SUFFIX, SHA256_SUFFIX = SIDECAR_SUFFIXES
@@ -33,7 +35,9 @@ class Kind(Enum):
     META = "meta"
     SHA256 = "sha256"
     CONTROL = "control"
-    """A file of .tensorfs/."""
+    """A file of .tensorfs/ made from the model alone."""
+    SUMS = "sums"
+    """.tensorfs/SHA256SUMS: every tensor's hash, by path from the mount root."""
 
 
 class NoSuchEntry(TensorfsError):
@@ -67,8 +71,8 @@ class Tree:
         """`control_files` maps each file of .tensorfs/ to the function that makes its bytes."""
         self.model = model
         self.names = model.names()
-        self.mtime_ns = max((shard.stat().st_mtime_ns for shard in model.shards), default=0)
-        self._shard_mtime_ns = {shard: shard.stat().st_mtime_ns for shard in model.shards}
+        self._shard_mtime_ns = {shard: model.shard_stat(shard).st_mtime_ns for shard in model.shards}
+        self.mtime_ns = max(self._shard_mtime_ns.values(), default=0)
 
         # Directories: index 0 is the root; each knows its parent, its name and its tensors.
         self._dir_paths: list[str] = [""]
@@ -85,13 +89,15 @@ class Tree:
             self._dir_tensors[index].append(i)
             self._basenames.append(base)
 
-        self._control_names = sorted(control_files)
+        self.layout = layout
+        self._control_names = sorted([*control_files, SUMS_NAME])
         self._control_makers = control_files
         self.control_dir_inode = ROOT_INODE + len(self._dir_paths)
         self._first_tensor_inode = self.control_dir_inode + 1 + len(self._control_names)
         self._listings: dict[int, list[tuple[str, int]]] = {}
         self._lookups: dict[int, dict[str, int]] = {}
         self._small_files: dict[int, bytes] = {}
+        self._sums_size: int | None = None
 
     def _add_directory(self, path: str) -> int:
         parent_path, _, _ = path.rpartition("/")
@@ -119,7 +125,8 @@ class Tree:
         if inode == self.control_dir_inode:
             return Node(inode, Kind.DIRECTORY)
         if self.control_dir_inode < inode < self._first_tensor_inode:
-            return Node(inode, Kind.CONTROL, control=self._control_names[inode - self.control_dir_inode - 1])
+            control = self._control_names[inode - self.control_dir_inode - 1]
+            return Node(inode, Kind.SUMS if control == SUMS_NAME else Kind.CONTROL, control=control)
         offset = inode - self._first_tensor_inode
         if 0 <= offset < 3 * len(self.names):
             tensor, which = divmod(offset, 3)
@@ -196,6 +203,10 @@ class Tree:
             assert node.tensor is not None
             size = len(sha256_line("0" * 64, self._basename(node.tensor)))
             return Attributes(inode, node.kind, FILE_MODE, size, 1, self._tensor_mtime(node.tensor))
+        if node.kind is Kind.SUMS:
+            if self._sums_size is None:
+                self._sums_size = len(self.sha256sums(dict.fromkeys(self.names, "0" * 64)))
+            return Attributes(inode, node.kind, FILE_MODE, self._sums_size, 1, self.mtime_ns)
         mtime = self.mtime_ns if node.tensor is None else self._tensor_mtime(node.tensor)
         return Attributes(inode, node.kind, FILE_MODE, len(self.small_file(inode)), 1, mtime)
 
@@ -227,6 +238,15 @@ class Tree:
         assert node.kind is Kind.SHA256 and node.tensor is not None
         return sha256_line(hex_digest, self._basename(node.tensor))
 
+    def sha256sums(self, digests: Mapping[str, str]) -> bytes:
+        """SHA256SUMS: a line per tensor, by path from the mount root, for `sha256sum -c` there."""
+        layout = self.layout
+        return "".join(sha256sum_line(digests[name], tensor_path(name, layout)) for name in self.names).encode()
+
+    @property
+    def sums_inode(self) -> int:
+        return self.control_dir_inode + 1 + self._control_names.index(SUMS_NAME)
+
 
 def meta_json(model: Model, name: str) -> bytes:
     """The .meta.json of a tensor: what a reader needs to map its file (np.memmap and friends)."""
@@ -235,10 +255,7 @@ def meta_json(model: Model, name: str) -> bytes:
 
 def sha256_line(hex_digest: str, filename: str) -> bytes:
     """A line `sha256sum -c` accepts, escaping the name as GNU sha256sum does when it must."""
-    if "\\" in filename or "\n" in filename or "\r" in filename:
-        escaped = filename.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-        return f"\\{hex_digest}  {escaped}\n".encode()
-    return f"{hex_digest}  {filename}\n".encode()
+    return sha256sum_line(hex_digest, filename).encode()
 
 
 def index_json(model: Model) -> bytes:

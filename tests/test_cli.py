@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers import entry, random_bytes, raw_shard, write_index, write_reference
-from tensorfs.cli import human_size, main
+from tensorfs.cli import main
+from tensorfs.units import human_size
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import trio
 import tensorfs
 from helpers import random_bytes, write_reference
 from tensorfs.fs import TensorOperations
+from tensorfs.integrity import Hasher, Integrity
 from tensorfs.tree import ROOT_INODE, Tree, index_json
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
@@ -28,7 +29,8 @@ def ops(tmp_path: Path) -> Iterator[TensorOperations]:
     tensors.update({f"many/t{i:04d}": ("U8", [1], bytes([i % 256])) for i in range(500)})
     write_reference(tmp_path / "m.safetensors", tensors)
     with tensorfs.open_model(tmp_path / "m.safetensors") as model:
-        yield TensorOperations(Tree(model, "slash", {"index.json": lambda: index_json(model)}))
+        tree = Tree(model, "slash", {"index.json": lambda: index_json(model)})
+        yield TensorOperations(tree, Integrity(Hasher(model)))
 
 
 def run(fn: Any, *args: Any) -> Any:
@@ -81,13 +83,13 @@ def test_sidecars(ops: TensorOperations) -> None:
 
 def test_concurrent_readers_share_one_hashing(ops: TensorOperations, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = tensorfs.fs.sha256_hex
+    real = tensorfs.integrity.sha256_hex
 
-    def counting(data: memoryview) -> str:
+    def counting(data: memoryview, progress: Any = None) -> str:
         calls.append(1)
-        return real(data)
+        return real(data, progress)
 
-    monkeypatch.setattr(tensorfs.fs, "sha256_hex", counting)
+    monkeypatch.setattr(tensorfs.integrity, "sha256_hex", counting)
     inode = run(ops.lookup, ROOT_INODE, b"big.sha256", None).st_ino
     results: list[bytes] = []
 

@@ -32,6 +32,23 @@ def test_bench_open_runs(tmp_path: Path) -> None:
     assert result["tensors"] == 2000 and result["ratio"] > 0
 
 
+def test_bench_hash_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_hash.py"),
+        "--gib",
+        "0.07",
+        "--shards",
+        "2",
+        "--repeat",
+        "1",
+    ]
+    subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["bytes"] > 64 << 20 and result["throughput_ratio"] > 0
+
+
 def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
     import tensorfs
     from tensorfs.synth import many_tiny_tensors

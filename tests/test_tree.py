@@ -48,7 +48,7 @@ def test_every_tensor_has_a_file_and_two_sidecars(model: tensorfs.Model) -> None
     paths = walk(tree)
     assert sorted(paths) == sorted(
         [
-            ".tensorfs", ".tensorfs/hello", ".tensorfs/index.json",
+            ".tensorfs", ".tensorfs/SHA256SUMS", ".tensorfs/hello", ".tensorfs/index.json",
             "a", "a.meta.json", "a.sha256",
             "b", "b/c", "b/c/y", "b/c/y.meta.json", "b/c/y.sha256",
             "b/x", "b/x.meta.json", "b/x.sha256",

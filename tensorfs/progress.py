@@ -1,0 +1,56 @@
+"""A progress line (bytes, rate, ETA) on a terminal; silence anywhere else."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TextIO
+
+from .units import human_size
+
+
+class Progress:
+    """Counts bytes from any thread; redraws one line at most every 0.1 s when `stream` is a terminal."""
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, *, enabled: bool | None = None) -> None:
+        self.total = total
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.done = 0
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._drawn = 0.0
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            now = time.monotonic()
+            if self.enabled and now - self._drawn >= 0.1:
+                self._drawn = now
+                self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        elapsed = max(now - self._start, 1e-9)
+        rate = self.done / elapsed
+        left = (self.total - self.done) / rate if rate > 0 else 0.0
+        line = (
+            f"{self.label} {human_size(self.done)} / {human_size(self.total)}"
+            f"  {human_size(int(rate))}/s  ETA {int(left) // 60}:{int(left) % 60:02d}"
+        )
+        self.stream.write(f"\r{line:<72}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            with self._lock:
+                self._draw(time.monotonic())
+                self.stream.write("\n")
+                self.stream.flush()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

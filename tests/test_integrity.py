@@ -1,0 +1,269 @@
+"""Manifests, verification, the hash cache, and verification while mounted."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import tensorfs
+import tensorfs.integrity
+from conftest import Mounts
+from helpers import random_bytes, reference_tensors, write_index, write_reference
+from tensorfs.cli import main
+from tensorfs.fs import TensorOperations
+from tensorfs.integrity import (
+    HashCache,
+    Hasher,
+    Integrity,
+    ManifestError,
+    format_manifest,
+    parse_manifest,
+    sha256sum_line,
+)
+from tensorfs.tree import Tree
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(
+        directory / "a.safetensors", {"w1": ("F32", [64, 64], random_bytes(16384, 1)), "e": ("U8", [0], b"")}
+    )
+    write_reference(
+        directory / "b.safetensors",
+        {
+            "w2": ("BF16", [128], random_bytes(256, 2)),
+            "sub/w3": ("I8", [10], random_bytes(10, 3)),
+            "x\\y": ("U8", [1], b"z"),
+        },
+    )
+    write_index(
+        directory,
+        {
+            "w1": "a.safetensors",
+            "e": "a.safetensors",
+            "w2": "b.safetensors",
+            "sub/w3": "b.safetensors",
+            "x\\y": "b.safetensors",
+        },
+    )
+    return directory
+
+
+def expected_digests(directory: Path) -> dict[str, str]:
+    return {
+        name: hashlib.sha256(data).hexdigest()
+        for shard in directory.glob("*.safetensors")
+        for name, (_, _, data) in reference_tensors(shard).items()
+    }
+
+
+def flip_byte_in_place(shard: Path, tensor: str) -> None:
+    """Corrupt one byte of a tensor, keeping the file's size (its mtime and ctime change)."""
+    with tensorfs.open_model(shard) as model:
+        offset = model.info(tensor).offset
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_sha256sum_lines_and_parsing_round_trip() -> None:
+    digests = {"a": "0" * 64, "b/c": "1" * 64, "back\\slash": "2" * 64, "new\nline": "3" * 64, "sp ace": "a" * 64}
+    text = format_manifest(digests)
+    assert text.splitlines()[0] == f"{'0' * 64}  a"
+    assert sha256sum_line("f" * 64, "back\\slash") == f"\\{'f' * 64}  back\\\\slash\n"
+    assert parse_manifest(text, "m") == digests
+    assert parse_manifest(format_manifest(digests, as_json=True), "m") == digests
+    assert parse_manifest(f"{'A' * 64} *binary\n", "m") == {"binary": "a" * 64}
+    with pytest.raises(ManifestError, match="m:1: not a sha256sum line"):
+        parse_manifest("nonsense\n", "m")
+    with pytest.raises(ManifestError, match="listed twice"):
+        parse_manifest(f"{'0' * 64}  a\n{'1' * 64}  a\n", "m")
+    with pytest.raises(ManifestError, match="64-digit hex"):
+        parse_manifest('{"a": "xyz"}', "m")
+
+
+def test_manifest_matches_sha256sum_of_the_bytes(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["manifest", "--cache-dir", str(tmp_path / "cache"), str(model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert parse_manifest(out, "stdout") == expected_digests(model_dir)
+    assert [line.split("  ", 1)[1] for line in out.splitlines()] == ["e", "sub/w3", "w1", "w2", "x\\\\y"]
+    assert main(["manifest", "--json", "--no-cache", "-o", str(tmp_path / "m.json"), str(model_dir)]) == 0
+    assert json.loads((tmp_path / "m.json").read_text()) == expected_digests(model_dir)
+
+
+def test_verify_round_trip_and_a_flipped_byte(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert main(["manifest", *cache, "-o", str(model_dir / "tensors.sha256"), str(model_dir)]) == 0
+    assert main(["verify", *cache, str(model_dir)]) == 0
+    assert capsys.readouterr().out == f"{model_dir}: all 5 tensors match {model_dir / 'tensors.sha256'}\n"
+    flip_byte_in_place(model_dir / "b.safetensors", "w2")  # rewritten in place: the cache must not answer
+    assert main(["verify", *cache, str(model_dir)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(
+        f"error: {model_dir / 'b.safetensors'}: tensor 'w2': does not match {model_dir / 'tensors.sha256'}"
+    )
+
+
+def test_verify_lists_missing_and_unexpected(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    digests = expected_digests(model_dir)
+    del digests["w1"]
+    digests["ghost"] = "0" * 64
+    manifest = tmp_path / "m.sha256"
+    manifest.write_text(format_manifest(digests))
+    assert main(["verify", "--no-cache", "--manifest", str(manifest), str(model_dir)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {manifest}: tensor 'ghost': is in the manifest but not in the model",
+        f"error: {manifest}: tensor 'w1': is in the model but not in the manifest",
+    ]
+    assert main(["verify", str(model_dir)]) == 1
+    assert "no tensors.sha256 here; name a manifest with --manifest FILE" in capsys.readouterr().err
+
+
+def test_cache_serves_unchanged_shards_and_never_changed_ones(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed: list[int] = []
+    real = tensorfs.integrity.sha256_hex
+    monkeypatch.setattr(
+        tensorfs.integrity, "sha256_hex", lambda data, progress=None: hashed.append(len(data)) or real(data, progress)
+    )
+    cache = HashCache(tmp_path / "cache")
+    with tensorfs.open_model(model_dir) as model:
+        first = Hasher(model, cache).hash_all()
+    assert first == expected_digests(model_dir) and len(hashed) == 5
+    with tensorfs.open_model(model_dir) as model:
+        assert Hasher(model, HashCache(tmp_path / "cache")).hash_all() == first
+    assert len(hashed) == 5  # all from the cache, from a new connection
+    flip_byte_in_place(model_dir / "a.safetensors", "w1")
+    with tensorfs.open_model(model_dir) as model:
+        again = Hasher(model, HashCache(tmp_path / "cache")).hash_all()
+    assert again["w1"] != first["w1"] and again == expected_digests(model_dir)
+    assert len(hashed) == 7  # both tensors of the changed shard hashed again, nothing else
+
+
+def test_a_broken_cache_degrades_to_no_cache(model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / HashCache.FILE_NAME).write_bytes(b"this is not a database" * 100)
+    unwritable = tmp_path / "file-not-dir"
+    unwritable.write_text("x")
+    for directory in (corrupt, unwritable):
+        with caplog.at_level(logging.WARNING), tensorfs.open_model(model_dir) as model:
+            cache = HashCache(directory)
+            assert Hasher(model, cache).hash_all() == expected_digests(model_dir)
+            assert not cache.enabled
+        assert "going on without it" in caplog.text
+        caplog.clear()
+
+
+def test_concurrent_openers_of_one_unverified_tensor_share_one_hashing(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed: list[int] = []
+    real = tensorfs.integrity.sha256_hex
+    monkeypatch.setattr(
+        tensorfs.integrity, "sha256_hex", lambda data, progress=None: hashed.append(1) or real(data, progress)
+    )
+    with tensorfs.open_model(model_dir) as model:
+        ops = TensorOperations(Tree(model, "slash", {}), Integrity(Hasher(model), expected_digests(model_dir)))
+        inode = ops.tree.tensor_inode("w1")
+        opened: list[Any] = []
+
+        async def open_many() -> None:
+            async with trio.open_nursery() as nursery:
+                for _ in range(6):
+                    nursery.start_soon(lambda: _open(ops, inode, opened))
+
+        trio.run(open_many)
+        assert len(opened) == 6 and hashed == [1]
+        assert "w1" in ops.integrity.verified
+
+
+async def _open(ops: TensorOperations, inode: int, opened: list[Any]) -> None:
+    opened.append(await ops.open(inode, os.O_RDONLY, None))
+
+
+def test_a_mismatch_refuses_that_tensor_only(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    expected = expected_digests(model_dir)
+    flip_byte_in_place(model_dir / "a.safetensors", "w1")
+    with tensorfs.open_model(model_dir) as model:
+        ops = TensorOperations(Tree(model, "slash", {}), Integrity(Hasher(model), expected))
+        with caplog.at_level(logging.ERROR), pytest.raises(tensorfs.fs.pyfuse3.FUSEError) as caught:
+            trio.run(ops.open, ops.tree.tensor_inode("w1"), os.O_RDONLY, None)
+        assert caught.value.errno == errno.EIO
+        assert "tensor 'w1' in shard" in caplog.text and "does not match the manifest" in caplog.text
+        fh = trio.run(ops.open, ops.tree.tensor_inode("w2"), os.O_RDONLY, None).fh
+        assert len(trio.run(ops.read, fh, 0, 1024)) == 256
+        sidecar = trio.run(ops.read, ops.tree.tensor_inode("w1") + 2, 0, 200)
+        assert sidecar == f"{expected['w1']}  w1\n".encode()  # the manifest's value
+        sums = trio.run(ops.read, ops.tree.sums_inode, 0, 10_000)
+        assert f"{expected['sub/w3']}  sub/w3\n".encode() in sums
+
+
+# -- through a real mount --------------------------------------------------------------------
+
+
+def test_sha256sums_checks_the_whole_mount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir, "--no-cache")
+    result = subprocess.run(
+        ["sha256sum", "--strict", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(": OK") == 5
+
+
+def test_mount_with_a_manifest_refuses_only_the_corrupt_tensor(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    (model_dir / "tensors.sha256").write_text(format_manifest(expected_digests(model_dir)))
+    flip_byte_in_place(model_dir / "a.safetensors", "w1")
+    mountpoint = mounts.mount(model_dir, "--cache-dir", str(tmp_path / "cache"))  # tensors.sha256 found in MODEL
+    with pytest.raises(OSError) as caught:
+        (mountpoint / "w1").read_bytes()
+    assert caught.value.errno == errno.EIO
+    assert (mountpoint / "w2").read_bytes() == reference_tensors(model_dir / "b.safetensors")["w2"][2]
+    assert "tensor 'w1' in shard" in mounts.log() and "does not match the manifest" in mounts.log()
+    result = subprocess.run(["sha256sum", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "w1: FAILED open or read" in result.stdout and "w2: OK" in result.stdout and "sub/w3: OK" in result.stdout
+
+
+def test_verify_all_refuses_to_mount_a_corrupt_model(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    manifest = tmp_path / "m.json"
+    manifest.write_text(format_manifest(expected_digests(model_dir), as_json=True))
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    ok = mounts.mount(model_dir, "--manifest", str(manifest), "--verify", "all", "--no-cache")
+    assert (ok / "w1").read_bytes()
+    flip_byte_in_place(model_dir / "b.safetensors", "sub/w3")
+    result = mounts.run(
+        "mount", "--manifest", str(manifest), "--verify", "all", "--no-cache", str(model_dir), str(mountpoint)
+    )
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == f"error: {model_dir / 'b.safetensors'}: tensor 'sub/w3': does not match {manifest}; nothing mounted\n"
+    )
+    assert not os.path.ismount(mountpoint)
+    incomplete = tmp_path / "incomplete.sha256"
+    incomplete.write_text(format_manifest({"w1": "0" * 64}))
+    result = mounts.run("mount", "--manifest", str(incomplete), str(model_dir), str(mountpoint))
+    assert result.returncode == 1 and "tensor 'w2': is in the model but not in the manifest" in result.stderr
