@@ -313,6 +313,36 @@ def status(as_json: bool) -> None:
         click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
 
 
+@cli.command()
+@click.option("--quick", is_flag=True, help="A small model and one try of each: checks the benchmark works.")
+@click.option("--gib", type=float, help="Size of the model of big tensors (default 2).")
+@click.option("--shards", type=int, help="Its shard count (default 4).")
+@click.option("--repeat", type=int, help="Tries of each measurement; medians are reported (default 3).")
+@click.option("--readahead-kb", type=int, help="Passed to each mount (default 1024).")
+@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), help="Where to build (default: $TMPDIR).")
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
+)
+def bench(
+    quick: bool,
+    gib: float | None,
+    shards: int | None,
+    repeat: int | None,
+    readahead_kb: int | None,
+    workdir: Path | None,
+    json_path: Path | None,
+) -> int:
+    """Measure the read path, mount and listing against direct baselines (needs FUSE; root for cold reads)."""
+    from . import bench as benchmark
+
+    config = benchmark.Config.quick() if quick else benchmark.Config()
+    for name, value in (("gib", gib), ("shards", shards), ("repeat", repeat), ("readahead_kb", readahead_kb)):
+        if value is not None:
+            setattr(config, name, value)
+    config.workdir = workdir
+    return benchmark.main(config, json_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code: 0 done, 1 bad input or failure, 2 usage error."""
     try:

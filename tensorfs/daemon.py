@@ -231,7 +231,7 @@ def serve(
         return 1
     log.info("serving %s (%d tensors) at %s", model.source, len(model), mountpoint)
     try:
-        trio.run(_run, mountpoint, options.readahead_kb, notify)
+        trio.run(_run, operations, mountpoint, options.readahead_kb, notify)
     except BaseException:
         pyfuse3.close(unmount=False)  # the session may be broken: pyfuse3's advice is to not unmount
         raise
@@ -240,8 +240,11 @@ def serve(
     return 0
 
 
-async def _run(mountpoint: Path, readahead_kb: int, notify: Callable[[str], None]) -> None:
+async def _run(
+    operations: TensorOperations, mountpoint: Path, readahead_kb: int, notify: Callable[[str], None]
+) -> None:
     async with trio.open_nursery() as nursery:
+        operations.nursery = nursery
         nursery.start_soon(_unmount_on_signal)
         nursery.start_soon(_report_ready, mountpoint, readahead_kb, notify)
         await pyfuse3.main()

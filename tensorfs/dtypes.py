@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import ml_dtypes
 import numpy as np
@@ -19,7 +20,7 @@ class DType:
     numpy: np.dtype | None
     """The little-endian numpy dtype (ml_dtypes for bf16/fp8); None for packed F4/F6."""
 
-    @property
+    @cached_property
     def numpy_name(self) -> str | None:
         """A string `np.dtype()` accepts (once ml_dtypes is imported), e.g. "<f4" or "bfloat16"."""
         if self.numpy is None:

@@ -12,6 +12,8 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -19,12 +21,14 @@ import trio
 
 from .errors import TensorfsError
 from .integrity import HASH_WORKERS, Integrity, TensorCorrupt
+from .pages import ShardPages
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 
 log = logging.getLogger(__name__)
 
 # The files never change while mounted: let the kernel cache names, attributes and pages for long.
 CACHE_TIMEOUT = 24 * 3600.0
+DEFAULT_PREFETCH = 32 << 20
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 # Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
@@ -75,7 +79,12 @@ class TensorOperations(pyfuse3.Operations):
         self._hashers = trio.CapacityLimiter(HASH_WORKERS)  # hashing threads at once, over all requests
         self._uid = os.getuid()
         self._gid = os.getgid()
-        self._spans: dict[int, tuple[memoryview, int, int]] = {}  # tensor inode -> (shard view, start, end)
+        self._spans: dict[int, _Span] = {}  # open tensor files by inode
+        self._pages: dict[Path, ShardPages] = {}
+        self._populaters = trio.CapacityLimiter(4)
+        self.prefetch = DEFAULT_PREFETCH
+        self.nursery: trio.Nursery | None = None
+        """Where background prefetches run; set while the daemon serves (None: no background work)."""
         self._digests: dict[str, str] = {}
         self._hashing: dict[str, trio.Event] = {}
         self.files = self.tree.inode_count
@@ -124,12 +133,30 @@ class TensorOperations(pyfuse3.Operations):
 
     @handler
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        listing = self.tree.listing(fh)
-        dots = ((".", fh), ("..", self.tree.parent(fh)))
+        tree = self.tree
+        # One EntryAttributes serves every entry: readdir_reply copies it out at once, and making
+        # 300k of them would be most of the cost of listing a large model.
+        entry = self._entry(tree.attributes(fh))
+        reply = pyfuse3.readdir_reply
         # Offset i + 1 follows entry i (. and .. first): the kernel resumes where it last stopped.
-        for offset in range(start_id, len(listing) + 2):
-            name, inode = dots[offset] if offset < 2 else listing[offset - 2]
-            if not pyfuse3.readdir_reply(token, name.encode(), self._entry(self.tree.attributes(inode)), offset + 1):
+        offset = start_id
+        if offset == 0:
+            if not reply(token, b".", entry, 1):
+                return
+            offset = 1
+        if offset == 1:
+            if not reply(token, b"..", self._entry(tree.attributes(tree.parent(fh))), 2):
+                return
+            offset = 2
+        for name, inode, mode, size, nlink, mtime in tree.scan(fh, offset - 2):
+            entry.st_ino = inode
+            entry.st_mode = mode
+            entry.st_size = size
+            entry.st_blocks = -(-size // 512)
+            entry.st_nlink = nlink
+            entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = mtime
+            offset += 1
+            if not reply(token, name.encode(), entry, offset):
                 break
 
     async def releasedir(self, fh: int) -> None:
@@ -149,7 +176,11 @@ class TensorOperations(pyfuse3.Operations):
         if node.kind is Kind.TENSOR and inode not in self._spans:
             assert node.tensor is not None
             info = self.tree.model.info(node.tensor)
-            self._spans[inode] = (self.tree.model.shard_view(info.shard), info.offset, info.offset + info.nbytes)
+            view = self.tree.model.shard_view(info.shard)
+            pages = self._pages.get(info.shard)
+            if pages is None:
+                pages = self._pages[info.shard] = ShardPages(view)
+            self._spans[inode] = _Span(view, pages, info.offset, info.offset + info.nbytes)
         # keep_cache: the bytes never change, so pages the kernel holds stay valid across opens.
         # Never direct_io: it would break shared mmap (np.memmap) of the mounted files.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=False)
@@ -158,8 +189,17 @@ class TensorOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         span = self._spans.get(fh)
         if span is not None:
-            view, start, end = span
-            return view[min(start + off, end) : min(start + off + size, end)]
+            low = min(span.start + off, span.end)
+            high = min(low + size, span.end)
+            if not span.ready_from <= low < high <= span.ready_to:
+                # Not known to be in memory: bring in this request and a window ahead, off this thread.
+                until = min(span.end, high + self.prefetch)
+                await trio.to_thread.run_sync(span.pages.populate, low, until, limiter=self._populaters)
+                span.ready_from, span.ready_to = low, until
+            elif self.nursery is not None and self._window_running_out(span, high):
+                span.prefetching = True  # a sequential reader: fetch the next window meanwhile
+                self.nursery.start_soon(self._prefetch, span)
+            return span.view[low:high]
         node = self.tree.node(fh)
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
@@ -169,6 +209,18 @@ class TensorOperations(pyfuse3.Operations):
         else:
             content = self.tree.small_file(fh)
         return content[off : off + size]
+
+    def _window_running_out(self, span: _Span, high: int) -> bool:
+        return span.ready_to < span.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
+
+    async def _prefetch(self, span: _Span) -> None:
+        begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
+        try:
+            done = await trio.to_thread.run_sync(span.pages.populate, begin, until, limiter=self._populaters)
+            if done and span.ready_to == begin:  # no request moved the window meanwhile
+                span.ready_to = until
+        finally:
+            span.prefetching = False
 
     async def digest(self, name: str) -> str:
         """The tensor's actual SHA-256, found or hashed once in a worker thread; callers share it."""
@@ -256,6 +308,19 @@ class TensorOperations(pyfuse3.Operations):
     # -- everything that would change the tree: refused -------------------------------------
     setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
     create = write = setxattr = removexattr = _read_only
+
+
+@dataclass(eq=False)
+class _Span:
+    """An open tensor file: where its bytes are, and which of them are known to be in memory."""
+
+    view: memoryview
+    pages: ShardPages
+    start: int
+    end: int
+    ready_from: int = 0
+    ready_to: int = 0
+    prefetching: bool = False
 
 
 def _decode(name: bytes) -> str:

@@ -58,12 +58,13 @@ class Model:
 
     # -- the set of tensors --------------------------------------------------------------
     @cached_property
-    def _sorted_names(self) -> list[str]:
+    def sorted_names(self) -> list[str]:
+        """Every tensor name, sorted: the model's own list, not to be changed (names() copies it)."""
         return sorted(self._owner)
 
     def names(self) -> list[str]:
         """Every tensor name, sorted."""
-        return list(self._sorted_names)
+        return list(self.sorted_names)
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -72,7 +73,7 @@ class Model:
         return name in self._owner
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._sorted_names)
+        return iter(self.sorted_names)
 
     @property
     def shards(self) -> list[Path]:
@@ -87,6 +88,17 @@ class Model:
     def shard_header(self, shard: Path) -> ShardHeader:
         """The validated header of one shard."""
         return self._shards[shard].header
+
+    def entry(self, name: str) -> tuple[Path, int, Entry]:
+        """(shard, where its data starts, the header's entry): the raw form, for code that does 100k."""
+        shard = self._owner[name]
+        return shard.header.path, shard.header.data_start, shard.by_name[name]
+
+    def locate(self, name: str) -> tuple[Path, int, int]:
+        """(shard, absolute offset, nbytes) of a tensor: cheaper than info() where that is all."""
+        shard = self._owner[name]
+        begin, end, _, _, _ = shard.by_name[name]
+        return shard.header.path, shard.header.data_start + begin, end - begin
 
     def info(self, name: str) -> TensorInfo:
         """Where tensor `name` lives and what it is; KeyError when there is no such tensor."""

@@ -1,23 +1,28 @@
 """The mounted namespace: inodes, directories, entries, attributes and the bytes of small files.
 
 Pure: no pyfuse3 here, so all of it is tested without a mount. The tree never changes once
-built: inodes are fixed numbers, computed rather than stored, so a model of 100k tensors costs
-a few lists, and anything else (a directory's listing, a .meta.json) is made on first use.
+built, and a model may hold 100k tensors, so nothing is stored per entry: inodes are computed,
+a directory's entries are found by arithmetic, names by bisection in the sorted tensor paths, and
+a .meta.json's size by adding up the lengths of its parts.
 
-Inodes: 1 is the root; then every other directory; then .tensorfs/ and its files; then three per
-tensor in sorted order: the tensor's bytes, its .meta.json and its .sha256.
+Inodes: 1 is the root, then every other directory, then .tensorfs/ and its files, then three per
+tensor in path order: the tensor's bytes, its .meta.json and its .sha256. A directory lists its
+subdirectories (and, at the root, .tensorfs), then each of its tensors' three files.
 """
 
 from __future__ import annotations
 
 import json
 import stat
+from array import array
 from bisect import bisect_left
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from json.encoder import encode_basestring
 
 from .errors import TensorfsError
+from .header import Entry
 from .integrity import sha256sum_line
 from .model import Model
 from .names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
@@ -27,6 +32,8 @@ SUMS_NAME = "SHA256SUMS"
 FILE_MODE = stat.S_IFREG | 0o444
 DIR_MODE = stat.S_IFDIR | 0o555
 META_SUFFIX, SHA256_SUFFIX = SIDECAR_SUFFIXES
+SUFFIXES = ("", META_SUFFIX, SHA256_SUFFIX)
+_HEX_LINE = len("0" * 64 + "  \n")
 
 
 class Kind(Enum):
@@ -38,6 +45,9 @@ class Kind(Enum):
     """A file of .tensorfs/ made from the model alone."""
     SUMS = "sums"
     """.tensorfs/SHA256SUMS: every tensor's hash, by path from the mount root."""
+
+
+_TENSOR_KINDS = (Kind.TENSOR, Kind.META, Kind.SHA256)
 
 
 class NoSuchEntry(TensorfsError):
@@ -70,37 +80,43 @@ class Tree:
     def __init__(self, model: Model, layout: Layout, control_files: dict[str, Callable[[], bytes]]) -> None:
         """`control_files` maps each file of .tensorfs/ to the function that makes its bytes."""
         self.model = model
-        self.names = model.names()
+        self.layout = layout
+        if layout == "slash":
+            self.paths = self.names = model.sorted_names  # a name is its path: one list serves both
+        else:
+            pairs = sorted((tensor_path(name, layout), name) for name in model.sorted_names)
+            self.paths = [path for path, _ in pairs]
+            self.names = [name for _, name in pairs]
         self._shard_mtime_ns = {shard: model.shard_stat(shard).st_mtime_ns for shard in model.shards}
         self.mtime_ns = max(self._shard_mtime_ns.values(), default=0)
 
-        # Directories: index 0 is the root; each knows its parent, its name and its tensors.
+        # Directories: index 0 is the root; each knows its path, parent, subdirectories and tensors.
         self._dir_paths: list[str] = [""]
         self._dir_index: dict[str, int] = {"": 0}
         self._dir_parent: list[int] = [0]
-        self._dir_tensors: list[list[int]] = [[]]
         self._dir_subdirs: list[list[int]] = [[]]
-        self._basenames: list[str] = []
-        for i, name in enumerate(self.names):
-            directory, _, base = tensor_path(name, layout).rpartition("/")
-            index = self._dir_index.get(directory)
-            if index is None:
-                index = self._add_directory(directory)
-            self._dir_tensors[index].append(i)
-            self._basenames.append(base)
+        self._dir_tensors: list[Sequence[int]] = [range(len(self.paths))]
+        if any("/" in path for path in self.paths):
+            tensors_of: list[array[int]] = [array("L")]
+            self._dir_tensors = tensors_of  # type: ignore[assignment]
+            for i, path in enumerate(self.paths):
+                directory = path.rpartition("/")[0]
+                index = self._dir_index.get(directory)
+                if index is None:
+                    index = self._add_directory(directory)
+                tensors_of[index].append(i)
+        for subdirs in self._dir_subdirs:
+            subdirs.sort(key=self._dir_paths.__getitem__)
 
-        self.layout = layout
         self._control_names = sorted([*control_files, SUMS_NAME])
         self._control_makers = control_files
         self.control_dir_inode = ROOT_INODE + len(self._dir_paths)
         self._first_tensor_inode = self.control_dir_inode + 1 + len(self._control_names)
-        self._listings: dict[int, list[tuple[str, int]]] = {}
-        self._lookups: dict[int, dict[str, int]] = {}
         self._small_files: dict[int, bytes] = {}
         self._sums_size: int | None = None
 
     def _add_directory(self, path: str) -> int:
-        parent_path, _, _ = path.rpartition("/")
+        parent_path = path.rpartition("/")[0]
         parent = self._dir_index.get(parent_path)
         if parent is None:
             parent = self._add_directory(parent_path)
@@ -108,73 +124,133 @@ class Tree:
         self._dir_paths.append(path)
         self._dir_index[path] = index
         self._dir_parent.append(parent)
-        self._dir_tensors.append([])
         self._dir_subdirs.append([])
+        self._dir_tensors.append(array("L"))
         self._dir_subdirs[parent].append(index)
         return index
 
     # -- inodes ----------------------------------------------------------------------------
     @property
     def inode_count(self) -> int:
-        return self._first_tensor_inode - ROOT_INODE + 3 * len(self.names)
+        return self._first_tensor_inode - ROOT_INODE + 3 * len(self.paths)
 
     def node(self, inode: int) -> Node:
         """What `inode` is; NoSuchEntry when the tree has no such inode."""
-        if ROOT_INODE <= inode < self.control_dir_inode:
+        if ROOT_INODE <= inode <= self.control_dir_inode:
             return Node(inode, Kind.DIRECTORY)
-        if inode == self.control_dir_inode:
-            return Node(inode, Kind.DIRECTORY)
-        if self.control_dir_inode < inode < self._first_tensor_inode:
+        if inode < self._first_tensor_inode and inode > ROOT_INODE:
             control = self._control_names[inode - self.control_dir_inode - 1]
             return Node(inode, Kind.SUMS if control == SUMS_NAME else Kind.CONTROL, control=control)
-        offset = inode - self._first_tensor_inode
-        if 0 <= offset < 3 * len(self.names):
-            tensor, which = divmod(offset, 3)
-            return Node(inode, (Kind.TENSOR, Kind.META, Kind.SHA256)[which], tensor=self.names[tensor])
+        tensor, which = divmod(inode - self._first_tensor_inode, 3)
+        if 0 <= tensor < len(self.names):
+            return Node(inode, _TENSOR_KINDS[which], tensor=self.names[tensor])
         raise NoSuchEntry(f"no inode {inode}")
 
     def tensor_inode(self, name: str) -> int:
         """The inode of tensor `name`'s file (its sidecars follow it)."""
-        index = _bisect(self.names, name)
-        return self._first_tensor_inode + 3 * index
+        return self._first_tensor_inode + 3 * self._path_index(tensor_path(name, self.layout))
+
+    def _path_index(self, path: str) -> int:
+        index = bisect_left(self.paths, path)
+        if index == len(self.paths) or self.paths[index] != path:
+            raise NoSuchEntry(f"no tensor at {path!r}")
+        return index
+
+    def _basename(self, tensor: int) -> str:
+        return self.paths[tensor].rpartition("/")[2]
 
     # -- directories -----------------------------------------------------------------------
-    def listing(self, inode: int) -> list[tuple[str, int]]:
-        """The entries of directory `inode` as (name, inode), sorted by name; made on first use."""
-        listing = self._listings.get(inode)
-        if listing is None:
-            listing = sorted(self._entries(inode))
-            self._listings[inode] = listing
-        return listing
-
-    def _entries(self, inode: int) -> list[tuple[str, int]]:
+    def entry_count(self, inode: int) -> int:
+        """How many entries directory `inode` holds."""
         if inode == self.control_dir_inode:
-            return [(name, self.control_dir_inode + 1 + i) for i, name in enumerate(self._control_names)]
+            return len(self._control_names)
         index = self._dir_number(inode)
-        entries = [(self._dir_paths[sub].rpartition("/")[2], ROOT_INODE + sub) for sub in self._dir_subdirs[index]]
-        first = self._first_tensor_inode
-        for t in self._dir_tensors[index]:
-            base = self._basenames[t]
-            file_inode = first + 3 * t
-            entries += [
-                (base, file_inode),
-                (base + META_SUFFIX, file_inode + 1),
-                (base + SHA256_SUFFIX, file_inode + 2),
-            ]
+        return len(self._dir_subdirs[index]) + (index == 0) + 3 * len(self._dir_tensors[index])
+
+    def entry_at(self, inode: int, position: int) -> tuple[str, int]:
+        """Entry number `position` (from 0) of directory `inode`, as (name, inode)."""
+        if inode == self.control_dir_inode:
+            return self._control_names[position], self.control_dir_inode + 1 + position
+        index = self._dir_number(inode)
+        subdirs = self._dir_subdirs[index]
+        if position < len(subdirs):
+            sub = subdirs[position]
+            return self._dir_paths[sub].rpartition("/")[2], ROOT_INODE + sub
+        position -= len(subdirs)
         if index == 0:
-            entries.append((RESERVED_DIR, self.control_dir_inode))
-        return entries
+            if position == 0:
+                return RESERVED_DIR, self.control_dir_inode
+            position -= 1
+        tensor, which = divmod(position, 3)
+        t = self._dir_tensors[index][tensor]
+        return self._basename(t) + SUFFIXES[which], self._first_tensor_inode + 3 * t + which
+
+    def scan(self, inode: int, position: int) -> Iterator[tuple[str, int, int, int, int, int]]:
+        """The entries of directory `inode` from `position` on, as (name, inode, mode, size, nlink, mtime_ns).
+
+        What readdir needs, made in one pass: what the three files of a tensor share is found once.
+        """
+        count = self.entry_count(inode)
+        if inode == self.control_dir_inode or position < count - 3 * len(self._dir_tensors[self._dir_number(inode)]):
+            # Subdirectories, .tensorfs and control files: few, taken one by one.
+            while position < count:
+                name, child = self.entry_at(inode, position)
+                if self.node(child).kind not in _TENSOR_KINDS:
+                    a = self.attributes(child)
+                    yield name, child, a.mode, a.size, a.nlink, a.mtime_ns
+                    position += 1
+                    continue
+                break
+        if position >= count:
+            return
+        index = self._dir_number(inode)
+        tensors = self._dir_tensors[index]
+        first_tensor = count - 3 * len(tensors)
+        start, which = divmod(position - first_tensor, 3)
+        model, paths, names, first_inode = self.model, self.paths, self.names, self._first_tensor_inode
+        mtimes = self._shard_mtime_ns
+        for k in range(start, len(tensors)):  # by index: slicing an array would copy the rest of it
+            t = tensors[k]
+            shard, data_start, entry = model.entry(names[t])
+            base = paths[t].rpartition("/")[2]
+            mtime = mtimes[shard]
+            file_inode = first_inode + 3 * t
+            if which == 0:
+                yield base, file_inode, FILE_MODE, entry[1] - entry[0], 1, mtime
+            if which <= 1:
+                size = _meta_size(entry, data_start, shard.name)
+                yield base + META_SUFFIX, file_inode + 1, FILE_MODE, size, 1, mtime
+            yield base + SHA256_SUFFIX, file_inode + 2, FILE_MODE, self._sha256_size(t), 1, mtime
+            which = 0
+
+    def listing(self, inode: int) -> list[tuple[str, int]]:
+        """Every entry of directory `inode` as (name, inode)."""
+        return [self.entry_at(inode, i) for i in range(self.entry_count(inode))]
 
     def lookup(self, parent: int, name: str) -> int:
         """The inode of `name` in directory `parent`; NoSuchEntry when there is none."""
-        table = self._lookups.get(parent)
-        if table is None:
-            table = dict(self.listing(parent))
-            self._lookups[parent] = table
-        found = table.get(name)
-        if found is None:
-            raise NoSuchEntry(f"no entry {name!r} in directory {parent}")
-        return found
+        if parent == self.control_dir_inode:
+            try:
+                return self.control_dir_inode + 1 + self._control_names.index(name)
+            except ValueError:
+                raise NoSuchEntry(f"no {name!r} in {RESERVED_DIR}") from None
+        index = self._dir_number(parent)
+        if index == 0 and name == RESERVED_DIR:
+            return self.control_dir_inode
+        prefix = self._dir_paths[index] + "/" if index else ""
+        sub = self._dir_index.get(prefix + name)
+        if sub is not None and "/" not in name:
+            return ROOT_INODE + sub
+        for which, suffix in enumerate(SUFFIXES):
+            if name.endswith(suffix) and len(name) > len(suffix):
+                base = name[: len(name) - len(suffix)] if suffix else name
+                if "/" in base:
+                    break
+                try:
+                    return self._first_tensor_inode + 3 * self._path_index(prefix + base) + which
+                except NoSuchEntry:
+                    continue
+        raise NoSuchEntry(f"no entry {name!r} in directory {parent}")
 
     def parent(self, inode: int) -> int:
         """The parent directory of directory `inode` (the root is its own parent)."""
@@ -190,58 +266,58 @@ class Tree:
 
     # -- attributes and contents -----------------------------------------------------------
     def attributes(self, inode: int) -> Attributes:
+        tensor, which = divmod(inode - self._first_tensor_inode, 3)
+        if 0 <= tensor < len(self.names):  # the common case first: a tensor's file
+            name = self.names[tensor]
+            shard, _, nbytes = self.model.locate(name)
+            mtime = self._shard_mtime_ns[shard]
+            if which == 0:
+                return Attributes(inode, Kind.TENSOR, FILE_MODE, nbytes, 1, mtime)
+            if which == 1:
+                return Attributes(inode, Kind.META, FILE_MODE, meta_size(self.model, name), 1, mtime)
+            return Attributes(inode, Kind.SHA256, FILE_MODE, self._sha256_size(tensor), 1, mtime)
         node = self.node(inode)
         if node.kind is Kind.DIRECTORY:
             subdirs = 0 if inode == self.control_dir_inode else len(self._dir_subdirs[self._dir_number(inode)])
             subdirs += inode == ROOT_INODE  # .tensorfs/
             return Attributes(inode, node.kind, DIR_MODE, 0, 2 + subdirs, self.mtime_ns)
-        if node.kind is Kind.TENSOR:
-            assert node.tensor is not None
-            info = self.model.info(node.tensor)
-            return Attributes(inode, node.kind, FILE_MODE, info.nbytes, 1, self._shard_mtime_ns[info.shard])
-        if node.kind is Kind.SHA256:
-            assert node.tensor is not None
-            size = len(sha256_line("0" * 64, self._basename(node.tensor)))
-            return Attributes(inode, node.kind, FILE_MODE, size, 1, self._tensor_mtime(node.tensor))
         if node.kind is Kind.SUMS:
             if self._sums_size is None:
                 self._sums_size = len(self.sha256sums(dict.fromkeys(self.names, "0" * 64)))
             return Attributes(inode, node.kind, FILE_MODE, self._sums_size, 1, self.mtime_ns)
-        mtime = self.mtime_ns if node.tensor is None else self._tensor_mtime(node.tensor)
-        return Attributes(inode, node.kind, FILE_MODE, len(self.small_file(inode)), 1, mtime)
+        return Attributes(inode, node.kind, FILE_MODE, len(self.small_file(inode)), 1, self.mtime_ns)
 
-    def _tensor_mtime(self, name: str) -> int:
-        return self._shard_mtime_ns[self.model.info(name).shard]
-
-    def _basename(self, name: str) -> str:
-        return self._basenames[_bisect(self.names, name)]
+    def _sha256_size(self, tensor: int) -> int:
+        base = self._basename(tensor)
+        if base.isascii() and "\\" not in base and "\n" not in base and "\r" not in base:
+            return _HEX_LINE + len(base)
+        return len(sha256_line("0" * 64, base))
 
     def small_file(self, inode: int) -> bytes:
-        """The bytes of a .meta.json or a .tensorfs/ file, made on first use."""
+        """The bytes of a .meta.json or a .tensorfs/ file (the latter made once, on first use)."""
+        node = self.node(inode)
+        if node.kind is Kind.META:
+            assert node.tensor is not None
+            return meta_json(self.model, node.tensor)  # cheap enough to make again: nothing kept per tensor
+        if node.kind is not Kind.CONTROL:
+            raise NoSuchEntry(f"inode {inode} is not a small file")
         content = self._small_files.get(inode)
         if content is None:
-            node = self.node(inode)
-            if node.kind is Kind.META:
-                assert node.tensor is not None
-                content = meta_json(self.model, node.tensor)
-            elif node.kind is Kind.CONTROL:
-                assert node.control is not None
-                content = self._control_makers[node.control]()
-            else:
-                raise NoSuchEntry(f"inode {inode} is not a small file")
-            self._small_files[inode] = content
+            assert node.control is not None
+            content = self._small_files[inode] = self._control_makers[node.control]()
         return content
 
     def sha256_file(self, inode: int, hex_digest: str) -> bytes:
         """The .sha256 sidecar of inode `inode`, given its tensor's digest."""
-        node = self.node(inode)
-        assert node.kind is Kind.SHA256 and node.tensor is not None
-        return sha256_line(hex_digest, self._basename(node.tensor))
+        tensor, which = divmod(inode - self._first_tensor_inode, 3)
+        assert which == 2 and 0 <= tensor < len(self.names)
+        return sha256_line(hex_digest, self._basename(tensor))
 
     def sha256sums(self, digests: Mapping[str, str]) -> bytes:
         """SHA256SUMS: a line per tensor, by path from the mount root, for `sha256sum -c` there."""
-        layout = self.layout
-        return "".join(sha256sum_line(digests[name], tensor_path(name, layout)) for name in self.names).encode()
+        return "".join(
+            sha256sum_line(digests[name], path) for name, path in zip(self.names, self.paths, strict=True)
+        ).encode()
 
     @property
     def sums_inode(self) -> int:
@@ -253,6 +329,41 @@ def meta_json(model: Model, name: str) -> bytes:
     return (json.dumps(model.info(name).as_json(), ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def meta_size(model: Model, name: str) -> int:
+    """len(meta_json(model, name)), by adding up the lengths of its parts (a listing needs 100k of them)."""
+    shard, data_start, entry = model.entry(name)
+    return _meta_size(entry, data_start, shard.name)
+
+
+def _meta_size(entry: Entry, data_start: int, shard_name: str) -> int:
+    begin, end, name, dtype, shape = entry
+    numpy_name = dtype.numpy_name
+    return (
+        _META_FIXED
+        + _json_string_size(name)
+        + len(dtype.name)
+        + (2 + 2 * len(shape) + sum(map(len, map(str, shape))) - (2 if shape else 0))
+        + len(str(end - begin))
+        + _json_string_size(shard_name)
+        + len(str(data_start + begin))
+        + len(str(begin))
+        + len(str(end))
+        + (4 if numpy_name is None else len(numpy_name) + 2)
+    )
+
+
+def _json_string_size(text: str) -> int:
+    encoded = encode_basestring(text)
+    return len(encoded) if encoded.isascii() else len(encoded.encode("utf-8"))
+
+
+# Everything of a .meta.json but its values: keys, quotes around the dtype, separators, braces, "\n".
+_META_FIXED = (
+    len('{"name": , "dtype": "", "shape": , "nbytes": , "shard": , "offset": , "data_offsets": [, ], "numpy_dtype": }')
+    + 1
+)
+
+
 def sha256_line(hex_digest: str, filename: str) -> bytes:
     """A line `sha256sum -c` accepts, escaping the name as GNU sha256sum does when it must."""
     return sha256sum_line(hex_digest, filename).encode()
@@ -260,13 +371,6 @@ def sha256_line(hex_digest: str, filename: str) -> bytes:
 
 def index_json(model: Model) -> bytes:
     """A model.safetensors.index.json-style index of what is mounted."""
-    weight_map = {name: model.info(name).shard.name for name in model.names()}
+    weight_map = {name: model.locate(name)[0].name for name in model.sorted_names}
     document = {"metadata": {"total_size": model.nbytes}, "weight_map": weight_map}
     return (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-
-
-def _bisect(names: list[str], name: str) -> int:
-    index = bisect_left(names, name)
-    if index == len(names) or names[index] != name:
-        raise NoSuchEntry(f"no tensor {name!r}")
-    return index

@@ -12,7 +12,18 @@ import pytest
 
 import tensorfs
 from helpers import entry, raw_shard, write_reference
-from tensorfs.tree import DIR_MODE, FILE_MODE, ROOT_INODE, Kind, NoSuchEntry, Tree, index_json, sha256_line
+from tensorfs.tree import (
+    DIR_MODE,
+    FILE_MODE,
+    ROOT_INODE,
+    Kind,
+    NoSuchEntry,
+    Tree,
+    index_json,
+    meta_json,
+    meta_size,
+    sha256_line,
+)
 
 
 @pytest.fixture
@@ -139,3 +150,26 @@ def test_index_json(model: tensorfs.Model) -> None:
         "metadata": {"total_size": 8 + 6 + 1 + 1},
         "weight_map": dict.fromkeys(["a", "b/c/y", "b/x", "é"], "m.safetensors"),
     }
+
+
+def test_meta_size_adds_up_to_the_meta_json(tmp_path: Path) -> None:
+    names = ["a", 'q"uote', "back\\slash", "new\nline", "ünï/cødé", "名前", "tab\tx", "\x7f", "e" * 200, "sp ace"]
+    header = {}
+    offset = 0
+    for i, name in enumerate(names):
+        shape = [[], [0], [3, 5], [1, 1, 1, 7]][i % 4]
+        dtype = ["F32", "BF16", "F4", "BOOL", "C64"][i % 5]
+        bits = {"F32": 32, "BF16": 16, "F4": 4, "BOOL": 8, "C64": 64}[dtype]
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count * bits % 8:
+            shape, count = [2], 2
+        nbytes = count * bits // 8
+        header[name] = entry(dtype, shape, offset, offset + nbytes)
+        offset += nbytes
+    shard = tmp_path / "ünï shard.safetensors"
+    shard.write_bytes(raw_shard(header, bytes(offset)))
+    with tensorfs.open_model(shard) as model:
+        for name in names:
+            assert meta_size(model, name) == len(meta_json(model, name)), name

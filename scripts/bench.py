@@ -1,0 +1,12 @@
+#!/usr/bin/env python3
+"""The read-path benchmark (issue 5); the same as `tensorfs bench`. See tensorfs/bench.py.
+
+.venv/bin/python scripts/bench.py [--quick] [--gib 2] [--repeat 3] [--json FILE]
+"""
+
+import sys
+
+from tensorfs.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,59 @@
+"""Bringing a shard's pages into memory on a worker thread, so the trio thread never waits on a disk.
+
+A read is answered with a slice of the shard's mmap, and the kernel copies from it on pyfuse3's
+one trio thread: a page not yet in memory there would stall every other request while the disk
+seeks. So before a range is answered it is populated (MADV_POPULATE_READ: read in and mapped) on
+a worker thread. mmap.madvise holds the GIL through the call, so madvise is called through ctypes,
+which lets it go.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MADV_WILLNEED = 3
+MADV_POPULATE_READ = 22  # Linux 5.14+
+PAGE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
+_populate_supported = True
+
+
+class ShardPages:
+    """The pages of one shard's mapping."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.size = len(view)
+        # The address only: no buffer export is kept, the model owns the mapping for the mount's life.
+        self._address = (
+            int(np.frombuffer(view, dtype=np.uint8, count=min(1, self.size)).ctypes.data) if self.size else 0
+        )
+
+    def populate(self, start: int, end: int) -> bool:
+        """Read [start, end) of the shard into memory and map it; False if that failed (e.g. truncated)."""
+        global _populate_supported
+        start = max(0, start - start % PAGE)
+        end = min(end, self.size)
+        if end <= start:
+            return True
+        advice = MADV_POPULATE_READ if _populate_supported else MADV_WILLNEED
+        if _madvise(self._address + start, end - start, advice) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code == errno.EINVAL and advice == MADV_POPULATE_READ:
+            _populate_supported = False  # an older kernel: ask for readahead instead
+            log.info("MADV_POPULATE_READ unsupported; prefetching with MADV_WILLNEED")
+            return self.populate(start, end)
+        log.debug("madvise(%d, %d) of a shard failed: %s", start, end - start, os.strerror(code))
+        return False
