@@ -233,7 +233,7 @@ def mount(
     Everything is validated first, as `validate` does; nothing is mounted if anything is wrong.
     Returns once the mount answers, leaving the daemon in the background (unless -f).
     """
-    from .daemon import MountOptions, check_mountpoint, split_fuse_options
+    from .daemon import MountOptions, split_fuse_options
     from .daemon import mount as mount_model
 
     options = MountOptions(
@@ -244,29 +244,31 @@ def mount(
         log_file=log_file.absolute() if log_file else None,
         readahead_kb=readahead_kb,
     )
-    check_mountpoint(mountpoint)
-    model = open_model(source, layout=layout)
-    cache = open_cache(cache_dir, no_cache)
     manifest_path = manifest_path or (find_default_manifest(source) if verify != "off" else None)
     if verify is not None and verify != "off" and manifest_path is None:
         raise TensorfsError(f"--verify={verify} needs a manifest: --manifest FILE, or {DEFAULT_MANIFEST} in MODEL")
-    expected = None
-    verified: set[str] = set()
-    if manifest_path is not None and verify != "off":
-        expected = read_manifest(manifest_path)
-        require_coverage(model, expected, str(manifest_path))
-        if verify == "all":
-            actual = hash_model(model, cache)
-            bad = compare(model, expected, actual).mismatched
-            if bad:
-                raise InvalidModelError(
-                    Problem(str(model.info(name).shard), f"does not match {manifest_path}; nothing mounted", name)
-                    for name in bad
-                )
-            verified = set(actual)
+
+    def prepare() -> tuple[Model, Integrity]:
+        model = open_model(source, layout=layout)
+        cache = open_cache(cache_dir, no_cache)
+        expected = None
+        verified: set[str] = set()
+        if manifest_path is not None and verify != "off":
+            expected = read_manifest(manifest_path)
+            require_coverage(model, expected, str(manifest_path))
+            if verify == "all":
+                actual = hash_model(model, cache)
+                bad = compare(model, expected, actual).mismatched
+                if bad:
+                    raise InvalidModelError(
+                        Problem(str(model.info(name).shard), f"does not match {manifest_path}; nothing mounted", name)
+                        for name in bad
+                    )
+                verified = set(actual)
         cache.close()  # the daemon opens its own connection
-    integrity = Integrity(Hasher(model, cache), expected, verified)
-    return mount_model(model, mountpoint, options, integrity)
+        return model, Integrity(Hasher(model, cache), expected, verified)
+
+    return mount_model(prepare, mountpoint, options)
 
 
 @cli.command()

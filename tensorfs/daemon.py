@@ -1,30 +1,31 @@
-"""The mount's lifecycle: checks, pyfuse3.init, readiness, background or foreground, signals, unmount."""
+"""The mount's lifecycle: checks, the daemon's process, readiness, logging. Serving is serve.py's.
+
+In the background, `tensorfs mount` forks the daemon first, so that the daemon imports trio and
+pyfuse3 on one core while the command validates the model on the other. The command then hands the
+daemon a snapshot of the validated model through a pipe (the daemon maps the same files again,
+refusing any that changed), and waits until the daemon says the mount answers, or why not. The
+daemon never holds the garbage of parsing 100k-tensor headers, which keeps its memory small.
+"""
 
 from __future__ import annotations
 
-import json
+import gc
 import logging
 import os
-import signal
+import pickle
 import stat
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyfuse3
-import trio
-
-from . import __version__
-from .errors import MountError
-from .fs import TensorOperations
-from .integrity import Integrity
-from .model import Model
+from .errors import MountError, TensorfsError
+from .gcpause import gc_paused
+from .integrity import HashCache, Hasher, Integrity
+from .model import Model, reopen, snapshot
 from .mounttable import FSTYPE, mount_at, read_daemon_info
 from .names import Layout
-from .tree import Tree, index_json
 
 log = logging.getLogger("tensorfs")
 
@@ -91,16 +92,23 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mountpoint {mountpoint} is not empty")
 
 
-def mount(model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity) -> int:
-    """Mount `model` at `mountpoint`; return once it answers (or, in the foreground, once unmounted)."""
+Prepare = Callable[[], tuple[Model, Integrity]]
+"""Validates the model (and verifies it, if asked): what `mount` serves."""
+
+
+def mount(prepare: Prepare, mountpoint: Path, options: MountOptions) -> int:
+    """Mount what `prepare` validates at `mountpoint`; return once it answers (in the foreground: once unmounted)."""
     check_mountpoint(mountpoint)
     mountpoint = Path(os.path.abspath(mountpoint))
     # The log is opened here, before any fork, so that a log file that cannot be written is a
     # one-line error now rather than a daemon that dies without a word.
     _setup_logging(options, to_stderr=options.foreground and options.log_file is None)
     if options.foreground:
+        from .serve import serve
+
+        model, integrity = prepare()
         return serve(model, mountpoint, options, integrity, notify=lambda message: _announce(message, mountpoint))
-    return _mount_in_background(model, mountpoint, options, integrity)
+    return _mount_in_background(prepare, mountpoint, options)
 
 
 def _announce(message: str, mountpoint: Path) -> None:
@@ -110,34 +118,37 @@ def _announce(message: str, mountpoint: Path) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def _mount_in_background(model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity) -> int:
-    """Fork a daemon that mounts and serves; wait until it says the mount answers, or why not."""
-    read_end, write_end = os.pipe()
+def _mount_in_background(prepare: Prepare, mountpoint: Path, options: MountOptions) -> int:
+    """Fork the daemon, validate meanwhile, hand it the model; wait until it answers, or say why not."""
+    model_read, model_write = os.pipe()
+    status_read, status_write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    with warnings.catch_warnings():
-        # Python 3.12+ warns when forking with threads alive (numpy's BLAS pool): the child never
-        # uses them, nor any lock they could hold.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # the daemon
-        os.close(read_end)
-        code = 1
-        try:
-            os.setsid()
-            _detach_stdio()
-
-            def notify(message: str) -> None:
-                os.write(write_end, message.encode("utf-8", "backslashreplace") + b"\n")
-
-            code = serve(model, mountpoint, options, integrity, notify)
-        except BaseException:
-            log.exception("daemon failed")
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    message = _read_until_eof(read_end, READY_TIMEOUT).strip()
-    os.close(read_end)
+    pid = os.fork()
+    if pid == 0:
+        os.close(model_write)
+        os.close(status_read)
+        os._exit(_daemon(model_read, status_write, mountpoint, options))
+    os.close(model_read)
+    os.close(status_write)
+    try:
+        model, integrity = prepare()
+    except BaseException:
+        os.close(model_write)  # the daemon reads nothing, and leaves
+        os.close(status_read)
+        os.waitpid(pid, 0)
+        raise
+    with model:
+        handover = pickle.dumps(
+            (snapshot(model), integrity.expected, integrity.verified, integrity.hasher.cache.directory)
+        )
+    try:
+        with os.fdopen(model_write, "wb") as pipe:
+            pipe.write(handover)
+    except BrokenPipeError:
+        pass  # the daemon died: its status says why
+    message = _read_until_eof(status_read, READY_TIMEOUT).strip()
+    os.close(status_read)
     if message.splitlines()[:1] == [READY]:
         return 0
     _, status = os.waitpid(pid, os.WNOHANG)
@@ -145,6 +156,37 @@ def _mount_in_background(model: Model, mountpoint: Path, options: MountOptions, 
         raise MountError(message.splitlines()[0])
     log_file = options.log_file or default_log_file()
     raise MountError(f"the daemon exited before the mount was ready (status {status}); see {log_file}")
+
+
+def _daemon(model_read: int, status_write: int, mountpoint: Path, options: MountOptions) -> int:
+    """The daemon's life: import the server while the model is validated, receive it, serve it."""
+
+    def notify(message: str) -> None:
+        os.write(status_write, message.encode("utf-8", "backslashreplace") + b"\n")
+
+    try:
+        os.setsid()
+        _detach_stdio()
+        from .serve import serve  # trio and pyfuse3: imported here, while the command validates
+
+        with os.fdopen(model_read, "rb") as pipe:
+            handover = pipe.read()
+        if not handover:
+            return 0  # the model was refused: the command says why
+        with gc_paused():
+            saved, expected, verified, cache_dir = pickle.loads(handover)
+            del handover
+            model = reopen(saved)
+        gc.freeze()  # what the daemon holds lives as long as it does: no collection need look at it again
+        integrity = Integrity(Hasher(model, HashCache(cache_dir)), expected, verified)
+        return serve(model, mountpoint, options, integrity, notify)
+    except TensorfsError as exc:
+        notify(str(exc).splitlines()[0])
+        return 1
+    except BaseException as exc:
+        log.exception("daemon failed")
+        notify(f"the daemon failed: {exc!r}")
+        return 1
 
 
 def _read_until_eof(fd: int, timeout: float) -> str:
@@ -187,91 +229,3 @@ def _setup_logging(options: MountOptions, *, to_stderr: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if options.debug else logging.INFO)
-
-
-def serve(
-    model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity, notify: Callable[[str], None]
-) -> int:
-    """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-    def daemon_json() -> bytes:
-        document = {
-            "pid": os.getpid(),
-            "source": str(model.source.absolute()),
-            "mountpoint": str(mountpoint),
-            "version": __version__,
-            "started": started,
-            "tensors": len(model),
-            "bytes": model.nbytes,
-            "options": {
-                "layout": options.layout,
-                "fuse": list(options.fuse_options),
-                "readahead_kb": options.readahead_kb,
-                "debug": options.debug,
-                "manifest": integrity.expected is not None,
-                "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
-            },
-            "log_file": None
-            if options.foreground and options.log_file is None
-            else str(options.log_file or default_log_file()),
-        }
-        return (json.dumps(document, indent=2) + "\n").encode()
-
-    tree = Tree(model, options.layout, {"index.json": lambda: index_json(model), "daemon.json": daemon_json})
-    operations = TensorOperations(tree, integrity)
-    fuse_options = set(pyfuse3.default_options) | {"fsname=tensorfs", "subtype=tensorfs", "ro"}
-    fuse_options |= set(options.fuse_options)
-    if options.debug and options.foreground:
-        fuse_options.add("debug")
-    try:
-        pyfuse3.init(operations, str(mountpoint), fuse_options)
-    except RuntimeError as exc:
-        notify(f"cannot mount at {mountpoint}: {exc}")
-        return 1
-    log.info("serving %s (%d tensors) at %s", model.source, len(model), mountpoint)
-    try:
-        trio.run(_run, operations, mountpoint, options.readahead_kb, notify)
-    except BaseException:
-        pyfuse3.close(unmount=False)  # the session may be broken: pyfuse3's advice is to not unmount
-        raise
-    pyfuse3.close(unmount=True)
-    log.info("unmounted %s", mountpoint)
-    return 0
-
-
-async def _run(
-    operations: TensorOperations, mountpoint: Path, readahead_kb: int, notify: Callable[[str], None]
-) -> None:
-    async with trio.open_nursery() as nursery:
-        operations.nursery = nursery
-        nursery.start_soon(_unmount_on_signal)
-        nursery.start_soon(_report_ready, mountpoint, readahead_kb, notify)
-        await pyfuse3.main()
-        nursery.cancel_scope.cancel()
-
-
-async def _unmount_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("%s: unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
-
-
-async def _report_ready(mountpoint: Path, readahead_kb: int, notify: Callable[[str], None]) -> None:
-    # A stat of the root from another thread is answered by this daemon's loop: when it returns,
-    # the mount is live and answering.
-    st = await trio.to_thread.run_sync(os.stat, mountpoint)
-    if readahead_kb:
-        _set_readahead(st.st_dev, readahead_kb)
-    notify(READY)
-
-
-def _set_readahead(device: int, kilobytes: int) -> None:
-    """Raise the mount's readahead so the kernel sends 1 MiB reads (1.7x the 128 KiB default here)."""
-    path = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
-    try:
-        path.write_text(f"{kilobytes}\n")
-    except OSError as exc:
-        log.warning("could not set readahead (%s): %s", path, exc.strerror)

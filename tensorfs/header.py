@@ -16,14 +16,16 @@ from itertools import chain
 from math import prod
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 
 from .dtypes import DTYPES, DType
 from .errors import InvalidModelError, Problem, printable
 from .gcpause import gc_paused
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_HEADER_BYTES = 100_000_000
 """The reference reader's limit on the JSON header's length (rule 2)."""
@@ -49,8 +51,11 @@ class TensorInfo:
     """Absolute byte offset of the tensor's data in the shard file."""
     data_offsets: tuple[int, int]
     """The offsets as the header gives them, relative to the end of the header."""
-    numpy_dtype: np.dtype | None
-    """The numpy dtype (ml_dtypes for bf16/fp8); None for the packed F4/F6 types."""
+
+    @property
+    def numpy_dtype(self) -> np.dtype | None:
+        """The numpy dtype (ml_dtypes for bf16/fp8); None for the packed F4/F6 types."""
+        return DTYPES[self.dtype].numpy
 
     def as_json(self) -> dict[str, Any]:
         """The fields as JSON values: what `.meta.json` and `ls --json` say of a tensor."""
@@ -88,9 +93,7 @@ class ShardHeader:
     def info(self, entry: Entry) -> TensorInfo:
         """The public description of one of this header's entries."""
         begin, end, name, dtype, shape = entry
-        return TensorInfo(
-            name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end), dtype.numpy
-        )
+        return TensorInfo(name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end))
 
 
 def read_shard_header(path: Path, label: str | None = None) -> ShardHeader:

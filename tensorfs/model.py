@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 from collections.abc import Iterator
@@ -11,14 +12,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 
 from .errors import InvalidModelError, Problem
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo, open_shard, read_header_fd
 from .names import Layout, collisions, name_problems
+
+if TYPE_CHECKING:
+    import numpy as np
 
 INDEX_NAME = "model.safetensors.index.json"
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
@@ -126,6 +130,8 @@ class Model:
 
         BF16 and FP8 come as ml_dtypes dtypes; the packed F4/F6 types as their raw uint8 bytes.
         """
+        import numpy as np  # here: only the array views need numpy
+
         shard = self._owner[name]
         _, _, _, dtype, shape = shard.by_name[name]
         if dtype.numpy is None:
@@ -150,6 +156,68 @@ class Model:
 
     def __repr__(self) -> str:
         return f"<Model {str(self.source)!r}: {len(self._shards)} shards, {len(self)} tensors>"
+
+
+@dataclass(frozen=True)
+class ShardSnapshot:
+    header: ShardHeader
+    label: str
+    identity: tuple[int, int, int, int, int]
+    """(device, inode, size, mtime_ns, ctime_ns) of the file that was validated."""
+
+
+@dataclass(frozen=True)
+class ModelSnapshot:
+    """A validated model without its mappings: picklable, and cheap to map again (see reopen)."""
+
+    source: Path
+    layout: Layout
+    shards: list[ShardSnapshot]
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+def snapshot(model: Model) -> ModelSnapshot:
+    """What reopen() needs to map `model` again in another process, without validating it again.
+
+    Equal shapes become one shared object, which pickle then sends once: a model's tensors have
+    few distinct shapes, and 100k copies of them would be a tenth of the daemon's memory.
+    """
+    shapes: dict[tuple[int, ...], Any] = {}
+    shards = []
+    for shard in model._shards.values():
+        header = shard.header
+        entries: list[Entry] = [
+            (begin, end, name, dtype, shapes.setdefault(tuple(shape), shape))
+            for begin, end, name, dtype, shape in header.entries
+        ]
+        shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), shard.label, _identity(shard.stat)))
+    return ModelSnapshot(model.source, model.layout, shards)
+
+
+def reopen(saved: ModelSnapshot) -> Model:
+    """Map the shards of a model validated elsewhere; InvalidModelError if any file changed since."""
+    opened: list[_Shard] = []
+    try:
+        for shard in saved.shards:
+            path = shard.header.path
+            fd = open_shard(path, shard.label)
+            try:
+                status = os.fstat(fd)
+                if _identity(status) != shard.identity:
+                    raise InvalidModelError([Problem(shard.label, "changed while it was being validated; try again")])
+                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+            opened.append(_Shard(shard.header, shard.label, mapping, memoryview(mapping), status))
+    except BaseException:
+        for done in opened:
+            done.release()
+        raise
+    owner = {entry[2]: shard for shard in opened for entry in shard.header.entries}
+    return Model(saved.source, opened, owner, saved.layout)
 
 
 def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Model:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 and the fp8 names with numpy.dtype)
-import numpy as np
-
+from .dtypes import DTYPES
 from .names import SIDECAR_SUFFIXES
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def memmap(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
@@ -19,12 +20,15 @@ def memmap(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
     Packed F4/F6 tensors come as their raw uint8 bytes; an empty tensor as an empty array (a file
     of 0 bytes cannot be mapped).
     """
+    import numpy as np
+
     path = Path(path)
     meta = json.loads(path.with_name(path.name + SIDECAR_SUFFIXES[0]).read_bytes())
-    if meta["numpy_dtype"] is None:
+    dtype = DTYPES[meta["dtype"]].numpy
+    if dtype is None:
         dtype, shape = np.dtype(np.uint8), (meta["nbytes"],)
     else:
-        dtype, shape = np.dtype(meta["numpy_dtype"]), tuple(meta["shape"])
+        shape = tuple(meta["shape"])
     if meta["nbytes"] == 0:
         empty = np.empty(shape, dtype=dtype)
         empty.flags.writeable = False

@@ -15,8 +15,6 @@ import logging
 import mmap
 import os
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 MADV_WILLNEED = 3
@@ -30,15 +28,46 @@ _madvise.restype = ctypes.c_int
 _populate_supported = True
 
 
+class _PyBuffer(ctypes.Structure):
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
+
+
+def _buffer_address(view: memoryview) -> int:
+    """Where a (read-only) buffer's bytes are: ctypes' from_buffer wants a writable one."""
+    buffer = _PyBuffer()
+    if _get_buffer(view, ctypes.byref(buffer), 0) != 0:
+        raise OSError("no buffer")
+    try:
+        return int(buffer.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(buffer))
+
+
 class ShardPages:
     """The pages of one shard's mapping."""
 
     def __init__(self, view: memoryview) -> None:
         self.size = len(view)
         # The address only: no buffer export is kept, the model owns the mapping for the mount's life.
-        self._address = (
-            int(np.frombuffer(view, dtype=np.uint8, count=min(1, self.size)).ctypes.data) if self.size else 0
-        )
+        self._address = _buffer_address(view) if self.size else 0
 
     def populate(self, start: int, end: int) -> bool:
         """Read [start, end) of the shard into memory and map it; False if that failed (e.g. truncated)."""

@@ -251,8 +251,8 @@ def test_info_fields(tmp_path: Path) -> None:
             + len(json.dumps({"a": entry("U8", [2], 0, 2), "b": entry("BF16", [1, 2], 2, 6)}, separators=(",", ":")))
             + 2,
             data_offsets=(2, 6),
-            numpy_dtype=np.dtype(ml_dtypes.bfloat16),
         )
+        assert info.numpy_dtype == np.dtype(ml_dtypes.bfloat16)
         assert "b" in model and "c" not in model
         assert list(model) == ["a", "b"]
         with pytest.raises(KeyError):
