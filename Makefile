@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config
 DEMO_DIR ?= demo
 
-.PHONY: install system-packages test lint demo demo-umount bench clean
+.PHONY: install system-packages test lint demo bench fuzz soak clean
+SOAK_SECONDS ?= 60
+FUZZ_EXAMPLES ?= 100000
 
 install: $(VENV)/.installed
 
@@ -44,7 +46,15 @@ test: install lint
 demo: install
 	$(PY) scripts/demo.py $(DEMO_DIR)
 
+# Many more differential cases than the suite's 5000, with a fresh random seed each time.
+fuzz: install
+	TENSORFS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TENSORFS_FUZZ_RANDOM=1 $(PY) -m pytest -q tests/test_fuzz.py -k reference
+
+soak: install
+	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS)
+
 bench: install
+	$(PY) scripts/bench.py
 	$(PY) scripts/bench_open.py
 	$(PY) scripts/bench_hash.py
 

@@ -203,6 +203,13 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
     help="The mount's kernel readahead, raised once it is up (0 leaves the kernel's default).",
 )
 @click.option(
+    "--prefetch-mb",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="How far ahead of a sequential reader the daemon brings data in from disk, off its main thread.",
+)
+@click.option(
     "--manifest",
     "manifest_path",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -223,6 +230,7 @@ def mount(
     debug: bool,
     log_file: Path | None,
     readahead_kb: int,
+    prefetch_mb: int,
     manifest_path: Path | None,
     verify: str | None,
     cache_dir: Path | None,
@@ -243,6 +251,7 @@ def mount(
         debug=debug,
         log_file=log_file.absolute() if log_file else None,
         readahead_kb=readahead_kb,
+        prefetch_mb=prefetch_mb,
     )
     manifest_path = manifest_path or (find_default_manifest(source) if verify != "off" else None)
     if verify is not None and verify != "off" and manifest_path is None:

@@ -49,6 +49,7 @@ class MountOptions:
     debug: bool = False
     log_file: Path | None = None
     readahead_kb: int = 1024
+    prefetch_mb: int = 32
     extra: dict[str, object] = field(default_factory=dict)
 
 

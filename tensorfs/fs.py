@@ -34,6 +34,9 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 # Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
 _ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, TensorCorrupt: errno.EIO}
 
+TRACE_REQUESTS = False
+"""Log every request at DEBUG (mount --debug); off, it costs one test of this flag per request."""
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -43,6 +46,8 @@ def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
 
     @functools.wraps(method)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if TRACE_REQUESTS:
+            log.debug("%s%s", method.__name__, args[1:])
         try:
             return await method(*args, **kwargs)
         except pyfuse3.FUSEError:
@@ -81,12 +86,16 @@ class TensorOperations(pyfuse3.Operations):
         self._gid = os.getgid()
         self._spans: dict[int, _Span] = {}  # open tensor files by inode
         self._pages: dict[Path, ShardPages] = {}
-        self._populaters = trio.CapacityLimiter(4)
+        # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
+        self._demand = trio.CapacityLimiter(8)
+        self._prefetchers = trio.CapacityLimiter(2)
         self.prefetch = DEFAULT_PREFETCH
+        """Bytes brought into memory ahead of a sequential reader."""
         self.nursery: trio.Nursery | None = None
         """Where background prefetches run; set while the daemon serves (None: no background work)."""
         self._digests: dict[str, str] = {}
         self._hashing: dict[str, trio.Event] = {}
+        self._sums: bytes | None = None
         self.files = self.tree.inode_count
 
     # -- names and attributes ---------------------------------------------------------------
@@ -189,26 +198,40 @@ class TensorOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         span = self._spans.get(fh)
         if span is not None:
-            low = min(span.start + off, span.end)
-            high = min(low + size, span.end)
-            if not span.ready_from <= low < high <= span.ready_to:
-                # Not known to be in memory: bring in this request and a window ahead, off this thread.
-                until = min(span.end, high + self.prefetch)
-                await trio.to_thread.run_sync(span.pages.populate, low, until, limiter=self._populaters)
-                span.ready_from, span.ready_to = low, until
-            elif self.nursery is not None and self._window_running_out(span, high):
-                span.prefetching = True  # a sequential reader: fetch the next window meanwhile
-                self.nursery.start_soon(self._prefetch, span)
-            return span.view[low:high]
+            return await self._read_tensor(fh, span, off, size)
         node = self.tree.node(fh)
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
             content = self.tree.sha256_file(fh, await self.sidecar_digest(node.tensor))
         elif node.kind is Kind.SUMS:
-            content = self.tree.sha256sums(await self.sidecar_digests())
+            if self._sums is None:
+                self._sums = self.tree.sha256sums(await self.sidecar_digests())
+            content = self._sums
         else:
             content = self.tree.small_file(fh)
         return content[off : off + size]
+
+    async def _read_tensor(self, fh: int, span: _Span, off: int, size: int) -> memoryview:
+        """A slice of the shard's mapping, its pages brought in off this thread first if need be."""
+        low = min(span.start + off, span.end)
+        high = min(low + size, span.end)
+        if not span.ready_from <= low < high <= span.ready_to:
+            # Not known to be in memory: bring in this request, then a window ahead, off this thread.
+            if not await trio.to_thread.run_sync(span.pages.populate, low, high, limiter=self._demand):
+                # The bytes are gone from the file (truncated under the mount): the reader gets EIO
+                # and the daemon goes on. What was validated is never replaced by anything else.
+                log.error("bytes [%d, %d) of inode %d cannot be read: shard truncated under the mount?", low, high, fh)
+                raise pyfuse3.FUSEError(errno.EIO)
+            until = min(span.end, high + self.prefetch)
+            if until > high and not await trio.to_thread.run_sync(
+                span.pages.populate, high, until, limiter=self._demand
+            ):
+                until = high
+            span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
+        elif self.nursery is not None and self._window_running_out(span, high):
+            span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
+            self.nursery.start_soon(self._prefetch, span)
+        return span.view[low:high]
 
     def _window_running_out(self, span: _Span, high: int) -> bool:
         return span.ready_to < span.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
@@ -216,9 +239,9 @@ class TensorOperations(pyfuse3.Operations):
     async def _prefetch(self, span: _Span) -> None:
         begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
         try:
-            done = await trio.to_thread.run_sync(span.pages.populate, begin, until, limiter=self._populaters)
-            if done and span.ready_to == begin:  # no request moved the window meanwhile
-                span.ready_to = until
+            done = await trio.to_thread.run_sync(span.pages.populate, begin, until, limiter=self._prefetchers)
+            if done and span.ready_from <= begin <= span.ready_to:  # still contiguous with what is ready
+                span.ready_to = max(span.ready_to, until)
         finally:
             span.prefetching = False
 
@@ -248,12 +271,18 @@ class TensorOperations(pyfuse3.Operations):
         return await self.digest(name)
 
     async def sidecar_digests(self) -> Mapping[str, str]:
+        """What every sidecar says (for SHA256SUMS): hashing what is not known, a few tensors at a time."""
         if self.integrity.expected is not None:
             return self.integrity.expected
+        todo = iter([name for name in self.tree.names if name not in self._digests])
+
+        async def hash_some() -> None:
+            for name in todo:  # shared by the workers: each takes the next tensor
+                await self.digest(name)
+
         async with trio.open_nursery() as nursery:
-            for name in self.tree.names:
-                if name not in self._digests:
-                    nursery.start_soon(self.digest, name)
+            for _ in range(HASH_WORKERS):
+                nursery.start_soon(hash_some)
         return self._digests
 
     async def verify(self, name: str) -> None:

@@ -64,13 +64,18 @@ def read_daemon_info(mountpoint: Path) -> dict[str, object] | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (exited, not yet reaped by whoever adopted it) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return status[status.rindex(")") + 2 :][:1] not in ("Z", "X")
 
 
 def unmount(mountpoint: Path, *, lazy: bool = False, wait_seconds: float = 10.0) -> None:

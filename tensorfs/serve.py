@@ -13,7 +13,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import __version__
+from . import __version__, fs
 from .daemon import READY, MountOptions, default_log_file
 from .fs import TensorOperations
 from .integrity import Integrity
@@ -42,6 +42,7 @@ def serve(
                 "layout": options.layout,
                 "fuse": list(options.fuse_options),
                 "readahead_kb": options.readahead_kb,
+                "prefetch_mb": options.prefetch_mb,
                 "debug": options.debug,
                 "manifest": integrity.expected is not None,
                 "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
@@ -52,8 +53,10 @@ def serve(
         }
         return (json.dumps(document, indent=2) + "\n").encode()
 
+    fs.TRACE_REQUESTS = options.debug
     tree = Tree(model, options.layout, {"index.json": lambda: index_json(model), "daemon.json": daemon_json})
     operations = TensorOperations(tree, integrity)
+    operations.prefetch = options.prefetch_mb << 20
     fuse_options = set(pyfuse3.default_options) | {"fsname=tensorfs", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)
     if options.debug and options.foreground:

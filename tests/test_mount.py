@@ -204,7 +204,7 @@ def test_umount_after_sigkill_and_mount_again(mounts: Mounts, model_dir: Path) -
     wait_until(lambda: not pid_alive(pid), what="the daemon to die")
     with pytest.raises(OSError) as caught:
         os.listdir(mountpoint)
-    assert caught.value.errno == errno.ENOTCONN
+    assert caught.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)  # the connection is gone
     status = mounts.run("status")
     assert f"run: tensorfs umount {mountpoint}" in status.stdout
     result = mounts.run("mount", str(model_dir), str(mountpoint))

@@ -83,3 +83,39 @@ def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
         if pid is not None:
             wait_until(lambda: not pid_alive(pid), what="the demo daemon to exit", kill=pid)
+
+
+def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "bench", "--quick", "--workdir", str(tmp_path), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    for key in (
+        "direct",
+        "first_read",
+        "reread",
+        "memmap_sum",
+        "four_readers",
+        "rss_growth",
+        "tiny_mount",
+        "tiny_listing",
+    ):
+        assert key in report, key
+    assert report["first_read"]["gbps"] > 0
+    assert "first read through the mount" in result.stdout
+
+
+def test_soak_runs_briefly(fuse: None) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--seconds", "3", "--threads", "3"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " 0 errors" in result.stdout

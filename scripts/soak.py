@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""A bounded soak of a real mount: a mix of every kind of request, for --seconds, counting errors.
+
+Random-range reads (checked byte for byte), whole-file reads, stats, listings, sidecar reads,
+opens and closes, and readers killed in the middle of a read, from several threads at once.
+Prints the operations done and the errors; exits 1 if there was any error. Needs FUSE.
+
+    .venv/bin/python scripts/soak.py [--seconds 60] [--threads 6]      (what `make soak` runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import tensorfs
+import tensorfs.mounttable
+from tensorfs.synth import write_sharded
+
+MIB = 1 << 20
+
+
+def build(directory: Path) -> dict[str, bytes]:
+    shards = []
+    for s in range(4):
+        shard = {f"layers/{s}/w{k}": ("U8", [(k + 1) * 4 * MIB], os.urandom((k + 1) * 4 * MIB)) for k in range(4)}
+        shard.update({f"small/{s}.{k}": ("F32", [8], os.urandom(32)) for k in range(200)})
+        shards.append(shard)
+    write_sharded(directory, shards)
+    with tensorfs.open_model(directory) as model:
+        return {name: bytes(model.raw(name)) for name in model}
+
+
+def worker(seed: int, mountpoint: Path, expected: dict[str, bytes], deadline: float, counts: Counter[str]) -> None:
+    rng = random.Random(seed)
+    names = sorted(expected)
+    big = [n for n in names if n.startswith("layers/")]
+    while time.monotonic() < deadline:
+        kind = rng.choice(["range", "range", "range", "whole", "stat", "list", "sidecar", "meta", "killed"])
+        try:
+            if kind == "range":
+                name = rng.choice(big)
+                offset = rng.randrange(len(expected[name]))
+                length = rng.randrange(1, 4 * MIB)
+                with open(mountpoint / name, "rb") as f:
+                    got = os.pread(f.fileno(), length, offset)
+                ok = got == expected[name][offset : offset + length]
+            elif kind == "whole":
+                name = rng.choice(names)
+                ok = (mountpoint / name).read_bytes() == expected[name]
+            elif kind == "stat":
+                name = rng.choice(names)
+                ok = (mountpoint / name).stat().st_size == len(expected[name])
+            elif kind == "list":
+                ok = len(os.listdir(mountpoint / "small")) == 3 * 800
+            elif kind == "sidecar":
+                name = rng.choice(names)
+                line = (mountpoint / f"{name}.sha256").read_text()
+                ok = line.split()[0] == hashlib.sha256(expected[name]).hexdigest()
+            elif kind == "meta":
+                name = rng.choice(names)
+                ok = json.loads((mountpoint / f"{name}.meta.json").read_bytes())["nbytes"] == len(expected[name])
+            else:  # a reader that disappears in the middle of a read
+                victim = subprocess.Popen(
+                    [sys.executable, "-c", f"open({str(mountpoint / rng.choice(big))!r}, 'rb').read()"]
+                )
+                time.sleep(rng.random() * 0.05)
+                victim.kill()
+                victim.wait()
+                ok = True
+        except OSError as exc:
+            counts[f"error: {kind}: {exc}"] += 1
+            continue
+        counts[kind if ok else f"error: {kind}: wrong result"] += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--threads", type=int, default=6)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tensorfs-soak-") as tmp:
+        root = Path(tmp)
+        expected = build(root / "model")
+        mountpoint = root / "mnt"
+        mountpoint.mkdir()
+        command = [sys.executable, "-m", "tensorfs.cli", "mount", "--no-cache", "--log-file", str(root / "log")]
+        subprocess.run([*command, str(root / "model"), str(mountpoint)], check=True)
+        pid = int(json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["pid"])
+        counts: Counter[str] = Counter()
+        try:
+            deadline = time.monotonic() + args.seconds
+            threads = [
+                threading.Thread(target=worker, args=(seed, mountpoint, expected, deadline, counts))
+                for seed in range(args.threads)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            alive = tensorfs.mounttable.pid_alive(pid)
+        finally:
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+            stop = time.monotonic() + 30
+            while tensorfs.mounttable.pid_alive(pid) and time.monotonic() < stop:
+                time.sleep(0.05)
+    errors = {k: v for k, v in counts.items() if k.startswith("error")}
+    done = sum(v for k, v in counts.items() if not k.startswith("error"))
+    print(f"soak: {args.seconds:g} s, {args.threads} threads: {done} operations, {sum(errors.values())} errors")
+    for kind, count in sorted(counts.items()):
+        print(f"  {kind}: {count}")
+    if not alive:
+        print("  the daemon died")
+    return 1 if errors or not alive else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

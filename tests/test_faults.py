@@ -1,0 +1,228 @@
+"""Faults under a real mount: files changed beneath it, killed daemons, signals, leaks, load, security."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import tensorfs
+from conftest import Mounts, wait_until
+from helpers import random_bytes, write_index, write_reference
+from tensorfs.mounttable import FSTYPE, pid_alive
+from tensorfs.mounttable import mounts as mount_table
+from tensorfs.synth import many_tiny_tensors
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """Four shards of four 1-4 MiB tensors, with an index."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    weight_map = {}
+    for s in range(4):
+        shard = directory / f"s{s}.safetensors"
+        tensors = {f"t{s}.{k}": ("U8", [(k + 1) * MIB], random_bytes((k + 1) * MIB, 10 * s + k)) for k in range(4)}
+        write_reference(shard, tensors)
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+    write_index(directory, weight_map)
+    return directory
+
+
+def expected_bytes(model_dir: Path) -> dict[str, bytes]:
+    with tensorfs.open_model(model_dir) as model:
+        return {name: bytes(model.raw(name)) for name in model}
+
+
+def daemon_resources(pid: int) -> tuple[int, int]:
+    """(open file descriptors, memory mappings) of a process."""
+    return len(os.listdir(f"/proc/{pid}/fd")), len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def test_a_shard_truncated_under_the_mount(mounts: Mounts, model_dir: Path) -> None:
+    expected = expected_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    with tensorfs.open_model(model_dir) as model:
+        cut = model.info("t1.2").offset + 10  # t1.2 and t1.3 lose their bytes
+    os.truncate(model_dir / "s1.safetensors", cut)
+    for lost in ("t1.2", "t1.3"):
+        with pytest.raises(OSError) as caught:
+            (mountpoint / lost).read_bytes()
+        assert caught.value.errno == errno.EIO
+    assert pid_alive(pid)
+    for kept in ("t0.3", "t1.0", "t2.1"):
+        assert (mountpoint / kept).read_bytes() == expected[kept]
+    assert "truncated under the mount" in mounts.log()
+
+
+def test_a_shard_replaced_or_unlinked_keeps_serving_what_was_validated(mounts: Mounts, model_dir: Path) -> None:
+    expected = expected_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    replacement = model_dir / "new.tmp"
+    replacement.write_bytes(b"\0" * (model_dir / "s2.safetensors").stat().st_size)
+    os.replace(replacement, model_dir / "s2.safetensors")
+    os.unlink(model_dir / "s3.safetensors")
+    for name in ("t2.0", "t2.3", "t3.1", "t3.3"):
+        assert (mountpoint / name).read_bytes() == expected[name]
+
+
+def test_umount_of_a_dead_busy_mount_and_mounting_again(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    reader = os.open(mountpoint / "t0.0", os.O_RDONLY)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(pid), what="the daemon to die")
+        busy = mounts.run("umount", str(mountpoint))
+        assert busy.returncode == 1 and "--lazy" in busy.stderr
+        assert mounts.run("umount", "--lazy", str(mountpoint)).returncode == 0
+    finally:
+        with contextlib.suppress(OSError):  # closing a file of a dead mount: ENOTCONN, and that is fine
+            os.close(reader)
+    wait_until(lambda: not os.path.ismount(mountpoint), what="the lazy unmount")
+    mounts.mount(model_dir, mountpoint=mountpoint)
+    assert (mountpoint / "t0.1").stat().st_size == 2 * MIB
+
+
+def test_sigterm_with_reads_in_flight(mounts: Mounts, model_dir: Path) -> None:
+    expected = expected_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    outcomes: list[str] = []
+    started = threading.Event()
+
+    def reader() -> None:
+        for _ in range(50):
+            for name in ("t0.3", "t1.3", "t2.3", "t3.3"):
+                started.set()
+                try:
+                    data = (mountpoint / name).read_bytes()
+                except OSError as exc:  # failing cleanly is fine; a wrong byte or a hang is not
+                    outcomes.append(f"error {exc.errno}")
+                    return
+                outcomes.append("ok" if data == expected[name] else "WRONG")
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    started.wait(10)
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(pid), what="the daemon to exit on SIGTERM", kill=pid)
+    thread.join(30)
+    assert not thread.is_alive(), "a reader hung"
+    assert "WRONG" not in outcomes and outcomes
+    assert not os.path.ismount(mountpoint)
+
+
+def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, model_dir: Path) -> None:
+    expected = expected_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    (mountpoint / "t0.0").read_bytes()  # the daemon's first read sets up what every read shares
+    before = daemon_resources(pid)
+    names = sorted(expected)
+    rng = random.Random(6)
+    for i in range(10_000):
+        name = names[i % len(names)]
+        with open(mountpoint / name, "rb") as f:
+            f.seek(rng.randrange(len(expected[name])))
+            f.read(4096)
+        if i % 2000 == 0:  # a reader that disappears in the middle of a long read
+            victim = subprocess.Popen([sys.executable, "-c", f"open({str(mountpoint / 't3.3')!r}, 'rb').read()"])
+            victim.kill()
+            victim.wait()
+    if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # a forget storm: the kernel drops every dentry
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert (mountpoint / "t2.2").read_bytes() == expected["t2.2"]  # still serving, after forgets
+    assert daemon_resources(pid) == before
+
+
+def test_eight_threads_of_random_range_reads_are_byte_exact(mounts: Mounts, model_dir: Path) -> None:
+    expected = expected_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    names = sorted(expected)
+    failures: list[str] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
+        try:
+            for _ in range(1000):
+                name = rng.choice(names)
+                size = len(expected[name])
+                offset = rng.randrange(size)
+                length = rng.randrange(1, 4 * MIB)
+                got = os.pread(handles[name].fileno(), length, offset)
+                if got != expected[name][offset : offset + length]:
+                    failures.append(f"{name} [{offset}, +{length})")
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_concurrent_lookups_and_listings_of_a_large_tree(mounts: Mounts, tmp_path: Path) -> None:
+    many_tiny_tensors(tmp_path / "tiny", 100_000, 4)
+    mountpoint = mounts.mount(tmp_path / "tiny")
+    expected_entries = 3 * 100_000 + 1
+    failures: list[str] = []
+
+    def lister() -> None:
+        if len(os.listdir(mountpoint)) != expected_entries:
+            failures.append("listing")
+
+    def looker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(2000):
+            i = rng.randrange(100_000)
+            name = f"model.layers.{i // 8}.mlp.experts.{i % 8}.weight"
+            suffix = rng.choice(["", ".meta.json", ".sha256"])
+            size = os.stat(mountpoint / (name + suffix)).st_size
+            if suffix == "" and size != 64:
+                failures.append(name)
+        try:
+            os.stat(mountpoint / "model.layers.0.mlp.experts.99.weight")
+            failures.append("a missing name was found")
+        except FileNotFoundError:
+            pass
+
+    threads = [threading.Thread(target=lister) for _ in range(2)]
+    threads += [threading.Thread(target=looker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_security_of_the_mount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    entry = next(line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {mountpoint} " in line)
+    mount_options, super_options = entry.split(" ")[5], entry.split(" - ")[1].split(" ")[2]
+    assert "ro" in mount_options.split(",")
+    assert "default_permissions" in super_options.split(",")
+    assert "allow_other" not in super_options.split(",")
+    assert any(m.mountpoint == mountpoint and m.fstype == FSTYPE for m in mount_table())
+    for directory, subdirs, files in os.walk(mountpoint):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o555
+        for name in files:
+            mode = os.lstat(Path(directory) / name).st_mode
+            assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o444, name
+        assert all(not os.path.islink(Path(directory) / d) for d in subdirs)

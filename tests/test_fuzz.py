@@ -1,0 +1,214 @@
+"""Differential testing against the reference reader: tensorfs rejects what it rejects, and accepts
+what it accepts unless one of tensorfs's documented stricter rules applies.
+
+The normal suite runs a fixed number of deterministic cases; `make fuzz` runs many more
+(TENSORFS_FUZZ_EXAMPLES) with a random seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+import tensorfs
+from helpers import reference_accepts
+from tensorfs import InvalidModelError, TensorfsError
+from tensorfs.dtypes import DTYPES
+
+EXAMPLES = int(os.environ.get("TENSORFS_FUZZ_EXAMPLES", "5000"))
+# What tensorfs refuses on purpose though the reference accepts it (README, "What is checked").
+STRICTER = (
+    "appears more than once",
+    "repeats the",
+    "name is empty",
+    "NUL",
+    "absolute path",
+    "path component",
+    "reserved for tensorfs",
+    "not valid Unicode",
+    "bytes;",
+    "over 255 bytes",
+    "sidecar",
+    "as a directory",
+    "maps to the same path",
+)
+
+NAMES = st.one_of(
+    st.sampled_from(
+        ["w", "model.layers.0.weight", "a/b", "a", "a/b/c", "x.sha256", "x", "é/名", ".tensorfs/x", "..", ""]
+    ),
+    st.text(min_size=0, max_size=12),
+    st.text(alphabet='ab./\\\0\n"', min_size=1, max_size=6),
+)
+SHAPES = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=3)
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> tuple[bytes, bytes]:
+    """A header, valid or nearly so, and the data after it."""
+    tensors: dict[str, Any] = {}
+    offset = 0
+    for _ in range(draw(st.integers(min_value=0, max_value=5))):
+        name = draw(NAMES)
+        dtype = draw(st.sampled_from(sorted(DTYPES)))
+        shape = draw(SHAPES)
+        count = 1
+        for dim in shape:
+            count *= dim
+        nbytes = count * DTYPES[dtype].bits // 8
+        tensors[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    document: dict[str, Any] = dict(tensors)
+    if draw(st.booleans()):
+        document["__metadata__"] = draw(
+            st.one_of(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3), st.none(), st.integers())
+        )
+    text = json.dumps(
+        document, separators=draw(st.sampled_from([(",", ":"), (", ", ": ")])), ensure_ascii=draw(st.booleans())
+    )
+    raw = text.encode("utf-8", "surrogatepass")
+    if draw(st.booleans()):  # a repeated key, written by hand since dicts cannot hold one
+        raw = _repeat_first_key(raw)
+    raw = draw(st.sampled_from([b"", b" ", b"\n\t"])) + raw + draw(st.sampled_from([b"", b"  ", b"\x00", b" \r\n"]))
+    return raw, bytes(offset)
+
+
+def _repeat_first_key(raw: bytes) -> bytes:
+    if not raw.startswith(b"{") or len(raw) < 3 or b"}" not in raw:
+        return raw
+    inner = raw[1:-1]
+    return b"{" + inner + (b"," + inner if inner else b"") + b"}"
+
+
+MUTATIONS = st.sampled_from(["none", "flip", "truncate", "extend", "length", "replace", "insert", "delete"])
+
+
+@st.composite
+def shard_files(draw: st.DrawFn) -> bytes:
+    header, data = draw(headers())
+    content = bytearray(struct.pack("<Q", len(header)) + header + data)
+    for _ in range(draw(st.integers(min_value=0, max_value=2))):
+        mutation = draw(MUTATIONS)
+        if not content:
+            break
+        at = draw(st.integers(min_value=0, max_value=len(content) - 1))
+        if mutation == "flip":
+            content[at] ^= 1 << draw(st.integers(min_value=0, max_value=7))
+        elif mutation == "truncate":
+            del content[at:]
+        elif mutation == "extend":
+            content += draw(st.binary(min_size=1, max_size=9))
+        elif mutation == "length":
+            delta = draw(st.integers(min_value=-9, max_value=9))
+            length = (
+                max(0, struct.unpack("<Q", bytes(content[:8]).ljust(8, b"\0"))[0] + delta) if len(content) >= 8 else 0
+            )
+            content[:8] = struct.pack("<Q", length)
+        elif mutation == "replace":
+            new = draw(
+                st.sampled_from(
+                    [
+                        b"0",
+                        b"9",
+                        b"-",
+                        b"1.5",
+                        b'"',
+                        b"{}",
+                        b"[]",
+                        b"null",
+                        b"1e3",
+                        b"F32",
+                        b"u8",
+                        b"18446744073709551616",
+                    ]
+                )
+            )
+            content[at : at + 1] = new
+        elif mutation == "insert":
+            content[at:at] = draw(st.sampled_from([b" ", b",", b'"x":1,', b"\\u0000", b"\xff", b"[[[[[[[["]))
+        elif mutation == "delete":
+            del content[at : at + draw(st.integers(min_value=1, max_value=4))]
+    return bytes(content)
+
+
+_workdir = Path(tempfile.mkdtemp(prefix="tensorfs-fuzz-"))
+
+
+def check_against_reference(content: bytes) -> None:
+    path = _workdir / "case.safetensors"
+    path.write_bytes(content)
+    reference = reference_accepts(path)
+    try:
+        with tensorfs.open_model(path):
+            ours, problems = True, []
+    except InvalidModelError as exc:
+        ours, problems = False, [p.reason for p in exc.problems]
+    except TensorfsError as exc:  # pragma: no cover - would be a bug in the error types
+        raise AssertionError(f"an error other than InvalidModelError: {exc!r}") from exc
+    if not reference:
+        assert not ours, f"tensorfs accepts what the reference rejects: {content[:200]!r}"
+    elif not ours:
+        unexplained = [reason for reason in problems if not any(rule in reason for rule in STRICTER)]
+        assert not unexplained, f"rejected without a stricter rule: {unexplained} for {content[:200]!r}"
+
+
+@seed(20261129)
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=os.environ.get("TENSORFS_FUZZ_RANDOM") is None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(shard_files())
+def test_tensorfs_agrees_with_the_reference(content: bytes) -> None:
+    check_against_reference(content)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # deeply nested
+        b'{"a":{"dtype":"U8","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,1]}}',  # a huge integer
+        b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + b"{" * 3000 + b"}" * 3000 + b"}}",
+    ],
+)
+def test_hostile_headers_are_refused_cleanly(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "hostile.safetensors"
+    path.write_bytes(struct.pack("<Q", len(content)) + content + b"x")
+    assert not reference_accepts(path)
+    with pytest.raises(InvalidModelError):
+        tensorfs.open_model(path)
+
+
+def test_a_million_tiny_tensors_cost_bounded_memory(tmp_path: Path) -> None:
+    count = 1_000_000
+    header = json.dumps(
+        {f"{i:x}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(count)},
+        separators=(",", ":"),
+    ).encode()
+    assert len(header) < 100_000_000  # tiny tensors, short names: the largest header there may be
+    path = tmp_path / "million.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + count)
+    code = (
+        "import resource, sys, tensorfs\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "with tensorfs.open_model(sys.argv[1]) as model: n = len(model)\n"
+        "print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    tensors, peak_growth_kib = map(int, result.stdout.split())
+    assert tensors == count
+    assert peak_growth_kib < count * 3 // 2  # at the worst moment (the parse), under 1.5 KiB a tensor
