@@ -19,6 +19,22 @@ from helpers import raw_shard
 from tensorfs.mounttable import mount_at, pid_alive
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The daemon's default log and the hash cache live under XDG dirs: point them into tmp."""
+    saved = {key: os.environ.get(key) for key in ("XDG_STATE_HOME", "XDG_CACHE_HOME")}
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture
 def shard_file(tmp_path: Path):  # type: ignore[no-untyped-def]
     """Write hand-made shard bytes to a file and return its path."""

@@ -267,3 +267,18 @@ def test_verify_all_refuses_to_mount_a_corrupt_model(mounts: Mounts, model_dir: 
     incomplete.write_text(format_manifest({"w1": "0" * 64}))
     result = mounts.run("mount", "--manifest", str(incomplete), str(model_dir), str(mountpoint))
     assert result.returncode == 1 and "tensor 'w2': is in the model but not in the manifest" in result.stderr
+
+
+def test_progress_line_only_on_a_terminal() -> None:
+    import io
+
+    from tensorfs.progress import Progress
+
+    shown = io.StringIO()
+    with Progress(4 << 20, "hashing", shown, enabled=True) as progress:
+        progress.advance(4 << 20)
+    assert shown.getvalue().startswith("\rhashing 4.0 MiB / 4.0 MiB") and shown.getvalue().endswith("\n")
+    quiet = io.StringIO()  # not a terminal: not a byte
+    with Progress(10, "hashing", quiet) as progress:
+        progress.advance(10)
+    assert quiet.getvalue() == ""
