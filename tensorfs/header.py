@@ -8,9 +8,11 @@ Tensor names are checked as paths elsewhere (names.py), since that needs the who
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain
 from math import prod
@@ -35,6 +37,7 @@ _FIELDS = ("dtype", "shape", "data_offsets")
 _FIELD_GETTER = itemgetter(*_FIELDS)
 _EMPTY_OBJECT = re.compile(r"\{[ \t\n\r]*\}")
 _SPACE_BEFORE_COLON = (b" :", b"\t:", b"\n:", b"\r:")
+_MAX_DEPTH = 127  # containers nested in one another: the most the reference reader accepts
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +393,14 @@ def _check_entry(name: str, entry: Any, label: str, problems: list[Problem]) -> 
     if len(fields) != len(entry):
         problems.append(Problem(label, f"repeats the field(s) {', '.join(_repeated_keys(entry))}", name))
         ok = False
+    for field, value in fields.items():
+        # Fields other than the three are ignored, but the reference parses them: what serde_json
+        # refuses there (nesting past its limit, lone surrogates, numbers past f64) it refuses.
+        if field not in _FIELDS:
+            reason = _unparsable_by_reference(field, value)
+            if reason is not None:
+                problems.append(Problem(label, f"field '{printable(field)}' {reason}", name))
+                ok = False
     missing = [f for f in _FIELDS if f not in fields]
     if missing:
         problems.append(Problem(label, f"has no {' or '.join(missing)}", name))
@@ -429,6 +440,35 @@ def _check_entry(name: str, entry: Any, label: str, problems: list[Problem]) -> 
     if not offsets_ok:
         return None
     return offsets[0], offsets[1], name, dtype or _UNKNOWN_DTYPE, shape
+
+
+def _unparsable_by_reference(field: str, value: Any) -> str | None:
+    if 2 + _depth(value) > _MAX_DEPTH:
+        return f"nests deeper than {_MAX_DEPTH} levels"
+    for leaf in _leaves((field, value)):
+        if type(leaf) is float and not math.isfinite(leaf):
+            return "holds a number too large for a 64-bit float"
+        if type(leaf) is str and not _is_utf8(leaf):
+            return "holds a string that is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Every key and scalar inside a parsed JSON value (objects are lists of pairs here)."""
+    if isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _depth(value: Any) -> int:
+    """How many containers deep a parsed JSON value goes (an object is a list of pairs here)."""
+    if type(value) is tuple:  # a (key, value) pair inside an object: no level of its own
+        return _depth(value[1])
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
 
 
 def _nbytes(shape: list[int], dtype: DType, name: str, label: str, problems: list[Problem]) -> int | None:

@@ -130,6 +130,8 @@ def shard_files(draw: st.DrawFn) -> bytes:
                         b"F32",
                         b"u8",
                         b"18446744073709551616",
+                        b"1e400",
+                        b'"\\ud800"',
                     ]
                 )
             )
