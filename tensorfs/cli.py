@@ -111,7 +111,7 @@ def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def open_cache(cache_dir: Path | None, no_cache: bool) -> HashCache:
-    return HashCache(None if no_cache else (cache_dir or default_cache_dir()))
+    return HashCache(None if no_cache else (cache_dir or default_cache_dir()).absolute())
 
 
 def hash_model(model: Model, cache: HashCache) -> dict[str, str]:

@@ -178,6 +178,7 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
             saved, expected, verified, cache_dir = pickle.loads(handover)
             del handover
             model = reopen(saved)
+        os.chdir("/")  # hold no directory busy: the one `tensorfs mount` ran in may be unmounted later
         gc.freeze()  # what the daemon holds lives as long as it does: no collection need look at it again
         integrity = Integrity(Hasher(model, HashCache(cache_dir)), expected, verified)
         return serve(model, mountpoint, options, integrity, notify)

@@ -202,7 +202,8 @@ def reopen(saved: ModelSnapshot) -> Model:
     opened: list[_Shard] = []
     try:
         for shard in saved.shards:
-            path = shard.header.path
+            # Absolute from here on: a daemon leaves the directory it was started in.
+            path = Path(os.path.abspath(shard.header.path))
             fd = open_shard(path, shard.label)
             try:
                 status = os.fstat(fd)
@@ -211,13 +212,14 @@ def reopen(saved: ModelSnapshot) -> Model:
                 mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
-            opened.append(_Shard(shard.header, shard.label, mapping, memoryview(mapping), status))
+            header = dataclasses.replace(shard.header, path=path)
+            opened.append(_Shard(header, shard.label, mapping, memoryview(mapping), status))
     except BaseException:
         for done in opened:
             done.release()
         raise
     owner = {entry[2]: shard for shard in opened for entry in shard.header.entries}
-    return Model(saved.source, opened, owner, saved.layout)
+    return Model(Path(os.path.abspath(saved.source)), opened, owner, saved.layout)
 
 
 def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Model:

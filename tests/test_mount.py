@@ -262,3 +262,21 @@ def test_dotted_layout(mounts: Mounts, tmp_path: Path) -> None:
     target.mkdir()
     result = mounts.run("mount", "--layout", "dotted", str(clash), str(target))
     assert result.returncode == 1 and "needs 'm/w' as a directory" in result.stderr
+
+
+def test_relative_paths_and_a_daemon_that_holds_no_directory(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "relative-mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "mount", "--log-file", "daemon.log", "--cache-dir", "cache",
+         "model", "relative-mnt"],
+        cwd=tmp_path, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    pid = mounts.daemon_pid(mountpoint)
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    daemon = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_bytes())
+    assert daemon["source"] == str(model_dir) and daemon["log_file"] == str(tmp_path / "daemon.log")
+    assert subprocess.run(["sha256sum", "-c", "scalar.sha256"], cwd=mountpoint, capture_output=True).returncode == 0
+    assert (tmp_path / "cache" / "hashes.sqlite").exists()  # the cache where it was asked for, not in /
