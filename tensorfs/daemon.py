@@ -13,7 +13,10 @@ import gc
 import logging
 import os
 import pickle
+import select
+import signal
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -148,14 +151,19 @@ def _mount_in_background(prepare: Prepare, mountpoint: Path, options: MountOptio
             pipe.write(handover)
     except BrokenPipeError:
         pass  # the daemon died: its status says why
-    message = _read_until_eof(status_read, READY_TIMEOUT).strip()
+    message = _read_line(status_read, READY_TIMEOUT)
     os.close(status_read)
-    if message.splitlines()[:1] == [READY]:
+    if message == READY:
         return 0
-    _, status = os.waitpid(pid, os.WNOHANG)
-    if message:
-        raise MountError(message.splitlines()[0])
     log_file = options.log_file or default_log_file()
+    if message is None:  # no word within the deadline: stop it, and leave nothing behind
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+        raise MountError(f"the daemon did not answer within {READY_TIMEOUT:.0f} s and was stopped; see {log_file}")
+    _, status = os.waitpid(pid, 0)  # it said why, or closed its pipe: either way it is on its way out
+    if message:
+        raise MountError(message)
     raise MountError(f"the daemon exited before the mount was ready (status {status}); see {log_file}")
 
 
@@ -191,9 +199,8 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
         return 1
 
 
-def _read_until_eof(fd: int, timeout: float) -> str:
-    import select
-
+def _read_line(fd: int, timeout: float) -> str | None:
+    """The first line the daemon writes (empty if it closed the pipe first); None past the deadline."""
     chunks = []
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
@@ -201,12 +208,10 @@ def _read_until_eof(fd: int, timeout: float) -> str:
         if not ready:
             break
         chunk = os.read(fd, 4096)
-        if not chunk:
-            break
         chunks.append(chunk)
-        if b"\n" in chunk:
-            break
-    return b"".join(chunks).decode("utf-8", "replace")
+        if not chunk or b"\n" in chunk:
+            return b"".join(chunks).decode("utf-8", "replace").strip()
+    return None
 
 
 def _detach_stdio() -> None:

@@ -64,7 +64,8 @@ def serve(
     try:
         pyfuse3.init(operations, str(mountpoint), fuse_options)
     except RuntimeError as exc:
-        notify(f"cannot mount at {mountpoint}: {exc}")
+        hint = f" (check the -o options: {','.join(options.fuse_options)})" if options.fuse_options else ""
+        notify(f"cannot mount at {mountpoint}: {exc}{hint}")
         return 1
     log.info("serving %s (%d tensors) at %s", model.source, len(model), mountpoint)
     try:

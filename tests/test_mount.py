@@ -170,6 +170,13 @@ def test_bad_mountpoints_are_refused(mounts: Mounts, model_dir: Path, tmp_path: 
     assert result.returncode == 1 and "already holds a tensorfs mount" in result.stderr
     result = mounts.run("mount", "-o", "direct_io", str(model_dir), str(tmp_path / "missing"))
     assert result.returncode == 1 and "option 'direct_io' is not supported" in result.stderr
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    before = tensorfs_mounts()
+    result = mounts.run("mount", "-o", "no_such_option", str(model_dir), str(spare))
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert f"error: cannot mount at {spare}" in result.stderr and "no_such_option" in result.stderr
+    assert tensorfs_mounts() == before
 
 
 def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
