@@ -210,6 +210,14 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
     help="How far ahead of a sequential reader the daemon brings data in from disk, off its main thread.",
 )
 @click.option(
+    "--max-background",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="Readahead requests the kernel may queue at the daemon (0 keeps the kernel's 12): fewer keeps "
+    "lookups quick while data streams.",
+)
+@click.option(
     "--manifest",
     "manifest_path",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -231,6 +239,7 @@ def mount(
     log_file: Path | None,
     readahead_kb: int,
     prefetch_mb: int,
+    max_background: int,
     manifest_path: Path | None,
     verify: str | None,
     cache_dir: Path | None,
@@ -252,6 +261,7 @@ def mount(
         log_file=log_file.absolute() if log_file else None,
         readahead_kb=readahead_kb,
         prefetch_mb=prefetch_mb,
+        max_background=max_background,
     )
     manifest_path = manifest_path or (find_default_manifest(source) if verify != "off" else None)
     if verify is not None and verify != "off" and manifest_path is None:

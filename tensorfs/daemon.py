@@ -53,6 +53,7 @@ class MountOptions:
     log_file: Path | None = None
     readahead_kb: int = 1024
     prefetch_mb: int = 32
+    max_background: int = 4
     extra: dict[str, object] = field(default_factory=dict)
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,7 @@ def serve(
                 "fuse": list(options.fuse_options),
                 "readahead_kb": options.readahead_kb,
                 "prefetch_mb": options.prefetch_mb,
+                "max_background": options.max_background,
                 "debug": options.debug,
                 "manifest": integrity.expected is not None,
                 "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
@@ -69,7 +71,7 @@ def serve(
         return 1
     log.info("serving %s (%d tensors) at %s", model.source, len(model), mountpoint)
     try:
-        trio.run(_run, operations, mountpoint, options.readahead_kb, notify)
+        trio.run(_run, operations, mountpoint, options, notify)
     except BaseException:
         pyfuse3.close(unmount=False)  # the session may be broken: pyfuse3's advice is to not unmount
         raise
@@ -79,12 +81,12 @@ def serve(
 
 
 async def _run(
-    operations: TensorOperations, mountpoint: Path, readahead_kb: int, notify: Callable[[str], None]
+    operations: TensorOperations, mountpoint: Path, options: MountOptions, notify: Callable[[str], None]
 ) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(_unmount_on_signal)
-        nursery.start_soon(_report_ready, mountpoint, readahead_kb, notify)
+        nursery.start_soon(_report_ready, mountpoint, options, notify)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
@@ -97,12 +99,14 @@ async def _unmount_on_signal() -> None:
             return
 
 
-async def _report_ready(mountpoint: Path, readahead_kb: int, notify: Callable[[str], None]) -> None:
+async def _report_ready(mountpoint: Path, options: MountOptions, notify: Callable[[str], None]) -> None:
     # A stat of the root from another thread is answered by this daemon's loop: when it returns,
     # the mount is live and answering.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
-    if readahead_kb:
-        _set_readahead(st.st_dev, readahead_kb)
+    if options.readahead_kb:
+        _set_readahead(st.st_dev, options.readahead_kb)
+    if options.max_background:
+        _set_max_background(st.st_dev, options.max_background)
     notify(READY)
 
 
@@ -113,3 +117,26 @@ def _set_readahead(device: int, kilobytes: int) -> None:
         path.write_text(f"{kilobytes}\n")
     except OSError as exc:
         log.warning("could not set readahead (%s): %s", path, exc.strerror)
+
+
+FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def _set_max_background(device: int, requests: int) -> None:
+    """Lower how many readahead requests the kernel keeps queued at this daemon (its default: 12).
+
+    Every queued read waits on the daemon's one thread, and so does any lookup behind them: with
+    four readers streaming cold data, listing the root took 74 ms (median) at 12 and 0.8 ms at 3,
+    and the streams finished sooner; one cold reader alone reads a little slower with very few.
+    The knob is in the fusectl file system, mounted if need be.
+    """
+    if os.major(device) != 0:
+        return
+    setting = FUSECTL / str(os.minor(device)) / "max_background"
+    try:
+        if not setting.parent.exists() and os.geteuid() == 0 and not any(FUSECTL.iterdir()):
+            subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], capture_output=True, check=False)
+            log.info("mounted fusectl at %s to tune the FUSE connection", FUSECTL)
+        setting.write_text(f"{requests}\n")
+    except OSError as exc:
+        log.warning("could not set max_background (%s): %s", setting, exc.strerror)

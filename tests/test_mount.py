@@ -103,6 +103,10 @@ def test_listing_and_control_files(mounts: Mounts, model_dir: Path) -> None:
     assert daemon["source"] == str(model_dir) and daemon["version"] == tensorfs.__version__
     assert daemon["options"]["layout"] == "slash"
     assert stat.S_IMODE(os.stat(mountpoint).st_mode) == 0o555
+    device = os.stat(mountpoint).st_dev
+    tuned = Path(f"/sys/fs/fuse/connections/{os.minor(device)}/max_background")
+    if os.geteuid() == 0:  # as root the daemon tunes its connection (see serve._set_max_background)
+        assert tuned.read_text().strip() == str(daemon["options"]["max_background"]) == "4"
 
 
 def test_every_mutating_call_gets_erofs(mounts: Mounts, model_dir: Path) -> None:

@@ -107,6 +107,8 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
     ):
         assert key in report, key
     assert report["first_read"]["gbps"] > 0
+    growth = report["rss_growth"]["after_kib"] - report["rss_growth"]["before_kib"]
+    assert growth < 5 * 1024  # the daemon's anonymous memory does not grow with the bytes it serves
     assert "first read through the mount" in result.stdout
 
 
