@@ -182,14 +182,13 @@ class TensorOperations(pyfuse3.Operations):
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
             await self.verify(node.tensor)
-        if node.kind is Kind.TENSOR and inode not in self._spans:
-            assert node.tensor is not None
-            info = self.tree.model.info(node.tensor)
-            view = self.tree.model.shard_view(info.shard)
-            pages = self._pages.get(info.shard)
-            if pages is None:
-                pages = self._pages[info.shard] = ShardPages(view)
-            self._spans[inode] = _Span(view, pages, info.offset, info.offset + info.nbytes)
+            if inode not in self._spans:
+                shard, offset, nbytes = self.tree.model.locate(node.tensor)
+                view = self.tree.model.shard_view(shard)
+                pages = self._pages.get(shard)
+                if pages is None:
+                    pages = self._pages[shard] = ShardPages(view)
+                self._spans[inode] = _Span(view, pages, offset, offset + nbytes)
         # keep_cache: the bytes never change, so pages the kernel holds stay valid across opens.
         # Never direct_io: it would break shared mmap (np.memmap) of the mounted files.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=False)

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 << 20  # hashlib releases the GIL while it hashes a chunk this large
 DEFAULT_MANIFEST = "tensors.sha256"
 HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_FEW_SPANS = 64  # up to this many ranges, the cache is asked range by range
 
 
 def sha256_hex(data: memoryview, progress: Callable[[int], None] | None = None) -> str:
@@ -117,20 +118,29 @@ class HashCache:
 
     def get_many(self, identity: FileIdentity, spans: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
         """Cached hashes of the shard's byte ranges [begin, end) that have one."""
+        wanted = set(spans)
+        key = "device=? AND inode=? AND size=? AND mtime_ns=? AND ctime_ns=?"
         with self._lock:
             connection = self._connect()
             if connection is None:
                 return {}
             try:
+                if len(wanted) <= _FEW_SPANS:  # a sidecar's one tensor: look it up by its key
+                    found = {}
+                    for begin, end in wanted:
+                        row = connection.execute(
+                            f"SELECT sha256 FROM hashes WHERE {key} AND begin=? AND end=?", (*identity, begin, end)
+                        ).fetchone()
+                        if row is not None:
+                            found[begin, end] = row[0]
+                    return found
+                # Many tensors of a shard (a manifest): one pass over the shard's rows beats a query each.
                 rows = connection.execute(
-                    "SELECT begin, end, sha256 FROM hashes WHERE device=? AND inode=? AND size=? AND mtime_ns=?"
-                    " AND ctime_ns=?",
-                    tuple(identity),
+                    f"SELECT begin, end, sha256 FROM hashes WHERE {key}", tuple(identity)
                 ).fetchall()
             except sqlite3.Error as exc:
                 self._give_up(exc)
                 return {}
-        wanted = set(spans)
         return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
 
     def put_many(self, identity: FileIdentity, hashes: Mapping[tuple[int, int], str]) -> None:
@@ -169,15 +179,15 @@ class Hasher:
 
     def cached(self, names: Iterable[str]) -> dict[str, str]:
         """The hashes the cache already holds for `names` (for shards unchanged since the model opened)."""
-        by_shard: dict[Path, list[str]] = {}
+        by_shard: dict[Path, dict[tuple[int, int], str]] = {}  # shard -> {data_offsets: tensor}
         for name in names:
-            by_shard.setdefault(self.model.info(name).shard, []).append(name)
+            info = self.model.info(name)
+            by_shard.setdefault(info.shard, {})[info.data_offsets] = name
         found: dict[str, str] = {}
-        for shard, shard_names in by_shard.items():
+        for shard, spans in by_shard.items():
             identity = self._current_identity(shard)
             if identity is None:
                 continue
-            spans = {self.model.info(name).data_offsets: name for name in shard_names}
             for span, digest in self.cache.get_many(identity, spans).items():
                 found[spans[span]] = digest
         return found

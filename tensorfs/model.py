@@ -100,9 +100,8 @@ class Model:
 
     def locate(self, name: str) -> tuple[Path, int, int]:
         """(shard, absolute offset, nbytes) of a tensor: cheaper than info() where that is all."""
-        shard = self._owner[name]
-        begin, end, _, _, _ = shard.by_name[name]
-        return shard.header.path, shard.header.data_start + begin, end - begin
+        path, data_start, (begin, end, _, _, _) = self.entry(name)
+        return path, data_start + begin, end - begin
 
     def info(self, name: str) -> TensorInfo:
         """Where tensor `name` lives and what it is; KeyError when there is no such tensor."""

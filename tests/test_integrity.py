@@ -282,3 +282,17 @@ def test_progress_line_only_on_a_terminal() -> None:
     with Progress(10, "hashing", quiet) as progress:
         progress.advance(10)
     assert quiet.getvalue() == ""
+
+
+def test_the_cache_answers_one_tensor_or_a_whole_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = {f"t{i:03d}": ("U8", [8], random_bytes(8, i)) for i in range(100)}  # more than asked one by one
+    write_reference(tmp_path / "m.safetensors", tensors)
+    with tensorfs.open_model(tmp_path / "m.safetensors") as model:
+        first = Hasher(model, HashCache(tmp_path / "cache")).hash_all()
+        hashed: list[int] = []
+        monkeypatch.setattr(tensorfs.integrity, "sha256_hex", lambda data, progress=None: hashed.append(1) or "x")
+        assert Hasher(model, HashCache(tmp_path / "cache")).hash_all() == first  # the whole shard at once
+        integrity = Integrity(Hasher(model, HashCache(tmp_path / "cache")))
+        assert [integrity.digest(name) for name in ("t000", "t099")] == [first["t000"], first["t099"]]  # one each
+        assert hashed == []
+        assert first["t042"] == hashlib.sha256(tensors["t042"][2]).hexdigest()
