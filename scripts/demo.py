@@ -13,7 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from tensorfs.mounttable import mount_at, unmount
+from tensorfs.mount.mounttable import mount_at, unmount
 from tensorfs.synth import Tensor, write_sharded
 
 HIDDEN, VOCAB, LAYERS, FFN = 512, 8000, 4, 1536

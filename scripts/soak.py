@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 import tensorfs
-import tensorfs.mounttable
+import tensorfs.mount.mounttable
 from tensorfs.synth import write_sharded
 
 MIB = 1 << 20
@@ -108,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                 thread.start()
             for thread in threads:
                 thread.join()
-            alive = tensorfs.mounttable.pid_alive(pid)
+            alive = tensorfs.mount.mounttable.pid_alive(pid)
         finally:
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
             stop = time.monotonic() + 30
-            while tensorfs.mounttable.pid_alive(pid) and time.monotonic() < stop:
+            while tensorfs.mount.mounttable.pid_alive(pid) and time.monotonic() < stop:
                 time.sleep(0.05)
     errors = {k: v for k, v in counts.items() if k.startswith("error")}
     done = sum(v for k, v in counts.items() if not k.startswith("error"))

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .mounttable import pid_alive
+from .mount.mounttable import pid_alive
 from .synth import Tensor, many_tiny_tensors, write_sharded
 from .units import human_size
 

@@ -250,8 +250,8 @@ def mount(
     Everything is validated first, as `validate` does; nothing is mounted if anything is wrong.
     Returns once the mount answers, leaving the daemon in the background (unless -f).
     """
-    from .daemon import MountOptions, split_fuse_options
-    from .daemon import mount as mount_model
+    from .mount.daemon import MountOptions, split_fuse_options
+    from .mount.daemon import mount as mount_model
 
     options = MountOptions(
         layout=layout,
@@ -295,7 +295,7 @@ def mount(
 @click.option("-z", "--lazy", is_flag=True, help="Detach now, finish when the mount is no longer busy.")
 def umount(mountpoint: Path, lazy: bool) -> None:
     """Unmount a tensorfs mount, also one whose daemon died."""
-    from .mounttable import unmount
+    from .mount.mounttable import unmount
 
     unmount(mountpoint, lazy=lazy)
 
@@ -304,7 +304,7 @@ def umount(mountpoint: Path, lazy: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per mount and line.")
 def status(as_json: bool) -> None:
     """List the tensorfs mounts: live ones with their source and daemon, dead ones with what to do."""
-    from .mounttable import read_daemon_info, tensorfs_mounts
+    from .mount.mounttable import read_daemon_info, tensorfs_mounts
 
     rows = []
     for mountpoint in tensorfs_mounts():

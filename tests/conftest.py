@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import raw_shard
-from tensorfs.mounttable import mount_at, pid_alive
+from tensorfs.mount.mounttable import mount_at, pid_alive
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,8 +18,8 @@ import pytest
 import tensorfs
 from conftest import Mounts, wait_until
 from helpers import random_bytes, write_index, write_reference
-from tensorfs.mounttable import FSTYPE, pid_alive
-from tensorfs.mounttable import mounts as mount_table
+from tensorfs.mount.mounttable import FSTYPE, pid_alive
+from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.synth import many_tiny_tensors
 
 MIB = 1 << 20

@@ -16,9 +16,9 @@ import trio
 
 import tensorfs
 from helpers import random_bytes, write_reference
-from tensorfs.fs import TensorOperations
 from tensorfs.integrity import Hasher, Integrity
-from tensorfs.tree import ROOT_INODE, Tree, index_json
+from tensorfs.mount.fs import TensorOperations
+from tensorfs.mount.tree import ROOT_INODE, Tree, index_json
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
 
@@ -174,6 +174,6 @@ def test_a_bug_in_a_handler_is_logged_and_answered_eio(
         raise ZeroDivisionError("boom")
 
     monkeypatch.setattr(ops.tree, "attributes", broken)
-    with caplog.at_level(logging.ERROR, logger="tensorfs.fs"):
+    with caplog.at_level(logging.ERROR, logger="tensorfs.mount.fs"):
         assert errno_of(ops.getattr, ROOT_INODE, None) == errno.EIO
     assert "bug in getattr" in caplog.text and "ZeroDivisionError: boom" in caplog.text

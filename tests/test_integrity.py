@@ -19,7 +19,6 @@ import tensorfs.integrity
 from conftest import Mounts
 from helpers import random_bytes, reference_tensors, write_index, write_reference
 from tensorfs.cli import main
-from tensorfs.fs import TensorOperations
 from tensorfs.integrity import (
     HashCache,
     Hasher,
@@ -29,7 +28,8 @@ from tensorfs.integrity import (
     parse_manifest,
     sha256sum_line,
 )
-from tensorfs.tree import Tree
+from tensorfs.mount.fs import TensorOperations
+from tensorfs.mount.tree import Tree
 
 
 @pytest.fixture
@@ -208,7 +208,7 @@ def test_a_mismatch_refuses_that_tensor_only(model_dir: Path, caplog: pytest.Log
     flip_byte_in_place(model_dir / "a.safetensors", "w1")
     with tensorfs.open_model(model_dir) as model:
         ops = TensorOperations(Tree(model, "slash", {}), Integrity(Hasher(model), expected))
-        with caplog.at_level(logging.ERROR), pytest.raises(tensorfs.fs.pyfuse3.FUSEError) as caught:
+        with caplog.at_level(logging.ERROR), pytest.raises(tensorfs.mount.fs.pyfuse3.FUSEError) as caught:
             trio.run(ops.open, ops.tree.tensor_inode("w1"), os.O_RDONLY, None)
         assert caught.value.errno == errno.EIO
         assert "tensor 'w1' in shard" in caplog.text and "does not match the manifest" in caplog.text

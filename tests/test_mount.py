@@ -18,7 +18,7 @@ import tensorfs
 from conftest import Mounts, wait_until
 from helpers import entry, every_dtype_tensors, random_bytes, raw_shard, reference_tensors, write_index, write_reference
 from tensorfs.dtypes import DTYPES
-from tensorfs.mounttable import pid_alive, tensorfs_mounts
+from tensorfs.mount.mounttable import pid_alive, tensorfs_mounts
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
 
 def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
     from conftest import wait_until
-    from tensorfs.mounttable import mount_at, pid_alive, read_daemon_info
+    from tensorfs.mount.mounttable import mount_at, pid_alive, read_daemon_info
 
     mountpoint = tmp_path / "mnt"
     pid = None

@@ -12,7 +12,7 @@ import pytest
 
 import tensorfs
 from helpers import entry, raw_shard, write_reference
-from tensorfs.tree import (
+from tensorfs.mount.tree import (
     DIR_MODE,
     FILE_MODE,
     ROOT_INODE,

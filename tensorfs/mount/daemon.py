@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import MountError, TensorfsError
-from .gcpause import gc_paused
-from .integrity import HashCache, Hasher, Integrity
-from .model import Model, reopen, snapshot
+from ..errors import MountError, TensorfsError
+from ..gcpause import gc_paused
+from ..integrity import HashCache, Hasher, Integrity
+from ..model import Model, reopen, snapshot
+from ..names import Layout
 from .mounttable import FSTYPE, mount_at, read_daemon_info
-from .names import Layout
 
 log = logging.getLogger("tensorfs")
 

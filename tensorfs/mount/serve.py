@@ -14,11 +14,12 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import __version__, fs
+from .. import __version__
+from ..integrity import Integrity
+from ..model import Model
+from . import fs
 from .daemon import READY, MountOptions, default_log_file
 from .fs import TensorOperations
-from .integrity import Integrity
-from .model import Model
 from .tree import Tree, index_json
 
 log = logging.getLogger("tensorfs")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MountError
+from ..errors import MountError
 
 FSTYPE = "fuse.tensorfs"
 CONTROL_DIR = ".tensorfs"

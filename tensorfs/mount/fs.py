@@ -19,8 +19,8 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from .errors import TensorfsError
-from .integrity import HASH_WORKERS, Integrity, TensorCorrupt
+from ..errors import TensorfsError
+from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from .pages import ShardPages
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 

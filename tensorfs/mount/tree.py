@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from enum import Enum
 from json.encoder import encode_basestring
 
-from .errors import TensorfsError
-from .header import Entry
-from .integrity import sha256sum_line
-from .model import Model
-from .names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
+from ..errors import TensorfsError
+from ..header import Entry
+from ..integrity import sha256sum_line
+from ..model import Model
+from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"
