@@ -61,3 +61,16 @@ class InvalidModelError(TensorfsError):
 
 class MountError(TensorfsError):
     """A mount or unmount could not be done (bad mountpoint, FUSE unavailable, daemon failed)."""
+
+
+class ModelClosedError(TensorfsError):
+    """A model's data was asked for after the model was closed."""
+
+
+class ShardChangedError(TensorfsError):
+    """A shard's bytes are no longer the ones validated: the file shrank or was written under tensorfs."""
+
+    def __init__(self, message: str, lost_from: int | None = None) -> None:
+        super().__init__(message)
+        self.lost_from = lost_from
+        """Where in the shard the bytes ran out, when that is what happened."""

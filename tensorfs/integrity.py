@@ -9,32 +9,26 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import InvalidModelError, Problem, TensorfsError, printable
+from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError, printable
+from .header import Entry
 from .model import Model
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 8 << 20  # hashlib releases the GIL while it hashes a chunk this large
+_CHUNK = 1 << 20  # read a tensor in pieces this large: they stay in the CPU's cache between read and hash
 DEFAULT_MANIFEST = "tensors.sha256"
 HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _FEW_SPANS = 64  # up to this many ranges, the cache is asked range by range
-
-
-def sha256_hex(data: memoryview, progress: Callable[[int], None] | None = None) -> str:
-    """The SHA-256 of `data`, hashed in chunks so that other threads run meanwhile."""
-    digest = hashlib.sha256()
-    for start in range(0, len(data), _CHUNK):
-        chunk = data[start : start + _CHUNK]
-        digest.update(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return digest.hexdigest()
+_SAVE_EVERY = 5.0  # seconds between commits of new hashes while a model is hashed
+CACHE_MIN_BYTES = 256 << 10
+"""Smaller tensors are hashed again rather than cached: storing a row costs a good part of hashing them."""
 
 
 class TensorCorrupt(TensorfsError):
@@ -98,6 +92,8 @@ class HashCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             connection = sqlite3.connect(self.directory / self.FILE_NAME, timeout=5.0, check_same_thread=False)
             connection.execute("PRAGMA journal_mode=WAL")
+            # A cache may lose its last rows in a power cut, never its consistency: no fsync per commit.
+            connection.execute("PRAGMA synchronous=NORMAL")
             connection.execute(
                 "CREATE TABLE IF NOT EXISTS hashes (device INTEGER, inode INTEGER, size INTEGER, mtime_ns INTEGER,"
                 " ctime_ns INTEGER, begin INTEGER, end INTEGER, sha256 TEXT NOT NULL,"
@@ -169,27 +165,46 @@ class HashCache:
 
 # -- hashing a model ------------------------------------------------------------------------
 
+_Run = list[tuple[str, int, int]]
+"""Tensors of one shard read together, as (name, absolute begin, absolute end), in file order."""
+
 
 class Hasher:
-    """Hashes a model's tensors, through the cache, several tensors at once."""
+    """Hashes a model's tensors, through the cache, several tensors at once.
+
+    Bytes are read from the shard files with preadv, never hashed off the mappings: a shard that
+    shrinks under a mapping kills whoever touches the lost pages (SIGBUS), while a read of them
+    just comes up short (ShardChangedError, naming the tensor).
+    """
 
     def __init__(self, model: Model, cache: HashCache | None = None) -> None:
         self.model = model
         self.cache = cache or HashCache(None)
+        self._buffers = threading.local()
+        self._lock = threading.Lock()
+        self._unsaved: dict[FileIdentity, dict[tuple[int, int], str]] = {}
+        self._saved_at = time.monotonic()
+        self.tensors_hashed = 0
+        self.bytes_hashed = 0
+        self.cache_hits = 0
 
     def cached(self, names: Iterable[str]) -> dict[str, str]:
         """The hashes the cache already holds for `names` (for shards unchanged since the model opened)."""
-        by_shard: dict[Path, dict[tuple[int, int], str]] = {}  # shard -> {data_offsets: tensor}
-        for name in names:
-            info = self.model.info(name)
-            by_shard.setdefault(info.shard, {})[info.data_offsets] = name
+        return self._cached(self.model.by_shard(names))
+
+    def _cached(self, groups: Mapping[Path, list[Entry]]) -> dict[str, str]:
         found: dict[str, str] = {}
-        for shard, spans in by_shard.items():
+        if not self.cache.enabled:
+            return found
+        for shard, entries in groups.items():
             identity = self._current_identity(shard)
             if identity is None:
                 continue
+            spans = {(entry[0], entry[1]): entry[2] for entry in entries if entry[1] - entry[0] >= CACHE_MIN_BYTES}
             for span, digest in self.cache.get_many(identity, spans).items():
                 found[spans[span]] = digest
+        with self._lock:
+            self.cache_hits += len(found)
         return found
 
     def _current_identity(self, shard: Path) -> FileIdentity | None:
@@ -203,29 +218,116 @@ class Hasher:
 
     def hash_one(self, name: str, progress: Callable[[int], None] | None = None) -> str:
         """Hash one tensor (no cache lookup) and remember it in the cache."""
-        info = self.model.info(name)
-        digest = sha256_hex(self.model.raw(name), progress)
-        # Stored only if the file is still the one mapped: bytes of a changed file are not its bytes.
-        identity = self._current_identity(info.shard)
-        if identity is not None:
-            self.cache.put_many(identity, {info.data_offsets: digest})
+        shard, offset, nbytes = self.model.locate(name)
+        digest = self._hash_run(shard, [(name, offset, offset + nbytes)], progress)[name]
+        self.save()
         return digest
 
     def hash_all(
         self, names: Iterable[str] | None = None, progress: Callable[[int], None] | None = None
     ) -> dict[str, str]:
         """SHA-256 of every tensor in `names` (all by default): cached ones looked up, the rest hashed."""
-        names = list(self.model.names() if names is None else names)
-        digests = self.cached(names)
-        if progress is not None:
-            progress(sum(self.model.info(name).nbytes for name in digests))
-        todo = [name for name in names if name not in digests]
-        # Largest first, so the workers finish together.
-        todo.sort(key=lambda name: -self.model.info(name).nbytes)
-        with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
-            for name, digest in zip(todo, pool.map(lambda n: self.hash_one(n, progress), todo), strict=True):
-                digests[name] = digest
+        names = self.model.sorted_names if names is None else list(names)
+        groups = self.model.by_shard(None if names is self.model.sorted_names else names)
+        digests = self._cached(groups)
+        if progress is not None and digests:
+            progress(
+                sum(end - begin for entries in groups.values() for begin, end, name, _, _ in entries if name in digests)
+            )
+        runs = self._plan(groups, digests)
+        try:
+            with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
+                for found in pool.map(lambda job: self._hash_run(job[0], job[1], progress), runs):
+                    digests.update(found)
+        finally:
+            self.save()
         return {name: digests[name] for name in names}
+
+    def _plan(self, groups: Mapping[Path, list[Entry]], done: Mapping[str, str]) -> list[tuple[Path, _Run]]:
+        """Group what is not `done` into runs: a big tensor alone, small neighbours together (one read,
+        one commit). Largest runs first, so that the workers finish together.
+        """
+        runs: list[tuple[Path, _Run]] = []
+        for shard, entries in groups.items():
+            data_start = self.model.shard_header(shard).data_start
+            run: _Run = []
+            for begin, end, name, _, _ in entries:
+                if name in done:
+                    continue
+                if run and data_start + end - run[0][1] > _CHUNK:
+                    runs.append((shard, run))
+                    run = []
+                run.append((name, data_start + begin, data_start + end))
+            if run:
+                runs.append((shard, run))
+        runs.sort(key=lambda job: job[1][0][1] - job[1][-1][2])
+        return runs
+
+    def _hash_run(self, shard: Path, run: _Run, progress: Callable[[int], None] | None) -> dict[str, str]:
+        """Hash a run's tensors from the file, and store the hashes in the cache in one transaction."""
+        buffer = self._buffer()
+        found: dict[str, str] = {}
+        first, last = run[0][1], run[-1][2]
+        try:
+            if last - first <= _CHUNK:  # small neighbours: one read, each hashed from the buffer
+                self.model.readinto(shard, first, buffer[: last - first])
+                for name, begin, end in run:
+                    found[name] = hashlib.sha256(buffer[begin - first : end - first]).hexdigest()
+                if progress is not None:
+                    progress(sum(end - begin for _, begin, end in run))
+            else:  # one big tensor, read and hashed a piece at a time
+                (name, begin, end), digest = run[0], hashlib.sha256()
+                for start in range(begin, end, _CHUNK):
+                    piece = buffer[: min(_CHUNK, end - start)]
+                    self.model.readinto(shard, start, piece)
+                    digest.update(piece)
+                    if progress is not None:
+                        progress(len(piece))
+                found[name] = digest.hexdigest()
+        except ShardChangedError as exc:
+            lost = exc.lost_from if exc.lost_from is not None else first
+            name, begin, end = next(span for span in run if span[2] > lost)
+            raise ShardChangedError(
+                f"{shard}: tensor '{printable(name)}': bytes [{max(lost, begin) - begin}, {end - begin}) of the "
+                "tensor are gone: the shard shrank after it was validated",
+                lost_from=lost,
+            ) from None
+        # Stored only if the file is still the one mapped: bytes of a changed file are not its bytes.
+        with self._lock:
+            self.tensors_hashed += len(run)
+            self.bytes_hashed += sum(end - begin for _, begin, end in run)
+        identity = self._current_identity(shard) if self.cache.enabled else None
+        if identity is not None:
+            data_start = self.model.shard_header(shard).data_start
+            worth = {
+                (begin - data_start, end - data_start): found[name]
+                for name, begin, end in run
+                if end - begin >= CACHE_MIN_BYTES
+            }
+            with self._lock:
+                self._unsaved.setdefault(identity, {}).update(worth)
+            if time.monotonic() - self._saved_at > _SAVE_EVERY:
+                self.save()
+        return found
+
+    def save(self) -> None:
+        """Write the hashes not yet in the cache, in one transaction per shard.
+
+        A commit per tensor cost more than hashing small tensors did; one every few seconds costs
+        nothing, and a manifest stopped midway still leaves most of its work cached.
+        """
+        with self._lock:
+            unsaved, self._unsaved = self._unsaved, {}
+            self._saved_at = time.monotonic()
+        for identity, hashes in unsaved.items():
+            self.cache.put_many(identity, hashes)
+
+    def _buffer(self) -> memoryview:
+        """This thread's read buffer, made once."""
+        buffer: memoryview | None = getattr(self._buffers, "buffer", None)
+        if buffer is None:
+            buffer = self._buffers.buffer = memoryview(bytearray(_CHUNK))
+        return buffer
 
 
 @dataclass
@@ -323,9 +425,14 @@ def read_manifest(path: Path) -> dict[str, str]:
 
 
 def find_default_manifest(source: Path) -> Path | None:
-    """SOURCE/tensors.sha256, when SOURCE is a directory that holds one."""
-    candidate = source / DEFAULT_MANIFEST
-    return candidate if source.is_dir() and candidate.is_file() else None
+    """tensors.sha256 in SOURCE, or beside it when SOURCE is a file (a shard, an index), if there is one."""
+    candidate = (source if source.is_dir() else source.parent) / DEFAULT_MANIFEST
+    return candidate if candidate.is_file() else None
+
+
+def shard_of_a_model(source: Path) -> bool:
+    """Whether SOURCE is one .safetensors file: it may be one shard of the model its manifest lists."""
+    return not source.is_dir() and not source.name.endswith(".index.json")
 
 
 @dataclass(frozen=True)
@@ -349,10 +456,14 @@ def compare(model: Model, expected: Mapping[str, str], actual: Mapping[str, str]
     )
 
 
-def manifest_coverage_problems(model: Model, expected: Mapping[str, str], manifest: str) -> list[Problem]:
-    """Problems when a manifest does not list exactly the model's tensors."""
+def manifest_coverage_problems(
+    model: Model, expected: Mapping[str, str], manifest: str, *, extra_allowed: bool = False
+) -> list[Problem]:
+    """Problems when a manifest does not list exactly the model's tensors (or, `extra_allowed`, at least)."""
     problems = [
-        Problem(manifest, "is in the manifest but not in the model", name) for name in expected if name not in model
+        Problem(manifest, "is in the manifest but not in the model", name)
+        for name in ([] if extra_allowed else expected)
+        if name not in model
     ]
     problems += [
         Problem(manifest, "is in the model but not in the manifest", name)
@@ -362,7 +473,7 @@ def manifest_coverage_problems(model: Model, expected: Mapping[str, str], manife
     return problems
 
 
-def require_coverage(model: Model, expected: Mapping[str, str], manifest: str) -> None:
-    problems = manifest_coverage_problems(model, expected, manifest)
+def require_coverage(model: Model, expected: Mapping[str, str], manifest: str, *, extra_allowed: bool = False) -> None:
+    problems = manifest_coverage_problems(model, expected, manifest, extra_allowed=extra_allowed)
     if problems:
         raise InvalidModelError(problems)

@@ -6,17 +6,18 @@ import contextlib
 import dataclasses
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
+from operator import itemgetter
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .errors import InvalidModelError, Problem
+from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo, open_shard, read_header_fd
 from .names import Layout, collisions, name_problems
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 INDEX_NAME = "model.safetensors.index.json"
+_begin = itemgetter(0)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
 
 
@@ -36,12 +38,16 @@ class _Shard:
     view: memoryview
     stat: os.stat_result
     """The shard file's status when it was mapped."""
+    fd: int
+    """The descriptor the shard was validated through, kept open for reads that must not fault."""
 
     @cached_property
     def by_name(self) -> dict[str, Entry]:
         return {entry[2]: entry for entry in self.header.entries}
 
     def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
         self.view.release()
         self.mapping.close()
 
@@ -57,6 +63,7 @@ class Model:
         self.layout: Layout = layout
         self._shards = {s.header.path: s for s in shards}
         self._owner = owner
+        self._closed = False
         self.metadata: dict[str, dict[str, str]] = {s.header.path.name: dict(s.header.metadata or {}) for s in shards}
         """Each shard's `__metadata__` (empty when it has none), keyed by the shard's file name."""
 
@@ -103,6 +110,18 @@ class Model:
         path, data_start, (begin, end, _, _, _) = self.entry(name)
         return path, data_start + begin, end - begin
 
+    def by_shard(self, names: Iterable[str] | None = None) -> dict[Path, list[Entry]]:
+        """The header entries of `names` (every tensor by default), grouped by shard, in file order."""
+        if names is None:
+            return {path: list(shard.header.entries) for path, shard in self._shards.items()}
+        groups: dict[Path, list[Entry]] = {}
+        for name in names:
+            shard = self._owner[name]
+            groups.setdefault(shard.header.path, []).append(shard.by_name[name])
+        for entries in groups.values():
+            entries.sort(key=_begin)
+        return groups
+
     def info(self, name: str) -> TensorInfo:
         """Where tensor `name` lives and what it is; KeyError when there is no such tensor."""
         shard = self._owner[name]
@@ -113,12 +132,38 @@ class Model:
         """The shard file's status (identity, size, times) when the model mapped it."""
         return self._shards[shard].stat
 
+    def shard_fd(self, shard: Path) -> int:
+        """The shard file's open descriptor (the file validated and mapped), e.g. to watch it."""
+        self._check_open()
+        return self._shards[shard].fd
+
     def shard_view(self, shard: Path) -> memoryview:
         """A read-only view of the whole shard file, on its mmap."""
+        self._check_open()
         return self._shards[shard].view
+
+    def readinto(self, shard: Path, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the shard's bytes from `offset`, read from the file, not the mapping.
+
+        A mapped page whose bytes were cut from the file kills the process that touches it
+        (SIGBUS); a read just comes up short, which is ShardChangedError here.
+        """
+        self._check_open()
+        fd = self._shards[shard].fd
+        done, size = 0, len(buffer)
+        while done < size:
+            count = os.preadv(fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise ShardChangedError(
+                    f"{shard}: bytes [{offset + done}, {offset + size}) are gone: "
+                    "the file shrank after it was validated",
+                    lost_from=offset + done,
+                )
+            done += count
 
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes: a read-only view on the shard's mmap, no copy."""
+        self._check_open()
         shard = self._owner[name]
         begin, end, _, _, _ = shard.by_name[name]
         start = shard.header.data_start
@@ -131,6 +176,7 @@ class Model:
         """
         import numpy as np  # here: only the array views need numpy
 
+        self._check_open()
         shard = self._owner[name]
         _, _, _, dtype, shape = shard.by_name[name]
         if dtype.numpy is None:
@@ -138,8 +184,19 @@ class Model:
         return np.frombuffer(self.raw(name), dtype=dtype.numpy).reshape(shape)
 
     # -- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError(f"model {self.source} is closed: its tensors can no longer be read")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Release the mmaps; a mapping that still backs a live view is released with the view."""
+        if self._closed:
+            return
+        self._closed = True
         for shard in self._shards.values():
             # A view handed out may still be alive: then the mapping goes when it does.
             with contextlib.suppress(BufferError):
@@ -209,10 +266,11 @@ def reopen(saved: ModelSnapshot) -> Model:
                 if _identity(status) != shard.identity:
                     raise InvalidModelError([Problem(shard.label, "changed while it was being validated; try again")])
                 mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
             header = dataclasses.replace(shard.header, path=path)
-            opened.append(_Shard(header, shard.label, mapping, memoryview(mapping), status))
+            opened.append(_Shard(header, shard.label, mapping, memoryview(mapping), status, fd))
     except BaseException:
         for done in opened:
             done.release()
@@ -231,13 +289,10 @@ def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Mod
     source = Path(path)
     problems: list[Problem] = []
     with gc_paused():
+        # Every problem is collected, of every shard and across shards, before any is reported.
         shard_paths, weight_map, index_label = _find_shards(source, problems)
-        if problems:
-            raise InvalidModelError(problems)
         opened = _open_shards(shard_paths, problems)
         try:
-            if problems:
-                raise InvalidModelError(problems)
             owner = _check_model(opened, weight_map, index_label, layout, problems)
             if problems:
                 raise InvalidModelError(problems)
@@ -262,6 +317,7 @@ def _find_shards(source: Path, problems: list[Problem]) -> tuple[list[Path], dic
         return _shards_from_index(source, problems)
     if not source.exists() and not source.is_symlink():
         problems.append(Problem(str(source), "no such file or directory"))
+        return [], None, None
     return [source], None, None
 
 
@@ -320,16 +376,15 @@ def _open_shards(paths: list[Path], problems: list[Problem]) -> list[_Shard]:
             # Map the descriptor the header was read from: the bytes served are the bytes validated.
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             status = os.fstat(fd)
-        except InvalidModelError as exc:
-            return exc
-        except OSError as exc:
-            return InvalidModelError([Problem(label, f"cannot map: {exc.strerror}")])
-        finally:
+        except (InvalidModelError, OSError) as exc:
             os.close(fd)
-        return _Shard(header, label, mapping, memoryview(mapping), status)
+            if isinstance(exc, InvalidModelError):
+                return exc
+            return InvalidModelError([Problem(label, f"cannot map: {exc.strerror}")])
+        return _Shard(header, label, mapping, memoryview(mapping), status, fd)
 
-    if len(paths) == 1:
-        results = [open_one(paths[0])]
+    if len(paths) <= 1:
+        results = [open_one(path) for path in paths]
     else:
         with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(paths))) as pool:
             results = list(pool.map(open_one, paths))
@@ -375,19 +430,22 @@ def _check_model(
                 holder = first.setdefault(entry[2], shard)
                 if holder is not shard:
                     problems.append(Problem(shard.label, f"is also in shard {holder.header.path.name}", entry[2]))
-    for name, reason in name_problems(owner, layout):
+    bad_names = name_problems(owner, layout)
+    for name, reason in bad_names:
         problems.append(Problem(owner[name].label, reason, name))
     if weight_map is not None and index_label is not None and not _index_agrees(shards, weight_map, len(owner)):
+        read = {shard.header.path.name for shard in shards}  # a shard missing or invalid is reported already
         for name, shard_name in weight_map.items():
             actual = owner.get(name)
-            if actual is None or actual.header.path.name != shard_name:
+            if shard_name in read and (actual is None or actual.header.path.name != shard_name):
                 problems.append(
                     Problem(index_label, f"the index maps it to {shard_name}, which does not hold it", name)
                 )
         for name, holder in owner.items():
             if name not in weight_map:
                 problems.append(Problem(holder.label, "is not listed in the index's weight_map", name))
-    if not problems:  # path clashes only make sense between names that are each valid
-        for name, reason in collisions(owner, layout):
-            problems.append(Problem(owner[name].label, reason, name))
+    # Clashes among the names that are each valid, reported with everything else in one pass.
+    valid = owner if not bad_names else {name: shard for name, shard in owner.items() if name not in dict(bad_names)}
+    for name, reason in collisions(valid, layout):
+        problems.append(Problem(owner[name].label, reason, name))
     return owner

@@ -30,14 +30,26 @@ def name_problem(name: str, layout: Layout = "slash") -> str | None:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
         return "name is not valid Unicode (it holds a lone surrogate)"
-    path = tensor_path(name, layout)
-    if path.startswith("/"):
+    if name.startswith("/"):
         return "name is an absolute path"
-    parts = path.split("/")
+    parts = name.split("/")
     for part in parts:
         if part in ("", ".", ".."):
             shown = "an empty" if not part else f"a '{part}'"
             return f"name has {shown} path component"
+    if layout == "dotted":
+        for part in parts:  # '.' separates components too: a leading, trailing or doubled '.' makes an empty one
+            if part.startswith(".") or part.endswith(".") or ".." in part:
+                where = "name" if part == name else f"component '{part}'"
+                how = (
+                    "begins with '.'"
+                    if part.startswith(".")
+                    else "ends with '.'"
+                    if part.endswith(".")
+                    else "holds '..'"
+                )
+                return f"{where} {how}, which --layout dotted makes an empty path component"
+        parts = tensor_path(name, layout).split("/")
     if parts[0] == RESERVED_DIR:
         return f"names beginning with '{RESERVED_DIR}/' are reserved for tensorfs"
     if len(encoded) + _LONGEST_SUFFIX <= MAX_NAME_BYTES:

@@ -20,6 +20,7 @@ from conftest import Mounts
 from helpers import random_bytes, reference_tensors, write_index, write_reference
 from tensorfs.cli import main
 from tensorfs.integrity import (
+    CACHE_MIN_BYTES,
     HashCache,
     Hasher,
     Integrity,
@@ -139,26 +140,54 @@ def test_verify_lists_missing_and_unexpected(
     assert "no tensors.sha256 here; name a manifest with --manifest FILE" in capsys.readouterr().err
 
 
-def test_cache_serves_unchanged_shards_and_never_changed_ones(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    hashed: list[int] = []
-    real = tensorfs.integrity.sha256_hex
-    monkeypatch.setattr(
-        tensorfs.integrity, "sha256_hex", lambda data, progress=None: hashed.append(len(data)) or real(data, progress)
+def big_model(directory: Path) -> Path:
+    """Tensors worth caching (>= CACHE_MIN_BYTES) and one that is not, in two shards."""
+    directory.mkdir()
+    write_reference(
+        directory / "a.safetensors",
+        {"w1": ("U8", [512 << 10], random_bytes(512 << 10, 1)), "small": ("U8", [8], random_bytes(8, 2))},
     )
-    cache = HashCache(tmp_path / "cache")
+    write_reference(
+        directory / "b.safetensors",
+        {"w2": ("U8", [300 << 10], random_bytes(300 << 10, 3)), "w3": ("U8", [256 << 10], random_bytes(256 << 10, 4))},
+    )
+    return directory
+
+
+def test_cache_serves_unchanged_shards_and_never_changed_ones(tmp_path: Path) -> None:
+    model_dir = big_model(tmp_path / "model")
+    assert CACHE_MIN_BYTES == 256 << 10
     with tensorfs.open_model(model_dir) as model:
-        first = Hasher(model, cache).hash_all()
-    assert first == expected_digests(model_dir) and len(hashed) == 5
+        hasher = Hasher(model, HashCache(tmp_path / "cache"))
+        first = hasher.hash_all()
+    assert first == expected_digests(model_dir) and hasher.tensors_hashed == 4
     with tensorfs.open_model(model_dir) as model:
-        assert Hasher(model, HashCache(tmp_path / "cache")).hash_all() == first
-    assert len(hashed) == 5  # all from the cache, from a new connection
+        hasher = Hasher(model, HashCache(tmp_path / "cache"))
+        assert hasher.hash_all() == first
+    # all from the cache, from a new connection, but the tensor too small to be worth a row
+    assert (hasher.tensors_hashed, hasher.cache_hits) == (1, 3)
     flip_byte_in_place(model_dir / "a.safetensors", "w1")
     with tensorfs.open_model(model_dir) as model:
-        again = Hasher(model, HashCache(tmp_path / "cache")).hash_all()
+        hasher = Hasher(model, HashCache(tmp_path / "cache"))
+        again = hasher.hash_all()
     assert again["w1"] != first["w1"] and again == expected_digests(model_dir)
-    assert len(hashed) == 7  # both tensors of the changed shard hashed again, nothing else
+    assert (hasher.tensors_hashed, hasher.cache_hits) == (2, 2)  # the changed shard hashed again, nothing else
+
+
+def test_hashes_are_cached_in_a_few_transactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One commit per tensor made a manifest of 60k small tensors 7x slower with a cache than without.
+    tensors = {f"t{i:04d}": ("U8", [256 << 10], random_bytes(16, i) * (16 << 10)) for i in range(200)}
+    write_reference(tmp_path / "m.safetensors", tensors)
+    commits: list[int] = []
+    real = HashCache.put_many
+    monkeypatch.setattr(
+        HashCache,
+        "put_many",
+        lambda self, identity, hashes: commits.append(len(hashes)) or real(self, identity, hashes),
+    )
+    with tensorfs.open_model(tmp_path / "m.safetensors") as model:
+        digests = Hasher(model, HashCache(tmp_path / "cache")).hash_all()
+    assert len(digests) == 200 and sum(commits) == 200 and len(commits) <= 2
 
 
 def test_a_broken_cache_degrades_to_no_cache(model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -179,11 +208,6 @@ def test_a_broken_cache_degrades_to_no_cache(model_dir: Path, tmp_path: Path, ca
 def test_concurrent_openers_of_one_unverified_tensor_share_one_hashing(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hashed: list[int] = []
-    real = tensorfs.integrity.sha256_hex
-    monkeypatch.setattr(
-        tensorfs.integrity, "sha256_hex", lambda data, progress=None: hashed.append(1) or real(data, progress)
-    )
     with tensorfs.open_model(model_dir) as model:
         ops = TensorOperations(Tree(model, "slash", {}), Integrity(Hasher(model), expected_digests(model_dir)))
         inode = ops.tree.tensor_inode("w1")
@@ -195,7 +219,7 @@ def test_concurrent_openers_of_one_unverified_tensor_share_one_hashing(
                     nursery.start_soon(lambda: _open(ops, inode, opened))
 
         trio.run(open_many)
-        assert len(opened) == 6 and hashed == [1]
+        assert len(opened) == 6 and ops.integrity.hasher.tensors_hashed == 1
         assert "w1" in ops.integrity.verified
 
 
@@ -284,15 +308,15 @@ def test_progress_line_only_on_a_terminal() -> None:
     assert quiet.getvalue() == ""
 
 
-def test_the_cache_answers_one_tensor_or_a_whole_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tensors = {f"t{i:03d}": ("U8", [8], random_bytes(8, i)) for i in range(100)}  # more than asked one by one
+def test_the_cache_answers_one_tensor_or_a_whole_shard(tmp_path: Path) -> None:
+    # more tensors than are asked for one by one, each big enough to be cached
+    tensors = {f"t{i:03d}": ("U8", [256 << 10], random_bytes(8, i) * (32 << 10)) for i in range(100)}
     write_reference(tmp_path / "m.safetensors", tensors)
     with tensorfs.open_model(tmp_path / "m.safetensors") as model:
         first = Hasher(model, HashCache(tmp_path / "cache")).hash_all()
-        hashed: list[int] = []
-        monkeypatch.setattr(tensorfs.integrity, "sha256_hex", lambda data, progress=None: hashed.append(1) or "x")
-        assert Hasher(model, HashCache(tmp_path / "cache")).hash_all() == first  # the whole shard at once
+        whole = Hasher(model, HashCache(tmp_path / "cache"))
+        assert whole.hash_all() == first  # the whole shard at once
         integrity = Integrity(Hasher(model, HashCache(tmp_path / "cache")))
         assert [integrity.digest(name) for name in ("t000", "t099")] == [first["t000"], first["t099"]]  # one each
-        assert hashed == []
+        assert whole.tensors_hashed == integrity.hasher.tensors_hashed == 0
         assert first["t042"] == hashlib.sha256(tensors["t042"][2]).hexdigest()

@@ -184,6 +184,38 @@ def test_unsafe_names_and_clashes_are_refused(tmp_path: Path) -> None:
         tensorfs.open_model(tmp_path, layout="dotted")
 
 
+def test_clashes_are_reported_with_every_other_problem(tmp_path: Path) -> None:
+    write_reference(
+        tmp_path / "a.safetensors",
+        {"../escape": ("U8", [1], b"a"), "p": ("U8", [1], b"b"), "p/q": ("U8", [1], b"c"), "w": ("U8", [1], b"d")},
+    )
+    write_reference(tmp_path / "b.safetensors", {"w.sha256": ("U8", [1], b"e"), "": ("U8", [1], b"f")})
+    (tmp_path / "c.safetensors").write_bytes(b"short")
+    with pytest.raises(InvalidModelError) as caught:
+        tensorfs.open_model(tmp_path)
+    a, b, c = (str(tmp_path / f"{x}.safetensors") for x in "abc")
+    assert sorted(str(p) for p in caught.value.problems) == sorted(
+        [
+            f"{a}: tensor '../escape': name has a '..' path component",
+            f"{b}: tensor '': name is empty",
+            f"{a}: tensor 'p': is a file, but tensor 'p/q' needs 'p' as a directory",
+            f"{b}: tensor 'w.sha256': has the same path as a sidecar of tensor 'w'",
+            f"{c}: file is 5 bytes, too short to hold the 8-byte header length",
+        ]
+    )
+
+
+def test_a_closed_model_says_so(tmp_path: Path) -> None:
+    write_reference(tmp_path / "m.safetensors", {"w": ("F32", [2], bytes(8))})
+    model = tensorfs.open_model(tmp_path / "m.safetensors")
+    kept = model.array("w")
+    model.close()
+    for read in (model.array, model.raw):
+        with pytest.raises(tensorfs.TensorfsError, match=r"model .*m\.safetensors is closed"):
+            read("w")
+    assert kept.tobytes() == bytes(8) and model.info("w").nbytes == 8  # what was handed out, and the header, stay
+
+
 INDEX_CASES = [
     ("shard missing", {"a": "a.safetensors", "b": "gone.safetensors"}, "names shard 'gone.safetensors', which does not exist"),
     ("path in shard name", {"a": "a.safetensors", "b": "../b.safetensors"}, "is not a plain file name"),

@@ -44,11 +44,25 @@ def test_bulk_check_agrees_with_the_one_by_one_check() -> None:
     assert name_problems(names) == [(n, r) for n in names if (r := name_problem(n)) is not None]
 
 
+DOTTED_BAD_NAMES = [
+    (".dotfile", "name begins with '.', which --layout dotted makes an empty path component"),
+    ("..hidden", "name begins with '.', which --layout dotted makes an empty path component"),
+    ("a..b", "name holds '..', which --layout dotted makes an empty path component"),
+    ("trailing.", "name ends with '.', which --layout dotted makes an empty path component"),
+    ("x/.y", "component '.y' begins with '.', which --layout dotted makes an empty path component"),
+    ("x./y", "component 'x.' ends with '.', which --layout dotted makes an empty path component"),
+    ("/abs.x", "name is an absolute path"),
+    ("a//b.c", "name has an empty path component"),
+    ("a/../b", "name has a '..' path component"),
+]
+
+
 def test_dotted_layout_nests_on_dots_and_refuses_what_that_breaks() -> None:
     assert tensor_path("model.layers.0.weight", "dotted") == "model/layers/0/weight"
-    assert name_problem("a..b", "dotted") is not None
-    assert name_problem(".hidden", "dotted") is not None
-    assert name_problem("trailing.", "dotted") is not None
+    for name, reason in DOTTED_BAD_NAMES:  # each rule names itself, never another one
+        assert name_problem(name, "dotted") == reason, name
+        assert name_problems([name, "ok.name"], "dotted") == [(name, reason)]
+    assert name_problem("a.b/c.d", "dotted") is None
 
 
 def test_collisions() -> None:
