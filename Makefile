@@ -58,6 +58,9 @@ bench: install
 	$(PY) scripts/bench_open.py
 	$(PY) scripts/bench_hash.py
 
+# Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:
+	@awk -v dir="$(abspath $(DEMO_DIR))/" 'index($$2, dir) == 1 {print $$2}' /proc/self/mounts | \
+	  while read -r mnt; do echo "unmounting $$mnt"; fusermount3 -u -z "$$mnt" || umount -l "$$mnt"; done
 	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
