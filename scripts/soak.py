@@ -25,6 +25,7 @@ from pathlib import Path
 
 import tensorfs
 import tensorfs.mount.mounttable
+from tensorfs.mount.mounttable import daemon_pid
 from tensorfs.synth import write_sharded
 
 MIB = 1 << 20
@@ -94,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         expected = build(root / "model")
         mountpoint = root / "mnt"
         mountpoint.mkdir()
-        command = [sys.executable, "-m", "tensorfs.cli", "mount", "--no-cache", "--log-file", str(root / "log")]
+        command = [sys.executable, "-m", "tensorfs.cli", "mount", "-q", "--no-cache", "--log-file", str(root / "log")]
         subprocess.run([*command, str(root / "model"), str(mountpoint)], check=True)
-        pid = int(json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["pid"])
+        pid = daemon_pid(mountpoint)
+        assert pid is not None, f"no daemon record for {mountpoint}"
         counts: Counter[str] = Counter()
         try:
             deadline = time.monotonic() + args.seconds

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .mount.mounttable import pid_alive
+from .mount.mounttable import daemon_pid, pid_alive
 from .synth import Tensor, many_tiny_tensors, write_sharded
 from .units import human_size
 
@@ -184,8 +184,11 @@ class Mounter:
         mountpoint.mkdir()
         options = [f"--readahead-kb={self.config.readahead_kb}", "--no-cache", *self.config.mount_options, *extra]
         log = str(self.workdir / "daemon.log")
-        subprocess.run(self.command("mount", "--log-file", log, *options, str(source), str(mountpoint)), check=True)
-        pid = int(json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["pid"])
+        subprocess.run(
+            self.command("mount", "-q", "--log-file", log, *options, str(source), str(mountpoint)), check=True
+        )
+        pid = daemon_pid(mountpoint)
+        assert pid is not None, f"no daemon record for {mountpoint}"
         try:
             yield mountpoint, pid
         finally:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
@@ -24,8 +27,10 @@ from .integrity import (
     format_manifest,
     read_manifest,
     require_coverage,
+    shard_of_a_model,
 )
 from .model import Model, open_model
+from .mount.daemon import MAX_BACKGROUND_LIMIT, PREFETCH_LIMIT_MB, READAHEAD_LIMIT_KB
 from .names import LAYOUTS, Layout
 from .progress import Progress
 from .units import human_size
@@ -33,6 +38,60 @@ from .units import human_size
 
 def shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
+
+
+class OutputError(TensorfsError):
+    """Standard output could not be written (a full disk, a closed pipe): the output is lost."""
+
+    def __init__(self, exc: OSError, done: str = "") -> None:
+        super().__init__(f"{done}cannot write to standard output: {exc.strerror or exc}")
+        self.cause = exc
+        self.broken_pipe = exc.errno == errno.EPIPE
+
+
+class _GuardedOutput:
+    """Standard output for the commands: an error writing it is an OutputError, not a traceback.
+
+    Every command's output (and click's help) goes through it, so every command fails alike.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise OutputError(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise OutputError(exc) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a regular file), or as it comes (a device, a pipe)."""
+    try:
+        special = not stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        special = False
+    except OSError as exc:
+        raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
+    target = path if special else path.with_name(f".{path.name}.partial")
+    try:
+        with open(target, "w", encoding="utf-8") as out:
+            out.write(text)
+        if not special:
+            target.replace(path)  # all or nothing: never a half-written file
+    except OSError as exc:
+        if not special:
+            target.unlink(missing_ok=True)
+        raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
 
 
 layout_option = click.option(
@@ -134,14 +193,8 @@ def manifest(path: Path, output: Path | None, as_json: bool, cache_dir: Path | N
         text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
     if output is None:
         sys.stdout.write(text)
-        return
-    partial = output.with_name(f".{output.name}.partial")
-    try:
-        partial.write_text(text, encoding="utf-8")
-        partial.replace(output)  # all or nothing: never a half-written manifest
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise TensorfsError(f"cannot write {output}: {exc.strerror}") from None
+    else:
+        write_file(output, text)
 
 
 @cli.command()
@@ -150,7 +203,8 @@ def manifest(path: Path, output: Path | None, as_json: bool, cache_dir: Path | N
     "--manifest",
     "manifest_path",
     type=click.Path(path_type=Path, dir_okay=False),
-    help=f"The manifest to check against (sha256sum or JSON). Default: {DEFAULT_MANIFEST} in MODEL.",
+    help=f"The manifest to check against (sha256sum or JSON). Default: {DEFAULT_MANIFEST} in MODEL "
+    "(in its directory, for a file).",
 )
 @cache_options
 def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_cache: bool) -> None:
@@ -160,7 +214,8 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
     """
     manifest_path = manifest_path or find_default_manifest(path)
     if manifest_path is None:
-        raise TensorfsError(f"{path}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
+        where = path if path.is_dir() else path.parent
+        raise TensorfsError(f"{where}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
     expected = read_manifest(manifest_path)
     with open_model(path) as model:
         actual = hash_model(model, open_cache(cache_dir, no_cache))
@@ -170,7 +225,8 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
             Problem(str(model.info(name).shard), f"does not match {label} (sha256 {actual[name]})", name)
             for name in result.mismatched
         ]
-        problems += [Problem(label, "is in the manifest but not in the model", name) for name in result.missing]
+        if not shard_of_a_model(path):  # one shard of a model: its manifest lists the other shards' too
+            problems += [Problem(label, "is in the manifest but not in the model", name) for name in result.missing]
         problems += [Problem(label, "is in the model but not in the manifest", name) for name in result.unexpected]
         if problems:
             raise InvalidModelError(problems)
@@ -186,42 +242,46 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
     "fuse_options",
     multiple=True,
     metavar="OPT[,OPT...]",
-    help="FUSE mount options, e.g. -o allow_other (repeatable).",
+    help="Mount options (repeatable): FUSE's, e.g. allow_other; and uid=, gid=, umask= to set every file's owner, "
+    "group and permissions instead of taking them from the shards.",
 )
 @layout_option
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing once mounted.")
 @click.option("--debug", is_flag=True, help="Log every request (and libfuse's own debug output with -f).")
 @click.option(
     "--log-file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="Where the daemon logs. Default: stderr with -f, else $XDG_STATE_HOME/tensorfs/tensorfs.log.",
+    help="Where the daemon logs. Default: stderr with -f, else $XDG_STATE_HOME/tensorfs/MOUNTPOINT.log "
+    "(the mountpoint escaped as systemd does, e.g. mnt-weights.log).",
 )
 @click.option(
     "--readahead-kb",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, READAHEAD_LIMIT_KB),
     default=1024,
     show_default=True,
     help="The mount's kernel readahead, raised once it is up (0 leaves the kernel's default).",
 )
 @click.option(
     "--prefetch-mb",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, PREFETCH_LIMIT_MB),
     default=32,
     show_default=True,
     help="How far ahead of a sequential reader the daemon brings data in from disk, off its main thread.",
 )
 @click.option(
     "--max-background",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_BACKGROUND_LIMIT),
     default=4,
     show_default=True,
-    help="Readahead requests the kernel may queue at the daemon (0 keeps the kernel's 12): fewer keeps "
-    "lookups quick while data streams.",
+    help="Readahead requests the kernel may queue at the daemon (0 keeps the kernel's 12; root only): fewer "
+    "keeps lookups quick while data streams.",
 )
 @click.option(
     "--manifest",
     "manifest_path",
     type=click.Path(path_type=Path, dir_okay=False),
-    help=f"Serve no tensor before its bytes match this manifest. Default: {DEFAULT_MANIFEST} in MODEL, if there.",
+    help=f"Serve no tensor before its bytes match this manifest. Default: {DEFAULT_MANIFEST} in MODEL "
+    "(in its directory, for a file), if there.",
 )
 @click.option(
     "--verify",
@@ -235,6 +295,7 @@ def mount(
     foreground: bool,
     fuse_options: tuple[str, ...],
     layout: Layout,
+    quiet: bool,
     debug: bool,
     log_file: Path | None,
     readahead_kb: int,
@@ -248,20 +309,24 @@ def mount(
     """Mount MODEL read-only at MOUNTPOINT: one file per tensor, with .meta.json and .sha256 beside it.
 
     Everything is validated first, as `validate` does; nothing is mounted if anything is wrong.
-    Returns once the mount answers, leaving the daemon in the background (unless -f).
+    Returns once the mount answers, leaving the daemon in the background (unless -f), and says
+    so in one line (unless -q).
     """
     from .mount.daemon import MountOptions, split_fuse_options
     from .mount.daemon import mount as mount_model
 
+    passed, ownership = split_fuse_options(fuse_options)
     options = MountOptions(
         layout=layout,
-        fuse_options=split_fuse_options(fuse_options),
+        fuse_options=passed,
+        ownership=ownership,
         foreground=foreground,
         debug=debug,
         log_file=log_file.absolute() if log_file else None,
         readahead_kb=readahead_kb,
         prefetch_mb=prefetch_mb,
         max_background=max_background,
+        quiet=quiet,
     )
     manifest_path = manifest_path or (find_default_manifest(source) if verify != "off" else None)
     if verify is not None and verify != "off" and manifest_path is None:
@@ -274,7 +339,7 @@ def mount(
         verified: set[str] = set()
         if manifest_path is not None and verify != "off":
             expected = read_manifest(manifest_path)
-            require_coverage(model, expected, str(manifest_path))
+            require_coverage(model, expected, str(manifest_path), extra_allowed=shard_of_a_model(source))
             if verify == "all":
                 actual = hash_model(model, cache)
                 bad = compare(model, expected, actual).mismatched
@@ -287,51 +352,79 @@ def mount(
         cache.close()  # the daemon opens its own connection
         return model, Integrity(Hasher(model, cache), expected, verified)
 
-    return mount_model(prepare, mountpoint, options)
+    def announce(line: str) -> None:
+        if quiet:
+            return
+        try:
+            click.echo(line)
+        except OutputError as exc:  # the mount stands: say so, for the exit code says something failed
+            raise OutputError(exc.cause, f"mounted {mountpoint}, but ") from None
+
+    return mount_model(prepare, mountpoint, options, announce)
 
 
 @cli.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("-z", "--lazy", is_flag=True, help="Detach now, finish when the mount is no longer busy.")
 def umount(mountpoint: Path, lazy: bool) -> None:
-    """Unmount a tensorfs mount, also one whose daemon died."""
+    """Unmount a tensorfs mount, also one whose daemon died or hangs (detached, and the daemon stopped)."""
     from .mount.mounttable import unmount
 
-    unmount(mountpoint, lazy=lazy)
+    done = unmount(mountpoint, lazy=lazy)
+    if "hung" in done:
+        click.echo(done)
 
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per mount and line.")
-def status(as_json: bool) -> None:
-    """List the tensorfs mounts: live ones with their source and daemon, dead ones with what to do."""
-    from .mount.mounttable import read_daemon_info, tensorfs_mounts
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0.1, 60),
+    default=2.0,
+    show_default=True,
+    help="Seconds a daemon has to answer before its mount is called hung.",
+)
+def status(as_json: bool, timeout: float) -> int:
+    """Each tensorfs mount and how it is: ok, hung (its daemon does not answer) or dead (no daemon).
 
+    Exit 0 when every mount is ok (or there is none), 1 when any is not. Never blocks on a mount.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .mount.mounttable import FSTYPE, health, mounts
+
+    entries = [entry for entry in mounts() if entry.fstype == FSTYPE]
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:  # hung ones wait together
+        states = list(pool.map(lambda entry: health(entry.mountpoint, timeout), entries))
     rows = []
-    for mountpoint in tensorfs_mounts():
-        info = read_daemon_info(mountpoint)
+    for entry, state in zip(entries, states, strict=True):
+        record = state.record or {}
+        source = str(record.get("source") or entry.source)
         if as_json:
-            click.echo(json.dumps({"mountpoint": str(mountpoint), "live": info is not None, **(info or {})}))
-        elif info is None:
-            rows.append((str(mountpoint), "DEAD", "-", "-", f"run: tensorfs umount {mountpoint}"))
-        else:
-            rows.append(
-                (
-                    str(mountpoint),
-                    str(info.get("pid")),
-                    str(info.get("tensors")),
-                    human_size(int(str(info.get("bytes", 0)))),
-                    str(info.get("source")),
-                )
+            document = {**record, "mountpoint": str(entry.mountpoint), "source": source}
+            document.update(state=state.state, live=state.healthy, reason=state.reason or None, pid=state.pid)
+            click.echo(json.dumps(document))
+            continue
+        what_to_do = "" if state.healthy else f"{state.reason}; run: tensorfs umount {entry.mountpoint}"
+        rows.append(
+            (
+                str(entry.mountpoint),
+                state.state,
+                str(state.pid or "-"),
+                str(record.get("tensors", "-")),
+                human_size(int(record["bytes"])) if isinstance(record.get("bytes"), int) else "-",
+                source + (f"  ({what_to_do})" if what_to_do else ""),
             )
-    if as_json:
-        return
-    if not rows:
-        click.echo("no tensorfs mounts")
-        return
-    header = ("MOUNTPOINT", "PID", "TENSORS", "SIZE", "SOURCE")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-    for row in [header, *rows]:
-        click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
+        )
+    if not as_json:
+        if not rows:
+            click.echo("no tensorfs mounts")
+        else:
+            header = ("MOUNTPOINT", "STATE", "PID", "TENSORS", "SIZE", "SOURCE")
+            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+            for row in [header, *rows]:
+                click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+    return 0 if all(state.healthy for state in states) else 1
 
 
 @cli.command()
@@ -365,26 +458,49 @@ def bench(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI and return its exit code: 0 done, 1 bad input or failure, 2 usage error."""
+    """Run the CLI and return its exit code: 0 done, 1 bad input or failure, 2 usage error.
+
+    An output that cannot be written (`> /dev/full`) is a one-line error and exit 1; a reader
+    that went away (`| head`) ends the command quietly with 141, as coreutils' commands end.
+    """
+    stdout = sys.stdout
+    sys.stdout = _GuardedOutput(stdout)
     try:
         result = cli.main(args=list(argv) if argv is not None else None, prog_name="tensorfs", standalone_mode=False)
         sys.stdout.flush()
+    except OutputError as exc:
+        _drop_output(stdout)
+        if exc.broken_pipe:
+            return 141
+        _error_lines(exc.lines())
+        return exc.exit_code
     except TensorfsError as exc:
-        for line in exc.lines():
-            click.echo(f"error: {line}", err=True)
+        _error_lines(exc.lines())
         return exc.exit_code
     except click.ClickException as exc:
-        exc.show()
+        with contextlib.suppress(OSError):
+            exc.show()
         return exc.exit_code
     except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
+        _error_lines(["Aborted."], prefix="")
         return 130
-    except BrokenPipeError:
-        # The reader went away (`tensorfs ls | head`): stop quietly, as ls would.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
+    finally:
+        sys.stdout = stdout
     return result if isinstance(result, int) else 0
+
+
+def _error_lines(lines: Sequence[str], prefix: str = "error: ") -> None:
+    with contextlib.suppress(OSError):  # a standard error that cannot be written either: the exit code says it
+        for line in lines:
+            click.echo(f"{prefix}{line}", err=True)
+
+
+def _drop_output(stdout: TextIO) -> None:
+    """Whatever is still buffered for a standard output that failed would fail again at exit."""
+    if stdout is sys.__stdout__:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

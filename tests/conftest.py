@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -16,15 +15,16 @@ from pathlib import Path
 import pytest
 
 from helpers import raw_shard
-from tensorfs.mount.mounttable import mount_at, pid_alive
+from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The daemon's default log and the hash cache live under XDG dirs: point them into tmp."""
-    saved = {key: os.environ.get(key) for key in ("XDG_STATE_HOME", "XDG_CACHE_HOME")}
+    """The daemon's default log, its runtime record and the hash cache: all pointed into tmp."""
+    saved = {key: os.environ.get(key) for key in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "TENSORFS_RUNTIME_DIR")}
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["TENSORFS_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("run"))
     try:
         yield
     finally:
@@ -94,7 +94,10 @@ class Mounts:
         return mountpoint
 
     def daemon_pid(self, mountpoint: Path) -> int:
-        return int(json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["pid"])
+        """The daemon's pid, from its record (never read through the mount: it may hang)."""
+        pid = daemon_pid(mountpoint)
+        assert pid is not None, f"no daemon record for {mountpoint}"
+        return pid
 
     def log(self) -> str:
         return self.log_file.read_text() if self.log_file.exists() else ""
@@ -102,9 +105,12 @@ class Mounts:
     def cleanup(self) -> None:
         for mountpoint in self.mountpoints:
             pid = None
-            with contextlib.suppress(OSError, ValueError, KeyError):
+            with contextlib.suppress(AssertionError, ValueError, KeyError):
                 pid = self.daemon_pid(mountpoint)
-            if os.path.ismount(mountpoint) or mount_at(mountpoint) is not None:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)  # a test may have stopped it
+            if mount_at(mountpoint) is not None:
                 subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
             if pid is not None:
                 wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10, kill=pid)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,3 +117,68 @@ def test_human_size() -> None:
         "5.0 MiB",
         "3.0 GiB",
     ]
+
+
+def output_commands(model_dir: Path, tmp_path: Path) -> list[list[str]]:
+    """Every command that writes to standard output, and click's own help and version."""
+    manifest = tmp_path / "m.sha256"
+    assert main(["manifest", "--no-cache", "-o", str(manifest), str(model_dir)]) == 0
+    return [
+        ["validate", str(model_dir)],
+        ["ls", str(model_dir)],
+        ["ls", "--json", str(model_dir)],
+        ["manifest", "--no-cache", str(model_dir)],
+        ["manifest", "--no-cache", "--json", str(model_dir)],
+        ["verify", "--no-cache", "--manifest", str(manifest), str(model_dir)],
+        ["status"],
+        ["--help"],
+        ["mount", "--help"],
+        ["--version"],
+    ]
+
+
+def run_cli(args: list[str], stdout: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *args], stdout=stdout, stderr=subprocess.PIPE, text=True, check=False
+    )
+
+
+def test_a_full_output_is_a_one_line_error(model_dir: Path, tmp_path: Path) -> None:
+    for args in output_commands(model_dir, tmp_path):
+        with open("/dev/full", "w") as full:
+            result = run_cli(args, full)
+        assert (result.returncode, result.stderr) == (
+            1,
+            "error: cannot write to standard output: No space left on device\n",
+        ), args
+
+
+def test_a_reader_gone_ends_every_command_quietly(model_dir: Path, tmp_path: Path) -> None:
+    for args in output_commands(model_dir, tmp_path):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader went away before a byte was written (as `| head` does, late)
+        try:
+            result = run_cli(args, write_end)
+        finally:
+            os.close(write_end)
+        assert (result.returncode, result.stderr) == (141, ""), args  # as a coreutils command killed by SIGPIPE
+
+
+def test_ls_piped_into_head(tmp_path: Path) -> None:
+    write_reference(tmp_path / "m.safetensors", {f"tensor.{i:05d}": ("U8", [1], b"x") for i in range(5000)})
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{sys.executable} -m tensorfs.cli ls {tmp_path / 'm.safetensors'} | head -2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.stdout.splitlines()[1].startswith("tensor.00000") and result.stderr == ""
+    assert result.returncode == 141
+
+
+def test_manifest_to_a_device_or_a_file(model_dir: Path, tmp_path: Path) -> None:
+    result = run_cli(["manifest", "--no-cache", "-o", "/dev/full", str(model_dir)], subprocess.PIPE)
+    assert (result.returncode, result.stderr) == (1, "error: cannot write /dev/full: No space left on device\n")
+    assert not Path("/dev/.full.partial").exists()
+    assert main(["manifest", "--no-cache", "-o", "/dev/null", str(model_dir)]) == 0
+    assert main(["manifest", "--no-cache", "-o", str(tmp_path / "missing" / "m"), str(model_dir)]) == 1

@@ -50,7 +50,8 @@ def test_every_tensor_is_byte_exact_with_its_sidecars(mounts: Mounts, model_dir:
     for name, (shard, dtype, shape, data) in expected.items():
         path = mountpoint / name
         st = path.stat()
-        assert (stat.S_IMODE(st.st_mode), st.st_size, st.st_uid) == (0o444, len(data), os.getuid()), name
+        readable = stat.S_IMODE(shard.stat().st_mode) & 0o444  # the shard's read bits, its owner
+        assert (stat.S_IMODE(st.st_mode), st.st_size, st.st_uid) == (readable, len(data), shard.stat().st_uid), name
         assert st.st_mtime_ns == shard.stat().st_mtime_ns
         assert path.read_bytes() == data, name
         meta = json.loads((mountpoint / f"{name}.meta.json").read_bytes())
@@ -102,7 +103,7 @@ def test_listing_and_control_files(mounts: Mounts, model_dir: Path) -> None:
     assert pid_alive(daemon["pid"]) and daemon["pid"] != os.getpid()
     assert daemon["source"] == str(model_dir) and daemon["version"] == tensorfs.__version__
     assert daemon["options"]["layout"] == "slash"
-    assert stat.S_IMODE(os.stat(mountpoint).st_mode) == 0o555
+    assert stat.S_IMODE(os.stat(mountpoint).st_mode) == 0o555  # the model's directory is 0755
     device = os.stat(mountpoint).st_dev
     tuned = Path(f"/sys/fs/fuse/connections/{os.minor(device)}/max_background")
     if os.geteuid() == 0:  # as root the daemon tunes its connection (see serve._set_max_background)
@@ -189,9 +190,12 @@ def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
     status = mounts.run("status")
     assert status.returncode == 0
     line = next(line for line in status.stdout.splitlines() if line.startswith(str(mountpoint)))
-    assert line.split()[1:3] == [str(pid), str(len(every_dtype_tensors()) + 5 + 2)] and line.endswith(str(model_dir))
+    assert line.split()[1:4] == ["ok", str(pid), str(len(every_dtype_tensors()) + 5 + 2)]
+    assert line.endswith(str(model_dir))
     records = [json.loads(line) for line in mounts.run("status", "--json").stdout.splitlines()]
-    assert any(r["mountpoint"] == str(mountpoint) and r["live"] and r["pid"] == pid for r in records)
+    assert any(
+        r["mountpoint"] == str(mountpoint) and r["state"] == "ok" and r["live"] and r["pid"] == pid for r in records
+    )
     result = mounts.run("umount", str(mountpoint))
     assert result.returncode == 0, result.stderr
     assert not os.path.ismount(mountpoint) and not pid_alive(pid)  # umount waits for the daemon
@@ -253,7 +257,7 @@ def test_foreground_daemon_unmounts_cleanly_on_signal(
             _, stderr = daemon.communicate(timeout=30)
             assert daemon.returncode == 0, stderr
             assert not os.path.ismount(mountpoint)
-            assert "mounted at" in stderr
+            assert f"mounted {mountpoint} (in the foreground; Ctrl-C unmounts)" in stderr
         finally:
             if daemon.poll() is None:
                 daemon.kill()

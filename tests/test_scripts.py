@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import Mounts
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,7 +63,8 @@ def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
 
 def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
     from conftest import wait_until
-    from tensorfs.mount.mounttable import mount_at, pid_alive, read_daemon_info
+    from tensorfs.mount.mounttable import mount_at, pid_alive
+    from tensorfs.mount.runtime import read_record
 
     mountpoint = tmp_path / "mnt"
     pid = None
@@ -76,7 +79,7 @@ def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
         assert "weight: OK" in result.stdout
         assert "memmap bfloat16 (8000, 512)" in result.stdout
         assert mount_at(mountpoint) is not None
-        info = read_daemon_info(mountpoint)
+        info = read_record(mountpoint)
         assert info is not None
         pid = int(str(info["pid"]))
     finally:
@@ -121,3 +124,19 @@ def test_soak_runs_briefly(fuse: None) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 errors" in result.stdout
+
+
+def test_make_clean_unmounts_the_demo_first(mounts: Mounts, tmp_path: Path) -> None:
+    from tensorfs.synth import many_tiny_tensors
+
+    work = tmp_path / "checkout"
+    (work / "demo" / "mnt").mkdir(parents=True)
+    (work / ".venv").mkdir()
+    many_tiny_tensors(work / "demo" / "model", 10, 1)
+    mountpoint = mounts.mount(work / "demo" / "model", mountpoint=work / "demo" / "mnt")
+    result = subprocess.run(
+        ["make", "-f", str(ROOT / "Makefile"), "-C", str(work), "clean"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"unmounting {mountpoint}" in result.stdout
+    assert not (work / "demo").exists() and not (work / ".venv").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,11 +14,10 @@ import pytest
 import tensorfs
 from helpers import entry, raw_shard, write_reference
 from tensorfs.mount.tree import (
-    DIR_MODE,
-    FILE_MODE,
     ROOT_INODE,
     Kind,
     NoSuchEntry,
+    Ownership,
     Tree,
     index_json,
     meta_json,
@@ -87,19 +87,68 @@ def test_lookup_and_parent(model: tensorfs.Model) -> None:
 
 
 def test_attributes(model: tensorfs.Model) -> None:
+    shard = model.shards[0]
+    os.chmod(shard, 0o640)
     tree = make_tree(model)
     paths = walk(tree)
-    mtime = (model.shards[0]).stat().st_mtime_ns
+    st = shard.stat()
     root = tree.attributes(ROOT_INODE)
-    assert (root.mode, root.nlink, root.mtime_ns) == (DIR_MODE, 4, mtime)  # b/ and .tensorfs/
+    # directories: the source's owner, its read bits with the matching search bits; files: the shard's
+    assert (root.mode, root.nlink, root.mtime_ns, root.uid, root.gid) == (
+        0o40550,
+        4,
+        st.st_mtime_ns,
+        st.st_uid,
+        st.st_gid,
+    )
     x = tree.attributes(paths["b/x"])
-    assert (x.mode, x.size, x.nlink, x.mtime_ns) == (FILE_MODE, 8, 1, mtime)
+    assert (x.mode, x.size, x.nlink, x.mtime_ns, x.uid, x.gid) == (0o100440, 8, 1, st.st_mtime_ns, st.st_uid, st.st_gid)
+    assert tree.attributes(paths["b"]).mode == 0o40550
     assert tree.attributes(paths["a"]).size == 1
     assert tree.attributes(paths["a.sha256"]).size == len(f"{'0' * 64}  a\n")
     assert tree.attributes(paths["é.sha256"]).size == len(f"{'0' * 64}  é\n".encode())
     meta = tree.attributes(paths["b/x.meta.json"])
     assert meta.size == len(tree.small_file(paths["b/x.meta.json"]))
     assert tree.attributes(paths[".tensorfs/hello"]).size == 3
+
+
+def test_permissions_follow_the_shards(tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir(mode=0o755)
+    write_reference(directory / "open.safetensors", {"open/w": ("U8", [1], b"a")})
+    write_reference(directory / "private.safetensors", {"private/w": ("U8", [1], b"b")})
+    os.chmod(directory / "open.safetensors", 0o644)
+    os.chmod(directory / "private.safetensors", 0o600)
+    os.chown(directory / "private.safetensors", 4242, 4343) if os.geteuid() == 0 else None
+    with tensorfs.open_model(directory) as model:
+        tree = make_tree(model)
+        paths = walk(tree)
+        private = (4242, 4343) if os.geteuid() == 0 else (os.getuid(), os.getgid())
+        for name in ("private/w", "private/w.meta.json", "private/w.sha256"):
+            a = tree.attributes(paths[name])
+            assert (a.mode, a.uid, a.gid) == (0o100400, *private), name
+        assert tree.attributes(paths["open/w.sha256"]).mode == 0o100444
+        assert tree.attributes(paths["private"]).mode == 0o40555  # directories: as the source directory
+        assert tree.attributes(paths[".tensorfs/index.json"]).mode == 0o100444
+        assert tree.attributes(paths[".tensorfs/SHA256SUMS"]).mode == 0o100400  # what every shard grants
+        # chmod of a shard under the mount: refreshed when the daemon sees it
+        os.chmod(directory / "private.safetensors", 0o640)
+        assert tree.refresh_shard(directory / "private.safetensors")
+        assert tree.attributes(paths["private/w"]).mode == 0o100440
+        assert not tree.refresh_shard(directory / "private.safetensors")
+        assert set(tree.inodes_of(directory / "private.safetensors")) == {
+            paths["private/w"],
+            paths["private/w.meta.json"],
+            paths["private/w.sha256"],
+        }
+        # -o uid=,gid=,umask= set them all instead
+        override = Tree(model, "slash", {}, Ownership(uid=7, gid=8, umask=0o027))
+        for name in ("private/w", "open/w.sha256", ".tensorfs/SHA256SUMS"):
+            a = override.attributes(paths[name])
+            assert (a.mode, a.uid, a.gid) == (0o100440, 7, 8), name
+        assert override.attributes(paths["private"]).mode == 0o40550
+        listed = {name: (mode, uid, gid) for name, _, mode, _, _, _, uid, gid in override.scan(paths["private"], 0)}
+        assert listed == {name: (0o100440, 7, 8) for name in ("w", "w.meta.json", "w.sha256")}
 
 
 def test_meta_json(model: tensorfs.Model) -> None:
@@ -117,7 +166,7 @@ def test_meta_json(model: tensorfs.Model) -> None:
         "data_offsets": list(info.data_offsets),
         "numpy_dtype": "bfloat16",
     }
-    assert np.dtype(meta["numpy_dtype"]) == info.numpy_dtype
+    assert info.numpy_dtype == np.dtype(meta["numpy_dtype"])  # the first imports ml_dtypes, which names bfloat16
     assert json.loads(tree.small_file(paths["é.meta.json"]))["numpy_dtype"] is None
     assert json.loads(tree.small_file(paths["a.meta.json"]))["numpy_dtype"] == "|u1"
 

@@ -9,10 +9,14 @@ daemon never holds the garbage of parsing 100k-tensor headers, which keeps its m
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
+import grp
 import logging
 import os
 import pickle
+import pwd
 import select
 import signal
 import stat
@@ -28,7 +32,11 @@ from ..gcpause import gc_paused
 from ..integrity import HashCache, Hasher, Integrity
 from ..model import Model, reopen, snapshot
 from ..names import Layout
-from .mounttable import FSTYPE, mount_at, read_daemon_info
+from ..units import human_size
+from .logs import default_log_file, setup_logging
+from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
+from .runtime import mountpoint_lock, remove_record
+from .tree import Ownership
 
 log = logging.getLogger("tensorfs")
 
@@ -41,6 +49,13 @@ REFUSED_OPTIONS = {
     "direct_io": "it breaks np.memmap of the mounted files",
     "max_read": "it breaks pyfuse3 3.5 with libfuse 3.14 (requests are already up to 1 MiB)",
 }
+# Options tensorfs applies itself, as bindfs and sshfs users know them: libfuse's low-level API has none.
+OWNERSHIP_OPTIONS = ("uid", "gid", "umask")
+MAX_BACKGROUND_LIMIT = (1 << 16) - 1
+"""The most the kernel takes for a FUSE connection's max_background (fs/fuse/control.c)."""
+READAHEAD_LIMIT_KB = 1 << 20
+"""1 GiB: beyond it readahead is no longer ahead of anything a reader does."""
+PREFETCH_LIMIT_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -48,36 +63,65 @@ class MountOptions:
     layout: Layout = "slash"
     fuse_options: tuple[str, ...] = ()
     """Options passed to FUSE as given with -o (allow_other, ...)."""
+    ownership: Ownership = field(default_factory=Ownership)
+    """-o uid=,gid=,umask=: applied by tensorfs, not passed to FUSE."""
     foreground: bool = False
     debug: bool = False
     log_file: Path | None = None
     readahead_kb: int = 1024
     prefetch_mb: int = 32
     max_background: int = 4
-    extra: dict[str, object] = field(default_factory=dict)
+    quiet: bool = False
 
 
-def default_log_file() -> Path:
-    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(state) / "tensorfs" / "tensorfs.log"
-
-
-def split_fuse_options(values: tuple[str, ...]) -> tuple[str, ...]:
-    """`-o a,b -o c` -> (a, b, c), refusing the options that break tensorfs."""
+def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:
+    """`-o a,b -o c` -> ((a, b, c), the uid/gid/umask overrides), refusing options that break tensorfs."""
     options = tuple(opt.strip() for value in values for opt in value.split(",") if opt.strip())
+    passed, owner = [], {}
     for option in options:
-        key = option.split("=", 1)[0]
+        key, _, value = option.partition("=")
         if key in REFUSED_OPTIONS:
             raise MountError(f"option '{option}' is not supported: {REFUSED_OPTIONS[key]}")
-    return options
+        if key in OWNERSHIP_OPTIONS:
+            owner[key] = _ownership_value(key, value)
+        else:
+            passed.append(option)
+    return tuple(passed), Ownership(**owner)
+
+
+def _ownership_value(key: str, value: str) -> int:
+    """uid= and gid= take a number or a name; umask= an octal mask."""
+    try:
+        if key == "umask":
+            mask = int(value, 8)
+            if not 0 <= mask <= 0o777:
+                raise ValueError
+            return mask
+        if value.isdigit():
+            return int(value)
+        return pwd.getpwnam(value).pw_uid if key == "uid" else grp.getgrnam(value).gr_gid
+    except (ValueError, KeyError):
+        what = (
+            "an octal mask such as 022" if key == "umask" else f"a {'user' if key == 'uid' else 'group'} name or number"
+        )
+        raise MountError(f"option '{key}={value}': {key} takes {what}") from None
 
 
 def check_mountpoint(mountpoint: Path) -> None:
     """Refuse a mountpoint that is missing, not a directory, not empty or already mounted on."""
     entry = mount_at(mountpoint)
     if entry is not None:
-        if entry.fstype == FSTYPE and read_daemon_info(mountpoint) is None:
-            raise MountError(f"mountpoint {mountpoint} holds a dead tensorfs mount: run `tensorfs umount {mountpoint}`")
+        if entry.fstype == FSTYPE:
+            state = health(mountpoint)
+            if state.state == "dead":
+                raise MountError(
+                    f"mountpoint {mountpoint} holds a dead tensorfs mount: run `tensorfs umount {mountpoint}`"
+                )
+            if state.state == "hung":
+                raise MountError(
+                    f"mountpoint {mountpoint} holds a hung tensorfs mount ({state.reason}): "
+                    f"run `tensorfs umount {mountpoint}`"
+                )
         what = "a tensorfs mount (see `tensorfs status`)" if entry.fstype == FSTYPE else f"a {entry.fstype} mount"
         raise MountError(f"mountpoint {mountpoint} already holds {what}")
     try:
@@ -100,30 +144,48 @@ def check_mountpoint(mountpoint: Path) -> None:
 Prepare = Callable[[], tuple[Model, Integrity]]
 """Validates the model (and verifies it, if asked): what `mount` serves."""
 
+Announce = Callable[[str], None]
+"""Says one line to the user (the CLI's output)."""
 
-def mount(prepare: Prepare, mountpoint: Path, options: MountOptions) -> int:
-    """Mount what `prepare` validates at `mountpoint`; return once it answers (in the foreground: once unmounted)."""
-    check_mountpoint(mountpoint)
-    mountpoint = Path(os.path.abspath(mountpoint))
-    # The log is opened here, before any fork, so that a log file that cannot be written is a
-    # one-line error now rather than a daemon that dies without a word.
-    _setup_logging(options, to_stderr=options.foreground and options.log_file is None)
-    if options.foreground:
+
+def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: Announce) -> int:
+    """Mount what `prepare` validates at `mountpoint`; return once it answers (in the foreground: once unmounted).
+
+    The mountpoint is locked from the first check until the mount answers (or fails): two mounts
+    racing for one directory never both mount.
+    """
+    mountpoint = resolve_mountpoint(mountpoint)
+    log_file = (
+        None if options.foreground and options.log_file is None else options.log_file or default_log_file(mountpoint)
+    )
+    options = dataclasses.replace(options, log_file=log_file)
+    with contextlib.ExitStack() as locked:
+        lock = locked.enter_context(mountpoint_lock(mountpoint, READY_TIMEOUT + 60))
+        check_mountpoint(mountpoint)
+        # The log is opened here, before any fork, so that a log file that cannot be written is a
+        # one-line error now rather than a daemon that dies without a word.
+        setup_logging(log_file, debug=options.debug)
+        if not options.foreground:
+            return _mount_in_background(prepare, mountpoint, options, lock, announce)
         from .serve import serve
 
         model, integrity = prepare()
-        return serve(model, mountpoint, options, integrity, notify=lambda message: _announce(message, mountpoint))
-    return _mount_in_background(prepare, mountpoint, options)
+
+        def notify(message: str) -> None:
+            if message == READY:
+                locked.close()  # mounted: the next mount of this directory may look (and be refused)
+                if not options.quiet:
+                    print(f"mounted {mountpoint} (in the foreground; Ctrl-C unmounts)", file=sys.stderr, flush=True)
+            else:
+                print(f"error: {message}", file=sys.stderr, flush=True)
+
+        return serve(model, mountpoint, options, integrity, notify)
+    raise AssertionError("unreachable")
 
 
-def _announce(message: str, mountpoint: Path) -> None:
-    if message == READY:
-        print(f"mounted at {mountpoint}; Ctrl-C unmounts", file=sys.stderr, flush=True)
-    else:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-
-
-def _mount_in_background(prepare: Prepare, mountpoint: Path, options: MountOptions) -> int:
+def _mount_in_background(
+    prepare: Prepare, mountpoint: Path, options: MountOptions, lock: int, announce: Announce
+) -> int:
     """Fork the daemon, validate meanwhile, hand it the model; wait until it answers, or say why not."""
     model_read, model_write = os.pipe()
     status_read, status_write = os.pipe()
@@ -131,6 +193,7 @@ def _mount_in_background(prepare: Prepare, mountpoint: Path, options: MountOptio
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        os.close(lock)  # the command holds the lock until the mount answers; the daemon must not keep it
         os.close(model_write)
         os.close(status_read)
         os._exit(_daemon(model_read, status_write, mountpoint, options))
@@ -146,6 +209,7 @@ def _mount_in_background(prepare: Prepare, mountpoint: Path, options: MountOptio
     with model, gc_paused():  # 100k entries: pausing the GC halves the time this takes
         cache_dir = integrity.hasher.cache.directory
         handover = pickle.dumps((snapshot(model), integrity.expected, integrity.verified, cache_dir), protocol=5)
+        tensors, nbytes = len(model), model.nbytes
     try:
         with os.fdopen(model_write, "wb") as pipe:
             pipe.write(handover)
@@ -154,24 +218,37 @@ def _mount_in_background(prepare: Prepare, mountpoint: Path, options: MountOptio
     message = _read_line(status_read, READY_TIMEOUT)
     os.close(status_read)
     if message == READY:
+        announce(
+            f"mounted {mountpoint}: {tensors} tensor{'s' * (tensors != 1)} ({human_size(nbytes)}), "
+            f"daemon {pid}, log {options.log_file}"
+        )
         return 0
-    log_file = options.log_file or default_log_file()
     if message is None:  # no word within the deadline: stop it, and leave nothing behind
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
-        raise MountError(f"the daemon did not answer within {READY_TIMEOUT:.0f} s and was stopped; see {log_file}")
+        remove_record(mountpoint, pid)
+        raise MountError(
+            f"the daemon did not answer within {READY_TIMEOUT:.0f} s and was stopped; see {options.log_file}"
+        )
     _, status = os.waitpid(pid, 0)  # it said why, or closed its pipe: either way it is on its way out
     if message:
         raise MountError(message)
-    raise MountError(f"the daemon exited before the mount was ready (status {status}); see {log_file}")
+    raise MountError(f"the daemon exited before the mount was ready (status {status}); see {options.log_file}")
 
 
 def _daemon(model_read: int, status_write: int, mountpoint: Path, options: MountOptions) -> int:
     """The daemon's life: import the server while the model is validated, receive it, serve it."""
+    told = False
 
     def notify(message: str) -> None:
-        os.write(status_write, message.encode("utf-8", "backslashreplace") + b"\n")
+        nonlocal told
+        if told:
+            return  # the command has its answer and is gone: later news goes to the log only
+        told = True
+        with contextlib.suppress(OSError):
+            os.write(status_write, message.encode("utf-8", "backslashreplace") + b"\n")
+            os.close(status_write)
 
     try:
         os.setsid()
@@ -191,6 +268,7 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
         integrity = Integrity(Hasher(model, HashCache(cache_dir)), expected, verified)
         return serve(model, mountpoint, options, integrity, notify)
     except TensorfsError as exc:
+        log.error("%s", exc)
         notify(str(exc).splitlines()[0])
         return 1
     except BaseException as exc:
@@ -219,20 +297,3 @@ def _detach_stdio() -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
-
-
-def _setup_logging(options: MountOptions, *, to_stderr: bool) -> None:
-    handler: logging.Handler
-    if to_stderr:
-        handler = logging.StreamHandler(sys.stderr)
-    else:
-        path = options.log_file or default_log_file()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handler = logging.FileHandler(path, encoding="utf-8")
-        except OSError as exc:
-            raise MountError(f"cannot write the log file {path}: {exc.strerror}") from None
-    handler.setFormatter(logging.Formatter("%(asctime)s tensorfs[%(process)d] %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if options.debug else logging.INFO)

@@ -2,27 +2,35 @@
 
 Every handler runs on pyfuse3's one trio thread. Tensor reads answer with a memoryview slice of
 the shard's mmap, never a copy: the kernel copies straight from the mapping, and a shard truncated
-under the mount costs the reader an EIO instead of killing the daemon with SIGBUS.
+under the mount costs the reader an EIO instead of killing the daemon with SIGBUS. The daemon
+itself touches no mapped byte: hashing reads the files (see Hasher).
+
+Shards are watched (watch.py). Before a tensor's bytes are served, every change seen so far is
+applied: without a manifest a shard changed in place is no longer the validated file, and its
+tensors answer EIO until remounted; with one, its tensors are verified again before another of
+their bytes is served. Either way the kernel is told to drop what it cached of them.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import logging
 import os
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
 
-from ..errors import TensorfsError
+from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from .pages import ShardPages
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
+from .watch import Change, ShardWatch
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +39,13 @@ CACHE_TIMEOUT = 24 * 3600.0
 DEFAULT_PREFETCH = 32 << 20
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
+
+class _Refused(TensorfsError):
+    """A request refused with EIO, the reason already logged."""
+
+
 # Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
-_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, TensorCorrupt: errno.EIO}
+_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, TensorCorrupt: errno.EIO, _Refused: errno.EIO}
 
 TRACE_REQUESTS = False
 """Log every request at DEBUG (mount --debug); off, it costs one test of this flag per request."""
@@ -43,11 +56,12 @@ R = TypeVar("R")
 
 def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Turn what a handler raises into the errno FUSE answers; never let it end the daemon."""
+    describe = _describer(method)
 
     @functools.wraps(method)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         if TRACE_REQUESTS:
-            log.debug("%s%s", method.__name__, args[1:])
+            log.debug("%s", describe(args))
         try:
             return await method(*args, **kwargs)
         except pyfuse3.FUSEError:
@@ -55,14 +69,34 @@ def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
         except TensorfsError as exc:
             code = _ERRNO_OF.get(type(exc))
             if code is None:
-                log.error("%s%s: %s", method.__name__, args[1:], exc)
+                log.error("%s: %s", describe(args), exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             raise pyfuse3.FUSEError(code) from None
         except Exception:
-            log.exception("bug in %s%s; answered EIO", method.__name__, args[1:])
+            log.exception("bug in %s; answered EIO", describe(args))
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
+
+
+def _describer(method: Callable[..., Any]) -> Callable[[tuple[Any, ...]], str]:
+    """A function that shows a request as `read(fh=12 'w', off=0, size=131072)`: its fields, not reprs."""
+    names = list(inspect.signature(method).parameters)[1:]  # after self
+
+    def describe(args: tuple[Any, ...]) -> str:
+        operations, fields = args[0], []
+        for name, value in zip(names, args[1:], strict=False):
+            if isinstance(value, pyfuse3.RequestContext):
+                fields.append(f"uid={value.uid}, gid={value.gid}, pid={value.pid}")
+            elif isinstance(value, bytes):
+                fields.append(f"{name}={printable(value.decode('utf-8', 'backslashreplace'))!r}")
+            elif name in ("inode", "fh", "parent_inode") and isinstance(operations, TensorOperations):
+                fields.append(f"{name}={value}{operations.inode_label(value)}")
+            elif not isinstance(value, pyfuse3.ReaddirToken):
+                fields.append(f"{name}={value!r}")
+        return f"{method.__name__}({', '.join(fields)})"
+
+    return describe
 
 
 async def _read_only(*_: Any, **__: Any) -> Any:
@@ -76,24 +110,27 @@ class TensorOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, tree: Tree, integrity: Integrity) -> None:
+    def __init__(self, tree: Tree, integrity: Integrity, watch: ShardWatch | None = None) -> None:
         super().__init__()
         self.tree = tree
         self.integrity = integrity
+        self.watch = watch
+        """Changes to the shard files; None: nobody watches (the files are trusted not to change)."""
         self._failed: set[str] = set()
         self._hashers = trio.CapacityLimiter(HASH_WORKERS)  # hashing threads at once, over all requests
-        self._uid = os.getuid()
-        self._gid = os.getgid()
         self._spans: dict[int, _Span] = {}  # open tensor files by inode
         self._pages: dict[Path, ShardPages] = {}
+        self._shards = {shard: _ShardState() for shard in tree.model.shards}
         # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
         self._demand = trio.CapacityLimiter(8)
         self._prefetchers = trio.CapacityLimiter(2)
         self.prefetch = DEFAULT_PREFETCH
         """Bytes brought into memory ahead of a sequential reader."""
         self.nursery: trio.Nursery | None = None
-        """Where background prefetches run; set while the daemon serves (None: no background work)."""
-        self._digests: dict[str, str] = {}
+        """Where background work runs; set while the daemon serves (None: no background work)."""
+        self.invalidate: Callable[[Sequence[int], bool], None] | None = None
+        """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
+        self._digests: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
         self._hashing: dict[str, trio.Event] = {}
         self._sums: bytes | None = None
         self.files = self.tree.inode_count
@@ -107,14 +144,27 @@ class TensorOperations(pyfuse3.Operations):
         entry.attr_timeout = CACHE_TIMEOUT
         entry.st_mode = attributes.mode
         entry.st_nlink = attributes.nlink
-        entry.st_uid = self._uid
-        entry.st_gid = self._gid
+        entry.st_uid = attributes.uid
+        entry.st_gid = attributes.gid
         entry.st_rdev = 0
         entry.st_size = attributes.size
         entry.st_blksize = 1 << 20
         entry.st_blocks = -(-attributes.size // 512)
         entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = attributes.mtime_ns
         return entry
+
+    def inode_label(self, inode: int) -> str:
+        """What an inode is, for log lines: ` 'tensor'`, ` 'tensor.sha256'`, ` '.tensorfs/index.json'`."""
+        try:
+            node = self.tree.node(inode)
+        except NoSuchEntry:
+            return ""
+        if node.tensor is not None:
+            suffix = {Kind.META: ".meta.json", Kind.SHA256: ".sha256"}.get(node.kind, "")
+            return f" {printable(node.tensor + suffix)!r}"
+        if node.control is not None:
+            return f" '.tensorfs/{node.control}'"
+        return ""
 
     @handler
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -157,12 +207,14 @@ class TensorOperations(pyfuse3.Operations):
             if not reply(token, b"..", self._entry(tree.attributes(tree.parent(fh))), 2):
                 return
             offset = 2
-        for name, inode, mode, size, nlink, mtime in tree.scan(fh, offset - 2):
+        for name, inode, mode, size, nlink, mtime, uid, gid in tree.scan(fh, offset - 2):
             entry.st_ino = inode
             entry.st_mode = mode
             entry.st_size = size
             entry.st_blocks = -(-size // 512)
             entry.st_nlink = nlink
+            entry.st_uid = uid
+            entry.st_gid = gid
             entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = mtime
             offset += 1
             if not reply(token, name.encode(), entry, offset):
@@ -181,37 +233,40 @@ class TensorOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
+            shard, offset, nbytes = self.tree.model.locate(node.tensor)
+            self._check_shard(shard, node.tensor)
             await self.verify(node.tensor)
             if inode not in self._spans:
-                shard, offset, nbytes = self.tree.model.locate(node.tensor)
                 view = self.tree.model.shard_view(shard)
                 pages = self._pages.get(shard)
                 if pages is None:
                     pages = self._pages[shard] = ShardPages(view)
-                self._spans[inode] = _Span(view, pages, offset, offset + nbytes)
-        # keep_cache: the bytes never change, so pages the kernel holds stay valid across opens.
-        # Never direct_io: it would break shared mmap (np.memmap) of the mounted files.
+                self._spans[inode] = _Span(node.tensor, shard, view, pages, offset, offset + nbytes)
+        # keep_cache: pages the kernel holds stay valid across opens; when a shard changes, the
+        # daemon itself tells the kernel to drop them. Never direct_io: it would break shared mmap
+        # (np.memmap) of the mounted files.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=False)
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         span = self._spans.get(fh)
         if span is not None:
-            return await self._read_tensor(fh, span, off, size)
+            return await self._read_tensor(span, off, size)
         node = self.tree.node(fh)
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
             content = self.tree.sha256_file(fh, await self.sidecar_digest(node.tensor))
         elif node.kind is Kind.SUMS:
-            if self._sums is None:
-                self._sums = self.tree.sha256sums(await self.sidecar_digests())
-            content = self._sums
+            content = await self.sha256sums()
         else:
             content = self.tree.small_file(fh)
         return content[off : off + size]
 
-    async def _read_tensor(self, fh: int, span: _Span, off: int, size: int) -> memoryview:
+    async def _read_tensor(self, span: _Span, off: int, size: int) -> memoryview:
         """A slice of the shard's mapping, its pages brought in off this thread first if need be."""
+        self._check_shard(span.shard, span.name)
+        if self.integrity.expected is not None and span.name not in self.integrity.verified:
+            await self.verify(span.name)  # the shard changed since this file was opened
         low = min(span.start + off, span.end)
         high = min(low + size, span.end)
         if not span.ready_from <= low < high <= span.ready_to:
@@ -219,8 +274,10 @@ class TensorOperations(pyfuse3.Operations):
             if not await trio.to_thread.run_sync(span.pages.populate, low, high, limiter=self._demand):
                 # The bytes are gone from the file (truncated under the mount): the reader gets EIO
                 # and the daemon goes on. What was validated is never replaced by anything else.
-                log.error("bytes [%d, %d) of inode %d cannot be read: shard truncated under the mount?", low, high, fh)
-                raise pyfuse3.FUSEError(errno.EIO)
+                raise ShardChangedError(
+                    f"{span.shard}: tensor '{printable(span.name)}': bytes [{low - span.start}, "
+                    f"{high - span.start}) of the tensor cannot be read: the shard shrank under the mount"
+                )
             until = min(span.end, high + self.prefetch)
             if until > high and not await trio.to_thread.run_sync(
                 span.pages.populate, high, until, limiter=self._demand
@@ -244,45 +301,145 @@ class TensorOperations(pyfuse3.Operations):
         finally:
             span.prefetching = False
 
+    # -- changes to the shards --------------------------------------------------------------
+    async def watch_changes(self) -> None:
+        """Apply changes to the shards as they happen, between requests too (run in the nursery)."""
+        if self.watch is None or self.watch.fileno() < 0:
+            return
+        while True:
+            await trio.lowlevel.wait_readable(self.watch.fileno())
+            self.notice_changes()
+
+    def notice_changes(self, shard: Path | None = None) -> None:
+        """Apply every change the watch has reported, and those `shard`'s size and times show."""
+        if self.watch is None:
+            return
+        changes = self.watch.changes()
+        if shard is not None:
+            changes += [(shard, change) for change in self.watch.check(shard)]
+        for path, change in changes:
+            self._apply(path, change)
+
+    def _apply(self, shard: Path, change: Change) -> None:
+        state = self._shards[shard]
+        if change is Change.ATTRIBUTES:
+            if self.tree.refresh_shard(shard):  # owner, permissions or mtime: the kernel must ask again
+                self._invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], attr_only=True)
+            return
+        if change is Change.MOVED:
+            log.info("shard %s was moved or renamed: the mount goes on serving the file it validated", shard)
+            return
+        if change is Change.DELETED:
+            log.info("shard %s was deleted: the mount goes on serving the file it validated", shard)
+            return
+        names = [entry[2] for entry in self.tree.model.shard_header(shard).entries]
+        state.generation += 1
+        for name in names:
+            self._digests.pop(name, None)
+        if self.integrity.expected is None:
+            if not state.changed:
+                log.error(
+                    "shard %s was changed in place under the mount: it is no longer the file that was "
+                    "validated, and its %s answer EIO until it is mounted again",
+                    shard,
+                    _tensors(len(names)),
+                )
+            state.changed = True
+            self._sums = None
+        else:
+            log.warning(
+                "shard %s changed under the mount: its %s verified again before any more of their bytes are served",
+                shard,
+                _tensors(len(names)) + (" are" if len(names) != 1 else " is"),
+            )
+            self.integrity.verified.difference_update(names)
+            self._failed.difference_update(names)
+        self.tree.refresh_shard(shard)
+        self._invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], attr_only=False)
+
+    def _invalidate(self, inodes: list[int], *, attr_only: bool) -> None:
+        """Have the kernel drop what it cached of `inodes`, in a worker thread: dropping a page waits
+        for a read of it in flight, which this thread may be the one to answer."""
+        if self.invalidate is None:
+            return
+        if self.nursery is None:
+            self.invalidate(inodes, attr_only)
+        else:
+            self.nursery.start_soon(functools.partial(trio.to_thread.run_sync, self.invalidate, inodes, attr_only))
+
+    def _check_shard(self, shard: Path, name: str) -> None:
+        """Refuse a tensor of a shard changed in place (no manifest): it is not what was validated."""
+        self.notice_changes(shard)
+        state = self._shards[shard]
+        if state.changed:
+            if name not in state.refused:
+                state.refused.add(name)
+                log.error(
+                    "tensor '%s': refused (EIO): its shard %s was changed under the mount; mount it again",
+                    printable(name),
+                    shard,
+                )
+            raise _Refused()
+
+    # -- hashes -----------------------------------------------------------------------------
     async def digest(self, name: str) -> str:
-        """The tensor's actual SHA-256, found or hashed once in a worker thread; callers share it."""
-        found = self._digests.get(name)
-        if found is not None:
-            return found
-        running = self._hashing.get(name)
-        if running is not None:
-            await running.wait()
-            if name not in self._digests:  # the hashing that was waited for failed
-                raise pyfuse3.FUSEError(errno.EIO)
-            return self._digests[name]
-        done = self._hashing[name] = trio.Event()
-        try:
-            self._digests[name] = await trio.to_thread.run_sync(self.integrity.digest, name, limiter=self._hashers)
-        finally:
-            del self._hashing[name]
-            done.set()
-        return self._digests[name]
+        """The tensor's actual SHA-256, found or hashed once in a worker thread; callers share it.
+
+        A hash begun before its shard changed is not an answer: it is made again.
+        """
+        shard = self.tree.model.locate(name)[0]
+        state = self._shards[shard]
+        while True:
+            generation = state.generation
+            found = self._digests.get(name)
+            if found is not None and found[0] == generation:
+                return found[1]
+            running = self._hashing.get(name)
+            if running is not None:
+                await running.wait()
+                if name not in self._digests:  # the hashing that was waited for failed
+                    raise pyfuse3.FUSEError(errno.EIO)
+                continue
+            done = self._hashing[name] = trio.Event()
+            try:
+                digest = await trio.to_thread.run_sync(self.integrity.digest, name, limiter=self._hashers)
+                self._digests[name] = (generation, digest)
+            finally:
+                del self._hashing[name]
+                done.set()
+            if state.generation == generation:
+                return digest
 
     async def sidecar_digest(self, name: str) -> str:
         """What a .sha256 sidecar says: the manifest's value when there is one, else the bytes' hash."""
         if self.integrity.expected is not None:
             return self.integrity.expected[name]
+        self._check_shard(self.tree.model.locate(name)[0], name)
         return await self.digest(name)
 
-    async def sidecar_digests(self) -> Mapping[str, str]:
-        """What every sidecar says (for SHA256SUMS): hashing what is not known, a few tensors at a time."""
+    async def sha256sums(self) -> bytes:
+        """SHA256SUMS: the manifest's values, or every tensor's hash (hashing what is not known)."""
+        self.notice_changes()
         if self.integrity.expected is not None:
-            return self.integrity.expected
-        todo = iter([name for name in self.tree.names if name not in self._digests])
-
-        async def hash_some() -> None:
-            for name in todo:  # shared by the workers: each takes the next tensor
-                await self.digest(name)
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(HASH_WORKERS):
-                nursery.start_soon(hash_some)
-        return self._digests
+            if self._sums is None:
+                self._sums = self.tree.sha256sums(self.integrity.expected)
+            return self._sums
+        changed = [shard for shard, state in self._shards.items() if state.changed]
+        if changed:
+            log.error("SHA256SUMS: refused (EIO): shard %s was changed under the mount; mount it again", changed[0])
+            raise _Refused()
+        if self._sums is None:
+            generations = {shard: state.generation for shard, state in self._shards.items()}
+            todo = [name for name in self.tree.names if name not in self._digests]
+            if todo:  # many tensors: the hasher reads and hashes them in runs, in its own threads
+                found = await trio.to_thread.run_sync(self.integrity.hasher.hash_all, todo)
+                for name, digest in found.items():
+                    self._digests[name] = (generations[self.tree.model.locate(name)[0]], digest)
+            self.notice_changes()
+            if any(state.changed for state in self._shards.values()):
+                raise _Refused()  # changed while it was hashed
+            self._sums = self.tree.sha256sums({name: self._digests[name][1] for name in self.tree.names})
+        return self._sums
 
     async def verify(self, name: str) -> None:
         """With a manifest, serve no byte of a tensor before its hash matches: EIO when it does not."""
@@ -297,9 +454,9 @@ class TensorOperations(pyfuse3.Operations):
             if name not in self._failed:
                 self._failed.add(name)
                 log.error(
-                    "tensor %r in shard %s does not match the manifest (sha256 %s, expected %s): refused",
-                    name,
-                    self.tree.model.info(name).shard,
+                    "tensor '%s' in shard %s does not match the manifest (sha256 %s, expected %s): refused",
+                    printable(name),
+                    self.tree.model.locate(name)[0],
                     actual,
                     expected[name],
                 )
@@ -339,9 +496,23 @@ class TensorOperations(pyfuse3.Operations):
 
 
 @dataclass(eq=False)
+class _ShardState:
+    """What the daemon has seen of one shard since it was mounted."""
+
+    generation: int = 0
+    """Bumped at every change of the shard's bytes: a hash made before a change is no answer after it."""
+    changed: bool = False
+    """Changed in place with no manifest to check it against: its tensors are refused until remounted."""
+    refused: set[str] = field(default_factory=set)
+    """Tensors whose refusal is logged already."""
+
+
+@dataclass(eq=False)
 class _Span:
     """An open tensor file: where its bytes are, and which of them are known to be in memory."""
 
+    name: str
+    shard: Path
     view: memoryview
     pages: ShardPages
     start: int
@@ -349,6 +520,10 @@ class _Span:
     ready_from: int = 0
     ready_to: int = 0
     prefetching: bool = False
+
+
+def _tensors(count: int) -> str:
+    return f"{count} tensor{'s' * (count != 1)}"
 
 
 def _decode(name: bytes) -> str:

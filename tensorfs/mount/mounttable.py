@@ -1,17 +1,25 @@
-"""The system's mount table and fusermount3: which tensorfs mounts exist, and unmounting them."""
+"""The system's mount table and fusermount3: which tensorfs mounts exist, how they are, unmounting them.
+
+Nothing here reads through a mount, and every question asked of one has a deadline: a daemon
+that hangs must never hang the tools.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import json
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import MountError
+from .runtime import daemon_of, process_state, read_record, remove_record
 
 FSTYPE = "fuse.tensorfs"
 CONTROL_DIR = ".tensorfs"
@@ -21,6 +29,7 @@ CONTROL_DIR = ".tensorfs"
 class MountEntry:
     mountpoint: Path
     fstype: str
+    source: str = ""
 
 
 def _unescape(field: str) -> str:
@@ -35,7 +44,8 @@ def mounts() -> list[MountEntry]:
         for line in table:
             fields = line.split()
             separator = fields.index("-")
-            entries.append(MountEntry(Path(_unescape(fields[4])), fields[separator + 1]))
+            source = fields[separator + 2] if len(fields) > separator + 2 else ""
+            entries.append(MountEntry(Path(_unescape(fields[4])), fields[separator + 1], _unescape(source)))
     return entries
 
 
@@ -53,14 +63,27 @@ def tensorfs_mounts() -> list[Path]:
     return [entry.mountpoint for entry in mounts() if entry.fstype == FSTYPE]
 
 
-def read_daemon_info(mountpoint: Path) -> dict[str, object] | None:
-    """The mount's .tensorfs/daemon.json, or None when its daemon no longer answers."""
-    try:
-        return dict(json.loads((mountpoint / CONTROL_DIR / "daemon.json").read_bytes()))
-    except OSError as exc:
-        if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT, errno.EIO):
-            return None
-        raise
+def resolve_mountpoint(path: Path) -> Path:
+    """The real path of `path` (symlinks resolved), without ever asking a mount about its own root.
+
+    os.path.realpath would lstat a mountpoint, and a mount whose daemon hangs would hang that
+    lstat: a path that is a mountpoint is taken as it stands.
+    """
+    mounted = {entry.mountpoint for entry in mounts()}
+    current = Path(os.path.abspath(path))
+    for _ in range(40):  # the kernel's own limit on symlinks followed in one lookup
+        if current in mounted or current.parent == current:
+            return current
+        parent = Path(os.path.realpath(current.parent))
+        candidate = parent / current.name
+        if candidate in mounted:
+            return candidate
+        try:
+            target = os.readlink(candidate)
+        except OSError:  # not a symlink (or not there): the path is what it is
+            return candidate
+        current = Path(os.path.abspath(parent / target))
+    raise MountError(f"{path}: too many levels of symbolic links")
 
 
 def pid_alive(pid: int) -> bool:
@@ -78,29 +101,168 @@ def pid_alive(pid: int) -> bool:
     return status[status.rindex(")") + 2 :][:1] not in ("Z", "X")
 
 
-def unmount(mountpoint: Path, *, lazy: bool = False, wait_seconds: float = 10.0) -> None:
-    """Unmount a FUSE mount, also one whose daemon died; wait for a live daemon to exit.
+def daemon_pid(mountpoint: Path) -> int | None:
+    """The pid in the record of the daemon of the mount at `mountpoint` (never read through the mount)."""
+    record = read_record(resolve_mountpoint(mountpoint))
+    pid = record.get("pid") if record is not None else None
+    return pid if isinstance(pid, int) else None
 
-    A lazy unmount returns at once: the daemon serves what is still open, then exits.
+
+# -- health ---------------------------------------------------------------------------------
+
+PROBE_TIMEOUT = 2.0
+
+
+def probe(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> str:
+    """Ask the mount's daemon something it must answer itself: "ok", "dead", "hung" or "no access".
+
+    statfs is never answered from the kernel's caches. It runs on a thread of its own, which is
+    left behind if the daemon never answers: it ends with this process, or when the daemon does.
     """
+    outcome: list[str] = []
+
+    def ask() -> None:
+        try:
+            os.statvfs(mountpoint)
+            outcome.append("ok")
+        except OSError as exc:
+            if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT):
+                outcome.append("dead")
+            elif exc.errno in (errno.EACCES, errno.EPERM):
+                outcome.append("no access")
+            else:
+                outcome.append("ok" if exc.errno == errno.ENOSYS else "dead")
+
+    thread = threading.Thread(target=ask, name=f"probe {mountpoint}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else "hung"
+
+
+@dataclass(frozen=True)
+class Health:
+    """A tensorfs mount as the tools see it, learnt without blocking on it."""
+
+    mountpoint: Path
+    state: str
+    """"ok", "hung" (the daemon runs but does not answer) or "dead" (no daemon serves it)."""
+    reason: str
+    """Why, when not ok; what to do about it."""
+    record: dict[str, Any] | None
+    pid: int | None
+    """The daemon's pid while it runs."""
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "ok"
+
+
+def health(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> Health:
+    """How the tensorfs mount at `mountpoint` is: from its record, its daemon's process and a probe."""
+    record = read_record(mountpoint)
+    pid = daemon_of(record) if record is not None else None
+    if pid is not None and process_state(pid) in ("T", "t"):
+        return Health(mountpoint, "hung", f"its daemon {pid} is stopped (SIGSTOP?)", record, pid)
+    answer = probe(mountpoint, timeout)
+    if answer == "hung":
+        return Health(mountpoint, "hung", f"its daemon did not answer within {timeout:g} s", record, pid)
+    if answer == "dead" or (answer == "no access" and record is not None and pid is None):
+        return Health(mountpoint, "dead", _why_dead(record), record, None)
+    return Health(mountpoint, "ok", "", record, pid)
+
+
+def _why_dead(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "no daemon serves it"
+    pid = record.get("pid")
+    reason = record.get("error") or last_error(record.get("log_file"), pid)
+    return f"daemon {pid} is gone" + (f": {reason}" if reason else " (killed?)")
+
+
+def last_error(log_file: object, pid: object) -> str | None:
+    """The last ERROR (or fatal error) the daemon `pid` wrote to its log, if any."""
+    if not isinstance(log_file, str):
+        return None
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (256 << 10)))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    mark = f"tensorfs[{pid}] "
+    found, last_writer_was_it = None, False
+    for line in lines:
+        if line.startswith("Fatal Python error:"):  # faulthandler's report of a fatal signal: no prefix,
+            if last_writer_was_it:  # so it is the daemon's whose line came just before
+                found = line
+        elif "tensorfs[" in line:
+            last_writer_was_it = mark in line
+            if last_writer_was_it:
+                level, _, message = line.partition(mark)[2].partition(" ")
+                if level in ("ERROR", "CRITICAL"):
+                    found = message
+    return found
+
+
+# -- unmounting -----------------------------------------------------------------------------
+
+
+def unmount(mountpoint: Path, *, lazy: bool = False, wait_seconds: float = 10.0) -> str:
+    """Unmount a FUSE mount, also one whose daemon died or hangs; wait for a live daemon to exit.
+
+    A lazy unmount returns at once: the daemon serves what is still open, then exits. A hung
+    daemon's mount is detached lazily and the daemon stopped. Returns what was done, in words.
+    """
+    mountpoint = resolve_mountpoint(mountpoint)
     entry = mount_at(mountpoint)
     if entry is None:
         raise MountError(f"{mountpoint}: not mounted")
     if not entry.fstype.startswith("fuse"):
         raise MountError(f"{mountpoint}: not a FUSE mount ({entry.fstype}); tensorfs only unmounts its own")
-    info = read_daemon_info(mountpoint) if entry.fstype == FSTYPE else None
-    pid = info.get("pid") if info else None
+    state = health(mountpoint) if entry.fstype == FSTYPE else None
+    pid = state.pid if state is not None else None
+    if state is not None and state.state == "hung":
+        _fusermount(mountpoint, lazy=True)
+        if pid is not None:
+            _stop(pid, wait_seconds)
+        remove_record(mountpoint)
+        return f"{mountpoint}: detached; its daemon was hung ({state.reason}) and has been stopped"
+    _fusermount(mountpoint, lazy=lazy)
+    if pid is not None and not lazy:
+        deadline = time.monotonic() + wait_seconds
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    if pid is None:
+        remove_record(mountpoint)  # a dead daemon's record: nothing else will remove it
+    return f"{mountpoint}: unmounted"
+
+
+def _fusermount(mountpoint: Path, *, lazy: bool) -> None:
     fusermount = shutil.which("fusermount3")
     if fusermount is None:
         raise MountError("fusermount3 not found: install the fuse3 package")
     command = [fusermount, "-u", *(["-z"] if lazy else []), str(mountpoint)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=PROBE_TIMEOUT * 5)
+    except subprocess.TimeoutExpired:
+        raise MountError(f"{mountpoint}: fusermount3 did not return; try: umount -l {mountpoint}") from None
     if result.returncode != 0:
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
         if "busy" in detail.lower():
             raise MountError(f"{mountpoint}: busy (files are open there); close them, or unmount with --lazy")
         raise MountError(f"{mountpoint}: {detail}")
-    if isinstance(pid, int) and not lazy:
-        deadline = time.monotonic() + wait_seconds
-        while pid_alive(pid) and time.monotonic() < deadline:
+
+
+def _stop(pid: int, wait_seconds: float) -> None:
+    """Stop a daemon that does not answer: SIGTERM (and SIGCONT, should it be stopped), then SIGKILL."""
+    for signals, seconds in (((signal.SIGTERM, signal.SIGCONT), min(wait_seconds, 5.0)), ((signal.SIGKILL,), 5.0)):
+        for signum in signals:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        deadline = time.monotonic() + seconds
+        while pid_alive(pid):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.02)
+        else:
+            return

@@ -1,15 +1,18 @@
-"""Serving a mount: pyfuse3.init, the trio loop, readiness, signals, unmount."""
+"""Serving a mount: pyfuse3.init, the trio loop, readiness, tuning, signals, the record, unmount."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
@@ -18,9 +21,12 @@ from .. import __version__
 from ..integrity import Integrity
 from ..model import Model
 from . import fs
-from .daemon import READY, MountOptions, default_log_file
+from .daemon import READY, MountOptions
 from .fs import TensorOperations
+from .logs import reopen_logs
+from .runtime import process_start, remove_record, write_record
 from .tree import Tree, index_json
+from .watch import ShardWatch
 
 log = logging.getLogger("tensorfs")
 
@@ -29,115 +35,192 @@ def serve(
     model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity, notify: Callable[[str], None]
 ) -> int:
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-    def daemon_json() -> bytes:
-        document = {
-            "pid": os.getpid(),
-            "source": str(model.source.absolute()),
-            "mountpoint": str(mountpoint),
-            "version": __version__,
-            "started": started,
-            "tensors": len(model),
-            "bytes": model.nbytes,
-            "options": {
-                "layout": options.layout,
-                "fuse": list(options.fuse_options),
-                "readahead_kb": options.readahead_kb,
-                "prefetch_mb": options.prefetch_mb,
-                "max_background": options.max_background,
-                "debug": options.debug,
-                "manifest": integrity.expected is not None,
-                "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
-            },
-            "log_file": None
-            if options.foreground and options.log_file is None
-            else str(options.log_file or default_log_file()),
-        }
-        return (json.dumps(document, indent=2) + "\n").encode()
-
+    record = _record(model, mountpoint, options, integrity)
     fs.TRACE_REQUESTS = options.debug
-    tree = Tree(model, options.layout, {"index.json": lambda: index_json(model), "daemon.json": daemon_json})
-    operations = TensorOperations(tree, integrity)
+    control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
+    tree = Tree(model, options.layout, control, options.ownership)
+    operations = TensorOperations(tree, integrity, ShardWatch((s, model.shard_fd(s)) for s in model.shards))
     operations.prefetch = options.prefetch_mb << 20
-    fuse_options = set(pyfuse3.default_options) | {"fsname=tensorfs", "subtype=tensorfs", "ro"}
+    operations.invalidate = _invalidate
+    fuse_options = set(pyfuse3.default_options) | {f"fsname={fsname(model.source)}", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)
     if options.debug and options.foreground:
         fuse_options.add("debug")
     try:
+        write_record(mountpoint, record)
+    except OSError as exc:
+        notify(f"cannot write the daemon's record in {exc.filename or 'the runtime directory'}: {exc.strerror}")
+        return 1
+    try:
         pyfuse3.init(operations, str(mountpoint), fuse_options)
     except RuntimeError as exc:
+        remove_record(mountpoint, os.getpid())
         hint = f" (check the -o options: {','.join(options.fuse_options)})" if options.fuse_options else ""
         notify(f"cannot mount at {mountpoint}: {exc}{hint}")
         return 1
-    log.info("serving %s (%d tensors) at %s", model.source, len(model), mountpoint)
+    log.info("serving %s (%d tensor%s) at %s", model.source, len(model), "s" * (len(model) != 1), mountpoint)
     try:
-        trio.run(_run, operations, mountpoint, options, notify)
-    except BaseException:
+        trio.run(_run, operations, mountpoint, options, record, notify)
+    except BaseException as exc:
         pyfuse3.close(unmount=False)  # the session may be broken: pyfuse3's advice is to not unmount
+        record["error"] = f"the daemon failed: {exc!r}"
+        record["exited"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        with contextlib.suppress(OSError):
+            write_record(mountpoint, record)  # kept, so that `tensorfs status` can say why it died
         raise
     pyfuse3.close(unmount=True)
+    remove_record(mountpoint, os.getpid())
     log.info("unmounted %s", mountpoint)
     return 0
 
 
+def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity) -> dict[str, Any]:
+    """What the daemon says of itself: in its runtime record and in .tensorfs/daemon.json."""
+    return {
+        "pid": os.getpid(),
+        "process_start": process_start(os.getpid()),
+        "source": str(model.source.absolute()),
+        "mountpoint": str(mountpoint),
+        "version": __version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tensors": len(model),
+        "bytes": model.nbytes,
+        "options": {
+            "layout": options.layout,
+            "fuse": list(options.fuse_options),
+            "uid": options.ownership.uid,
+            "gid": options.ownership.gid,
+            "umask": None if options.ownership.umask is None else f"{options.ownership.umask:03o}",
+            "readahead_kb": options.readahead_kb,
+            "prefetch_mb": options.prefetch_mb,
+            "max_background": options.max_background,
+            "debug": options.debug,
+            "manifest": integrity.expected is not None,
+            "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
+        },
+        "in_force": {"readahead_kb": None, "max_background": None},
+        "log_file": None if options.log_file is None else str(options.log_file),
+    }
+
+
+def _json(document: dict[str, Any]) -> bytes:
+    return (json.dumps(document, indent=2) + "\n").encode()
+
+
+def fsname(source: Path) -> str:
+    """The source's absolute path as the mount's fsname (what `df` and `mount` show), as sshfs does.
+
+    libfuse splits options on ',' and takes '\\' as an escape; pyfuse3 passes options as ASCII,
+    so other characters are %-encoded (UTF-8).
+    """
+    out = []
+    for char in str(source.absolute()):
+        if char in ",\\":
+            out.append("\\" + char)
+        elif char.isascii() and char.isprintable():
+            out.append(char)
+        else:
+            out.extend(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogateescape"))
+    return "".join(out)
+
+
+def _invalidate(inodes: Sequence[int], attr_only: bool) -> None:
+    """Have the kernel forget what it caches of `inodes` (called from a worker thread)."""
+    for inode in inodes:
+        try:
+            pyfuse3.invalidate_inode(inode, attr_only)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # ENOENT: the kernel holds nothing of it
+                log.warning("could not invalidate inode %d: %s", inode, exc.strerror)
+
+
 async def _run(
-    operations: TensorOperations, mountpoint: Path, options: MountOptions, notify: Callable[[str], None]
+    operations: TensorOperations,
+    mountpoint: Path,
+    options: MountOptions,
+    record: dict[str, Any],
+    notify: Callable[[str], None],
 ) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
-        nursery.start_soon(_unmount_on_signal)
-        nursery.start_soon(_report_ready, mountpoint, options, notify)
+        nursery.start_soon(_handle_signals)
+        nursery.start_soon(operations.watch_changes)
+        nursery.start_soon(_report_ready, mountpoint, options, record, notify)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
 
-async def _unmount_on_signal() -> None:
+async def _handle_signals() -> None:
+    """SIGTERM and SIGINT unmount; SIGHUP reopens the log file (logrotate), the mount goes on."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
+            if signum == signal.SIGHUP:
+                reopened = reopen_logs()
+                log.info("SIGHUP: %s", "reopened the log file" if reopened else "no log file to reopen")
+                continue
             log.info("%s: unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
             return
 
 
-async def _report_ready(mountpoint: Path, options: MountOptions, notify: Callable[[str], None]) -> None:
+async def _report_ready(
+    mountpoint: Path, options: MountOptions, record: dict[str, Any], notify: Callable[[str], None]
+) -> None:
     # A stat of the root from another thread is answered by this daemon's loop: when it returns,
     # the mount is live and answering.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
-    if options.readahead_kb:
-        _set_readahead(st.st_dev, options.readahead_kb)
-    if options.max_background:
-        _set_max_background(st.st_dev, options.max_background)
+    record["in_force"] = {
+        "readahead_kb": _set_readahead(st.st_dev, options.readahead_kb),
+        "max_background": _set_max_background(st.st_dev, options.max_background),
+    }
+    try:
+        write_record(mountpoint, record)
+    except OSError as exc:
+        log.warning("could not update the daemon's record: %s", exc.strerror)
     notify(READY)
 
 
-def _set_readahead(device: int, kilobytes: int) -> None:
-    """Raise the mount's readahead so the kernel sends 1 MiB reads (1.7x the 128 KiB default here)."""
+def _set_readahead(device: int, kilobytes: int) -> int | None:
+    """Raise the mount's readahead so the kernel sends 1 MiB reads (1.7x the 128 KiB default here).
+
+    Returns the value in force, read back from the kernel (None if it cannot be read).
+    """
     path = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
-    try:
-        path.write_text(f"{kilobytes}\n")
-    except OSError as exc:
-        log.warning("could not set readahead (%s): %s", path, exc.strerror)
+    if kilobytes:
+        try:
+            path.write_text(f"{kilobytes}\n")
+        except OSError as exc:
+            log.warning("could not set readahead (%s): %s", path, exc.strerror)
+    return _read_number(path)
 
 
 FUSECTL = Path("/sys/fs/fuse/connections")
 
 
-def _set_max_background(device: int, requests: int) -> None:
+def _set_max_background(device: int, requests: int) -> int | None:
     """Lower how many readahead requests the kernel keeps queued at this daemon (its default: 12).
 
     Every queued read waits on the daemon's one thread, and so does any lookup behind them: with
     four readers streaming cold data, listing the root took 74 ms (median) at 12 and 0.8 ms at 3,
     and the streams finished sooner; one cold reader alone reads a little slower with very few.
-    The knob is in the fusectl file system, mounted if need be.
+    The knob is in the fusectl file system, mounted if need be. Returns the value in force.
     """
     if os.major(device) != 0:
-        return
+        return None
     setting = FUSECTL / str(os.minor(device)) / "max_background"
+    if requests:
+        try:
+            if not setting.parent.exists() and os.geteuid() == 0 and not any(FUSECTL.iterdir()):
+                subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], capture_output=True, check=False)
+                log.info("mounted fusectl at %s to tune the FUSE connection", FUSECTL)
+            setting.write_text(f"{requests}\n")
+        except OSError as exc:
+            log.warning("could not set max_background (%s): %s", setting, exc.strerror)
+    return _read_number(setting)
+
+
+def _read_number(path: Path) -> int | None:
     try:
-        if not setting.parent.exists() and os.geteuid() == 0 and not any(FUSECTL.iterdir()):
-            subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], capture_output=True, check=False)
-            log.info("mounted fusectl at %s to tune the FUSE connection", FUSECTL)
-        setting.write_text(f"{requests}\n")
-    except OSError as exc:
-        log.warning("could not set max_background (%s): %s", setting, exc.strerror)
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None

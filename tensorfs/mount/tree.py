@@ -13,6 +13,7 @@ subdirectories (and, at the root, .tensorfs), then each of its tensors' three fi
 from __future__ import annotations
 
 import json
+import os
 import stat
 from array import array
 from bisect import bisect_left
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from json.encoder import encode_basestring
+from pathlib import Path
 
 from ..errors import TensorfsError
 from ..header import Entry
@@ -29,8 +31,7 @@ from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"
-FILE_MODE = stat.S_IFREG | 0o444
-DIR_MODE = stat.S_IFDIR | 0o555
+_READ_BITS = 0o444
 META_SUFFIX, SHA256_SUFFIX = SIDECAR_SUFFIXES
 SUFFIXES = ("", META_SUFFIX, SHA256_SUFFIX)
 _HEX_LINE = len("0" * 64 + "  \n")
@@ -54,6 +55,40 @@ class NoSuchEntry(TensorfsError):
     """A name or inode that the tree does not hold."""
 
 
+@dataclass(frozen=True)
+class Ownership:
+    """Owner, group and permissions for every file (-o uid=,gid=,umask=) instead of the source's."""
+
+    uid: int | None = None
+    gid: int | None = None
+    umask: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Who owns a group of files and who may read them."""
+
+    uid: int
+    gid: int
+    file_mode: int
+    dir_mode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result, ownership: Ownership) -> Access:
+        """The source file's owner and read bits (and matching search bits for directories), or the overrides."""
+        if ownership.umask is None:
+            read = st.st_mode & _READ_BITS
+            files, directories = read, read | read >> 2  # r-- becomes r-x
+        else:
+            files, directories = _READ_BITS & ~ownership.umask, 0o555 & ~ownership.umask
+        return cls(
+            st.st_uid if ownership.uid is None else ownership.uid,
+            st.st_gid if ownership.gid is None else ownership.gid,
+            stat.S_IFREG | files,
+            stat.S_IFDIR | directories,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Attributes:
     inode: int
@@ -62,6 +97,8 @@ class Attributes:
     size: int
     nlink: int
     mtime_ns: int
+    uid: int
+    gid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,18 +114,35 @@ class Node:
 class Tree:
     """The read-only tree of one mounted model."""
 
-    def __init__(self, model: Model, layout: Layout, control_files: dict[str, Callable[[], bytes]]) -> None:
+    def __init__(
+        self,
+        model: Model,
+        layout: Layout,
+        control_files: dict[str, Callable[[], bytes]],
+        ownership: Ownership | None = None,
+    ) -> None:
         """`control_files` maps each file of .tensorfs/ to the function that makes its bytes."""
         self.model = model
         self.layout = layout
+        self.ownership = ownership or Ownership()
         if layout == "slash":
             self.paths = self.names = model.sorted_names  # a name is its path: one list serves both
         else:
             pairs = sorted((tensor_path(name, layout), name) for name in model.sorted_names)
             self.paths = [path for path, _ in pairs]
             self.names = [name for _, name in pairs]
-        self._shard_mtime_ns = {shard: model.shard_stat(shard).st_mtime_ns for shard in model.shards}
+        shard_stats = {shard: os.fstat(model.shard_fd(shard)) for shard in model.shards}
+        self._shard_mtime_ns = {shard: st.st_mtime_ns for shard, st in shard_stats.items()}
         self.mtime_ns = max(self._shard_mtime_ns.values(), default=0)
+        # Each tensor's files are owned and readable as its shard is; directories and .tensorfs/ as
+        # the source (the model's directory, or its file).
+        self._shard_access = {shard: Access.of(st, self.ownership) for shard, st in shard_stats.items()}
+        try:
+            source = os.stat(model.source)
+        except OSError:
+            source = shard_stats[model.shards[0]]
+        self.access = Access.of(source, self.ownership)
+        self._sums_access = self._every_shard_access()
 
         # Directories: index 0 is the root; each knows its path, parent, subdirectories and tensors.
         self._dir_paths: list[str] = [""]
@@ -128,6 +182,29 @@ class Tree:
         self._dir_tensors.append(array("L"))
         self._dir_subdirs[parent].append(index)
         return index
+
+    def _every_shard_access(self) -> Access:
+        """SHA256SUMS tells something of every tensor: readable only with what every shard grants."""
+        file_mode = self.access.file_mode
+        for access in self._shard_access.values():
+            file_mode &= access.file_mode | ~_READ_BITS
+        return Access(self.access.uid, self.access.gid, file_mode, self.access.dir_mode)
+
+    def refresh_shard(self, shard: Path) -> bool:
+        """Take the shard file's owner, permissions and mtime again; whether any of them changed."""
+        st = os.fstat(self.model.shard_fd(shard))
+        access = Access.of(st, self.ownership)
+        if access == self._shard_access[shard] and st.st_mtime_ns == self._shard_mtime_ns[shard]:
+            return False
+        self._shard_access[shard] = access
+        self._shard_mtime_ns[shard] = st.st_mtime_ns
+        self._sums_access = self._every_shard_access()
+        return True
+
+    def inodes_of(self, shard: Path) -> list[int]:
+        """The inodes of every file of the shard's tensors: each tensor's file and its two sidecars."""
+        first = [self.tensor_inode(entry[2]) for entry in self.model.shard_header(shard).entries]
+        return [inode + which for inode in first for which in range(3)]
 
     # -- inodes ----------------------------------------------------------------------------
     @property
@@ -185,8 +262,8 @@ class Tree:
         t = self._dir_tensors[index][tensor]
         return self._basename(t) + SUFFIXES[which], self._first_tensor_inode + 3 * t + which
 
-    def scan(self, inode: int, position: int) -> Iterator[tuple[str, int, int, int, int, int]]:
-        """The entries of directory `inode` from `position` on, as (name, inode, mode, size, nlink, mtime_ns).
+    def scan(self, inode: int, position: int) -> Iterator[tuple[str, int, int, int, int, int, int, int]]:
+        """Entries of directory `inode` from `position` on: (name, inode, mode, size, nlink, mtime_ns, uid, gid).
 
         What readdir needs, made in one pass: what the three files of a tensor share is found once.
         """
@@ -197,7 +274,7 @@ class Tree:
                 name, child = self.entry_at(inode, position)
                 if self.node(child).kind not in _TENSOR_KINDS:
                     a = self.attributes(child)
-                    yield name, child, a.mode, a.size, a.nlink, a.mtime_ns
+                    yield name, child, a.mode, a.size, a.nlink, a.mtime_ns, a.uid, a.gid
                     position += 1
                     continue
                 break
@@ -208,19 +285,20 @@ class Tree:
         first_tensor = count - 3 * len(tensors)
         start, which = divmod(position - first_tensor, 3)
         model, paths, names, first_inode = self.model, self.paths, self.names, self._first_tensor_inode
-        mtimes = self._shard_mtime_ns
+        mtimes, accesses = self._shard_mtime_ns, self._shard_access
         for k in range(start, len(tensors)):  # by index: slicing an array would copy the rest of it
             t = tensors[k]
             shard, data_start, entry = model.entry(names[t])
             base = paths[t].rpartition("/")[2]
-            mtime = mtimes[shard]
+            mtime, access = mtimes[shard], accesses[shard]
+            mode, uid, gid = access.file_mode, access.uid, access.gid
             file_inode = first_inode + 3 * t
             if which == 0:
-                yield base, file_inode, FILE_MODE, entry[1] - entry[0], 1, mtime
+                yield base, file_inode, mode, entry[1] - entry[0], 1, mtime, uid, gid
             if which <= 1:
                 size = _meta_size(entry, data_start, shard.name)
-                yield base + META_SUFFIX, file_inode + 1, FILE_MODE, size, 1, mtime
-            yield base + SHA256_SUFFIX, file_inode + 2, FILE_MODE, self._sha256_size(t), 1, mtime
+                yield base + META_SUFFIX, file_inode + 1, mode, size, 1, mtime, uid, gid
+            yield base + SHA256_SUFFIX, file_inode + 2, mode, self._sha256_size(t), 1, mtime, uid, gid
             which = 0
 
     def listing(self, inode: int) -> list[tuple[str, int]]:
@@ -270,26 +348,32 @@ class Tree:
         if 0 <= tensor < len(self.names):  # the common case first: a tensor's file
             name = self.names[tensor]
             shard, _, nbytes = self.model.locate(name)
-            mtime = self._shard_mtime_ns[shard]
+            mtime, access = self._shard_mtime_ns[shard], self._shard_access[shard]
             if which == 0:
-                return Attributes(inode, Kind.TENSOR, FILE_MODE, nbytes, 1, mtime)
-            if which == 1:
-                return Attributes(inode, Kind.META, FILE_MODE, meta_size(self.model, name), 1, mtime)
-            return Attributes(inode, Kind.SHA256, FILE_MODE, self._sha256_size(tensor), 1, mtime)
+                kind, size = Kind.TENSOR, nbytes
+            elif which == 1:
+                kind, size = Kind.META, meta_size(self.model, name)
+            else:
+                kind, size = Kind.SHA256, self._sha256_size(tensor)
+            return Attributes(inode, kind, access.file_mode, size, 1, mtime, access.uid, access.gid)
         node = self.node(inode)
+        access = self.access
         if node.kind is Kind.DIRECTORY:
             subdirs = 0 if inode == self.control_dir_inode else len(self._dir_subdirs[self._dir_number(inode)])
             subdirs += inode == ROOT_INODE  # .tensorfs/
-            return Attributes(inode, node.kind, DIR_MODE, 0, 2 + subdirs, self.mtime_ns)
+            return Attributes(inode, node.kind, access.dir_mode, 0, 2 + subdirs, self.mtime_ns, access.uid, access.gid)
         if node.kind is Kind.SUMS:
             if self._sums_size is None:
                 self._sums_size = len(self.sha256sums(dict.fromkeys(self.names, "0" * 64)))
-            return Attributes(inode, node.kind, FILE_MODE, self._sums_size, 1, self.mtime_ns)
-        return Attributes(inode, node.kind, FILE_MODE, len(self.small_file(inode)), 1, self.mtime_ns)
+            access = self._sums_access
+            size = self._sums_size
+        else:
+            size = len(self.small_file(inode))
+        return Attributes(inode, node.kind, access.file_mode, size, 1, self.mtime_ns, access.uid, access.gid)
 
     def _sha256_size(self, tensor: int) -> int:
         base = self._basename(tensor)
-        if base.isascii() and "\\" not in base and "\n" not in base and "\r" not in base:
+        if base.isascii() and "\\" not in base and "\n" not in base and "\r" not in base and base != "-":
             return _HEX_LINE + len(base)
         return len(sha256_line("0" * 64, base))
 
@@ -316,7 +400,7 @@ class Tree:
     def sha256sums(self, digests: Mapping[str, str]) -> bytes:
         """SHA256SUMS: a line per tensor, by path from the mount root, for `sha256sum -c` there."""
         return "".join(
-            sha256sum_line(digests[name], path) for name, path in zip(self.names, self.paths, strict=True)
+            sha256sum_line(digests[name], _checkable(path)) for name, path in zip(self.names, self.paths, strict=True)
         ).encode()
 
     @property
@@ -366,7 +450,12 @@ _META_FIXED = (
 
 def sha256_line(hex_digest: str, filename: str) -> bytes:
     """A line `sha256sum -c` accepts, escaping the name as GNU sha256sum does when it must."""
-    return sha256sum_line(hex_digest, filename).encode()
+    return sha256sum_line(hex_digest, _checkable(filename)).encode()
+
+
+def _checkable(path: str) -> str:
+    """`sha256sum -c` reads standard input for a file named '-': name it ./- instead."""
+    return "./-" if path == "-" else path
 
 
 def index_json(model: Model) -> bytes:

@@ -1,0 +1,72 @@
+"""The daemon's log: one file per mount by default, reopened on SIGHUP (logrotate's convention).
+
+A fatal signal (SIGSEGV, SIGBUS, ...) is reported in the log too (faulthandler), so that
+`tensorfs status` can say why a daemon died.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..errors import MountError
+from .runtime import escape_path
+
+FORMAT = "%(asctime)s tensorfs[%(process)d] %(levelname)s %(message)s"
+
+
+def log_dir() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(state) / "tensorfs"
+
+
+def default_log_file(mountpoint: Path) -> Path:
+    """$XDG_STATE_HOME/tensorfs/<mountpoint, escaped as systemd does>.log: one file per mount."""
+    return log_dir() / f"{escape_path(mountpoint)}.log"
+
+
+class ReopeningFileHandler(logging.FileHandler):
+    """A log file that can be closed and opened again by name, after logrotate moved it away."""
+
+    def reopen(self) -> None:
+        self.acquire()
+        try:
+            if self.stream is not None:
+                self.stream.close()
+            self.stream = self._open()
+            faulthandler.enable(self.stream)
+        finally:
+            self.release()
+
+
+def setup_logging(log_file: Path | None, *, debug: bool) -> None:
+    """Log to `log_file` (None: stderr) at INFO, or DEBUG; a file that cannot be written is a MountError."""
+    handler: logging.Handler
+    if log_file is None:
+        handler = logging.StreamHandler(sys.stderr)
+        faulthandler.enable(sys.stderr)
+    else:
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            handler = ReopeningFileHandler(log_file, encoding="utf-8")
+        except OSError as exc:
+            raise MountError(f"cannot write the log file {log_file}: {exc.strerror}") from None
+        assert handler.stream is not None
+        faulthandler.enable(handler.stream)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def reopen_logs() -> bool:
+    """Reopen every log file (SIGHUP); whether there was one to reopen."""
+    reopened = False
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, ReopeningFileHandler):
+            handler.reopen()
+            reopened = True
+    return reopened

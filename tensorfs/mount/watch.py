@@ -1,0 +1,143 @@
+"""Watching the shard files under a mount for changes (inotify through ctypes, and fstat).
+
+Each shard is watched through its open descriptor (/proc/self/fd/N), so the watch is on the very
+file that was validated and mapped, even if its path was replaced in between. Events are read
+without blocking: the daemon drains them before it answers a tensor read, so a change that
+finished before a request reached the daemon is known when that request is answered.
+
+inotify does not see writes through another process's shared mapping of a shard; the kernel
+does update the file's mtime at the first such write to each clean page, so check() also compares
+the shard's size and times with what was last seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import logging
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+IN_MODIFY = 0x002
+IN_ATTRIB = 0x004
+IN_MOVE_SELF = 0x800
+IN_DELETE_SELF = 0x400
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVE_SELF | IN_DELETE_SELF
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (of the name that follows; 0 for a watched file)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.inotify_init1.argtypes = (ctypes.c_int,)
+_libc.inotify_add_watch.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
+
+
+class Change(enum.Enum):
+    CONTENT = "content"
+    """Bytes were written or the file was truncated."""
+    ATTRIBUTES = "attributes"
+    """Mode, owner, times or link count changed: the bytes did not."""
+    MOVED = "moved"
+    DELETED = "deleted"
+
+
+class ShardWatch:
+    """inotify watches on open shard files; changes() drains what happened, never blocking."""
+
+    def __init__(self, shards: Iterable[tuple[Path, int]]) -> None:
+        """`shards` is (path, open descriptor) for every shard file.
+
+        Without inotify (none left, say: fs.inotify.max_user_watches), changes are still seen by
+        the shards' sizes and times, checked before each read; a warning says so.
+        """
+        self._shards: dict[int, list[Path]] = {}  # watch descriptor -> the shards it watches
+        self._fds = dict(shards)
+        self.paths = list(self._fds)
+        self._seen = {path: _times(fd) for path, fd in self._fds.items()}  # size, mtime_ns, ctime_ns
+        self._fd: int = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        try:
+            if self._fd < 0:
+                raise _os_error("inotify_init1")
+            for path, fd in self._fds.items():
+                wd = _libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _MASK)
+                if wd < 0:
+                    raise _os_error(f"inotify_add_watch on {path}")
+                self._shards.setdefault(wd, []).append(path)
+        except OSError as exc:
+            log.warning("cannot watch the shards with inotify (%s): changes are seen by size and times only", exc)
+            self.close()
+
+    def fileno(self) -> int:
+        """The inotify descriptor to wait on; -1 when there is none."""
+        return self._fd
+
+    def check(self, path: Path) -> list[Change]:
+        """What changed in shard `path` since it was last seen (by its size and times)."""
+        now = _times(self._fds[path])
+        before = self._seen[path]
+        if now == before:
+            return []
+        self._seen[path] = now
+        return [Change.CONTENT if now[:2] != before[:2] else Change.ATTRIBUTES]
+
+    def changes(self) -> list[tuple[Path, Change]]:
+        """Every change reported since the last call, in order; [] at once when there is none."""
+        found: list[tuple[Path, Change]] = []
+        while self._fd >= 0:
+            try:
+                data = os.read(self._fd, 64 << 10)
+            except BlockingIOError:
+                for path in {path for path, _ in found}:
+                    self._seen[path] = _times(self._fds[path])  # reported: check() need not say it again
+                return found
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            position = 0
+            while position + _EVENT.size <= len(data):
+                wd, mask, _, length = _EVENT.unpack_from(data, position)
+                position += _EVENT.size + length
+                if mask & IN_Q_OVERFLOW:  # events were lost: what the sizes and times tell must do
+                    found.extend((path, change) for path in self.paths for change in self.check(path))
+                    continue
+                for path in self._shards.get(wd, ()):
+                    found.extend((path, change) for change in _changes_of(mask))
+                if mask & IN_IGNORED:
+                    self._shards.pop(wd, None)  # the watch is gone (file deleted, or its file system unmounted)
+        return found
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _os_error(what: str) -> OSError:
+    code = ctypes.get_errno()
+    return OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def _times(fd: int) -> tuple[int, int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _changes_of(mask: int) -> list[Change]:
+    changes = []
+    if mask & IN_MODIFY:
+        changes.append(Change.CONTENT)
+    if mask & IN_ATTRIB:
+        changes.append(Change.ATTRIBUTES)
+    if mask & IN_MOVE_SELF:
+        changes.append(Change.MOVED)
+    if mask & IN_DELETE_SELF:
+        changes.append(Change.DELETED)
+    return changes

@@ -1,0 +1,351 @@
+"""Operating mounts: tools that never hang on a mount, records outside it, locks, logs, options, owners."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import Mounts, wait_until
+from helpers import random_bytes, reference_tensors, write_reference
+from tensorfs.mount.logs import default_log_file
+from tensorfs.mount.mounttable import mounts as mount_table
+from tensorfs.mount.mounttable import pid_alive, probe
+from tensorfs.mount.runtime import escape_path, read_record, record_path
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "a.safetensors", {"w": ("U8", [4096], random_bytes(4096, 1)), "-": ("U8", [3], b"abc")})
+    write_reference(directory / "b.safetensors", {"d/-": ("U8", [2], b"de"), "d/x": ("F32", [2], random_bytes(8, 2))})
+    return directory
+
+
+def status_lines(mounts: Mounts, *args: str) -> tuple[int, dict[str, str]]:
+    """`tensorfs status` (it must return: a hang fails the test by its timeout): exit code, line per mount."""
+    result = mounts.run("status", *args, timeout=60)
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    return result.returncode, lines
+
+
+# -- hung and dead daemons ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_path: Path, lazy: bool) -> None:
+    mountpoint = mounts.mount(model_dir)
+    healthy = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    os.kill(pid, signal.SIGSTOP)
+    stuck = subprocess.Popen([sys.executable, "-c", f"open({str(mountpoint / 'd' / 'x')!r}, 'rb').read()"])
+    try:
+        code, lines = status_lines(mounts)
+        assert code == 1
+        assert lines[str(mountpoint)].split()[1:3] == ["hung", str(pid)]
+        assert "is stopped" in lines[str(mountpoint)] and f"run: tensorfs umount {mountpoint}" in lines[str(mountpoint)]
+        assert lines[str(healthy)].split()[1] == "ok"
+        records = [json.loads(line) for line in mounts.run("status", "--json", timeout=60).stdout.splitlines()]
+        assert {r["mountpoint"]: r["state"] for r in records} == {str(mountpoint): "hung", str(healthy): "ok"}
+        result = mounts.run("umount", *(["--lazy"] if lazy else []), str(mountpoint), timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "daemon was hung" in result.stdout
+        assert mount_table() and all(m.mountpoint != mountpoint for m in mount_table())
+        assert not pid_alive(pid)
+        stuck.wait(timeout=30)  # the reader stuck in the hung mount is let go when its daemon goes
+        assert not record_path(mountpoint).exists()
+        assert mounts.run("status", timeout=60).returncode == 0  # what is left is healthy
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        if stuck.poll() is None:
+            stuck.kill()
+            stuck.wait()
+
+
+def test_probe_of_a_stopped_daemon_times_out(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    assert probe(mountpoint, 5) == "ok"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert probe(mountpoint, 0.5) == "hung"  # statfs is never answered from the kernel's caches
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert probe(mountpoint, 30) == "ok"
+
+
+def test_status_says_why_a_daemon_died(mounts: Mounts, model_dir: Path) -> None:
+    killed = mounts.mount(model_dir)
+    crashed = mounts.mount(model_dir)
+    os.kill(mounts.daemon_pid(killed), signal.SIGKILL)
+    os.kill(pid := mounts.daemon_pid(crashed), signal.SIGSEGV)
+    wait_until(lambda: not pid_alive(pid), what="the daemon to die")
+    code, lines = status_lines(mounts)
+    assert code == 1
+    assert lines[str(killed)].split()[1] == "dead" and "is gone (killed?)" in lines[str(killed)]
+    assert f"daemon {pid} is gone: Fatal Python error: Segmentation fault" in lines[str(crashed)]
+    for mountpoint in (killed, crashed):
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+    assert mounts.run("status").returncode == 0
+
+
+# -- one mountpoint, one mount --------------------------------------------------------------
+
+
+def test_racing_mounts_of_one_mountpoint(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "contested"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    command = [sys.executable, "-m", "tensorfs.cli", "mount", "--log-file", str(mounts.log_file)]
+    racers = [
+        subprocess.Popen([*command, str(model_dir), str(mountpoint)], stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outcomes = []
+    for racer in racers:
+        _, stderr = racer.communicate(timeout=120)
+        outcomes.append((racer.returncode, stderr))
+    outcomes.sort()
+    assert [code for code, _ in outcomes] == [0, 1, 1]
+    for _, message in outcomes[1:]:
+        assert message == f"error: mountpoint {mountpoint} already holds a tensorfs mount (see `tensorfs status`)\n"
+    assert [m.mountpoint for m in mount_table()].count(mountpoint) == 1
+
+
+def test_symlinks_to_mountpoints(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    mounts.mountpoints.append(real)
+    result = mounts.run("mount", "--log-file", str(mounts.log_file), str(model_dir), str(link))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"mounted {real}: ")
+    assert any(m.mountpoint == real for m in mount_table())
+    again = mounts.run("mount", str(model_dir), str(link))
+    assert again.returncode == 1 and f"mountpoint {real} already holds a tensorfs mount" in again.stderr
+    code, lines = status_lines(mounts)
+    assert code == 0 and str(real) in lines
+    result = mounts.run("umount", str(link))
+    assert result.returncode == 0, result.stderr
+    assert not os.path.ismount(real)
+
+
+# -- options, values in force, the record ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--max-background", "100000"), ("--readahead-kb", "999999999"), ("--prefetch-mb", "0")]
+)
+def test_options_out_of_the_kernels_range_are_refused(
+    mounts: Mounts, model_dir: Path, tmp_path: Path, option: str, value: str
+) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    result = mounts.run("mount", option, value, str(model_dir), str(mountpoint))
+    assert result.returncode == 2 and f"Invalid value for '{option}'" in result.stderr
+    assert not os.path.ismount(mountpoint)
+
+
+def test_the_values_in_force_are_read_back(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir, "--readahead-kb", "2048", "--max-background", "7")
+    device = os.stat(mountpoint).st_dev
+    readahead = int(Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb").read_text())
+    record = read_record(mountpoint)
+    assert record is not None
+    daemon_json = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())
+    assert record["in_force"] == daemon_json["in_force"]
+    assert record["in_force"]["readahead_kb"] == readahead
+    background = Path(f"/sys/fs/fuse/connections/{os.minor(device)}/max_background")
+    if os.geteuid() == 0:  # only root may tune the connection
+        assert record["in_force"]["max_background"] == int(background.read_text()) == 7
+        assert readahead == 2048
+
+
+def test_the_record_lives_outside_the_mount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    path = record_path(mountpoint)
+    assert path.parent == Path(os.environ["TENSORFS_RUNTIME_DIR"])
+    record = json.loads(path.read_text())
+    assert record["mountpoint"] == str(mountpoint) and record["pid"] == mounts.daemon_pid(mountpoint)
+    assert record["source"] == str(model_dir) and record["tensors"] == 4
+    assert mounts.run("umount", str(mountpoint)).returncode == 0
+    assert not path.exists()  # removed on a clean exit
+
+
+def test_mount_says_what_it_did_unless_quiet(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    loud, quiet = tmp_path / "loud", tmp_path / "quiet"
+    for directory in (loud, quiet):
+        directory.mkdir()
+        mounts.mountpoints.append(directory)
+    result = mounts.run("mount", str(model_dir), str(loud))
+    assert result.returncode == 0 and result.stderr == ""
+    pid = mounts.daemon_pid(loud)
+    log = default_log_file(loud)
+    assert result.stdout == f"mounted {loud}: 4 tensors (4.0 KiB), daemon {pid}, log {log}\n"
+    assert log == Path(os.environ["XDG_STATE_HOME"]) / "tensorfs" / f"{escape_path(loud)}.log"
+    assert escape_path(Path("/mnt/my-model/v1.0")) == "mnt-my\\x2dmodel-v1.0"  # as systemd-escape --path
+    assert "serving" in log.read_text()  # each mount logs to its own file
+    result = mounts.run("mount", "-q", str(model_dir), str(quiet))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_fsname_is_the_source(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
+    assert (entry.fstype, entry.source) == ("fuse.tensorfs", str(model_dir))
+    df = subprocess.run(["df", "--output=source", str(mountpoint)], capture_output=True, text=True, check=True)
+    assert df.stdout.splitlines()[1] == str(model_dir)
+
+
+# -- logs ---------------------------------------------------------------------------------------
+
+
+def test_sighup_reopens_the_log_and_keeps_the_mount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    rotated = mounts.log_file.with_name("daemon.log.1")
+    mounts.log_file.rename(rotated)  # what logrotate does, before it sends SIGHUP
+    os.kill(pid, signal.SIGHUP)
+    wait_until(lambda: "SIGHUP: reopened the log file" in mounts.log(), what="the log file to be reopened")
+    assert pid_alive(pid) and os.path.ismount(mountpoint)
+    assert (mountpoint / "w").read_bytes() == reference_tensors(model_dir / "a.safetensors")["w"][2]
+    assert "serving" in rotated.read_text() and "serving" not in mounts.log()
+
+
+def test_debug_lines_show_requests_and_errors_name_tensors(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir, "--debug")
+    (mountpoint / "d" / "x").read_bytes()
+    with pytest.raises(FileNotFoundError):
+        (mountpoint / "nope").stat()
+    log = mounts.log()
+    assert "object at 0x" not in log
+    assert "lookup(parent_inode=1, name='d', uid=" in log
+    assert "open(inode=" in log and " 'd/x', flags=" in log
+    assert "read(fh=" in log and " 'd/x', off=0, size=" in log
+
+
+# -- names and manifests ------------------------------------------------------------------------
+
+
+def test_a_tensor_named_dash_checks_with_sha256sum(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    result = subprocess.run(
+        ["sha256sum", "--strict", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "./-: OK" in result.stdout and "d/-: OK" in result.stdout
+    for directory, sidecar in ((mountpoint, "-.sha256"), (mountpoint / "d", "-.sha256")):
+        result = subprocess.run(["sha256sum", "-c", "--", sidecar], cwd=directory, capture_output=True, text=True)
+        assert (result.returncode, result.stdout) == (0, "./-: OK\n")
+
+
+def test_a_manifest_beside_one_shard_file(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    digests = mounts.run("manifest", "--no-cache", str(model_dir))
+    (model_dir / "tensors.sha256").write_text(digests.stdout)  # the whole model's: both shards
+    shard = model_dir / "a.safetensors"
+    result = mounts.run("verify", "--no-cache", str(shard))
+    assert (result.returncode, result.stdout) == (0, f"{shard}: all 2 tensors match {model_dir / 'tensors.sha256'}\n")
+    lines = digests.stdout.splitlines()
+    lines[[line.endswith("  w") for line in lines].index(True)] = "0" * 64 + "  w"
+    (model_dir / "tensors.sha256").write_text("\n".join(lines) + "\n")
+    result = mounts.run("verify", "--no-cache", str(shard))
+    assert result.returncode == 1 and f"{shard}: tensor 'w': does not match" in result.stderr
+    mountpoint = mounts.mount(shard, "--no-cache")
+    with pytest.raises(OSError) as caught:
+        (mountpoint / "w").read_bytes()
+    assert caught.value.errno == errno.EIO
+    assert (mountpoint / "-").read_bytes() == b"abc"
+
+
+# -- owners and permissions, seen by another user ----------------------------------------------
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user can reach (pytest's own are private to the user running it)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the test of permissions needs root on CI")
+        pytest.skip("needs root: it reads the mount as another user")
+    directory = Path(tempfile.mkdtemp(prefix="tensorfs-shared-"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def as_nobody(path: Path) -> str:
+    """Read a file as user nobody (with cat: Python itself may be out of nobody's reach): its length, or why not."""
+    result = subprocess.run(["cat", str(path)], user=65534, group=65534, capture_output=True, check=False)
+    return str(len(result.stdout)) if result.returncode == 0 else result.stderr.decode().rpartition(": ")[2].strip()
+
+
+def test_permissions_follow_the_shards_for_other_users(mounts: Mounts, model_dir: Path, shared_dir: Path) -> None:
+    model = shared_dir / "model"
+    shutil.copytree(model_dir, model)
+    os.chmod(model, 0o755)
+    os.chmod(model / "a.safetensors", 0o600)  # root's alone
+    os.chmod(model / "b.safetensors", 0o644)
+    mine = shared_dir / "mine"
+    everyone = shared_dir / "everyone"
+    for directory in (mine, everyone):
+        directory.mkdir(mode=0o755)
+    mounts.mount(model, "-o", "allow_other", mountpoint=mine)
+    mounts.mount(model, "-o", "allow_other,umask=0222,uid=65534,gid=65534", mountpoint=everyone)
+    assert as_nobody(mine / "w") == "Permission denied"
+    assert as_nobody(mine / "w.sha256") == "Permission denied"
+    assert as_nobody(mine / ".tensorfs" / "SHA256SUMS") == "Permission denied"  # it tells of root's shard too
+    assert as_nobody(mine / "d" / "x") == "8"
+    assert as_nobody(everyone / "w") == "4096"
+    st = (everyone / "w").stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o444, 65534, 65534)
+    os.chmod(model / "a.safetensors", 0o644)  # the shard opened up: the mount follows
+    wait_until(lambda: as_nobody(mine / "w") == "4096", what="the new mode to be seen")
+
+
+def test_bad_ownership_options(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    for option, words in (
+        ("uid=nosuchuser", "uid takes a user name or number"),
+        ("umask=999", "umask takes an octal mask such as 022"),
+    ):
+        result = mounts.run("mount", "-o", option, str(model_dir), str(mountpoint))
+        assert (result.returncode, result.stderr) == (1, f"error: option '{option}': {words}\n")
+
+
+def test_concurrent_status_while_a_daemon_is_stopped_returns(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        results: list[int] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(mounts.run("status", timeout=60).returncode))
+            for _ in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == [1, 1, 1]
+    finally:
+        os.kill(pid, signal.SIGCONT)
