@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import stat
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,7 +32,9 @@ from .integrity import (
     shard_of_a_model,
 )
 from .model import Model, open_model
-from .mount.daemon import MAX_BACKGROUND_LIMIT, PREFETCH_LIMIT_MB, READAHEAD_LIMIT_KB
+from .mount.daemon import MAX_BACKGROUND_LIMIT, PREFETCH_LIMIT_MB, READAHEAD_LIMIT_KB, MountOptions, split_fuse_options
+from .mount.daemon import mount as mount_model
+from .mount.mounttable import FSTYPE, health, mounts, resolve_mountpoint, unmount
 from .names import LAYOUTS, Layout
 from .progress import Progress
 from .units import human_size
@@ -55,18 +59,21 @@ class _GuardedOutput:
     Every command's output (and click's help) goes through it, so every command fails alike.
     """
 
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream  # None: the process was started with standard output closed
 
     def write(self, text: str) -> int:
         try:
+            if self._stream is None:
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
             return self._stream.write(text)
         except OSError as exc:
             raise OutputError(exc) from None
 
     def flush(self) -> None:
         try:
-            self._stream.flush()
+            if self._stream is not None:
+                self._stream.flush()
         except OSError as exc:
             raise OutputError(exc) from None
 
@@ -90,9 +97,33 @@ def write_file(path: Path, text: str) -> None:
             target.replace(path)  # all or nothing: never a half-written file
     except OSError as exc:
         if not special:
-            target.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # nothing to remove, or a read-only directory
+                target.unlink()
         raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
 
+
+class Finite(click.FloatRange):
+    """A float within bounds, and a number: click's FloatRange lets NaN through."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a number.", param, ctx)
+        return number
+
+
+class ReadaheadKB(click.IntRange):
+    """0 (the kernel's own), or a readahead of at least a page: the kernel takes 1-3 KiB as 0."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        kilobytes = super().convert(value, param, ctx)
+        if 0 < kilobytes < 4:
+            self.fail(f"{kilobytes} is less than a page (4 KiB): the kernel would turn readahead off.", param, ctx)
+        return kilobytes
+
+
+FINITE_SECONDS = Finite(0.1, 60)
+READAHEAD_KB = ReadaheadKB(0, READAHEAD_LIMIT_KB)
 
 layout_option = click.option(
     "--layout",
@@ -256,7 +287,7 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
 )
 @click.option(
     "--readahead-kb",
-    type=click.IntRange(0, READAHEAD_LIMIT_KB),
+    type=READAHEAD_KB,
     default=1024,
     show_default=True,
     help="The mount's kernel readahead, raised once it is up (0 leaves the kernel's default).",
@@ -312,9 +343,6 @@ def mount(
     Returns once the mount answers, leaving the daemon in the background (unless -f), and says
     so in one line (unless -q).
     """
-    from .mount.daemon import MountOptions, split_fuse_options
-    from .mount.daemon import mount as mount_model
-
     passed, ownership = split_fuse_options(fuse_options)
     options = MountOptions(
         layout=layout,
@@ -358,7 +386,7 @@ def mount(
         try:
             click.echo(line)
         except OutputError as exc:  # the mount stands: say so, for the exit code says something failed
-            raise OutputError(exc.cause, f"mounted {mountpoint}, but ") from None
+            raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     return mount_model(prepare, mountpoint, options, announce)
 
@@ -368,32 +396,35 @@ def mount(
 @click.option("-z", "--lazy", is_flag=True, help="Detach now, finish when the mount is no longer busy.")
 def umount(mountpoint: Path, lazy: bool) -> None:
     """Unmount a tensorfs mount, also one whose daemon died or hangs (detached, and the daemon stopped)."""
-    from .mount.mounttable import unmount
-
     done = unmount(mountpoint, lazy=lazy)
     if "hung" in done:
         click.echo(done)
 
 
 @cli.command()
+@click.argument("mountpoints", metavar="[MOUNTPOINT]...", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per mount and line.")
 @click.option(
     "--timeout",
-    type=click.FloatRange(0.1, 60),
+    type=FINITE_SECONDS,
     default=2.0,
     show_default=True,
     help="Seconds a daemon has to answer before its mount is called hung.",
 )
-def status(as_json: bool, timeout: float) -> int:
-    """Each tensorfs mount and how it is: ok, hung (its daemon does not answer) or dead (no daemon).
+def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
+    """Each tensorfs mount (or those named) and how it is: ok, hung (its daemon does not answer) or dead.
 
-    Exit 0 when every mount is ok (or there is none), 1 when any is not. Never blocks on a mount.
+    Exit 0 when every mount shown is ok (or there is none), 1 when any is not. Never blocks on a mount.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .mount.mounttable import FSTYPE, health, mounts
-
     entries = [entry for entry in mounts() if entry.fstype == FSTYPE]
+    if mountpoints:
+        wanted = [resolve_mountpoint(path) for path in mountpoints]
+        missing = [
+            path for path, real in zip(mountpoints, wanted, strict=True) if real not in {e.mountpoint for e in entries}
+        ]
+        if missing:
+            raise TensorfsError(f"{printable(str(missing[0]))}: not a tensorfs mount")
+        entries = [entry for entry in entries if entry.mountpoint in wanted]
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:  # hung ones wait together
         states = list(pool.map(lambda entry: health(entry.mountpoint, timeout), entries))
     rows = []
@@ -405,15 +436,16 @@ def status(as_json: bool, timeout: float) -> int:
             document.update(state=state.state, live=state.healthy, reason=state.reason or None, pid=state.pid)
             click.echo(json.dumps(document))
             continue
-        what_to_do = "" if state.healthy else f"{state.reason}; run: tensorfs umount {entry.mountpoint}"
+        shown = printable(str(entry.mountpoint))
+        what_to_do = "" if state.healthy else f"{state.reason}; run: tensorfs umount {shown}"
         rows.append(
             (
-                str(entry.mountpoint),
+                shown,
                 state.state,
                 str(state.pid or "-"),
                 str(record.get("tensors", "-")),
                 human_size(int(record["bytes"])) if isinstance(record.get("bytes"), int) else "-",
-                source + (f"  ({what_to_do})" if what_to_do else ""),
+                printable(source) + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )
     if not as_json:
@@ -429,10 +461,12 @@ def status(as_json: bool, timeout: float) -> int:
 
 @cli.command()
 @click.option("--quick", is_flag=True, help="A small model and one try of each: checks the benchmark works.")
-@click.option("--gib", type=float, help="Size of the model of big tensors (default 2).")
-@click.option("--shards", type=int, help="Its shard count (default 4).")
-@click.option("--repeat", type=int, help="Tries of each measurement; medians are reported (default 3).")
-@click.option("--readahead-kb", type=int, help="Passed to each mount (default 1024).")
+@click.option("--gib", type=Finite(0.01, 1024), help="Size of the model of big tensors (default 2).")
+@click.option("--shards", type=click.IntRange(1, 1000), help="Its shard count (default 4).")
+@click.option(
+    "--repeat", type=click.IntRange(1, 100), help="Tries of each measurement; medians are reported (default 3)."
+)
+@click.option("--readahead-kb", type=READAHEAD_KB, help="Passed to each mount (default 1024).")
 @click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), help="Where to build (default: $TMPDIR).")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
@@ -495,11 +529,11 @@ def _error_lines(lines: Sequence[str], prefix: str = "error: ") -> None:
             click.echo(f"{prefix}{line}", err=True)
 
 
-def _drop_output(stdout: TextIO) -> None:
+def _drop_output(stdout: TextIO | None) -> None:
     """Whatever is still buffered for a standard output that failed would fail again at exit."""
-    if stdout is sys.__stdout__:
+    if stdout is not None and stdout is sys.__stdout__:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stdout.fileno())
+        os.dup2(devnull, sys.__stdout__.fileno())
         os.close(devnull)
 
 

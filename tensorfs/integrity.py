@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -414,11 +415,24 @@ def _is_hex_digest(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
+MAX_MANIFEST_BYTES = 1 << 30
+"""A manifest of a million tensors is about 100 MB: one past this is not a manifest (or never ends)."""
+
+
 def read_manifest(path: Path) -> dict[str, str]:
+    """The manifest in `path` (a file, or a pipe such as <(...)), at most MAX_MANIFEST_BYTES."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            kind = os.fstat(f.fileno()).st_mode
+            if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+                raise ManifestError(f"{path}: not a regular file or a pipe")
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ManifestError(f"{path}: not UTF-8 text") from None
     return parse_manifest(text, str(path))

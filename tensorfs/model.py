@@ -368,6 +368,10 @@ def _open_shards(paths: list[Path], problems: list[Problem]) -> list[_Shard]:
     def open_one(path: Path) -> _Shard | InvalidModelError:
         label = str(path)
         try:
+            path.name.encode("utf-8")
+        except UnicodeEncodeError:  # .meta.json and index.json name shards in JSON, which is Unicode
+            return InvalidModelError([Problem(label, "file name is not valid UTF-8; rename the shard")])
+        try:
             fd = open_shard(path, label)
         except InvalidModelError as exc:
             return exc

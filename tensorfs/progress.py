@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -39,15 +40,19 @@ class Progress:
             f"{self.label} {human_size(self.done)} / {human_size(self.total)}"
             f"  {human_size(int(rate))}/s  ETA {int(left) // 60}:{int(left) % 60:02d}"
         )
-        self.stream.write(f"\r{line:<72}")
-        self.stream.flush()
+        try:
+            self.stream.write(f"\r{line:<72}")
+            self.stream.flush()
+        except OSError:  # a terminal gone away: the progress line is decoration, the work goes on
+            self.enabled = False
 
     def close(self) -> None:
         if self.enabled:
             with self._lock:
                 self._draw(time.monotonic())
-                self.stream.write("\n")
-                self.stream.flush()
+                with contextlib.suppress(OSError):
+                    self.stream.write("\n")
+                    self.stream.flush()
 
     def __enter__(self) -> Progress:
         return self

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -65,6 +66,16 @@ def errno_of_reading(path: Path) -> int | None:
     return None
 
 
+def refused(reader: BinaryIO, validated: bytes, offset: int) -> bool:
+    """Whether a read by an open reader gets EIO; until then it may only get the validated bytes
+    (pages the kernel cached before the change, until the daemon has it drop them)."""
+    try:
+        assert os.pread(reader.fileno(), 4096, offset) == validated[offset : offset + 4096]
+    except OSError as exc:
+        return exc.errno == errno.EIO
+    return False
+
+
 def with_manifest(model_dir: Path) -> None:
     digests = {name: hashlib.sha256(data).hexdigest() for name, data in original(model_dir).items()}
     (model_dir / "tensors.sha256").write_text(format_manifest(digests))
@@ -84,9 +95,7 @@ def test_a_shard_truncated_under_the_mount(mounts: Mounts, model_dir: Path) -> N
         os.truncate(model_dir / "s1.safetensors", offset_of(model_dir, "t1.2") + 10)  # t1.2 and t1.3 lose bytes
         for name in ("t1.1", "t1.2", "t1.3", "t1.2.sha256", ".tensorfs/SHA256SUMS"):
             assert errno_of_reading(mountpoint / name) == errno.EIO, name
-        with pytest.raises(OSError) as caught:
-            os.pread(reader.fileno(), 4096, 3 * MIB)
-        assert caught.value.errno == errno.EIO
+        wait_until(lambda: refused(reader, expected["t1.3"], 3 * MIB), what="the open reader to be refused")
     finally:
         reader.close()
     # what the kernel had cached of the shard is dropped too, soon: no file of it is served again
@@ -138,15 +147,7 @@ def test_a_shard_overwritten_in_place_with_a_manifest(mounts: Mounts, model_dir:
         assert reader.read(4096) == expected["t1.1"][:4096]
         where = offset_of(model_dir, "t1.1") + MIB
         overwrite_in_place(model_dir / "s1.safetensors", where, b"\x00" * 100)
-
-        def refused() -> bool:  # the kernel's cached pages (the verified bytes) until they are dropped
-            try:
-                assert os.pread(reader.fileno(), 4096, MIB) == expected["t1.1"][MIB : MIB + 4096]
-            except OSError as exc:
-                return exc.errno == errno.EIO
-            return False
-
-        wait_until(refused, what="the open reader to be refused")
+        wait_until(lambda: refused(reader, expected["t1.1"], MIB), what="the open reader to be refused")
     finally:
         reader.close()
     assert errno_of_reading(mountpoint / "t1.1") == errno.EIO

@@ -182,3 +182,38 @@ def test_manifest_to_a_device_or_a_file(model_dir: Path, tmp_path: Path) -> None
     assert not Path("/dev/.full.partial").exists()
     assert main(["manifest", "--no-cache", "-o", "/dev/null", str(model_dir)]) == 0
     assert main(["manifest", "--no-cache", "-o", str(tmp_path / "missing" / "m"), str(model_dir)]) == 1
+
+
+def test_a_closed_output_is_a_one_line_error(model_dir: Path) -> None:
+    for args in (f"ls {model_dir}", "--help", f"validate {model_dir}"):
+        result = subprocess.run(
+            ["bash", "-c", f"{sys.executable} -m tensorfs.cli {args} >&-"], capture_output=True, text=True, check=False
+        )
+        assert (result.returncode, result.stderr) == (
+            1,
+            "error: cannot write to standard output: Bad file descriptor\n",
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["status", "--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a number."),
+        (["bench", "--shards", "0"], "Invalid value for '--shards': 0 is not in the range 1<=x<=1000."),
+        (["bench", "--gib", "nan"], "Invalid value for '--gib': 'nan' is not a number."),
+        (["bench", "--gib", "-1"], "Invalid value for '--gib': -1.0 is not in the range 0.01<=x<=1024."),
+        (["bench", "--repeat", "0"], "Invalid value for '--repeat': 0 is not in the range 1<=x<=100."),
+        (
+            ["bench", "--readahead-kb", "-5"],
+            "Invalid value for '--readahead-kb': -5 is not in the range 0<=x<=1048576.",
+        ),
+    ],
+)
+def test_numbers_out_of_range_are_usage_errors(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_manifest_that_is_no_file(model_dir: Path, tmp_path: Path) -> None:
+    result = run_cli(["verify", "--manifest", "/dev/zero", str(model_dir)], subprocess.PIPE)
+    assert (result.returncode, result.stderr) == (1, "error: /dev/zero: not a regular file or a pipe\n")

@@ -20,6 +20,7 @@ from helpers import random_bytes, write_reference
 from tensorfs.integrity import Hasher, Integrity
 from tensorfs.mount.fs import TensorOperations
 from tensorfs.mount.tree import ROOT_INODE, Tree, index_json
+from tensorfs.mount.watch import ShardWatch
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
 
@@ -170,3 +171,60 @@ def test_a_bug_in_a_handler_is_logged_and_answered_eio(
     with caplog.at_level(logging.ERROR, logger="tensorfs.mount.fs"):
         assert errno_of(ops.getattr, ROOT_INODE, None) == errno.EIO
     assert "bug in getattr" in caplog.text and "ZeroDivisionError: boom" in caplog.text
+
+
+def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> None:
+    write_reference(tmp_path / "m.safetensors", {"big": ("U8", [len(DATA)], DATA), "other": ("U8", [4], b"abcd")})
+    shard = tmp_path / "m.safetensors"
+    for manifest in (False, True):
+        with tensorfs.open_model(shard) as model:
+            expected = {"big": hashlib.sha256(DATA).hexdigest(), "other": hashlib.sha256(b"abcd").hexdigest()}
+            integrity = Integrity(Hasher(model), expected if manifest else None)
+            ops = TensorOperations(
+                Tree(model, "slash", {}),
+                integrity,
+                ShardWatch([(shard, model.shard_fd(shard), model.shard_stat(shard))]),
+            )
+            dropped: list[tuple[list[int], bool]] = []
+            ops.invalidate = lambda inodes, attr_only, dropped=dropped: dropped.append((sorted(inodes), attr_only))
+            everything = sorted([*ops.tree.inodes_of(shard), ops.tree.sums_inode])
+            big, other = ops.tree.tensor_inode("big"), ops.tree.tensor_inode("other")
+            fh = run(ops.open, big, os.O_RDONLY, None).fh
+            assert bytes(run(ops.read, fh, 0, 16)) == DATA[:16]
+            os.chmod(shard, 0o640)  # attributes only: served on, the kernel asks for attributes again
+            assert bytes(run(ops.read, fh, 16, 16)) == DATA[16:32]
+            assert dropped == [(everything, True)]
+            assert run(ops.getattr, big, None).st_mode == stat.S_IFREG | 0o440
+            with open(shard, "r+b") as f:  # what `dd conv=notrunc` does
+                f.seek(model.info("big").offset + 100)
+                f.write(b"\0" * 8)
+            assert errno_of(ops.read, fh, 0, 16) == errno.EIO  # no manifest: refused; with one: mismatch
+            assert dropped[1:] == [(everything, False)]
+            if manifest:  # the shard's other tensor is verified again, and served
+                assert bytes(run(ops.read, run(ops.open, other, os.O_RDONLY, None).fh, 0, 4)) == b"abcd"
+            else:  # the whole shard is no longer what was validated
+                assert errno_of(ops.open, other, os.O_RDONLY, None) == errno.EIO
+                assert errno_of(ops.read, other + 2, 0, 100) == errno.EIO  # its .sha256
+            write_reference(shard, {"big": ("U8", [len(DATA)], DATA), "other": ("U8", [4], b"abcd")})
+
+
+def test_a_sidecar_hashed_while_its_shard_changes_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hash of bytes changed under the daemon is no answer: without a manifest, EIO.
+    write_reference(tmp_path / "m.safetensors", {"big": ("U8", [len(DATA)], DATA)})
+    shard = tmp_path / "m.safetensors"
+    with tensorfs.open_model(shard) as model:
+        integrity = Integrity(Hasher(model))
+        ops = TensorOperations(
+            Tree(model, "slash", {}), integrity, ShardWatch([(shard, model.shard_fd(shard), model.shard_stat(shard))])
+        )
+        real = integrity.digest
+
+        def digest_while_written(name: str) -> str:
+            found = real(name)
+            with open(shard, "r+b") as f:  # a writer, while the daemon hashed
+                f.seek(model.info("big").offset)
+                f.write(b"\1")
+            return found
+
+        monkeypatch.setattr(integrity, "digest", digest_while_written)
+        assert errno_of(ops.read, ops.tree.tensor_inode("big") + 2, 0, 4096) == errno.EIO

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 from pathlib import Path
 
@@ -203,6 +204,17 @@ def test_clashes_are_reported_with_every_other_problem(tmp_path: Path) -> None:
             f"{c}: file is 5 bytes, too short to hold the 8-byte header length",
         ]
     )
+
+
+def test_a_shard_file_name_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    write_reference(tmp_path / "ok.safetensors", {"a": ("U8", [1], b"a")})
+    write_reference(tmp_path / "bad.safetensors", {"b": ("U8", [1], b"b")})
+    os.rename(tmp_path / "bad.safetensors", os.fsencode(tmp_path) + b"/x\xff.safetensors")
+    with pytest.raises(InvalidModelError) as caught:
+        tensorfs.open_model(tmp_path)
+    assert [str(p) for p in caught.value.problems] == [
+        f"{tmp_path}/x\\udcff.safetensors: file name is not valid UTF-8; rename the shard"
+    ]
 
 
 def test_a_closed_model_says_so(tmp_path: Path) -> None:

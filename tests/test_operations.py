@@ -51,7 +51,9 @@ def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_pat
     healthy = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     os.kill(pid, signal.SIGSTOP)
-    stuck = subprocess.Popen([sys.executable, "-c", f"open({str(mountpoint / 'd' / 'x')!r}, 'rb').read()"])
+    stuck = subprocess.Popen(  # a reader caught in the hung mount
+        [sys.executable, "-c", f"open({str(mountpoint / 'd' / 'x')!r}, 'rb').read()"], stderr=subprocess.DEVNULL
+    )
     try:
         code, lines = status_lines(mounts)
         assert code == 1
@@ -59,7 +61,8 @@ def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_pat
         assert "is stopped" in lines[str(mountpoint)] and f"run: tensorfs umount {mountpoint}" in lines[str(mountpoint)]
         assert lines[str(healthy)].split()[1] == "ok"
         records = [json.loads(line) for line in mounts.run("status", "--json", timeout=60).stdout.splitlines()]
-        assert {r["mountpoint"]: r["state"] for r in records} == {str(mountpoint): "hung", str(healthy): "ok"}
+        states = {r["mountpoint"]: r["state"] for r in records}
+        assert (states[str(mountpoint)], states[str(healthy)]) == ("hung", "ok")
         result = mounts.run("umount", *(["--lazy"] if lazy else []), str(mountpoint), timeout=60)
         assert result.returncode == 0, result.stderr
         assert "daemon was hung" in result.stdout
@@ -67,7 +70,8 @@ def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_pat
         assert not pid_alive(pid)
         stuck.wait(timeout=30)  # the reader stuck in the hung mount is let go when its daemon goes
         assert not record_path(mountpoint).exists()
-        assert mounts.run("status", timeout=60).returncode == 0  # what is left is healthy
+        code, lines = status_lines(mounts)
+        assert str(mountpoint) not in lines and lines[str(healthy)].split()[1] == "ok"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -100,7 +104,7 @@ def test_status_says_why_a_daemon_died(mounts: Mounts, model_dir: Path) -> None:
     assert f"daemon {pid} is gone: Fatal Python error: Segmentation fault" in lines[str(crashed)]
     for mountpoint in (killed, crashed):
         assert mounts.run("umount", str(mountpoint)).returncode == 0
-    assert mounts.run("status").returncode == 0
+    assert not {str(killed), str(crashed)} & set(status_lines(mounts)[1])
 
 
 # -- one mountpoint, one mount --------------------------------------------------------------
@@ -149,7 +153,8 @@ def test_symlinks_to_mountpoints(mounts: Mounts, model_dir: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("--max-background", "100000"), ("--readahead-kb", "999999999"), ("--prefetch-mb", "0")]
+    ("option", "value"),
+    [("--max-background", "100000"), ("--readahead-kb", "999999999"), ("--readahead-kb", "3"), ("--prefetch-mb", "0")],
 )
 def test_options_out_of_the_kernels_range_are_refused(
     mounts: Mounts, model_dir: Path, tmp_path: Path, option: str, value: str
@@ -226,6 +231,55 @@ def test_sighup_reopens_the_log_and_keeps_the_mount(mounts: Mounts, model_dir: P
     assert pid_alive(pid) and os.path.ismount(mountpoint)
     assert (mountpoint / "w").read_bytes() == reference_tensors(model_dir / "a.safetensors")["w"][2]
     assert "serving" in rotated.read_text() and "serving" not in mounts.log()
+
+
+def test_sighup_when_the_log_cannot_be_reopened(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    mountpoint = mounts.mount(model_dir, "--log-file", str(logs / "daemon.log"))  # the last --log-file wins
+    pid = mounts.daemon_pid(mountpoint)
+    logs.rename(tmp_path / "logs.gone")  # its directory moved away: the file cannot be opened by name
+    os.kill(pid, signal.SIGHUP)
+    moved = tmp_path / "logs.gone" / "daemon.log"
+    wait_until(lambda: "SIGHUP: could not reopen the log file" in moved.read_text(), what="the SIGHUP to be handled")
+    assert pid_alive(pid) and (mountpoint / "-").read_bytes() == b"abc"  # logging on to the old file
+
+
+def test_umount_of_a_hung_mount_it_cannot_find_the_daemon_of(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "other-run")}
+        result = subprocess.run(
+            [sys.executable, "-m", "tensorfs.cli", "umount", str(mountpoint)],
+            capture_output=True, text=True, timeout=60, env=elsewhere, check=False,
+        )  # fmt: skip
+        assert result.returncode == 1
+        assert f"{mountpoint}: detached, but its daemon" in result.stderr and "stop it yourself" in result.stderr
+        assert all(m.mountpoint != mountpoint for m in mount_table())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_status_of_named_mounts(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    first, second = mounts.mount(model_dir), mounts.mount(model_dir)
+    link = tmp_path / "link"
+    link.symlink_to(second)
+    code, lines = status_lines(mounts, str(link))
+    assert code == 0 and list(lines) == [str(second)]
+    result = mounts.run("status", str(tmp_path))
+    assert (result.returncode, result.stderr) == (1, f"error: {tmp_path}: not a tensorfs mount\n")
+    assert str(first) in status_lines(mounts, str(first), str(second))[1]
+
+
+def test_nothing_is_written_into_a_mount(mounts: Mounts, model_dir: Path) -> None:
+    mountpoint = mounts.mount(model_dir)
+    result = mounts.run("manifest", "--no-cache", "-o", str(mountpoint / "m.sha256"), str(model_dir))
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"error: cannot write {mountpoint / 'm.sha256'}: Read-only file system\n",
+    )
 
 
 def test_debug_lines_show_requests_and_errors_name_tensors(mounts: Mounts, model_dir: Path) -> None:
@@ -326,10 +380,14 @@ def test_bad_ownership_options(mounts: Mounts, model_dir: Path, tmp_path: Path) 
     mounts.mountpoints.append(mountpoint)
     for option, words in (
         ("uid=nosuchuser", "uid takes a user name or number"),
+        ("uid=99999999999", "uid takes a user name or number"),  # past uid_t: the kernel cannot hold it
+        ("gid=4294967295", "gid takes a group name or number"),  # (gid_t)-1: "no group"
+        ("uid=\u0663", "uid takes a user name or number"),  # a digit, but not one an id is written in
         ("umask=999", "umask takes an octal mask such as 022"),
     ):
         result = mounts.run("mount", "-o", option, str(model_dir), str(mountpoint))
         assert (result.returncode, result.stderr) == (1, f"error: option '{option}': {words}\n")
+        assert mount_table() and all(m.mountpoint != mountpoint for m in mount_table())
 
 
 def test_concurrent_status_while_a_daemon_is_stopped_returns(mounts: Mounts, model_dir: Path) -> None:

@@ -45,10 +45,13 @@ def test_bench_hash_runs(tmp_path: Path) -> None:
         "2",
         "--repeat",
         "1",
+        "--small-tensors",
+        "2000",
     ]
     subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
     result = json.loads(out.read_text())
     assert result["bytes"] > 64 << 20 and result["throughput_ratio"] > 0
+    assert result["small_tensors"] == 2000 and result["small_cache_ratio"] > 0
 
 
 def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:

@@ -129,7 +129,8 @@ def test_permissions_follow_the_shards(tmp_path: Path) -> None:
             assert (a.mode, a.uid, a.gid) == (0o100400, *private), name
         assert tree.attributes(paths["open/w.sha256"]).mode == 0o100444
         assert tree.attributes(paths["private"]).mode == 0o40555  # directories: as the source directory
-        assert tree.attributes(paths[".tensorfs/index.json"]).mode == 0o100444
+        assert tree.attributes(paths[".tensorfs/hello"]).mode == 0o100444  # as the source directory
+        assert tree.attributes(paths[".tensorfs/index.json"]).mode == 0o100400  # it names every shard's tensors
         assert tree.attributes(paths[".tensorfs/SHA256SUMS"]).mode == 0o100400  # what every shard grants
         # chmod of a shard under the mount: refreshed when the daemon sees it
         os.chmod(directory / "private.safetensors", 0o640)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MountError, TensorfsError
+from ..errors import MountError, TensorfsError, printable
 from ..gcpause import gc_paused
 from ..integrity import HashCache, Hasher, Integrity
 from ..model import Model, reopen, snapshot
@@ -56,6 +56,7 @@ MAX_BACKGROUND_LIMIT = (1 << 16) - 1
 READAHEAD_LIMIT_KB = 1 << 20
 """1 GiB: beyond it readahead is no longer ahead of anything a reader does."""
 PREFETCH_LIMIT_MB = 1024
+_NO_ID = (1 << 32) - 1  # (uid_t)-1 means "no owner" to the kernel: ids are below it
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,12 @@ def _ownership_value(key: str, value: str) -> int:
             if not 0 <= mask <= 0o777:
                 raise ValueError
             return mask
-        if value.isdigit():
-            return int(value)
-        return pwd.getpwnam(value).pw_uid if key == "uid" else grp.getgrnam(value).gr_gid
+        number = int(value) if value.isascii() and value.isdigit() else None
+        if number is None:
+            number = pwd.getpwnam(value).pw_uid if key == "uid" else grp.getgrnam(value).gr_gid
+        if not 0 <= number < _NO_ID:
+            raise ValueError
+        return number
     except (ValueError, KeyError):
         what = (
             "an octal mask such as 022" if key == "umask" else f"a {'user' if key == 'uid' else 'group'} name or number"
@@ -175,7 +179,8 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             if message == READY:
                 locked.close()  # mounted: the next mount of this directory may look (and be refused)
                 if not options.quiet:
-                    print(f"mounted {mountpoint} (in the foreground; Ctrl-C unmounts)", file=sys.stderr, flush=True)
+                    shown = printable(str(mountpoint))
+                    print(f"mounted {shown} (in the foreground; Ctrl-C unmounts)", file=sys.stderr, flush=True)
             else:
                 print(f"error: {message}", file=sys.stderr, flush=True)
 
@@ -219,8 +224,8 @@ def _mount_in_background(
     os.close(status_read)
     if message == READY:
         announce(
-            f"mounted {mountpoint}: {tensors} tensor{'s' * (tensors != 1)} ({human_size(nbytes)}), "
-            f"daemon {pid}, log {options.log_file}"
+            f"mounted {printable(str(mountpoint))}: {tensors} tensor{'s' * (tensors != 1)} ({human_size(nbytes)}), "
+            f"daemon {pid}, log {printable(str(options.log_file))}"
         )
         return 0
     if message is None:  # no word within the deadline: stop it, and leave nothing behind
@@ -234,7 +239,9 @@ def _mount_in_background(
     _, status = os.waitpid(pid, 0)  # it said why, or closed its pipe: either way it is on its way out
     if message:
         raise MountError(message)
-    raise MountError(f"the daemon exited before the mount was ready (status {status}); see {options.log_file}")
+    code = os.waitstatus_to_exitcode(status)
+    how = f"exit status {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+    raise MountError(f"the daemon ended before the mount was ready ({how}); see {options.log_file}")
 
 
 def _daemon(model_read: int, status_write: int, mountpoint: Path, options: MountOptions) -> int:
@@ -252,6 +259,7 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
 
     try:
         os.setsid()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serving, where it reopens the log
         _detach_stdio()
         from .serve import serve  # trio and pyfuse3: imported here, while the command validates
 

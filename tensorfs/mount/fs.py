@@ -34,7 +34,8 @@ from .watch import Change, ShardWatch
 
 log = logging.getLogger(__name__)
 
-# The files never change while mounted: let the kernel cache names, attributes and pages for long.
+# The tree never changes while mounted: let the kernel cache names, attributes and pages for long
+# (when a shard does change, the daemon tells the kernel to drop what it holds of it).
 CACHE_TIMEOUT = 24 * 3600.0
 DEFAULT_PREFETCH = 32 << 20
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -130,9 +131,13 @@ class TensorOperations(pyfuse3.Operations):
         """Where background work runs; set while the daemon serves (None: no background work)."""
         self.invalidate: Callable[[Sequence[int], bool], None] | None = None
         """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
+        self._invalidations: dict[Path, bool] = {}  # shard -> attributes only? (still to be done)
+        self._invalidating: set[Path] = set()
         self._digests: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
         self._hashing: dict[str, trio.Event] = {}
         self._sums: bytes | None = None
+        self._summing: trio.Event | None = None  # SHA256SUMS being made: later readers wait for it
+        self._sums_refused = False  # and said so in the log
         self.files = self.tree.inode_count
 
     # -- names and attributes ---------------------------------------------------------------
@@ -304,6 +309,7 @@ class TensorOperations(pyfuse3.Operations):
     # -- changes to the shards --------------------------------------------------------------
     async def watch_changes(self) -> None:
         """Apply changes to the shards as they happen, between requests too (run in the nursery)."""
+        self.notice_changes()  # what happened since validation is told at once, not at the first read
         if self.watch is None or self.watch.fileno() < 0:
             return
         while True:
@@ -324,48 +330,65 @@ class TensorOperations(pyfuse3.Operations):
         state = self._shards[shard]
         if change is Change.ATTRIBUTES:
             if self.tree.refresh_shard(shard):  # owner, permissions or mtime: the kernel must ask again
-                self._invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], attr_only=True)
+                self._invalidate(shard, attr_only=True)
             return
         if change is Change.MOVED:
-            log.info("shard %s was moved or renamed: the mount goes on serving the file it validated", shard)
+            log.info("shard %s was moved or renamed: the mount goes on serving the file it validated", _shown(shard))
             return
         if change is Change.DELETED:
-            log.info("shard %s was deleted: the mount goes on serving the file it validated", shard)
+            log.info("shard %s was deleted: the mount goes on serving the file it validated", _shown(shard))
             return
-        names = [entry[2] for entry in self.tree.model.shard_header(shard).entries]
         state.generation += 1
+        if state.changed:
+            return  # refused already, and nothing of it cached since
+        names = [entry[2] for entry in self.tree.model.shard_header(shard).entries]
         for name in names:
             self._digests.pop(name, None)
         if self.integrity.expected is None:
-            if not state.changed:
-                log.error(
-                    "shard %s was changed in place under the mount: it is no longer the file that was "
-                    "validated, and its %s answer EIO until it is mounted again",
-                    shard,
-                    _tensors(len(names)),
-                )
+            log.error(
+                "shard %s was changed in place under the mount: it is no longer the file that was "
+                "validated, and its %s answer EIO until it is mounted again",
+                _shown(shard),
+                _tensors(len(names)),
+            )
             state.changed = True
             self._sums = None
         else:
             log.warning(
                 "shard %s changed under the mount: its %s verified again before any more of their bytes are served",
-                shard,
+                _shown(shard),
                 _tensors(len(names)) + (" are" if len(names) != 1 else " is"),
             )
             self.integrity.verified.difference_update(names)
             self._failed.difference_update(names)
         self.tree.refresh_shard(shard)
-        self._invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], attr_only=False)
+        self._invalidate(shard, attr_only=False)
 
-    def _invalidate(self, inodes: list[int], *, attr_only: bool) -> None:
-        """Have the kernel drop what it cached of `inodes`, in a worker thread: dropping a page waits
-        for a read of it in flight, which this thread may be the one to answer."""
+    def _invalidate(self, shard: Path, *, attr_only: bool) -> None:
+        """Have the kernel drop what it cached of the shard's files (or their attributes only).
+
+        In a worker thread: dropping a page waits for a read of it in flight, which this thread
+        may be the one to answer. A burst of changes costs at most one more round than one change.
+        """
         if self.invalidate is None:
             return
-        if self.nursery is None:
-            self.invalidate(inodes, attr_only)
-        else:
-            self.nursery.start_soon(functools.partial(trio.to_thread.run_sync, self.invalidate, inodes, attr_only))
+        queued = self._invalidations.get(shard)
+        self._invalidations[shard] = attr_only if queued is None else queued and attr_only
+        if self.nursery is None:  # not serving (tests): at once
+            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], self._invalidations.pop(shard))
+        elif shard not in self._invalidating:
+            self._invalidating.add(shard)
+            self.nursery.start_soon(self._invalidate_queued, shard)
+
+    async def _invalidate_queued(self, shard: Path) -> None:
+        assert self.invalidate is not None
+        try:
+            while shard in self._invalidations:
+                attr_only = self._invalidations.pop(shard)
+                inodes = [*self.tree.inodes_of(shard), self.tree.sums_inode]
+                await trio.to_thread.run_sync(self.invalidate, inodes, attr_only)
+        finally:
+            self._invalidating.discard(shard)
 
     def _check_shard(self, shard: Path, name: str) -> None:
         """Refuse a tensor of a shard changed in place (no manifest): it is not what was validated."""
@@ -377,7 +400,7 @@ class TensorOperations(pyfuse3.Operations):
                 log.error(
                     "tensor '%s': refused (EIO): its shard %s was changed under the mount; mount it again",
                     printable(name),
-                    shard,
+                    _shown(shard),
                 )
             raise _Refused()
 
@@ -390,6 +413,7 @@ class TensorOperations(pyfuse3.Operations):
         shard = self.tree.model.locate(name)[0]
         state = self._shards[shard]
         while True:
+            self._check_shard(shard, name)  # changed in place while it was hashed: no answer at all
             generation = state.generation
             found = self._digests.get(name)
             if found is not None and found[0] == generation:
@@ -407,6 +431,7 @@ class TensorOperations(pyfuse3.Operations):
             finally:
                 del self._hashing[name]
                 done.set()
+            self.notice_changes(shard)  # a write while it was hashed is known now, if it finished
             if state.generation == generation:
                 return digest
 
@@ -426,20 +451,37 @@ class TensorOperations(pyfuse3.Operations):
             return self._sums
         changed = [shard for shard, state in self._shards.items() if state.changed]
         if changed:
-            log.error("SHA256SUMS: refused (EIO): shard %s was changed under the mount; mount it again", changed[0])
+            if not self._sums_refused:
+                self._sums_refused = True
+                log.error(
+                    "SHA256SUMS: refused (EIO): shard %s was changed under the mount; mount it again",
+                    _shown(changed[0]),
+                )
             raise _Refused()
         if self._sums is None:
-            generations = {shard: state.generation for shard, state in self._shards.items()}
-            todo = [name for name in self.tree.names if name not in self._digests]
-            if todo:  # many tensors: the hasher reads and hashes them in runs, in its own threads
-                found = await trio.to_thread.run_sync(self.integrity.hasher.hash_all, todo)
-                for name, digest in found.items():
-                    self._digests[name] = (generations[self.tree.model.locate(name)[0]], digest)
-            self.notice_changes()
-            if any(state.changed for state in self._shards.values()):
-                raise _Refused()  # changed while it was hashed
-            self._sums = self.tree.sha256sums({name: self._digests[name][1] for name in self.tree.names})
+            if self._summing is not None:  # being made for another reader: share it
+                await self._summing.wait()
+                return await self.sha256sums()
+            self._summing = trio.Event()
+            try:
+                self._sums = await self._make_sums()
+            finally:
+                self._summing.set()
+                self._summing = None
         return self._sums
+
+    async def _make_sums(self) -> bytes:
+        generations = {shard: state.generation for shard, state in self._shards.items()}
+        todo = [name for name in self.tree.names if name not in self._digests]
+        if todo:  # many tensors: the hasher reads and hashes them in runs, in its own threads
+            found = await trio.to_thread.run_sync(self.integrity.hasher.hash_all, todo)
+            for name, digest in found.items():
+                self._digests[name] = (generations[self.tree.model.locate(name)[0]], digest)
+        for shard in self._shards:  # a write while they were hashed is known now, if it finished
+            self.notice_changes(shard)
+        if any(state.changed for state in self._shards.values()):
+            raise _Refused()  # changed while it was hashed: logged as it was seen
+        return self.tree.sha256sums({name: self._digests[name][1] for name in self.tree.names})
 
     async def verify(self, name: str) -> None:
         """With a manifest, serve no byte of a tensor before its hash matches: EIO when it does not."""
@@ -447,7 +489,13 @@ class TensorOperations(pyfuse3.Operations):
         if expected is None or name in self.integrity.verified:
             return
         if name not in self._failed:
-            actual = await self.digest(name)
+            try:
+                actual = await self.digest(name)
+            except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
+                if name not in self._failed:
+                    self._failed.add(name)
+                    log.error("tensor '%s' cannot be verified (refused): %s", printable(name), exc)
+                raise _Refused() from None
             if actual == expected[name]:
                 self.integrity.verified.add(name)
                 return
@@ -456,7 +504,7 @@ class TensorOperations(pyfuse3.Operations):
                 log.error(
                     "tensor '%s' in shard %s does not match the manifest (sha256 %s, expected %s): refused",
                     printable(name),
-                    self.tree.model.locate(name)[0],
+                    _shown(self.tree.model.locate(name)[0]),
                     actual,
                     expected[name],
                 )
@@ -520,6 +568,11 @@ class _Span:
     ready_from: int = 0
     ready_to: int = 0
     prefetching: bool = False
+
+
+def _shown(path: Path) -> str:
+    """A path in a log line: one line, whatever it holds."""
+    return printable(str(path))
 
 
 def _tensors(count: int) -> str:

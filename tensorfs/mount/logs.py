@@ -32,12 +32,14 @@ class ReopeningFileHandler(logging.FileHandler):
     """A log file that can be closed and opened again by name, after logrotate moved it away."""
 
     def reopen(self) -> None:
+        """Open the file by its name again; OSError (and the old file kept) if it cannot be."""
+        fresh = self._open()  # first: if this fails, logging goes on to the file it had
         self.acquire()
         try:
-            if self.stream is not None:
-                self.stream.close()
-            self.stream = self._open()
-            faulthandler.enable(self.stream)
+            old, self.stream = self.stream, fresh
+            faulthandler.enable(fresh)
+            if old is not None:
+                old.close()
         finally:
             self.release()
 
@@ -62,11 +64,16 @@ def setup_logging(log_file: Path | None, *, debug: bool) -> None:
     root.setLevel(logging.DEBUG if debug else logging.INFO)
 
 
-def reopen_logs() -> bool:
-    """Reopen every log file (SIGHUP); whether there was one to reopen."""
-    reopened = False
+def reopen_logs() -> str:
+    """Reopen every log file (SIGHUP); what was done, in words (it never fails: the daemon goes on)."""
+    done = "no log file to reopen"
     for handler in logging.getLogger().handlers:
         if isinstance(handler, ReopeningFileHandler):
-            handler.reopen()
-            reopened = True
-    return reopened
+            try:
+                handler.reopen()
+                done = "reopened the log file"
+            except OSError as exc:
+                return (
+                    f"could not reopen the log file {handler.baseFilename} ({exc.strerror}): logging on to the old one"
+                )
+    return done

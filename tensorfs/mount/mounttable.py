@@ -211,20 +211,29 @@ def unmount(mountpoint: Path, *, lazy: bool = False, wait_seconds: float = 10.0)
     """Unmount a FUSE mount, also one whose daemon died or hangs; wait for a live daemon to exit.
 
     A lazy unmount returns at once: the daemon serves what is still open, then exits. A hung
-    daemon's mount is detached lazily and the daemon stopped. Returns what was done, in words.
+    daemon's mount is detached lazily and the daemon stopped. Returns what was done, in words;
+    MountError when something could not be done (the mount may be detached all the same).
     """
     mountpoint = resolve_mountpoint(mountpoint)
     entry = mount_at(mountpoint)
     if entry is None:
         raise MountError(f"{mountpoint}: not mounted")
-    if not entry.fstype.startswith("fuse"):
-        raise MountError(f"{mountpoint}: not a FUSE mount ({entry.fstype}); tensorfs only unmounts its own")
-    state = health(mountpoint) if entry.fstype == FSTYPE else None
-    pid = state.pid if state is not None else None
-    if state is not None and state.state == "hung":
+    if entry.fstype != FSTYPE:
+        raise MountError(f"{mountpoint}: not a tensorfs mount ({entry.fstype}); tensorfs only unmounts its own")
+    state = health(mountpoint)
+    pid = state.pid
+    if state.state == "hung":
         _fusermount(mountpoint, lazy=True)
-        if pid is not None:
-            _stop(pid, wait_seconds)
+        if pid is None:
+            raise MountError(
+                f"{mountpoint}: detached, but its daemon ({state.reason}) has no record here to find it by "
+                "(mounted by another user, or with another TENSORFS_RUNTIME_DIR?): stop it yourself"
+            )
+        if not _stop(pid, wait_seconds):
+            raise MountError(
+                f"{mountpoint}: detached, but its daemon {pid} ({state.reason}) did not exit even on SIGKILL "
+                f"(state {process_state(pid)}: frozen?)"
+            )
         remove_record(mountpoint)
         return f"{mountpoint}: detached; its daemon was hung ({state.reason}) and has been stopped"
     _fusermount(mountpoint, lazy=lazy)
@@ -253,9 +262,12 @@ def _fusermount(mountpoint: Path, *, lazy: bool) -> None:
         raise MountError(f"{mountpoint}: {detail}")
 
 
-def _stop(pid: int, wait_seconds: float) -> None:
-    """Stop a daemon that does not answer: SIGTERM (and SIGCONT, should it be stopped), then SIGKILL."""
-    for signals, seconds in (((signal.SIGTERM, signal.SIGCONT), min(wait_seconds, 5.0)), ((signal.SIGKILL,), 5.0)):
+def _stop(pid: int, wait_seconds: float) -> bool:
+    """Stop a daemon that does not answer: SIGTERM (and SIGCONT, should it be stopped), then SIGKILL.
+
+    Whether it is gone.
+    """
+    for signals, seconds in (((signal.SIGTERM, signal.SIGCONT), min(wait_seconds, 3.0)), ((signal.SIGKILL,), 3.0)):
         for signum in signals:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -265,4 +277,5 @@ def _stop(pid: int, wait_seconds: float) -> None:
                 break
             time.sleep(0.02)
         else:
-            return
+            return True
+    return False

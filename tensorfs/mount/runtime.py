@@ -88,27 +88,40 @@ def write_record(mountpoint: Path, record: dict[str, Any]) -> None:
         raise
 
 
-def read_record(mountpoint: Path) -> dict[str, Any] | None:
-    """The record of the daemon of the mount at `mountpoint`: this user's, else the system's."""
-    for directory in dict.fromkeys((runtime_dir(), SYSTEM_DIR)):
+def _record_dirs() -> list[Path]:
+    """Where records may be: this user's runtime directory, the system's, and (to root) every user's."""
+    directories = [runtime_dir(), SYSTEM_DIR]
+    if os.geteuid() == 0:  # `sudo tensorfs umount` of a user's mount must find its daemon
+        directories += sorted(Path("/run/user").glob("*/tensorfs")) + sorted(Path("/tmp").glob("tensorfs-*"))
+    return list(dict.fromkeys(directories))
+
+
+def find_record(mountpoint: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(where, what) of the record of the daemon of the mount at `mountpoint` (see _record_dirs)."""
+    for directory in _record_dirs():
+        path = record_path(mountpoint, directory)
         try:
-            record = json.loads(record_path(mountpoint, directory).read_bytes())
+            record = json.loads(path.read_bytes())
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and record.get("mountpoint") == str(mountpoint):
-            return record
+            return path, record
     return None
+
+
+def read_record(mountpoint: Path) -> dict[str, Any] | None:
+    """The record of the daemon of the mount at `mountpoint`, if there is one."""
+    found = find_record(mountpoint)
+    return found[1] if found is not None else None
 
 
 def remove_record(mountpoint: Path, pid: int | None = None) -> None:
     """Remove the mount's record (only if it is daemon `pid`'s, when given)."""
-    path = record_path(mountpoint)
-    if pid is not None:
-        record = read_record(mountpoint)
-        if record is None or record.get("pid") != pid:
-            return
+    found = find_record(mountpoint)
+    if found is None or (pid is not None and found[1].get("pid") != pid):
+        return
     with contextlib.suppress(OSError):
-        path.unlink()
+        found[0].unlink()
 
 
 def process_start(pid: int) -> int | None:

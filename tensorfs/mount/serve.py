@@ -39,7 +39,8 @@ def serve(
     fs.TRACE_REQUESTS = options.debug
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
     tree = Tree(model, options.layout, control, options.ownership)
-    operations = TensorOperations(tree, integrity, ShardWatch((s, model.shard_fd(s)) for s in model.shards))
+    watch = ShardWatch([(shard, model.shard_fd(shard), model.shard_stat(shard)) for shard in model.shards])
+    operations = TensorOperations(tree, integrity, watch)
     operations.prefetch = options.prefetch_mb << 20
     operations.invalidate = _invalidate
     fuse_options = set(pyfuse3.default_options) | {f"fsname={fsname(model.source)}", "subtype=tensorfs", "ro"}
@@ -58,11 +59,15 @@ def serve(
         hint = f" (check the -o options: {','.join(options.fuse_options)})" if options.fuse_options else ""
         notify(f"cannot mount at {mountpoint}: {exc}{hint}")
         return 1
-    log.info("serving %s (%d tensor%s) at %s", model.source, len(model), "s" * (len(model) != 1), mountpoint)
+    log.info("serving %s (%d tensor%s) at %s", model.source.absolute(), len(model), "s" * (len(model) != 1), mountpoint)
     try:
         trio.run(_run, operations, mountpoint, options, record, notify)
     except BaseException as exc:
         pyfuse3.close(unmount=False)  # the session may be broken: pyfuse3's advice is to not unmount
+        if not record["ready"]:  # nothing half-mounted: a mount that never answered is taken away
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+            remove_record(mountpoint, os.getpid())
+            raise
         record["error"] = f"the daemon failed: {exc!r}"
         record["exited"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         with contextlib.suppress(OSError):
@@ -99,6 +104,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
         },
         "in_force": {"readahead_kb": None, "max_background": None},
+        "ready": False,
         "log_file": None if options.log_file is None else str(options.log_file),
     }
 
@@ -111,13 +117,13 @@ def fsname(source: Path) -> str:
     """The source's absolute path as the mount's fsname (what `df` and `mount` show), as sshfs does.
 
     libfuse splits options on ',' and takes '\\' as an escape; pyfuse3 passes options as ASCII,
-    so other characters are %-encoded (UTF-8).
+    so other characters (and '%' itself) are %-encoded (UTF-8).
     """
     out = []
     for char in str(source.absolute()):
         if char in ",\\":
             out.append("\\" + char)
-        elif char.isascii() and char.isprintable():
+        elif char.isascii() and char.isprintable() and char != "%":
             out.append(char)
         else:
             out.extend(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogateescape"))
@@ -155,8 +161,7 @@ async def _handle_signals() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
-                reopened = reopen_logs()
-                log.info("SIGHUP: %s", "reopened the log file" if reopened else "no log file to reopen")
+                log.info("SIGHUP: %s", reopen_logs())
                 continue
             log.info("%s: unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
@@ -173,6 +178,7 @@ async def _report_ready(
         "readahead_kb": _set_readahead(st.st_dev, options.readahead_kb),
         "max_background": _set_max_background(st.st_dev, options.max_background),
     }
+    record["ready"] = True
     try:
         write_record(mountpoint, record)
     except OSError as exc:

@@ -49,6 +49,7 @@ class Kind(Enum):
 
 
 _TENSOR_KINDS = (Kind.TENSOR, Kind.META, Kind.SHA256)
+_EVERY_TENSOR_FILES = ("index.json",)  # control files that list every tensor (besides SHA256SUMS)
 
 
 class NoSuchEntry(TensorfsError):
@@ -184,7 +185,7 @@ class Tree:
         return index
 
     def _every_shard_access(self) -> Access:
-        """SHA256SUMS tells something of every tensor: readable only with what every shard grants."""
+        """SHA256SUMS and index.json tell of every tensor: readable only with what every shard grants."""
         file_mode = self.access.file_mode
         for access in self._shard_access.values():
             file_mode &= access.file_mode | ~_READ_BITS
@@ -368,6 +369,8 @@ class Tree:
             access = self._sums_access
             size = self._sums_size
         else:
+            if node.control in _EVERY_TENSOR_FILES:
+                access = self._sums_access
             size = len(self.small_file(inode))
         return Attributes(inode, node.kind, access.file_mode, size, 1, self.mtime_ns, access.uid, access.gid)
 

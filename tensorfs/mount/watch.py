@@ -51,16 +51,19 @@ class Change(enum.Enum):
 class ShardWatch:
     """inotify watches on open shard files; changes() drains what happened, never blocking."""
 
-    def __init__(self, shards: Iterable[tuple[Path, int]]) -> None:
-        """`shards` is (path, open descriptor) for every shard file.
+    def __init__(self, shards: Iterable[tuple[Path, int, os.stat_result]]) -> None:
+        """`shards` is (path, open descriptor, status when validated) for every shard file.
 
-        Without inotify (none left, say: fs.inotify.max_user_watches), changes are still seen by
-        the shards' sizes and times, checked before each read; a warning says so.
+        What happened between the validation and the watch is found by the first changes(),
+        which compares every shard with its status when validated. Without inotify (none left,
+        say: fs.inotify.max_user_watches), changes are still seen by the shards' sizes and times,
+        checked before each read; a warning says so.
         """
         self._shards: dict[int, list[Path]] = {}  # watch descriptor -> the shards it watches
-        self._fds = dict(shards)
+        self._fds = {path: fd for path, fd, _ in shards}
         self.paths = list(self._fds)
-        self._seen = {path: _times(fd) for path, fd in self._fds.items()}  # size, mtime_ns, ctime_ns
+        self._seen = {path: _times_of(st) for path, _, st in shards}  # size, mtime_ns, ctime_ns
+        self._unchecked = True  # since validation: compared at the first changes()
         self._fd: int = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         try:
             if self._fd < 0:
@@ -78,18 +81,28 @@ class ShardWatch:
         """The inotify descriptor to wait on; -1 when there is none."""
         return self._fd
 
-    def check(self, path: Path) -> list[Change]:
-        """What changed in shard `path` since it was last seen (by its size and times)."""
+    def check(self, path: Path, *, strict: bool = False) -> list[Change]:
+        """What changed in shard `path` since it was last seen (by its size and times).
+
+        A new mtime or size is a change of the bytes. A new ctime alone is one too when `strict`,
+        or when there is no inotify to say otherwise: a write whose mtime was set back (rsync -t)
+        leaves only that; with inotify, the events tell a chmod from a write.
+        """
         now = _times(self._fds[path])
         before = self._seen[path]
         if now == before:
             return []
         self._seen[path] = now
-        return [Change.CONTENT if now[:2] != before[:2] else Change.ATTRIBUTES]
+        if now[:2] != before[:2] or strict or self._fd < 0:
+            return [Change.CONTENT]
+        return [Change.ATTRIBUTES]
 
     def changes(self) -> list[tuple[Path, Change]]:
         """Every change reported since the last call, in order; [] at once when there is none."""
         found: list[tuple[Path, Change]] = []
+        if self._unchecked:  # between validation and the watch, nothing reported it: compare strictly
+            self._unchecked = False
+            found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))
         while self._fd >= 0:
             try:
                 data = os.read(self._fd, 64 << 10)
@@ -106,7 +119,7 @@ class ShardWatch:
                 wd, mask, _, length = _EVENT.unpack_from(data, position)
                 position += _EVENT.size + length
                 if mask & IN_Q_OVERFLOW:  # events were lost: what the sizes and times tell must do
-                    found.extend((path, change) for path in self.paths for change in self.check(path))
+                    found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))
                     continue
                 for path in self._shards.get(wd, ()):
                     found.extend((path, change) for change in _changes_of(mask))
@@ -126,7 +139,10 @@ def _os_error(what: str) -> OSError:
 
 
 def _times(fd: int) -> tuple[int, int, int]:
-    st = os.fstat(fd)
+    return _times_of(os.fstat(fd))
+
+
+def _times_of(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 

@@ -1,0 +1,67 @@
+"""Watching shard files: what inotify reports, what sizes and times tell, and since when."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tensorfs.mount.watch import Change, ShardWatch
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield path, fd
+    finally:
+        os.close(fd)
+
+
+def write_in_place(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_what_inotify_reports(shard: tuple[Path, int]) -> None:
+    path, fd = shard
+    watch = ShardWatch([(path, fd, os.fstat(fd))])
+    assert watch.fileno() >= 0 and watch.changes() == []
+    os.chmod(path, 0o600)
+    assert watch.changes() == [(path, Change.ATTRIBUTES)]
+    write_in_place(path, 10, b"x")
+    assert watch.changes() == [(path, Change.CONTENT)]
+    assert watch.check(path) == []  # reported already
+    os.rename(path, path.with_name("moved"))
+    assert watch.changes() == [(path, Change.MOVED)]
+    watch.close()
+
+
+def test_what_happened_since_validation_is_reported_first(shard: tuple[Path, int]) -> None:
+    path, fd = shard
+    validated = os.fstat(fd)
+    write_in_place(path, 0, b"y")  # after validation, before the watch began: no event will come
+    os.utime(path, ns=(validated.st_atime_ns, validated.st_mtime_ns))  # the mtime set back, as rsync -t does
+    watch = ShardWatch([(path, fd, validated)])
+    assert watch.changes() == [(path, Change.CONTENT)]
+    assert watch.changes() == []
+    watch.close()
+
+
+def test_without_inotify_sizes_and_times_tell(shard: tuple[Path, int]) -> None:
+    path, fd = shard
+    watch = ShardWatch([(path, fd, os.fstat(fd))])
+    watch.close()  # as when no inotify watch is left
+    assert watch.fileno() < 0 and watch.changes() == []
+    before = os.fstat(fd)
+    write_in_place(path, 5, b"z")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert watch.check(path) == [Change.CONTENT]  # only the ctime moved: without events, a write it may hide
+    os.truncate(path, 4096)
+    assert watch.check(path) == [Change.CONTENT]
+    assert watch.check(path) == []
