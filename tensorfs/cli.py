@@ -32,12 +32,16 @@ from .integrity import (
     shard_of_a_model,
 )
 from .model import Model, open_model
-from .mount.daemon import MAX_BACKGROUND_LIMIT, PREFETCH_LIMIT_MB, READAHEAD_LIMIT_KB, MountOptions, split_fuse_options
-from .mount.daemon import mount as mount_model
-from .mount.mounttable import FSTYPE, health, mounts, resolve_mountpoint, unmount
 from .names import LAYOUTS, Layout
 from .progress import Progress
 from .units import human_size
+
+# The mount layer is imported by the commands that use it: the others start the faster for it.
+READAHEAD_LIMIT_KB = 1 << 20
+"""1 GiB: beyond it readahead is no longer ahead of anything a reader does."""
+PREFETCH_LIMIT_MB = 1024
+MAX_BACKGROUND_LIMIT = (1 << 16) - 1
+"""The most the kernel takes for a FUSE connection's max_background (fs/fuse/control.c)."""
 
 
 def shape_text(shape: Sequence[int]) -> str:
@@ -343,6 +347,9 @@ def mount(
     Returns once the mount answers, leaving the daemon in the background (unless -f), and says
     so in one line (unless -q).
     """
+    from .mount.daemon import MountOptions, split_fuse_options
+    from .mount.daemon import mount as mount_model
+
     passed, ownership = split_fuse_options(fuse_options)
     options = MountOptions(
         layout=layout,
@@ -396,6 +403,8 @@ def mount(
 @click.option("-z", "--lazy", is_flag=True, help="Detach now, finish when the mount is no longer busy.")
 def umount(mountpoint: Path, lazy: bool) -> None:
     """Unmount a tensorfs mount, also one whose daemon died or hangs (detached, and the daemon stopped)."""
+    from .mount.mounttable import unmount
+
     done = unmount(mountpoint, lazy=lazy)
     if "hung" in done:
         click.echo(done)
@@ -416,6 +425,8 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
 
     Exit 0 when every mount shown is ok (or there is none), 1 when any is not. Never blocks on a mount.
     """
+    from .mount.mounttable import FSTYPE, health, mounts, resolve_mountpoint
+
     entries = [entry for entry in mounts() if entry.fstype == FSTYPE]
     if mountpoints:
         wanted = [resolve_mountpoint(path) for path in mountpoints]

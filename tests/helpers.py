@@ -111,3 +111,27 @@ def _numpy_for(dtype: str) -> Any:
 def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int = 0) -> None:
     document = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
     (directory / INDEX_NAME).write_text(json.dumps(document))
+
+
+MIB = 1 << 20
+
+
+def mib_sharded_model(directory: Path, shards: int) -> Path:
+    """`shards` shards of four 1-4 MiB U8 tensors (t{shard}.{k}), with an index."""
+    directory.mkdir()
+    weight_map = {}
+    for s in range(shards):
+        shard = directory / f"s{s}.safetensors"
+        tensors = {f"t{s}.{k}": ("U8", [(k + 1) * MIB], random_bytes((k + 1) * MIB, 10 * s + k)) for k in range(4)}
+        write_reference(shard, tensors)
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+    write_index(directory, weight_map)
+    return directory
+
+
+def model_bytes(source: Path) -> dict[str, bytes]:
+    """Every tensor's bytes, as tensorfs reads them (tests compare them with what a mount serves)."""
+    import tensorfs
+
+    with tensorfs.open_model(source) as model:
+        return {name: bytes(model.raw(name)) for name in model}

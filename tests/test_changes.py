@@ -19,31 +19,15 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, wait_until
-from helpers import random_bytes, write_index, write_reference
+from helpers import MIB, mib_sharded_model, model_bytes
 from tensorfs.integrity import Hasher, format_manifest
 from tensorfs.mount.mounttable import pid_alive
-
-MIB = 1 << 20
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     """Three shards of four 1-4 MiB tensors, with an index."""
-    directory = tmp_path / "model"
-    directory.mkdir()
-    weight_map = {}
-    for s in range(3):
-        shard = directory / f"s{s}.safetensors"
-        tensors = {f"t{s}.{k}": ("U8", [(k + 1) * MIB], random_bytes((k + 1) * MIB, 10 * s + k)) for k in range(4)}
-        write_reference(shard, tensors)
-        weight_map.update(dict.fromkeys(tensors, shard.name))
-    write_index(directory, weight_map)
-    return directory
-
-
-def original(model_dir: Path) -> dict[str, bytes]:
-    with tensorfs.open_model(model_dir) as model:
-        return {name: bytes(model.raw(name)) for name in model}
+    return mib_sharded_model(tmp_path / "model", 3)
 
 
 def offset_of(model_dir: Path, name: str) -> int:
@@ -77,7 +61,7 @@ def refused(reader: BinaryIO, validated: bytes, offset: int) -> bool:
 
 
 def with_manifest(model_dir: Path) -> None:
-    digests = {name: hashlib.sha256(data).hexdigest() for name, data in original(model_dir).items()}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in model_bytes(model_dir).items()}
     (model_dir / "tensors.sha256").write_text(format_manifest(digests))
 
 
@@ -85,7 +69,7 @@ def with_manifest(model_dir: Path) -> None:
 
 
 def test_a_shard_truncated_under_the_mount(mounts: Mounts, model_dir: Path) -> None:
-    expected = original(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     assert (mountpoint / "t1.0").read_bytes() == expected["t1.0"]  # its pages are then the kernel's
@@ -110,7 +94,7 @@ def test_a_shard_truncated_under_the_mount(mounts: Mounts, model_dir: Path) -> N
 
 
 def test_a_shard_overwritten_in_place_is_refused_until_remounted(mounts: Mounts, model_dir: Path) -> None:
-    expected = original(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     assert (mountpoint / "t2.1").read_bytes() == expected["t2.1"]
@@ -122,11 +106,11 @@ def test_a_shard_overwritten_in_place_is_refused_until_remounted(mounts: Mounts,
     assert f"shard {model_dir / 's2.safetensors'} was changed in place" in mounts.log()
     assert mounts.run("umount", str(mountpoint)).returncode == 0
     mounts.mount(model_dir, mountpoint=mountpoint)  # what is there now is validated afresh, and served
-    assert (mountpoint / "t2.1").read_bytes() == original(model_dir)["t2.1"] != expected["t2.1"]
+    assert (mountpoint / "t2.1").read_bytes() == model_bytes(model_dir)["t2.1"] != expected["t2.1"]
 
 
 def test_attributes_of_a_shard_may_change(mounts: Mounts, model_dir: Path) -> None:
-    expected = original(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     os.utime(model_dir / "s0.safetensors", ns=(10**18, 10**18))  # `touch`: the bytes are the same
     wait_until(lambda: (mountpoint / "t0.0").stat().st_mtime_ns == 10**18, what="the new mtime to show")
@@ -137,7 +121,7 @@ def test_attributes_of_a_shard_may_change(mounts: Mounts, model_dir: Path) -> No
 
 
 def test_a_shard_overwritten_in_place_with_a_manifest(mounts: Mounts, model_dir: Path) -> None:
-    expected = original(model_dir)
+    expected = model_bytes(model_dir)
     with_manifest(model_dir)
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
@@ -163,7 +147,7 @@ def test_a_shard_overwritten_in_place_with_a_manifest(mounts: Mounts, model_dir:
 
 def test_a_shard_truncated_under_a_mount_with_a_manifest(mounts: Mounts, model_dir: Path) -> None:
     # Verifying again hashes the lost bytes: read from the file, they are an error, never a SIGBUS.
-    expected = original(model_dir)
+    expected = model_bytes(model_dir)
     with_manifest(model_dir)
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
@@ -239,7 +223,7 @@ def test_manifest_of_a_shard_that_shrinks_while_hashed(model_dir: Path) -> None:
 
 
 def test_hasher_counts_and_reads_through_the_file(model_dir: Path) -> None:
-    expected = original(model_dir)
+    expected = model_bytes(model_dir)
     with tensorfs.open_model(model_dir) as model:
         hasher = Hasher(model)
         digests = hasher.hash_all()

@@ -14,34 +14,17 @@ from pathlib import Path
 
 import pytest
 
-import tensorfs
 from conftest import Mounts, wait_until
-from helpers import random_bytes, write_index, write_reference
+from helpers import MIB, mib_sharded_model, model_bytes
 from tensorfs.mount.mounttable import FSTYPE, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.synth import many_tiny_tensors
-
-MIB = 1 << 20
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     """Four shards of four 1-4 MiB tensors, with an index."""
-    directory = tmp_path / "model"
-    directory.mkdir()
-    weight_map = {}
-    for s in range(4):
-        shard = directory / f"s{s}.safetensors"
-        tensors = {f"t{s}.{k}": ("U8", [(k + 1) * MIB], random_bytes((k + 1) * MIB, 10 * s + k)) for k in range(4)}
-        write_reference(shard, tensors)
-        weight_map.update(dict.fromkeys(tensors, shard.name))
-    write_index(directory, weight_map)
-    return directory
-
-
-def expected_bytes(model_dir: Path) -> dict[str, bytes]:
-    with tensorfs.open_model(model_dir) as model:
-        return {name: bytes(model.raw(name)) for name in model}
+    return mib_sharded_model(tmp_path / "model", 4)
 
 
 def daemon_resources(pid: int) -> tuple[int, int]:
@@ -50,7 +33,7 @@ def daemon_resources(pid: int) -> tuple[int, int]:
 
 
 def test_a_shard_replaced_or_unlinked_keeps_serving_what_was_validated(mounts: Mounts, model_dir: Path) -> None:
-    expected = expected_bytes(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     replacement = model_dir / "new.tmp"
     replacement.write_bytes(b"\0" * (model_dir / "s2.safetensors").stat().st_size)
@@ -79,7 +62,7 @@ def test_umount_of_a_dead_busy_mount_and_mounting_again(mounts: Mounts, model_di
 
 
 def test_sigterm_with_reads_in_flight(mounts: Mounts, model_dir: Path) -> None:
-    expected = expected_bytes(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     outcomes: list[str] = []
@@ -108,7 +91,7 @@ def test_sigterm_with_reads_in_flight(mounts: Mounts, model_dir: Path) -> None:
 
 
 def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, model_dir: Path) -> None:
-    expected = expected_bytes(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     (mountpoint / "t0.0").read_bytes()  # the daemon's first read sets up what every read shares
@@ -131,7 +114,7 @@ def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, mo
 
 
 def test_eight_threads_of_random_range_reads_are_byte_exact(mounts: Mounts, model_dir: Path) -> None:
-    expected = expected_bytes(model_dir)
+    expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     names = sorted(expected)
     failures: list[str] = []

@@ -51,11 +51,6 @@ REFUSED_OPTIONS = {
 }
 # Options tensorfs applies itself, as bindfs and sshfs users know them: libfuse's low-level API has none.
 OWNERSHIP_OPTIONS = ("uid", "gid", "umask")
-MAX_BACKGROUND_LIMIT = (1 << 16) - 1
-"""The most the kernel takes for a FUSE connection's max_background (fs/fuse/control.c)."""
-READAHEAD_LIMIT_KB = 1 << 20
-"""1 GiB: beyond it readahead is no longer ahead of anything a reader does."""
-PREFETCH_LIMIT_MB = 1024
 _NO_ID = (1 << 32) - 1  # (uid_t)-1 means "no owner" to the kernel: ids are below it
 
 

@@ -17,7 +17,9 @@ import enum
 import errno
 import logging
 import os
+import select
 import struct
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,6 +34,7 @@ IN_IGNORED = 0x8000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 _MASK = IN_MODIFY | IN_ATTRIB | IN_MOVE_SELF | IN_DELETE_SELF
+_CHECK_EVERY = 0.001  # seconds between looks at a watched shard's size and times
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (of the name that follows; 0 for a watched file)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -76,6 +79,10 @@ class ShardWatch:
         except OSError as exc:
             log.warning("cannot watch the shards with inotify (%s): changes are seen by size and times only", exc)
             self.close()
+        self._ready = select.poll()  # asked before every tensor read: cheaper than a read that fails
+        if self._fd >= 0:
+            self._ready.register(self._fd, select.POLLIN)
+        self._checked_at = dict.fromkeys(self.paths, 0.0)
 
     def fileno(self) -> int:
         """The inotify descriptor to wait on; -1 when there is none."""
@@ -88,6 +95,13 @@ class ShardWatch:
         or when there is no inotify to say otherwise: a write whose mtime was set back (rsync -t)
         leaves only that; with inotify, the events tell a chmod from a write.
         """
+        if self._fd >= 0 and not strict:
+            # inotify tells of every write but those through a mapping: for those (whose first
+            # write to a clean page alone moves the mtime anyway) a look each millisecond will do.
+            moment = time.monotonic()
+            if moment - self._checked_at[path] < _CHECK_EVERY:
+                return []
+            self._checked_at[path] = moment
         now = _times(self._fds[path])
         before = self._seen[path]
         if now == before:
@@ -103,13 +117,11 @@ class ShardWatch:
         if self._unchecked:  # between validation and the watch, nothing reported it: compare strictly
             self._unchecked = False
             found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))
-        while self._fd >= 0:
+        while self._fd >= 0 and self._ready.poll(0):
             try:
                 data = os.read(self._fd, 64 << 10)
             except BlockingIOError:
-                for path in {path for path, _ in found}:
-                    self._seen[path] = _times(self._fds[path])  # reported: check() need not say it again
-                return found
+                break
             except OSError as exc:
                 if exc.errno == errno.EINTR:
                     continue
@@ -125,6 +137,8 @@ class ShardWatch:
                     found.extend((path, change) for change in _changes_of(mask))
                 if mask & IN_IGNORED:
                     self._shards.pop(wd, None)  # the watch is gone (file deleted, or its file system unmounted)
+        for path in {path for path, _ in found}:
+            self._seen[path] = _times(self._fds[path])  # reported: check() need not say it again
         return found
 
     def close(self) -> None:
