@@ -158,7 +158,8 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
         None if options.foreground and options.log_file is None else options.log_file or default_log_file(mountpoint)
     )
     options = dataclasses.replace(options, log_file=log_file)
-    with contextlib.ExitStack() as locked:
+    locked = contextlib.ExitStack()
+    try:
         lock = locked.enter_context(mountpoint_lock(mountpoint, READY_TIMEOUT + 60))
         check_mountpoint(mountpoint)
         # The log is opened here, before any fork, so that a log file that cannot be written is a
@@ -180,7 +181,8 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
                 print(f"error: {message}", file=sys.stderr, flush=True)
 
         return serve(model, mountpoint, options, integrity, notify)
-    raise AssertionError("unreachable")
+    finally:
+        locked.close()
 
 
 def _mount_in_background(
