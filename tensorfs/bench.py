@@ -94,7 +94,9 @@ def build_big_model(directory: Path, config: Config) -> dict[str, tuple[Path, in
     import tensorfs
 
     with tensorfs.open_model(directory) as model:
-        return {name: (model.info(name).shard, model.info(name).offset, model.info(name).nbytes) for name in model}
+        return {
+            name: (Path(model.info(name).shard), model.info(name).offset, model.info(name).nbytes) for name in model
+        }
 
 
 def touch_fresh_memory(nbytes: int) -> None:

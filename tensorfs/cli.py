@@ -34,6 +34,7 @@ from .integrity import (
 from .model import Model, open_model
 from .names import LAYOUTS, Layout
 from .progress import Progress
+from .sources import shard_name
 from .units import human_size
 
 # The mount layer is imported by the commands that use it: the others start the faster for it.
@@ -186,7 +187,9 @@ def _ls_table(model: Model) -> None:
     rows = [("NAME", "DTYPE", "SHAPE", "SIZE", "SHARD")]
     for name in model:
         info = model.info(name)
-        rows.append((printable(name), info.dtype, shape_text(info.shape), human_size(info.nbytes), info.shard.name))
+        rows.append(
+            (printable(name), info.dtype, shape_text(info.shape), human_size(info.nbytes), shard_name(info.shard))
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     out = sys.stdout
     for row in rows:

@@ -25,6 +25,7 @@ import orjson
 from .dtypes import DTYPES, DType
 from .errors import InvalidModelError, Problem, printable
 from .gcpause import gc_paused
+from .sources import ShardKey, shard_name
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,7 +50,8 @@ class TensorInfo:
     """The safetensors dtype name, e.g. "BF16"."""
     shape: tuple[int, ...]
     nbytes: int
-    shard: Path
+    shard: ShardKey
+    """The shard's file (a Path), or its object's URL (a str)."""
     offset: int
     """Absolute byte offset of the tensor's data in the shard file."""
     data_offsets: tuple[int, int]
@@ -67,7 +69,7 @@ class TensorInfo:
             "dtype": self.dtype,
             "shape": list(self.shape),
             "nbytes": self.nbytes,
-            "shard": self.shard.name,
+            "shard": shard_name(self.shard),
             "offset": self.offset,
             "data_offsets": list(self.data_offsets),
             "numpy_dtype": DTYPES[self.dtype].numpy_name,
@@ -82,9 +84,10 @@ _UNKNOWN_DTYPE = DType("?", 0, None)  # stands in only in headers that are about
 
 @dataclass(frozen=True)
 class ShardHeader:
-    """A shard file whose header passed every rule."""
+    """A shard whose header passed every rule."""
 
-    path: Path
+    path: ShardKey
+    """The shard's file, or its object's URL."""
     file_size: int
     data_start: int
     """Where tensor data begins: 8 + the header's length."""
@@ -157,7 +160,7 @@ def _pread_exactly(fd: int, count: int, offset: int, label: str) -> bytes:
     return b"".join(chunks)
 
 
-def parse_header(raw: bytes, path: Path, file_size: int, label: str | None = None) -> ShardHeader:
+def parse_header(raw: bytes, path: ShardKey, file_size: int, label: str | None = None) -> ShardHeader:
     """Validate `raw`, the header bytes of the shard at `path` whose size is `file_size`.
 
     A fast path proves the common valid header valid; anything it cannot prove valid is parsed

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError, printable
 from .header import Entry
 from .model import Model
+from .sources import Identity, ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +37,6 @@ class TensorCorrupt(TensorfsError):
 
 
 # -- the persistent cache -------------------------------------------------------------------
-
-
-class FileIdentity(NamedTuple):
-    """What changes whenever a file's bytes may have: a cached hash is only valid for the same identity.
-
-    ctime is in it because no one can set it back: a shard rewritten in place and given its old
-    mtime again still gets a new ctime.
-    """
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def default_cache_dir() -> Path:
@@ -113,7 +95,7 @@ class HashCache:
         self._disabled = True
         self._connection = None
 
-    def get_many(self, identity: FileIdentity, spans: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    def get_many(self, identity: Identity, spans: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
         """Cached hashes of the shard's byte ranges [begin, end) that have one."""
         wanted = set(spans)
         key = "device=? AND inode=? AND size=? AND mtime_ns=? AND ctime_ns=?"
@@ -140,7 +122,7 @@ class HashCache:
                 return {}
         return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
 
-    def put_many(self, identity: FileIdentity, hashes: Mapping[tuple[int, int], str]) -> None:
+    def put_many(self, identity: Identity, hashes: Mapping[tuple[int, int], str]) -> None:
         if not hashes:
             return
         with self._lock:
@@ -183,7 +165,7 @@ class Hasher:
         self.cache = cache or HashCache(None)
         self._buffers = threading.local()
         self._lock = threading.Lock()
-        self._unsaved: dict[FileIdentity, dict[tuple[int, int], str]] = {}
+        self._unsaved: dict[Identity, dict[tuple[int, int], str]] = {}
         self._saved_at = time.monotonic()
         self.tensors_hashed = 0
         self.bytes_hashed = 0
@@ -193,12 +175,12 @@ class Hasher:
         """The hashes the cache already holds for `names` (for shards unchanged since the model opened)."""
         return self._cached(self.model.by_shard(names))
 
-    def _cached(self, groups: Mapping[Path, list[Entry]]) -> dict[str, str]:
+    def _cached(self, groups: Mapping[ShardKey, list[Entry]]) -> dict[str, str]:
         found: dict[str, str] = {}
         if not self.cache.enabled:
             return found
         for shard, entries in groups.items():
-            identity = self._current_identity(shard)
+            identity = self.model.identity(shard)
             if identity is None:
                 continue
             spans = {(entry[0], entry[1]): entry[2] for entry in entries if entry[1] - entry[0] >= CACHE_MIN_BYTES}
@@ -207,15 +189,6 @@ class Hasher:
         with self._lock:
             self.cache_hits += len(found)
         return found
-
-    def _current_identity(self, shard: Path) -> FileIdentity | None:
-        """The shard's identity, if the file is still the one the model mapped."""
-        opened = FileIdentity.of(self.model.shard_stat(shard))
-        try:
-            now = FileIdentity.of(os.stat(shard))
-        except OSError:
-            return None
-        return opened if now == opened else None
 
     def hash_one(self, name: str, progress: Callable[[int], None] | None = None) -> str:
         """Hash one tensor (no cache lookup) and remember it in the cache."""
@@ -244,11 +217,11 @@ class Hasher:
             self.save()
         return {name: digests[name] for name in names}
 
-    def _plan(self, groups: Mapping[Path, list[Entry]], done: Mapping[str, str]) -> list[tuple[Path, _Run]]:
+    def _plan(self, groups: Mapping[ShardKey, list[Entry]], done: Mapping[str, str]) -> list[tuple[ShardKey, _Run]]:
         """Group what is not `done` into runs: a big tensor alone, small neighbours together (one read,
         one commit). Largest runs first, so that the workers finish together.
         """
-        runs: list[tuple[Path, _Run]] = []
+        runs: list[tuple[ShardKey, _Run]] = []
         for shard, entries in groups.items():
             data_start = self.model.shard_header(shard).data_start
             run: _Run = []
@@ -264,7 +237,7 @@ class Hasher:
         runs.sort(key=lambda job: job[1][0][1] - job[1][-1][2])
         return runs
 
-    def _hash_run(self, shard: Path, run: _Run, progress: Callable[[int], None] | None) -> dict[str, str]:
+    def _hash_run(self, shard: ShardKey, run: _Run, progress: Callable[[int], None] | None) -> dict[str, str]:
         """Hash a run's tensors from the file, and store the hashes in the cache in one transaction."""
         buffer = self._buffer()
         found: dict[str, str] = {}
@@ -297,7 +270,7 @@ class Hasher:
         with self._lock:
             self.tensors_hashed += len(run)
             self.bytes_hashed += sum(end - begin for _, begin, end in run)
-        identity = self._current_identity(shard) if self.cache.enabled else None
+        identity = self.model.identity(shard) if self.cache.enabled else None
         if identity is not None:
             data_start = self.model.shard_header(shard).data_start
             worth = {

@@ -1,10 +1,12 @@
-"""A model: its shards (from an index or a glob), validated together, one read-only mmap per shard."""
+"""A model: its shards (from an index or a glob), validated together, one read-only mapping per shard.
+
+Where the shards' bytes come from (files, or objects through a cache) is sources/' business.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import mmap
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,17 +17,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError
+from .errors import InvalidModelError, ModelClosedError, Problem
 from .gcpause import gc_paused
-from .header import Entry, ShardHeader, TensorInfo, open_shard, read_header_fd
+from .header import Entry, ShardHeader, TensorInfo
 from .names import Layout, collisions, name_problems
+from .sources import Identity, ShardData, ShardKey, shard_name
+from .sources.index import INDEX_NAME
+from .sources.local import LocalDescription, LocalShard, find_shards
 
 if TYPE_CHECKING:
     import numpy as np
 
-INDEX_NAME = "model.safetensors.index.json"
+__all__ = ["INDEX_NAME", "Model", "ModelSnapshot", "open_model", "reopen", "snapshot"]
+
 _begin = itemgetter(0)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
 
@@ -33,23 +37,15 @@ _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads 
 @dataclass(frozen=True)
 class _Shard:
     header: ShardHeader
-    label: str
-    mapping: mmap.mmap
-    view: memoryview
-    stat: os.stat_result
-    """The shard file's status when it was mapped."""
-    fd: int
-    """The descriptor the shard was validated through, kept open for reads that must not fault."""
+    data: ShardData
+
+    @property
+    def label(self) -> str:
+        return self.data.label
 
     @cached_property
     def by_name(self) -> dict[str, Entry]:
         return {entry[2]: entry for entry in self.header.entries}
-
-    def release(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self.view.release()
-        self.mapping.close()
 
 
 class Model:
@@ -58,13 +54,16 @@ class Model:
     Use as a context manager, or call close(); views handed out stay valid while referenced.
     """
 
-    def __init__(self, source: Path, shards: list[_Shard], owner: dict[str, _Shard], layout: Layout) -> None:
+    def __init__(self, source: ShardKey, shards: list[_Shard], owner: dict[str, _Shard], layout: Layout) -> None:
         self.source = source
+        """What was opened: a path, or a URL."""
         self.layout: Layout = layout
         self._shards = {s.header.path: s for s in shards}
         self._owner = owner
         self._closed = False
-        self.metadata: dict[str, dict[str, str]] = {s.header.path.name: dict(s.header.metadata or {}) for s in shards}
+        self.metadata: dict[str, dict[str, str]] = {
+            shard_name(s.header.path): dict(s.header.metadata or {}) for s in shards
+        }
         """Each shard's `__metadata__` (empty when it has none), keyed by the shard's file name."""
 
     # -- the set of tensors --------------------------------------------------------------
@@ -87,34 +86,34 @@ class Model:
         return iter(self.sorted_names)
 
     @property
-    def shards(self) -> list[Path]:
-        """The shard files, sorted by path."""
-        return sorted(self._shards)
+    def shards(self) -> list[ShardKey]:
+        """The shards (paths of files, or URLs of objects), sorted."""
+        return sorted(self._shards, key=str)
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data over all shards."""
         return sum(s.header.file_size - s.header.data_start for s in self._shards.values())
 
-    def shard_header(self, shard: Path) -> ShardHeader:
+    def shard_header(self, shard: ShardKey) -> ShardHeader:
         """The validated header of one shard."""
         return self._shards[shard].header
 
-    def entry(self, name: str) -> tuple[Path, int, Entry]:
+    def entry(self, name: str) -> tuple[ShardKey, int, Entry]:
         """(shard, where its data starts, the header's entry): the raw form, for code that does 100k."""
         shard = self._owner[name]
         return shard.header.path, shard.header.data_start, shard.by_name[name]
 
-    def locate(self, name: str) -> tuple[Path, int, int]:
+    def locate(self, name: str) -> tuple[ShardKey, int, int]:
         """(shard, absolute offset, nbytes) of a tensor: cheaper than info() where that is all."""
         path, data_start, (begin, end, _, _, _) = self.entry(name)
         return path, data_start + begin, end - begin
 
-    def by_shard(self, names: Iterable[str] | None = None) -> dict[Path, list[Entry]]:
+    def by_shard(self, names: Iterable[str] | None = None) -> dict[ShardKey, list[Entry]]:
         """The header entries of `names` (every tensor by default), grouped by shard, in file order."""
         if names is None:
             return {path: list(shard.header.entries) for path, shard in self._shards.items()}
-        groups: dict[Path, list[Entry]] = {}
+        groups: dict[ShardKey, list[Entry]] = {}
         for name in names:
             shard = self._owner[name]
             groups.setdefault(shard.header.path, []).append(shard.by_name[name])
@@ -128,38 +127,22 @@ class Model:
         return shard.header.info(shard.by_name[name])
 
     # -- the data ------------------------------------------------------------------------
-    def shard_stat(self, shard: Path) -> os.stat_result:
-        """The shard file's status (identity, size, times) when the model mapped it."""
-        return self._shards[shard].stat
-
-    def shard_fd(self, shard: Path) -> int:
-        """The shard file's open descriptor (the file validated and mapped), e.g. to watch it."""
+    def shard_data(self, shard: ShardKey) -> ShardData:
+        """The opened shard: its mapping, and the safe ways to its bytes (see sources.ShardData)."""
         self._check_open()
-        return self._shards[shard].fd
+        return self._shards[shard].data
 
-    def shard_view(self, shard: Path) -> memoryview:
-        """A read-only view of the whole shard file, on its mmap."""
-        self._check_open()
-        return self._shards[shard].view
+    def shard_view(self, shard: ShardKey) -> memoryview:
+        """A read-only view of the whole shard, on its mapping."""
+        return self.shard_data(shard).view
 
-    def readinto(self, shard: Path, offset: int, buffer: memoryview) -> None:
-        """Fill `buffer` with the shard's bytes from `offset`, read from the file, not the mapping.
+    def readinto(self, shard: ShardKey, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the shard's bytes from `offset`, without touching the mapping."""
+        self.shard_data(shard).readinto(offset, buffer)
 
-        A mapped page whose bytes were cut from the file kills the process that touches it
-        (SIGBUS); a read just comes up short, which is ShardChangedError here.
-        """
-        self._check_open()
-        fd = self._shards[shard].fd
-        done, size = 0, len(buffer)
-        while done < size:
-            count = os.preadv(fd, [buffer[done:]], offset + done)
-            if count == 0:
-                raise ShardChangedError(
-                    f"{shard}: bytes [{offset + done}, {offset + size}) are gone: "
-                    "the file shrank after it was validated",
-                    lost_from=offset + done,
-                )
-            done += count
+    def identity(self, shard: ShardKey) -> Identity | None:
+        """The identity of the bytes validated, if the shard still holds them (for caches of their hashes)."""
+        return self._shards[shard].data.identity()
 
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes: a read-only view on the shard's mmap, no copy."""
@@ -167,7 +150,7 @@ class Model:
         shard = self._owner[name]
         begin, end, _, _, _ = shard.by_name[name]
         start = shard.header.data_start
-        return shard.view[start + begin : start + end]
+        return shard.data.view[start + begin : start + end]
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as a read-only numpy array on the shard's mmap, no copy.
@@ -200,7 +183,7 @@ class Model:
         for shard in self._shards.values():
             # A view handed out may still be alive: then the mapping goes when it does.
             with contextlib.suppress(BufferError):
-                shard.release()
+                shard.data.close()
 
     def __enter__(self) -> Model:
         return self
@@ -217,22 +200,17 @@ class Model:
 @dataclass(frozen=True)
 class ShardSnapshot:
     header: ShardHeader
-    label: str
-    identity: tuple[int, int, int, int, int]
-    """(device, inode, size, mtime_ns, ctime_ns) of the file that was validated."""
+    data: object
+    """What the shard's source needs to open the same bytes again (ShardData.describe())."""
 
 
 @dataclass(frozen=True)
 class ModelSnapshot:
     """A validated model without its mappings: picklable, and cheap to map again (see reopen)."""
 
-    source: Path
+    source: ShardKey
     layout: Layout
     shards: list[ShardSnapshot]
-
-
-def _identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
 def snapshot(model: Model) -> ModelSnapshot:
@@ -249,34 +227,30 @@ def snapshot(model: Model) -> ModelSnapshot:
             (begin, end, name, dtype, shapes.setdefault(tuple(shape), shape))
             for begin, end, name, dtype, shape in header.entries
         ]
-        shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), shard.label, _identity(shard.stat)))
+        shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), shard.data.describe()))
     return ModelSnapshot(model.source, model.layout, shards)
 
 
 def reopen(saved: ModelSnapshot) -> Model:
-    """Map the shards of a model validated elsewhere; InvalidModelError if any file changed since."""
+    """Map the shards of a model validated elsewhere; InvalidModelError if any of them changed since."""
     opened: list[_Shard] = []
     try:
         for shard in saved.shards:
-            # Absolute from here on: a daemon leaves the directory it was started in.
-            path = Path(os.path.abspath(shard.header.path))
-            fd = open_shard(path, shard.label)
-            try:
-                status = os.fstat(fd)
-                if _identity(status) != shard.identity:
-                    raise InvalidModelError([Problem(shard.label, "changed while it was being validated; try again")])
-                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            except BaseException:
-                os.close(fd)
-                raise
-            header = dataclasses.replace(shard.header, path=path)
-            opened.append(_Shard(header, shard.label, mapping, memoryview(mapping), status, fd))
+            data = _reopen_data(shard.data)
+            opened.append(_Shard(dataclasses.replace(shard.header, path=data.key), data))
     except BaseException:
         for done in opened:
-            done.release()
+            done.data.close()
         raise
     owner = {entry[2]: shard for shard in opened for entry in shard.header.entries}
-    return Model(Path(os.path.abspath(saved.source)), opened, owner, saved.layout)
+    source = saved.source if isinstance(saved.source, str) else Path(os.path.abspath(saved.source))
+    return Model(source, opened, owner, saved.layout)
+
+
+def _reopen_data(description: object) -> ShardData:
+    if isinstance(description, LocalDescription):
+        return LocalShard.reopen(description)
+    raise TypeError(f"no source reopens {description!r}")
 
 
 def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Model:
@@ -290,8 +264,8 @@ def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Mod
     problems: list[Problem] = []
     with gc_paused():
         # Every problem is collected, of every shard and across shards, before any is reported.
-        shard_paths, weight_map, index_label = _find_shards(source, problems)
-        opened = _open_shards(shard_paths, problems)
+        shard_paths, weight_map, index_label = find_shards(source, problems)
+        opened = _open_shards([(path, str(path)) for path in shard_paths], LocalShard.open, problems)
         try:
             owner = _check_model(opened, weight_map, index_label, layout, problems)
             if problems:
@@ -299,99 +273,28 @@ def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Mod
             return Model(source, opened, owner, layout)
         except BaseException:
             for shard in opened:
-                shard.release()
+                shard.data.close()
             raise
 
 
-def _find_shards(source: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str | None]:
-    """The shard files of `source`, and the index's weight map when there is one."""
-    if source.is_dir():
-        index = source / INDEX_NAME
-        if index.exists():
-            return _shards_from_index(index, problems)
-        shards = sorted(source.glob("*.safetensors"))
-        if not shards:
-            problems.append(Problem(str(source), "no .safetensors files in this directory"))
-        return shards, None, None
-    if source.name.endswith(".index.json") and source.is_file():
-        return _shards_from_index(source, problems)
-    if not source.exists() and not source.is_symlink():
-        problems.append(Problem(str(source), "no such file or directory"))
-        return [], None, None
-    return [source], None, None
+def _open_shards(shards: list[tuple[Any, str]], open_one: Any, problems: list[Problem]) -> list[_Shard]:
+    """Read, validate and map every shard, in parallel; problems of all shards are collected.
 
+    `open_one(where, label)` returns (header, ShardData) or raises InvalidModelError.
+    """
 
-def _shards_from_index(index: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str]:
-    label = str(index)
-    weight_map = _read_weight_map(index, label, problems)
-    if weight_map is None:
-        return [], None, label
-    shards: dict[str, Path] = {}
-    for shard in dict.fromkeys(weight_map.values()):  # each shard once, in the index's order
-        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or "\0" in shard:
-            reason = f"weight_map names '{shard}', which is not a plain file name"
-        elif not (index.parent / shard).exists():
-            reason = f"weight_map names shard '{shard}', which does not exist"
-        else:
-            shards[shard] = index.parent / shard
-            continue
-        first = next(name for name, value in weight_map.items() if value == shard)  # the tensor to name
-        problems.append(Problem(label, reason, first))
-    return sorted(shards.values()), weight_map, label
-
-
-def _read_weight_map(index: Path, label: str, problems: list[Problem]) -> dict[str, str] | None:
-    # A repeated key needs no check of its own: every mapping is compared with the shards' contents.
-    try:
-        document = orjson.loads(index.read_bytes())
-    except OSError as exc:
-        problems.append(Problem(label, f"cannot read: {exc.strerror}"))
-        return None
-    except orjson.JSONDecodeError as exc:
-        problems.append(Problem(label, f"index is not valid JSON: {exc}"))
-        return None
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict):
-        problems.append(Problem(label, "index has no weight_map object"))
-        return None
-    if set(map(type, weight_map.values())) <= {str}:
-        return weight_map
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str):
-            problems.append(Problem(label, "weight_map value is not a shard file name", name))
-    return None
-
-
-def _open_shards(paths: list[Path], problems: list[Problem]) -> list[_Shard]:
-    """Read, validate and map every shard, in parallel; problems of all shards are collected."""
-
-    def open_one(path: Path) -> _Shard | InvalidModelError:
-        label = str(path)
+    def attempt(shard: tuple[Any, str]) -> _Shard | InvalidModelError:
         try:
-            path.name.encode("utf-8")
-        except UnicodeEncodeError:  # .meta.json and index.json name shards in JSON, which is Unicode
-            return InvalidModelError([Problem(label, "file name is not valid UTF-8; rename the shard")])
-        try:
-            fd = open_shard(path, label)
+            header, data = open_one(*shard)
         except InvalidModelError as exc:
             return exc
-        try:
-            header = read_header_fd(fd, path, label)
-            # Map the descriptor the header was read from: the bytes served are the bytes validated.
-            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            status = os.fstat(fd)
-        except (InvalidModelError, OSError) as exc:
-            os.close(fd)
-            if isinstance(exc, InvalidModelError):
-                return exc
-            return InvalidModelError([Problem(label, f"cannot map: {exc.strerror}")])
-        return _Shard(header, label, mapping, memoryview(mapping), status, fd)
+        return _Shard(header, data)
 
-    if len(paths) <= 1:
-        results = [open_one(path) for path in paths]
+    if len(shards) <= 1:
+        results = [attempt(shard) for shard in shards]
     else:
-        with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(paths))) as pool:
-            results = list(pool.map(open_one, paths))
+        with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(shards))) as pool:
+            results = list(pool.map(attempt, shards))
     opened: list[_Shard] = []
     for result in results:
         if isinstance(result, InvalidModelError):
@@ -407,7 +310,7 @@ def _index_agrees(shards: list[_Shard], weight_map: dict[str, str], tensors: int
         return False
     for shard in shards:
         names = [entry[2] for entry in shard.header.entries]
-        if list(map(weight_map.get, names)) != [shard.header.path.name] * len(names):
+        if list(map(weight_map.get, names)) != [shard_name(shard.header.path)] * len(names):
             return False
     return True
 
@@ -433,18 +336,18 @@ def _check_model(
             for entry in shard.header.entries:
                 holder = first.setdefault(entry[2], shard)
                 if holder is not shard:
-                    problems.append(Problem(shard.label, f"is also in shard {holder.header.path.name}", entry[2]))
+                    problems.append(
+                        Problem(shard.label, f"is also in shard {shard_name(holder.header.path)}", entry[2])
+                    )
     bad_names = name_problems(owner, layout)
     for name, reason in bad_names:
         problems.append(Problem(owner[name].label, reason, name))
     if weight_map is not None and index_label is not None and not _index_agrees(shards, weight_map, len(owner)):
-        read = {shard.header.path.name for shard in shards}  # a shard missing or invalid is reported already
-        for name, shard_name in weight_map.items():
+        read = {shard_name(shard.header.path) for shard in shards}  # a shard missing or invalid: reported
+        for name, mapped in weight_map.items():
             actual = owner.get(name)
-            if shard_name in read and (actual is None or actual.header.path.name != shard_name):
-                problems.append(
-                    Problem(index_label, f"the index maps it to {shard_name}, which does not hold it", name)
-                )
+            if mapped in read and (actual is None or shard_name(actual.header.path) != mapped):
+                problems.append(Problem(index_label, f"the index maps it to {mapped}, which does not hold it", name))
         for name, holder in owner.items():
             if name not in weight_map:
                 problems.append(Problem(holder.label, "is not listed in the index's weight_map", name))

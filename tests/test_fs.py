@@ -183,7 +183,7 @@ def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> Non
             ops = TensorOperations(
                 Tree(model, "slash", {}),
                 integrity,
-                ShardWatch([(shard, model.shard_fd(shard), model.shard_stat(shard))]),
+                ShardWatch([(shard, *model.shard_data(shard).watched())]),
             )
             dropped: list[tuple[list[int], bool]] = []
             ops.invalidate = lambda inodes, attr_only, dropped=dropped: dropped.append((sorted(inodes), attr_only))
@@ -215,7 +215,7 @@ def test_a_sidecar_hashed_while_its_shard_changes_is_refused(tmp_path: Path, mon
     with tensorfs.open_model(shard) as model:
         integrity = Integrity(Hasher(model))
         ops = TensorOperations(
-            Tree(model, "slash", {}), integrity, ShardWatch([(shard, model.shard_fd(shard), model.shard_stat(shard))])
+            Tree(model, "slash", {}), integrity, ShardWatch([(shard, *model.shard_data(shard).watched())])
         )
         real = integrity.digest
 

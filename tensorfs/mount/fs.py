@@ -20,7 +20,6 @@ import logging
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -28,7 +27,7 @@ import trio
 
 from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
-from .pages import ShardPages
+from ..sources import ShardData, ShardKey
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 from .watch import Change, ShardWatch
 
@@ -120,7 +119,6 @@ class TensorOperations(pyfuse3.Operations):
         self._failed: set[str] = set()
         self._hashers = trio.CapacityLimiter(HASH_WORKERS)  # hashing threads at once, over all requests
         self._spans: dict[int, _Span] = {}  # open tensor files by inode
-        self._pages: dict[Path, ShardPages] = {}
         self._shards = {shard: _ShardState() for shard in tree.model.shards}
         # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
         self._demand = trio.CapacityLimiter(8)
@@ -131,8 +129,8 @@ class TensorOperations(pyfuse3.Operations):
         """Where background work runs; set while the daemon serves (None: no background work)."""
         self.invalidate: Callable[[Sequence[int], bool], None] | None = None
         """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
-        self._invalidations: dict[Path, bool] = {}  # shard -> attributes only? (still to be done)
-        self._invalidating: set[Path] = set()
+        self._invalidations: dict[ShardKey, bool] = {}  # shard -> attributes only? (still to be done)
+        self._invalidating: set[ShardKey] = set()
         self._digests: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
         self._hashing: dict[str, trio.Event] = {}
         self._sums: bytes | None = None
@@ -242,11 +240,8 @@ class TensorOperations(pyfuse3.Operations):
             self._check_shard(shard, node.tensor)
             await self.verify(node.tensor)
             if inode not in self._spans:
-                view = self.tree.model.shard_view(shard)
-                pages = self._pages.get(shard)
-                if pages is None:
-                    pages = self._pages[shard] = ShardPages(view)
-                self._spans[inode] = _Span(node.tensor, shard, view, pages, offset, offset + nbytes)
+                data = self.tree.model.shard_data(shard)
+                self._spans[inode] = _Span(node.tensor, shard, data, data.view, offset, offset + nbytes)
         # keep_cache: pages the kernel holds stay valid across opens; when a shard changes, the
         # daemon itself tells the kernel to drop them. Never direct_io: it would break shared mmap
         # (np.memmap) of the mounted files.
@@ -276,7 +271,7 @@ class TensorOperations(pyfuse3.Operations):
         high = min(low + size, span.end)
         if not span.ready_from <= low < high <= span.ready_to:
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
-            if not await trio.to_thread.run_sync(span.pages.populate, low, high, limiter=self._demand):
+            if not await trio.to_thread.run_sync(span.data.ensure, low, high, limiter=self._demand):
                 # The bytes are gone from the file (truncated under the mount): the reader gets EIO
                 # and the daemon goes on. What was validated is never replaced by anything else.
                 raise ShardChangedError(
@@ -284,9 +279,7 @@ class TensorOperations(pyfuse3.Operations):
                     f"{high - span.start}) of the tensor cannot be read: the shard shrank under the mount"
                 )
             until = min(span.end, high + self.prefetch)
-            if until > high and not await trio.to_thread.run_sync(
-                span.pages.populate, high, until, limiter=self._demand
-            ):
+            if until > high and not await trio.to_thread.run_sync(span.data.ensure, high, until, limiter=self._demand):
                 until = high
             span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
         elif self.nursery is not None and self._window_running_out(span, high):
@@ -300,7 +293,7 @@ class TensorOperations(pyfuse3.Operations):
     async def _prefetch(self, span: _Span) -> None:
         begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
         try:
-            done = await trio.to_thread.run_sync(span.pages.populate, begin, until, limiter=self._prefetchers)
+            done = await trio.to_thread.run_sync(span.data.ensure, begin, until, limiter=self._prefetchers)
             if done and span.ready_from <= begin <= span.ready_to:  # still contiguous with what is ready
                 span.ready_to = max(span.ready_to, until)
         finally:
@@ -316,7 +309,7 @@ class TensorOperations(pyfuse3.Operations):
             await trio.lowlevel.wait_readable(self.watch.fileno())
             self.notice_changes()
 
-    def notice_changes(self, shard: Path | None = None) -> None:
+    def notice_changes(self, shard: ShardKey | None = None) -> None:
         """Apply every change the watch has reported, and those `shard`'s size and times show."""
         if self.watch is None:
             return
@@ -326,7 +319,7 @@ class TensorOperations(pyfuse3.Operations):
         for path, change in changes:
             self._apply(path, change)
 
-    def _apply(self, shard: Path, change: Change) -> None:
+    def _apply(self, shard: ShardKey, change: Change) -> None:
         state = self._shards[shard]
         if change is Change.ATTRIBUTES:
             if self.tree.refresh_shard(shard):  # owner, permissions or mtime: the kernel must ask again
@@ -364,7 +357,7 @@ class TensorOperations(pyfuse3.Operations):
         self.tree.refresh_shard(shard)
         self._invalidate(shard, attr_only=False)
 
-    def _invalidate(self, shard: Path, *, attr_only: bool) -> None:
+    def _invalidate(self, shard: ShardKey, *, attr_only: bool) -> None:
         """Have the kernel drop what it cached of the shard's files (or their attributes only).
 
         In a worker thread: dropping a page waits for a read of it in flight, which this thread
@@ -380,7 +373,7 @@ class TensorOperations(pyfuse3.Operations):
             self._invalidating.add(shard)
             self.nursery.start_soon(self._invalidate_queued, shard)
 
-    async def _invalidate_queued(self, shard: Path) -> None:
+    async def _invalidate_queued(self, shard: ShardKey) -> None:
         assert self.invalidate is not None
         try:
             while shard in self._invalidations:
@@ -390,7 +383,7 @@ class TensorOperations(pyfuse3.Operations):
         finally:
             self._invalidating.discard(shard)
 
-    def _check_shard(self, shard: Path, name: str) -> None:
+    def _check_shard(self, shard: ShardKey, name: str) -> None:
         """Refuse a tensor of a shard changed in place (no manifest): it is not what was validated."""
         self.notice_changes(shard)
         state = self._shards[shard]
@@ -560,9 +553,9 @@ class _Span:
     """An open tensor file: where its bytes are, and which of them are known to be in memory."""
 
     name: str
-    shard: Path
+    shard: ShardKey
+    data: ShardData
     view: memoryview
-    pages: ShardPages
     start: int
     end: int
     ready_from: int = 0
@@ -570,7 +563,7 @@ class _Span:
     prefetching: bool = False
 
 
-def _shown(path: Path) -> str:
+def _shown(path: ShardKey) -> str:
     """A path in a log line: one line, whatever it holds."""
     return printable(str(path))
 

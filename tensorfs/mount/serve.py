@@ -20,6 +20,7 @@ import trio
 from .. import __version__
 from ..integrity import Integrity
 from ..model import Model
+from ..sources import ShardKey
 from . import fs
 from .daemon import READY, MountOptions
 from .fs import TensorOperations
@@ -39,7 +40,8 @@ def serve(
     fs.TRACE_REQUESTS = options.debug
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
     tree = Tree(model, options.layout, control, options.ownership)
-    watch = ShardWatch([(shard, model.shard_fd(shard), model.shard_stat(shard)) for shard in model.shards])
+    watched = {shard: model.shard_data(shard).watched() for shard in model.shards}
+    watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
     operations = TensorOperations(tree, integrity, watch)
     operations.prefetch = options.prefetch_mb << 20
     operations.invalidate = _invalidate
@@ -59,7 +61,7 @@ def serve(
         hint = f" (check the -o options: {','.join(options.fuse_options)})" if options.fuse_options else ""
         notify(f"cannot mount at {mountpoint}: {exc}{hint}")
         return 1
-    log.info("serving %s (%d tensor%s) at %s", model.source.absolute(), len(model), "s" * (len(model) != 1), mountpoint)
+    log.info("serving %s (%d tensor%s) at %s", _absolute(model.source), len(model), "s" * (len(model) != 1), mountpoint)
     try:
         trio.run(_run, operations, mountpoint, options, record, notify)
     except BaseException as exc:
@@ -84,7 +86,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
     return {
         "pid": os.getpid(),
         "process_start": process_start(os.getpid()),
-        "source": str(model.source.absolute()),
+        "source": _absolute(model.source),
         "mountpoint": str(mountpoint),
         "version": __version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -113,14 +115,18 @@ def _json(document: dict[str, Any]) -> bytes:
     return (json.dumps(document, indent=2) + "\n").encode()
 
 
-def fsname(source: Path) -> str:
+def _absolute(source: ShardKey) -> str:
+    return source if isinstance(source, str) else str(source.absolute())
+
+
+def fsname(source: ShardKey) -> str:
     """The source's absolute path as the mount's fsname (what `df` and `mount` show), as sshfs does.
 
     libfuse splits options on ',' and takes '\\' as an escape; pyfuse3 passes options as ASCII,
     so other characters (and '%' itself) are %-encoded (UTF-8).
     """
     out = []
-    for char in str(source.absolute()):
+    for char in _absolute(source):
         if char in ",\\":
             out.append("\\" + char)
         elif char.isascii() and char.isprintable() and char != "%":

@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from json.encoder import encode_basestring
-from pathlib import Path
 
 from ..errors import TensorfsError
 from ..header import Entry
 from ..integrity import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
+from ..sources import ShardKey, shard_name
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"
@@ -132,7 +132,7 @@ class Tree:
             pairs = sorted((tensor_path(name, layout), name) for name in model.sorted_names)
             self.paths = [path for path, _ in pairs]
             self.names = [name for _, name in pairs]
-        shard_stats = {shard: os.fstat(model.shard_fd(shard)) for shard in model.shards}
+        shard_stats = {shard: model.shard_data(shard).status() for shard in model.shards}
         self._shard_mtime_ns = {shard: st.st_mtime_ns for shard, st in shard_stats.items()}
         self.mtime_ns = max(self._shard_mtime_ns.values(), default=0)
         # Each tensor's files are owned and readable as its shard is; directories and .tensorfs/ as
@@ -191,9 +191,9 @@ class Tree:
             file_mode &= access.file_mode | ~_READ_BITS
         return Access(self.access.uid, self.access.gid, file_mode, self.access.dir_mode)
 
-    def refresh_shard(self, shard: Path) -> bool:
+    def refresh_shard(self, shard: ShardKey) -> bool:
         """Take the shard file's owner, permissions and mtime again; whether any of them changed."""
-        st = os.fstat(self.model.shard_fd(shard))
+        st = self.model.shard_data(shard).status()
         access = Access.of(st, self.ownership)
         if access == self._shard_access[shard] and st.st_mtime_ns == self._shard_mtime_ns[shard]:
             return False
@@ -202,7 +202,7 @@ class Tree:
         self._sums_access = self._every_shard_access()
         return True
 
-    def inodes_of(self, shard: Path) -> list[int]:
+    def inodes_of(self, shard: ShardKey) -> list[int]:
         """The inodes of every file of the shard's tensors: each tensor's file and its two sidecars."""
         first = [self.tensor_inode(entry[2]) for entry in self.model.shard_header(shard).entries]
         return [inode + which for inode in first for which in range(3)]
@@ -297,7 +297,7 @@ class Tree:
             if which == 0:
                 yield base, file_inode, mode, entry[1] - entry[0], 1, mtime, uid, gid
             if which <= 1:
-                size = _meta_size(entry, data_start, shard.name)
+                size = _meta_size(entry, data_start, shard_name(shard))
                 yield base + META_SUFFIX, file_inode + 1, mode, size, 1, mtime, uid, gid
             yield base + SHA256_SUFFIX, file_inode + 2, mode, self._sha256_size(t), 1, mtime, uid, gid
             which = 0
@@ -419,7 +419,7 @@ def meta_json(model: Model, name: str) -> bytes:
 def meta_size(model: Model, name: str) -> int:
     """len(meta_json(model, name)), by adding up the lengths of its parts (a listing needs 100k of them)."""
     shard, data_start, entry = model.entry(name)
-    return _meta_size(entry, data_start, shard.name)
+    return _meta_size(entry, data_start, shard_name(shard))
 
 
 def _meta_size(entry: Entry, data_start: int, shard_name: str) -> int:
@@ -463,6 +463,6 @@ def _checkable(path: str) -> str:
 
 def index_json(model: Model) -> bytes:
     """A model.safetensors.index.json-style index of what is mounted."""
-    weight_map = {name: model.locate(name)[0].name for name in model.sorted_names}
+    weight_map = {name: shard_name(model.locate(name)[0]) for name in model.sorted_names}
     document = {"metadata": {"total_size": model.nbytes}, "weight_map": weight_map}
     return (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")

@@ -21,7 +21,8 @@ import select
 import struct
 import time
 from collections.abc import Iterable
-from pathlib import Path
+
+from ..sources import ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Change(enum.Enum):
 class ShardWatch:
     """inotify watches on open shard files; changes() drains what happened, never blocking."""
 
-    def __init__(self, shards: Iterable[tuple[Path, int, os.stat_result]]) -> None:
+    def __init__(self, shards: Iterable[tuple[ShardKey, int, os.stat_result]]) -> None:
         """`shards` is (path, open descriptor, status when validated) for every shard file.
 
         What happened between the validation and the watch is found by the first changes(),
@@ -62,7 +63,7 @@ class ShardWatch:
         say: fs.inotify.max_user_watches), changes are still seen by the shards' sizes and times,
         checked before each read; a warning says so.
         """
-        self._shards: dict[int, list[Path]] = {}  # watch descriptor -> the shards it watches
+        self._shards: dict[int, list[ShardKey]] = {}  # watch descriptor -> the shards it watches
         self._fds = {path: fd for path, fd, _ in shards}
         self.paths = list(self._fds)
         self._seen = {path: _times_of(st) for path, _, st in shards}  # size, mtime_ns, ctime_ns
@@ -88,21 +89,24 @@ class ShardWatch:
         """The inotify descriptor to wait on; -1 when there is none."""
         return self._fd
 
-    def check(self, path: Path, *, strict: bool = False) -> list[Change]:
+    def check(self, path: ShardKey, *, strict: bool = False) -> list[Change]:
         """What changed in shard `path` since it was last seen (by its size and times).
 
         A new mtime or size is a change of the bytes. A new ctime alone is one too when `strict`,
         or when there is no inotify to say otherwise: a write whose mtime was set back (rsync -t)
         leaves only that; with inotify, the events tell a chmod from a write.
         """
-        if self._fd >= 0 and not strict:
+        if self._fd >= 0 and not strict and path in self._checked_at:
             # inotify tells of every write but those through a mapping: for those (whose first
             # write to a clean page alone moves the mtime anyway) a look each millisecond will do.
             moment = time.monotonic()
             if moment - self._checked_at[path] < _CHECK_EVERY:
                 return []
             self._checked_at[path] = moment
-        now = _times(self._fds[path])
+        fd = self._fds.get(path)
+        if fd is None:  # not a file watched here (an object in a store: its ETag tells)
+            return []
+        now = _times(fd)
         before = self._seen[path]
         if now == before:
             return []
@@ -111,9 +115,9 @@ class ShardWatch:
             return [Change.CONTENT]
         return [Change.ATTRIBUTES]
 
-    def changes(self) -> list[tuple[Path, Change]]:
+    def changes(self) -> list[tuple[ShardKey, Change]]:
         """Every change reported since the last call, in order; [] at once when there is none."""
-        found: list[tuple[Path, Change]] = []
+        found: list[tuple[ShardKey, Change]] = []
         if self._unchecked:  # between validation and the watch, nothing reported it: compare strictly
             self._unchecked = False
             found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))

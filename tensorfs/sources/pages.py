@@ -62,8 +62,8 @@ def _buffer_address(view: memoryview) -> int:
         _release_buffer(ctypes.byref(buffer))
 
 
-class ShardPages:
-    """The pages of one shard's mapping."""
+class Pages:
+    """The pages of one mapping (a shard file, or an object's cache file)."""
 
     def __init__(self, view: memoryview) -> None:
         self.size = len(view)

@@ -1,0 +1,82 @@
+"""Where a shard's bytes come from, behind one small interface that the model and the read path use.
+
+A shard is a local file (local.py) or an object in a store, read through a local cache. Opened,
+either is a read-only mapping (the file, or the object's cache file) and a way to make a range
+of it present on a worker thread: nothing above this package knows where bytes come from.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import NamedTuple
+
+ShardKey = Path | str
+"""What names a shard in a model: a file's path, or an object's URL."""
+
+
+def shard_name(key: ShardKey) -> str:
+    """The shard's file name (what .meta.json and index.json call it)."""
+    return key.name if isinstance(key, Path) else key.rstrip("/").rsplit("/", 1)[-1]
+
+
+class Identity(NamedTuple):
+    """What changes whenever a shard's bytes may have: a cached hash is valid for one identity only.
+
+    For a file: device, inode, size, mtime and ctime (no one can set a ctime back, so a file
+    rewritten in place and given its old mtime again still gets a new one). For an object, the
+    same five numbers stand for its URL, ETag and size (see sources/remote.py).
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Identity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class ShardData(ABC):
+    """An opened shard: its bytes, validated, mapped read-only, and the ways to reach them safely."""
+
+    key: ShardKey
+    label: str
+    """How messages name it: its path or URL, as given."""
+    view: memoryview
+    """The whole shard, on a read-only mapping: zero-copy views and read replies come from it."""
+
+    @abstractmethod
+    def ensure(self, start: int, end: int) -> bool:
+        """Bring [start, end) into memory, mapped (blocking: call it from a worker thread).
+
+        False when the bytes cannot be had (gone from the file, or not fetched): the caller
+        answers EIO. Only then may the mapped range be touched without risk.
+        """
+
+    @abstractmethod
+    def readinto(self, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` from `offset` without touching the mapping (ShardChangedError if the bytes are gone)."""
+
+    @abstractmethod
+    def identity(self) -> Identity | None:
+        """The identity of the bytes validated, if the shard still holds them; None if it changed since."""
+
+    @abstractmethod
+    def status(self) -> os.stat_result:
+        """Owner, mode and times to show for the shard's files: as it is now."""
+
+    def watched(self) -> tuple[int, os.stat_result] | None:
+        """(descriptor, status when validated) of a file to watch for changes; None: nothing to watch."""
+        return None
+
+    @abstractmethod
+    def describe(self) -> object:
+        """What reopen() needs to open the same bytes again in another process (picklable)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of the mapping (a view still alive keeps it until it goes) and of the descriptors."""

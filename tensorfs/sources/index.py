@@ -1,0 +1,53 @@
+"""model.safetensors.index.json: which shard holds which tensor (the same rules wherever it is read from)."""
+
+from __future__ import annotations
+
+import orjson
+
+from ..errors import Problem
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def parse_weight_map(data: bytes, label: str, problems: list[Problem]) -> dict[str, str] | None:
+    """The index's weight_map (tensor -> shard file name), or None with the problems said.
+
+    A repeated key needs no check of its own: every mapping is compared with the shards' contents.
+    """
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        problems.append(Problem(label, f"index is not valid JSON: {exc}"))
+        return None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        problems.append(Problem(label, "index has no weight_map object"))
+        return None
+    if set(map(type, weight_map.values())) <= {str}:
+        return weight_map
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            problems.append(Problem(label, "weight_map value is not a shard file name", name))
+    return None
+
+
+def shard_names(weight_map: dict[str, str], label: str, problems: list[Problem]) -> list[str]:
+    """The shard file names the index names, each once in its order; those that are not plain names are problems."""
+    names = []
+    for shard in dict.fromkeys(weight_map.values()):
+        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or "\0" in shard:
+            problems.append(
+                Problem(
+                    label,
+                    f"weight_map names '{shard}', which is not a plain file name",
+                    first_tensor(weight_map, shard),
+                )
+            )
+        else:
+            names.append(shard)
+    return names
+
+
+def first_tensor(weight_map: dict[str, str], shard: str) -> str:
+    """The first tensor the index maps to `shard`: the one a problem with that shard is told of."""
+    return next(name for name, value in weight_map.items() if value == shard)

@@ -1,0 +1,155 @@
+"""Shards that are local files: found by an index or a glob, read and validated through one descriptor,
+mapped read-only, and read (for hashing) with preadv from that same descriptor."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidModelError, Problem, ShardChangedError
+from ..header import ShardHeader, open_shard, read_header_fd
+from . import Identity, ShardData
+from .index import INDEX_NAME, first_tensor, parse_weight_map, shard_names
+from .pages import Pages
+
+
+def find_shards(source: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str | None]:
+    """The shard files of `source`, and the index's weight map when there is one."""
+    if source.is_dir():
+        index = source / INDEX_NAME
+        if index.exists():
+            return _shards_from_index(index, problems)
+        shards = sorted(source.glob("*.safetensors"))
+        if not shards:
+            problems.append(Problem(str(source), "no .safetensors files in this directory"))
+        return shards, None, None
+    if source.name.endswith(".index.json") and source.is_file():
+        return _shards_from_index(source, problems)
+    if not source.exists() and not source.is_symlink():
+        problems.append(Problem(str(source), "no such file or directory"))
+        return [], None, None
+    return [source], None, None
+
+
+def _shards_from_index(index: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str]:
+    label = str(index)
+    try:
+        data = index.read_bytes()
+    except OSError as exc:
+        problems.append(Problem(label, f"cannot read: {exc.strerror}"))
+        return [], None, label
+    weight_map = parse_weight_map(data, label, problems)
+    if weight_map is None:
+        return [], None, label
+    shards = []
+    for name in shard_names(weight_map, label, problems):
+        if (index.parent / name).exists():
+            shards.append(index.parent / name)
+        else:
+            problems.append(
+                Problem(label, f"weight_map names shard '{name}', which does not exist", first_tensor(weight_map, name))
+            )
+    return sorted(shards), weight_map, label
+
+
+@dataclass(frozen=True)
+class LocalDescription:
+    """A local shard as validated: enough to open the very same file again, or refuse it."""
+
+    path: Path
+    label: str
+    identity: Identity
+
+
+class LocalShard(ShardData):
+    """A shard file, mapped read-only through the descriptor it was validated through (kept open)."""
+
+    key: Path
+
+    def __init__(self, path: Path, label: str, fd: int, validated: os.stat_result) -> None:
+        self.key = path
+        self.label = label
+        self._fd = fd
+        self._validated = validated
+        self._mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        self.view = memoryview(self._mapping)
+        self._pages: Pages | None = None
+
+    @classmethod
+    def open(cls, path: Path, label: str) -> tuple[ShardHeader, LocalShard]:
+        """Read, validate and map the shard at `path`; InvalidModelError saying every problem if not."""
+        try:
+            path.name.encode("utf-8")
+        except UnicodeEncodeError:  # .meta.json and index.json name shards in JSON, which is Unicode
+            raise InvalidModelError([Problem(label, "file name is not valid UTF-8; rename the shard")]) from None
+        fd = open_shard(path, label)
+        try:
+            header = read_header_fd(fd, path, label)
+            # Map the descriptor the header was read from: the bytes served are the bytes validated.
+            return header, cls(path, label, fd, os.fstat(fd))
+        except InvalidModelError:
+            os.close(fd)
+            raise
+        except OSError as exc:
+            os.close(fd)
+            raise InvalidModelError([Problem(label, f"cannot map: {exc.strerror}")]) from None
+
+    @classmethod
+    def reopen(cls, saved: LocalDescription) -> LocalShard:
+        """Map the file validated elsewhere again; InvalidModelError if it is no longer that file."""
+        # Absolute from here on: a daemon leaves the directory it was started in.
+        path = Path(os.path.abspath(saved.path))
+        fd = open_shard(path, saved.label)
+        try:
+            status = os.fstat(fd)
+            if Identity.of(status) != saved.identity:
+                raise InvalidModelError([Problem(saved.label, "changed while it was being validated; try again")])
+            return cls(path, saved.label, fd, status)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def ensure(self, start: int, end: int) -> bool:
+        if self._pages is None:
+            self._pages = Pages(self.view)
+        return self._pages.populate(start, end)
+
+    def readinto(self, offset: int, buffer: memoryview) -> None:
+        """Read the file, not the mapping: a mapped page whose bytes were cut from the file kills the
+        process that touches it (SIGBUS); a read just comes up short, which is ShardChangedError."""
+        done, size = 0, len(buffer)
+        while done < size:
+            count = os.preadv(self._fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise ShardChangedError(
+                    f"{self.key}: bytes [{offset + done}, {offset + size}) are gone: "
+                    "the file shrank after it was validated",
+                    lost_from=offset + done,
+                )
+            done += count
+
+    def identity(self) -> Identity | None:
+        validated = Identity.of(self._validated)
+        try:
+            now = Identity.of(os.stat(self.key))
+        except OSError:
+            return None
+        return validated if now == validated else None
+
+    def status(self) -> os.stat_result:
+        return os.fstat(self._fd)
+
+    def watched(self) -> tuple[int, os.stat_result] | None:
+        return self._fd, self._validated
+
+    def describe(self) -> LocalDescription:
+        return LocalDescription(self.key, self.label, Identity.of(self._validated))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self.view.release()
+        self._mapping.close()
