@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config
+SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light
 DEMO_DIR ?= demo
 
 .PHONY: install system-packages test lint demo bench fuzz soak clean
@@ -11,7 +11,7 @@ FUZZ_EXAMPLES ?= 100000
 
 install: $(VENV)/.installed
 
-# pyfuse3 builds against libfuse 3, and mounting needs fusermount3.
+# pyfuse3 builds against libfuse 3, mounting needs fusermount3, and the tests of http(s):// models nginx.
 system-packages:
 	@missing=""; \
 	for pkg in $(SYSTEM_PACKAGES); do \

@@ -4,6 +4,7 @@ from .errors import InvalidModelError, MountError, Problem, TensorfsError
 from .header import ShardHeader, TensorInfo
 from .model import Model, open_model
 from .mounted import memmap
+from .sources.remote import RemoteOptions
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,7 @@ __all__ = [
     "Model",
     "MountError",
     "Problem",
+    "RemoteOptions",
     "ShardHeader",
     "TensorInfo",
     "TensorfsError",

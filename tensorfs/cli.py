@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
 import stat
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 import click
 
@@ -35,6 +37,7 @@ from .model import Model, open_model
 from .names import LAYOUTS, Layout
 from .progress import Progress
 from .sources import shard_name
+from .sources.remote import RemoteOptions, is_remote
 from .units import human_size
 
 # The mount layer is imported by the commands that use it: the others start the faster for it.
@@ -137,7 +140,108 @@ layout_option = click.option(
     show_default=True,
     help="How tensor names become paths: 'slash' nests on '/', 'dotted' also on '.'.",
 )
-model_argument = click.argument("path", metavar="MODEL", type=click.Path(path_type=Path))
+
+
+class ModelSource(click.ParamType):  # type: ignore[type-arg]  # generic only in click >= 8.2
+    """A model: a local path, or the URL of one in a store (s3://, http(s)://, hf://)."""
+
+    name = "model"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if isinstance(value, Path) or not is_remote(value):
+            return Path(value)
+        return str(value)
+
+
+class ByteSize(click.ParamType):  # type: ignore[type-arg]
+    """A size in bytes: 1048576, 512M, 20G, 1.5T (binary units)."""
+
+    name = "size"
+    _UNITS: ClassVar[dict[str, int]] = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+        unit = text[-1:] if text[-1:] in self._UNITS else ""
+        try:
+            number = float(text[: len(text) - len(unit)])
+        except ValueError:
+            self.fail(f"{value!r} is not a size (e.g. 512M, 20G)", param, ctx)
+        if not math.isfinite(number) or number <= 0:
+            self.fail(f"{value!r} is not a size above 0", param, ctx)
+        return int(number * self._UNITS[unit])
+
+
+model_argument = click.argument("path", metavar="MODEL", type=ModelSource())
+
+
+def remote_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of models in stores (and the cache they are read through), as one RemoteOptions `remote`."""
+
+    @functools.wraps(command)
+    def with_remote(
+        *args: Any,
+        endpoint_url: str | None,
+        region: str | None,
+        no_sign_request: bool,
+        cache_size: int | None,
+        chunk_mb: int,
+        remote_concurrency: int,
+        remote_timeout: float,
+        offline: bool,
+        **kwargs: Any,
+    ) -> Any:
+        remote = RemoteOptions(
+            endpoint_url=endpoint_url,
+            region=region,
+            no_sign_request=no_sign_request,
+            cache_dir=kwargs["cache_dir"].absolute() if kwargs.get("cache_dir") else None,
+            cache_size=cache_size,
+            chunk_size=chunk_mb << 20,
+            concurrency=remote_concurrency,
+            timeout=remote_timeout,
+            offline=offline,
+        )
+        return command(*args, remote=remote, **kwargs)
+
+    options = [
+        click.option("--endpoint-url", metavar="URL", help="An S3-compatible store's endpoint (or AWS_ENDPOINT_URL)."),
+        click.option("--region", help="The S3 region (or AWS_REGION; default us-east-1)."),
+        click.option(
+            "--no-sign-request", is_flag=True, help="Anonymous requests: a public bucket, or the Hub unlogged."
+        ),
+        click.option(
+            "--cache-dir",
+            type=click.Path(path_type=Path, file_okay=False),
+            help="Where the caches live: hashes, and the bytes of remote models. "
+            "Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs).",
+        ),
+        click.option(
+            "--cache-size",
+            type=ByteSize(),
+            help="Bound the cache of remote models (e.g. 50G): least recently used chunks go first. Default: no bound.",
+        ),
+        click.option(
+            "--chunk-mb",
+            type=click.IntRange(1, 1024),
+            default=8,
+            show_default=True,
+            help="The unit remote objects are fetched and cached in.",
+        ),
+        click.option(
+            "--remote-concurrency", type=click.IntRange(1, 64), default=8, show_default=True, help="GETs at once."
+        ),
+        click.option(
+            "--remote-timeout",
+            type=Finite(1, 3600),
+            default=60.0,
+            show_default=True,
+            help="Seconds a read may wait on the store, retries included, before it fails (EIO).",
+        ),
+        click.option("--offline", is_flag=True, help="Use what the cache holds of a remote model; no request at all."),
+    ]
+    for option in reversed(options):
+        with_remote = option(with_remote)
+    return with_remote
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -153,12 +257,13 @@ def cli() -> None:
 @cli.command()
 @model_argument
 @layout_option
-def validate(path: Path, layout: Layout) -> None:
+@remote_options
+def validate(path: Path | str, layout: Layout, cache_dir: Path | None, remote: RemoteOptions) -> None:
     """Check every header of MODEL as `mount` would, and summarise it.
 
     Exit 0 when valid; exit 1 and one line per problem on stderr when not.
     """
-    with open_model(path, layout=layout) as model:
+    with open_model(path, layout=layout, remote=remote) as model:
         click.echo(
             f"{printable(str(path))}: valid: {len(model.shards)} shard{'s' * (len(model.shards) != 1)}, "
             f"{len(model)} tensor{'s' * (len(model) != 1)}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
@@ -168,9 +273,10 @@ def validate(path: Path, layout: Layout) -> None:
 @cli.command(name="ls")
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
-def ls_command(path: Path, as_json: bool) -> None:
+@remote_options
+def ls_command(path: Path | str, as_json: bool, cache_dir: Path | None, remote: RemoteOptions) -> None:
     """List the tensors of MODEL: name, dtype, shape, size and shard."""
-    with open_model(path) as model:
+    with open_model(path, remote=remote) as model:
         if as_json:
             _ls_json(model)
         else:
@@ -199,12 +305,7 @@ def _ls_table(model: Model) -> None:
 
 
 def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    command = click.option("--no-cache", is_flag=True, help="Neither read nor write the hash cache.")(command)
-    return click.option(
-        "--cache-dir",
-        type=click.Path(path_type=Path, file_okay=False),
-        help="Where the hash cache lives. Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs).",
-    )(command)
+    return click.option("--no-cache", is_flag=True, help="Neither read nor write the hash cache.")(command)
 
 
 def open_cache(cache_dir: Path | None, no_cache: bool) -> HashCache:
@@ -222,12 +323,20 @@ def hash_model(model: Model, cache: HashCache) -> dict[str, str]:
 @click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write here, not to stdout.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON object {tensor name: hex SHA-256}.")
 @cache_options
-def manifest(path: Path, output: Path | None, as_json: bool, cache_dir: Path | None, no_cache: bool) -> None:
+@remote_options
+def manifest(
+    path: Path | str,
+    output: Path | None,
+    as_json: bool,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
+) -> None:
     """The SHA-256 of every tensor's raw bytes, in sha256sum format (`<hex>  <tensor name>`) by name.
 
     Hashes found in the cache (same shard file, unchanged) are not computed again.
     """
-    with open_model(path) as model:
+    with open_model(path, remote=remote) as model:
         text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
     if output is None:
         sys.stdout.write(text)
@@ -240,22 +349,25 @@ def manifest(path: Path, output: Path | None, as_json: bool, cache_dir: Path | N
 @click.option(
     "--manifest",
     "manifest_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help=f"The manifest to check against (sha256sum or JSON). Default: {DEFAULT_MANIFEST} in MODEL "
-    "(in its directory, for a file).",
+    type=ModelSource(),
+    help=f"The manifest to check against (sha256sum or JSON; a file or a URL). Default: {DEFAULT_MANIFEST} in "
+    "MODEL (in its directory, for a file).",
 )
 @cache_options
-def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_cache: bool) -> None:
+@remote_options
+def verify(
+    path: Path | str, manifest_path: Path | str | None, cache_dir: Path | None, no_cache: bool, remote: RemoteOptions
+) -> None:
     """Hash every tensor of MODEL and compare with a manifest.
 
     Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor.
     """
-    manifest_path = manifest_path or find_default_manifest(path)
+    manifest_path = manifest_path or find_default_manifest(path, remote)
     if manifest_path is None:
-        where = path if path.is_dir() else path.parent
+        where = path if isinstance(path, str) or path.is_dir() else path.parent
         raise TensorfsError(f"{where}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
-    expected = read_manifest(manifest_path)
-    with open_model(path) as model:
+    expected = read_manifest(manifest_path, remote)
+    with open_model(path, remote=remote) as model:
         actual = hash_model(model, open_cache(cache_dir, no_cache))
         result = compare(model, expected, actual)
         label = str(manifest_path)
@@ -272,7 +384,7 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
 
 
 @cli.command()
-@click.argument("source", metavar="MODEL", type=click.Path(path_type=Path))
+@click.argument("source", metavar="MODEL", type=ModelSource())
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("-f", "--foreground", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option(
@@ -317,9 +429,9 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
 @click.option(
     "--manifest",
     "manifest_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help=f"Serve no tensor before its bytes match this manifest. Default: {DEFAULT_MANIFEST} in MODEL "
-    "(in its directory, for a file), if there.",
+    type=ModelSource(),
+    help=f"Serve no tensor before its bytes match this manifest (a file or a URL). Default: {DEFAULT_MANIFEST} "
+    "in MODEL (in its directory, for a file), if there.",
 )
 @click.option(
     "--verify",
@@ -327,8 +439,9 @@ def verify(path: Path, manifest_path: Path | None, cache_dir: Path | None, no_ca
     help="With a manifest: hash each tensor on its first open (default), all before mounting, or not at all.",
 )
 @cache_options
+@remote_options
 def mount(
-    source: Path,
+    source: Path | str,
     mountpoint: Path,
     foreground: bool,
     fuse_options: tuple[str, ...],
@@ -339,10 +452,11 @@ def mount(
     readahead_kb: int,
     prefetch_mb: int,
     max_background: int,
-    manifest_path: Path | None,
+    manifest_path: Path | str | None,
     verify: str | None,
     cache_dir: Path | None,
     no_cache: bool,
+    remote: RemoteOptions,
 ) -> int:
     """Mount MODEL read-only at MOUNTPOINT: one file per tensor, with .meta.json and .sha256 beside it.
 
@@ -366,24 +480,25 @@ def mount(
         max_background=max_background,
         quiet=quiet,
     )
-    manifest_path = manifest_path or (find_default_manifest(source) if verify != "off" else None)
-    if verify is not None and verify != "off" and manifest_path is None:
-        raise TensorfsError(f"--verify={verify} needs a manifest: --manifest FILE, or {DEFAULT_MANIFEST} in MODEL")
 
     def prepare() -> tuple[Model, Integrity]:
-        model = open_model(source, layout=layout)
+        # Here, after the daemon is forked: obstore (for a remote model) cannot be used across a fork.
+        given = manifest_path or (find_default_manifest(source, remote) if verify != "off" else None)
+        if verify is not None and verify != "off" and given is None:
+            raise TensorfsError(f"--verify={verify} needs a manifest: --manifest FILE, or {DEFAULT_MANIFEST} in MODEL")
+        model = open_model(source, layout=layout, remote=remote)
         cache = open_cache(cache_dir, no_cache)
         expected = None
         verified: set[str] = set()
-        if manifest_path is not None and verify != "off":
-            expected = read_manifest(manifest_path)
-            require_coverage(model, expected, str(manifest_path), extra_allowed=shard_of_a_model(source))
+        if given is not None and verify != "off":
+            expected = read_manifest(given, remote)
+            require_coverage(model, expected, str(given), extra_allowed=shard_of_a_model(source))
             if verify == "all":
                 actual = hash_model(model, cache)
                 bad = compare(model, expected, actual).mismatched
                 if bad:
                     raise InvalidModelError(
-                        Problem(str(model.info(name).shard), f"does not match {manifest_path}; nothing mounted", name)
+                        Problem(str(model.info(name).shard), f"does not match {given}; nothing mounted", name)
                         for name in bad
                     )
                 verified = set(actual)
@@ -471,6 +586,93 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
             for row in [header, *rows]:
                 click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
     return 0 if all(state.healthy for state in states) else 1
+
+
+@cli.command()
+@model_argument
+@remote_options
+def prefetch(path: Path | str, cache_dir: Path | None, remote: RemoteOptions) -> None:
+    """Fetch every byte of a remote MODEL into the cache, ahead of a job (a progress line on a terminal).
+
+    Afterwards the model mounts and reads with --offline too.
+    """
+    from .sources.objects import RemoteShard
+
+    with open_model(path, remote=remote) as model:
+        shards = [model.shard_data(shard) for shard in model.shards]
+        remote_shards = [data for data in shards if isinstance(data, RemoteShard)]
+        if not remote_shards:
+            click.echo(f"{printable(str(path))}: a local model: nothing to fetch")
+            return
+        total = sum(data.cached.version.size for data in remote_shards)
+        with Progress(total, "fetching") as progress:
+            for data in remote_shards:
+                data.prefetch(progress.advance)
+        click.echo(f"{printable(str(path))}: {len(remote_shards)} shard(s), {human_size(total)} cached")
+
+
+@cli.group()
+def cache() -> None:
+    """The local cache of remote models' bytes: what it holds, and trimming it."""
+
+
+cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="The cache. Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs).",
+)
+
+
+def _object_cache(cache_dir: Path | None) -> Any:
+    from .sources.cache import Cache, default_cache_dir
+
+    directory = (cache_dir or default_cache_dir()).absolute()
+    if not (directory / "objects.sqlite").exists():
+        raise TensorfsError(f"{directory}: no cache of remote models here")
+    return Cache(directory)
+
+
+@cache.command(name="ls")
+@cache_dir_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per object version and line.")
+def cache_ls(cache_dir: Path | None, as_json: bool) -> None:
+    """Every object version in the cache: URL, size, bytes cached, last used, whether in use now."""
+    entries = _object_cache(cache_dir).entries()
+    if as_json:
+        for e in entries:
+            record = {"url": e.url, "etag": e.etag, "size": e.size, "cached": e.cached, "used": e.used}
+            click.echo(json.dumps({**record, "in_use": e.in_use}))
+        return
+    rows = [("SIZE", "CACHED", "LAST USED", "IN USE", "URL")]
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))
+        rows.append((human_size(e.size), human_size(e.cached), used, "yes" if e.in_use else "no", printable(e.url)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(f"{cell:>{w}}" for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
+
+
+@cache.command(name="du")
+@cache_dir_option
+def cache_du(cache_dir: Path | None) -> None:
+    """How much the cache holds."""
+    cached = _object_cache(cache_dir)
+    entries = cached.entries()
+    held = sum(e.cached for e in entries)
+    click.echo(f"{human_size(held)} ({held} bytes) cached of {len(entries)} object version(s), in {cached.directory}")
+
+
+@cache.command(name="prune")
+@cache_dir_option
+@click.option(
+    "--max-size", type=ByteSize(), help="Keep at most this much (least recently used goes first). Default: nothing."
+)
+def cache_prune(cache_dir: Path | None, max_size: int | None) -> None:
+    """Evict what is not in use (by a mount or a command) until the cache holds at most --max-size."""
+    cached = _object_cache(cache_dir)
+    freed = cached.prune(max_size or 0)
+    held = sum(e.cached for e in cached.entries())
+    click.echo(f"freed {human_size(freed)}; {human_size(held)} cached")
 
 
 @cli.command()

@@ -126,26 +126,32 @@ def open_shard(path: Path, label: str) -> int:
 
 def read_header_fd(fd: int, path: Path, label: str) -> ShardHeader:
     """Read and validate the header of the open shard `fd` (the file at `path`, shown as `label`)."""
-
-    def fail(reason: str) -> InvalidModelError:
-        return InvalidModelError([Problem(label, reason)])
-
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise fail("not a regular file")
+            raise InvalidModelError([Problem(label, "not a regular file")])
         size = st.st_size
-        if size < 8:
-            raise fail(f"file is {size} bytes, too short to hold the 8-byte header length")
-        length = int.from_bytes(_pread_exactly(fd, 8, 0, label), "little")
-        if length > MAX_HEADER_BYTES:
-            raise fail(f"header length {length} is over the limit of {MAX_HEADER_BYTES:,} bytes")
-        if 8 + length > size:
-            raise fail(f"header length {length} runs past the end of the file ({size} bytes)")
+        length = header_length(_pread_exactly(fd, 8, 0, label) if size >= 8 else b"", size, label)
         raw = _pread_exactly(fd, length, 8, label)
     except OSError as exc:
-        raise fail(f"cannot read: {exc.strerror}") from None
+        raise InvalidModelError([Problem(label, f"cannot read: {exc.strerror}")]) from None
     return parse_header(raw, path, size, label)
+
+
+def header_length(prefix: bytes, size: int, label: str) -> int:
+    """The header's length from the shard's first 8 bytes, checked against the shard's size (rules 1-3)."""
+    if size < 8:
+        raise InvalidModelError([Problem(label, f"file is {size} bytes, too short to hold the 8-byte header length")])
+    length = int.from_bytes(prefix[:8], "little")
+    if length > MAX_HEADER_BYTES:
+        raise InvalidModelError(
+            [Problem(label, f"header length {length} is over the limit of {MAX_HEADER_BYTES:,} bytes")]
+        )
+    if 8 + length > size:
+        raise InvalidModelError(
+            [Problem(label, f"header length {length} runs past the end of the file ({size} bytes)")]
+        )
+    return length
 
 
 def _pread_exactly(fd: int, count: int, offset: int, label: str) -> bytes:

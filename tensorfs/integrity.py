@@ -20,6 +20,7 @@ from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError
 from .header import Entry
 from .model import Model
 from .sources import Identity, ShardKey
+from .sources.remote import RemoteError, RemoteOptions, beside, exists, is_remote, read_url
 
 log = logging.getLogger(__name__)
 
@@ -392,16 +393,24 @@ MAX_MANIFEST_BYTES = 1 << 30
 """A manifest of a million tensors is about 100 MB: one past this is not a manifest (or never ends)."""
 
 
-def read_manifest(path: Path) -> dict[str, str]:
-    """The manifest in `path` (a file, or a pipe such as <(...)), at most MAX_MANIFEST_BYTES."""
-    try:
-        with open(path, "rb") as f:
-            kind = os.fstat(f.fileno()).st_mode
-            if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
-                raise ManifestError(f"{path}: not a regular file or a pipe")
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read: {exc.strerror}") from None
+def read_manifest(path: Path | str, remote: RemoteOptions | None = None) -> dict[str, str]:
+    """The manifest in `path` (a file, a pipe such as <(...), or a URL), at most MAX_MANIFEST_BYTES."""
+    if is_remote(path):
+        assert isinstance(path, str)
+        try:
+            data = read_url(path, remote or RemoteOptions())
+        except (RemoteError, FileNotFoundError) as exc:
+            raise ManifestError(str(exc) if str(exc).startswith(path) else f"{path}: {exc}") from None
+    else:
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                kind = os.fstat(f.fileno()).st_mode
+                if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+                    raise ManifestError(f"{path}: not a regular file or a pipe")
+                data = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as exc:
+            raise ManifestError(f"{path}: cannot read: {exc.strerror}") from None
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest")
     try:
@@ -411,14 +420,31 @@ def read_manifest(path: Path) -> dict[str, str]:
     return parse_manifest(text, str(path))
 
 
-def find_default_manifest(source: Path) -> Path | None:
-    """tensors.sha256 in SOURCE, or beside it when SOURCE is a file (a shard, an index), if there is one."""
+def find_default_manifest(source: Path | str, remote: RemoteOptions | None = None) -> Path | str | None:
+    """tensors.sha256 in SOURCE, or beside it when SOURCE is a file (a shard, an index), if there is one.
+
+    For a remote model: beside its shards in the store (asked with a HEAD, not with --offline).
+    """
+    if is_remote(source):
+        assert isinstance(source, str)
+        options = remote or RemoteOptions()
+        if options.offline:
+            return None
+        ref = beside(source, DEFAULT_MANIFEST, options)
+        try:
+            return ref.url if exists(ref) else None
+        except RemoteError as exc:
+            raise ManifestError(str(exc)) from None
+    source = Path(source)
     candidate = (source if source.is_dir() else source.parent) / DEFAULT_MANIFEST
     return candidate if candidate.is_file() else None
 
 
-def shard_of_a_model(source: Path) -> bool:
+def shard_of_a_model(source: Path | str) -> bool:
     """Whether SOURCE is one .safetensors file: it may be one shard of the model its manifest lists."""
+    if isinstance(source, str) and is_remote(source):
+        return source.rstrip("/").endswith(".safetensors")
+    source = Path(source)
     return not source.is_dir() and not source.name.endswith(".index.json")
 
 

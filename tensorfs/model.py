@@ -17,13 +17,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidModelError, ModelClosedError, Problem
+from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo
 from .names import Layout, collisions, name_problems
 from .sources import Identity, ShardData, ShardKey, shard_name
 from .sources.index import INDEX_NAME
 from .sources.local import LocalDescription, LocalShard, find_shards
+from .sources.objects import RemoteDescription, RemoteOpener, RemoteShard
+from .sources.remote import RemoteError, RemoteOptions, is_remote
 
 if TYPE_CHECKING:
     import numpy as np
@@ -140,16 +142,26 @@ class Model:
         """Fill `buffer` with the shard's bytes from `offset`, without touching the mapping."""
         self.shard_data(shard).readinto(offset, buffer)
 
+    def flush(self) -> None:
+        """Record in their caches what was fetched for remote shards (a second's worth is kept back)."""
+        for shard in self._shards.values():
+            shard.data.flush()
+
     def identity(self, shard: ShardKey) -> Identity | None:
         """The identity of the bytes validated, if the shard still holds them (for caches of their hashes)."""
         return self._shards[shard].data.identity()
 
     def raw(self, name: str) -> memoryview:
-        """The tensor's bytes: a read-only view on the shard's mmap, no copy."""
+        """The tensor's bytes: a read-only view on the shard's mapping, no copy.
+
+        For a remote model the tensor's chunks are fetched first (TensorfsError if they cannot be).
+        """
         self._check_open()
         shard = self._owner[name]
         begin, end, _, _, _ = shard.by_name[name]
         start = shard.header.data_start
+        if not shard.data.lazy_views and not shard.data.ensure(start + begin, start + end):
+            raise ShardChangedError(f"{shard.label}: tensor '{name}': its bytes could not be read")
         return shard.data.view[start + begin : start + end]
 
     def array(self, name: str) -> np.ndarray:
@@ -250,26 +262,44 @@ def reopen(saved: ModelSnapshot) -> Model:
 def _reopen_data(description: object) -> ShardData:
     if isinstance(description, LocalDescription):
         return LocalShard.reopen(description)
+    if isinstance(description, RemoteDescription):
+        return RemoteShard.reopen(description)
     raise TypeError(f"no source reopens {description!r}")
 
 
-def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash") -> Model:
+def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash", remote: RemoteOptions | None = None) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
     `path` is a .safetensors file, a directory of shards (with or without
-    model.safetensors.index.json), or an index file. Raises InvalidModelError naming every
+    model.safetensors.index.json), or an index file; or such a model in a store: s3://BUCKET/PREFIX,
+    http(s)://.../NAME.safetensors or .../model.safetensors.index.json, hf://ORG/NAME[@REVISION],
+    read through a local cache (`remote` says how). Raises InvalidModelError naming every
     problem found; no tensor data is read.
     """
-    source = Path(path)
     problems: list[Problem] = []
     with gc_paused():
         # Every problem is collected, of every shard and across shards, before any is reported.
-        shard_paths, weight_map, index_label = find_shards(source, problems)
-        opened = _open_shards([(path, str(path)) for path in shard_paths], LocalShard.open, problems)
+        if is_remote(path):
+            assert isinstance(path, str)
+            try:
+                opener = RemoteOpener(path, remote or RemoteOptions(), problems)
+            except RemoteError as exc:
+                raise InvalidModelError([Problem(path, str(exc).removeprefix(f"{path}: "))]) from None
+            source: ShardKey = path
+            located = opener.located
+            opened = _open_shards(opener.shards, opener.open, problems)
+            weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
+        else:
+            source = Path(path)
+            shard_paths, weight_map, index_label = find_shards(source, problems)
+            opened = _open_shards([(path, str(path)) for path in shard_paths], LocalShard.open, problems)
+            done = None
         try:
             owner = _check_model(opened, weight_map, index_label, layout, problems)
             if problems:
                 raise InvalidModelError(problems)
+            if done is not None:
+                done()
             return Model(source, opened, owner, layout)
         except BaseException:
             for shard in opened:

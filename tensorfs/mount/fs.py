@@ -271,15 +271,20 @@ class TensorOperations(pyfuse3.Operations):
         high = min(low + size, span.end)
         if not span.ready_from <= low < high <= span.ready_to:
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
-            if not await trio.to_thread.run_sync(span.data.ensure, low, high, limiter=self._demand):
-                # The bytes are gone from the file (truncated under the mount): the reader gets EIO
-                # and the daemon goes on. What was validated is never replaced by anything else.
+            try:
+                present = await trio.to_thread.run_sync(span.data.ensure, low, high, limiter=self._demand)
+                why = "the shard shrank under the mount"
+            except TensorfsError as exc:  # a remote shard's bytes that could not be fetched
+                present, why = False, str(exc)
+            if not present:
+                # The reader gets EIO and the daemon goes on. What was validated is never replaced
+                # by anything else.
                 raise ShardChangedError(
                     f"{span.shard}: tensor '{printable(span.name)}': bytes [{low - span.start}, "
-                    f"{high - span.start}) of the tensor cannot be read: the shard shrank under the mount"
+                    f"{high - span.start}) of the tensor cannot be read: {why}"
                 )
             until = min(span.end, high + self.prefetch)
-            if until > high and not await trio.to_thread.run_sync(span.data.ensure, high, until, limiter=self._demand):
+            if until > high and not await self._ensure_ahead(span, high, until, self._demand):
                 until = high
             span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
         elif self.nursery is not None and self._window_running_out(span, high):
@@ -287,13 +292,24 @@ class TensorOperations(pyfuse3.Operations):
             self.nursery.start_soon(self._prefetch, span)
         return span.view[low:high]
 
+    async def _ensure_ahead(self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter) -> bool:
+        """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
+        try:
+            return bool(
+                await trio.to_thread.run_sync(
+                    functools.partial(span.data.ensure, begin, until, ahead=True), limiter=limiter
+                )
+            )
+        except TensorfsError:
+            return False
+
     def _window_running_out(self, span: _Span, high: int) -> bool:
         return span.ready_to < span.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
 
     async def _prefetch(self, span: _Span) -> None:
         begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
         try:
-            done = await trio.to_thread.run_sync(span.data.ensure, begin, until, limiter=self._prefetchers)
+            done = await self._ensure_ahead(span, begin, until, self._prefetchers)
             if done and span.ready_from <= begin <= span.ready_to:  # still contiguous with what is ready
                 span.ready_to = max(span.ready_to, until)
         finally:

@@ -76,6 +76,7 @@ def serve(
             write_record(mountpoint, record)  # kept, so that `tensorfs status` can say why it died
         raise
     pyfuse3.close(unmount=True)
+    model.close()  # what remote shards fetched is recorded in their cache
     remove_record(mountpoint, os.getpid())
     log.info("unmounted %s", mountpoint)
     return 0
@@ -157,9 +158,17 @@ async def _run(
         operations.nursery = nursery
         nursery.start_soon(_handle_signals)
         nursery.start_soon(operations.watch_changes)
+        nursery.start_soon(_flush_caches, operations.tree.model)
         nursery.start_soon(_report_ready, mountpoint, options, record, notify)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
+
+
+async def _flush_caches(model: Model) -> None:
+    """Record fetched chunks in the cache every second, not only when more come (other processes see them)."""
+    while True:
+        await trio.sleep(1.0)
+        await trio.to_thread.run_sync(model.flush)
 
 
 async def _handle_signals() -> None:

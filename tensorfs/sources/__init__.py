@@ -48,13 +48,18 @@ class ShardData(ABC):
     """How messages name it: its path or URL, as given."""
     view: memoryview
     """The whole shard, on a read-only mapping: zero-copy views and read replies come from it."""
+    lazy_views = True
+    """Whether a view may be handed out before its range is ensured (a file's pages fault in by
+    themselves; a cache file's unfetched chunks are holes, which read as zeros)."""
 
     @abstractmethod
-    def ensure(self, start: int, end: int) -> bool:
+    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
         """Bring [start, end) into memory, mapped (blocking: call it from a worker thread).
 
-        False when the bytes cannot be had (gone from the file, or not fetched): the caller
-        answers EIO. Only then may the mapped range be touched without risk.
+        False when the bytes are gone from the file; TensorfsError when they cannot be fetched.
+        Either way the caller answers EIO: only a range ensured may be touched through the
+        mapping. `ahead`: not a reader's request but a window ahead of one (a reader's requests
+        tell a source how it reads).
         """
 
     @abstractmethod
@@ -72,6 +77,9 @@ class ShardData(ABC):
     def watched(self) -> tuple[int, os.stat_result] | None:
         """(descriptor, status when validated) of a file to watch for changes; None: nothing to watch."""
         return None
+
+    def flush(self) -> None:  # noqa: B027 - most sources have nothing to flush
+        """Make what was fetched into a cache known to other processes, and safe from a crash."""
 
     @abstractmethod
     def describe(self) -> object:

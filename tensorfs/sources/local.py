@@ -112,7 +112,7 @@ class LocalShard(ShardData):
             os.close(fd)
             raise
 
-    def ensure(self, start: int, end: int) -> bool:
+    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
         if self._pages is None:
             self._pages = Pages(self.view)
         return self._pages.populate(start, end)

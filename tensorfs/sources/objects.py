@@ -1,0 +1,236 @@
+"""Remote shards: objects read through the local cache, and how a remote model's shards are opened.
+
+A remote shard's bytes are its cache file's: mapped read-only like a local shard, and made
+present chunk by chunk (GETs on the fetch threads, then madvise) before anything reads them.
+A reader that keeps on where the last one stopped is sequential, however many tensor files it
+opens on the way: the chunks ahead of it are fetched before it asks (the window doubles each
+time, up to as many chunks as there are fetch threads); any other reader fetches only what it
+reads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidModelError, Problem
+from ..header import ShardHeader, header_length, parse_header
+from . import Identity, ShardData
+from .cache import Cache, CachedObject, Fetcher, default_cache_dir, wait
+from .index import first_tensor
+from .remote import (
+    Located,
+    ObjectRef,
+    ObjectVersion,
+    RemoteError,
+    RemoteOptions,
+    locate,
+    read_header,
+    store_spec,
+)
+
+
+@dataclass(frozen=True)
+class RemoteDescription:
+    """A remote shard as validated: the object version, and how this process read it (the options)."""
+
+    version: ObjectVersion
+    options: RemoteOptions
+
+
+_caches: dict[tuple[str, int | None], Cache] = {}
+_caches_lock = threading.Lock()
+
+
+def shared_cache(options: RemoteOptions) -> Cache:
+    """The cache that `options` name, one per process (its chunks and locks are the process's)."""
+    directory = (options.cache_dir or default_cache_dir()).absolute()
+    with _caches_lock:
+        key = (str(directory), options.cache_size)
+        cache = _caches.get(key)
+        if cache is None:
+            cache = _caches[key] = Cache(directory, options.cache_size)
+        return cache
+
+
+class RemoteShard(ShardData):
+    """An object version, read through its cache file."""
+
+    key: str
+    lazy_views = False
+
+    def __init__(self, cached: CachedObject, options: RemoteOptions) -> None:
+        self.cached = cached
+        self.key = self.label = cached.version.url
+        self.view = cached.view
+        self.options = options
+        self._pool = Fetcher.pool(options.concurrency)
+        self._lock = threading.Lock()
+        self._last_end = -1  # where the last read stopped
+        self._window = 0  # chunks fetched ahead of a sequential reader
+        version = cached.version
+        mtime = int(version.mtime * 1e9)
+        self._status = os.stat_result(
+            (0o100444, 0, 0, 1, os.getuid(), os.getgid(), version.size, int(version.mtime), int(version.mtime), 0),
+            {"st_atime_ns": mtime, "st_mtime_ns": mtime, "st_ctime_ns": mtime},
+        )
+
+    @classmethod
+    def reopen(cls, saved: RemoteDescription) -> RemoteShard:
+        cache = shared_cache(saved.options)
+        return cls(cache.open_object(saved.version, None, saved.options.chunk_size), saved.options)
+
+    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+        """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map them."""
+        if end <= start:
+            return True
+        size = self.cached.chunk_size
+        first, last = start // size, (end - 1) // size
+        waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk)) is not None]
+        if not ahead:
+            self._read_ahead(start, end, last)
+        wait(waiting)
+        self.cached.served(first, last)
+        return self.cached.pages.populate(start, end)
+
+    def _fetch(self, chunk: int) -> Any:
+        if self.options.offline:
+            if self.cached.present(chunk):
+                return None
+            raise RemoteError(f"{self.key}: bytes [{chunk * self.cached.chunk_size}, ...) are not cached (--offline)")
+        return self.cached.fetching(chunk, self._pool)
+
+    def _read_ahead(self, start: int, end: int, last: int) -> None:
+        size = self.cached.chunk_size
+        with self._lock:
+            sequential = self._last_end >= 0 and self._last_end - size <= start <= self._last_end + size
+            self._last_end = end
+            self._window = min(max(1, 2 * self._window), self.options.concurrency) if sequential else 0
+            window = self._window
+        if self.options.offline:
+            return
+        for chunk in range(last + 1, min(self.cached.chunks, last + 1 + window)):
+            self.cached.fetching(chunk, self._pool)  # not waited for: a failure is met again if it is read
+
+    def prefetch(self, progress: Callable[[int], None] | None = None) -> None:
+        """Fetch every chunk not cached yet (as many at once as there are fetch threads)."""
+        if self.options.offline:
+            return
+        size = self.cached.chunk_size
+        pending = [(chunk, self.cached.fetching(chunk, self._pool)) for chunk in range(self.cached.chunks)]
+        for chunk, future in pending:
+            if future is not None:
+                wait([future])
+            if progress is not None:
+                progress(min(size, self.cached.version.size - chunk * size))
+
+    def readinto(self, offset: int, buffer: memoryview) -> None:
+        """The bytes from the cache file (fetched first if need be), never through the mapping."""
+        self.ensure(offset, offset + len(buffer))
+        self.cached.readinto(offset, buffer)
+
+    def identity(self) -> Identity | None:
+        # An object version never changes: URL, ETag and size stand for it (as numbers, for the hash cache).
+        version = self.cached.version
+        return Identity(-1, int(self.cached.id[:15], 16), version.size, int(version.mtime * 1e9), 0)
+
+    def status(self) -> os.stat_result:
+        return self._status
+
+    def flush(self) -> None:
+        self.cached.cache.save()
+
+    def describe(self) -> RemoteDescription:
+        return RemoteDescription(self.cached.version, self.options)
+
+    def close(self) -> None:
+        self.cached.close()
+
+
+class RemoteOpener:
+    """What `open_model` needs of a remote model: where its shards are, and how to open one.
+
+    Online, the shards are found in the store and each header read with at most two GETs; with
+    --offline, what the cache remembers of the model is used, and no request is made.
+    """
+
+    def __init__(self, source: str, options: RemoteOptions, problems: list[Problem]) -> None:
+        self.source = source
+        self.options = options
+        self.cache = shared_cache(options)
+        self._lock = threading.Lock()
+        self._opened: dict[str, tuple[ObjectVersion, bytes]] = {}
+        self._remembered: dict[str, ObjectVersion] | None = None
+        if options.offline:
+            self.located = self._recall(problems)
+        else:
+            self.located = locate(source, options, problems)
+
+    @property
+    def shards(self) -> list[tuple[ObjectRef, str]]:
+        return [(ref, ref.url) for ref in self.located.shards]
+
+    def open(self, ref: ObjectRef, label: str) -> tuple[ShardHeader, RemoteShard]:
+        """Read, validate and open one shard (from the cache, --offline); InvalidModelError if it fails."""
+        if self._remembered is not None:
+            version = self._remembered[ref.url]
+            found = self.cache.header_of(version.url, version.etag, version.size)
+            if found is None:
+                raise InvalidModelError([Problem(label, "--offline: its header is not in the cache")])
+            raw = found[0]
+        else:
+            version, raw = self._read(ref, label)
+        header = _validated(version, raw, label)
+        with self._lock:
+            self._opened[ref.url] = (version, raw)
+        return header, RemoteShard(self.cache.open_object(version, raw, self.options.chunk_size), self.options)
+
+    def _read(self, ref: ObjectRef, label: str) -> tuple[ObjectVersion, bytes]:
+        located = self.located
+        try:
+            return read_header(ref)
+        except FileNotFoundError:
+            if located.weight_map is not None and located.index_label is not None:
+                reason = f"weight_map names shard '{ref.name}', which does not exist"
+                tensor = first_tensor(located.weight_map, ref.name)
+                raise InvalidModelError([Problem(located.index_label, reason, tensor)]) from None
+            raise InvalidModelError([Problem(label, "not found (404)")]) from None
+        except RemoteError as exc:
+            raise InvalidModelError([Problem(label, str(exc).removeprefix(f"{label}: "))]) from None
+
+    def remember(self) -> None:
+        """Once the model is valid: what it resolved to, for a later --offline."""
+        if self._remembered is not None:
+            return
+        shards = [
+            {"key": v.ref.key, "etag": v.etag, "size": v.size, "mtime": v.mtime} for v, _ in self._opened.values()
+        ]
+        description = {"shards": shards, "weight_map": self.located.weight_map, "index": self.located.index_label}
+        self.cache.remember_model(self.source, description)
+
+    def _recall(self, problems: list[Problem]) -> Located:
+        spec, _ = store_spec(self.source, self.options)
+        try:
+            remembered = self.cache.recall_model(self.source)
+        except RemoteError as exc:
+            problems.append(Problem(self.source, str(exc)))
+            return Located([])
+        if remembered is None:
+            problems.append(Problem(self.source, f"--offline: the cache {self.cache.directory} never had this model"))
+            return Located([])
+        self._remembered = {
+            spec.url(s["key"]): ObjectVersion(ObjectRef(spec, s["key"]), s["etag"], s["size"], s["mtime"])
+            for s in remembered["shards"]
+        }
+        refs = [v.ref for v in self._remembered.values()]
+        return Located(refs, remembered["weight_map"], remembered["index"])
+
+
+def _validated(version: ObjectVersion, raw: bytes, label: str) -> ShardHeader:
+    length = header_length(raw[:8], version.size, label)
+    if len(raw) < 8 + length:
+        raise InvalidModelError([Problem(label, "the header's bytes did not all come")])
+    return parse_header(raw[8 : 8 + length], version.url, version.size, label)

@@ -1,0 +1,457 @@
+"""Shards that are objects in a store: S3 (and any S3-compatible store), plain HTTP(S), and the Hub.
+
+The client is obstore (DESIGN.md: measured best here). Everything about a store is kept in a
+StoreSpec, a picklable recipe, so that the daemon makes its own client from what the command
+validated. Each object is read at a version: the ETag and size seen when its header was read;
+every later GET is conditional on that ETag (If-Match), so versions are never mixed.
+
+    s3://BUCKET/PREFIX            every *.safetensors under PREFIX/ (not recursive), or the index there
+    s3://BUCKET/KEY.safetensors   one object (and KEY.index.json: an index, its shards beside it)
+    http(s)://HOST/.../NAME.safetensors, or .../model.safetensors.index.json (no listing over HTTP)
+    hf://ORG/NAME[@REVISION]      the Hub: {HF_ENDPOINT}/ORG/NAME/resolve/REVISION/FILE (and hf://.../FILE)
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import Problem, TensorfsError, printable
+from ..header import MAX_HEADER_BYTES
+from .index import INDEX_NAME, first_tensor, parse_weight_map, shard_names
+
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
+
+REMOTE_SCHEMES = ("s3://", "http://", "https://", "hf://")
+FIRST_READ = 64 << 10
+"""The first GET of a shard: its header, almost always whole (a second GET reads the rest)."""
+HF_ENDPOINT = "https://huggingface.co"
+
+
+def is_remote(source: object) -> bool:
+    return isinstance(source, str) and source.startswith(REMOTE_SCHEMES)
+
+
+class RemoteError(TensorfsError):
+    """An object could not be read from its store (after the retries the error allows)."""
+
+
+class ObjectChanged(RemoteError):
+    """An object was replaced in its store since it was validated: its other bytes are not to be mixed in."""
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How to reach stores, and the local cache that remote shards are read through."""
+
+    endpoint_url: str | None = None
+    """An S3-compatible endpoint (AWS_ENDPOINT_URL also sets it)."""
+    region: str | None = None
+    no_sign_request: bool = False
+    """Anonymous requests (public buckets)."""
+    cache_dir: Path | None = None
+    """Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs)."""
+    cache_size: int | None = None
+    """Bytes the cache may hold (least recently used chunks go first); None: no bound."""
+    chunk_size: int = 8 << 20
+    concurrency: int = 8
+    """GETs at once."""
+    timeout: float = 60.0
+    """Seconds a read may wait on the store, retries included, before it fails."""
+    offline: bool = False
+    """Only what is cached: no request is made."""
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A store, as a recipe that any process can make a client from (see client())."""
+
+    kind: Literal["s3", "http"]
+    root: str
+    """The bucket (s3), or the base URL without a trailing slash (http)."""
+    scheme_root: str
+    """What URLs of its objects begin with: s3://BUCKET, the base URL, hf://ORG/NAME@REV."""
+    endpoint_url: str | None = None
+    region: str | None = None
+    no_sign: bool = False
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    timeout: float = 60.0
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme_root}/{key}" if key else self.scheme_root
+
+    def client(self) -> ObjectStore:
+        """An obstore client for this store: one per process and recipe (they are thread-safe).
+
+        obstore's runtime does not survive a fork: a process forked after obstore was used hangs
+        on its first request. That is a bug of the caller, told here rather than as a hang.
+        """
+        global _used_in
+        with _clients_lock:
+            if _used_in is not None and _used_in != os.getpid():
+                raise RuntimeError(
+                    f"obstore was used in process {_used_in}, which forked this one: it cannot work here"
+                )
+            _used_in = os.getpid()
+            store = _clients.get(self)
+            if store is None:
+                store = _clients[self] = _make_client(self)
+            return store
+
+
+_clients: dict[StoreSpec, Any] = {}
+_clients_lock = threading.Lock()
+_used_in: int | None = None  # the process whose obstore runtime is running
+
+
+def _make_client(spec: StoreSpec) -> ObjectStore:
+    from obstore.store import HTTPStore, S3Store
+
+    timeout = timedelta(seconds=spec.timeout)
+    retry = {
+        "max_retries": 10,
+        "retry_timeout": timeout,
+        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+    }
+    client: dict[str, Any] = {"timeout": timeout, "connect_timeout": timedelta(seconds=min(10.0, spec.timeout))}
+    if spec.headers:
+        client["default_headers"] = dict(spec.headers)
+    if spec.kind == "http":
+        client["allow_http"] = spec.root.startswith("http://")
+        return HTTPStore.from_url(spec.root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    config: dict[str, Any] = {}
+    endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+    if endpoint:
+        config["endpoint"] = endpoint
+        config["virtual_hosted_style_request"] = False  # S3-compatible stores want the bucket in the path
+        client["allow_http"] = endpoint.startswith("http://")
+    profile = _profile()
+    region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    config["region"] = region or profile.get("region") or "us-east-1"
+    if spec.no_sign:
+        config["skip_signature"] = True
+    elif not os.environ.get("AWS_ACCESS_KEY_ID") and profile.get("aws_access_key_id"):
+        # The shared credentials file (obstore reads the environment and instance metadata itself).
+        config["access_key_id"] = profile["aws_access_key_id"]
+        config["secret_access_key"] = profile.get("aws_secret_access_key", "")
+        if profile.get("aws_session_token"):
+            config["token"] = profile["aws_session_token"]
+    return S3Store(spec.root, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+
+
+def _profile() -> dict[str, str]:
+    """The AWS profile's settings from ~/.aws/credentials and ~/.aws/config (AWS_PROFILE, default 'default')."""
+    name = os.environ.get("AWS_PROFILE") or "default"
+    found: dict[str, str] = {}
+    files = (
+        (os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config", "default" if name == "default" else f"profile {name}"),
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", name),
+    )
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(os.path.expanduser(path), encoding="utf-8")
+        except (OSError, configparser.Error):
+            continue
+        if parser.has_section(section):
+            found.update(parser.items(section))
+    return found
+
+
+def _hf_token() -> str | None:
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        return token.strip()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    for path in (os.environ.get("HF_TOKEN_PATH"), os.path.join(home, "token")):
+        if path:
+            try:
+                return Path(os.path.expanduser(path)).read_text().strip() or None
+            except OSError:
+                continue
+    return None
+
+
+# -- objects and where a model's are ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """An object of a store (not yet a version of it)."""
+
+    spec: StoreSpec
+    key: str
+
+    @property
+    def url(self) -> str:
+        return self.spec.url(self.key)
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    def sibling(self, name: str) -> ObjectRef:
+        directory = self.key.rpartition("/")[0]
+        return ObjectRef(self.spec, f"{directory}/{name}" if directory else name)
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    """An object as it was when its header was read: every later GET must find the same one."""
+
+    ref: ObjectRef
+    etag: str
+    size: int
+    mtime: float
+    """Last-Modified, in seconds since the epoch."""
+
+    @property
+    def url(self) -> str:
+        return self.ref.url
+
+
+@dataclass
+class Located:
+    """A remote model's shards, and the index's weight map when there is one."""
+
+    shards: list[ObjectRef]
+    weight_map: dict[str, str] | None = None
+    index_label: str | None = None
+
+
+def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
+    """(the store, the key or prefix within it) of a model's URL."""
+    if source.startswith("s3://"):
+        bucket, _, key = source[len("s3://") :].partition("/")
+        if not bucket:
+            raise RemoteError(f"{source}: no bucket: s3://BUCKET/PREFIX")
+        spec = StoreSpec(
+            "s3", bucket, f"s3://{bucket}", options.endpoint_url, options.region, options.no_sign_request,
+            timeout=options.timeout,
+        )  # fmt: skip
+        return spec, key.strip("/")
+    if source.startswith("hf://"):
+        org, _, rest = source[len("hf://") :].strip("/").partition("/")
+        name_revision, _, key = rest.partition("/")
+        name, _, revision = name_revision.partition("@")
+        if not org or not name:
+            raise RemoteError(f"{source}: a Hub model is hf://ORG/NAME or hf://ORG/NAME@REVISION")
+        repo, revision = f"{org}/{name}", revision or "main"
+        endpoint = (os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
+        token = None if options.no_sign_request else _hf_token()
+        headers = (("Authorization", f"Bearer {token}"),) if token else ()
+        base = f"{endpoint}/{repo}/resolve/{revision}"
+        return StoreSpec("http", base, f"hf://{repo}@{revision}", headers=headers, timeout=options.timeout), key
+    base, _, name = source.rstrip("/").rpartition("/")
+    if not name.endswith((".safetensors", ".index.json")):
+        raise RemoteError(
+            f"{source}: name the model's index (…/{INDEX_NAME}) or a .safetensors file: HTTP has no listing"
+        )
+    return StoreSpec("http", base, base, timeout=options.timeout), name
+
+
+def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
+    """The shards of the remote model at `source` (same rules as a local model's), problems said."""
+    spec, key = store_spec(source, options)
+    if key.endswith(".safetensors"):
+        return Located([ObjectRef(spec, key)])
+    if key.endswith(".index.json"):
+        return _from_index(ObjectRef(spec, key), problems)
+    # A directory: its index if it has one, else every *.safetensors in it (s3), or model.safetensors (hf).
+    prefix = f"{key}/" if key else ""
+    index = ObjectRef(spec, prefix + INDEX_NAME)
+    try:
+        data = get_whole(index)
+    except FileNotFoundError:
+        data = None
+    except RemoteError as exc:
+        problems.append(Problem(index.url, reason_of(exc, index.url)))
+        return Located([])
+    if data is not None:
+        return _from_index(index, problems, data)
+    if spec.kind == "http":  # the Hub: no listing either
+        return Located([ObjectRef(spec, prefix + "model.safetensors")])
+    shards = _list_shards(spec, prefix, problems)
+    if shards is not None and not shards:
+        problems.append(Problem(spec.url(key) + "/", "no .safetensors objects under this prefix"))
+    return Located(shards or [])
+
+
+def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = None) -> Located:
+    label = index.url
+    if data is None:
+        try:
+            data = get_whole(index)
+        except FileNotFoundError:
+            problems.append(Problem(label, "not found"))
+            return Located([], index_label=label)
+        except RemoteError as exc:
+            problems.append(Problem(label, reason_of(exc, label)))
+            return Located([], index_label=label)
+    weight_map = parse_weight_map(data, label, problems)
+    if weight_map is None:
+        return Located([], index_label=label)
+    return Located([index.sibling(name) for name in shard_names(weight_map, label, problems)], weight_map, label)
+
+
+def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
+    import obstore
+
+    try:
+        listing = obstore.list_with_delimiter(spec.client(), prefix or None)
+    except (FileNotFoundError, Exception) as exc:
+        problems.append(Problem(spec.url(prefix.rstrip("/")) + "/", describe_error(exc)))
+        return None
+    keys = sorted(str(meta["path"]) for meta in listing["objects"] if str(meta["path"]).endswith(".safetensors"))
+    return [ObjectRef(spec, key) for key in keys]
+
+
+def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
+    """The object named `name` in the remote model's directory (its prefix, or its file's directory)."""
+    spec, key = store_spec(source, options)
+    if key.endswith((".safetensors", ".index.json")):
+        return ObjectRef(spec, key).sibling(name)
+    return ObjectRef(spec, f"{key}/{name}" if key else name)
+
+
+def exists(ref: ObjectRef) -> bool:
+    """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
+    import obstore
+
+    try:
+        obstore.head(ref.spec.client(), ref.key)
+    except FileNotFoundError:
+        return False
+    except Exception as exc:
+        _raise(ref, exc)
+    return True
+
+
+def read_url(url: str, options: RemoteOptions) -> bytes:
+    """A small remote file whole (a manifest), named by its URL."""
+    spec, key = store_spec(url, options) if not url.startswith(("http://", "https://")) else _http_file(url, options)
+    return get_whole(ObjectRef(spec, key))
+
+
+def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
+    base, _, name = url.rpartition("/")
+    return StoreSpec("http", base, base, timeout=options.timeout), name
+
+
+def missing_shards(located: Located, found: set[str], problems: list[Problem]) -> None:
+    """An index's shard that is not in the store is the index's problem (the first tensor it maps there)."""
+    if located.weight_map is None or located.index_label is None:
+        return
+    for ref in located.shards:
+        if ref.name not in found:
+            reason = f"weight_map names shard '{ref.name}', which does not exist"
+            problems.append(Problem(located.index_label, reason, first_tensor(located.weight_map, ref.name)))
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def reason_of(exc: BaseException, url: str) -> str:
+    """An error's message without the URL it begins with (a Problem names the URL itself)."""
+    return str(exc).removeprefix(f"{url}: ")
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line on why a request failed."""
+    from obstore import exceptions as errors
+
+    if isinstance(exc, FileNotFoundError):
+        return "not found (404)"
+    if isinstance(exc, errors.PermissionDeniedError):
+        return "access denied (403): check the credentials and the bucket's policy"
+    if isinstance(exc, errors.UnauthenticatedError):
+        return "authentication required (401): set credentials (AWS_*, HF_TOKEN)"
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
+        return "changed since it was validated (its ETag differs): mount it again"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "error sending request" in text or "Connect" in str(exc):
+        return f"unreachable ({printable(text[:200])})"
+    return printable(text[:300])
+
+
+def _raise(ref: ObjectRef, exc: BaseException) -> None:
+    message = f"{ref.url}: {describe_error(exc)}"
+    if isinstance(exc, FileNotFoundError):
+        raise FileNotFoundError(message) from None
+    from obstore import exceptions as errors
+
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
+        raise ObjectChanged(message) from None
+    raise RemoteError(message) from None
+
+
+def get_whole(ref: ObjectRef) -> bytes:
+    """A small object whole (an index, a manifest); FileNotFoundError when there is none."""
+    import obstore
+
+    try:
+        return bytes(obstore.get(ref.spec.client(), ref.key).bytes())
+    except Exception as exc:
+        _raise(ref, exc)
+        raise  # unreachable: _raise always raises
+
+
+def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
+    """The object's version and its header's bytes (8-byte length and JSON): at most two GETs.
+
+    RemoteError (or FileNotFoundError) when the store does not give them; a length that is
+    wrong for the object is returned as it is, for the header's rules to refuse.
+    """
+    import obstore
+
+    client = ref.spec.client()
+    try:
+        first = obstore.get(client, ref.key, options={"range": (0, FIRST_READ)})
+        head = bytes(first.bytes())
+    except Exception as exc:
+        if "416" in str(exc):  # nothing at offset 0: an empty object
+            meta = obstore.head(client, ref.key)
+            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
+        _raise(ref, exc)
+        raise
+    meta = first.meta
+    version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
+    if len(head) < 8:
+        return version, head
+    length = int.from_bytes(head[:8], "little")
+    end = 8 + length
+    if length > MAX_HEADER_BYTES or end > version.size or end <= len(head):
+        return version, head[: max(8, min(end, len(head)))]
+    rest = read_range(version, len(head), end)
+    return version, head + rest
+
+
+def read_range(version: ObjectVersion, start: int, end: int) -> bytes:
+    """Bytes [start, end) of exactly this version of the object (If-Match its ETag)."""
+    import obstore
+
+    ref = version.ref
+    options: dict[str, Any] = {"range": (start, end)}
+    if version.etag:
+        options["if_match"] = version.etag
+    try:
+        data = obstore.get(ref.spec.client(), ref.key, options=options).bytes()  # type: ignore[arg-type]
+    except Exception as exc:
+        _raise(ref, exc)
+        raise
+    if len(data) != end - start:
+        raise ObjectChanged(
+            f"{ref.url}: {len(data)} bytes came for [{start}, {end}): it changed since it was validated"
+        )
+    return data  # type: ignore[return-value]
+
+
+def _mtime(meta: Any) -> float:
+    modified = meta.get("last_modified")
+    return float(modified.timestamp()) if modified is not None else 0.0

