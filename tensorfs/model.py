@@ -17,11 +17,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError
+from .errors import InvalidModelError, ModelClosedError, Problem
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo
 from .names import Layout, collisions, name_problems
-from .sources import Identity, ShardData, ShardKey, shard_name
+from .sources import Identity, ShardData, ShardKey, hold, shard_name
 from .sources.index import INDEX_NAME
 from .sources.local import LocalDescription, LocalShard, find_shards
 from .sources.objects import RemoteDescription, RemoteOpener, RemoteShard
@@ -154,14 +154,15 @@ class Model:
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes: a read-only view on the shard's mapping, no copy.
 
-        For a remote model the tensor's chunks are fetched first (TensorfsError if they cannot be).
+        For a remote model the tensor's chunks are fetched first (TensorfsError if they cannot be),
+        and kept in the cache while the model is open.
         """
         self._check_open()
         shard = self._owner[name]
         begin, end, _, _, _ = shard.by_name[name]
         start = shard.header.data_start
-        if not shard.data.lazy_views and not shard.data.ensure(start + begin, start + end):
-            raise ShardChangedError(f"{shard.label}: tensor '{name}': its bytes could not be read")
+        if not shard.data.lazy_views:  # fetched, and held until the model is closed: never evicted under a view
+            hold(shard.data, start + begin, start + end)
         return shard.data.view[start + begin : start + end]
 
     def array(self, name: str) -> np.ndarray:

@@ -146,11 +146,11 @@ class SeaweedFS:
 class Nginx:
     """nginx serving a directory on a free port (paths as they are under `root`)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, port: int | None = None) -> None:
         self.directory = directory
         self.root = directory / "www"
         self.process: subprocess.Popen[bytes] | None = None
-        self.port = free_ports(1)[0]
+        self.port = port or free_ports(1)[0]
 
     @property
     def url(self) -> str:

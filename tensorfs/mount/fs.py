@@ -27,7 +27,7 @@ import trio
 
 from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
-from ..sources import ShardData, ShardKey
+from ..sources import ShardData, ShardKey, hold
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 from .watch import Change, ShardWatch
 
@@ -263,26 +263,29 @@ class TensorOperations(pyfuse3.Operations):
         return content[off : off + size]
 
     async def _read_tensor(self, span: _Span, off: int, size: int) -> memoryview:
-        """A slice of the shard's mapping, its pages brought in off this thread first if need be."""
+        """A slice of the shard's mapping, its pages brought in off this thread first if need be.
+
+        The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
+        evicted from under it (a hole would read as zeros). The release is a task of its own, which
+        trio runs after this one has sent the reply (pyfuse3 replies before it awaits anything).
+        """
         self._check_shard(span.shard, span.name)
         if self.integrity.expected is not None and span.name not in self.integrity.verified:
             await self.verify(span.name)  # the shard changed since this file was opened
         low = min(span.start + off, span.end)
         high = min(low + size, span.end)
-        if not span.ready_from <= low < high <= span.ready_to:
+        if not (span.ready_from <= low < high <= span.ready_to and span.data.pin(low, high)):
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
             try:
-                present = await trio.to_thread.run_sync(span.data.ensure, low, high, limiter=self._demand)
-                why = "the shard shrank under the mount"
-            except TensorfsError as exc:  # a remote shard's bytes that could not be fetched
-                present, why = False, str(exc)
-            if not present:
+                await trio.to_thread.run_sync(hold, span.data, low, high, limiter=self._demand)
+            except TensorfsError as exc:  # gone from the file, or a remote shard's bytes not fetched
                 # The reader gets EIO and the daemon goes on. What was validated is never replaced
                 # by anything else.
+                why = "the shard shrank under the mount" if span.data.lazy_views else str(exc)
                 raise ShardChangedError(
                     f"{span.shard}: tensor '{printable(span.name)}': bytes [{low - span.start}, "
                     f"{high - span.start}) of the tensor cannot be read: {why}"
-                )
+                ) from None
             until = min(span.end, high + self.prefetch)
             if until > high and not await self._ensure_ahead(span, high, until, self._demand):
                 until = high
@@ -290,7 +293,13 @@ class TensorOperations(pyfuse3.Operations):
         elif self.nursery is not None and self._window_running_out(span, high):
             span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
             self.nursery.start_soon(self._prefetch, span)
+        if not span.data.lazy_views and self.nursery is not None:
+            self.nursery.start_soon(self._unpin, span.data, low, high)
         return span.view[low:high]
+
+    @staticmethod
+    async def _unpin(data: ShardData, low: int, high: int) -> None:
+        data.unpin(low, high)
 
     async def _ensure_ahead(self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter) -> bool:
         """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""

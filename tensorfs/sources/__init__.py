@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import NamedTuple
 
+from ..errors import ShardChangedError
+
 ShardKey = Path | str
 """What names a shard in a model: a file's path, or an object's URL."""
 
@@ -62,6 +64,13 @@ class ShardData(ABC):
         tell a source how it reads).
         """
 
+    def pin(self, start: int, end: int) -> bool:
+        """Hold [start, end) present until unpin(): True if it is (a file's bytes always are)."""
+        return True
+
+    def unpin(self, start: int, end: int) -> None:  # noqa: B027 - a file has nothing to let go of
+        """Let go of what pin() held."""
+
     @abstractmethod
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` from `offset` without touching the mapping (ShardChangedError if the bytes are gone)."""
@@ -88,3 +97,16 @@ class ShardData(ABC):
     @abstractmethod
     def close(self) -> None:
         """Let go of the mapping (a view still alive keeps it until it goes) and of the descriptors."""
+
+
+def hold(data: ShardData, start: int, end: int) -> None:
+    """Make [start, end) of a shard present and pin it (blocking: a worker thread).
+
+    ShardChangedError when its bytes cannot be had (or kept); a fetch's own error as it is.
+    """
+    for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
+        if not data.ensure(start, end):
+            break
+        if data.pin(start, end):
+            return
+    raise ShardChangedError(f"{data.label}: bytes [{start}, {end}) cannot be read")

@@ -12,8 +12,9 @@ never a hole taken for data. Rows are committed a second's worth at a time.
 The cache is bounded (least recently used chunks go first, their bytes freed by punching holes
 in the files). A hole reads as zeros through a mapping, so a chunk is never evicted while
 anything may answer from it: each process holds a shared lock (fcntl, on byte 0) on every object
-file it has mapped, and evicts only from files no other process holds; within a process, chunks
-served in the last PIN_SECONDS are not evicted.
+file it has mapped, and evicts only from files no other process holds; within a process, a chunk
+is pinned (counted) from before a range of it is answered until the answer has gone, and a pinned
+chunk is not evicted.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "objects.sqlite"
 OBJECTS_DIR = "objects"
-PIN_SECONDS = 10.0
-"""A chunk served this recently is not evicted by the process that served it."""
 _SAVE_EVERY = 1.0  # seconds between commits of new chunks
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
@@ -270,7 +269,6 @@ class Cache:
         """Punch out least recently used chunks, `wanted` bytes' worth if there are; the bytes freed."""
         freed, kept = 0, 0  # kept: rows passed over (in use), which the next query skips by its offset
         refused: set[str] = set()  # objects another process holds
-        now = time.monotonic()
         while freed < wanted:
             with self._transaction() as db:
                 rows = db.execute(
@@ -284,7 +282,7 @@ class Cache:
             for oid, chunk, size in rows:
                 by_object.setdefault(oid, []).append((chunk, size))
             for oid, chunks in by_object.items():
-                evicted = [] if oid in refused else self._evict_from(oid, chunks, wanted - freed, now)
+                evicted = [] if oid in refused else self._evict_from(oid, chunks, wanted - freed)
                 if evicted is None:
                     refused.add(oid)
                     evicted = []
@@ -294,9 +292,7 @@ class Cache:
                     break
         return freed
 
-    def _evict_from(
-        self, oid: str, chunks: list[tuple[int, int]], wanted: int, now: float
-    ) -> list[tuple[int, int]] | None:
+    def _evict_from(self, oid: str, chunks: list[tuple[int, int]], wanted: int) -> list[tuple[int, int]] | None:
         """Evict the object's chunks (least recently used first) up to `wanted` bytes: those evicted.
 
         None when another process holds the object: its chunks are not ours to take away.
@@ -319,10 +315,8 @@ class Cache:
                 return None
             try:
                 for chunk, size in chunks:
-                    if ours is not None and not ours.evictable(chunk, now):
-                        continue
-                    if ours is not None:
-                        ours.forget(chunk)
+                    if ours is not None and not ours.take(chunk):
+                        continue  # pinned, or being fetched
                     _punch(fd, chunk * size, size)
                     evicted.append((chunk, size))
                     if sum(size for _, size in evicted) >= wanted:
@@ -432,7 +426,7 @@ class CachedObject:
                 self._present[chunk] = 1
         self._lock = threading.Lock()
         self._inflight: dict[int, Future[None]] = {}
-        self._served: dict[int, float] = {}  # chunk -> when last served (pins, for this process)
+        self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
         self.fd = _open_held(path)
         try:
             if os.fstat(self.fd).st_size != version.size:
@@ -452,19 +446,33 @@ class CachedObject:
             return True
         return False
 
-    def evictable(self, chunk: int, now: float) -> bool:
+    def pin(self, first: int, last: int) -> bool:
+        """Hold chunks first..last (all present) against eviction; False (nothing held) if one is not present."""
+        chunks = range(first, last + 1)
         with self._lock:
-            return chunk not in self._inflight and now - self._served.get(chunk, 0.0) > PIN_SECONDS
+            if not all(self._present[chunk] for chunk in chunks):
+                return False
+            for chunk in chunks:
+                self._pins[chunk] = self._pins.get(chunk, 0) + 1
+        self.cache.touch(self, chunks)
+        return True
 
-    def forget(self, chunk: int) -> None:
-        self._present[chunk] = 0
-
-    def served(self, first: int, last: int) -> None:
-        now = time.monotonic()
+    def unpin(self, first: int, last: int) -> None:
         with self._lock:
             for chunk in range(first, last + 1):
-                self._served[chunk] = now
-        self.cache.touch(self, range(first, last + 1))
+                left = self._pins.get(chunk, 0) - 1
+                if left > 0:
+                    self._pins[chunk] = left
+                else:
+                    self._pins.pop(chunk, None)
+
+    def take(self, chunk: int) -> bool:
+        """Mark a chunk not present, for its eviction: unless it is pinned or being fetched."""
+        with self._lock:
+            if self._pins.get(chunk) or chunk in self._inflight:
+                return False
+            self._present[chunk] = 0
+            return True
 
     def fetching(self, chunk: int, start: ThreadPoolExecutor) -> Future[None] | None:
         """The fetch of `chunk` (begun now in `start`'s threads, or already under way); None if present."""
@@ -497,7 +505,8 @@ class CachedObject:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise CacheFull(f"{self.version.url}: the cache disk is full ({self.cache.directory})") from None
                 raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
-            self._present[chunk] = 1
+            with self._lock:
+                self._present[chunk] = 1
             self.cache.record(self, chunk, end - begin)
         finally:
             with self._lock:

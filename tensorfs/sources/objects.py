@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import InvalidModelError, Problem
 from ..header import ShardHeader, header_length, parse_header
-from . import Identity, ShardData
+from . import Identity, ShardData, hold
 from .cache import Cache, CachedObject, Fetcher, default_cache_dir, wait
 from .index import first_tensor
 from .remote import (
@@ -87,14 +87,23 @@ class RemoteShard(ShardData):
         """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map them."""
         if end <= start:
             return True
-        size = self.cached.chunk_size
-        first, last = start // size, (end - 1) // size
+        first, last = self._chunks(start, end)
         waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk)) is not None]
         if not ahead:
             self._read_ahead(start, end, last)
         wait(waiting)
-        self.cached.served(first, last)
         return self.cached.pages.populate(start, end)
+
+    def pin(self, start: int, end: int) -> bool:
+        return end <= start or self.cached.pin(*self._chunks(start, end))
+
+    def unpin(self, start: int, end: int) -> None:
+        if end > start:
+            self.cached.unpin(*self._chunks(start, end))
+
+    def _chunks(self, start: int, end: int) -> tuple[int, int]:
+        size = self.cached.chunk_size
+        return start // size, (end - 1) // size
 
     def _fetch(self, chunk: int) -> Any:
         if self.options.offline:
@@ -129,8 +138,12 @@ class RemoteShard(ShardData):
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """The bytes from the cache file (fetched first if need be), never through the mapping."""
-        self.ensure(offset, offset + len(buffer))
-        self.cached.readinto(offset, buffer)
+        end = offset + len(buffer)
+        hold(self, offset, end)
+        try:
+            self.cached.readinto(offset, buffer)
+        finally:
+            self.unpin(offset, end)
 
     def identity(self) -> Identity | None:
         # An object version never changes: URL, ETag and size stand for it (as numbers, for the hash cache).

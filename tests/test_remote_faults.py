@@ -1,0 +1,211 @@
+"""Remote models when things go wrong: servers that stop, connections that drop, objects that change
+or vanish, a full cache disk, eviction under load, a daemon killed mid-fetch.
+
+Reads that fail get EIO and an ERROR line naming the tensor, the object and the cause; the daemon
+goes on, and reads succeed again once the cause is gone. No byte that is not the model's is served.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import obstore
+import pytest
+from servers import DroppingProxy, Nginx, SeaweedFS
+
+from conftest import Mounts, wait_until
+from helpers import MIB, random_bytes, write_reference
+from tensorfs.mount.mounttable import pid_alive
+from tensorfs.sources.cache import OBJECTS_DIR
+
+
+def big_model(directory: Path, tensors: int = 12, size: int = 8 * MIB) -> dict[str, bytes]:
+    """One shard of `tensors` tensors of `size` bytes each (random, so every chunk differs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {f"t{i:02d}": random_bytes(size, 100 + i) for i in range(tensors)}
+    write_reference(directory / "m.safetensors", {name: ("U8", [size], blob) for name, blob in data.items()})
+    return data
+
+
+def errno_of_reading(path: Path) -> int | None:
+    try:
+        path.read_bytes()
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+@pytest.fixture
+def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
+    """An nginx of the test's own, to be stopped and started again."""
+    server = Nginx(tmp_path / "nginx")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_server_that_stops_and_comes_back(mounts: Mounts, own_nginx: Nginx, tmp_path: Path) -> None:
+    expected = big_model(own_nginx.root / "m")
+    url = f"{own_nginx.url}/m/m.safetensors"
+    mountpoint = mounts.mount(url, "--remote-timeout", "2", "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+    pid = mounts.daemon_pid(mountpoint)
+    assert (mountpoint / "t00").read_bytes() == expected["t00"]
+    own_nginx.stop()
+    assert errno_of_reading(mountpoint / "t07") == errno.EIO  # within the timeout: the reader is not left hanging
+    assert pid_alive(pid)
+    assert (mountpoint / "t00").read_bytes() == expected["t00"]  # what is cached is served on
+    log = mounts.log()
+    assert "tensor 't07': bytes [0, " in log and f"{url}: unreachable" in log
+    back = Nginx(own_nginx.directory, own_nginx.port)  # the same server back, on the same port
+    back.start()
+    try:
+        assert (mountpoint / "t07").read_bytes() == expected["t07"]
+    finally:
+        back.stop()
+
+
+def test_dropped_connections_are_resumed(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    expected = big_model(nginx.root / "dropping", tensors=6)
+    proxy = DroppingProxy(nginx.port, 3 * MIB)  # every connection cut after 3 MiB
+    try:
+        url = f"http://127.0.0.1:{proxy.port}/dropping/m.safetensors"
+        mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+        for name, data in expected.items():
+            assert (mountpoint / name).read_bytes() == data, name
+        assert proxy.connections > len(expected)  # the transfers were cut, and went on where they stopped
+    finally:
+        proxy.close()
+
+
+def test_an_object_replaced_or_deleted_under_the_mount(
+    mounts: Mounts, seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    expected = big_model(tmp_path / "model", tensors=4)
+    store = seaweedfs.store(bucket)
+    shard = (tmp_path / "model" / "m.safetensors").read_bytes()
+    obstore.put(store, "a/m.safetensors", shard)
+    obstore.put(store, "b/m.safetensors", shard)
+    common = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache"), "--remote-timeout", "5"]
+    replaced = mounts.mount(f"s3://{bucket}/a/m.safetensors", *common)  # type: ignore[arg-type]
+    deleted = mounts.mount(f"s3://{bucket}/b/m.safetensors", *common)  # type: ignore[arg-type]
+    assert (replaced / "t00").read_bytes() == expected["t00"]
+    obstore.put(store, "a/m.safetensors", shard[:-1] + bytes([shard[-1] ^ 1]))  # a new version: a new ETag
+    obstore.delete(store, "b/m.safetensors")
+    assert errno_of_reading(replaced / "t02") == errno.EIO  # never a byte of the new version
+    assert errno_of_reading(deleted / "t02") == errno.EIO
+    assert (replaced / "t00").read_bytes() == expected["t00"]  # the version validated, as it is cached
+    log = mounts.log()
+    assert f"s3://{bucket}/a/m.safetensors: changed since it was validated" in log
+    assert f"s3://{bucket}/b/m.safetensors: not found (404)" in log
+
+
+def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the full-disk test needs root on CI (it mounts a small tmpfs)")
+        pytest.skip("needs root: it mounts a small tmpfs")
+    expected = big_model(nginx.root / "full", tensors=8)
+    cache = tmp_path / "small-disk"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(cache)], check=True)
+    try:
+        mountpoint = mounts.mount(f"{nginx.url}/full/m.safetensors", "--cache-dir", str(cache))  # type: ignore[arg-type]
+        pid = mounts.daemon_pid(mountpoint)
+        outcomes = {name: errno_of_reading(mountpoint / name) for name in expected}
+        assert outcomes["t00"] is None and errno.EIO in outcomes.values()
+        for name, outcome in outcomes.items():
+            if outcome is None:
+                assert (mountpoint / name).read_bytes() == expected[name]
+        assert pid_alive(pid) and "the cache disk is full" in mounts.log()
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+
+
+def test_eviction_under_eight_readers(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    expected = big_model(nginx.root / "evict", tensors=16, size=6 * MIB)  # 96 MiB through a 40 MiB cache
+    cache = tmp_path / "cache"
+    mountpoint = mounts.mount(f"{nginx.url}/evict/m.safetensors", "--cache-size", "40M", "--cache-dir", str(cache))  # type: ignore[arg-type]
+    names = sorted(expected)
+    failures: list[str] = []
+    done = [0]
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
+        try:
+            for _ in range(60):
+                name = rng.choice(names)
+                offset = rng.randrange(6 * MIB)
+                length = rng.randrange(1, 2 * MIB)
+                try:
+                    got = os.pread(handles[name].fileno(), length, offset)
+                except OSError as exc:
+                    failures.append(f"{name}: {exc}")
+                    continue
+                if got != expected[name][offset : offset + length]:
+                    failures.append(f"{name} [{offset}, +{length}): wrong bytes")
+                done[0] += 1
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and done[0] == 8 * 60
+    with sqlite3.connect(cache / "objects.sqlite") as db:
+        (chunks,) = db.execute("SELECT COUNT(*) FROM chunks").fetchone()
+    assert chunks * 8 * MIB <= 40 * MIB  # the bound held (what is recorded is what is held)
+
+
+def test_a_daemon_killed_mid_fetch_leaves_no_hole(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    expected = big_model(nginx.root / "killed", tensors=24)
+    url = f"{nginx.url}/killed/m.safetensors"
+    cache = tmp_path / "cache"
+    mountpoint = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
+    pid = mounts.daemon_pid(mountpoint)
+    reader = subprocess.Popen(
+        ["cat", *[str(mountpoint / name) for name in sorted(expected)]], stdout=subprocess.DEVNULL
+    )
+
+    def some_chunks_recorded() -> bool:
+        try:
+            with sqlite3.connect(cache / "objects.sqlite") as db:
+                return db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0] >= 3
+        except sqlite3.Error:
+            return False
+
+    try:
+        wait_until(some_chunks_recorded, what="some chunks to be recorded", timeout=60)
+        os.kill(pid, signal.SIGKILL)  # mid-read, with fetches in flight
+    finally:
+        reader.wait(timeout=60)
+    wait_until(lambda: not pid_alive(pid), what="the daemon to die")
+    assert mounts.run("umount", "--lazy", str(mountpoint)).returncode == 0
+    # every chunk recorded holds the object's bytes: none is a hole, none half-written
+    shard = (nginx.root / "killed" / "m.safetensors").read_bytes()
+    with sqlite3.connect(cache / "objects.sqlite") as db:
+        rows = db.execute("SELECT object, chunk FROM chunks").fetchall()
+    assert rows
+    for oid, chunk in rows:
+        with open(cache / OBJECTS_DIR / oid, "rb") as f:
+            f.seek(chunk * 8 * MIB)
+            assert f.read(8 * MIB) == shard[chunk * 8 * MIB : (chunk + 1) * 8 * MIB], chunk
+    again = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
+    for name, data in expected.items():
+        assert (again / name).read_bytes() == data, name
