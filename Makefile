@@ -11,7 +11,7 @@ FUZZ_EXAMPLES ?= 100000
 
 install: $(VENV)/.installed
 
-# pyfuse3 builds against libfuse 3, mounting needs fusermount3, and the tests of http(s):// models nginx.
+# pyfuse3 builds against libfuse 3, mounting needs fusermount3, the tests and benchmark of http(s):// models nginx.
 system-packages:
 	@missing=""; \
 	for pkg in $(SYSTEM_PACKAGES); do \
@@ -55,6 +55,7 @@ soak: install
 
 bench: install
 	$(PY) scripts/bench.py
+	$(PY) scripts/bench.py --remote
 	$(PY) scripts/bench_open.py
 	$(PY) scripts/bench_hash.py
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The read-path benchmark (issue 5); the same as `tensorfs bench`. See tensorfs/bench.py.
+"""The read-path benchmark; the same as `tensorfs bench`. See tensorfs/bench/.
 
-.venv/bin/python scripts/bench.py [--quick] [--gib 2] [--repeat 3] [--json FILE]
+.venv/bin/python scripts/bench.py [--quick] [--remote] [--gib 2] [--repeat 3] [--json FILE]
 """
 
 import sys

@@ -687,6 +687,7 @@ def cache_prune(cache_dir: Path | None, max_size: int | None) -> None:
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
 )
+@click.option("--remote", is_flag=True, help="Measure remote models instead: served by nginx, through the cache.")
 def bench(
     quick: bool,
     gib: float | None,
@@ -695,8 +696,13 @@ def bench(
     readahead_kb: int | None,
     workdir: Path | None,
     json_path: Path | None,
+    remote: bool,
 ) -> int:
-    """Measure the read path, mount and listing against direct baselines (needs FUSE; root for cold reads)."""
+    """Measure the read path, mount and listing against direct baselines (needs FUSE; root for cold reads).
+
+    With --remote: a model served by nginx on loopback, read through the mount and its cache, against
+    obstore downloading it (needs nginx).
+    """
     from . import bench as benchmark
 
     config = benchmark.Config.quick() if quick else benchmark.Config()
@@ -704,7 +710,7 @@ def bench(
         if value is not None:
             setattr(config, name, value)
     config.workdir = workdir
-    return benchmark.main(config, json_path)
+    return benchmark.main(config, json_path, remote=remote)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -110,7 +110,9 @@ def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, mo
     if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # a forget storm: the kernel drops every dentry
         Path("/proc/sys/vm/drop_caches").write_text("2\n")
     assert (mountpoint / "t2.2").read_bytes() == expected["t2.2"]  # still serving, after forgets
-    assert daemon_resources(pid) == before
+    fds, maps = daemon_resources(pid)
+    assert fds == before[0]
+    assert maps <= before[1]  # fewer when malloc unmaps a big buffer the first read left behind
 
 
 def test_eight_threads_of_random_range_reads_are_byte_exact(mounts: Mounts, model_dir: Path) -> None:

@@ -10,16 +10,19 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import Nginx, SeaweedFS
 
 import tensorfs
 from conftest import Mounts
 from helpers import MIB, entry, random_bytes, raw_shard, sharded_every_dtype, upload, write_reference
+from servers import TOKEN, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import mounts as mount_table
+from tensorfs.sources import hold
 from tensorfs.sources.remote import RemoteOptions
 
 
@@ -169,10 +172,10 @@ def test_a_hub_model_and_its_token(
     with pytest.raises(tensorfs.InvalidModelError, match=r"authentication required \(401\)"):
         read_all("hf://private/secret@v1", remote)
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "token").write_text("tensorfs-token\n")  # the token file huggingface_hub writes
+    (tmp_path / "hf" / "token").write_text(TOKEN + "\n")  # the token file huggingface_hub writes
     assert read_all("hf://private/secret@v1", remote) == expected
     (tmp_path / "hf" / "token").unlink()
-    monkeypatch.setenv("HF_TOKEN", "tensorfs-token")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
     assert read_all("hf://private/secret@v1", remote) == expected
 
 
@@ -204,6 +207,30 @@ def test_one_tensor_read_fetches_its_chunks_only(nginx: Nginx, tmp_path: Path) -
         assert bytes(model.raw("t37")) == tensors["t37"][2]
     fetched = sum(sent for _, path, sent in nginx.requests()[before:] if path.endswith("m.safetensors"))
     assert fetched <= 4 * MIB + 2 * 8 * MIB + 64 * 1024  # the tensor, at most two chunks more, the header
+
+
+def test_a_fetch_waits_for_a_chunk_in_use_when_the_cache_is_full(nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "full-cache"
+    directory.mkdir()
+    data = random_bytes(2 * MIB, 5)
+    write_reference(directory / "m.safetensors", {"t": ("U8", [2 * MIB], data)})
+    remote = options(tmp_path, chunk_size=MIB, cache_size=MIB, concurrency=1)  # room for one chunk
+    with tensorfs.open_model(f"{nginx.url}/full-cache/m.safetensors", remote=remote) as model:
+        shard_key, offset, _ = model.locate("t")
+        shard = model.shard_data(shard_key)
+        hold(shard, offset, offset + 100)  # chunk 0, pinned: as while a reply goes out
+        got = bytearray(100)
+        second = threading.Thread(target=shard.readinto, args=(offset + 3 * MIB // 2, memoryview(got)))
+        second.start()
+        cached = shard.cached  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while cached.cache.waiting_for_room == 0 and second.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cached.cache.waiting_for_room == 1 and second.is_alive()  # no room for chunk 1 while 0 is held
+        shard.unpin(offset, offset + 100)
+        second.join()
+        assert bytes(got) == data[3 * MIB // 2 : 3 * MIB // 2 + 100]
+        assert not cached.present(0)  # let go, it made the room
 
 
 # -- mounted ------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import obstore
 import pytest
-from servers import DroppingProxy, Nginx, SeaweedFS
 
 from conftest import Mounts, wait_until
 from helpers import MIB, random_bytes, write_reference
+from servers import DroppingProxy, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.sources.cache import OBJECTS_DIR
 

@@ -301,12 +301,14 @@ class TensorOperations(pyfuse3.Operations):
     async def _unpin(data: ShardData, low: int, high: int) -> None:
         data.unpin(low, high)
 
-    async def _ensure_ahead(self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter) -> bool:
+    async def _ensure_ahead(
+        self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
+    ) -> bool:
         """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
         try:
             return bool(
                 await trio.to_thread.run_sync(
-                    functools.partial(span.data.ensure, begin, until, ahead=True), limiter=limiter
+                    functools.partial(span.data.ensure, begin, until, ahead=ahead), limiter=limiter
                 )
             )
         except TensorfsError:
@@ -318,7 +320,8 @@ class TensorOperations(pyfuse3.Operations):
     async def _prefetch(self, span: _Span) -> None:
         begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
         try:
-            done = await self._ensure_ahead(span, begin, until, self._prefetchers)
+            # A reader that consumed its window: its source may read further ahead (ahead=False).
+            done = await self._ensure_ahead(span, begin, until, self._prefetchers, ahead=False)
             if done and span.ready_from <= begin <= span.ready_to:  # still contiguous with what is ready
                 span.ready_to = max(span.ready_to, until)
         finally:

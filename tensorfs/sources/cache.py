@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "objects.sqlite"
 OBJECTS_DIR = "objects"
-_SAVE_EVERY = 1.0  # seconds between commits of new chunks
+_ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before it fails (cache too small)
+_SAVE_AT_LEAST_EVERY = 5.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 
@@ -97,7 +98,11 @@ class Cache:
         self._db: sqlite3.Connection | None = None
         self._pid = 0
         self._objects: dict[str, CachedObject] = {}  # open in this process, by id
-        self._pending: dict[str, set[int]] = {}  # chunks written, not yet committed
+        self._pending: dict[str, dict[int, int]] = {}  # chunks written, not yet recorded (and their bytes)
+        self._pending_bytes = 0
+        self._saving = threading.Lock()
+        self._room = threading.Condition(self._lock)  # told when pinned chunks are let go, or rows saved
+        self._waiting_for_room = 0
         self._touched: dict[str, set[int]] = {}  # chunks served, their use not yet committed
         self._saved_at = time.monotonic()
         self._cached: int | None = None  # bytes the cache holds, as last counted (plus what this process adds)
@@ -170,12 +175,6 @@ class Cache:
             row = db.execute("SELECT header, mtime FROM objects WHERE id=?", (object_id(url, etag, size),)).fetchone()
         return (bytes(row[0]), float(row[1])) if row is not None else None
 
-    def _release(self, cached: CachedObject) -> None:
-        with self._lock:
-            self._save(force=True)
-            if self._objects.get(cached.id) is cached:
-                del self._objects[cached.id]
-
     # -- models (what a source resolved to, for --offline) ----------------------------------
     def remember_model(self, source: str, description: dict[str, Any]) -> None:
         with contextlib.suppress(RemoteError), self._transaction() as db:
@@ -193,31 +192,58 @@ class Cache:
             return db.execute("SELECT 1 FROM chunks WHERE object=? AND chunk=?", (oid, chunk)).fetchone() is not None
 
     def record(self, cached: CachedObject, chunk: int, nbytes: int) -> None:
+        """A chunk written: it is recorded (for other processes, and after a crash) at the next save()."""
         with self._lock:
-            self._pending.setdefault(cached.id, set()).add(chunk)
+            self._pending.setdefault(cached.id, {})[chunk] = nbytes
+            self._pending_bytes += nbytes
             if self._cached is not None:
                 self._cached += nbytes
-            self._save()
+            due = time.monotonic() - self._saved_at > _SAVE_AT_LEAST_EVERY
+        if due:  # nobody saved for a while (no daemon calls save() here): this thread does
+            self.save()
 
     def touch(self, cached: CachedObject, chunks: range) -> None:
         with self._lock:
             self._touched.setdefault(cached.id, set()).update(chunks)
-            self._save()
 
-    def _save(self, *, force: bool = False) -> None:
-        """Commit what was written (flushed to disk first) and what was used; at most once a second."""
-        if not force and time.monotonic() - self._saved_at < _SAVE_EVERY:
-            return
-        pending, self._pending = self._pending, {}
-        touched, self._touched = self._touched, {}
-        self._saved_at = time.monotonic()
-        if not pending and not touched:
-            return
+    def save(self) -> None:
+        """Record what was written (flushed to disk first: the row never comes before the bytes) and used.
+
+        The flush runs with no lock held, so fetches go on meanwhile; one save at a time.
+        """
+        if not self._saving.acquire(blocking=False):
+            return  # another thread saves just now
+        try:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                touched, self._touched = self._touched, {}
+                self._saved_at = time.monotonic()
+                saving = sum(sum(chunks.values()) for chunks in pending.values())
+                written = {oid: self._objects.get(oid) for oid in pending}
+                # A chunk of a file closed meanwhile cannot be flushed: it is not recorded (fetched again).
+                pending = {oid: chunks for oid, chunks in pending.items() if written[oid] is not None}
+                files = [os.dup(cached.fd) for cached in written.values() if cached is not None and cached.fd >= 0]
+            try:
+                if pending or touched:
+                    self._commit(pending, touched, files)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= saving  # counted until now: in the database from here on
+                    self._room.notify_all()
+        finally:
+            self._saving.release()
+
+    def _commit(self, pending: dict[str, dict[int, int]], touched: dict[str, set[int]], files: list[int]) -> None:
+        try:
+            for fd in files:
+                os.fdatasync(fd)  # the bytes on disk before the rows that say they are
+        except OSError as exc:
+            log.warning("could not flush the cache files: %s (their new chunks will be fetched again)", exc.strerror)
+            pending = {}
+        finally:
+            for fd in files:
+                os.close(fd)
         now = time.time()
-        for oid in pending:
-            cached = self._objects.get(oid)
-            if cached is not None and cached.fd >= 0:
-                os.fdatasync(cached.fd)  # the bytes on disk before the row that says they are
         try:
             with self._transaction() as db:
                 db.executemany(
@@ -232,31 +258,53 @@ class Cache:
         except RemoteError as exc:
             log.warning("could not record chunks in the cache: %s (they will be fetched again)", exc)
 
-    def save(self) -> None:
-        with self._lock:
-            self._save(force=True)
-
     # -- room -------------------------------------------------------------------------------
     def make_room(self, nbytes: int, requester: CachedObject) -> None:
         """Free least recently used chunks until `nbytes` more fit under the limit; CacheFull if they cannot.
 
-        A little more than needed is freed, so that the next fetches find room without a search.
+        Chunks written since the last save are saved first to be evictable; chunks in use (pinned
+        while an answer goes out) are waited for, a while. A little more than needed is freed, so
+        that the next fetches find room without a search.
         """
         if self.limit is None:
             return
-        with self._lock:
-            if self._cached is None or self._cached + nbytes > self.limit:
-                self._save(force=True)
-                self._cached = self._count()  # other processes fill it too
-            if self._cached + nbytes <= self.limit:
-                return
-            slack = min(self.limit // 16, 8 * requester.chunk_size)
-            self._cached -= self._evict(self._cached + nbytes - self.limit + slack)
-            if self._cached + nbytes > self.limit:
-                raise CacheFull(
-                    f"{requester.version.url}: no room in the cache {self.directory} for another chunk: "
-                    f"its {self.limit >> 20} MiB hold chunks in use; raise --cache-size"
-                )
+        deadline = time.monotonic() + _ROOM_WAIT
+        while True:
+            with self._lock:
+                if self._cached is None or self._cached + nbytes > self.limit:
+                    self._cached = self._count() + self._pending_bytes  # other processes fill it too
+                if self._cached + nbytes <= self.limit:
+                    return
+                slack = min(self.limit // 16, 8 * requester.chunk_size)
+                self._cached -= self._evict(self._cached + nbytes - self.limit + slack)
+                if self._cached + nbytes <= self.limit:
+                    return
+                unsaved = sum(size for chunks in self._pending.values() for size in chunks.values())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CacheFull(
+                        f"{requester.version.url}: no room in the cache {self.directory} for another chunk: "
+                        f"its {self.limit >> 20} MiB hold chunks in use; raise --cache-size"
+                    )
+                if not unsaved:
+                    self._waiting_for_room += 1
+                    try:
+                        self._room.wait(min(left, 0.1))
+                    finally:
+                        self._waiting_for_room -= 1
+                    continue
+            self.save()  # then its chunks can go
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Fetches waiting for chunks in use to be let go."""
+        return self._waiting_for_room
+
+    def room_freed(self) -> None:
+        """Chunks were let go: a fetch waiting for room may find it now."""
+        if self._waiting_for_room:
+            with self._lock:
+                self._room.notify_all()
 
     def _count(self) -> int:
         with self._transaction() as db:
@@ -366,8 +414,8 @@ class Cache:
 
         Files of objects left with no chunk, and in no process's use, are removed with their rows.
         """
+        self.save()
         with self._lock:
-            self._save(force=True)
             held = self._count()
             freed = self._evict(held - max_size) if held > max_size else 0
             with self._transaction() as db:
@@ -399,8 +447,8 @@ class Cache:
                 os.close(fd)
 
     def close(self) -> None:
+        self.save()
         with self._lock:
-            self._save(force=True)
             if self._db is not None and self._pid == os.getpid():
                 with contextlib.suppress(sqlite3.Error):
                     self._db.close()
@@ -465,6 +513,7 @@ class CachedObject:
                     self._pins[chunk] = left
                 else:
                     self._pins.pop(chunk, None)
+        self.cache.room_freed()
 
     def take(self, chunk: int) -> bool:
         """Mark a chunk not present, for its eviction: unless it is pinned or being fetched."""
@@ -493,24 +542,31 @@ class CachedObject:
             begin = chunk * self.chunk_size
             end = min(self.version.size, begin + self.chunk_size)
             self.cache.make_room(end - begin, self)
-            data = read_range(self.version, begin, end)
-            view = memoryview(data)
-            done = 0
             try:
-                while done < len(view):
-                    done += os.pwrite(self.fd, view[done:], begin + done)
-            except OSError as exc:
+                read_range(self.version, begin, end, self._write)
+            except BaseException as exc:
                 with contextlib.suppress(OSError):
                     _punch(self.fd, begin, end - begin)  # nothing half-written stays allocated
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise CacheFull(f"{self.version.url}: the cache disk is full ({self.cache.directory})") from None
-                raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
+                if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise CacheFull(
+                            f"{self.version.url}: the cache disk is full ({self.cache.directory})"
+                        ) from None
+                    raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
+                raise
             with self._lock:
                 self._present[chunk] = 1
             self.cache.record(self, chunk, end - begin)
         finally:
             with self._lock:
                 self._inflight.pop(chunk, None)
+            self.cache.room_freed()
+
+    def _write(self, offset: int, piece: bytes) -> None:
+        view = memoryview(piece)
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            view, offset = view[written:], offset + written
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         done, size = 0, len(buffer)
@@ -521,11 +577,13 @@ class CachedObject:
             done += count
 
     def close(self) -> None:
+        self.cache.save()  # what was fetched is recorded while the file is open to flush
         with self.cache._lock:
             self.users -= 1
             if self.users > 0:
                 return
-            self.cache._release(self)
+            if self.cache._objects.get(self.id) is self:
+                del self.cache._objects[self.id]
         with contextlib.suppress(BufferError):
             self.view.release()
             if self._mapping is not None:

@@ -69,7 +69,7 @@ class RemoteShard(ShardData):
         self.options = options
         self._pool = Fetcher.pool(options.concurrency)
         self._lock = threading.Lock()
-        self._last_end = -1  # where the last read stopped
+        self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
         self._window = 0  # chunks fetched ahead of a sequential reader
         version = cached.version
         mtime = int(version.mtime * 1e9)
@@ -89,8 +89,7 @@ class RemoteShard(ShardData):
             return True
         first, last = self._chunks(start, end)
         waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk)) is not None]
-        if not ahead:
-            self._read_ahead(start, end, last)
+        self._read_ahead(start, end, ahead)
         wait(waiting)
         return self.cached.pages.populate(start, end)
 
@@ -112,16 +111,25 @@ class RemoteShard(ShardData):
             raise RemoteError(f"{self.key}: bytes [{chunk * self.cached.chunk_size}, ...) are not cached (--offline)")
         return self.cached.fetching(chunk, self._pool)
 
-    def _read_ahead(self, start: int, end: int, last: int) -> None:
+    def _read_ahead(self, start: int, end: int, ahead: bool) -> None:
+        """Follow the reader: fetch ahead of one that goes on where the reads so far stopped.
+
+        Every range asked for extends the run it continues (or starts a new one); a reader's own
+        request that continues the run doubles the window of chunks fetched ahead of it (up to as
+        many as there are fetch threads), any other resets it. A window asked for `ahead` extends
+        the run without fetching further: a reader of one tensor fetches only its tensor's chunks.
+        """
         size = self.cached.chunk_size
         with self._lock:
-            sequential = self._last_end >= 0 and self._last_end - size <= start <= self._last_end + size
-            self._last_end = end
-            self._window = min(max(1, 2 * self._window), self.options.concurrency) if sequential else 0
-            window = self._window
+            continues = self._frontier - size <= start <= self._frontier + size
+            self._frontier = max(self._frontier, end) if continues else end
+            if ahead:
+                return
+            self._window = min(max(1, 2 * self._window), self.options.concurrency) if continues else 0
+            first, window = (self._frontier - 1) // size + 1, self._window
         if self.options.offline:
             return
-        for chunk in range(last + 1, min(self.cached.chunks, last + 1 + window)):
+        for chunk in range(first, min(self.cached.chunks, first + window)):
             self.cached.fetching(chunk, self._pool)  # not waited for: a failure is met again if it is read
 
     def prefetch(self, progress: Callable[[int], None] | None = None) -> None:

@@ -1,78 +1,38 @@
-"""The benchmark: tensorfs's read path, mount and listing against direct baselines, in one run.
+"""The benchmark of the read path of local models, the mount and listing, against direct baselines.
 
 Every figure is the median of several tries and is reported as a ratio to its baseline measured
-in the same run, since these machines are noisy. `tensorfs bench` and `scripts/bench.py` run it.
+in the same run, since these machines are noisy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from .mount.mounttable import daemon_pid, pid_alive
-from .synth import Tensor, many_tiny_tensors, write_sharded
-from .units import human_size
-
-READ_SIZE = 1 << 20
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-
-
-@dataclass
-class Config:
-    gib: float = 2.0
-    shards: int = 4
-    tensor_mib: int = 256
-    small_tensors: int = 2000
-    """Tiny tensors in an extra shard: names that no test has looked up yet, for the latency probes."""
-    tiny_tensors: int = 100_000
-    tiny_shards: int = 20
-    repeat: int = 3
-    readahead_kb: int = 1024
-    mount_options: tuple[str, ...] = ()
-    workdir: Path | None = None
-
-    @classmethod
-    def quick(cls) -> Config:
-        return cls(gib=1 / 16, shards=2, tensor_mib=16, small_tensors=200, tiny_tensors=3000, tiny_shards=3, repeat=1)
-
-
-@dataclass
-class Report:
-    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def add(self, key: str, what: str, value: str, ratio: float | None, bar: str, **data: Any) -> None:
-        shown = "" if ratio is None else f"{ratio:.2f}x"
-        self.rows.append((what, value, shown, bar))
-        self.data[key] = {**data, "ratio": None if ratio is None else round(ratio, 3)}
-
-    def table(self) -> str:
-        widths = [max(len(r[i]) for r in [("measure", "value", "ratio", "bar"), *self.rows]) for i in range(4)]
-        lines = []
-        for row in [("measure", "value", "ratio", "bar"), *self.rows]:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines + [f"note: {n}" for n in self.notes])
-
-
-def gbps(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:.2f} GB/s"
-
+from ..synth import Tensor, many_tiny_tensors, write_sharded
+from ..units import human_size
+from .common import (
+    Config,
+    Mounter,
+    Report,
+    can_drop_caches,
+    concurrently,
+    drop_caches,
+    median,
+    read_file,
+    read_range,
+    rss_anon_kib,
+    touch_fresh_memory,
+    warm,
+)
 
 # -- building ---------------------------------------------------------------------------------
 
@@ -97,124 +57,6 @@ def build_big_model(directory: Path, config: Config) -> dict[str, tuple[Path, in
         return {
             name: (Path(model.info(name).shard), model.info(name).offset, model.info(name).nbytes) for name in model
         }
-
-
-def touch_fresh_memory(nbytes: int) -> None:
-    """These VMs hand freed memory back to the host; fresh page-cache pages are slow until touched once."""
-    block = np.ones(nbytes, dtype=np.uint8)
-    del block
-
-
-def warm(paths: list[Path]) -> None:
-    buffer = bytearray(16 << 20)
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buffer):
-                pass
-
-
-def can_drop_caches() -> bool:
-    return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)
-
-
-def drop_caches() -> None:
-    os.sync()
-    DROP_CACHES.write_text("3\n")
-
-
-# -- reading ----------------------------------------------------------------------------------
-
-
-def read_range(path: Path, offset: int, nbytes: int) -> float:
-    """Seconds to read [offset, offset + nbytes) of `path` in 1 MiB reads."""
-    buffer = bytearray(READ_SIZE)
-    view = memoryview(buffer)
-    start = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        left = nbytes
-        while left > 0:
-            got = f.readinto(view[: min(READ_SIZE, left)])
-            if not got:
-                raise OSError(f"short read of {path}")
-            left -= got
-    return time.perf_counter() - start
-
-
-def read_file(path: Path) -> float:
-    return read_range(path, 0, path.stat().st_size)
-
-
-def concurrently(jobs: list[Callable[[], object]]) -> float:
-    """Seconds for all jobs, each on its own thread."""
-    errors: list[BaseException] = []
-
-    def run(job: Callable[[], object]) -> None:
-        try:
-            job()
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - start
-
-
-# -- mounting ---------------------------------------------------------------------------------
-
-
-class Mounter:
-    def __init__(self, workdir: Path, config: Config) -> None:
-        self.workdir = workdir
-        self.config = config
-        self.count = 0
-
-    def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "tensorfs.cli", *args]
-
-    @contextlib.contextmanager
-    def mounted(self, source: Path, *extra: str) -> Iterator[tuple[Path, int]]:
-        """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid)."""
-        self.count += 1
-        mountpoint = self.workdir / f"mnt{self.count}"
-        mountpoint.mkdir()
-        options = [f"--readahead-kb={self.config.readahead_kb}", "--no-cache", *self.config.mount_options, *extra]
-        log = str(self.workdir / "daemon.log")
-        subprocess.run(
-            self.command("mount", "-q", "--log-file", log, *options, str(source), str(mountpoint)), check=True
-        )
-        pid = daemon_pid(mountpoint)
-        assert pid is not None, f"no daemon record for {mountpoint}"
-        try:
-            yield mountpoint, pid
-        finally:
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
-            deadline = time.monotonic() + 30
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if pid_alive(pid):
-                os.kill(pid, 9)
-            mountpoint.rmdir()
-
-
-def rss_anon_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise RuntimeError("no RssAnon")
-
-
-# -- the measurements ---------------------------------------------------------------------------
-
-
-def median(values: list[float] | list[int]) -> float:
-    return statistics.median(values)
 
 
 def run(config: Config, out: Callable[[str], None] = print) -> Report:
@@ -488,12 +330,3 @@ def tiny_section(config: Config, report: Report, mounter: Mounter, work: Path) -
         "<= 64 MiB",
         kib=median(rss),
     )
-
-
-def main(config: Config, json_path: Path | None = None) -> int:
-    report = run(config)
-    print(report.table())
-    if json_path is not None:
-        json_path.write_text(json.dumps({"config": {k: str(v) for k, v in vars(config).items()}, **report.data,
-                                         "notes": report.notes}, indent=2) + "\n")  # fmt: skip
-    return 0

@@ -1,0 +1,228 @@
+"""The benchmark of remote models (`tensorfs bench --remote`): a model served by nginx on loopback,
+read through the mount and its cache, against obstore downloading the same bytes in the same run.
+
+The bars (the remote-models issue): a first read of the model through the mount >= 0.8x obstore
+downloading it with the same concurrency; a re-read from the cache >= 0.9x a local shard's first
+read; one 4 MiB tensor fetches at most 4 MiB + 2 chunks + the headers; a 20-shard model mounts with
+at most 2 GETs a shard, in at most 3x the time it takes from local disk; `stat` p99 < 10 ms while
+four readers stream cold remote data; the daemon's RssAnon flat within 16 MiB over the whole read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..model import open_model
+from ..synth import Tensor, many_tiny_tensors, write_sharded
+from ..units import human_size
+from .common import Config, Mounter, Report, median, read_file, rss_anon_kib, touch_fresh_memory, warm
+from .servers import Nginx
+
+CHUNK = 8 << 20
+CONCURRENCY = 8
+TENSOR = 64 << 20
+"""The big model's tensors (the throughput, the memory, four cold readers)."""
+SMALL_TENSOR = 4 << 20
+"""A second model's (1 GiB, 4 shards): what reading one of them fetches."""
+
+
+def build(directory: Path, gib: float, shards: int, tensor: int, small: int = 0) -> list[str]:
+    """Shards of F32 tensors of random bytes (and a shard of `small` tiny ones); the big tensors' names."""
+    count = max(shards, int(gib * (1 << 30)) // tensor)
+    per_shard = -(-count // shards)
+    layout: list[dict[str, Tensor]] = [
+        {
+            f"big.{t:04d}": ("F32", [tensor // 4], os.urandom(tensor))
+            for t in range(s * per_shard, min(count, (s + 1) * per_shard))
+        }
+        for s in range(shards)
+    ]
+    if small:
+        layout.append({f"small.{i:05d}": ("F32", [16], os.urandom(64)) for i in range(small)})
+    write_sharded(directory, layout)
+    return sorted(name for shard in layout for name in shard if name.startswith("big."))
+
+
+def download(url: str, objects: list[tuple[str, int]]) -> float:
+    """Bytes/s of obstore fetching every object whole, in CHUNK ranges, CONCURRENCY at once (the bytes dropped)."""
+    import obstore
+    from obstore.store import HTTPStore
+
+    store = HTTPStore.from_url(url, client_options={"allow_http": True, "timeout": "600s"})
+    jobs = [(name, start, min(size, start + CHUNK)) for name, size in objects for start in range(0, size, CHUNK)]
+
+    def fetch(job: tuple[str, int, int]) -> int:
+        name, start, end = job
+        return len(obstore.get(store, name, options={"range": (start, end)}).bytes())
+
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        fetched = sum(pool.map(fetch, jobs))
+    return fetched / (time.perf_counter() - begin)
+
+
+def fetched(server: Nginx, since: int, suffix: str = ".safetensors") -> tuple[int, int]:
+    """(GETs, body bytes) of shard objects the server sent since request number `since`."""
+    requests = [r for r in server.requests()[since:] if r[0] == "GET" and r[1].endswith(suffix)]
+    return len(requests), sum(sent for _, _, sent in requests)
+
+
+def run(config: Config, out: Callable[[str], None] = print) -> Report:
+    report = Report()
+    if shutil.which("nginx") is None:
+        report.notes.append("remote benchmark skipped: nginx is not installed (apt-get install nginx-light)")
+        return report
+    with tempfile.TemporaryDirectory(prefix="tensorfs-bench-remote-", dir=config.workdir) as tmp:
+        work = Path(tmp)
+        server = Nginx(work / "nginx")
+        model, one = server.root / "model", server.root / "one"
+        out(f"building a {config.gib:g} GiB model of 64 MiB tensors in {config.shards} shards, served by nginx ...")
+        big = build(
+            model, config.gib, config.shards, min(TENSOR, int(config.gib * (1 << 30)) // 4), config.small_tensors
+        )
+        build(one, min(1.0, config.gib), 4, SMALL_TENSOR)
+        shard_files = sorted(model.glob("*.safetensors"))
+        with open_model(model) as opened:
+            small = sorted(name for name in opened if name.startswith("small."))
+            model_bytes = sum(opened.info(name).nbytes for name in big)
+            big_shards = sorted({Path(opened.info(name).shard) for name in big})
+        touch_fresh_memory(2 * model_bytes)
+        warm(shard_files)
+        server.start()
+        try:
+            _measure(config, report, work, server, model, big_shards, big, small, model_bytes, out)
+        finally:
+            server.stop()
+    return report
+
+
+def _measure(config: Config, report: Report, work: Path, server: Nginx, model: Path, big_shards: list[Path],
+             big: list[str], small: list[str], model_bytes: int, out: Callable[[str], None]) -> None:  # fmt: skip
+    url = f"{server.url}/model/model.safetensors.index.json"
+    mounter = Mounter(work, config)
+    objects = [(f"model/{path.name}", path.stat().st_size) for path in big_shards]
+    object_bytes = sum(size for _, size in objects)
+
+    rates = [download(server.url, objects) for _ in range(config.repeat)]
+    report.add("download", f"obstore download, {CONCURRENCY} at once (baseline)", f"{median(rates) / 1e9:.2f} GB/s",
+               None, "", gbps=median(rates) / 1e9)  # fmt: skip
+
+    first, again, local, rss = [], [], [], []
+    for i in range(config.repeat):
+        cache = ["--cache-dir", str(work / f"cache{i}")]
+        with mounter.mounted(url, *cache) as (mnt, pid):
+            before = rss_anon_kib(pid)
+            start = time.perf_counter()
+            for name in big:
+                read_file(mnt / name)
+            first.append(model_bytes / (time.perf_counter() - start))
+            rss.append((before, rss_anon_kib(pid)))
+        with mounter.mounted(url, *cache) as (mnt, _):
+            again.append(model_bytes / sum(read_file(mnt / name) for name in big))
+        with mounter.mounted(model) as (mnt, _):
+            local.append(model_bytes / sum(read_file(mnt / name) for name in big))
+    report.add("remote_first_read", "first read of a remote model through the mount", f"{median(first) / 1e9:.2f} GB/s",
+               median(first) / median(rates), ">= 0.8x download", gbps=median(first) / 1e9,
+               object_bytes=object_bytes)  # fmt: skip
+    report.add("local_first_read", "first read of the local model (baseline)", f"{median(local) / 1e9:.2f} GB/s",
+               None, "", gbps=median(local) / 1e9)  # fmt: skip
+    report.add("remote_reread", "re-read from the cache (a new mount)", f"{median(again) / 1e9:.2f} GB/s",
+               median(again) / median(local), ">= 0.9x local first read", gbps=median(again) / 1e9)  # fmt: skip
+    before, after = max(rss, key=lambda pair: pair[1] - pair[0])
+    report.add("remote_rss", f"daemon RssAnon before/after reading {human_size(model_bytes)}",
+               f"{before / 1024:.1f} / {after / 1024:.1f} MiB", None, "flat within 16 MiB",
+               before_kib=before, after_kib=after)  # fmt: skip
+
+    # One 4 MiB tensor in the middle of a 1 GiB 4-shard model: what it costs to read it, headers apart.
+    one_url = f"{server.url}/one/model.safetensors.index.json"
+    with open_model(server.root / "one") as opened:
+        names = sorted(opened)
+    name = names[len(names) // 2]
+    reads = []
+    for i in range(config.repeat):
+        since = len(server.requests())
+        with mounter.mounted(one_url, "--cache-dir", str(work / f"one{i}")) as (mnt, _):
+            gets, headers = fetched(server, since)
+            since = len(server.requests())
+            read_file(mnt / name)
+            reads.append((fetched(server, since)[1], headers, gets))
+    body, headers, gets = max(reads)
+    report.add("one_tensor", "bytes fetched to read one 4 MiB tensor", f"{body / (1 << 20):.1f} MiB",
+               None, "<= 4 MiB + 2 chunks (20 MiB)", bytes=body, header_bytes=headers, header_gets=gets)  # fmt: skip
+
+    _latency(config, report, mounter, server, url, big_shards, big, small, work)
+    _many_shards(config, report, mounter, server, work, out)
+
+
+def _latency(config: Config, report: Report, mounter: Mounter, server: Nginx, url: str, big_shards: list[Path],
+             big: list[str], small: list[str], work: Path) -> None:  # fmt: skip
+    """stat (and open+read of a small tensor) while four readers stream cold remote data."""
+    stats: list[float] = []
+    opens: list[float] = []
+    with mounter.mounted(url, "--cache-dir", str(work / "latency")) as (mnt, _):
+        per_stream = -(-len(big) // 4)
+        streams = [  # each a loader reading tensor after tensor: cat, so nothing here competes with the probes
+            subprocess.Popen(["cat", *[str(mnt / n) for n in big[i * per_stream : (i + 1) * per_stream]]],
+                             stdout=subprocess.DEVNULL)
+            for i in range(4)
+        ]  # fmt: skip
+        probes = iter(small)
+        while any(stream.poll() is None for stream in streams):
+            name = next(probes, None)
+            if name is None:
+                break
+            start = time.perf_counter()
+            os.stat(mnt / f"{name}.meta.json")
+            stats.append(time.perf_counter() - start)
+            name = next(probes, None)
+            if name is None:
+                break
+            start = time.perf_counter()
+            with open(mnt / name, "rb") as f:
+                f.read()
+            opens.append(time.perf_counter() - start)
+            time.sleep(0.002)
+        for stream in streams:
+            stream.wait()
+    if stats and opens:
+        report.add("remote_stat_latency", "stat while 4 stream cold remote data: median / p99",
+                   f"{median(stats) * 1e3:.2f} / {float(np.percentile(stats, 99)) * 1e3:.2f} ms", None, "p99 < 10 ms",
+                   median_ms=median(stats) * 1e3, p99_ms=float(np.percentile(stats, 99)) * 1e3,
+                   samples=len(stats))  # fmt: skip
+        report.add("remote_open_latency", "open+read of a small remote tensor meanwhile",
+                   f"{median(opens) * 1e3:.2f} / {float(np.percentile(opens, 99)) * 1e3:.2f} ms", None, "",
+                   median_ms=median(opens) * 1e3, p99_ms=float(np.percentile(opens, 99)) * 1e3)  # fmt: skip
+
+
+def _many_shards(config: Config, report: Report, mounter: Mounter, server: Nginx, work: Path,
+                 out: Callable[[str], None]) -> None:  # fmt: skip
+    """A model of many tiny tensors in 20 shards: mounted from the store against from local disk."""
+    tiny = server.root / "tiny"
+    out(f"building {config.tiny_tensors} tiny tensors in {config.tiny_shards} shards ...")
+    many_tiny_tensors(tiny, config.tiny_tensors, config.tiny_shards)
+    warm(sorted(tiny.glob("*.safetensors")))
+    url = f"{server.url}/tiny/model.safetensors.index.json"
+    remote_times, local_times, gets = [], [], []
+    for i in range(config.repeat):
+        since = len(server.requests())
+        start = time.perf_counter()
+        with mounter.mounted(url, "--cache-dir", str(work / f"tiny{i}")):
+            remote_times.append(time.perf_counter() - start)
+            gets.append(fetched(server, since)[0])
+        start = time.perf_counter()
+        with mounter.mounted(tiny):
+            local_times.append(time.perf_counter() - start)
+    report.add("remote_mount", f"mount of {config.tiny_tensors} tensors in {config.tiny_shards} remote shards",
+               f"{median(remote_times):.2f} s", median(remote_times) / median(local_times), "<= 3x from local disk",
+               seconds=median(remote_times), local_seconds=median(local_times))  # fmt: skip
+    report.add("remote_mount_gets", "GETs of shards to mount it", f"{max(gets)} for {config.tiny_shards} shards",
+               max(gets) / config.tiny_shards, "<= 2 a shard", gets=max(gets))  # fmt: skip
