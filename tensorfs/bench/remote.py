@@ -76,6 +76,14 @@ def fetched(server: Nginx, since: int, suffix: str = ".safetensors") -> tuple[in
     return len(requests), sum(sent for _, _, sent in requests)
 
 
+def quiesce(used: Path | None = None) -> None:
+    """Remove a cache no longer wanted and flush what is dirty: the disk's writeback of one try's
+    gigabytes would otherwise take CPU from the next (it halved later tries' first reads)."""
+    if used is not None:
+        shutil.rmtree(used, ignore_errors=True)
+    os.sync()
+
+
 def run(config: Config, out: Callable[[str], None] = print) -> Report:
     report = Report()
     if shutil.which("nginx") is None:
@@ -119,6 +127,7 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
     first, again, local, rss = [], [], [], []
     for i in range(config.repeat):
         cache = ["--cache-dir", str(work / f"cache{i}")]
+        quiesce(work / f"cache{i - 1}" if i else None)
         with mounter.mounted(url, *cache) as (mnt, pid):
             before = rss_anon_kib(pid)
             start = time.perf_counter()
@@ -130,6 +139,7 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
             again.append(model_bytes / sum(read_file(mnt / name) for name in big))
         with mounter.mounted(model) as (mnt, _):
             local.append(model_bytes / sum(read_file(mnt / name) for name in big))
+    quiesce(work / f"cache{config.repeat - 1}")
     report.add("remote_first_read", "first read of a remote model through the mount", f"{median(first) / 1e9:.2f} GB/s",
                median(first) / median(rates), ">= 0.8x download", gbps=median(first) / 1e9,
                object_bytes=object_bytes)  # fmt: skip
@@ -168,6 +178,7 @@ def _latency(config: Config, report: Report, mounter: Mounter, server: Nginx, ur
     """stat (and open+read of a small tensor) while four readers stream cold remote data."""
     stats: list[float] = []
     opens: list[float] = []
+    quiesce()
     with mounter.mounted(url, "--cache-dir", str(work / "latency")) as (mnt, _):
         per_stream = -(-len(big) // 4)
         streams = [  # each a loader reading tensor after tensor: cat, so nothing here competes with the probes

@@ -126,6 +126,7 @@ class TensorOperations(pyfuse3.Operations):
         self.prefetch = DEFAULT_PREFETCH
         """Bytes brought into memory ahead of a sequential reader."""
         self.nursery: trio.Nursery | None = None
+        self._replied: list[tuple[ShardData, int, int]] = []  # ranges held until their replies have gone
         """Where background work runs; set while the daemon serves (None: no background work)."""
         self.invalidate: Callable[[Sequence[int], bool], None] | None = None
         """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
@@ -266,9 +267,12 @@ class TensorOperations(pyfuse3.Operations):
         """A slice of the shard's mapping, its pages brought in off this thread first if need be.
 
         The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
-        evicted from under it (a hole would read as zeros). The release is a task of its own, which
-        trio runs after this one has sent the reply (pyfuse3 replies before it awaits anything).
+        evicted from under it (a hole would read as zeros). It is let go by the next read, or the
+        next flush: code that runs once this task has yielded, which is after pyfuse3 has sent the
+        reply (it replies before it awaits anything).
         """
+        if self._replied:
+            self.release_replied()
         self._check_shard(span.shard, span.name)
         if self.integrity.expected is not None and span.name not in self.integrity.verified:
             await self.verify(span.name)  # the shard changed since this file was opened
@@ -293,13 +297,15 @@ class TensorOperations(pyfuse3.Operations):
         elif self.nursery is not None and self._window_running_out(span, high):
             span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
             self.nursery.start_soon(self._prefetch, span)
-        if not span.data.lazy_views and self.nursery is not None:
-            self.nursery.start_soon(self._unpin, span.data, low, high)
+        if not span.data.lazy_views:
+            self._replied.append((span.data, low, high))  # nothing awaited from here to the reply
         return span.view[low:high]
 
-    @staticmethod
-    async def _unpin(data: ShardData, low: int, high: int) -> None:
-        data.unpin(low, high)
+    def release_replied(self) -> None:
+        """Let go of the ranges held for replies: call only from another task than a read's (trio's thread)."""
+        replied, self._replied = self._replied, []
+        for data, low, high in replied:
+            data.unpin(low, high)
 
     async def _ensure_ahead(
         self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True

@@ -175,17 +175,19 @@ async def _run(
         operations.nursery = nursery
         nursery.start_soon(_handle_signals)
         nursery.start_soon(operations.watch_changes)
-        nursery.start_soon(_flush_caches, operations.tree.model)
+        nursery.start_soon(_flush_caches, operations)
         nursery.start_soon(_report_ready, mountpoint, options, record, notify)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
 
-async def _flush_caches(model: Model) -> None:
-    """Record fetched chunks in the cache every second, not only when more come (other processes see them)."""
+async def _flush_caches(operations: TensorOperations) -> None:
+    """Every second: let go of ranges held for replies sent (when reads stop, no read does it), and
+    record fetched chunks in the cache (other processes see them)."""
     while True:
         await trio.sleep(1.0)
-        await trio.to_thread.run_sync(model.flush)
+        operations.release_replied()
+        await trio.to_thread.run_sync(operations.tree.model.flush)
 
 
 async def _handle_signals() -> None:

@@ -206,13 +206,14 @@ class Cache:
         with self._lock:
             self._touched.setdefault(cached.id, set()).update(chunks)
 
-    def save(self) -> None:
+    def save(self, *, wait: bool = False) -> bool:
         """Record what was written (flushed to disk first: the row never comes before the bytes) and used.
 
-        The flush runs with no lock held, so fetches go on meanwhile; one save at a time.
+        The flush runs with no lock held, so fetches go on meanwhile; one save at a time: False when
+        another thread saves just now (and this one did not), unless `wait`: then after it.
         """
-        if not self._saving.acquire(blocking=False):
-            return  # another thread saves just now
+        if not self._saving.acquire(blocking=wait):
+            return False
         try:
             with self._lock:
                 pending, self._pending = self._pending, {}
@@ -232,6 +233,7 @@ class Cache:
                     self._room.notify_all()
         finally:
             self._saving.release()
+        return True
 
     def _commit(self, pending: dict[str, dict[int, int]], touched: dict[str, set[int]], files: list[int]) -> None:
         try:
@@ -279,21 +281,26 @@ class Cache:
                 self._cached -= self._evict(self._cached + nbytes - self.limit + slack)
                 if self._cached + nbytes <= self.limit:
                     return
-                unsaved = sum(size for chunks in self._pending.values() for size in chunks.values())
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CacheFull(
                         f"{requester.version.url}: no room in the cache {self.directory} for another chunk: "
                         f"its {self.limit >> 20} MiB hold chunks in use; raise --cache-size"
                     )
-                if not unsaved:
-                    self._waiting_for_room += 1
-                    try:
-                        self._room.wait(min(left, 0.1))
-                    finally:
-                        self._waiting_for_room -= 1
+                if not self._pending:
+                    self._wait_for_room(left)
                     continue
-            self.save()  # then its chunks can go
+            if not self.save():  # saved, its chunks can go; else another thread saves: wait for it
+                with self._lock:
+                    self._wait_for_room(left)
+
+    def _wait_for_room(self, left: float) -> None:
+        """Wait (the lock held) until chunks are let go or saved, or a moment passes."""
+        self._waiting_for_room += 1
+        try:
+            self._room.wait(min(left, 0.1))
+        finally:
+            self._waiting_for_room -= 1
 
     @property
     def waiting_for_room(self) -> int:
@@ -414,7 +421,7 @@ class Cache:
 
         Files of objects left with no chunk, and in no process's use, are removed with their rows.
         """
-        self.save()
+        self.save(wait=True)
         with self._lock:
             held = self._count()
             freed = self._evict(held - max_size) if held > max_size else 0
@@ -447,7 +454,7 @@ class Cache:
                 os.close(fd)
 
     def close(self) -> None:
-        self.save()
+        self.save(wait=True)
         with self._lock:
             if self._db is not None and self._pid == os.getpid():
                 with contextlib.suppress(sqlite3.Error):
@@ -577,7 +584,7 @@ class CachedObject:
             done += count
 
     def close(self) -> None:
-        self.cache.save()  # what was fetched is recorded while the file is open to flush
+        self.cache.save(wait=True)  # what was fetched is recorded while the file is open to flush
         with self.cache._lock:
             self.users -= 1
             if self.users > 0:
