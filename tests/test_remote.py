@@ -209,6 +209,18 @@ def test_one_tensor_read_fetches_its_chunks_only(nginx: Nginx, tmp_path: Path) -
     assert fetched <= 4 * MIB + 2 * 8 * MIB + 64 * 1024  # the tensor, at most two chunks more, the header
 
 
+def test_fetch_threads_yield_to_the_requests_thread(nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "nice"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"t": ("U8", [MIB], random_bytes(MIB, 3))})
+    with tensorfs.open_model(f"{nginx.url}/nice/m.safetensors", remote=options(tmp_path)) as model:
+        bytes(model.raw("t"))
+        fetcher = model.shard_data(model.locate("t")[0])._pool  # type: ignore[attr-defined]
+        tids = {thread.native_id for thread in fetcher._threads}
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert tids and all(os.getpriority(os.PRIO_PROCESS, tid) == min(19, ours + 10) for tid in tids)  # type: ignore[arg-type]
+
+
 def test_a_fetch_waits_for_a_chunk_in_use_when_the_cache_is_full(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "full-cache"
     directory.mkdir()

@@ -617,6 +617,20 @@ def _open_held(path: Path) -> int:
         os.close(fd)
 
 
+def _yield_to_requests() -> None:
+    """Run this fetch thread below the thread that answers requests (nice 10 more: per thread on Linux).
+
+    With readers streaming cold data the CPUs are busy; this keeps a `stat` from waiting behind
+    the copies of fetches (stat p99 14.6-17.4 -> 10.6-14.5 ms; the first read no slower).
+    """
+    thread = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + _FETCH_NICE))
+
+
+_FETCH_NICE = 10
+
+
 class Fetcher:
     """The threads that GET chunks, for every remote shard of a process (as many as --remote-concurrency)."""
 
@@ -628,7 +642,9 @@ class Fetcher:
         with cls._lock:
             pool = cls._pools.get(concurrency)
             if pool is None:
-                pool = cls._pools[concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix="fetch")
+                pool = cls._pools[concurrency] = ThreadPoolExecutor(
+                    concurrency, thread_name_prefix="fetch", initializer=_yield_to_requests
+                )
             return pool
 
 
