@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from conftest import Mounts
+from helpers import MIB
+from servers import Nginx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,6 +118,23 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
     growth = report["rss_growth"]["after_kib"] - report["rss_growth"]["before_kib"]
     assert growth < 5 * 1024  # the daemon's anonymous memory does not grow with the bytes it serves
     assert "first read through the mount" in result.stdout
+
+
+def test_bench_remote_quick_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> None:  # nginx: it is there
+    out = tmp_path / "bench.json"
+    command = ["bench", "--remote", "--quick", "--workdir", str(tmp_path), "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *command], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["notes"] == []  # nothing skipped (nginx is there)
+    for key in ("download", "remote_first_read", "local_first_read", "remote_reread", "remote_rss", "one_tensor",
+                "remote_stat_latency", "remote_mount", "remote_mount_gets"):  # fmt: skip
+        assert key in report, key
+    assert report["remote_first_read"]["gbps"] > 0
+    assert report["one_tensor"]["bytes"] <= 4 * MIB + 2 * 8 * MIB  # what reading one tensor fetched
+    assert "first read of a remote model through the mount" in result.stdout
 
 
 def test_soak_runs_briefly(fuse: None) -> None:
