@@ -170,6 +170,32 @@ class Mounter:
             mountpoint.rmdir()
 
 
+def probe_while(streams: list[subprocess.Popen[bytes]], mnt: Path, small: list[str]) -> tuple[list[float], list[float]]:
+    """While `streams` run: a stat of a .meta.json, then an open+read of a small tensor, names not
+    looked up before, every 2 ms. The seconds of each (stats, opens); the streams waited for."""
+    stats: list[float] = []
+    opens: list[float] = []
+    probes = iter(small)
+    while any(stream.poll() is None for stream in streams):
+        name = next(probes, None)
+        if name is None:
+            break
+        start = time.perf_counter()
+        os.stat(mnt / f"{name}.meta.json")
+        stats.append(time.perf_counter() - start)
+        name = next(probes, None)
+        if name is None:
+            break
+        start = time.perf_counter()
+        with open(mnt / name, "rb") as f:
+            f.read()
+        opens.append(time.perf_counter() - start)
+        time.sleep(0.002)
+    for stream in streams:
+        stream.wait()
+    return stats, opens
+
+
 def rss_anon_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):

@@ -27,6 +27,7 @@ from .common import (
     concurrently,
     drop_caches,
     median,
+    probe_while,
     read_file,
     read_range,
     rss_anon_kib,
@@ -201,8 +202,6 @@ def cold_section(config: Config, report: Report, mounter: Mounter, model_dir: Pa
     )
 
     # While four readers stream cold tensors, how long do a stat and an open of another tensor take?
-    stats: list[float] = []
-    opens: list[float] = []
     with mounter.mounted(model_dir) as (mnt, _):
         drop_caches()
         # The streams are dd processes, so that nothing in this process competes with the probes.
@@ -210,24 +209,7 @@ def cold_section(config: Config, report: Report, mounter: Mounter, model_dir: Pa
             subprocess.Popen(["dd", f"if={mnt / n}", "of=/dev/null", "bs=1M"], stderr=subprocess.DEVNULL)
             for n in (big * 4)[:4]
         ]
-        probes = iter(small)
-        while any(stream.poll() is None for stream in streams):
-            name = next(probes, None)
-            if name is None:
-                break
-            start = time.perf_counter()
-            os.stat(mnt / f"{name}.meta.json")
-            stats.append(time.perf_counter() - start)
-            name = next(probes, None)
-            if name is None:
-                break
-            start = time.perf_counter()
-            with open(mnt / name, "rb") as f:
-                f.read()
-            opens.append(time.perf_counter() - start)
-            time.sleep(0.002)
-        for stream in streams:
-            stream.wait()
+        stats, opens = probe_while(streams, mnt, small)
     if stats and opens:
         p99 = float(np.percentile(stats, 99))
         report.add(

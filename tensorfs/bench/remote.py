@@ -24,7 +24,7 @@ import numpy as np
 from ..model import open_model
 from ..synth import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size
-from .common import Config, Mounter, Report, median, read_file, rss_anon_kib, touch_fresh_memory, warm
+from .common import Config, Mounter, Report, median, probe_while, read_file, rss_anon_kib, touch_fresh_memory, warm
 from .servers import Nginx
 
 CHUNK = 8 << 20
@@ -176,8 +176,6 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
 def _latency(config: Config, report: Report, mounter: Mounter, server: Nginx, url: str, big_shards: list[Path],
              big: list[str], small: list[str], work: Path) -> None:  # fmt: skip
     """stat (and open+read of a small tensor) while four readers stream cold remote data."""
-    stats: list[float] = []
-    opens: list[float] = []
     quiesce()
     with mounter.mounted(url, "--cache-dir", str(work / "latency")) as (mnt, _):
         per_stream = -(-len(big) // 4)
@@ -186,24 +184,7 @@ def _latency(config: Config, report: Report, mounter: Mounter, server: Nginx, ur
                              stdout=subprocess.DEVNULL)
             for i in range(4)
         ]  # fmt: skip
-        probes = iter(small)
-        while any(stream.poll() is None for stream in streams):
-            name = next(probes, None)
-            if name is None:
-                break
-            start = time.perf_counter()
-            os.stat(mnt / f"{name}.meta.json")
-            stats.append(time.perf_counter() - start)
-            name = next(probes, None)
-            if name is None:
-                break
-            start = time.perf_counter()
-            with open(mnt / name, "rb") as f:
-                f.read()
-            opens.append(time.perf_counter() - start)
-            time.sleep(0.002)
-        for stream in streams:
-            stream.wait()
+        stats, opens = probe_while(streams, mnt, small)
     if stats and opens:
         report.add("remote_stat_latency", "stat while 4 stream cold remote data: median / p99",
                    f"{median(stats) * 1e3:.2f} / {float(np.percentile(stats, 99)) * 1e3:.2f} ms", None, "p99 < 10 ms",
