@@ -78,7 +78,11 @@ class SeaweedFS:
             "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0", "-volume.preStopSeconds=0",
         ]  # fmt: skip
         if private:  # its gRPC sockets, hard-wired to /tmp, land in its own directory
-            script = 'mount --bind "$1" /mnt && mount --bind "$1/tmp" /tmp && cd /mnt && shift && exec "$@"'
+            # The binary is opened before /tmp is covered: it may live there (a checkout under /tmp).
+            script = (
+                'exec 3<"$2" && mount --bind "$1" /mnt && mount --bind "$1/tmp" /tmp && cd /mnt && shift 2 && '
+                'exec /proc/self/fd/3 "$@"'
+            )
             command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(d), *command]
         with open(d / "logs" / "stdout.log", "wb") as out:
             self.process = subprocess.Popen(
