@@ -23,7 +23,7 @@ from pathlib import Path
 from tensorfs.bench.servers import Nginx, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
+    "ACCESS_KEY", "MOVED", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -31,6 +31,8 @@ ACCESS_KEY, SECRET_KEY = "tensorfs-test", "tensorfs-test-secret"
 TOKEN = "tensorfs-token"
 PRIVATE = f'location /private/ {{ if ($http_authorization != "Bearer {TOKEN}") {{ return 401; }} }}'
 """An nginx location that needs the Hub's token (what the tests of hf:// tokens read from)."""
+MOVED = "location /moved/ { rewrite ^/moved/(.*)$ /lfs/moved/$1 redirect; }"
+"""An nginx location that redirects every request (as the Hub does, to where large files are kept)."""
 
 
 class SeaweedFS:

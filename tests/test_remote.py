@@ -179,6 +179,19 @@ def test_a_hub_model_and_its_token(
     assert read_all("hf://private/secret@v1", remote) == expected
 
 
+def test_a_hub_model_behind_redirects(
+    nginx: Nginx, local_model: tuple[Path, dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory, expected = local_model
+    shutil.copytree(directory, nginx.root / "lfs" / "moved" / "model" / "resolve" / "main")
+    monkeypatch.setenv("HF_ENDPOINT", nginx.url)
+    before = len(nginx.requests())
+    assert read_all("hf://moved/model", options(tmp_path)) == expected  # every GET answered 302 first
+    paths = [path for _, path, _ in nginx.requests()[before:]]
+    shard = "/moved/model/resolve/main/model-00001-of-00002.safetensors"
+    assert shard in paths and f"/lfs{shard}" in paths
+
+
 def test_validation_takes_at_most_two_gets_a_shard(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "two-gets"
     directory.mkdir()
