@@ -23,7 +23,7 @@ from pathlib import Path
 from tensorfs.bench.servers import Nginx, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "MOVED", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
+    "ACCESS_KEY", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -33,6 +33,8 @@ PRIVATE = f'location /private/ {{ if ($http_authorization != "Bearer {TOKEN}") {
 """An nginx location that needs the Hub's token (what the tests of hf:// tokens read from)."""
 MOVED = "location /moved/ { rewrite ^/moved/(.*)$ /lfs/moved/$1 redirect; }"
 """An nginx location that redirects every request (as the Hub does, to where large files are kept)."""
+NO_ETAG = "location /noetag/ { etag off; }"
+"""An nginx location that sends no ETag (some servers do not): Last-Modified is all there is."""
 
 
 class SeaweedFS:

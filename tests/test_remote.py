@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import tensorfs
-from conftest import Mounts
+from conftest import Mounts, wait_until
 from helpers import MIB, entry, random_bytes, raw_shard, sharded_every_dtype, upload, write_reference
 from servers import TOKEN, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import mounts as mount_table
@@ -291,6 +291,27 @@ def test_mount_an_s3_model(
     assert all(o["cached"] == o["size"] and o["in_use"] for o in objects)
 
 
+def test_cache_prune_never_takes_what_a_mount_holds(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "held"
+    directory.mkdir()
+    tensors = {f"t{i}": ("U8", [3 * MIB], random_bytes(3 * MIB, 20 + i)) for i in range(4)}
+    write_reference(directory / "m.safetensors", tensors)
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    mountpoint = mounts.mount(f"{nginx.url}/held/m.safetensors", *cache)  # type: ignore[arg-type]
+    assert (mountpoint / "t1").read_bytes() == tensors["t1"][2]
+
+    def listed() -> list[dict[str, object]]:
+        return [json.loads(line) for line in cli("cache", "ls", "--json", *cache).stdout.splitlines()]
+
+    wait_until(lambda: listed()[0]["cached"] == 8 * MIB, what="the first chunk to be recorded")  # t1 is in it
+    assert listed()[0]["in_use"] is True
+    assert cli("cache", "prune", *cache).stdout == "freed 0 B; 8.0 MiB cached\n"  # the mount's chunks stay
+    if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # no page cache to hide a hole
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    for name, (_, _, data) in tensors.items():
+        assert (mountpoint / name).read_bytes() == data, name
+
+
 def test_offline_reads_what_is_cached_only(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "offline"
     directory.mkdir()
@@ -323,6 +344,6 @@ def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
     size = (directory / "m.safetensors").stat().st_size
     assert du.stdout.startswith(f"30.0 MiB ({size} bytes) cached of 1 object version(s)")
     pruned = cli("cache", "prune", "--max-size", "10M", *cache)
-    assert pruned.returncode == 0 and pruned.stdout == "freed 24.0 MiB; 8.0 MiB cached\n"
-    assert cli("cache", "prune", *cache).stdout == "freed 8.0 MiB; 0 B cached\n"
+    assert pruned.returncode == 0 and pruned.stdout == "freed 24.0 MiB; 6.0 MiB cached\n"  # the last chunk is short
+    assert cli("cache", "prune", *cache).stdout == "freed 6.0 MiB; 0 B cached\n"
     assert cli("cache", "ls", *cache).stdout.count("\n") == 1  # the objects' rows go with their last chunk

@@ -111,6 +111,24 @@ def test_an_object_replaced_or_deleted_under_the_mount(
     assert f"s3://{bucket}/b/m.safetensors: not found (404)" in log
 
 
+def test_an_object_replaced_on_a_server_without_etags(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    expected = big_model(nginx.root / "noetag", tensors=4)
+    path = nginx.root / "noetag" / "m.safetensors"
+    url = f"{nginx.url}/noetag/m.safetensors"
+    mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"), "--chunk-mb", "1")  # type: ignore[arg-type]
+    assert (mountpoint / "t00").read_bytes() == expected["t00"]
+    shard = path.read_bytes()
+    replacement = path.with_name("new.tmp")
+    replacement.write_bytes(shard[:-1] + bytes([shard[-1] ^ 1]))  # the same size: only Last-Modified tells
+    stat = path.stat()
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5 * 10**9))
+    os.replace(replacement, path)
+    for name in ("t01", "t02", "t03"):  # never a byte of the new version
+        assert errno_of_reading(mountpoint / name) == errno.EIO
+    assert (mountpoint / "t00").read_bytes() == expected["t00"]  # the version validated, as it is cached
+    assert f"{url}: changed since it was validated" in mounts.log()
+
+
 def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
     if os.geteuid() != 0:
         if os.environ.get("CI"):

@@ -11,7 +11,7 @@ never a hole taken for data. Rows are committed a second's worth at a time.
 
 The cache is bounded (least recently used chunks go first, their bytes freed by punching holes
 in the files). A hole reads as zeros through a mapping, so a chunk is never evicted while
-anything may answer from it: each process holds a shared lock (fcntl, on byte 0) on every object
+anything may answer from it: each process holds a shared lock (open file description lock, byte 0) on every object
 file it has mapped, and evicts only from files no other process holds; within a process, a chunk
 is pinned (counted) from before a range of it is answered until the answer has gone, and a pinned
 chunk is not evicted.
@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import sqlite3
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ DB_NAME = "objects.sqlite"
 OBJECTS_DIR = "objects"
 _ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before it fails (cache too small)
 _SAVE_AT_LEAST_EVERY = 5.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
+_CHUNK_BYTES = "MIN(o.chunk_size, o.size - c.chunk * o.chunk_size)"  # a chunk's bytes (the last may be short)
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 
@@ -316,7 +318,7 @@ class Cache:
     def _count(self) -> int:
         with self._transaction() as db:
             row = db.execute(
-                "SELECT COALESCE(SUM(o.chunk_size), 0) FROM chunks c JOIN objects o ON c.object = o.id"
+                f"SELECT COALESCE(SUM({_CHUNK_BYTES}), 0) FROM chunks c JOIN objects o ON c.object = o.id"
             ).fetchone()
         return int(row[0])
 
@@ -327,28 +329,31 @@ class Cache:
         while freed < wanted:
             with self._transaction() as db:
                 rows = db.execute(
-                    "SELECT c.object, c.chunk, o.chunk_size FROM chunks c JOIN objects o ON c.object = o.id"
-                    " ORDER BY c.used, c.object, c.chunk LIMIT 256 OFFSET ?",
+                    f"SELECT c.object, c.chunk, o.chunk_size, {_CHUNK_BYTES} FROM chunks c"
+                    " JOIN objects o ON c.object = o.id ORDER BY c.used, c.object, c.chunk LIMIT 256 OFFSET ?",
                     (kept,),
                 ).fetchall()
             if not rows:
                 break
-            by_object: dict[str, list[tuple[int, int]]] = {}
-            for oid, chunk, size in rows:
-                by_object.setdefault(oid, []).append((chunk, size))
+            by_object: dict[str, list[tuple[int, int, int]]] = {}
+            for oid, chunk, chunk_size, nbytes in rows:
+                by_object.setdefault(oid, []).append((chunk, chunk_size, nbytes))
             for oid, chunks in by_object.items():
                 evicted = [] if oid in refused else self._evict_from(oid, chunks, wanted - freed)
                 if evicted is None:
                     refused.add(oid)
                     evicted = []
-                freed += sum(size for _, size in evicted)
+                freed += sum(nbytes for _, _, nbytes in evicted)
                 kept += len(chunks) - len(evicted)
                 if freed >= wanted:
                     break
         return freed
 
-    def _evict_from(self, oid: str, chunks: list[tuple[int, int]], wanted: int) -> list[tuple[int, int]] | None:
-        """Evict the object's chunks (least recently used first) up to `wanted` bytes: those evicted.
+    def _evict_from(
+        self, oid: str, chunks: list[tuple[int, int, int]], wanted: int
+    ) -> list[tuple[int, int, int]] | None:
+        """Evict the object's chunks (chunk, chunk size, its bytes; least recently used first) up to
+        `wanted` bytes: those evicted.
 
         None when another process holds the object: its chunks are not ours to take away.
         """
@@ -362,23 +367,23 @@ class Cache:
                 with self._transaction() as db:
                     db.execute("DELETE FROM chunks WHERE object=?", (oid,))
                 return chunks
-        evicted: list[tuple[int, int]] = []
+        evicted: list[tuple[int, int, int]] = []
         try:
             try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # nobody else has it mapped
+                _lock(fd, fcntl.F_WRLCK)  # nobody else has it mapped
             except OSError:
                 return None
             try:
-                for chunk, size in chunks:
+                for chunk, chunk_size, nbytes in chunks:
                     if ours is not None and not ours.take(chunk):
                         continue  # pinned, or being fetched
-                    _punch(fd, chunk * size, size)
-                    evicted.append((chunk, size))
-                    if sum(size for _, size in evicted) >= wanted:
+                    _punch(fd, chunk * chunk_size, chunk_size)
+                    evicted.append((chunk, chunk_size, nbytes))
+                    if sum(n for _, _, n in evicted) >= wanted:
                         break
             finally:
                 if ours is not None:
-                    fcntl.lockf(fd, fcntl.LOCK_SH, 1, 0)  # back to what holding it takes
+                    _lock(fd, fcntl.F_RDLCK)  # back to what holding it takes
         except OSError as exc:
             log.warning("could not evict from the cache file %s: %s", oid, exc.strerror)
         finally:
@@ -386,18 +391,18 @@ class Cache:
                 os.close(fd)
             if evicted:
                 with self._transaction() as db:
-                    db.executemany("DELETE FROM chunks WHERE object=? AND chunk=?", [(oid, c) for c, _ in evicted])
+                    db.executemany("DELETE FROM chunks WHERE object=? AND chunk=?", [(oid, c) for c, _, _ in evicted])
         return evicted
 
     # -- what `tensorfs cache` shows and does -----------------------------------------------
     def entries(self) -> list[CacheEntry]:
         with self._transaction() as db:
             rows = db.execute(
-                "SELECT o.id, o.url, o.etag, o.size, o.used, COUNT(c.chunk) * o.chunk_size"
+                f"SELECT o.id, o.url, o.etag, o.size, o.used, COALESCE(SUM({_CHUNK_BYTES}), 0)"
                 " FROM objects o LEFT JOIN chunks c ON c.object = o.id GROUP BY o.id ORDER BY o.url"
             ).fetchall()
         return [
-            CacheEntry(oid, url, etag, size, min(int(cached), size), used, self._in_use(oid))
+            CacheEntry(oid, url, etag, size, int(cached), used, self._in_use(oid))
             for oid, url, etag, size, used, cached in rows
         ]
 
@@ -409,7 +414,7 @@ class Cache:
         except OSError:
             return False
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            _lock(fd, fcntl.F_WRLCK)
             return False
         except OSError:
             return True
@@ -443,7 +448,7 @@ class Cache:
             fd = -1
         try:
             if fd >= 0:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                _lock(fd, fcntl.F_WRLCK)
                 path.unlink()  # under the lock: whoever opens it next makes a new file (see CachedObject)
             with self._transaction() as db:
                 db.execute("DELETE FROM objects WHERE id=?", (oid,))
@@ -600,13 +605,24 @@ class CachedObject:
         self.fd = -1
 
 
+def _lock(fd: int, kind: int, *, wait: bool = False) -> None:
+    """Lock byte 0 of a cache file (F_RDLCK: held; F_WRLCK: nobody else holds it), OSError if taken.
+
+    An open file description lock (F_OFD_SETLK): a POSIX lock (lockf) would be dropped when this
+    process closes any other descriptor of the file, and another process would then evict chunks
+    from under our mapping (holes read as zeros).
+    """
+    flock = struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 1, 0)  # type, whence, start, length, pid (0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, flock)
+
+
 def _open_held(path: Path) -> int:
     """Open (or make) a cache file and hold it (a shared lock, while mapped: no other process evicts
     from it). A file removed by `cache prune` while we waited for the lock is left for a new one."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_SH, 1, 0)
+            _lock(fd, fcntl.F_RDLCK, wait=True)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd
         except FileNotFoundError:

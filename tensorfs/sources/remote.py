@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -447,16 +447,22 @@ def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[in
     options: dict[str, Any] = {"range": (start, end)}
     if version.etag:
         options["if_match"] = version.etag
+    elif version.mtime:  # a server without ETags: its Last-Modified (to the second) stands for the version
+        options["if_unmodified_since"] = datetime.fromtimestamp(version.mtime, UTC)
     offset = start
     unwritten: OSError | None = None
     try:
-        for piece in obstore.get(ref.spec.client(), ref.key, options=options).stream(min_chunk_size=_PIECE):  # type: ignore[arg-type]
+        result = obstore.get(ref.spec.client(), ref.key, options=options)  # type: ignore[arg-type]
+        _same_version(version, result.meta)  # a server may ignore the condition: the answer says
+        for piece in result.stream(min_chunk_size=_PIECE):
             try:
                 write(offset, piece)
             except OSError as exc:  # the writer's, not the store's
                 unwritten = exc
                 break
             offset += len(piece)
+    except RemoteError:
+        raise
     except Exception as exc:
         _raise(ref, exc)
     if unwritten is not None:
@@ -469,6 +475,18 @@ def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[in
 # Pieces written to the cache as they arrive: big enough to keep syscalls few, small enough that
 # a fetch thread holds little memory (measured: 1 MiB pieces grew the daemon by 10 MiB more).
 _PIECE = 256 << 10
+
+
+def _same_version(version: ObjectVersion, meta: Any) -> None:
+    """ObjectChanged unless a response's object is the version validated (ETag, else size and Last-Modified)."""
+    etag = str(meta.get("e_tag") or "")
+    mtime = _mtime(meta)
+    if (
+        int(meta["size"]) != version.size
+        or (etag and version.etag and etag != version.etag)
+        or (not version.etag and mtime and version.mtime and mtime != version.mtime)
+    ):
+        raise ObjectChanged(f"{version.url}: changed since it was validated")
 
 
 def _mtime(meta: Any) -> float:
