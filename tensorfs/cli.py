@@ -362,12 +362,12 @@ def verify(
 
     Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor.
     """
-    manifest_path = manifest_path or find_default_manifest(path, remote)
-    if manifest_path is None:
-        where = path if isinstance(path, str) or path.is_dir() else path.parent
-        raise TensorfsError(f"{where}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
-    expected = read_manifest(manifest_path, remote)
-    with open_model(path, remote=remote) as model:
+    with open_model(path, remote=remote) as model:  # first: its errors name it, not the manifest beside it
+        manifest_path = manifest_path or find_default_manifest(path, remote)
+        if manifest_path is None:
+            where = path if isinstance(path, str) or path.is_dir() else path.parent
+            raise TensorfsError(f"{where}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
+        expected = read_manifest(manifest_path, remote)
         actual = hash_model(model, open_cache(cache_dir, no_cache))
         result = compare(model, expected, actual)
         label = str(manifest_path)
@@ -483,10 +483,18 @@ def mount(
 
     def prepare() -> tuple[Model, Integrity]:
         # Here, after the daemon is forked: obstore (for a remote model) cannot be used across a fork.
+        # The model first: its errors name it, not the manifest looked for beside it.
+        model = open_model(source, layout=layout, remote=remote)
+        try:
+            return model, integrity_of(model)
+        except BaseException:
+            model.close()
+            raise
+
+    def integrity_of(model: Model) -> Integrity:
         given = manifest_path or (find_default_manifest(source, remote) if verify != "off" else None)
         if verify is not None and verify != "off" and given is None:
             raise TensorfsError(f"--verify={verify} needs a manifest: --manifest FILE, or {DEFAULT_MANIFEST} in MODEL")
-        model = open_model(source, layout=layout, remote=remote)
         cache = open_cache(cache_dir, no_cache)
         expected = None
         verified: set[str] = set()
@@ -503,7 +511,7 @@ def mount(
                     )
                 verified = set(actual)
         cache.close()  # the daemon opens its own connection
-        return model, Integrity(Hasher(model, cache), expected, verified)
+        return Integrity(Hasher(model, cache), expected, verified)
 
     def announce(line: str) -> None:
         if quiet:

@@ -20,7 +20,7 @@ from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError
 from .header import Entry
 from .model import Model
 from .sources import Identity, ShardKey
-from .sources.remote import RemoteError, RemoteOptions, beside, exists, is_remote, read_url
+from .sources.remote import AccessDenied, RemoteError, RemoteOptions, beside, exists, is_remote, read_url
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +433,9 @@ def find_default_manifest(source: Path | str, remote: RemoteOptions | None = Non
         ref = beside(source, DEFAULT_MANIFEST, options)
         try:
             return ref.url if exists(ref) else None
+        except AccessDenied as exc:  # S3 answers 403 for a missing key to whoever may not list the bucket
+            log.warning("%s; taken as no manifest", exc)
+            return None
         except RemoteError as exc:
             raise ManifestError(str(exc)) from None
     source = Path(source)

@@ -23,7 +23,7 @@ from pathlib import Path
 from tensorfs.bench.servers import Nginx, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
+    "ACCESS_KEY", "GUARDED", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -33,6 +33,8 @@ PRIVATE = f'location /private/ {{ if ($http_authorization != "Bearer {TOKEN}") {
 """An nginx location that needs the Hub's token (what the tests of hf:// tokens read from)."""
 MOVED = "location /moved/ { rewrite ^/moved/(.*)$ /lfs/moved/$1 redirect; }"
 """An nginx location that redirects every request (as the Hub does, to where large files are kept)."""
+GUARDED = "location = /guarded/tensors.sha256 { return 403; }"
+"""A manifest the store refuses to show (as S3 does for a missing key to whoever may not list)."""
 NO_ETAG = "location /noetag/ { etag off; }"
 """An nginx location that sends no ETag (some servers do not): Last-Modified is all there is."""
 
@@ -118,11 +120,13 @@ class SeaweedFS:
 
 
 class DroppingProxy:
-    """Forwards 127.0.0.1:port to a server's port, cutting each connection after `limit` bytes back."""
+    """Forwards 127.0.0.1:port to a server's port, cutting each connection after `limit` bytes back;
+    the next `refuse` connections (when set) are closed at once, as by a store that is down."""
 
     def __init__(self, target: int, limit: int) -> None:
         self.target = target
         self.limit = limit
+        self.refuse = 0
         self.connections = 0
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
@@ -138,6 +142,10 @@ class DroppingProxy:
             except OSError:
                 return
             self.connections += 1
+            if self.refuse > 0:
+                self.refuse -= 1
+                client.close()
+                continue
             server = socket.create_connection(("127.0.0.1", self.target))
             threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, self.limit), daemon=True).start()

@@ -312,6 +312,31 @@ def test_cache_prune_never_takes_what_a_mount_holds(mounts: Mounts, nginx: Nginx
         assert (mountpoint / name).read_bytes() == data, name
 
 
+def test_a_forbidden_default_manifest_is_no_manifest(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "guarded"
+    directory.mkdir()
+    tensors = {"w": ("U8", [MIB], random_bytes(MIB, 40))}
+    write_reference(directory / "m.safetensors", tensors)
+    (directory / "tensors.sha256").write_text("not for you\n")  # answered 403
+    url = f"{nginx.url}/guarded/m.safetensors"
+    mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+    assert (mountpoint / "w").read_bytes() == tensors["w"][2]
+    assert (
+        "tensors.sha256: access denied (403): check the credentials and the bucket's policy; taken as no manifest"
+        in mounts.log()
+    )
+    verify = cli("verify", "--cache-dir", str(tmp_path / "cache"), url)
+    assert verify.returncode == 1 and verify.stdout == ""
+    assert verify.stderr.endswith(
+        f"error: {nginx.url}/guarded/m.safetensors: no tensors.sha256 here; name a manifest with --manifest FILE\n"
+    )
+    # a model that cannot be reached is named, not the manifest looked for beside it
+    unreachable = cli(
+        "verify", "--remote-timeout", "2", "--cache-dir", str(tmp_path / "cache"), "http://127.0.0.1:1/m.safetensors"
+    )
+    assert unreachable.returncode == 1 and "http://127.0.0.1:1/m.safetensors: unreachable" in unreachable.stderr
+
+
 def test_offline_reads_what_is_cached_only(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "offline"
     directory.mkdir()

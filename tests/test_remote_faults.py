@@ -87,6 +87,19 @@ def test_dropped_connections_are_resumed(mounts: Mounts, nginx: Nginx, tmp_path:
         proxy.close()
 
 
+def test_a_read_rides_out_an_outage_shorter_than_the_timeout(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    expected = big_model(nginx.root / "outage", tensors=2)
+    proxy = DroppingProxy(nginx.port, 1 << 40)
+    try:
+        url = f"http://127.0.0.1:{proxy.port}/outage/m.safetensors"
+        mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"), "--remote-timeout", "120")  # type: ignore[arg-type]
+        proxy.refuse = 25  # more failed attempts than a retry count would allow; well within the time
+        assert (mountpoint / "t01").read_bytes() == expected["t01"]
+        assert proxy.refuse == 0
+    finally:
+        proxy.close()
+
+
 def test_an_object_replaced_or_deleted_under_the_mount(
     mounts: Mounts, seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

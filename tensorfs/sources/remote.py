@@ -43,6 +43,10 @@ class RemoteError(TensorfsError):
     """An object could not be read from its store (after the retries the error allows)."""
 
 
+class AccessDenied(RemoteError):
+    """The store refused the request (401, 403)."""
+
+
 class ObjectChanged(RemoteError):
     """An object was replaced in its store since it was validated: its other bytes are not to be mixed in."""
 
@@ -116,7 +120,7 @@ def _make_client(spec: StoreSpec) -> ObjectStore:
 
     timeout = timedelta(seconds=spec.timeout)
     retry = {
-        "max_retries": 10,
+        "max_retries": 1_000_000,  # the time is the bound (--remote-timeout), not a count
         "retry_timeout": timeout,
         "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
     }
@@ -389,6 +393,8 @@ def _raise(ref: ObjectRef, exc: BaseException) -> None:
 
     if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
         raise ObjectChanged(message) from None
+    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
+        raise AccessDenied(message) from None
     raise RemoteError(message) from None
 
 
