@@ -613,9 +613,15 @@ def prefetch(path: Path | str, cache_dir: Path | None, remote: RemoteOptions) ->
             click.echo(f"{printable(str(path))}: a local model: nothing to fetch")
             return
         total = sum(data.cached.version.size for data in remote_shards)
+        if remote.cache_size is not None and total > remote.cache_size:
+            size = human_size(remote.cache_size)
+            raise TensorfsError(f"{printable(str(path))}: {human_size(total)} does not fit in --cache-size {size}")
         with Progress(total, "fetching") as progress:
             for data in remote_shards:
                 data.prefetch(progress.advance)
+        missing = sum(data.cached.chunks - data.cached.present_count() for data in remote_shards)
+        if missing:  # evicted meanwhile (the cache is shared, and bounded): --offline would not find them
+            raise TensorfsError(f"{printable(str(path))}: {missing} chunk(s) were evicted again: raise --cache-size")
         click.echo(f"{printable(str(path))}: {len(remote_shards)} shard(s), {human_size(total)} cached")
 
 

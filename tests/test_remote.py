@@ -237,25 +237,35 @@ def test_fetch_threads_yield_to_the_requests_thread(nginx: Nginx, tmp_path: Path
 def test_a_fetch_waits_for_a_chunk_in_use_when_the_cache_is_full(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "full-cache"
     directory.mkdir()
-    data = random_bytes(2 * MIB, 5)
-    write_reference(directory / "m.safetensors", {"t": ("U8", [2 * MIB], data)})
-    remote = options(tmp_path, chunk_size=MIB, cache_size=MIB, concurrency=1)  # room for one chunk
+    data = random_bytes(3 * MIB, 5)
+    write_reference(directory / "m.safetensors", {"t": ("U8", [3 * MIB], data)})
+    remote = options(tmp_path, chunk_size=MIB, cache_size=2 * MIB, concurrency=1)  # room for two chunks
     with tensorfs.open_model(f"{nginx.url}/full-cache/m.safetensors", remote=remote) as model:
         shard_key, offset, _ = model.locate("t")
         shard = model.shard_data(shard_key)
-        hold(shard, offset, offset + 100)  # chunk 0, pinned: as while a reply goes out
+        hold(shard, offset, offset + MIB)  # chunks 0 and 1, pinned: as while a reply goes out
         got = bytearray(100)
-        second = threading.Thread(target=shard.readinto, args=(offset + 3 * MIB // 2, memoryview(got)))
+        second = threading.Thread(target=shard.readinto, args=(offset + 5 * MIB // 2, memoryview(got)))
         second.start()
         cached = shard.cached  # type: ignore[attr-defined]
         deadline = time.monotonic() + 30
         while cached.cache.waiting_for_room == 0 and second.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert cached.cache.waiting_for_room == 1 and second.is_alive()  # no room for chunk 1 while 0 is held
-        shard.unpin(offset, offset + 100)
+        assert cached.cache.waiting_for_room == 1 and second.is_alive()  # no room for chunk 2 while 0, 1 are held
+        shard.unpin(offset, offset + MIB)
         second.join()
-        assert bytes(got) == data[3 * MIB // 2 : 3 * MIB // 2 + 100]
+        assert bytes(got) == data[5 * MIB // 2 : 5 * MIB // 2 + 100]
         assert not cached.present(0)  # let go, it made the room
+
+
+def test_a_cache_too_small_for_two_chunks_is_refused(nginx: Nginx, tmp_path: Path) -> None:
+    with pytest.raises(tensorfs.TensorfsError, match=r"--cache-size 15.0 MiB holds less than two chunks of 8.0 MiB"):
+        options(tmp_path, cache_size=15 * MIB)
+    result = cli("validate", "--cache-size", "1M", f"{nginx.url}/any.safetensors")
+    assert result.returncode == 1 and result.stderr == (
+        "error: --cache-size 1.0 MiB holds less than two chunks of 8.0 MiB (a read may span two): "
+        "raise it, or lower --chunk-mb\n"
+    )
 
 
 # -- mounted ------------------------------------------------------------------------------------
@@ -360,6 +370,9 @@ def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
     write_reference(directory / "m.safetensors", tensors)
     url = f"{nginx.url}/prefetch/m.safetensors"
     cache = ["--cache-dir", str(tmp_path / "cache")]
+    too_small = cli("prefetch", *cache, "--cache-size", "20M", url)
+    assert too_small.returncode == 1
+    assert too_small.stderr == f"error: {url}: 30.0 MiB does not fit in --cache-size 20.0 MiB\n"
     result = cli("prefetch", *cache, url)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("1 shard(s), 30.0 MiB cached\n")

@@ -506,6 +506,11 @@ class CachedObject:
             return True
         return False
 
+    def present_count(self) -> int:
+        """Chunks present (as this process knows)."""
+        with self._lock:
+            return sum(self._present)
+
     def pin(self, first: int, last: int) -> bool:
         """Hold chunks first..last (all present) against eviction; False (nothing held) if one is not present."""
         chunks = range(first, last + 1)

@@ -71,6 +71,9 @@ class RemoteShard(ShardData):
         self._lock = threading.Lock()
         self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
         self._window = 0  # chunks fetched ahead of a sequential reader
+        # Never so far ahead that the window evicts what the reader is on (two chunks: a read may span two).
+        room = None if cached.cache.limit is None else cached.cache.limit // cached.chunk_size - 2
+        self._most_ahead = options.concurrency if room is None else min(options.concurrency, room)
         version = cached.version
         mtime = int(version.mtime * 1e9)
         self._status = os.stat_result(
@@ -125,7 +128,7 @@ class RemoteShard(ShardData):
             self._frontier = max(self._frontier, end) if continues else end
             if ahead:
                 return
-            self._window = min(max(1, 2 * self._window), self.options.concurrency) if continues else 0
+            self._window = min(max(1, 2 * self._window), self._most_ahead) if continues else 0
             first, window = (self._frontier - 1) // size + 1, self._window
         if self.options.offline:
             return

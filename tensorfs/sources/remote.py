@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import Problem, TensorfsError, printable
 from ..header import MAX_HEADER_BYTES
+from ..units import human_size
 from .index import INDEX_NAME, first_tensor, parse_weight_map, shard_names
 
 if TYPE_CHECKING:
@@ -71,6 +72,13 @@ class RemoteOptions:
     """Seconds a read may wait on the store, retries included, before it fails."""
     offline: bool = False
     """Only what is cached: no request is made."""
+
+    def __post_init__(self) -> None:
+        if self.cache_size is not None and self.cache_size < 2 * self.chunk_size:
+            raise TensorfsError(
+                f"--cache-size {human_size(self.cache_size)} holds less than two chunks of "
+                f"{human_size(self.chunk_size)} (a read may span two): raise it, or lower --chunk-mb"
+            )
 
 
 @dataclass(frozen=True)
