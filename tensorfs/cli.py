@@ -37,7 +37,7 @@ from .model import Model, open_model
 from .names import LAYOUTS, Layout
 from .progress import Progress
 from .sources import shard_name
-from .sources.remote import RemoteOptions, is_remote
+from .sources.remote import RemoteOptions, is_remote, unsupported_scheme
 from .units import human_size
 
 # The mount layer is imported by the commands that use it: the others start the faster for it.
@@ -148,6 +148,9 @@ class ModelSource(click.ParamType):  # type: ignore[type-arg]  # generic only in
     name = "model"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        why = unsupported_scheme(value)
+        if why is not None:
+            self.fail(why, param, ctx)
         if isinstance(value, Path) or not is_remote(value):
             return Path(value)
         return str(value)

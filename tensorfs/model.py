@@ -25,7 +25,7 @@ from .sources import Identity, ShardData, ShardKey, hold, shard_name
 from .sources.index import INDEX_NAME
 from .sources.local import LocalDescription, LocalShard, find_shards
 from .sources.objects import RemoteDescription, RemoteOpener, RemoteShard
-from .sources.remote import RemoteError, RemoteOptions, is_remote
+from .sources.remote import RemoteError, RemoteOptions, is_remote, unsupported_scheme
 
 if TYPE_CHECKING:
     import numpy as np
@@ -280,6 +280,9 @@ def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash", remote
     problems: list[Problem] = []
     with gc_paused():
         # Every problem is collected, of every shard and across shards, before any is reported.
+        why = unsupported_scheme(path)
+        if why is not None:
+            raise InvalidModelError([Problem(str(path), why)])
         if is_remote(path):
             assert isinstance(path, str)
             try:

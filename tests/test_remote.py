@@ -192,6 +192,27 @@ def test_a_hub_model_behind_redirects(
     assert shard in paths and f"/lfs{shard}" in paths
 
 
+def test_urls_as_users_write_them(nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = nginx.root / "written"
+    directory.mkdir()
+    tensors = {"w": ("U8", [4], b"abcd")}
+    write_reference(directory / "with space.safetensors", tensors)
+    assert read_all(f"{nginx.url}/written/with%20space.safetensors", options(tmp_path)) == {"w": b"abcd"}
+    queried = cli("validate", f"{nginx.url}/written/with%20space.safetensors?X-Amz-Signature=0")
+    assert queried.returncode == 1 and "URLs with a query or fragment (signed URLs) are not supported" in queried.stderr
+    ftp = cli("validate", "ftp://host/m.safetensors")
+    assert ftp.returncode == 2 and "ftp:// is not a source tensorfs reads" in ftp.stderr
+    with pytest.raises(tensorfs.InvalidModelError, match="ftp:// is not a source tensorfs reads"):
+        tensorfs.open_model("ftp://host/m.safetensors")
+    # hf://ORG/NAME is hf://ORG/NAME@main, for --offline too
+    hub = nginx.root / "written-org" / "m" / "resolve" / "main"
+    hub.mkdir(parents=True)
+    write_reference(hub / "model.safetensors", tensors)
+    monkeypatch.setenv("HF_ENDPOINT", nginx.url)
+    assert read_all("hf://written-org/m", options(tmp_path)) == {"w": b"abcd"}
+    assert read_all("hf://written-org/m@main", options(tmp_path, offline=True)) == {"w": b"abcd"}
+
+
 def test_validation_takes_at_most_two_gets_a_shard(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "two-gets"
     directory.mkdir()

@@ -28,6 +28,7 @@ from .remote import (
     RemoteError,
     RemoteOptions,
     locate,
+    model_key,
     read_header,
     store_spec,
 )
@@ -233,12 +234,12 @@ class RemoteOpener:
             {"key": v.ref.key, "etag": v.etag, "size": v.size, "mtime": v.mtime} for v, _ in self._opened.values()
         ]
         description = {"shards": shards, "weight_map": self.located.weight_map, "index": self.located.index_label}
-        self.cache.remember_model(self.source, description)
+        self.cache.remember_model(model_key(self.source, self.options), description)
 
     def _recall(self, problems: list[Problem]) -> Located:
         spec, _ = store_spec(self.source, self.options)
         try:
-            remembered = self.cache.recall_model(self.source)
+            remembered = self.cache.recall_model(model_key(self.source, self.options))
         except RemoteError as exc:
             problems.append(Problem(self.source, str(exc)))
             return Located([])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import unquote
 
 from ..errors import Problem, TensorfsError, printable
 from ..header import MAX_HEADER_BYTES
@@ -38,6 +39,22 @@ HF_ENDPOINT = "https://huggingface.co"
 
 def is_remote(source: object) -> bool:
     return isinstance(source, str) and source.startswith(REMOTE_SCHEMES)
+
+
+def unsupported_scheme(source: object) -> str | None:
+    """Why `source` cannot be a model when it is a URL of a scheme tensorfs does not read (else None)."""
+    if not isinstance(source, str) or is_remote(source):
+        return None
+    scheme, sep, _ = source.partition("://")
+    if sep and scheme and scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
+        return f"{scheme}:// is not a source tensorfs reads (s3://, http://, https://, hf://, or a local path)"
+    return None
+
+
+def model_key(source: str, options: RemoteOptions) -> str:
+    """One name for one model however its URL is written: hf://ORG/NAME is hf://ORG/NAME@main."""
+    spec, key = store_spec(source, options)
+    return spec.url(key)
 
 
 class RemoteError(TensorfsError):
@@ -261,7 +278,10 @@ def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
         headers = (("Authorization", f"Bearer {token}"),) if token else ()
         base = f"{endpoint}/{repo}/resolve/{revision}"
         return StoreSpec("http", base, f"hf://{repo}@{revision}", headers=headers, timeout=options.timeout), key
+    if "?" in source or "#" in source:
+        raise RemoteError(f"{source}: URLs with a query or fragment (signed URLs) are not supported")
     base, _, name = source.rstrip("/").rpartition("/")
+    name = unquote(name)  # the store's client escapes what the key needs: %20 must not become %2520
     if not name.endswith((".safetensors", ".index.json")):
         raise RemoteError(
             f"{source}: name the model's index (…/{INDEX_NAME}) or a .safetensors file: HTTP has no listing"
