@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import raw_shard
-from servers import GUARDED, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
+from servers import BROKEN, GUARDED, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 
 
@@ -154,7 +154,7 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     """One nginx for the session: each test serves a directory of its own under its root."""
     if shutil.which("nginx") is None:
         _server_missing("nginx", "not installed (apt-get install nginx-light)")
-    server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED)
+    server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN)
     try:
         server.start()
         yield server

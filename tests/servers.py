@@ -23,7 +23,7 @@ from pathlib import Path
 from tensorfs.bench.servers import Nginx, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "GUARDED", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
+    "ACCESS_KEY", "BROKEN", "GUARDED", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -35,6 +35,8 @@ MOVED = "location /moved/ { rewrite ^/moved/(.*)$ /lfs/moved/$1 redirect; }"
 """An nginx location that redirects every request (as the Hub does, to where large files are kept)."""
 GUARDED = "location = /guarded/tensors.sha256 { return 403; }"
 """A manifest the store refuses to show (as S3 does for a missing key to whoever may not list)."""
+BROKEN = "location = /broken/m.safetensors { return 500; }"
+"""A server error (with nginx's HTML page for a body)."""
 NO_ETAG = "location /noetag/ { etag off; }"
 """An nginx location that sends no ETag (some servers do not): Last-Modified is all there is."""
 

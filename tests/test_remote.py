@@ -192,6 +192,22 @@ def test_a_hub_model_behind_redirects(
     assert shard in paths and f"/lfs{shard}" in paths
 
 
+def test_http_errors_are_one_line(nginx: Nginx, tmp_path: Path) -> None:
+    (nginx.root / "fine").mkdir()
+    write_reference(nginx.root / "fine" / "m.safetensors", {"w": ("U8", [4], b"abcd")})
+    cases = [
+        (["--remote-timeout", "2", f"{nginx.url}/broken/m.safetensors"],
+         f"error: {nginx.url}/broken/m.safetensors: the server answered 500 Internal Server Error\n"),
+        (["--remote-timeout", "2", "http://127.0.0.1:1/m.safetensors"],
+         "error: http://127.0.0.1:1/m.safetensors: unreachable (Connection refused)\n"),
+        (["--cache-dir", "/proc/no-cache-here", f"{nginx.url}/fine/m.safetensors"],
+         "error: cannot use the cache /proc/no-cache-here: No such file or directory\n"),
+    ]  # fmt: skip
+    for args, stderr in cases:
+        result = cli("validate", *args)
+        assert (result.returncode, result.stderr) == (1, stderr)
+
+
 def test_urls_as_users_write_them(nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = nginx.root / "written"
     directory.mkdir()

@@ -106,7 +106,10 @@ def hold(data: ShardData, start: int, end: int) -> None:
     """
     for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
         if not data.ensure(start, end):
-            break
+            raise ShardChangedError(f"{data.label}: bytes [{start}, {end}) cannot be read")
         if data.pin(start, end):
             return
-    raise ShardChangedError(f"{data.label}: bytes [{start}, {end}) cannot be read")
+    raise ShardChangedError(
+        f"{data.label}: bytes [{start}, {end}) were evicted again each time they were fetched: "
+        "the cache is too small for what is read at once; raise --cache-size"
+    )

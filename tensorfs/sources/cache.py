@@ -129,7 +129,8 @@ class Cache:
             )
             db.commit()
         except (sqlite3.Error, OSError) as exc:
-            raise RemoteError(f"cannot use the cache {self.directory}: {exc}") from None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise RemoteError(f"cannot use the cache {self.directory}: {reason}") from None
         self._db, self._pid = db, os.getpid()
         return db
 
@@ -681,4 +682,6 @@ def wait(futures: list[Future[None]]) -> None:
     if first is not None:
         if isinstance(first, TensorfsError):
             raise first
+        if isinstance(first, FileNotFoundError):  # its message names the object: "URL: not found (404)"
+            raise ObjectChanged(f"{first}: gone since it was validated") from None
         raise RemoteError(f"fetch failed: {first!r}") from first

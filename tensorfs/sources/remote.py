@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -407,10 +408,17 @@ def describe_error(exc: BaseException) -> str:
         return "authentication required (401): set credentials (AWS_*, HF_TOKEN)"
     if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
         return "changed since it was validated (its ETag differs): mount it again"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "error sending request" in text or "Connect" in str(exc):
-        return f"unreachable ({printable(text[:200])})"
-    return printable(text[:300])
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    if status:  # not the body that came with it (an HTML page, an XML error)
+        return f"the server answered {printable(status.group(1).strip())}"
+    if "error sending request" in first or "ConnectError" in text:
+        # obstore's debug text ends with the cause: connection refused, a DNS failure, TLS
+        causes = re.findall(r'(?:message|error): "([^"]+)"', text) or re.findall(r'ConnectError\(\s*"([^"]+)"', text)
+        return f"unreachable ({printable(causes[-1])})" if causes else "unreachable"
+    reason = first.rsplit(" - ", 1)[-1]  # after "Error performing GET URL in 2s, after 3 retries, ... - "
+    return printable(reason[:300])
 
 
 def _raise(ref: ObjectRef, exc: BaseException) -> None:
