@@ -253,7 +253,10 @@ def cli() -> None:
     """Serve the tensors of a safetensors model as files, one per tensor.
 
     MODEL is a .safetensors file, a directory of shards (with or without
-    model.safetensors.index.json), or an index file.
+    model.safetensors.index.json), or an index file; or such a model in a
+    store, read through a local cache: s3://BUCKET/PREFIX (or .../KEY.safetensors),
+    https://.../model.safetensors.index.json (or .../NAME.safetensors),
+    hf://ORG/NAME[@REVISION].
     """
 
 
@@ -353,6 +356,7 @@ def manifest(
     "--manifest",
     "manifest_path",
     type=ModelSource(),
+    metavar="FILE|URL",
     help=f"The manifest to check against (sha256sum or JSON; a file or a URL). Default: {DEFAULT_MANIFEST} in "
     "MODEL (in its directory, for a file).",
 )
@@ -433,6 +437,7 @@ def verify(
     "--manifest",
     "manifest_path",
     type=ModelSource(),
+    metavar="FILE|URL",
     help=f"Serve no tensor before its bytes match this manifest (a file or a URL). Default: {DEFAULT_MANIFEST} "
     "in MODEL (in its directory, for a file), if there.",
 )
@@ -482,6 +487,7 @@ def mount(
         prefetch_mb=prefetch_mb,
         max_background=max_background,
         quiet=quiet,
+        remote=_settings(remote) if is_remote(source) else None,
     )
 
     def prepare() -> tuple[Model, Integrity]:
@@ -525,6 +531,19 @@ def mount(
             raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     return mount_model(prepare, mountpoint, options, announce)
+
+
+def _settings(remote: RemoteOptions) -> dict[str, object]:
+    from .sources.cache import default_cache_dir
+
+    return {
+        "cache_dir": str((remote.cache_dir or default_cache_dir()).absolute()),
+        "cache_size": remote.cache_size,
+        "chunk_size": remote.chunk_size,
+        "concurrency": remote.concurrency,
+        "timeout": remote.timeout,
+        "offline": remote.offline,
+    }
 
 
 @cli.command()

@@ -326,6 +326,9 @@ def test_mount_an_s3_model(
     assert result.returncode == 0, result.stdout + result.stderr
     entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
     assert entry.source == f"s3://{bucket}/m"
+    settings = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["options"]["remote"]
+    assert settings == {"cache_dir": str(tmp_path / "cache"), "cache_size": None, "chunk_size": 8 * MIB,
+                        "concurrency": 8, "timeout": 60.0, "offline": False}  # fmt: skip
     status = mounts.run("status", "--json")
     assert any(json.loads(line)["source"] == f"s3://{bucket}/m" for line in status.stdout.splitlines())
     # a second mount of it reads from the cache: --offline needs no store at all

@@ -68,6 +68,8 @@ class MountOptions:
     prefetch_mb: int = 32
     max_background: int = 4
     quiet: bool = False
+    remote: dict[str, object] | None = None
+    """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""
 
 
 def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:

@@ -122,6 +122,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "debug": options.debug,
             "manifest": integrity.expected is not None,
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
+            "remote": options.remote,
         },
         "in_force": {"readahead_kb": None, "max_background": None},
         "ready": False,
