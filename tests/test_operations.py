@@ -128,6 +128,7 @@ def test_racing_mounts_of_one_mountpoint(mounts: Mounts, model_dir: Path, tmp_pa
     for _, message in outcomes[1:]:
         assert message == f"error: mountpoint {mountpoint} already holds a tensorfs mount (see `tensorfs status`)\n"
     assert [m.mountpoint for m in mount_table()].count(mountpoint) == 1
+    assert not list(Path(os.environ["TENSORFS_RUNTIME_DIR"]).glob("*.lock"))  # nothing left behind
 
 
 def test_symlinks_to_mountpoints(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:

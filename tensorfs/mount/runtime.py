@@ -161,19 +161,40 @@ def mountpoint_lock(mountpoint: Path, timeout: float) -> Iterator[int]:
     meanwhile holds the lock too until it closes the descriptor.
     """
     lock = _private_dir() / f"{escape_path(mountpoint)}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            _take(fd, mountpoint, deadline)
+            if _same_file(lock, fd):
+                break  # else its holder removed it meanwhile: the lock is a new file's now
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                if time.monotonic() > deadline:
-                    raise MountError(f"mountpoint {mountpoint}: another tensorfs mount of it did not finish") from None
-                time.sleep(0.02)
         yield fd
     finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # held: whoever waits on this file finds it gone and takes a new one
         os.close(fd)  # the lock goes with the last descriptor of it: the daemon closes its copy at once
+
+
+def _take(fd: int, mountpoint: Path, deadline: float) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            if time.monotonic() > deadline:
+                raise MountError(f"mountpoint {mountpoint}: another tensorfs mount of it did not finish") from None
+            time.sleep(0.02)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
