@@ -126,8 +126,8 @@ class TensorOperations(pyfuse3.Operations):
         self.prefetch = DEFAULT_PREFETCH
         """Bytes brought into memory ahead of a sequential reader."""
         self.nursery: trio.Nursery | None = None
-        self._replied: list[tuple[ShardData, int, int]] = []  # ranges held until their replies have gone
         """Where background work runs; set while the daemon serves (None: no background work)."""
+        self._replied: list[tuple[ShardData, int, int]] = []  # ranges held until their replies have gone
         self.invalidate: Callable[[Sequence[int], bool], None] | None = None
         """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
         self._invalidations: dict[ShardKey, bool] = {}  # shard -> attributes only? (still to be done)
