@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,9 @@ def run(command: list[str], cwd: Path | None = None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    demo_dir = Path(argv[1] if len(argv) > 1 else "demo").absolute()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("demo_dir", nargs="?", default="demo", type=Path, help="where the model and its mount go")
+    demo_dir = parser.parse_args(argv[1:]).demo_dir.absolute()
     model, mountpoint = demo_dir / "model", demo_dir / "mnt"
     if not (model / "model.safetensors.index.json").exists():
         print(f"building a demo model in {model}/ ...")

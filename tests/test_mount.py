@@ -187,8 +187,9 @@ def test_bad_mountpoints_are_refused(mounts: Mounts, model_dir: Path, tmp_path: 
 def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
-    status = mounts.run("status")
-    assert status.returncode == 0
+    status = mounts.run("status")  # every mount on the machine: its exit code is theirs too
+    assert status.returncode in (0, 1) and not status.stderr
+    assert mounts.run("status", str(mountpoint)).returncode == 0
     line = next(line for line in status.stdout.splitlines() if line.startswith(str(mountpoint)))
     assert line.split()[1:4] == ["ok", str(pid), str(len(every_dtype_tensors()) + 5 + 2)]
     assert line.endswith(str(model_dir))

@@ -143,8 +143,8 @@ def test_symlinks_to_mountpoints(mounts: Mounts, model_dir: Path, tmp_path: Path
     assert any(m.mountpoint == real for m in mount_table())
     again = mounts.run("mount", str(model_dir), str(link))
     assert again.returncode == 1 and f"mountpoint {real} already holds a tensorfs mount" in again.stderr
-    code, lines = status_lines(mounts)
-    assert code == 0 and str(real) in lines
+    code, lines = status_lines(mounts, str(link))
+    assert code == 0 and lines[str(real)].split()[1] == "ok"
     result = mounts.run("umount", str(link))
     assert result.returncode == 0, result.stderr
     assert not os.path.ismount(real)
