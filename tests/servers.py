@@ -135,6 +135,7 @@ class DroppingProxy:
         self._listener.listen(16)
         self.port = self._listener.getsockname()[1]
         self._closed = False
+        self._open: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -149,6 +150,7 @@ class DroppingProxy:
                 client.close()
                 continue
             server = socket.create_connection(("127.0.0.1", self.target))
+            self._open += [client, server]
             threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, self.limit), daemon=True).start()
 
@@ -169,6 +171,13 @@ class DroppingProxy:
                 with contextlib.suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)
                 end.close()
+
+    def cut(self) -> None:
+        """Close every connection open now (a client's next request needs a new one)."""
+        for end in self._open:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+        self._open.clear()
 
     def close(self) -> None:
         self._closed = True

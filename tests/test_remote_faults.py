@@ -23,8 +23,10 @@ import pytest
 from conftest import Mounts, wait_until
 from helpers import MIB, random_bytes, write_reference
 from servers import DroppingProxy, Nginx, SeaweedFS
+from tensorfs.model import open_model
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.sources.cache import OBJECTS_DIR
+from tensorfs.sources.remote import RemoteOptions
 
 
 def big_model(directory: Path, tensors: int = 12, size: int = 8 * MIB) -> dict[str, bytes]:
@@ -98,6 +100,26 @@ def test_a_read_rides_out_an_outage_shorter_than_the_timeout(mounts: Mounts, ngi
         assert proxy.refuse == 0
     finally:
         proxy.close()
+
+
+def test_connections_closed_at_once_are_tried_again(nginx: Nginx, tmp_path: Path) -> None:
+    """A store that accepts connections and closes them before a request goes out (as one behind a
+    balancer does while it restarts): validation and reads ask again, none fails early."""
+    expected = big_model(nginx.root / "closing", tensors=2, size=MIB)
+    for attempt in range(3):  # a new proxy, so a new client: no connection kept from before
+        proxy = DroppingProxy(nginx.port, 1 << 40)
+        try:
+            proxy.refuse = 8
+            url = f"http://127.0.0.1:{proxy.port}/closing/m.safetensors"
+            options = RemoteOptions(cache_dir=tmp_path / f"cache{attempt}", timeout=120)
+            with open_model(url, remote=options) as model:
+                assert proxy.refuse == 0
+                proxy.cut()
+                proxy.refuse = 8
+                assert model.array("t01").tobytes() == expected["t01"]
+                assert proxy.refuse == 0
+        finally:
+            proxy.close()
 
 
 def test_an_object_replaced_or_deleted_under_the_mount(

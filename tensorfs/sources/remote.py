@@ -17,11 +17,12 @@ import configparser
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import unquote
 
 from ..errors import Problem, TensorfsError, printable
@@ -338,7 +339,7 @@ def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[
     import obstore
 
     try:
-        listing = obstore.list_with_delimiter(spec.client(), prefix or None)
+        listing = retried(spec, lambda: obstore.list_with_delimiter(spec.client(), prefix or None))
     except (FileNotFoundError, Exception) as exc:
         problems.append(Problem(spec.url(prefix.rstrip("/")) + "/", describe_error(exc)))
         return None
@@ -359,7 +360,7 @@ def exists(ref: ObjectRef) -> bool:
     import obstore
 
     try:
-        obstore.head(ref.spec.client(), ref.key)
+        retried(ref.spec, lambda: obstore.head(ref.spec.client(), ref.key))
     except FileNotFoundError:
         return False
     except Exception as exc:
@@ -421,6 +422,29 @@ def describe_error(exc: BaseException) -> str:
     return printable(reason[:300])
 
 
+Answer = TypeVar("Answer")
+
+
+def retried(spec: StoreSpec, call: Callable[[], Answer]) -> Answer:
+    """`call()` (a GET, HEAD or LIST: safe to repeat), asked again until --remote-timeout while
+    its request fails before any answer comes.
+
+    The client retries most such failures itself, but not a connection closed before the request
+    went out ("connection was not ready"), as by a store or balancer that accepts connections
+    and drops them while it restarts.
+    """
+    deadline = time.monotonic() + spec.timeout
+    pause = 0.1
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if "error sending request" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(5.0, 2 * pause)
+
+
 def _raise(ref: ObjectRef, exc: BaseException) -> None:
     message = f"{ref.url}: {describe_error(exc)}"
     if isinstance(exc, FileNotFoundError):
@@ -439,7 +463,7 @@ def get_whole(ref: ObjectRef) -> bytes:
     import obstore
 
     try:
-        return bytes(obstore.get(ref.spec.client(), ref.key).bytes())
+        return bytes(retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key)).bytes())
     except Exception as exc:
         _raise(ref, exc)
         raise  # unreachable: _raise always raises
@@ -455,11 +479,11 @@ def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
 
     client = ref.spec.client()
     try:
-        first = obstore.get(client, ref.key, options={"range": (0, FIRST_READ)})
+        first = retried(ref.spec, lambda: obstore.get(client, ref.key, options={"range": (0, FIRST_READ)}))
         head = bytes(first.bytes())
     except Exception as exc:
         if "416" in str(exc):  # nothing at offset 0: an empty object
-            meta = obstore.head(client, ref.key)
+            meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
             return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
         _raise(ref, exc)
         raise
@@ -494,7 +518,7 @@ def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[in
     offset = start
     unwritten: OSError | None = None
     try:
-        result = obstore.get(ref.spec.client(), ref.key, options=options)  # type: ignore[arg-type]
+        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key, options=options))  # type: ignore[arg-type]
         _same_version(version, result.meta)  # a server may ignore the condition: the answer says
         for piece in result.stream(min_chunk_size=_PIECE):
             try:
