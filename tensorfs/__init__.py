@@ -1,9 +1,10 @@
 """tensorfs: serve the tensors of a safetensors model as files, or as zero-copy numpy views."""
 
-from .errors import InvalidModelError, MountError, Problem, TensorfsError
+from .errors import InvalidModelError, ModelClosedError, MountError, Problem, TensorfsError
 from .header import ShardHeader, TensorInfo
 from .model import Model, open_model
 from .mounted import memmap
+from .selection import Selection
 from .sources.remote import RemoteOptions
 
 __version__ = "0.1.0"
@@ -11,9 +12,11 @@ __version__ = "0.1.0"
 __all__ = [
     "InvalidModelError",
     "Model",
+    "ModelClosedError",
     "MountError",
     "Problem",
     "RemoteOptions",
+    "Selection",
     "ShardHeader",
     "TensorInfo",
     "TensorfsError",

@@ -36,6 +36,7 @@ from .integrity import (
 from .model import Model, open_model
 from .names import LAYOUTS, Layout
 from .progress import Progress
+from .selection import Selection, parse_layers
 from .sources import shard_name
 from .sources.remote import RemoteOptions, is_remote, unsupported_scheme
 from .units import human_size
@@ -177,6 +178,55 @@ class ByteSize(click.ParamType):  # type: ignore[type-arg]
 model_argument = click.argument("path", metavar="MODEL", type=ModelSource())
 
 
+class LayerRange(click.ParamType):  # type: ignore[type-arg]
+    """An inclusive range of layer numbers: 0-15, or 7."""
+
+    name = "A-B"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_layers(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def selection_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--include/--exclude/--layers, as one Selection `selection`."""
+
+    @functools.wraps(command)
+    def with_selection(
+        *args: Any, include: tuple[str, ...], exclude: tuple[str, ...], layers: tuple[int, int] | None, **kwargs: Any
+    ) -> Any:
+        return command(*args, selection=Selection(include, exclude, layers), **kwargs)
+
+    options = [
+        click.option(
+            "--include",
+            metavar="GLOB",
+            multiple=True,
+            help="Only tensors whose name matches (fnmatch, e.g. 'model.layers.1?.*'; repeatable). Default: all.",
+        ),
+        click.option(
+            "--exclude", metavar="GLOB", multiple=True, help="Leave out tensors whose name matches (repeatable)."
+        ),
+        click.option(
+            "--layers",
+            type=LayerRange(),
+            help="Only layers A to B (inclusive) of names like model.layers.N.*; tensors of no numbered layer "
+            "(embeddings, norms, head) stay unless excluded.",
+        ),
+    ]
+    for option in reversed(options):
+        with_selection = option(with_selection)
+    return with_selection
+
+
+def open_selected(path: Path | str, selection: Selection, **kwargs: Any) -> Model:
+    return open_model(path, include=selection.include, exclude=selection.exclude, layers=selection.layers, **kwargs)
+
+
 def remote_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The options of models in stores (and the cache they are read through), as one RemoteOptions `remote`."""
 
@@ -263,26 +313,33 @@ def cli() -> None:
 @cli.command()
 @model_argument
 @layout_option
+@selection_options
 @remote_options
-def validate(path: Path | str, layout: Layout, cache_dir: Path | None, remote: RemoteOptions) -> None:
-    """Check every header of MODEL as `mount` would, and summarise it.
+def validate(
+    path: Path | str, layout: Layout, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+) -> None:
+    """Check every header of MODEL as `mount` would, and summarise it (the selection, if one is given).
 
     Exit 0 when valid; exit 1 and one line per problem on stderr when not.
     """
-    with open_model(path, layout=layout, remote=remote) as model:
+    with open_selected(path, selection, layout=layout, remote=remote) as model:
         click.echo(
             f"{printable(str(path))}: valid: {len(model.shards)} shard{'s' * (len(model.shards) != 1)}, "
             f"{len(model)} tensor{'s' * (len(model) != 1)}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
+            + ("" if selection.everything else f", selected by {printable(selection.describe())}")
         )
 
 
 @cli.command(name="ls")
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
+@selection_options
 @remote_options
-def ls_command(path: Path | str, as_json: bool, cache_dir: Path | None, remote: RemoteOptions) -> None:
+def ls_command(
+    path: Path | str, as_json: bool, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+) -> None:
     """List the tensors of MODEL: name, dtype, shape, size and shard."""
-    with open_model(path, remote=remote) as model:
+    with open_selected(path, selection, remote=remote) as model:
         if as_json:
             _ls_json(model)
         else:
@@ -328,12 +385,14 @@ def hash_model(model: Model, cache: HashCache) -> dict[str, str]:
 @model_argument
 @click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write here, not to stdout.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON object {tensor name: hex SHA-256}.")
+@selection_options
 @cache_options
 @remote_options
 def manifest(
     path: Path | str,
     output: Path | None,
     as_json: bool,
+    selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
     remote: RemoteOptions,
@@ -342,12 +401,57 @@ def manifest(
 
     Hashes found in the cache (same shard file, unchanged) are not computed again.
     """
-    with open_model(path, remote=remote) as model:
+    with open_selected(path, selection, remote=remote) as model:
         text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
     if output is None:
         sys.stdout.write(text)
     else:
         write_file(output, text)
+
+
+@cli.command()
+@model_argument
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option(
+    "--shards",
+    type=click.IntRange(0, 99999),
+    default=0,
+    help="For a directory: files to cut the tensors into, with an index when more than one. "
+    "Default (0): one up to 20 GiB, else files of at most 5 GiB.",
+)
+@selection_options
+@remote_options
+def export(
+    path: Path | str, dest: Path, shards: int, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+) -> None:
+    """Write MODEL's tensors (or a selection of them) as a new safetensors model at DEST.
+
+    DEST ending in .safetensors: one file. Otherwise a new directory holding what .tensorfs/model/
+    of a mount holds: model.safetensors (or model-0000K-of-0000N.safetensors and an index) and the
+    model's companion files (config.json, tokenizer files, ...). Streamed, with a progress line on
+    a terminal; written whole or not at all.
+    """
+    from .views import ViewSpec, build_view
+    from .views.companions import find_companions
+    from .views.export import view_bytes, write_view
+
+    with open_selected(path, selection, remote=remote) as model:
+        if dest.name.endswith(".safetensors"):
+            if dest.is_dir():
+                raise TensorfsError(f"{printable(str(dest))}: is a directory")
+            with Progress(model.nbytes, "writing") as progress:
+                model.write_safetensors(dest, progress.advance)
+            click.echo(f"wrote {printable(str(dest))}: {len(model)} tensors, {human_size(dest.stat().st_size)}")
+            return
+        warnings: list[str] = []
+        companions = [] if isinstance(path, str) else find_companions(path, warnings)
+        for warning in warnings:
+            click.echo(f"warning: {warning}", err=True)
+        view = build_view(model, ViewSpec(companions, shards))
+        with Progress(view_bytes(view), "writing") as progress:
+            write_view(view, dest, progress.advance)
+        files = sum(1 for item in dest.rglob("*") if item.is_file())
+        click.echo(f"wrote {printable(str(dest))}/: {len(model)} tensors, {files} files")
 
 
 @cli.command()
@@ -360,16 +464,25 @@ def manifest(
     help=f"The manifest to check against (sha256sum or JSON; a file or a URL). Default: {DEFAULT_MANIFEST} in "
     "MODEL (in its directory, for a file).",
 )
+@selection_options
 @cache_options
 @remote_options
 def verify(
-    path: Path | str, manifest_path: Path | str | None, cache_dir: Path | None, no_cache: bool, remote: RemoteOptions
+    path: Path | str,
+    manifest_path: Path | str | None,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
 ) -> None:
-    """Hash every tensor of MODEL and compare with a manifest.
+    """Hash every tensor of MODEL (or of the selection) and compare with a manifest.
 
-    Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor.
+    Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor. With a
+    selection, the manifest may list other tensors too.
     """
-    with open_model(path, remote=remote) as model:  # first: its errors name it, not the manifest beside it
+    with open_selected(
+        path, selection, remote=remote
+    ) as model:  # first: its errors name it, not the manifest beside it
         manifest_path = manifest_path or find_default_manifest(path, remote)
         if manifest_path is None:
             where = path if isinstance(path, str) or path.is_dir() else path.parent
@@ -382,7 +495,7 @@ def verify(
             Problem(str(model.info(name).shard), f"does not match {label} (sha256 {actual[name]})", name)
             for name in result.mismatched
         ]
-        if not shard_of_a_model(path):  # one shard of a model: its manifest lists the other shards' too
+        if not shard_of_a_model(path) and selection.everything:  # else it lists other tensors too, rightly
             problems += [Problem(label, "is in the manifest but not in the model", name) for name in result.missing]
         problems += [Problem(label, "is in the model but not in the manifest", name) for name in result.unexpected]
         if problems:
@@ -446,6 +559,14 @@ def verify(
     type=click.Choice(["open", "all", "off"]),
     help="With a manifest: hash each tensor on its first open (default), all before mounting, or not at all.",
 )
+@click.option(
+    "--view-shards",
+    type=click.IntRange(0, 99999),
+    default=0,
+    help="Files the synthesized model in .tensorfs/model/ is cut into (with an index when more than one). "
+    "Default (0): one file up to 20 GiB, else files of at most 5 GiB.",
+)
+@selection_options
 @cache_options
 @remote_options
 def mount(
@@ -462,6 +583,8 @@ def mount(
     max_background: int,
     manifest_path: Path | str | None,
     verify: str | None,
+    view_shards: int,
+    selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
     remote: RemoteOptions,
@@ -469,13 +592,20 @@ def mount(
     """Mount MODEL read-only at MOUNTPOINT: one file per tensor, with .meta.json and .sha256 beside it.
 
     Everything is validated first, as `validate` does; nothing is mounted if anything is wrong.
+    With --include/--exclude/--layers only the selected tensors appear, everywhere in the mount.
     Returns once the mount answers, leaving the daemon in the background (unless -f), and says
     so in one line (unless -q).
     """
     from .mount.daemon import MountOptions, split_fuse_options
     from .mount.daemon import mount as mount_model
+    from .views import ViewSpec
+    from .views.companions import find_companions
 
     passed, ownership = split_fuse_options(fuse_options)
+    warnings: list[str] = []
+    companions = [] if isinstance(source, str) else find_companions(source, warnings)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
     options = MountOptions(
         layout=layout,
         fuse_options=passed,
@@ -488,12 +618,13 @@ def mount(
         max_background=max_background,
         quiet=quiet,
         remote=_settings(remote) if is_remote(source) else None,
+        view=ViewSpec(companions, view_shards, warnings),
     )
 
     def prepare() -> tuple[Model, Integrity]:
         # Here, after the daemon is forked: obstore (for a remote model) cannot be used across a fork.
         # The model first: its errors name it, not the manifest looked for beside it.
-        model = open_model(source, layout=layout, remote=remote)
+        model = open_selected(source, selection, layout=layout, remote=remote)
         try:
             return model, integrity_of(model)
         except BaseException:
@@ -509,7 +640,8 @@ def mount(
         verified: set[str] = set()
         if given is not None and verify != "off":
             expected = read_manifest(given, remote)
-            require_coverage(model, expected, str(given), extra_allowed=shard_of_a_model(source))
+            extra_allowed = shard_of_a_model(source) or not selection.everything  # lists the rest too
+            require_coverage(model, expected, str(given), extra_allowed=extra_allowed)
             if verify == "all":
                 actual = hash_model(model, cache)
                 bad = compare(model, expected, actual).mismatched

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,6 +21,7 @@ from .errors import InvalidModelError, ModelClosedError, Problem
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo
 from .names import Layout, collisions, name_problems
+from .selection import Selection
 from .sources import Identity, ShardData, ShardKey, hold, shard_name
 from .sources.index import INDEX_NAME
 from .sources.local import LocalDescription, LocalShard, find_shards
@@ -56,10 +57,21 @@ class Model:
     Use as a context manager, or call close(); views handed out stay valid while referenced.
     """
 
-    def __init__(self, source: ShardKey, shards: list[_Shard], owner: dict[str, _Shard], layout: Layout) -> None:
+    def __init__(
+        self,
+        source: ShardKey,
+        shards: list[_Shard],
+        owner: dict[str, _Shard],
+        layout: Layout,
+        selection: Selection | None = None,
+        parent: Model | None = None,
+    ) -> None:
         self.source = source
         """What was opened: a path, or a URL."""
         self.layout: Layout = layout
+        self.selection = selection or Selection()
+        """How this model's tensors were picked from its source's (or its parent's): all by default."""
+        self._parent = parent  # a selection made by select(): the parent owns the mappings
         self._shards = {s.header.path: s for s in shards}
         self._owner = owner
         self._closed = False
@@ -92,10 +104,20 @@ class Model:
         """The shards (paths of files, or URLs of objects), sorted."""
         return sorted(self._shards, key=str)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Bytes of tensor data over all shards."""
-        return sum(s.header.file_size - s.header.data_start for s in self._shards.values())
+        """Bytes of tensor data over all tensors."""
+        return sum(end - begin for s in self._shards.values() for begin, end, _, _, _ in s.header.entries)
+
+    def select(self, selection: Selection) -> Model:
+        """This model restricted to the tensors `selection` picks (of those it holds).
+
+        The result reads through this model's mappings: it is usable while this model is open.
+        InvalidModelError when nothing is selected.
+        """
+        self._check_open()
+        shards, owner = _restricted(list(self._shards.values()), selection, str(self.source))
+        return Model(self.source, shards, owner, self.layout, selection, parent=self)
 
     def shard_header(self, shard: ShardKey) -> ShardHeader:
         """The validated header of one shard."""
@@ -179,20 +201,34 @@ class Model:
             return np.frombuffer(self.raw(name), dtype=np.uint8)
         return np.frombuffer(self.raw(name), dtype=dtype.numpy).reshape(shape)
 
+    def write_safetensors(self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> None:
+        """Write the model's tensors (this selection's) as one safetensors file at `path`.
+
+        Laid out as the reference writer lays them out, with the shards' `__metadata__` when they
+        all agree on it; streamed from the shard files, written whole or not at all. `progress`,
+        if given, is called with each count of bytes written.
+        """
+        from .views.export import write_safetensors  # views build on the model
+
+        self._check_open()
+        write_safetensors(self, Path(path), progress)
+
     # -- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or (self._parent is not None and self._parent.closed):
             raise ModelClosedError(f"model {self.source} is closed: its tensors can no longer be read")
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closed or (self._parent is not None and self._parent.closed)
 
     def close(self) -> None:
         """Release the mmaps; a mapping that still backs a live view is released with the view."""
         if self._closed:
             return
         self._closed = True
+        if self._parent is not None:
+            return  # the mappings are the parent's
         for shard in self._shards.values():
             # A view handed out may still be alive: then the mapping goes when it does.
             with contextlib.suppress(BufferError):
@@ -224,6 +260,7 @@ class ModelSnapshot:
     source: ShardKey
     layout: Layout
     shards: list[ShardSnapshot]
+    selection: Selection
 
 
 def snapshot(model: Model) -> ModelSnapshot:
@@ -241,7 +278,7 @@ def snapshot(model: Model) -> ModelSnapshot:
             for begin, end, name, dtype, shape in header.entries
         ]
         shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), shard.data.describe()))
-    return ModelSnapshot(model.source, model.layout, shards)
+    return ModelSnapshot(model.source, model.layout, shards, model.selection)
 
 
 def reopen(saved: ModelSnapshot) -> Model:
@@ -257,7 +294,7 @@ def reopen(saved: ModelSnapshot) -> Model:
         raise
     owner = {entry[2]: shard for shard in opened for entry in shard.header.entries}
     source = saved.source if isinstance(saved.source, str) else Path(os.path.abspath(saved.source))
-    return Model(source, opened, owner, saved.layout)
+    return Model(source, opened, owner, saved.layout, saved.selection)
 
 
 def _reopen_data(description: object) -> ShardData:
@@ -268,7 +305,15 @@ def _reopen_data(description: object) -> ShardData:
     raise TypeError(f"no source reopens {description!r}")
 
 
-def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash", remote: RemoteOptions | None = None) -> Model:
+def open_model(
+    path: str | os.PathLike[str],
+    *,
+    layout: Layout = "slash",
+    remote: RemoteOptions | None = None,
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    layers: tuple[int, int] | None = None,
+) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
     `path` is a .safetensors file, a directory of shards (with or without
@@ -276,7 +321,12 @@ def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash", remote
     http(s)://.../NAME.safetensors or .../model.safetensors.index.json, hf://ORG/NAME[@REVISION],
     read through a local cache (`remote` says how). Raises InvalidModelError naming every
     problem found; no tensor data is read.
+
+    `include`/`exclude` (fnmatch globs on names) and `layers` (an inclusive range of the N in
+    `*.layers.N.*`) select a subset: every header is still validated, but only the selected
+    tensors are in the model, and shards without any are not kept mapped (see Selection).
     """
+    selection = Selection(tuple(include), tuple(exclude), layers)
     problems: list[Problem] = []
     with gc_paused():
         # Every problem is collected, of every shard and across shards, before any is reported.
@@ -304,11 +354,35 @@ def open_model(path: str | os.PathLike[str], *, layout: Layout = "slash", remote
                 raise InvalidModelError(problems)
             if done is not None:
                 done()
-            return Model(source, opened, owner, layout)
+            if selection.everything:
+                return Model(source, opened, owner, layout)
+            kept, owner = _restricted(opened, selection, str(path))
+            paths = {shard.header.path for shard in kept}
+            for shard in opened:
+                if shard.header.path not in paths:
+                    shard.data.close()  # nothing selected in it: neither mapped nor read any further
+            return Model(source, kept, owner, layout, selection)
         except BaseException:
             for shard in opened:
                 shard.data.close()
             raise
+
+
+def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple[list[_Shard], dict[str, _Shard]]:
+    """The shards' headers cut down to the selected tensors (shards left with none dropped), and their owners."""
+    kept: list[_Shard] = []
+    owner: dict[str, _Shard] = {}
+    for shard in shards:
+        chosen = set(selection.select(entry[2] for entry in shard.header.entries))
+        if not chosen:
+            continue
+        entries = [entry for entry in shard.header.entries if entry[2] in chosen]
+        restricted = _Shard(dataclasses.replace(shard.header, entries=entries), shard.data)
+        kept.append(restricted)
+        owner.update(dict.fromkeys(chosen, restricted))
+    if not owner:
+        raise InvalidModelError([Problem(label, f"no tensor matches the selection ({selection.describe()})")])
+    return kept, owner
 
 
 def _open_shards(shards: list[tuple[Any, str]], open_one: Any, problems: list[Problem]) -> list[_Shard]:

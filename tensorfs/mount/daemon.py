@@ -33,6 +33,7 @@ from ..integrity import HashCache, Hasher, Integrity
 from ..model import Model, reopen, snapshot
 from ..names import Layout
 from ..units import human_size
+from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
 from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
 from .runtime import mountpoint_lock, remove_record
@@ -70,6 +71,8 @@ class MountOptions:
     quiet: bool = False
     remote: dict[str, object] | None = None
     """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""
+    view: ViewSpec = field(default_factory=ViewSpec)
+    """What .tensorfs/model/ holds besides the model's tensors."""
 
 
 def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:

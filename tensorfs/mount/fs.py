@@ -28,6 +28,7 @@ import trio
 from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from ..sources import ShardData, ShardKey, hold
+from ..views import Piece, SynthesizedFile
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 from .watch import Change, ShardWatch
 
@@ -237,12 +238,10 @@ class TensorOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
-            shard, offset, nbytes = self.tree.model.locate(node.tensor)
+            shard = self.tree.model.locate(node.tensor)[0]
             self._check_shard(shard, node.tensor)
             await self.verify(node.tensor)
-            if inode not in self._spans:
-                data = self.tree.model.shard_data(shard)
-                self._spans[inode] = _Span(node.tensor, shard, data, data.view, offset, offset + nbytes)
+            self._span_of(node.tensor, inode)
         # keep_cache: pages the kernel holds stay valid across opens; when a shard changes, the
         # daemon itself tells the kernel to drop them. Never direct_io: it would break shared mmap
         # (np.memmap) of the mounted files.
@@ -257,11 +256,55 @@ class TensorOperations(pyfuse3.Operations):
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
             content = self.tree.sha256_file(fh, await self.sidecar_digest(node.tensor))
+        elif node.kind is Kind.VIEW:
+            found = self.tree.view_file(fh)
+            if isinstance(found, SynthesizedFile):
+                return await self._read_synthesized(found, off, size)
+            content = found
         elif node.kind is Kind.SUMS:
             content = await self.sha256sums()
         else:
             content = self.tree.small_file(fh)
         return content[off : off + size]
+
+    def _span_of(self, name: str, inode: int | None = None) -> _Span:
+        """The open-file state of a tensor's bytes (made on first use, shared by its file and the view)."""
+        inode = self.tree.tensor_inode(name) if inode is None else inode
+        span = self._spans.get(inode)
+        if span is None:
+            shard, offset, nbytes = self.tree.model.locate(name)
+            data = self.tree.model.shard_data(shard)
+            span = self._spans[inode] = _Span(name, shard, data, data.view, offset, offset + nbytes)
+        return span
+
+    async def _read_synthesized(self, file: SynthesizedFile, off: int, size: int) -> bytes | memoryview:
+        """Bytes of a synthesized safetensors file: within one tensor, read as that tensor's file is
+        (a slice of the mapping, no copy); across tensors or the header, assembled from reads of the
+        shard files (never of the mappings)."""
+        pieces = list(file.pieces(off, off + size))
+        if len(pieces) == 1 and isinstance(pieces[0], Piece):
+            only = pieces[0]
+            span = self._span_of(only.tensor)
+            return await self._read_tensor(span, only.shard_offset - span.start, only.end - only.start)
+        reply = bytearray()
+        for piece in pieces:
+            if isinstance(piece, bytes):
+                reply += piece
+                continue
+            span = self._span_of(piece.tensor)
+            self._check_shard(span.shard, span.name)
+            await self.verify(span.name)
+            buffer = bytearray(piece.end - piece.start)
+            try:
+                await trio.to_thread.run_sync(span.data.readinto, piece.shard_offset, memoryview(buffer))
+            except TensorfsError as exc:
+                first = piece.shard_offset - span.start
+                raise ShardChangedError(
+                    f"{span.shard}: tensor '{printable(span.name)}': bytes [{first}, {first + len(buffer)}) "
+                    f"of the tensor cannot be read: {exc}"
+                ) from None
+            reply += buffer
+        return bytes(reply)
 
     async def _read_tensor(self, span: _Span, off: int, size: int) -> memoryview:
         """A slice of the shard's mapping, its pages brought in off this thread first if need be.

@@ -22,6 +22,7 @@ from .. import __version__
 from ..integrity import Integrity
 from ..model import Model
 from ..sources import ShardKey
+from ..views import build_view
 from . import fs
 from .daemon import READY, MountOptions
 from .fs import TensorOperations
@@ -41,7 +42,9 @@ def serve(
     record = _record(model, mountpoint, options, integrity)
     fs.TRACE_REQUESTS = options.debug
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
-    tree = Tree(model, options.layout, control, options.ownership)
+    for warning in options.view.warnings:
+        log.warning("%s", warning)
+    tree = Tree(model, options.layout, control, options.ownership, build_view(model, options.view))
     watched = {shard: model.shard_data(shard).watched() for shard in model.shards}
     watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
     operations = TensorOperations(tree, integrity, watch)
@@ -123,6 +126,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "manifest": integrity.expected is not None,
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
             "remote": options.remote,
+            "selection": None if model.selection.everything else model.selection.as_json(),
         },
         "in_force": {"readahead_kb": None, "max_background": None},
         "ready": False,

@@ -5,9 +5,10 @@ built, and a model may hold 100k tensors, so nothing is stored per entry: inodes
 a directory's entries are found by arithmetic, names by bisection in the sorted tensor paths, and
 a .meta.json's size by adding up the lengths of its parts.
 
-Inodes: 1 is the root, then every other directory, then .tensorfs/ and its files, then three per
-tensor in path order: the tensor's bytes, its .meta.json and its .sha256. A directory lists its
-subdirectories (and, at the root, .tensorfs), then each of its tensors' three files.
+Inodes: 1 is the root, then every other directory, then .tensorfs/ and everything in it (its
+files, and the model directory view with its files), then three per tensor in path order: the
+tensor's bytes, its .meta.json and its .sha256. A directory lists its subdirectories (and, at the
+root, .tensorfs), then each of its tensors' three files.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ..integrity import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources import ShardKey, shard_name
+from ..sources.index import INDEX_NAME
+from ..views import VIEW_DIR, ModelView, SynthesizedFile
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"
@@ -46,6 +49,8 @@ class Kind(Enum):
     """A file of .tensorfs/ made from the model alone."""
     SUMS = "sums"
     """.tensorfs/SHA256SUMS: every tensor's hash, by path from the mount root."""
+    VIEW = "view"
+    """A file of the model directory view (.tensorfs/model/): synthesized, or the source's own."""
 
 
 _TENSOR_KINDS = (Kind.TENSOR, Kind.META, Kind.SHA256)
@@ -110,6 +115,20 @@ class Node:
     kind: Kind
     tensor: str | None = None
     control: str | None = None
+    """For what is in .tensorfs/: its path there (index.json, model/config.json)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Static:
+    """.tensorfs/ or something in it: few, so each is an object."""
+
+    path: str
+    """Relative to .tensorfs/ ('' for itself)."""
+    kind: Kind
+    parent: int
+    """Index of its directory among the static nodes (.tensorfs/ is its own)."""
+    children: dict[str, int]
+    """A directory's entries: name -> index, in listing order."""
 
 
 class Tree:
@@ -121,9 +140,12 @@ class Tree:
         layout: Layout,
         control_files: dict[str, Callable[[], bytes]],
         ownership: Ownership | None = None,
+        view: ModelView | None = None,
     ) -> None:
-        """`control_files` maps each file of .tensorfs/ to the function that makes its bytes."""
+        """`control_files` maps each file of .tensorfs/ to the function that makes its bytes;
+        `view`, when given, is served as .tensorfs/model/."""
         self.model = model
+        self.view = view
         self.layout = layout
         self.ownership = ownership or Ownership()
         if layout == "slash":
@@ -163,10 +185,10 @@ class Tree:
         for subdirs in self._dir_subdirs:
             subdirs.sort(key=self._dir_paths.__getitem__)
 
-        self._control_names = sorted([*control_files, SUMS_NAME])
         self._control_makers = control_files
         self.control_dir_inode = ROOT_INODE + len(self._dir_paths)
-        self._first_tensor_inode = self.control_dir_inode + 1 + len(self._control_names)
+        self._static = _static_nodes(control_files, view)
+        self._first_tensor_inode = self.control_dir_inode + len(self._static)
         self._small_files: dict[int, bytes] = {}
         self._sums_size: int | None = None
 
@@ -203,9 +225,16 @@ class Tree:
         return True
 
     def inodes_of(self, shard: ShardKey) -> list[int]:
-        """The inodes of every file of the shard's tensors: each tensor's file and its two sidecars."""
+        """The inodes of every file with bytes of the shard: its tensors' files and their two sidecars,
+        and the synthesized files of the view."""
         first = [self.tensor_inode(entry[2]) for entry in self.model.shard_header(shard).entries]
-        return [inode + which for inode in first for which in range(3)]
+        inodes = [inode + which for inode in first for which in range(3)]
+        if self.view is not None:
+            for index, node in enumerate(self._static):
+                content = self.view.files.get(node.path.removeprefix(VIEW_DIR + "/"))
+                if node.kind is Kind.VIEW and isinstance(content, SynthesizedFile) and shard in content.shards:
+                    inodes.append(self.control_dir_inode + index)
+        return inodes
 
     # -- inodes ----------------------------------------------------------------------------
     @property
@@ -214,11 +243,11 @@ class Tree:
 
     def node(self, inode: int) -> Node:
         """What `inode` is; NoSuchEntry when the tree has no such inode."""
-        if ROOT_INODE <= inode <= self.control_dir_inode:
+        if ROOT_INODE <= inode < self.control_dir_inode:
             return Node(inode, Kind.DIRECTORY)
-        if inode < self._first_tensor_inode and inode > ROOT_INODE:
-            control = self._control_names[inode - self.control_dir_inode - 1]
-            return Node(inode, Kind.SUMS if control == SUMS_NAME else Kind.CONTROL, control=control)
+        if self.control_dir_inode <= inode < self._first_tensor_inode:
+            static = self._static[inode - self.control_dir_inode]
+            return Node(inode, static.kind, control=static.path or None)
         tensor, which = divmod(inode - self._first_tensor_inode, 3)
         if 0 <= tensor < len(self.names):
             return Node(inode, _TENSOR_KINDS[which], tensor=self.names[tensor])
@@ -238,17 +267,28 @@ class Tree:
         return self.paths[tensor].rpartition("/")[2]
 
     # -- directories -----------------------------------------------------------------------
+    def _static_dir(self, inode: int) -> _Static | None:
+        """The node of a directory in .tensorfs/ (or of .tensorfs/ itself); None for any other inode."""
+        if self.control_dir_inode <= inode < self._first_tensor_inode:
+            static = self._static[inode - self.control_dir_inode]
+            if static.kind is Kind.DIRECTORY:
+                return static
+        return None
+
     def entry_count(self, inode: int) -> int:
         """How many entries directory `inode` holds."""
-        if inode == self.control_dir_inode:
-            return len(self._control_names)
+        static = self._static_dir(inode)
+        if static is not None:
+            return len(static.children)
         index = self._dir_number(inode)
         return len(self._dir_subdirs[index]) + (index == 0) + 3 * len(self._dir_tensors[index])
 
     def entry_at(self, inode: int, position: int) -> tuple[str, int]:
         """Entry number `position` (from 0) of directory `inode`, as (name, inode)."""
-        if inode == self.control_dir_inode:
-            return self._control_names[position], self.control_dir_inode + 1 + position
+        static = self._static_dir(inode)
+        if static is not None:
+            name, child = list(static.children.items())[position]
+            return name, self.control_dir_inode + child
         index = self._dir_number(inode)
         subdirs = self._dir_subdirs[index]
         if position < len(subdirs):
@@ -269,7 +309,8 @@ class Tree:
         What readdir needs, made in one pass: what the three files of a tensor share is found once.
         """
         count = self.entry_count(inode)
-        if inode == self.control_dir_inode or position < count - 3 * len(self._dir_tensors[self._dir_number(inode)]):
+        static = self._static_dir(inode) is not None
+        if static or position < count - 3 * len(self._dir_tensors[self._dir_number(inode)]):
             # Subdirectories, .tensorfs and control files: few, taken one by one.
             while position < count:
                 name, child = self.entry_at(inode, position)
@@ -279,7 +320,7 @@ class Tree:
                     position += 1
                     continue
                 break
-        if position >= count:
+        if position >= count or static:
             return
         index = self._dir_number(inode)
         tensors = self._dir_tensors[index]
@@ -308,11 +349,12 @@ class Tree:
 
     def lookup(self, parent: int, name: str) -> int:
         """The inode of `name` in directory `parent`; NoSuchEntry when there is none."""
-        if parent == self.control_dir_inode:
-            try:
-                return self.control_dir_inode + 1 + self._control_names.index(name)
-            except ValueError:
-                raise NoSuchEntry(f"no {name!r} in {RESERVED_DIR}") from None
+        static = self._static_dir(parent)
+        if static is not None:
+            child = static.children.get(name)
+            if child is None:
+                raise NoSuchEntry(f"no {name!r} in {RESERVED_DIR}/{static.path}")
+            return self.control_dir_inode + child
         index = self._dir_number(parent)
         if index == 0 and name == RESERVED_DIR:
             return self.control_dir_inode
@@ -335,6 +377,9 @@ class Tree:
         """The parent directory of directory `inode` (the root is its own parent)."""
         if inode == self.control_dir_inode:
             return ROOT_INODE
+        static = self._static_dir(inode)
+        if static is not None:
+            return self.control_dir_inode + static.parent
         return ROOT_INODE + self._dir_parent[self._dir_number(inode)]
 
     def _dir_number(self, inode: int) -> int:
@@ -360,9 +405,23 @@ class Tree:
         node = self.node(inode)
         access = self.access
         if node.kind is Kind.DIRECTORY:
-            subdirs = 0 if inode == self.control_dir_inode else len(self._dir_subdirs[self._dir_number(inode)])
-            subdirs += inode == ROOT_INODE  # .tensorfs/
+            static = self._static_dir(inode)
+            if static is not None:
+                subdirs = sum(self._static[child].kind is Kind.DIRECTORY for child in static.children.values())
+            else:
+                subdirs = len(self._dir_subdirs[self._dir_number(inode)]) + (inode == ROOT_INODE)  # .tensorfs/
             return Attributes(inode, node.kind, access.dir_mode, 0, 2 + subdirs, self.mtime_ns, access.uid, access.gid)
+        if node.kind is Kind.VIEW:
+            content = self.view_file(inode)
+            mtime = self.mtime_ns
+            if isinstance(content, SynthesizedFile):
+                access, size = self._sums_access, content.size  # made of the shards: readable as they all are
+            else:
+                size = len(content)
+                mtime = self._view_mtime(inode)
+                if node.control == f"{VIEW_DIR}/{INDEX_NAME}":  # made by the view (never a companion)
+                    access = self._sums_access
+            return Attributes(inode, node.kind, access.file_mode, size, 1, mtime, access.uid, access.gid)
         if node.kind is Kind.SUMS:
             if self._sums_size is None:
                 self._sums_size = len(self.sha256sums(dict.fromkeys(self.names, "0" * 64)))
@@ -408,7 +467,44 @@ class Tree:
 
     @property
     def sums_inode(self) -> int:
-        return self.control_dir_inode + 1 + self._control_names.index(SUMS_NAME)
+        return self.lookup(self.control_dir_inode, SUMS_NAME)
+
+    def view_file(self, inode: int) -> SynthesizedFile | bytes:
+        """What a file of the view is: a synthesized safetensors file, or the bytes of a companion file."""
+        node = self.node(inode)
+        if node.kind is not Kind.VIEW or self.view is None or node.control is None:
+            raise NoSuchEntry(f"inode {inode} is not a file of the view")
+        return self.view.files[node.control.removeprefix(VIEW_DIR + "/")]
+
+    def _view_mtime(self, inode: int) -> int:
+        assert self.view is not None
+        path = self.node(inode).control or ""
+        return self.view.mtime_ns.get(path.removeprefix(VIEW_DIR + "/"), self.mtime_ns)
+
+
+def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -> list[_Static]:
+    """.tensorfs/ and everything in it, as a list: its files, then the view's directories and files.
+
+    Entries are listed by name. The first is .tensorfs/ itself; inodes follow the list's order.
+    """
+    kinds = {name: Kind.CONTROL for name in control_files} | {SUMS_NAME: Kind.SUMS}
+    if view is not None:
+        kinds[VIEW_DIR] = Kind.DIRECTORY
+        kinds.update({f"{VIEW_DIR}/{path}": Kind.DIRECTORY for path in view.directories})
+        kinds.update({f"{VIEW_DIR}/{path}": Kind.VIEW for path in view.files})
+    paths = ["", *sorted(kinds)]
+    index = {path: i for i, path in enumerate(paths)}
+    nodes: list[_Static] = []
+    for path in paths:
+        parent = index[path.rpartition("/")[0]] if path else 0
+        nodes.append(_Static(path, kinds.get(path, Kind.DIRECTORY), parent, {}))
+    for i, node in enumerate(nodes[1:], 1):
+        nodes[node.parent].children[node.path.rpartition("/")[2]] = i
+    for node in nodes:
+        ordered = sorted(node.children.items())
+        node.children.clear()
+        node.children.update(ordered)
+    return nodes
 
 
 def meta_json(model: Model, name: str) -> bytes:

@@ -1,0 +1,95 @@
+"""Views of a model as other programs expect to find one: `.tensorfs/model/` of a mount.
+
+A model directory any safetensors loader opens: the selected tensors as one synthesized
+`model.safetensors` (or several files and an index, as transformers writes them), plus the
+model's own companion files (config.json, tokenizer files, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..model import Model
+from ..sources.index import INDEX_NAME
+from .companions import Companion
+from .synthesized import Piece, SynthesizedFile
+
+__all__ = ["VIEW_DIR", "Companion", "ModelView", "Piece", "SynthesizedFile", "ViewSpec", "build_view", "split"]
+
+VIEW_DIR = "model"
+"""The view's directory, in .tensorfs/."""
+AUTO_SINGLE_LIMIT = 20 << 30
+"""Up to this much tensor data, the view is one file; beyond, files of at most AUTO_SHARD_BYTES."""
+AUTO_SHARD_BYTES = 5 << 30
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """What a view is made of besides the model (picklable: the daemon gets it with the model)."""
+
+    companions: list[Companion] = field(default_factory=list)
+    shards: int = 0
+    """Synthesized files: 0 chooses (one up to 20 GiB, else files of at most 5 GiB)."""
+    warnings: list[str] = field(default_factory=list)
+    """Companion files left out, and why (the daemon logs them)."""
+
+
+class ModelView:
+    """The files of the view by path (relative to its directory), and its subdirectories."""
+
+    def __init__(self, files: dict[str, SynthesizedFile | bytes], mtime_ns: dict[str, int]) -> None:
+        self.files = dict(sorted(files.items()))
+        self.mtime_ns = mtime_ns
+        """Each companion file's own mtime (the synthesized files take the shards')."""
+        self.directories = sorted({path.rpartition("/")[0] for path in self.files} - {""})
+
+    def synthesized(self) -> list[SynthesizedFile]:
+        return [content for content in self.files.values() if isinstance(content, SynthesizedFile)]
+
+
+def build_view(model: Model, spec: ViewSpec) -> ModelView:
+    names = model.sorted_names
+    count = spec.shards or _auto_count(model.nbytes)
+    metadata = shared_metadata(model)
+    files: dict[str, SynthesizedFile | bytes] = {c.path: c.data for c in spec.companions}
+    mtimes = {c.path: c.mtime_ns for c in spec.companions}
+    if count == 1:
+        files["model.safetensors"] = SynthesizedFile(model, names, metadata)
+    else:
+        weight_map: dict[str, str] = {}
+        groups = split(names, [model.locate(name)[2] for name in names], count)
+        for k, group in enumerate(groups, 1):
+            file_name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+            files[file_name] = SynthesizedFile(model, group, metadata)
+            weight_map.update(dict.fromkeys(group, file_name))
+        document = {"metadata": {"total_size": model.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+        files[INDEX_NAME] = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+    return ModelView(files, mtimes)
+
+
+def shared_metadata(model: Model) -> dict[str, str] | None:
+    """The shards' `__metadata__` when they all have the same (none when they differ)."""
+    found = list(model.metadata.values())
+    if not found or any(metadata != found[0] for metadata in found):
+        return None
+    return found[0] or None
+
+
+def split(names: list[str], sizes: list[int], count: int) -> list[list[str]]:
+    """`names` (in order) cut into at most `count` runs of about equal bytes; none empty."""
+    count = max(1, min(count, len(names)))
+    total = sum(sizes)
+    groups: list[list[str]] = [[]]
+    done = 0
+    for name, size in zip(names, sizes, strict=True):
+        # A new file once this one holds its share (and while names remain for those after it).
+        if groups[-1] and len(groups) < count and done + size / 2 > total * len(groups) / count:
+            groups.append([])
+        groups[-1].append(name)
+        done += size
+    return groups
+
+
+def _auto_count(nbytes: int) -> int:
+    return 1 if nbytes <= AUTO_SINGLE_LIMIT else -(-nbytes // AUTO_SHARD_BYTES)

@@ -1,0 +1,104 @@
+"""The files that come with a model's weights (config.json, tokenizer files, README.md, ...).
+
+Read once, at mount, from the top level of the model's directory and its subdirectories one
+level down; held in memory, so serving them never touches the source again.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import printable
+
+MAX_COMPANION_BYTES = 64 << 20
+MAX_COMPANIONS_TOTAL = 256 << 20
+MAX_COMPANIONS = 1000
+"""What a daemon holds of companion files at most (they are in its memory for its whole life)."""
+
+
+@dataclass(frozen=True)
+class Companion:
+    path: str
+    """Relative to the model's directory: config.json, 1_Pooling/config.json."""
+    data: bytes
+    mtime_ns: int
+
+
+def model_directory(source: Path) -> Path:
+    """The directory a local model's other files live in (its own, or that of its file or index)."""
+    return source if source.is_dir() else source.parent
+
+
+def is_weights(name: str) -> bool:
+    """The files a view makes itself, not taken from the source."""
+    return name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
+    """The regular files beside a local model's weights (one level of subdirectories too), by path.
+
+    Hidden files and directories, the weights and their indexes are left out; a file over 64 MiB,
+    a symlink that leads out of the model's directory, or one that cannot be read is left out with
+    a warning (in `warnings`), as is what goes past 1000 files or 256 MiB in all.
+    """
+    root = model_directory(source).resolve()
+    found: list[Companion] = []
+    total = 0
+    for relative in _candidates(root):
+        shown = printable(str(root / relative))
+        if len(found) == MAX_COMPANIONS:
+            warnings.append(f"{shown} and the files after it: skipped: over {MAX_COMPANIONS} companion files")
+            break
+        path = root / relative
+        try:
+            target = path.resolve(strict=True)
+        except (OSError, RuntimeError) as exc:
+            warnings.append(f"{shown}: skipped: {getattr(exc, 'strerror', None) or exc}")
+            continue
+        if not target.is_relative_to(root):
+            warnings.append(f"{shown}: skipped: a symlink out of the model's directory")
+            continue
+        try:
+            st = os.stat(target)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if st.st_size > MAX_COMPANION_BYTES:
+                warnings.append(f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
+                continue
+            if total + st.st_size > MAX_COMPANIONS_TOTAL:
+                warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+                continue
+            data = target.read_bytes()
+        except OSError as exc:
+            warnings.append(f"{shown}: skipped: {exc.strerror}")
+            continue
+        total += len(data)
+        found.append(Companion(relative, data, st.st_mtime_ns))
+    return found
+
+
+def _candidates(root: Path) -> list[str]:
+    names: list[str] = []
+    try:
+        top = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return names
+    for entry in top:
+        if entry.name.startswith(".") or is_weights(entry.name):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                inner = sorted(os.scandir(entry.path), key=lambda e: e.name)
+            except OSError:
+                continue
+            names += [
+                f"{entry.name}/{e.name}"
+                for e in inner
+                if not e.name.startswith(".") and not is_weights(e.name) and not e.is_dir()
+            ]
+        else:
+            names.append(entry.name)
+    return names

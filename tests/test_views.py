@@ -1,0 +1,233 @@
+"""The model directory view (.tensorfs/model/): synthesized safetensors files and companion files,
+read by the reference reader; and the same files written to disk (export, Model.write_safetensors)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import safetensors
+from safetensors import safe_open
+
+import tensorfs
+from conftest import Mounts, wait_until
+from helpers import (
+    MIB,
+    every_dtype_tensors,
+    random_bytes,
+    reference_tensors,
+    sharded_every_dtype,
+    write_index,
+    write_reference,
+)
+from tensorfs.views import Piece, SynthesizedFile, shared_metadata, split
+
+
+def header_of(data: bytes) -> tuple[int, dict[str, object]]:
+    length = struct.unpack("<Q", data[:8])[0]
+    return length, json.loads(data[8 : 8 + length])
+
+
+def assemble(model: tensorfs.Model, synthesized: SynthesizedFile, start: int, end: int) -> bytes:
+    parts = []
+    for piece in synthesized.pieces(start, end):
+        if isinstance(piece, Piece):
+            parts.append(
+                bytes(model.shard_view(piece.shard)[piece.shard_offset : piece.shard_offset + piece.end - piece.start])
+            )
+        else:
+            parts.append(piece)
+    return b"".join(parts)
+
+
+def test_a_synthesized_file_is_what_the_reference_writer_lays_out(tmp_path: Path) -> None:
+    tensors = every_dtype_tensors(seed=5)
+    tensors["b.u8"] = ("U8", [3], b"xyz")  # an odd size before other one-byte tensors
+    write_reference(tmp_path / "a.safetensors", tensors, {"format": "pt"})
+    with tensorfs.open_model(tmp_path / "a.safetensors") as model:
+        synthesized = SynthesizedFile(model, model.sorted_names, {"format": "pt"})
+        data = assemble(model, synthesized, 0, synthesized.size)
+        assert len(data) == synthesized.size
+        for start in range(0, synthesized.size, 41):  # any range is covered by its pieces, in order
+            assert assemble(model, synthesized, start, start + 97) == data[start : start + 97]
+    (tmp_path / "out.safetensors").write_bytes(data)
+    assert reference_tensors(tmp_path / "out.safetensors") == reference_tensors(tmp_path / "a.safetensors")
+    length, header = header_of(data)
+    reference_length, reference_header = header_of((tmp_path / "a.safetensors").read_bytes())
+    assert length % 8 == 0 and (length, header) == (reference_length, reference_header)  # same offsets
+    assert list(header) == ["__metadata__", *sorted(tensors)]  # keys by name
+    assert data[8 + length :] == (tmp_path / "a.safetensors").read_bytes()[8 + length :]
+
+
+def test_metadata_is_carried_over_only_when_the_shards_agree(tmp_path: Path) -> None:
+    for name, first, second, expected in [
+        ("same", {"format": "pt"}, {"format": "pt"}, {"format": "pt"}),
+        ("differ", {"format": "pt"}, {"format": "np"}, None),
+        ("one", {"format": "pt"}, None, None),
+        ("none", None, None, None),
+    ]:
+        directory = tmp_path / name
+        directory.mkdir()
+        write_reference(directory / "a.safetensors", {"x": ("U8", [1], b"x")}, first)
+        write_reference(directory / "b.safetensors", {"y": ("U8", [1], b"y")}, second)
+        with tensorfs.open_model(directory) as model:
+            assert shared_metadata(model) == expected, name
+
+
+def test_split_into_runs_of_about_equal_bytes() -> None:
+    names = [f"t{i}" for i in range(10)]
+    assert split(names, [10] * 10, 1) == [names]
+    assert split(names, [10] * 10, 3) == [names[:3], names[3:7], names[7:]]
+    assert split(names, [100] + [1] * 9, 2) == [names[:1], names[1:]]
+    assert split(names[:2], [1, 1], 5) == [["t0"], ["t1"]]  # never an empty file
+
+
+@pytest.mark.parametrize("selected", [False, True])
+def test_write_safetensors_and_export(mounts: Mounts, tmp_path: Path, selected: bool) -> None:
+    expected = sharded_every_dtype(tmp_path / "m")
+    include = ["t.*", "layers/2/*", "scalar", "empty"] if selected else []
+    with tensorfs.open_model(tmp_path / "m", include=include) as model:
+        model.write_safetensors(tmp_path / "one.safetensors")
+        names = model.names()
+    got = reference_tensors(tmp_path / "one.safetensors")
+    assert sorted(got) == names and all(got[name][2] == expected[name] for name in names)
+    assert not list(tmp_path.glob(".*partial*"))
+    options = [f"--include={glob}" for glob in include]
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "test"}')
+    result = mounts.run("export", *options, "--shards", "3", str(tmp_path / "m"), str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert mounts.run("validate", str(tmp_path / "out")).returncode == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == names
+    for shard in sorted((tmp_path / "out").glob("*.safetensors")):
+        for name, (_, _, data) in reference_tensors(shard).items():
+            assert index["weight_map"][name] == shard.name and data == expected[name]
+    again = mounts.run("export", str(tmp_path / "m"), str(tmp_path / "out"))
+    assert (
+        again.returncode == 1 and again.stderr == f"error: {tmp_path / 'out'}: already exists; name a new directory\n"
+    )
+
+
+def companion_model(directory: Path) -> dict[str, bytes]:
+    expected = sharded_every_dtype(directory)
+    (directory / "config.json").write_text('{"architectures": ["Test"]}\n')
+    (directory / "tokenizer.json").write_bytes(random_bytes(300_000, 7))
+    (directory / "README.md").write_text("# a model\n")
+    (directory / ".hidden").write_text("not shown")
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text("{}")
+    (directory / "1_Pooling" / "deeper").mkdir()
+    (directory / "1_Pooling" / "deeper" / "x.json").write_text("{}")  # two levels down: not shown
+    outside = directory.parent / "outside.txt"
+    outside.write_text("secret")
+    (directory / "leak.txt").symlink_to(outside)
+    (directory / "inside.txt").symlink_to(directory / "README.md")
+    with open(directory / "huge.bin", "wb") as huge:
+        huge.truncate(65 * MIB)  # sparse: costs nothing
+    return expected
+
+
+def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> None:
+    expected = companion_model(tmp_path / "m")
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    result = mounts.run("mount", "--log-file", str(mounts.log_file), str(tmp_path / "m"), str(mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert f"warning: {tmp_path / 'm' / 'leak.txt'}: skipped: a symlink out of the model's directory" in result.stderr
+    assert f"warning: {tmp_path / 'm' / 'huge.bin'}: skipped: {65 * MIB} bytes, over 64 MiB" in result.stderr
+    view = mountpoint / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == [
+        "1_Pooling",
+        "README.md",
+        "config.json",
+        "inside.txt",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert os.listdir(view / "1_Pooling") == ["config.json"]
+    for name in ("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json"):
+        assert (view / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
+    assert (view / "inside.txt").read_bytes() == b"# a model\n"
+    with safe_open(str(view / "model.safetensors"), framework="np") as loaded:  # it maps the file
+        assert sorted(loaded.keys()) == sorted(expected)
+        assert loaded.metadata() is None  # the shards' metadata differ
+    served = (view / "model.safetensors").read_bytes()
+    assert {name: bytes(t["data"]) for name, t in safetensors.deserialize(served)} == expected
+    with tensorfs.open_model(tmp_path / "m") as model:
+        model.write_safetensors(tmp_path / "same.safetensors")
+    assert served == (tmp_path / "same.safetensors").read_bytes()
+    with open(view / "model.safetensors", "rb") as file:  # reads that cross tensors and the header
+        for start in [0, 5, 1000, 4096 - 3, len(served) - 7, *range(0, len(served), 3 * MIB + 17)]:
+            file.seek(start)
+            assert file.read(MIB + 13) == served[start : start + MIB + 13]
+    assert mounts.run("validate", str(view)).returncode == 0
+
+
+def test_view_shards_and_a_selection(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "m"
+    directory.mkdir()
+    expected = {}
+    weight_map = {}
+    for s in range(2):
+        tensors = {f"model.layers.{2 * s + k}.w": ("F32", [256], random_bytes(1024, 10 * s + k)) for k in range(2)}
+        write_reference(directory / f"s{s}.safetensors", tensors, {"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, f"s{s}.safetensors"))
+        expected.update({name: data for name, (_, _, data) in tensors.items()})
+    write_index(directory, weight_map)
+    mountpoint = mounts.mount(directory, "--view-shards", "2", "--layers", "1-3")
+    view = mountpoint / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((view / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        "model.layers.1.w": "model-00001-of-00002.safetensors",
+        "model.layers.2.w": "model-00001-of-00002.safetensors",
+        "model.layers.3.w": "model-00002-of-00002.safetensors",
+    }
+    assert index["metadata"]["total_size"] == 3 * 1024
+    for file_name in set(index["weight_map"].values()):
+        with safe_open(str(view / file_name), framework="np") as loaded:
+            assert loaded.metadata() == {"format": "pt"}
+            for name in loaded.keys():  # noqa: SIM118  (safe_open has keys(), no iteration)
+                assert loaded.get_tensor(name).tobytes() == expected[name]
+
+
+def test_the_view_serves_no_byte_a_manifest_refuses(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "m"
+    directory.mkdir()
+    tensors = {name: ("U8", [2 * MIB], random_bytes(2 * MIB, i)) for i, name in enumerate(["a", "b", "c"])}
+    write_reference(directory / "model.safetensors", tensors)
+    manifest = mounts.run("manifest", str(directory)).stdout
+    lines = [line if not line.endswith("  b") else "0" * 64 + "  b" for line in manifest.splitlines()]
+    (directory / "tensors.sha256").write_text("\n".join(lines) + "\n")
+    mountpoint = mounts.mount(directory)
+    view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
+    with open(view, "rb") as file:
+        header = file.read(8)
+        start = 8 + struct.unpack("<Q", header)[0]
+        file.seek(start)
+        assert file.read(MIB) == tensors["a"][2][:MIB]  # within a: as a's own file serves it
+        for where in (start + 2 * MIB + 5, start + 2 * MIB - 5):  # within b, and across a and b
+            file.seek(where)
+            with pytest.raises(OSError) as caught:
+                file.read(4096)
+            assert caught.value.errno == errno.EIO
+        after = -(-(start + 4 * MIB) // 4096) * 4096  # the kernel reads whole pages: the one shared with b fails too
+        file.seek(after)
+        assert file.read() == tensors["c"][2][after - start - 4 * MIB :]
+    wait_until(lambda: "tensor 'b' in shard" in mounts.log(), what="the refusal in the log")
