@@ -111,7 +111,9 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
         "four_readers",
         "rss_growth",
         "tiny_mount",
+        "tiny_mount_selected",
         "tiny_listing",
+        "view_read",
     ):
         assert key in report, key
     assert report["first_read"]["gbps"] > 0

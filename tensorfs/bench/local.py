@@ -164,6 +164,7 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
             direct_gbps=median(direct_four) / 1e9,
         )
 
+        views_section(config, report, mounter, model_dir, tensors, big)
         cold_section(config, report, mounter, model_dir, tensors, big, small, shards, out)
         memory_section(report, mounter, model_dir, tensors, big, model_bytes)
         tiny_section(config, report, mounter, work)
@@ -235,6 +236,34 @@ def cold_section(config: Config, report: Report, mounter: Mounter, model_dir: Pa
         )
 
 
+def views_section(
+    config: Config,
+    report: Report,
+    mounter: Mounter,
+    model_dir: Path,
+    tensors: dict[str, tuple[Path, int, int]],
+    big: list[str],
+) -> None:
+    """The synthesized model.safetensors of .tensorfs/model/, read whole, against reading the
+    per-tensor files of the same selection: each on a fresh mount, taken in turns."""
+    nbytes = sum(tensors[name][2] for name in big)
+    per_tensor, synthesized = [], []
+    for _ in range(config.repeat):
+        with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
+            per_tensor.append(nbytes / sum(read_file(mnt / name) for name in big))
+        with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
+            synthesized.append(nbytes / read_file(mnt / ".tensorfs" / "model" / "model.safetensors"))
+    report.add(
+        "view_read",
+        "first read of .tensorfs/model/model.safetensors",
+        f"{median(synthesized) / 1e9:.2f} GB/s",
+        median(synthesized) / median(per_tensor),
+        ">= 0.9x per-tensor files",
+        gbps=median(synthesized) / 1e9,
+        per_tensor_gbps=median(per_tensor) / 1e9,
+    )
+
+
 def memory_section(report: Report, mounter: Mounter, model_dir: Path,
                    tensors: dict[str, tuple[Path, int, int]], big: list[str], model_bytes: int) -> None:  # fmt: skip
     with mounter.mounted(model_dir) as (mnt, pid):
@@ -269,8 +298,12 @@ def tiny_section(config: Config, report: Report, mounter: Mounter, work: Path) -
     entries = 3 * config.tiny_tensors + 1
     for i in range(entries):
         (listing_dir / f"f{i:07d}").touch()
-    ref_times, mount_times, list_times, plain_times, rss = [], [], [], [], []
+    ref_times, mount_times, list_times, plain_times, rss, selected_times = [], [], [], [], [], []
+    layers = max(1, config.tiny_tensors // 8 // 100)  # 8 tensors a layer: 1% of the tensors
     for _ in range(config.repeat):
+        start_mount = time.perf_counter()
+        with mounter.mounted(tiny, "--layers", f"0-{layers - 1}"):
+            selected_times.append(time.perf_counter() - start_mount)
         start = time.perf_counter()
         subprocess.run([sys.executable, "-c", reference, *map(str, shards)], check=True)
         ref_times.append(time.perf_counter() - start)
@@ -294,6 +327,14 @@ def tiny_section(config: Config, report: Report, mounter: Mounter, work: Path) -
         "<= 2x safe_open().keys()",
         seconds=median(mount_times),
         reference_seconds=median(ref_times),
+    )
+    report.add(
+        "tiny_mount_selected",
+        f"mount of 1% of them (--layers 0-{layers - 1})",
+        f"{median(selected_times):.2f} s",
+        median(selected_times) / median(mount_times),
+        "<= 1.0x the whole mount",
+        seconds=median(selected_times),
     )
     report.add(
         "tiny_listing",
