@@ -322,11 +322,11 @@ def open_model(
     read through a local cache (`remote` says how). Raises InvalidModelError naming every
     problem found; no tensor data is read.
 
-    `include`/`exclude` (fnmatch globs on names) and `layers` (an inclusive range of the N in
+    `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` (an inclusive range of the N in
     `*.layers.N.*`) select a subset: every header is still validated, but only the selected
     tensors are in the model, and shards without any are not kept mapped (see Selection).
     """
-    selection = Selection(tuple(include), tuple(exclude), layers)
+    selection = Selection(_globs(include), _globs(exclude), layers)
     problems: list[Problem] = []
     with gc_paused():
         # Every problem is collected, of every shard and across shards, before any is reported.
@@ -366,6 +366,10 @@ def open_model(
             for shard in opened:
                 shard.data.close()
             raise
+
+
+def _globs(given: Iterable[str]) -> tuple[str, ...]:
+    return (given,) if isinstance(given, str) else tuple(given)  # one glob, not its characters
 
 
 def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple[list[_Shard], dict[str, _Shard]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +108,28 @@ def test_a_shard_overwritten_in_place_is_refused_until_remounted(mounts: Mounts,
     assert mounts.run("umount", str(mountpoint)).returncode == 0
     mounts.mount(model_dir, mountpoint=mountpoint)  # what is there now is validated afresh, and served
     assert (mountpoint / "t2.1").read_bytes() == model_bytes(model_dir)["t2.1"] != expected["t2.1"]
+
+
+def test_the_view_of_a_shard_overwritten_in_place_is_refused(mounts: Mounts, model_dir: Path) -> None:
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
+    served = view.read_bytes()  # and kept in the kernel's cache
+    length = int.from_bytes(served[:8], "little")
+    header = json.loads(served[8 : 8 + length])
+
+    def read_of(name: str) -> bytes | int:
+        begin, end = header[name]["data_offsets"]
+        try:
+            with open(view, "rb", buffering=0) as file:
+                return os.pread(file.fileno(), end - begin, 8 + length + begin)
+        except OSError as exc:
+            return exc.errno or 0
+
+    assert read_of("t2.1") == expected["t2.1"]
+    overwrite_in_place(model_dir / "s2.safetensors", offset_of(model_dir, "t2.1") + 5, b"\xff" * 64)
+    wait_until(lambda: read_of("t2.1") == errno.EIO, what="the view's cached pages of t2.1 to go")
+    assert read_of("t2.2") == errno.EIO and read_of("t0.1") == expected["t0.1"]
 
 
 def test_attributes_of_a_shard_may_change(mounts: Mounts, model_dir: Path) -> None:

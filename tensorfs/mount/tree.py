@@ -231,8 +231,11 @@ class Tree:
         inodes = [inode + which for inode in first for which in range(3)]
         if self.view is not None:
             for index, node in enumerate(self._static):
+                if node.kind is not Kind.VIEW:
+                    continue
                 content = self.view.files.get(node.path.removeprefix(VIEW_DIR + "/"))
-                if node.kind is Kind.VIEW and isinstance(content, SynthesizedFile) and shard in content.shards:
+                # A file never read has nothing in the kernel's cache to drop.
+                if isinstance(content, SynthesizedFile) and content.built and content.draws_on(shard):
                     inodes.append(self.control_dir_inode + index)
         return inodes
 

@@ -1,7 +1,7 @@
 """A safetensors file made from a model's tensors: its header, and where each of its bytes comes from.
 
-Nothing is copied to build one: the header is made once, and each tensor's bytes stay in its
-shard; a reader asks which pieces cover a byte range. The layout is the reference writer's
+Nothing is copied to build one: the header is made on first use, and each tensor's bytes stay in
+its shard; a reader asks which pieces cover a byte range. The layout is the reference writer's
 (safetensors' `serialize`): tensors ordered by dtype, widest first, then by name, with no gaps, so
 each starts aligned to its element size; the header is padded with spaces to a multiple of 8, so
 the data starts 8-aligned. The header's keys are sorted by name.
@@ -10,12 +10,14 @@ the data starts 8-aligned. The header's keys are sorted by name.
 from __future__ import annotations
 
 import json
+import threading
+from array import array
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 
 from ..dtypes import DTYPES
-from ..header import Entry
 from ..model import Model
 from ..sources import ShardKey
 
@@ -35,63 +37,99 @@ class Piece:
 
 
 class SynthesizedFile:
-    """One safetensors file holding `names` (tensors of `model`), in the reference writer's layout."""
+    """One safetensors file holding `names` (tensors of `model`), in the reference writer's layout.
+
+    The layout is made on first use (a mount that nobody reads it from pays nothing), and kept in
+    arrays: for 100k tensors, the header's bytes and a few MiB.
+    """
 
     def __init__(self, model: Model, names: list[str], metadata: Mapping[str, str] | None) -> None:
         self.model = model
-        located: list[tuple[str, ShardKey, int, Entry]] = []
-        for name in names:
-            shard, data_start, entry = model.entry(name)
-            located.append((name, shard, data_start, entry))
-        located.sort(key=lambda item: (-_RANK[item[3][3].name], item[0]))
-        fields: dict[str, object] = {}
-        offset = 0
-        self._starts: list[int] = []
-        self._tensors: list[tuple[str, ShardKey, int, int]] = []  # name, shard, offset in the shard, nbytes
-        for name, shard, data_start, (begin, end, _, dtype, shape) in located:
-            fields[name] = {"dtype": dtype.name, "shape": list(shape), "data_offsets": [offset, offset + end - begin]}
-            self._starts.append(offset)
-            self._tensors.append((name, shard, data_start + begin, end - begin))
-            offset += end - begin
-        document: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-        document.update(sorted(fields.items()))
-        text = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        text += b" " * (-len(text) % 8)
-        self.header = len(text).to_bytes(8, "little") + text
-        self.data_start = len(self.header)
-        self.nbytes = offset
-        """Bytes of tensor data."""
-        self.size = self.data_start + offset
-        self.shards = {shard for _, shard, _, _ in self._tensors}
+        self._names = names
+        self._metadata = dict(sorted(metadata.items())) if metadata else None
+        self._lock = threading.Lock()  # the daemon's thread and a hashing or export thread may ask at once
+        self._built = False
+        self._header = b""
+        self._order = array("L")  # file order -> index in names
+        self._starts = array("Q")  # file order -> where its data starts, from the end of the header
+        self._ends = array("Q")
+
+    @property
+    def built(self) -> bool:
+        return self._built
+
+    def _build(self) -> None:
+        with self._lock:
+            if self._built:
+                return
+            model, names = self.model, self._names
+            entries = [model.entry(name)[2] for name in names]
+            order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][3].name], names[i]))
+            offset = 0
+            starts, ends = [0] * len(names), [0] * len(names)
+            for i in order:
+                begin, end = entries[i][0], entries[i][1]
+                starts[i], ends[i] = offset, offset + end - begin
+                offset += end - begin
+            fields = [
+                f'{encode_basestring(names[i])}:{{"dtype":"{entries[i][3].name}",'
+                f'"shape":[{",".join(map(str, entries[i][4]))}],"data_offsets":[{starts[i]},{ends[i]}]}}'
+                for i in sorted(range(len(names)), key=names.__getitem__)
+            ]
+            if self._metadata is not None:
+                fields.insert(0, '"__metadata__":' + json.dumps(self._metadata, separators=(",", ":")))
+            text = ("{" + ",".join(fields) + "}").encode("utf-8")
+            del fields
+            text += b" " * (-len(text) % 8)
+            self._header = len(text).to_bytes(8, "little") + text
+            self._order = array("L", order)
+            self._starts = array("Q", (starts[i] for i in order))
+            self._ends = array("Q", (ends[i] for i in order))
+            self._nbytes = offset
+            self._built = True
+
+    @property
+    def header(self) -> bytes:
+        self._build()
+        return self._header
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def size(self) -> int:
+        self._build()
+        return len(self._header) + self._nbytes
 
     @property
     def names(self) -> list[str]:
         """The tensors, in file order."""
-        return [name for name, _, _, _ in self._tensors]
+        self._build()
+        return [self._names[i] for i in self._order]
+
+    def draws_on(self, shard: ShardKey) -> bool:
+        """Whether any byte of the file comes from `shard`."""
+        return any(self.model.locate(name)[0] == shard for name in self._names)
 
     def pieces(self, start: int, end: int) -> Iterator[bytes | Piece]:
         """What covers bytes [start, end) of the file, in order: header bytes, then tensors' pieces.
 
         Empty tensors have no piece.
         """
-        end = min(end, self.size)
-        if start < self.data_start:
-            yield self.header[start : min(end, self.data_start)]
-            start = self.data_start
-        position = start - self.data_start
-        stop = end - self.data_start
+        self._build()
+        data_start = len(self._header)
+        end = min(end, data_start + self._nbytes)
+        if start < data_start:
+            yield self._header[start : min(end, data_start)]
+            start = data_start
+        position, stop = start - data_start, end - data_start
         index = bisect_right(self._starts, position) - 1
-        while position < stop and 0 <= index < len(self._tensors):
-            name, shard, shard_offset, nbytes = self._tensors[index]
-            begin = self._starts[index]
-            until = min(stop, begin + nbytes)
+        while position < stop and 0 <= index < len(self._order):
+            begin, until = self._starts[index], min(stop, self._ends[index])
             if until > position:
-                yield Piece(
-                    self.data_start + position,
-                    self.data_start + until,
-                    name,
-                    shard,
-                    shard_offset + position - begin,
-                )
+                name = self._names[self._order[index]]
+                shard, offset, _ = self.model.locate(name)
+                yield Piece(data_start + position, data_start + until, name, shard, offset + position - begin)
                 position = until
             index += 1
