@@ -752,31 +752,37 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
 
 @cli.command()
 @model_argument
+@selection_options
 @remote_options
-def prefetch(path: Path | str, cache_dir: Path | None, remote: RemoteOptions) -> None:
-    """Fetch every byte of a remote MODEL into the cache, ahead of a job (a progress line on a terminal).
+def prefetch(path: Path | str, selection: Selection, cache_dir: Path | None, remote: RemoteOptions) -> None:
+    """Fetch every byte of a remote MODEL (or of a selection's tensors) into the cache, ahead of a job.
 
-    Afterwards the model mounts and reads with --offline too.
+    A progress line on a terminal. Afterwards the model (the selection) mounts and reads with --offline too.
     """
     from .sources.objects import RemoteShard
 
-    with open_model(path, remote=remote) as model:
-        shards = [model.shard_data(shard) for shard in model.shards]
-        remote_shards = [data for data in shards if isinstance(data, RemoteShard)]
-        if not remote_shards:
+    with open_selected(path, selection, remote=remote) as model:
+        wanted: dict[RemoteShard, list[int]] = {}
+        for shard, entries in model.by_shard().items():  # the chunks of the (selected) tensors' bytes
+            data = model.shard_data(shard)
+            if isinstance(data, RemoteShard):
+                start = model.shard_header(shard).data_start
+                everything = [(0, data.cached.version.size)] if selection.everything else []
+                wanted[data] = data.chunks_of(everything or [(start + b, start + e) for b, e, *_ in entries])
+        if not wanted:
             click.echo(f"{printable(str(path))}: a local model: nothing to fetch")
             return
-        total = sum(data.cached.version.size for data in remote_shards)
+        total = sum(data.chunk_bytes(chunk) for data, chunks in wanted.items() for chunk in chunks)
         if remote.cache_size is not None and total > remote.cache_size:
             size = human_size(remote.cache_size)
             raise TensorfsError(f"{printable(str(path))}: {human_size(total)} does not fit in --cache-size {size}")
         with Progress(total, "fetching") as progress:
-            for data in remote_shards:
-                data.prefetch(progress.advance)
-        missing = sum(data.cached.chunks - data.cached.present_count() for data in remote_shards)
+            for data, chunks in wanted.items():
+                data.prefetch(progress.advance, chunks)
+        missing = sum(not data.cached.present(chunk) for data, chunks in wanted.items() for chunk in chunks)
         if missing:  # evicted meanwhile (the cache is shared, and bounded): --offline would not find them
             raise TensorfsError(f"{printable(str(path))}: {missing} chunk(s) were evicted again: raise --cache-size")
-        click.echo(f"{printable(str(path))}: {len(remote_shards)} shard(s), {human_size(total)} cached")
+        click.echo(f"{printable(str(path))}: {len(wanted)} shard(s), {human_size(total)} cached")
 
 
 @cli.group()

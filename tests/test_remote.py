@@ -418,6 +418,13 @@ def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
     assert result.stdout.endswith("1 shard(s), 30.0 MiB cached\n")
     with tensorfs.open_model(url, remote=options(tmp_path, offline=True)) as model:
         assert {name: bytes(model.raw(name)) for name in model} == {n: t[2] for n, t in tensors.items()}
+    stage = ["--cache-dir", str(tmp_path / "stage")]
+    result = cli("prefetch", *stage, "--include", "t0", url)  # a selection: only its tensor's chunk
+    assert result.returncode == 0 and result.stdout.endswith("1 shard(s), 8.0 MiB cached\n"), result.stderr
+    with tensorfs.open_model(url, remote=RemoteOptions(cache_dir=tmp_path / "stage", offline=True)) as model:
+        assert bytes(model.raw("t0")) == tensors["t0"][2]
+        with pytest.raises(tensorfs.TensorfsError, match="not cached"):
+            model.raw("t3")
     du = cli("cache", "du", *cache)
     size = (directory / "m.safetensors").stat().st_size
     assert du.stdout.startswith(f"30.0 MiB ({size} bytes) cached of 1 object version(s)")

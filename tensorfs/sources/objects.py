@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,19 @@ class RemoteShard(ShardData):
         if end > start:
             self.cached.unpin(*self._chunks(start, end))
 
+    def chunks_of(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        """The chunks that hold bytes of `ranges` ([start, end) pairs), in order."""
+        found: set[int] = set()
+        for start, end in ranges:
+            if end > start:
+                first, last = self._chunks(start, end)
+                found.update(range(first, last + 1))
+        return sorted(found)
+
+    def chunk_bytes(self, chunk: int) -> int:
+        size = self.cached.chunk_size
+        return min(size, self.cached.version.size - chunk * size)
+
     def _chunks(self, start: int, end: int) -> tuple[int, int]:
         size = self.cached.chunk_size
         return start // size, (end - 1) // size
@@ -136,17 +149,17 @@ class RemoteShard(ShardData):
         for chunk in range(first, min(self.cached.chunks, first + window)):
             self.cached.fetching(chunk, self._pool)  # not waited for: a failure is met again if it is read
 
-    def prefetch(self, progress: Callable[[int], None] | None = None) -> None:
-        """Fetch every chunk not cached yet (as many at once as there are fetch threads)."""
+    def prefetch(self, progress: Callable[[int], None] | None = None, chunks: Iterable[int] | None = None) -> None:
+        """Fetch every chunk not cached yet (or those of `chunks`), as many at once as there are fetch threads."""
         if self.options.offline:
             return
-        size = self.cached.chunk_size
-        pending = [(chunk, self.cached.fetching(chunk, self._pool)) for chunk in range(self.cached.chunks)]
+        wanted = range(self.cached.chunks) if chunks is None else chunks
+        pending = [(chunk, self.cached.fetching(chunk, self._pool)) for chunk in wanted]
         for chunk, future in pending:
             if future is not None:
                 wait([future])
             if progress is not None:
-                progress(min(size, self.cached.version.size - chunk * size))
+                progress(self.chunk_bytes(chunk))
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """The bytes from the cache file (fetched first if need be), never through the mapping."""
