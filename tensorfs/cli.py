@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 import click
 
@@ -40,6 +40,9 @@ from .selection import Selection, parse_layers
 from .sources import shard_name
 from .sources.remote import RemoteOptions, is_remote, unsupported_scheme
 from .units import human_size
+
+if TYPE_CHECKING:
+    from .views import ViewSpec
 
 # The mount layer is imported by the commands that use it: the others start the faster for it.
 READAHEAD_LIMIT_KB = 1 << 20
@@ -431,8 +434,7 @@ def export(
     model's companion files (config.json, tokenizer files, ...). Streamed, with a progress line on
     a terminal; written whole or not at all.
     """
-    from .views import ViewSpec, build_view
-    from .views.companions import find_companions
+    from .views import build_view
     from .views.export import view_bytes, write_view
 
     with open_selected(path, selection, remote=remote) as model:
@@ -443,11 +445,7 @@ def export(
                 model.write_safetensors(dest, progress.advance)
             click.echo(f"wrote {printable(str(dest))}: {len(model)} tensors, {human_size(dest.stat().st_size)}")
             return
-        warnings: list[str] = []
-        companions = [] if isinstance(path, str) else find_companions(path, warnings)
-        for warning in warnings:
-            click.echo(f"warning: {warning}", err=True)
-        view = build_view(model, ViewSpec(companions, shards))
+        view = build_view(model, view_spec(path, shards, remote))
         with Progress(view_bytes(view), "writing") as progress:
             write_view(view, dest, progress.advance)
         files = sum(1 for item in dest.rglob("*") if item.is_file())
@@ -598,14 +596,8 @@ def mount(
     """
     from .mount.daemon import MountOptions, split_fuse_options
     from .mount.daemon import mount as mount_model
-    from .views import ViewSpec
-    from .views.companions import find_companions
 
     passed, ownership = split_fuse_options(fuse_options)
-    warnings: list[str] = []
-    companions = [] if isinstance(source, str) else find_companions(source, warnings)
-    for warning in warnings:
-        click.echo(f"warning: {warning}", err=True)
     options = MountOptions(
         layout=layout,
         fuse_options=passed,
@@ -618,15 +610,15 @@ def mount(
         max_background=max_background,
         quiet=quiet,
         remote=_settings(remote) if is_remote(source) else None,
-        view=ViewSpec(companions, view_shards, warnings),
     )
 
-    def prepare() -> tuple[Model, Integrity]:
+    def prepare() -> tuple[Model, Integrity, ViewSpec]:
         # Here, after the daemon is forked: obstore (for a remote model) cannot be used across a fork.
         # The model first: its errors name it, not the manifest looked for beside it.
         model = open_selected(source, selection, layout=layout, remote=remote)
         try:
-            return model, integrity_of(model)
+            integrity = integrity_of(model)
+            return model, integrity, view_spec(source, view_shards, remote)
         except BaseException:
             model.close()
             raise
@@ -663,6 +655,21 @@ def mount(
             raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     return mount_model(prepare, mountpoint, options, announce)
+
+
+def view_spec(source: Path | str, shards: int, remote: RemoteOptions) -> ViewSpec:
+    """What the model directory view holds besides the tensors; the files left out are warned of on stderr."""
+    from .views import ViewSpec
+    from .views.companions import find_companions, find_remote_companions
+
+    warnings: list[str] = []
+    if isinstance(source, str):
+        companions = find_remote_companions(source, remote, warnings)
+    else:
+        companions = find_companions(source, warnings)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    return ViewSpec(companions, shards, warnings)
 
 
 def _settings(remote: RemoteOptions) -> dict[str, object]:

@@ -313,9 +313,14 @@ def test_mount_an_s3_model(
     local_model: tuple[Path, dict[str, bytes]], tmp_path: Path,
 ) -> None:  # fmt: skip
     directory, expected = local_model
+    (directory / "config.json").write_text('{"model_type": "test"}')
+    (directory / ".hidden").write_text("no")
     upload(seaweedfs.store(bucket), "m", directory)
     cache = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
     mountpoint = mounts.mount(f"s3://{bucket}/m", *cache)  # type: ignore[arg-type]
+    view = mountpoint / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["config.json", "model.safetensors"]  # the listing's companions
+    assert (view / "config.json").read_bytes() == (directory / "config.json").read_bytes()
     for name, data in expected.items():
         assert (mountpoint / name).read_bytes() == data, name
         meta = json.loads((mountpoint / f"{name}.meta.json").read_text())
@@ -339,6 +344,28 @@ def test_mount_an_s3_model(
     objects = [json.loads(line) for line in listed.stdout.splitlines()]
     assert {o["url"] for o in objects} == {f"s3://{bucket}/m/model-0000{i}-of-00002.safetensors" for i in (1, 2)}
     assert all(o["cached"] == o["size"] and o["in_use"] for o in objects)
+
+
+def test_a_hub_model_mounts_with_its_companion_files(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = nginx.root / "org" / "companions" / "resolve" / "main"
+    directory.mkdir(parents=True)
+    write_reference(directory / "model.safetensors", {"w": ("F32", [2], random_bytes(8, 1))})
+    (directory / "config.json").write_text('{"architectures": ["Test"]}')
+    (directory / "tokenizer.json").write_bytes(random_bytes(100_000, 2))
+    (directory / "notes.txt").write_text("not a name a loader looks for")
+    monkeypatch.setenv("HF_ENDPOINT", nginx.url)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    command = ["mount", "--log-file", str(mounts.log_file), "--cache-dir", str(tmp_path / "c")]
+    result = mounts.run(*command, "hf://org/companions", str(mountpoint))
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+    view = mountpoint / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    for name in ("config.json", "tokenizer.json"):
+        assert (view / name).read_bytes() == (directory / name).read_bytes()
 
 
 def test_cache_prune_never_takes_what_a_mount_holds(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:

@@ -71,8 +71,6 @@ class MountOptions:
     quiet: bool = False
     remote: dict[str, object] | None = None
     """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""
-    view: ViewSpec = field(default_factory=ViewSpec)
-    """What .tensorfs/model/ holds besides the model's tensors."""
 
 
 def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:
@@ -145,7 +143,8 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mountpoint {mountpoint} is not empty")
 
 
-Prepare = Callable[[], tuple[Model, Integrity]]
+Prepare = Callable[[], tuple[Model, Integrity, ViewSpec]]
+"""Validates the model (after the daemon is forked): the model, what checks it, and its view's files."""
 """Validates the model (and verifies it, if asked): what `mount` serves."""
 
 Announce = Callable[[str], None]
@@ -174,7 +173,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             return _mount_in_background(prepare, mountpoint, options, lock, announce)
         from .serve import serve
 
-        model, integrity = prepare()
+        model, integrity, view = prepare()
 
         def notify(message: str) -> None:
             if message == READY:
@@ -185,7 +184,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             else:
                 print(f"error: {message}", file=sys.stderr, flush=True)
 
-        return serve(model, mountpoint, options, integrity, notify)
+        return serve(model, mountpoint, options, integrity, view, notify)
     finally:
         locked.close()
 
@@ -207,7 +206,7 @@ def _mount_in_background(
     os.close(model_read)
     os.close(status_write)
     try:
-        model, integrity = prepare()
+        model, integrity, view = prepare()
     except BaseException:
         os.close(model_write)  # the daemon reads nothing, and leaves
         os.close(status_read)
@@ -215,7 +214,7 @@ def _mount_in_background(
         raise
     with model, gc_paused():  # 100k entries: pausing the GC halves the time this takes
         cache_dir = integrity.hasher.cache.directory
-        handover = pickle.dumps((snapshot(model), integrity.expected, integrity.verified, cache_dir), protocol=5)
+        handover = pickle.dumps((snapshot(model), integrity.expected, integrity.verified, cache_dir, view), protocol=5)
         tensors, nbytes = len(model), model.nbytes
     try:
         with os.fdopen(model_write, "wb") as pipe:
@@ -270,13 +269,13 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
         if not handover:
             return 0  # the model was refused: the command says why
         with gc_paused():
-            saved, expected, verified, cache_dir = pickle.loads(handover)
+            saved, expected, verified, cache_dir, view = pickle.loads(handover)
             del handover
             model = reopen(saved)
         os.chdir("/")  # hold no directory busy: the one `tensorfs mount` ran in may be unmounted later
         gc.freeze()  # what the daemon holds lives as long as it does: no collection need look at it again
         integrity = Integrity(Hasher(model, HashCache(cache_dir)), expected, verified)
-        return serve(model, mountpoint, options, integrity, notify)
+        return serve(model, mountpoint, options, integrity, view, notify)
     except TensorfsError as exc:
         log.error("%s", exc)
         notify(str(exc).splitlines()[0])

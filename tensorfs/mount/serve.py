@@ -22,7 +22,7 @@ from .. import __version__
 from ..integrity import Integrity
 from ..model import Model
 from ..sources import ShardKey
-from ..views import build_view
+from ..views import ViewSpec, build_view
 from . import fs
 from .daemon import READY, MountOptions
 from .fs import TensorOperations
@@ -35,16 +35,21 @@ log = logging.getLogger("tensorfs")
 
 
 def serve(
-    model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity, notify: Callable[[str], None]
+    model: Model,
+    mountpoint: Path,
+    options: MountOptions,
+    integrity: Integrity,
+    view: ViewSpec,
+    notify: Callable[[str], None],
 ) -> int:
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     _return_big_buffers()
     record = _record(model, mountpoint, options, integrity)
     fs.TRACE_REQUESTS = options.debug
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
-    for warning in options.view.warnings:
+    for warning in view.warnings:
         log.warning("%s", warning)
-    tree = Tree(model, options.layout, control, options.ownership, build_view(model, options.view))
+    tree = Tree(model, options.layout, control, options.ownership, build_view(model, view))
     watched = {shard: model.shard_data(shard).watched() for shard in model.shards}
     watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
     operations = TensorOperations(tree, integrity, watch)

@@ -355,6 +355,23 @@ def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
     return ObjectRef(spec, f"{key}/{name}" if key else name)
 
 
+def listing_beside(source: str, options: RemoteOptions) -> list[tuple[str, int, float]] | None:
+    """The objects in a remote model's directory as (name, size, mtime), for a store that lists
+    (S3); None for one that does not (HTTP, the Hub). RemoteError when the listing fails."""
+    import obstore
+
+    spec, _ = store_spec(source, options)
+    if spec.kind != "s3":
+        return None
+    directory = beside(source, "x", options).key.rpartition("/")[0]
+    prefix = f"{directory}/" if directory else None
+    try:
+        listing = retried(spec, lambda: obstore.list_with_delimiter(spec.client(), prefix))
+    except Exception as exc:
+        raise RemoteError(f"{spec.url(directory)}/: {describe_error(exc)}") from None
+    return [(str(meta["path"]).rpartition("/")[2], int(meta["size"]), _mtime(meta)) for meta in listing["objects"]]
+
+
 def exists(ref: ObjectRef) -> bool:
     """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
     import obstore

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import printable
+from ..sources.remote import RemoteError, RemoteOptions, beside, get_whole, listing_beside
 
 MAX_COMPANION_BYTES = 64 << 20
 MAX_COMPANIONS_TOTAL = 256 << 20
@@ -77,6 +80,75 @@ def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
             continue
         total += len(data)
         found.append(Companion(relative, data, st.st_mtime_ns))
+    return found
+
+
+WELL_KNOWN = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "preprocessor_config.json",
+    "chat_template.jinja",
+    "README.md",
+)
+"""What a loader looks for beside the weights: fetched from stores that cannot list a directory."""
+
+
+def find_remote_companions(source: str, options: RemoteOptions, warnings: list[str]) -> list[Companion]:
+    """The files beside a remote model's weights: every one a listing shows (S3), else the
+    well-known ones that are there (HTTP, the Hub); the same limits as for a local model.
+    Nothing with --offline (the cache keeps only the weights)."""
+    if options.offline:
+        warnings.append(f"{printable(source)}: companion files are not fetched with --offline")
+        return []
+    try:
+        listed = listing_beside(source, options)
+    except RemoteError as exc:
+        warnings.append(f"companion files skipped: {exc}")
+        return []
+    wanted: list[tuple[str, int | None, float]] = []
+    if listed is None:
+        wanted = [(name, None, 0.0) for name in WELL_KNOWN]
+    else:
+        for name, size, mtime in sorted(listed):
+            if name.startswith(".") or is_weights(name):
+                continue
+            if size > MAX_COMPANION_BYTES:
+                warnings.append(f"{printable(beside(source, name, options).url)}: skipped: {size} bytes, over 64 MiB")
+            else:
+                wanted.append((name, size, mtime))
+
+    def fetch(item: tuple[str, int | None, float]) -> Companion | str | None:
+        ref = beside(source, item[0], options)
+        try:
+            data = get_whole(ref)
+        except FileNotFoundError:
+            return None  # a well-known name that this model does not have
+        except RemoteError as exc:
+            return f"{printable(str(exc))}: skipped"
+        if len(data) > MAX_COMPANION_BYTES:
+            return f"{printable(ref.url)}: skipped: {len(data)} bytes, over 64 MiB"
+        return Companion(item[0], data, int((item[2] or time.time()) * 1e9))
+
+    found: list[Companion] = []
+    total = 0
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for result in pool.map(fetch, wanted[:MAX_COMPANIONS]):
+            if isinstance(result, str):
+                warnings.append(result)
+            elif result is not None:
+                if total + len(result.data) > MAX_COMPANIONS_TOTAL:
+                    warnings.append(f"{result.path}: skipped: companion files over 256 MiB in all")
+                    continue
+                total += len(result.data)
+                found.append(result)
     return found
 
 
