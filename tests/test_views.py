@@ -175,6 +175,24 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     assert mounts.run("validate", str(view)).returncode == 0
 
 
+def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
+    from tensorfs.views.companions import find_companions
+
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name, data in {"config.json": b'{"a": 1}', "model.safetensors": b"weights"}.items():
+        (repo / "blobs" / f"hash-{name}").write_bytes(data)
+        (snapshot / name).symlink_to(Path("../../blobs") / f"hash-{name}")
+    (tmp_path / "elsewhere.txt").write_text("not the model's")
+    (snapshot / "elsewhere.txt").symlink_to(tmp_path / "elsewhere.txt")
+    warnings: list[str] = []
+    found = find_companions(snapshot, warnings)
+    assert [(c.path, c.data) for c in found] == [("config.json", b'{"a": 1}')]
+    assert warnings == [f"{snapshot / 'elsewhere.txt'}: skipped: a symlink out of the model's directory"]
+
+
 def test_view_shards_and_a_selection(mounts: Mounts, tmp_path: Path) -> None:
     directory = tmp_path / "m"
     directory.mkdir()

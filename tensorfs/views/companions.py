@@ -44,7 +44,8 @@ def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
     """The regular files beside a local model's weights (one level of subdirectories too), by path.
 
     Hidden files and directories, the weights and their indexes are left out; a file over 64 MiB,
-    a symlink that leads out of the model's directory, or one that cannot be read is left out with
+    a symlink that leads out of the model's directory (but for a Hugging Face cache snapshot's
+    links to its repository's blobs), or one that cannot be read is left out with
     a warning (in `warnings`), as is what goes past 1000 files or 256 MiB in all.
     """
     root = model_directory(source).resolve()
@@ -61,7 +62,7 @@ def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
         except (OSError, RuntimeError) as exc:
             warnings.append(f"{shown}: skipped: {getattr(exc, 'strerror', None) or exc}")
             continue
-        if not target.is_relative_to(root):
+        if not (target.is_relative_to(root) or _in_hub_blobs(root, target)):
             warnings.append(f"{shown}: skipped: a symlink out of the model's directory")
             continue
         try:
@@ -150,6 +151,12 @@ def find_remote_companions(source: str, options: RemoteOptions, warnings: list[s
                 total += len(result.data)
                 found.append(result)
     return found
+
+
+def _in_hub_blobs(root: Path, target: Path) -> bool:
+    """Whether `target` is a blob of the Hugging Face cache repository whose snapshot `root` is:
+    a snapshot's files are symlinks to ../../blobs/HASH, part of the same model."""
+    return root.parent.name == "snapshots" and target.parent == root.parent.parent / "blobs"
 
 
 def _candidates(root: Path) -> list[str]:
