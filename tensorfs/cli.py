@@ -8,10 +8,11 @@ import functools
 import json
 import math
 import os
+import signal
 import stat
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
@@ -91,6 +92,14 @@ class _GuardedOutput:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def write_out(text: str) -> None:
+    """Write a long text to standard output a pipe's worth at a time: Python's buffered writer
+    drops the error of a write that went out in part (`| head`), so no write may be larger."""
+    for start in range(0, len(text), 1 << 14):
+        sys.stdout.write(text[start : start + (1 << 14)])
+        sys.stdout.flush()
 
 
 def write_file(path: Path, text: str) -> None:
@@ -407,7 +416,7 @@ def manifest(
     with open_selected(path, selection, remote=remote) as model:
         text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
     if output is None:
-        sys.stdout.write(text)
+        write_out(text)
     else:
         write_file(output, text)
 
@@ -437,19 +446,42 @@ def export(
     from .views import build_view
     from .views.export import view_bytes, write_view
 
-    with open_selected(path, selection, remote=remote) as model:
-        if dest.name.endswith(".safetensors"):
-            if dest.is_dir():
-                raise TensorfsError(f"{printable(str(dest))}: is a directory")
+    shown = printable(str(dest))
+    one_file = dest.name.endswith(".safetensors")
+    if one_file and shards:
+        raise TensorfsError(f"{shown}: --shards needs a directory DEST (a .safetensors DEST is one file)")
+    if dest.exists() or dest.is_symlink():  # never over anything, the source's own files least of all
+        raise TensorfsError(f"{shown}: already exists; name a new {'file' if one_file else 'directory'}")
+    with open_selected(path, selection, remote=remote) as model, _ended_by_signals():
+        tensors = f"{len(model)} tensor{'s' * (len(model) != 1)}"
+        if one_file:
             with Progress(model.nbytes, "writing") as progress:
                 model.write_safetensors(dest, progress.advance)
-            click.echo(f"wrote {printable(str(dest))}: {len(model)} tensors, {human_size(dest.stat().st_size)}")
-            return
-        view = build_view(model, view_spec(path, shards, remote))
-        with Progress(view_bytes(view), "writing") as progress:
-            write_view(view, dest, progress.advance)
-        files = sum(1 for item in dest.rglob("*") if item.is_file())
-        click.echo(f"wrote {printable(str(dest))}/: {len(model)} tensors, {files} files")
+            done = f"wrote {shown}: {tensors}, {human_size(dest.stat().st_size)}"
+        else:
+            view = build_view(model, view_spec(path, shards, remote))
+            with Progress(view_bytes(view), "writing") as progress:
+                write_view(view, dest, progress.advance)
+            done = f"wrote {shown}/: {tensors}, {len(view.files)} file{'s' * (len(view.files) != 1)}"
+    try:
+        click.echo(done)
+    except OutputError as exc:  # the model is written: say so, for the exit code says something failed
+        raise OutputError(exc.cause, f"wrote {shown}, but ") from None
+
+
+@contextlib.contextmanager
+def _ended_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the command as Ctrl-C does: what was half-written is removed on the way out."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {number: signal.signal(number, leave) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 @cli.command()

@@ -21,7 +21,7 @@ from .errors import InvalidModelError, ModelClosedError, Problem
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo
 from .names import Layout, collisions, name_problems
-from .selection import Selection
+from .selection import Selection, layer_of
 from .sources import Identity, ShardData, ShardKey, hold, shard_name
 from .sources.index import INDEX_NAME
 from .sources.local import LocalDescription, LocalShard, find_shards
@@ -310,9 +310,9 @@ def open_model(
     *,
     layout: Layout = "slash",
     remote: RemoteOptions | None = None,
-    include: Iterable[str] = (),
-    exclude: Iterable[str] = (),
-    layers: tuple[int, int] | None = None,
+    include: Iterable[str] | str = (),
+    exclude: Iterable[str] | str = (),
+    layers: tuple[int, int] | str | int | None = None,
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
@@ -322,11 +322,11 @@ def open_model(
     read through a local cache (`remote` says how). Raises InvalidModelError naming every
     problem found; no tensor data is read.
 
-    `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` (an inclusive range of the N in
+    `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` ((A, B), "A-B" or N: the N in
     `*.layers.N.*`) select a subset: every header is still validated, but only the selected
     tensors are in the model, and shards without any are not kept mapped (see Selection).
     """
-    selection = Selection(_globs(include), _globs(exclude), layers)
+    selection = Selection(include, exclude, layers)  # type: ignore[arg-type]  # it takes one glob too
     problems: list[Problem] = []
     with gc_paused():
         # Every problem is collected, of every shard and across shards, before any is reported.
@@ -368,10 +368,6 @@ def open_model(
             raise
 
 
-def _globs(given: Iterable[str]) -> tuple[str, ...]:
-    return (given,) if isinstance(given, str) else tuple(given)  # one glob, not its characters
-
-
 def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple[list[_Shard], dict[str, _Shard]]:
     """The shards' headers cut down to the selected tensors (shards left with none dropped), and their owners."""
     kept: list[_Shard] = []
@@ -386,6 +382,12 @@ def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple
         owner.update(dict.fromkeys(chosen, restricted))
     if not owner:
         raise InvalidModelError([Problem(label, f"no tensor matches the selection ({selection.describe()})")])
+    if selection.layers is not None and all(layer_of(name) is None for name in owner):
+        # Only tensors outside the layers would be kept: a range that misses, or a model named otherwise.
+        numbers = {n for shard in shards for entry in shard.header.entries if (n := layer_of(entry[2])) is not None}
+        held = f"its layers are {min(numbers)}-{max(numbers)}" if numbers else "it has no numbered layers"
+        why = f"--layers {selection.layers[0]}-{selection.layers[1]} selects no layer ({held})"
+        raise InvalidModelError([Problem(label, why)])
     return kept, owner
 
 

@@ -11,8 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import translate
 
-_LAYER = re.compile(r"(?:^|[./])layers[./](\d+)(?:[./]|$)")
-"""A numbered layer as transformers names them: model.layers.12.mlp..., also h/layers/3/... ."""
+_LAYER = re.compile(r"(?:^|[./])(?:layers|layer|blocks|block|h)[./](\d+)(?:[./]|$)")
+"""A numbered layer as models name them: model.layers.12.mlp... (Llama and most), transformer.h.3
+(GPT-2), encoder.layer.3 (BERT), blocks.3 / block.3; '/' works as well as '.'."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,15 @@ class Selection:
     tensors of no numbered layer (embeddings, norms, the head) are kept."""
 
     def __post_init__(self) -> None:
-        if self.layers is not None and not 0 <= self.layers[0] <= self.layers[1]:
-            raise ValueError(f"layers {self.layers[0]}-{self.layers[1]}: not a range of layer numbers")
+        # What a caller may mean: one glob as a string (not its characters), None for none,
+        # layers as "A-B", N, or (A, B).
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            globs = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(glob, str) for glob in globs):
+                raise TypeError(f"{name}: globs are strings, not {globs!r}")
+            object.__setattr__(self, name, globs)
+        object.__setattr__(self, "layers", _layer_range(self.layers))
 
     @property
     def everything(self) -> bool:
@@ -49,8 +57,8 @@ class Selection:
 
     def _in_layers(self, name: str) -> bool:
         assert self.layers is not None
-        found = _LAYER.search(name)
-        return found is None or self.layers[0] <= int(found.group(1)) <= self.layers[1]
+        layer = layer_of(name)
+        return layer is None or self.layers[0] <= layer <= self.layers[1]
 
     def describe(self) -> str:
         """The selection as the options that make it, for messages: --include 'a.*' --layers 0-3."""
@@ -62,6 +70,31 @@ class Selection:
 
     def as_json(self) -> dict[str, object]:
         return {"include": list(self.include), "exclude": list(self.exclude), "layers": self.layers}
+
+
+def _layer_range(value: object) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_layers(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+    ):
+        raise TypeError(f"layers: a range is (first, last), 'A-B' or N, not {value!r}")
+    first, last = value
+    if not 0 <= first <= last:
+        raise ValueError(f"layers {first}-{last}: not a range of layer numbers")
+    return first, last
+
+
+def layer_of(name: str) -> int | None:
+    """The number of the layer the tensor belongs to, if its name says (model.layers.N...)."""
+    found = _LAYER.search(name)
+    return None if found is None else int(found.group(1))
 
 
 def parse_layers(text: str) -> tuple[int, int]:

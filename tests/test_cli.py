@@ -176,6 +176,14 @@ def test_ls_piped_into_head(tmp_path: Path) -> None:
     assert result.returncode == 141
 
 
+def test_a_long_manifest_piped_into_head(tmp_path: Path) -> None:
+    write_reference(tmp_path / "m.safetensors", {f"tensor.{i:05d}": ("U8", [1], b"x") for i in range(5000)})
+    command = f"{sys.executable} -m tensorfs.cli manifest --no-cache {tmp_path / 'm.safetensors'} | head -1"
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, check=False)
+    assert result.stdout.endswith("  tensor.00000\n") and result.stderr == ""
+    assert result.returncode == 141  # one long text: its writes too must see the pipe close
+
+
 def test_manifest_to_a_device_or_a_file(model_dir: Path, tmp_path: Path) -> None:
     result = run_cli(["manifest", "--no-cache", "-o", "/dev/full", str(model_dir)], subprocess.PIPE)
     assert (result.returncode, result.stderr) == (1, "error: cannot write /dev/full: No space left on device\n")

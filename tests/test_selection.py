@@ -71,6 +71,23 @@ def test_globs_and_layers_in_order_includes_layers_excludes() -> None:
     assert Selection(include=("model.*",), exclude=("*",)).select(NAMES) == []
 
 
+def test_layers_as_models_name_them() -> None:
+    names = ["transformer.h.3.attn.w", "encoder.layer.3.output.w", "blocks.3.w", "model.layers.4.w", "wte.w"]
+    assert Selection(layers=(3, 3)).select(names) == [*names[:3], "wte.w"]  # GPT-2, BERT, blocks
+
+
+def test_a_selection_takes_what_a_caller_means() -> None:
+    assert Selection(include="model.norm.*").select(NAMES) == ["model.norm.weight"]  # one glob, not its letters
+    assert Selection(exclude="lm_head.weight").select(NAMES) == NAMES[:-2] + NAMES[-1:]
+    assert Selection(include=None, layers="1-2") == Selection(layers=(1, 2)) == Selection(layers=[1, 2])
+    assert Selection(layers=3).layers == (3, 3)
+    for bad in [(1, 2, 3), (1.5, 2), "x", (True, 2)]:
+        with pytest.raises((TypeError, ValueError)):
+            Selection(layers=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Selection(include=[1])  # type: ignore[list-item]
+
+
 @pytest.mark.parametrize(("text", "expected"), [("0-15", (0, 15)), ("7", (7, 7)), (" 2 - 3 ", (2, 3))])
 def test_layer_ranges(text: str, expected: tuple[int, int]) -> None:
     assert parse_layers(text) == expected
@@ -130,6 +147,13 @@ def test_a_selection_of_nothing_is_refused(mounts: Mounts, tmp_path: Path) -> No
     result = mounts.run("mount", "--layers", "7-9", "--exclude", "*", str(tmp_path / "m"), str(spare))
     assert result.returncode == 1 and "no tensor matches the selection" in result.stderr
     assert not os.path.ismount(spare)
+    for layers, why in [("40-47", "its layers are 0-3"), ("99999999999999999999", "its layers are 0-3")]:
+        result = mounts.run("ls", "--layers", layers, str(tmp_path / "m"))  # only embeddings, norm and head: refused
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert (
+            f"--layers {int(layers.split('-')[0])}-{int(layers.split('-')[-1])} selects no layer ({why})"
+            in result.stderr
+        )
     result = mounts.run("ls", "--layers", "9-7", str(tmp_path / "m"))
     assert (
         result.returncode == 2

@@ -6,7 +6,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
+import stat
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +88,7 @@ def test_split_into_runs_of_about_equal_bytes() -> None:
     assert split(names, [10] * 10, 3) == [names[:3], names[3:7], names[7:]]
     assert split(names, [100] + [1] * 9, 2) == [names[:1], names[1:]]
     assert split(names[:2], [1, 1], 5) == [["t0"], ["t1"]]  # never an empty file
+    assert len(split(names, [1] * 10, 10)) == 10 and len(split(names, [1] * 9 + [100], 3)) == 3  # as many as asked
 
 
 @pytest.mark.parametrize("selected", [False, True])
@@ -119,11 +124,64 @@ def test_write_safetensors_and_export(mounts: Mounts, tmp_path: Path, selected: 
     )
 
 
+def test_writing_never_goes_over_what_is_not_a_model_file(mounts: Mounts, tmp_path: Path) -> None:
+    write_reference(tmp_path / "a.safetensors", {"x": ("U8", [2], b"xy"), "y": ("U8", [1], b"z")})
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    with tensorfs.open_model(tmp_path / "a.safetensors", include="x") as model:
+        with pytest.raises(tensorfs.TensorfsError, match=r"fifo\.safetensors: not a regular file"):
+            model.write_safetensors(tmp_path / "fifo.safetensors")
+        with pytest.raises(tensorfs.TensorfsError, match="it is a shard of the model being written"):
+            model.write_safetensors(tmp_path / "a.safetensors")
+        (tmp_path / "link.safetensors").symlink_to(tmp_path / "old.safetensors")
+        (tmp_path / "old.safetensors").write_bytes(b"old")
+        model.write_safetensors(tmp_path / "link.safetensors")  # through the link: its target is replaced
+    assert (tmp_path / "link.safetensors").is_symlink()
+    assert reference_tensors(tmp_path / "old.safetensors") == {"x": ("U8", [2], b"xy")}
+    assert reference_tensors(tmp_path / "a.safetensors")["y"] == ("U8", [1], b"z")  # the source is whole
+    model_file = str(tmp_path / "a.safetensors")
+    for dest in (model_file, str(tmp_path / "old.safetensors")):
+        result = mounts.run("export", "--include", "x", model_file, dest)
+        assert result.returncode == 1 and "already exists; name a new file" in result.stderr
+    result = mounts.run("export", "--shards", "2", model_file, str(tmp_path / "new.safetensors"))
+    assert result.returncode == 1 and "--shards needs a directory DEST" in result.stderr
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "tensorfs.cli", "export", model_file, str(tmp_path / "new.safetensors")],
+            stdout=full, stderr=subprocess.PIPE, text=True, check=False,
+        )  # fmt: skip
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"error: wrote {tmp_path / 'new.safetensors'}, but cannot write to standard output: No space left on device\n",
+    )
+
+
+def test_a_signal_leaves_no_half_written_export(tmp_path: Path) -> None:
+    from tensorfs.cli import _ended_by_signals
+    from tensorfs.views import ViewSpec, build_view
+    from tensorfs.views.export import write_view
+
+    write_reference(tmp_path / "a.safetensors", {f"t{i}": ("U8", [MIB], random_bytes(MIB, i)) for i in range(4)})
+
+    def terminated(_: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` or systemd stop it, mid-write
+
+    with (
+        tensorfs.open_model(tmp_path / "a.safetensors") as model,
+        pytest.raises(SystemExit) as caught,
+        _ended_by_signals(),
+    ):
+        write_view(build_view(model, ViewSpec()), tmp_path / "out", terminated)
+    assert caught.value.code == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
 def companion_model(directory: Path) -> dict[str, bytes]:
     expected = sharded_every_dtype(directory)
     (directory / "config.json").write_text('{"architectures": ["Test"]}\n')
     (directory / "tokenizer.json").write_bytes(random_bytes(300_000, 7))
     (directory / "README.md").write_text("# a model\n")
+    (directory / "private.json").write_text('{"token": "only for the owner"}')
+    (directory / "private.json").chmod(0o600)
     (directory / ".hidden").write_text("not shown")
     (directory / "1_Pooling").mkdir()
     (directory / "1_Pooling" / "config.json").write_text("{}")
@@ -140,6 +198,8 @@ def companion_model(directory: Path) -> dict[str, bytes]:
 
 def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> None:
     expected = companion_model(tmp_path / "m")
+    manifest = mounts.run("manifest", "-o", str(tmp_path / "m" / "tensors.sha256"), str(tmp_path / "m"))
+    assert manifest.returncode == 0  # of the source's tensors: not for the view, whose may be a selection
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     mounts.mountpoints.append(mountpoint)
@@ -154,8 +214,11 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
         "config.json",
         "inside.txt",
         "model.safetensors",
+        "private.json",
         "tokenizer.json",
     ]
+    assert stat.S_IMODE((view / "private.json").stat().st_mode) == 0o400  # no more readable than its source
+    assert stat.S_IMODE((view / "config.json").stat().st_mode) == 0o444
     assert os.listdir(view / "1_Pooling") == ["config.json"]
     for name in ("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json"):
         assert (view / name).read_bytes() == (tmp_path / "m" / name).read_bytes()

@@ -29,8 +29,7 @@ from ..integrity import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources import ShardKey, shard_name
-from ..sources.index import INDEX_NAME
-from ..views import VIEW_DIR, ModelView, SynthesizedFile
+from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"
@@ -421,9 +420,13 @@ class Tree:
                 access, size = self._sums_access, content.size  # made of the shards: readable as they all are
             else:
                 size = len(content)
-                mtime = self._view_mtime(inode)
-                if node.control == f"{VIEW_DIR}/{INDEX_NAME}":  # made by the view (never a companion)
+                companion = self._companion(inode)
+                if companion is None:  # the index of several synthesized files: it lists every tensor
                     access = self._sums_access
+                else:
+                    mtime = companion.mtime_ns
+                    if companion.status is not None:  # no more readable than the source's file
+                        access = Access.of(companion.status, self.ownership)
             return Attributes(inode, node.kind, access.file_mode, size, 1, mtime, access.uid, access.gid)
         if node.kind is Kind.SUMS:
             if self._sums_size is None:
@@ -479,10 +482,10 @@ class Tree:
             raise NoSuchEntry(f"inode {inode} is not a file of the view")
         return self.view.files[node.control.removeprefix(VIEW_DIR + "/")]
 
-    def _view_mtime(self, inode: int) -> int:
+    def _companion(self, inode: int) -> Companion | None:
         assert self.view is not None
         path = self.node(inode).control or ""
-        return self.view.mtime_ns.get(path.removeprefix(VIEW_DIR + "/"), self.mtime_ns)
+        return self.view.companions.get(path.removeprefix(VIEW_DIR + "/"))
 
 
 def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -> list[_Static]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from ..model import Model
 from ..sources.index import INDEX_NAME
@@ -38,10 +39,12 @@ class ViewSpec:
 class ModelView:
     """The files of the view by path (relative to its directory), and its subdirectories."""
 
-    def __init__(self, files: dict[str, SynthesizedFile | bytes], mtime_ns: dict[str, int]) -> None:
+    def __init__(
+        self, files: dict[str, SynthesizedFile | bytes], companions: dict[str, Companion] | None = None
+    ) -> None:
         self.files = dict(sorted(files.items()))
-        self.mtime_ns = mtime_ns
-        """Each companion file's own mtime (the synthesized files take the shards')."""
+        self.companions = companions or {}
+        """The companion files by path: their mtimes, owners and permissions are their own."""
         self.directories = sorted({path.rpartition("/")[0] for path in self.files} - {""})
 
     def synthesized(self) -> list[SynthesizedFile]:
@@ -53,19 +56,18 @@ def build_view(model: Model, spec: ViewSpec) -> ModelView:
     count = spec.shards or _auto_count(model.nbytes)
     metadata = shared_metadata(model)
     files: dict[str, SynthesizedFile | bytes] = {c.path: c.data for c in spec.companions}
-    mtimes = {c.path: c.mtime_ns for c in spec.companions}
-    if count == 1:
+    groups = [names] if count == 1 else split(names, [model.locate(name)[2] for name in names], count)
+    if len(groups) == 1:
         files["model.safetensors"] = SynthesizedFile(model, names, metadata)
     else:
         weight_map: dict[str, str] = {}
-        groups = split(names, [model.locate(name)[2] for name in names], count)
         for k, group in enumerate(groups, 1):
             file_name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
             files[file_name] = SynthesizedFile(model, group, metadata)
             weight_map.update(dict.fromkeys(group, file_name))
         document = {"metadata": {"total_size": model.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
         files[INDEX_NAME] = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-    return ModelView(files, mtimes)
+    return ModelView(files, {c.path: c for c in spec.companions})
 
 
 def shared_metadata(model: Model) -> dict[str, str] | None:
@@ -77,18 +79,22 @@ def shared_metadata(model: Model) -> dict[str, str] | None:
 
 
 def split(names: list[str], sizes: list[int], count: int) -> list[list[str]]:
-    """`names` (in order) cut into at most `count` runs of about equal bytes; none empty."""
+    """`names` (in order) cut into `count` runs of about equal bytes (fewer only when there are
+    fewer names): run k ends where the bytes so far first reach k/count of the total."""
     count = max(1, min(count, len(names)))
     total = sum(sizes)
-    groups: list[list[str]] = [[]]
+    cuts = [0]
     done = 0
-    for name, size in zip(names, sizes, strict=True):
-        # A new file once this one holds its share (and while names remain for those after it).
-        if groups[-1] and len(groups) < count and done + size / 2 > total * len(groups) / count:
-            groups.append([])
-        groups[-1].append(name)
+    for index, size in enumerate(sizes):
+        runs_left = count - len(cuts)
+        if runs_left == 0:
+            break
+        # Cut before this name once its run has its share, or when each later run needs a name of its own.
+        if index > cuts[-1] and (done + size / 2 > total * len(cuts) / count or len(names) - index == runs_left):
+            cuts.append(index)
         done += size
-    return groups
+    cuts.append(len(names))
+    return [names[a:b] for a, b in pairwise(cuts)]
 
 
 def _auto_count(nbytes: int) -> int:

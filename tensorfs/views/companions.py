@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import printable
+from ..integrity import DEFAULT_MANIFEST
 from ..sources.remote import RemoteError, RemoteOptions, beside, get_whole, listing_beside
 
 MAX_COMPANION_BYTES = 64 << 20
@@ -28,6 +29,8 @@ class Companion:
     """Relative to the model's directory: config.json, 1_Pooling/config.json."""
     data: bytes
     mtime_ns: int
+    status: os.stat_result | None = None
+    """The source file's, for its owner and permissions (None: a remote object's, the source's apply)."""
 
 
 def model_directory(source: Path) -> Path:
@@ -36,8 +39,9 @@ def model_directory(source: Path) -> Path:
 
 
 def is_weights(name: str) -> bool:
-    """The files a view makes itself, not taken from the source."""
-    return name.endswith((".safetensors", ".safetensors.index.json"))
+    """The files a view makes itself or that describe the weights, not taken from the source (a
+    manifest of the source's tensors would not match a selection of them)."""
+    return name.endswith((".safetensors", ".safetensors.index.json")) or name == DEFAULT_MANIFEST
 
 
 def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
@@ -80,7 +84,7 @@ def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
             warnings.append(f"{shown}: skipped: {exc.strerror}")
             continue
         total += len(data)
-        found.append(Companion(relative, data, st.st_mtime_ns))
+        found.append(Companion(relative, data, st.st_mtime_ns, st))
     return found
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,12 +21,25 @@ _BLOCK = 1 << 20
 
 
 def write_safetensors(model: Model, path: Path, progress: Callable[[int], None] | None = None) -> None:
-    """One safetensors file holding every tensor of `model`, at `path` (replaced whole if there)."""
-    synthesized = SynthesizedFile(model, model.sorted_names, shared_metadata(model))
-    partial = path.with_name(f".{path.name}.partial")
+    """One safetensors file holding every tensor of `model`, at `path` (a regular file there is
+    replaced whole; through a symlink, its target is). Never one of the model's own shards."""
+    shown = printable(str(path))
+    target = Path(os.path.realpath(path))
     try:
-        _write(synthesized, partial, progress)
-        partial.replace(path)
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise TensorfsError(f"cannot write {shown}: {exc.strerror}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise TensorfsError(f"cannot write {shown}: not a regular file")
+    if st is not None and any(_same_file(st, shard) for shard in model.shards):
+        raise TensorfsError(f"cannot write {shown}: it is a shard of the model being written")
+    synthesized = SynthesizedFile(model, model.sorted_names, shared_metadata(model))
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        _write(synthesized, partial, progress, _mode_of(model))
+        partial.replace(target)
     except OSError as exc:
         with contextlib.suppress(OSError):
             partial.unlink()
@@ -63,18 +77,44 @@ def _write_files(view: ModelView, directory: Path, progress: Callable[[int], Non
         (directory / sub).mkdir()
     for path, content in view.files.items():
         if isinstance(content, SynthesizedFile):
-            _write(content, directory / path, progress)
+            _write(content, directory / path, progress, _mode_of(content.model))
         else:
             (directory / path).write_bytes(content)
+            companion = view.companions.get(path)
+            if companion is not None and companion.status is not None:  # no more readable than it was
+                os.chmod(directory / path, stat.S_IMODE(companion.status.st_mode) & 0o666 | 0o600)
             if progress is not None:
                 progress(len(content))
 
 
-def _write(synthesized: SynthesizedFile, path: Path, progress: Callable[[int], None] | None) -> None:
+def _same_file(st: os.stat_result, shard: object) -> bool:
+    if not isinstance(shard, Path):
+        return False  # an object in a store
+    try:
+        other = os.stat(shard)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+
+
+def _mode_of(model: Model) -> int:
+    """The permissions of a file made of the model's tensors: no more readable than its shard files."""
+    mode = 0o666
+    for shard in model.shards:
+        if isinstance(shard, Path):
+            with contextlib.suppress(OSError):
+                mode &= stat.S_IMODE(os.stat(shard).st_mode) | 0o600
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask | 0o600
+
+
+def _write(synthesized: SynthesizedFile, path: Path, progress: Callable[[int], None] | None, mode: int) -> None:
     model: Model = synthesized.model
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
-    with open(path, "wb") as out:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode), "wb") as out:
+        os.fchmod(out.fileno(), mode)  # a partial left by an earlier try keeps its mode otherwise
         for start in range(0, synthesized.size, _BLOCK):
             end = min(synthesized.size, start + _BLOCK)
             filled = 0
