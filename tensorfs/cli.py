@@ -421,16 +421,21 @@ def manifest(
         write_file(output, text)
 
 
+def view_files_option(name: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """How many files the synthesized model is cut into (`what` says where it is)."""
+    return click.option(
+        name,
+        type=click.IntRange(0, 99999),
+        default=0,
+        help=f"{what} is cut into this many files, with an index when more than one. "
+        "Default (0): one up to 20 GiB of tensors, else files of at most 5 GiB.",
+    )
+
+
 @cli.command()
 @model_argument
 @click.argument("dest", type=click.Path(path_type=Path))
-@click.option(
-    "--shards",
-    type=click.IntRange(0, 99999),
-    default=0,
-    help="For a directory: files to cut the tensors into, with an index when more than one. "
-    "Default (0): one up to 20 GiB, else files of at most 5 GiB.",
-)
+@view_files_option("--shards", "A directory DEST: the model")
 @selection_options
 @remote_options
 def export(
@@ -589,13 +594,7 @@ def verify(
     type=click.Choice(["open", "all", "off"]),
     help="With a manifest: hash each tensor on its first open (default), all before mounting, or not at all.",
 )
-@click.option(
-    "--view-shards",
-    type=click.IntRange(0, 99999),
-    default=0,
-    help="Files the synthesized model in .tensorfs/model/ is cut into (with an index when more than one). "
-    "Default (0): one file up to 20 GiB, else files of at most 5 GiB.",
-)
+@view_files_option("--view-shards", "The synthesized model in .tensorfs/model/")
 @selection_options
 @cache_options
 @remote_options
