@@ -515,9 +515,8 @@ def verify(
     Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor. With a
     selection, the manifest may list other tensors too.
     """
-    with open_selected(
-        path, selection, remote=remote
-    ) as model:  # first: its errors name it, not the manifest beside it
+    # The model first: its errors name it, not the manifest beside it.
+    with open_selected(path, selection, remote=remote) as model:
         manifest_path = manifest_path or find_default_manifest(path, remote)
         if manifest_path is None:
             where = path if isinstance(path, str) or path.is_dir() else path.parent
