@@ -223,3 +223,45 @@ def test_meta_size_adds_up_to_the_meta_json(tmp_path: Path) -> None:
     with tensorfs.open_model(shard) as model:
         for name in names:
             assert meta_size(model, name) == len(meta_json(model, name)), name
+
+
+def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model, tmp_path: Path) -> None:
+    from tensorfs.views import Companion, SynthesizedFile, ViewSpec, build_view
+
+    st = os.stat(tmp_path / "m.safetensors")
+    companions = [Companion("config.json", b"{}", 5, st), Companion("sub/x.txt", b"x", 6, None)]
+    view = build_view(model, ViewSpec(companions, 2))
+    tree = Tree(model, "slash", {"index.json": lambda: index_json(model)}, view=view)
+    paths = walk(tree)
+    assert [p for p in paths if p.startswith(".tensorfs/")] == [
+        ".tensorfs/SHA256SUMS",
+        ".tensorfs/index.json",
+        ".tensorfs/model",
+        ".tensorfs/model/config.json",
+        ".tensorfs/model/model-00001-of-00002.safetensors",
+        ".tensorfs/model/model-00002-of-00002.safetensors",
+        ".tensorfs/model/model.safetensors.index.json",
+        ".tensorfs/model/sub",
+        ".tensorfs/model/sub/x.txt",
+    ]
+    assert len(set(paths.values())) == len(paths) and tree.inode_count == len(paths) + 1  # the root too
+    for path, inode in paths.items():
+        parent = path.rpartition("/")[0]
+        if tree.node(inode).kind is Kind.DIRECTORY:
+            assert tree.parent(inode) == paths.get(parent, ROOT_INODE)
+        assert tree.lookup(paths.get(parent, ROOT_INODE), path.rpartition("/")[2]) == inode
+    sub = paths[".tensorfs/model/sub"]
+    assert tree.parent(sub) == paths[".tensorfs/model"] and tree.attributes(paths[".tensorfs/model"]).nlink == 3
+    config = tree.attributes(paths[".tensorfs/model/config.json"])
+    assert (config.kind, config.size, config.mtime_ns) == (Kind.VIEW, 2, 5)
+    assert tree.view_file(paths[".tensorfs/model/sub/x.txt"]) == b"x"
+    first = tree.view_file(paths[".tensorfs/model/model-00001-of-00002.safetensors"])
+    assert isinstance(first, SynthesizedFile)
+    assert tree.attributes(paths[".tensorfs/model/model-00001-of-00002.safetensors"]).size == first.size
+    with pytest.raises(NoSuchEntry):
+        tree.lookup(paths[".tensorfs/model"], "nothing")
+    with pytest.raises(NoSuchEntry):
+        tree.view_file(paths[".tensorfs/index.json"])
+    shard = model.shards[0]
+    assert paths[".tensorfs/model/model-00001-of-00002.safetensors"] in tree.inodes_of(shard)  # it was read
+    assert paths[".tensorfs/model/model-00002-of-00002.safetensors"] not in tree.inodes_of(shard)  # never was

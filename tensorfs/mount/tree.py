@@ -128,6 +128,8 @@ class _Static:
     """Index of its directory among the static nodes (.tensorfs/ is its own)."""
     children: dict[str, int]
     """A directory's entries: name -> index, in listing order."""
+    listing: list[tuple[str, int]]
+    """The same entries as a list, for readdir's positions."""
 
 
 class Tree:
@@ -289,7 +291,7 @@ class Tree:
         """Entry number `position` (from 0) of directory `inode`, as (name, inode)."""
         static = self._static_dir(inode)
         if static is not None:
-            name, child = list(static.children.items())[position]
+            name, child = static.listing[position]
             return name, self.control_dir_inode + child
         index = self._dir_number(inode)
         subdirs = self._dir_subdirs[index]
@@ -503,13 +505,12 @@ def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -
     nodes: list[_Static] = []
     for path in paths:
         parent = index[path.rpartition("/")[0]] if path else 0
-        nodes.append(_Static(path, kinds.get(path, Kind.DIRECTORY), parent, {}))
+        nodes.append(_Static(path, kinds.get(path, Kind.DIRECTORY), parent, {}, []))
     for i, node in enumerate(nodes[1:], 1):
-        nodes[node.parent].children[node.path.rpartition("/")[2]] = i
+        nodes[node.parent].listing.append((node.path.rpartition("/")[2], i))
     for node in nodes:
-        ordered = sorted(node.children.items())
-        node.children.clear()
-        node.children.update(ordered)
+        node.listing.sort()
+        node.children.update(node.listing)
     return nodes
 
 
