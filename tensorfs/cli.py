@@ -427,7 +427,7 @@ def view_files_option(name: str, what: str) -> Callable[[Callable[..., Any]], Ca
         name,
         type=click.IntRange(0, 99999),
         default=0,
-        help=f"{what} is cut into this many files, with an index when more than one. "
+        help=f"{what} is cut into this many files (at most one a tensor), with an index when more than one. "
         "Default (0): one up to 20 GiB of tensors, else files of at most 5 GiB.",
     )
 
@@ -693,13 +693,14 @@ def view_spec(source: Path | str, shards: int, remote: RemoteOptions) -> ViewSpe
     from .views.companions import find_companions, find_remote_companions
 
     warnings: list[str] = []
+    directories: dict[str, os.stat_result] = {}
     if isinstance(source, str):
         companions = find_remote_companions(source, remote, warnings)
     else:
-        companions = find_companions(source, warnings)
+        companions = find_companions(source, warnings, directories)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
-    return ViewSpec(companions, shards, warnings)
+    return ViewSpec(companions, shards, warnings, directories)
 
 
 def _settings(remote: RemoteOptions) -> dict[str, object]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import obstore
 import pytest
 
 import tensorfs
@@ -316,11 +317,13 @@ def test_mount_an_s3_model(
     (directory / "config.json").write_text('{"model_type": "test"}')
     (directory / ".hidden").write_text("no")
     upload(seaweedfs.store(bucket), "m", directory)
+    obstore.put(seaweedfs.store(bucket), "m/1_Pooling/config.json", b'{"pooling": 1}')  # one level down
     cache = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
     mountpoint = mounts.mount(f"s3://{bucket}/m", *cache)  # type: ignore[arg-type]
     view = mountpoint / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["config.json", "model.safetensors"]  # the listing's companions
+    assert sorted(os.listdir(view)) == ["1_Pooling", "config.json", "model.safetensors"]  # the listing's
     assert (view / "config.json").read_bytes() == (directory / "config.json").read_bytes()
+    assert (view / "1_Pooling" / "config.json").read_bytes() == b'{"pooling": 1}'
     for name, data in expected.items():
         assert (mountpoint / name).read_bytes() == data, name
         meta = json.loads((mountpoint / f"{name}.meta.json").read_text())
@@ -355,13 +358,16 @@ def test_a_hub_model_mounts_with_its_companion_files(
     (directory / "config.json").write_text('{"architectures": ["Test"]}')
     (directory / "tokenizer.json").write_bytes(random_bytes(100_000, 2))
     (directory / "notes.txt").write_text("not a name a loader looks for")
+    with open(directory / "tokenizer.model", "wb") as huge:
+        huge.truncate(65 * MIB)  # over the limit: refused from the answer's size, its body never read
     monkeypatch.setenv("HF_ENDPOINT", nginx.url)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     mounts.mountpoints.append(mountpoint)
     command = ["mount", "--log-file", str(mounts.log_file), "--cache-dir", str(tmp_path / "c")]
     result = mounts.run(*command, "hf://org/companions", str(mountpoint))
-    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+    url = "hf://org/companions@main/tokenizer.model"
+    assert result.returncode == 0 and result.stderr == f"warning: {url}: {65 * MIB} bytes, over 64.0 MiB: skipped\n"
     view = mountpoint / ".tensorfs" / "model"
     assert sorted(os.listdir(view)) == ["config.json", "model.safetensors", "tokenizer.json"]
     for name in ("config.json", "tokenizer.json"):
@@ -459,3 +465,7 @@ def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
     assert pruned.returncode == 0 and pruned.stdout == "freed 24.0 MiB; 6.0 MiB cached\n"  # the last chunk is short
     assert cli("cache", "prune", *cache).stdout == "freed 6.0 MiB; 0 B cached\n"
     assert cli("cache", "ls", *cache).stdout.count("\n") == 1  # the objects' rows go with their last chunk
+
+
+def test_remote_options_take_a_cache_dir_as_a_string(tmp_path: Path) -> None:
+    assert RemoteOptions(cache_dir=str(tmp_path)).cache_dir == tmp_path  # type: ignore[arg-type]

@@ -182,6 +182,9 @@ def companion_model(directory: Path) -> dict[str, bytes]:
     (directory / "README.md").write_text("# a model\n")
     (directory / "private.json").write_text('{"token": "only for the owner"}')
     (directory / "private.json").chmod(0o600)
+    (directory / "closed").mkdir()
+    (directory / "closed" / "open.json").write_text("{}")  # 0644, but in a directory only its owner enters
+    (directory / "closed").chmod(0o700)
     (directory / ".hidden").write_text("not shown")
     (directory / "1_Pooling").mkdir()
     (directory / "1_Pooling" / "config.json").write_text("{}")
@@ -211,6 +214,7 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     assert sorted(os.listdir(view)) == [
         "1_Pooling",
         "README.md",
+        "closed",
         "config.json",
         "inside.txt",
         "model.safetensors",
@@ -219,6 +223,8 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     ]
     assert stat.S_IMODE((view / "private.json").stat().st_mode) == 0o400  # no more readable than its source
     assert stat.S_IMODE((view / "config.json").stat().st_mode) == 0o444
+    assert stat.S_IMODE((view / "closed").stat().st_mode) == 0o500  # as the source's directory
+    assert stat.S_IMODE((view / "closed" / "open.json").stat().st_mode) == 0o400  # nobody else could reach it
     assert os.listdir(view / "1_Pooling") == ["config.json"]
     for name in ("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json"):
         assert (view / name).read_bytes() == (tmp_path / "m" / name).read_bytes()

@@ -412,6 +412,9 @@ class Tree:
             static = self._static_dir(inode)
             if static is not None:
                 subdirs = sum(self._static[child].kind is Kind.DIRECTORY for child in static.children.values())
+                source = self.view.directory_status.get(static.path.removeprefix(VIEW_DIR + "/")) if self.view else None
+                if source is not None:  # a subdirectory of the view: as its source directory is
+                    access = Access.of(source, self.ownership)
             else:
                 subdirs = len(self._dir_subdirs[self._dir_number(inode)]) + (inode == ROOT_INODE)  # .tensorfs/
             return Attributes(inode, node.kind, access.dir_mode, 0, 2 + subdirs, self.mtime_ns, access.uid, access.gid)

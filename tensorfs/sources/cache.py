@@ -672,11 +672,11 @@ class Fetcher:
 
 def wait(futures: list[Future[None]]) -> None:
     """Wait for every fetch; the first failure is raised (as the TensorfsError it is)."""
-    first: BaseException | None = None
+    first: Exception | None = None
     for future in futures:
         try:
             future.result()
-        except BaseException as exc:  # each fetch's own error; the first is told
+        except Exception as exc:  # each fetch's own error; the first is told (Ctrl-C is not a fetch's)
             if first is None:
                 first = exc
     if first is not None:

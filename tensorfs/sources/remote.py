@@ -93,6 +93,8 @@ class RemoteOptions:
     """Only what is cached: no request is made."""
 
     def __post_init__(self) -> None:
+        if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
+            object.__setattr__(self, "cache_dir", Path(self.cache_dir))  # a string is meant as a path
         if self.cache_size is not None and self.cache_size < 2 * self.chunk_size:
             raise TensorfsError(
                 f"--cache-size {human_size(self.cache_size)} holds less than two chunks of "
@@ -355,21 +357,30 @@ def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
     return ObjectRef(spec, f"{key}/{name}" if key else name)
 
 
-def listing_beside(source: str, options: RemoteOptions) -> list[tuple[str, int, float]] | None:
-    """The objects in a remote model's directory as (name, size, mtime), for a store that lists
-    (S3); None for one that does not (HTTP, the Hub). RemoteError when the listing fails."""
+def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> list[tuple[str, int, float]] | None:
+    """The objects in a remote model's directory as (path in it, size, mtime), and those of its
+    first `subdirectories` subdirectories (not hidden) one level down, for a store that lists
+    (S3); None for one that does not (HTTP, the Hub). RemoteError when a listing fails."""
     import obstore
 
     spec, _ = store_spec(source, options)
     if spec.kind != "s3":
         return None
     directory = beside(source, "x", options).key.rpartition("/")[0]
-    prefix = f"{directory}/" if directory else None
-    try:
-        listing = retried(spec, lambda: obstore.list_with_delimiter(spec.client(), prefix))
-    except Exception as exc:
-        raise RemoteError(f"{spec.url(directory)}/: {describe_error(exc)}") from None
-    return [(str(meta["path"]).rpartition("/")[2], int(meta["size"]), _mtime(meta)) for meta in listing["objects"]]
+    top = f"{directory}/" if directory else ""
+
+    def listed(prefix: str) -> Any:
+        try:
+            return retried(spec, lambda: obstore.list_with_delimiter(spec.client(), prefix or None))
+        except Exception as exc:
+            raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
+
+    first = listed(top)
+    objects = list(first["objects"])
+    inner = [str(prefix).rstrip("/") for prefix in first["common_prefixes"]]
+    for prefix in [p for p in inner if not p.rpartition("/")[2].startswith(".")][:subdirectories]:
+        objects += listed(prefix + "/")["objects"]
+    return [(str(meta["path"]).removeprefix(top), int(meta["size"]), _mtime(meta)) for meta in objects]
 
 
 def exists(ref: ObjectRef) -> bool:
@@ -475,12 +486,25 @@ def _raise(ref: ObjectRef, exc: BaseException) -> None:
     raise RemoteError(message) from None
 
 
-def get_whole(ref: ObjectRef) -> bytes:
-    """A small object whole (an index, a manifest); FileNotFoundError when there is none."""
+class TooLarge(RemoteError):
+    """An object over the size asked for: its body was not read."""
+
+
+def get_whole(ref: ObjectRef, limit: int | None = None) -> bytes:
+    """A small object whole (an index, a manifest); FileNotFoundError when there is none.
+
+    TooLarge, before its body is read, when the store says it holds more than `limit` bytes.
+    """
     import obstore
 
     try:
-        return bytes(retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key)).bytes())
+        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key))
+        size = int(result.meta["size"])
+        if limit is not None and size > limit:
+            raise TooLarge(f"{ref.url}: {size} bytes, over {human_size(limit)}")
+        return bytes(result.bytes())
+    except RemoteError:
+        raise
     except Exception as exc:
         _raise(ref, exc)
         raise  # unreachable: _raise always raises

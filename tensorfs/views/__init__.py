@@ -8,6 +8,7 @@ model's own companion files (config.json, tokenizer files, ...).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -34,17 +35,24 @@ class ViewSpec:
     """Synthesized files: 0 chooses (one up to 20 GiB, else files of at most 5 GiB)."""
     warnings: list[str] = field(default_factory=list)
     """Companion files left out, and why (the daemon logs them)."""
+    directories: dict[str, os.stat_result] = field(default_factory=dict)
+    """The source's subdirectories that companions come from: their owners and permissions."""
 
 
 class ModelView:
     """The files of the view by path (relative to its directory), and its subdirectories."""
 
     def __init__(
-        self, files: dict[str, SynthesizedFile | bytes], companions: dict[str, Companion] | None = None
+        self,
+        files: dict[str, SynthesizedFile | bytes],
+        companions: dict[str, Companion] | None = None,
+        directory_status: dict[str, os.stat_result] | None = None,
     ) -> None:
         self.files = dict(sorted(files.items()))
         self.companions = companions or {}
         """The companion files by path: their mtimes, owners and permissions are their own."""
+        self.directory_status = directory_status or {}
+        """The subdirectories' sources, where there are (local models)."""
         self.directories = sorted({path.rpartition("/")[0] for path in self.files} - {""})
 
     def synthesized(self) -> list[SynthesizedFile]:
@@ -67,7 +75,7 @@ def build_view(model: Model, spec: ViewSpec) -> ModelView:
             weight_map.update(dict.fromkeys(group, file_name))
         document = {"metadata": {"total_size": model.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
         files[INDEX_NAME] = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-    return ModelView(files, {c.path: c for c in spec.companions})
+    return ModelView(files, {c.path: c for c in spec.companions}, spec.directories)
 
 
 def shared_metadata(model: Model) -> dict[str, str] | None:

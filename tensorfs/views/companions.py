@@ -6,6 +6,7 @@ level down; held in memory, so serving them never touches the source again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from ..errors import printable
 from ..integrity import DEFAULT_MANIFEST
-from ..sources.remote import RemoteError, RemoteOptions, beside, get_whole, listing_beside
+from ..sources.remote import RemoteError, RemoteOptions, TooLarge, beside, get_whole, listing_beside
 
 MAX_COMPANION_BYTES = 64 << 20
 MAX_COMPANIONS_TOTAL = 256 << 20
@@ -44,8 +45,14 @@ def is_weights(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors.index.json")) or name == DEFAULT_MANIFEST
 
 
-def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
-    """The regular files beside a local model's weights (one level of subdirectories too), by path.
+def find_companions(
+    source: Path, warnings: list[str], directories: dict[str, os.stat_result] | None = None
+) -> list[Companion]:
+    """The regular files beside a local model's weights (one level of subdirectories too), by path;
+    `directories`, if given, gets each subdirectory's status (its owner and permissions).
+
+    A file in a subdirectory is no more readable than the subdirectory lets it be: its read bits
+    are kept only where the directory grants search.
 
     Hidden files and directories, the weights and their indexes are left out; a file over 64 MiB,
     a symlink that leads out of the model's directory (but for a Hugging Face cache snapshot's
@@ -83,8 +90,20 @@ def find_companions(source: Path, warnings: list[str]) -> list[Companion]:
         except OSError as exc:
             warnings.append(f"{shown}: skipped: {exc.strerror}")
             continue
+        mtime_ns = st.st_mtime_ns
+        subdirectory = relative.rpartition("/")[0]
+        if subdirectory:
+            try:
+                where = os.stat(root / subdirectory)
+            except OSError as exc:
+                warnings.append(f"{shown}: skipped: {exc.strerror}")
+                continue
+            if directories is not None:
+                directories[subdirectory] = where
+            searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
+            st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
         total += len(data)
-        found.append(Companion(relative, data, st.st_mtime_ns, st))
+        found.append(Companion(relative, data, mtime_ns, st))
     return found
 
 
@@ -106,53 +125,68 @@ WELL_KNOWN = (
 """What a loader looks for beside the weights: fetched from stores that cannot list a directory."""
 
 
+COMPANION_TIMEOUT = 10.0
+"""Seconds a companion file may take, retries included: they are optional, and some are guessed."""
+MAX_SUBDIRECTORIES = 50
+
+
 def find_remote_companions(source: str, options: RemoteOptions, warnings: list[str]) -> list[Companion]:
-    """The files beside a remote model's weights: every one a listing shows (S3), else the
-    well-known ones that are there (HTTP, the Hub); the same limits as for a local model.
-    Nothing with --offline (the cache keeps only the weights)."""
+    """The files beside a remote model's weights: every one a listing shows (S3; and one level of
+    subdirectories), else the well-known ones that are there (HTTP, the Hub); the same limits as
+    for a local model, each fetch bounded by COMPANION_TIMEOUT. Nothing with --offline (the cache
+    keeps only the weights)."""
     if options.offline:
         warnings.append(f"{printable(source)}: companion files are not fetched with --offline")
         return []
+    options = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
     try:
-        listed = listing_beside(source, options)
+        listed = listing_beside(source, options, MAX_SUBDIRECTORIES)
     except RemoteError as exc:
         warnings.append(f"companion files skipped: {exc}")
         return []
-    wanted: list[tuple[str, int | None, float]] = []
+    wanted: list[tuple[str, float]] = []
     if listed is None:
-        wanted = [(name, None, 0.0) for name in WELL_KNOWN]
+        wanted = [(name, 0.0) for name in WELL_KNOWN]
     else:
-        for name, size, mtime in sorted(listed):
-            if name.startswith(".") or is_weights(name):
+        total = 0
+        for path, size, mtime in sorted(listed):
+            if any(part.startswith(".") for part in path.split("/")) or is_weights(path.rpartition("/")[2]):
                 continue
+            shown = printable(beside(source, path, options).url)
             if size > MAX_COMPANION_BYTES:
-                warnings.append(f"{printable(beside(source, name, options).url)}: skipped: {size} bytes, over 64 MiB")
+                warnings.append(f"{shown}: skipped: {size} bytes, over 64 MiB")
+            elif total + size > MAX_COMPANIONS_TOTAL:
+                warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+            elif len(wanted) == MAX_COMPANIONS:
+                warnings.append(f"{shown}: skipped: over {MAX_COMPANIONS} companion files")
             else:
-                wanted.append((name, size, mtime))
+                total += size
+                wanted.append((path, mtime))
 
-    def fetch(item: tuple[str, int | None, float]) -> Companion | str | None:
+    def fetch(item: tuple[str, float]) -> Companion | str | None:
         ref = beside(source, item[0], options)
         try:
-            data = get_whole(ref)
+            data = get_whole(ref, MAX_COMPANION_BYTES)
         except FileNotFoundError:
             return None  # a well-known name that this model does not have
+        except TooLarge as exc:
+            return f"{printable(str(exc))}: skipped"
         except RemoteError as exc:
             return f"{printable(str(exc))}: skipped"
-        if len(data) > MAX_COMPANION_BYTES:
-            return f"{printable(ref.url)}: skipped: {len(data)} bytes, over 64 MiB"
-        return Companion(item[0], data, int((item[2] or time.time()) * 1e9))
+        return Companion(item[0], data, int((item[1] or time.time()) * 1e9))
 
     found: list[Companion] = []
-    total = 0
+    held = 0
     with ThreadPoolExecutor(max_workers=8) as pool:
-        for result in pool.map(fetch, wanted[:MAX_COMPANIONS]):
+        for result in pool.map(fetch, wanted):
             if isinstance(result, str):
                 warnings.append(result)
             elif result is not None:
-                if total + len(result.data) > MAX_COMPANIONS_TOTAL:
-                    warnings.append(f"{result.path}: skipped: companion files over 256 MiB in all")
+                if held + len(result.data) > MAX_COMPANIONS_TOTAL:  # sizes told only now (HTTP)
+                    warnings.append(f"{printable(beside(source, result.path, options).url)}: skipped: "
+                                    "companion files over 256 MiB in all")  # fmt: skip
                     continue
-                total += len(result.data)
+                held += len(result.data)
                 found.append(result)
     return found
 

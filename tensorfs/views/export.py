@@ -75,6 +75,9 @@ def view_bytes(view: ModelView) -> int:
 def _write_files(view: ModelView, directory: Path, progress: Callable[[int], None] | None) -> None:
     for sub in view.directories:
         (directory / sub).mkdir()
+        source = view.directory_status.get(sub)
+        if source is not None:  # as closed as the source's
+            os.chmod(directory / sub, stat.S_IMODE(source.st_mode) | 0o700)
     for path, content in view.files.items():
         if isinstance(content, SynthesizedFile):
             _write(content, directory / path, progress, _mode_of(content.model))
