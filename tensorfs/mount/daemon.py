@@ -144,8 +144,8 @@ def check_mountpoint(mountpoint: Path) -> None:
 
 
 Prepare = Callable[[], tuple[Model, Integrity, ViewSpec]]
-"""Validates the model (after the daemon is forked): the model, what checks it, and its view's files."""
-"""Validates the model (and verifies it, if asked): what `mount` serves."""
+"""Validates the model (and verifies it, if asked), after the daemon is forked: what `mount` serves,
+what checks it, and what its model directory view holds besides its tensors."""
 
 Announce = Callable[[str], None]
 """Says one line to the user (the CLI's output)."""
