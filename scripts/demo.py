@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,8 @@ def main(argv: list[str]) -> int:
     if not (model / "model.safetensors.index.json").exists():
         print(f"building a demo model in {model}/ ...")
         write_sharded(model, demo_shards())
+        config = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}
+        (model / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensorfs = [sys.executable, "-m", "tensorfs.cli"]
     run([*tensorfs, "validate", str(model)])
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -80,6 +83,16 @@ def main(argv: list[str]) -> int:
         "import tensorfs; "
         f"a = tensorfs.memmap('{embed / 'weight'}'); "
         "print(type(a).__name__, a.dtype, a.shape, a[0, :4])"
+    )
+    print(f'\n$ python -c "{code}"', flush=True)
+    subprocess.run([sys.executable, "-c", code], check=True)
+    # The same model as a model directory, for loaders that open one (safetensors, transformers, ...).
+    view = mountpoint / ".tensorfs" / "model"
+    run(["ls", "-l", str(view)])
+    code = (
+        "from safetensors import safe_open; "
+        f"f = safe_open('{view / 'model.safetensors'}', framework='np'); "
+        "print(len(f.keys()), 'tensors;', f.get_tensor('model.norm.weight')[:4])"
     )
     print(f'\n$ python -c "{code}"', flush=True)
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -83,6 +83,7 @@ def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
         assert "weight: OK" in result.stdout
         assert "memmap bfloat16 (8000, 512)" in result.stdout
+        assert "40 tensors; [1. 1. 1. 1.]" in result.stdout  # the model directory view, by the reference reader
         assert mount_at(mountpoint) is not None
         info = read_record(mountpoint)
         assert info is not None
