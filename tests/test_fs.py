@@ -228,3 +228,39 @@ def test_a_sidecar_hashed_while_its_shard_changes_is_refused(tmp_path: Path, mon
 
         monkeypatch.setattr(integrity, "digest", digest_while_written)
         assert errno_of(ops.read, ops.tree.tensor_inode("big") + 2, 0, 4096) == errno.EIO
+
+
+def test_a_synthesized_layout_is_made_off_the_request_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from tensorfs.views import SynthesizedFile, ViewSpec, build_view
+
+    write_reference(tmp_path / "m.safetensors", {f"t{i}": ("U8", [3], bytes([i, i, i])) for i in range(50)})
+    built_on: list[threading.Thread] = []
+    build = SynthesizedFile.build
+
+    def recorded(self: SynthesizedFile) -> None:
+        if not self.built:
+            built_on.append(threading.current_thread())
+        build(self)
+
+    monkeypatch.setattr(SynthesizedFile, "build", recorded)
+    with tensorfs.open_model(tmp_path / "m.safetensors") as model:
+        view = build_view(model, ViewSpec(shards=2))
+        ops = TensorOperations(Tree(model, "slash", {}, view=view), Integrity(Hasher(model)))
+        control = run(ops.lookup, ROOT_INODE, b".tensorfs", None).st_ino
+        directory = run(ops.lookup, control, b"model", None).st_ino
+        assert built_on == []  # nothing asked of the files yet
+        first = run(ops.lookup, directory, b"model-00001-of-00002.safetensors", None)
+        assert len(built_on) == 1 and first.st_size == view.synthesized()[0].size
+        listed: list[bytes] = []
+
+        async def listing() -> None:
+            await ops.readdir(directory, 0, None)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, entry, offset: listed.append(name) or True)
+        run(listing)
+        assert b"model-00002-of-00002.safetensors" in listed and len(built_on) == 2
+        assert threading.main_thread() not in built_on  # workers' threads, never the one answering requests
+        data = run(ops.read, first.st_ino, 0, first.st_size)
+        assert data[8 : 8 + int.from_bytes(data[:8], "little")].startswith(b'{"t0":')

@@ -480,6 +480,16 @@ class Tree:
     def sums_inode(self) -> int:
         return self.lookup(self.control_dir_inode, SUMS_NAME)
 
+    def unbuilt(self, inode: int, *, listing: bool = False) -> list[SynthesizedFile]:
+        """The synthesized files whose layouts the attributes of `inode` would make (with `listing`,
+        of the entries of directory `inode`): the caller may make them first, elsewhere."""
+        if self.view is None or not self.control_dir_inode <= inode < self._first_tensor_inode:
+            return []
+        node = self._static[inode - self.control_dir_inode]
+        nodes = [self._static[child] for child in node.children.values()] if listing else [node]
+        found = [self.view.files.get(n.path.removeprefix(VIEW_DIR + "/")) for n in nodes if n.kind is Kind.VIEW]
+        return [file for file in found if isinstance(file, SynthesizedFile) and not file.built]
+
     def view_file(self, inode: int) -> SynthesizedFile | bytes:
         """What a file of the view is: a synthesized safetensors file, or the bytes of a companion file."""
         node = self.node(inode)

@@ -58,7 +58,8 @@ class SynthesizedFile:
     def built(self) -> bool:
         return self._built
 
-    def _build(self) -> None:
+    def build(self) -> None:
+        """Make the layout now (it is made on first use otherwise): a daemon does it off its request thread."""
         with self._lock:
             if self._built:
                 return
@@ -90,7 +91,7 @@ class SynthesizedFile:
 
     @property
     def header(self) -> bytes:
-        self._build()
+        self.build()
         return self._header
 
     @property
@@ -99,13 +100,13 @@ class SynthesizedFile:
 
     @property
     def size(self) -> int:
-        self._build()
+        self.build()
         return len(self._header) + self._nbytes
 
     @property
     def names(self) -> list[str]:
         """The tensors, in file order."""
-        self._build()
+        self.build()
         return [self._names[i] for i in self._order]
 
     def draws_on(self, shard: ShardKey) -> bool:
@@ -117,7 +118,7 @@ class SynthesizedFile:
 
         Empty tensors have no piece.
         """
-        self._build()
+        self.build()
         data_start = len(self._header)
         end = min(end, data_start + self._nbytes)
         if start < data_start:
