@@ -165,3 +165,11 @@ def test_make_clean_unmounts_the_demo_first(mounts: Mounts, tmp_path: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"unmounting {mountpoint}" in result.stdout
     assert not (work / "demo").exists() and not (work / ".venv").exists()
+
+
+def test_every_package_is_in_the_distribution() -> None:
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "tensorfs").rglob("__init__.py")}
+    assert listed == found  # a package left out installs from a checkout (editable) but not from a wheel
