@@ -925,16 +925,28 @@ def bench(
     return benchmark.main(config, json_path, remote=remote)
 
 
+def _run_by_mount(words: list[str]) -> bool:
+    """Whether the words are a mount helper's (a model and a mountpoint), not a command's."""
+    if len(words) < 2 or words[0] in cli.commands or words[0].startswith("-"):
+        return False
+    return is_remote(words[0]) or os.path.exists(words[0])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code: 0 done, 1 bad input or failure, 2 usage error.
 
     An output that cannot be written (`> /dev/full`) is a one-line error and exit 1; a reader
     that went away (`| head`) ends the command quietly with 141, as coreutils' commands end.
     """
+    words = list(sys.argv[1:] if argv is None else argv)
+    if _run_by_mount(words):  # mount.fuse3 runs `tensorfs SRC MNT -o OPTS` for -t fuse.tensorfs
+        from .mount.helper import main as helper
+
+        return helper(words)
     stdout = sys.stdout
     sys.stdout = _GuardedOutput(stdout)
     try:
-        result = cli.main(args=list(argv) if argv is not None else None, prog_name="tensorfs", standalone_mode=False)
+        result = cli.main(args=words, prog_name="tensorfs", standalone_mode=False)
         sys.stdout.flush()
     except OutputError as exc:
         _drop_output(stdout)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,7 @@ def serve(
         with contextlib.suppress(OSError):
             write_record(mountpoint, record)  # kept, so that `tensorfs status` can say why it died
         raise
+    systemd_notify(b"STOPPING=1")
     pyfuse3.close(unmount=True)
     model.close()  # what remote shards fetched is recorded in their cache
     remove_record(mountpoint, os.getpid())
@@ -228,6 +230,20 @@ async def _report_ready(
     except OSError as exc:
         log.warning("could not update the daemon's record: %s", exc.strerror)
     notify(READY)
+    systemd_notify(b"READY=1")
+
+
+def systemd_notify(message: bytes) -> None:
+    """Tell systemd (a Type=notify unit sets NOTIFY_SOCKET): one datagram, as sd_notify(3) sends it."""
+    where = os.environ.get("NOTIFY_SOCKET")
+    if not where:
+        return
+    address = "\0" + where[1:] if where.startswith("@") else where  # '@': an abstract socket
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(message, address)
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", where, exc.strerror)
 
 
 def _set_readahead(device: int, kilobytes: int) -> int | None:
