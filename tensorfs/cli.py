@@ -190,6 +190,22 @@ class ByteSize(click.ParamType):  # type: ignore[type-arg]
 model_argument = click.argument("path", metavar="MODEL", type=ModelSource())
 
 
+class MetricsAddress(click.ParamType):  # type: ignore[type-arg]
+    """[HOST:]PORT of the metrics endpoint."""
+
+    name = "address"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, int]:
+        from .mount.metrics import parse_address
+
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_address(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 class LayerRange(click.ParamType):  # type: ignore[type-arg]
     """An inclusive range of layer numbers: 0-15, or 7."""
 
@@ -594,6 +610,19 @@ def verify(
     help="With a manifest: hash each tensor on its first open (default), all before mounting, or not at all.",
 )
 @view_files_option("--view-shards", "The synthesized model in .tensorfs/model/")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="The log's lines: text, or one JSON object each (time, level, pid, event, fields).",
+)
+@click.option(
+    "--metrics",
+    type=MetricsAddress(),
+    metavar="[HOST:]PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST 127.0.0.1 unless given).",
+)
 @selection_options
 @cache_options
 @remote_options
@@ -612,6 +641,8 @@ def mount(
     manifest_path: Path | str | None,
     verify: str | None,
     view_shards: int,
+    log_format: str,
+    metrics: tuple[str, int] | None,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -640,6 +671,8 @@ def mount(
         max_background=max_background,
         quiet=quiet,
         remote=_settings(remote) if is_remote(source) else None,
+        metrics=metrics,
+        log_format=log_format,
     )
 
     def prepare() -> tuple[Model, Integrity, ViewSpec]:
@@ -739,11 +772,14 @@ def umount(mountpoint: Path, lazy: bool) -> None:
     help="Seconds a daemon has to answer before its mount is called hung.",
 )
 def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
-    """Each tensorfs mount (or those named) and how it is: ok, hung (its daemon does not answer) or dead.
+    """Each tensorfs mount (or those named) and how it is: ok, degraded (serving, but tensors failed
+    verification, a shard changed under it, or an EIO in the last minute), hung (its daemon does not
+    answer) or dead; with bytes served and uptime.
 
     Exit 0 when every mount shown is ok (or there is none), 1 when any is not. Never blocks on a mount.
     """
-    from .mount.mounttable import FSTYPE, health, mounts, resolve_mountpoint
+    from .mount.mounttable import FSTYPE, health, mounts, read_stats, resolve_mountpoint
+    from .mount.stats import degraded
 
     entries = [entry for entry in mounts() if entry.fstype == FSTYPE]
     if mountpoints:
@@ -754,26 +790,48 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
         if missing:
             raise TensorfsError(f"{printable(str(missing[0]))}: not a tensorfs mount")
         entries = [entry for entry in entries if entry.mountpoint in wanted]
+
+    def look(entry: Any) -> tuple[Any, dict[str, Any] | None]:
+        state = health(entry.mountpoint, timeout)
+        found = read_stats(entry.mountpoint, timeout) if state.healthy else None
+        return state, found if isinstance(found, dict) else None
+
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:  # hung ones wait together
-        states = list(pool.map(lambda entry: health(entry.mountpoint, timeout), entries))
+        looked = list(pool.map(look, entries))
     rows = []
-    for entry, state in zip(entries, states, strict=True):
+    healthy = True
+    for entry, (state, counters) in zip(entries, looked, strict=True):
         record = state.record or {}
         source = str(record.get("source") or entry.source)
+        shown_state, reason = state.state, state.reason
+        why = degraded(counters) if counters is not None else None
+        if why is not None:
+            shown_state, reason = "degraded", why
+        healthy = healthy and shown_state == "ok"
+        served = sum(counters["read_bytes"].values()) if counters is not None else None
+        uptime = counters["uptime_seconds"] if counters is not None else None
         if as_json:
             document = {**record, "mountpoint": str(entry.mountpoint), "source": source}
-            document.update(state=state.state, live=state.healthy, reason=state.reason or None, pid=state.pid)
+            document.update(state=shown_state, live=state.healthy, reason=reason or None, pid=state.pid)
+            document.update(served_bytes=served, uptime_seconds=uptime)
             click.echo(json.dumps(document))
             continue
         shown = printable(str(entry.mountpoint))
-        what_to_do = "" if state.healthy else f"{state.reason}; run: tensorfs umount {shown}"
+        if shown_state == "ok":
+            what_to_do = ""
+        elif shown_state == "degraded":
+            what_to_do = f"{reason}; see tensorfs stats {shown} and its log"
+        else:
+            what_to_do = f"{reason}; run: tensorfs umount {shown}"
         rows.append(
             (
                 shown,
-                state.state,
+                shown_state,
                 str(state.pid or "-"),
                 str(record.get("tensors", "-")),
                 human_size(int(record["bytes"])) if isinstance(record.get("bytes"), int) else "-",
+                human_size(served) if served is not None else "-",
+                _uptime(uptime) if uptime is not None else "-",
                 printable(source) + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )
@@ -781,11 +839,70 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
         if not rows:
             click.echo("no tensorfs mounts")
         else:
-            header = ("MOUNTPOINT", "STATE", "PID", "TENSORS", "SIZE", "SOURCE")
-            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+            header = ("MOUNTPOINT", "STATE", "PID", "TENSORS", "SIZE", "SERVED", "UP", "SOURCE")
+            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(7)]
             for row in [header, *rows]:
-                click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
-    return 0 if all(state.healthy for state in states) else 1
+                click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:7], widths, strict=True)) + "  " + row[7])
+    return 0 if healthy else 1
+
+
+def _uptime(seconds: float) -> str:
+    from .mount.statsview import duration
+
+    return duration(seconds)
+
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="The counters as one JSON object a line (as stats.json).")
+@click.option(
+    "--watch", type=Finite(0.1, 86400), metavar="SECONDS", help="Again every SECONDS, with the rates between."
+)
+@click.option(
+    "--timeout",
+    type=FINITE_SECONDS,
+    default=2.0,
+    show_default=True,
+    help="Seconds the daemon has to answer before it is called hung.",
+)
+def stats(mountpoint: Path, as_json: bool, watch: float | None, timeout: float) -> None:
+    """What the daemon of a mount has done: bytes served, rates, read latency, errors, memory.
+
+    Read from MOUNTPOINT/.tensorfs/stats.json, with a deadline (a hung daemon is an error, never a
+    hang). With --watch the table is drawn again in place on a terminal, as lines when piped; Ctrl-C ends it.
+    """
+    from .mount.mounttable import FSTYPE, mount_at, read_stats, resolve_mountpoint
+    from .mount.statsview import render
+
+    real = resolve_mountpoint(mountpoint)
+    entry = mount_at(real)
+    shown = printable(str(mountpoint))
+    if entry is None or entry.fstype != FSTYPE:
+        raise TensorfsError(f"{shown}: not a tensorfs mount")
+
+    def snapshot() -> dict[str, Any]:
+        found = read_stats(real, timeout)
+        if isinstance(found, str):
+            why = {"hung": f"its daemon did not answer within {timeout:g} s", "dead": "its daemon is gone"}
+            raise TensorfsError(f"{shown}: {why.get(found, found)}; see tensorfs status")
+        return found
+
+    before: dict[str, Any] | None = None
+    redraw = watch is not None and sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            now = snapshot()
+            if as_json:
+                click.echo(json.dumps(now))
+            else:
+                table = render(printable(str(real)), now, before)
+                click.echo(("\x1b[H\x1b[2J" if redraw else "") + table + ("" if redraw or watch is None else "\n"))
+            if watch is None:
+                return
+            before = now
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return
 
 
 @cli.command()

@@ -71,6 +71,10 @@ class MountOptions:
     quiet: bool = False
     remote: dict[str, object] | None = None
     """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""
+    log_format: str = "text"
+    """text, or json: one JSON object a line."""
+    metrics: tuple[str, int] | None = None
+    """Where the Prometheus endpoint listens (host, port); None: no endpoint."""
 
 
 def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:
@@ -168,7 +172,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
         check_mountpoint(mountpoint)
         # The log is opened here, before any fork, so that a log file that cannot be written is a
         # one-line error now rather than a daemon that dies without a word.
-        setup_logging(log_file, debug=options.debug)
+        setup_logging(log_file, debug=options.debug, log_format=options.log_format)
         if not options.foreground:
             return _mount_in_background(prepare, mountpoint, options, lock, announce)
         from .serve import serve

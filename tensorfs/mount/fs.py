@@ -16,8 +16,10 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
+import json
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -29,6 +31,7 @@ from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from ..sources import ShardData, ShardKey, hold
 from ..views import Piece, SynthesizedFile
+from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 from .watch import Change, ShardWatch
 
@@ -39,6 +42,14 @@ log = logging.getLogger(__name__)
 CACHE_TIMEOUT = 24 * 3600.0
 DEFAULT_PREFETCH = 32 << 20
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+STATS_NAME = "stats.json"
+"""The .tensorfs/ file of the daemon's counters: a snapshot made at each open."""
+
+
+def stats_json(stats: Stats) -> bytes:
+    return (json.dumps(stats.snapshot(), indent=1) + "\n").encode()
 
 
 class _Refused(TensorfsError):
@@ -59,22 +70,30 @@ def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
     """Turn what a handler raises into the errno FUSE answers; never let it end the daemon."""
     describe = _describer(method)
 
+    op = method.__name__
+
     @functools.wraps(method)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         if TRACE_REQUESTS:
             log.debug("%s", describe(args))
+        stats: Stats = args[0].stats  # type: ignore[attr-defined]
+        stats.request(op)
         try:
             return await method(*args, **kwargs)
-        except pyfuse3.FUSEError:
+        except pyfuse3.FUSEError as exc:
+            stats.error(op, exc.errno)
             raise
         except TensorfsError as exc:
             code = _ERRNO_OF.get(type(exc))
             if code is None:
-                log.error("%s: %s", describe(args), exc)
-                raise pyfuse3.FUSEError(errno.EIO) from None
+                code = errno.EIO
+                fields = {"op": op, "errno": "EIO", **getattr(exc, "fields", {})}
+                log.error("%s: %s (EIO)", describe(args), exc, extra={"fields": fields})
+            stats.error(op, code)
             raise pyfuse3.FUSEError(code) from None
         except Exception:
-            log.exception("bug in %s; answered EIO", describe(args))
+            log.exception("bug in %s; answered EIO", describe(args), extra={"fields": {"op": op, "errno": "EIO"}})
+            stats.error(op, errno.EIO)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
@@ -100,8 +119,16 @@ def _describer(method: Callable[..., Any]) -> Callable[[tuple[Any, ...]], str]:
     return describe
 
 
-async def _read_only(*_: Any, **__: Any) -> Any:
-    raise pyfuse3.FUSEError(errno.EROFS)
+def _read_only(op: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """A request that would change the tree: refused with EROFS, and counted."""
+
+    async def refuse(self: TensorOperations, *_: Any, **__: Any) -> Any:
+        self.stats.request(op)
+        self.stats.error(op, errno.EROFS)
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    refuse.__name__ = op
+    return refuse
 
 
 class TensorOperations(pyfuse3.Operations):
@@ -139,6 +166,9 @@ class TensorOperations(pyfuse3.Operations):
         self._summing: trio.Event | None = None  # SHA256SUMS being made: later readers wait for it
         self._sums_refused = False  # and said so in the log
         self.files = self.tree.inode_count
+        self.stats = Stats(tree.model.nbytes)
+        self._snapshots: dict[int, bytes] = {}  # open stats.json files: each its own snapshot
+        self._next_fh = 1 << 48  # handles of those opens, above every inode
 
     # -- names and attributes ---------------------------------------------------------------
     def _entry(self, attributes: Attributes) -> pyfuse3.EntryAttributes:
@@ -245,12 +275,21 @@ class TensorOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
+        if node.kind is Kind.CONTROL and node.control == STATS_NAME:
+            # A fresh snapshot for each open, read with direct_io: no cached page or stale size
+            # cuts it short (the data files keep the page cache).
+            fh, self._next_fh = self._next_fh, self._next_fh + 1
+            self._snapshots[fh] = stats_json(self.stats)
+            self.stats.open_files += 1
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
             shard = self.tree.model.locate(node.tensor)[0]
             self._check_shard(shard, node.tensor)
             await self.verify(node.tensor)
             self._span_of(node.tensor, inode)
+            self.stats.opened_tensors.add(node.tensor)
+        self.stats.open_files += 1
         # keep_cache: pages the kernel holds stay valid across opens; when a shard changes, the
         # daemon itself tells the kernel to drop them. Never direct_io: it would break shared mmap
         # (np.memmap) of the mounted files.
@@ -258,23 +297,36 @@ class TensorOperations(pyfuse3.Operations):
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+        start = time.perf_counter()
+        kind, reply = await self._read(fh, off, size)
+        self.stats.read(kind, len(reply), time.perf_counter() - start)
+        return reply
+
+    async def _read(self, fh: int, off: int, size: int) -> tuple[str, bytes | memoryview]:
+        """What a read answers, and what kind of file it read (for the counters)."""
         span = self._spans.get(fh)
         if span is not None:
-            return await self._read_tensor(span, off, size)
+            return "tensor", await self._read_tensor(span, off, size)
+        snapshot = self._snapshots.get(fh)
+        if snapshot is not None:
+            return "control", snapshot[off : off + size]
         node = self.tree.node(fh)
+        kind = "control"
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
             content = self.tree.sha256_file(fh, await self.sidecar_digest(node.tensor))
+            kind = "sidecar"
         elif node.kind is Kind.VIEW:
             found = self.tree.view_file(fh)
             if isinstance(found, SynthesizedFile):
-                return await self._read_synthesized(found, off, size)
-            content = found
+                return "view", await self._read_synthesized(found, off, size)
+            content, kind = found, "view"
         elif node.kind is Kind.SUMS:
             content = await self.sha256sums()
         else:
             content = self.tree.small_file(fh)
-        return content[off : off + size]
+            kind = "sidecar" if node.kind is Kind.META else "control"
+        return kind, content[off : off + size]
 
     def _span_of(self, name: str, inode: int | None = None) -> _Span:
         """The open-file state of a tensor's bytes (made on first use, shared by its file and the view)."""
@@ -308,10 +360,8 @@ class TensorOperations(pyfuse3.Operations):
                 await trio.to_thread.run_sync(span.data.readinto, piece.shard_offset, memoryview(buffer))
             except TensorfsError as exc:
                 first = piece.shard_offset - span.start
-                raise ShardChangedError(
-                    f"{span.shard}: tensor '{printable(span.name)}': bytes [{first}, {first + len(buffer)}) "
-                    f"of the tensor cannot be read: {exc}"
-                ) from None
+                raise _unreadable(span, first, first + len(buffer), str(exc)) from None
+            self.stats.touch(span.shard, piece.shard_offset, piece.shard_offset + len(buffer))
             reply += buffer
         return bytes(reply)
 
@@ -332,16 +382,16 @@ class TensorOperations(pyfuse3.Operations):
         high = min(low + size, span.end)
         if not (span.ready_from <= low < high <= span.ready_to and span.data.pin(low, high)):
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
+            waited = time.perf_counter()
             try:
                 await trio.to_thread.run_sync(hold, span.data, low, high, limiter=self._demand)
             except TensorfsError as exc:  # gone from the file, or a remote shard's bytes not fetched
                 # The reader gets EIO and the daemon goes on. What was validated is never replaced
                 # by anything else.
                 why = "the shard shrank under the mount" if span.data.lazy_views else str(exc)
-                raise ShardChangedError(
-                    f"{span.shard}: tensor '{printable(span.name)}': bytes [{low - span.start}, "
-                    f"{high - span.start}) of the tensor cannot be read: {why}"
-                ) from None
+                raise _unreadable(span, low - span.start, high - span.start, why) from None
+            self.stats.page_waits += 1
+            self.stats.page_wait_seconds += time.perf_counter() - waited
             until = min(span.end, high + self.prefetch)
             if until > high and not await self._ensure_ahead(span, high, until, self._demand):
                 until = high
@@ -351,6 +401,7 @@ class TensorOperations(pyfuse3.Operations):
             self.nursery.start_soon(self._prefetch, span)
         if not span.data.lazy_views:
             self._replied.append((span.data, low, high))  # nothing awaited from here to the reply
+        self.stats.touch(span.shard, low, high)
         return span.view[low:high]
 
     def release_replied(self) -> None:
@@ -363,6 +414,8 @@ class TensorOperations(pyfuse3.Operations):
         self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
     ) -> bool:
         """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
+        self.stats.prefetch_windows += 1
+        self.stats.prefetch_bytes += until - begin
         try:
             return bool(
                 await trio.to_thread.run_sync(
@@ -431,6 +484,7 @@ class TensorOperations(pyfuse3.Operations):
                 _tensors(len(names)),
             )
             state.changed = True
+            self.stats.changed_shards += 1
             self._sums = None
         else:
             log.warning(
@@ -480,6 +534,7 @@ class TensorOperations(pyfuse3.Operations):
                     "tensor '%s': refused (EIO): its shard %s was changed under the mount; mount it again",
                     printable(name),
                     _shown(shard),
+                    extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
                 )
             raise _Refused()
 
@@ -573,24 +628,35 @@ class TensorOperations(pyfuse3.Operations):
             except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
                 if name not in self._failed:
                     self._failed.add(name)
-                    log.error("tensor '%s' cannot be verified (refused): %s", printable(name), exc)
+                    shard = self.tree.model.locate(name)[0]
+                    log.error(
+                        "tensor '%s' cannot be verified (refused, EIO): %s",
+                        printable(name),
+                        exc,
+                        extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
+                    )
                 raise _Refused() from None
             if actual == expected[name]:
                 self.integrity.verified.add(name)
+                self.stats.verified += 1
                 return
             if name not in self._failed:
                 self._failed.add(name)
+                self.stats.verify_failures += 1
+                shard = self.tree.model.locate(name)[0]
                 log.error(
-                    "tensor '%s' in shard %s does not match the manifest (sha256 %s, expected %s): refused",
+                    "tensor '%s' in shard %s does not match the manifest (sha256 %s, expected %s): refused (EIO)",
                     printable(name),
-                    _shown(self.tree.model.locate(name)[0]),
+                    _shown(shard),
                     actual,
                     expected[name],
+                    extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
                 )
         raise TensorCorrupt(f"tensor {name!r} does not match the manifest")
 
     async def release(self, fh: int) -> None:
-        pass
+        self._snapshots.pop(fh, None)
+        self.stats.open_files -= 1
 
     async def flush(self, fh: int) -> None:
         pass
@@ -618,8 +684,18 @@ class TensorOperations(pyfuse3.Operations):
         return []
 
     # -- everything that would change the tree: refused -------------------------------------
-    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
-    create = write = setxattr = removexattr = _read_only
+    setattr = _read_only("setattr")
+    mknod = _read_only("mknod")
+    mkdir = _read_only("mkdir")
+    unlink = _read_only("unlink")
+    rmdir = _read_only("rmdir")
+    symlink = _read_only("symlink")
+    rename = _read_only("rename")
+    link = _read_only("link")
+    create = _read_only("create")
+    write = _read_only("write")
+    setxattr = _read_only("setxattr")
+    removexattr = _read_only("removexattr")
 
 
 @dataclass(eq=False)
@@ -647,6 +723,15 @@ class _Span:
     ready_from: int = 0
     ready_to: int = 0
     prefetching: bool = False
+
+
+def _unreadable(span: _Span, begin: int, end: int, why: str) -> ShardChangedError:
+    """The error of a read of bytes [begin, end) of a tensor that cannot be read (its log line's fields too)."""
+    error = ShardChangedError(
+        f"{span.shard}: tensor '{printable(span.name)}': bytes [{begin}, {end}) of the tensor cannot be read: {why}"
+    )
+    error.fields = {"tensor": span.name, "shard": str(span.shard)}  # type: ignore[attr-defined]
+    return error
 
 
 def _shown(path: ShardKey) -> str:

@@ -7,6 +7,7 @@ A fatal signal (SIGSEGV, SIGBUS, ...) is reported in the log too (faulthandler),
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import sys
@@ -44,8 +45,31 @@ class ReopeningFileHandler(logging.FileHandler):
             self.release()
 
 
-def setup_logging(log_file: Path | None, *, debug: bool) -> None:
-    """Log to `log_file` (None: stderr) at INFO, or DEBUG; a file that cannot be written is a MountError."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, pid, event (the message), and the record's `fields`
+    (tensor, shard, errno, ...) when it carries them; a traceback as one string."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document: dict[str, object] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "pid": record.process,
+            "event": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            document["fields"] = fields
+        if record.exc_info:
+            document["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(document, ensure_ascii=False, default=str)
+
+
+LOG_FORMATS = ("text", "json")
+
+
+def setup_logging(log_file: Path | None, *, debug: bool, log_format: str = "text") -> None:
+    """Log to `log_file` (None: stderr) at INFO, or DEBUG, as text or JSON lines; a file that
+    cannot be written is a MountError."""
     handler: logging.Handler
     if log_file is None:
         handler = logging.StreamHandler(sys.stderr)
@@ -58,7 +82,7 @@ def setup_logging(log_file: Path | None, *, debug: bool) -> None:
             raise MountError(f"cannot write the log file {log_file}: {exc.strerror}") from None
         assert handler.stream is not None
         faulthandler.enable(handler.stream)
-    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -134,6 +135,27 @@ def probe(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> str:
                 outcome.append("ok" if exc.errno == errno.ENOSYS else "dead")
 
     thread = threading.Thread(target=ask, name=f"probe {mountpoint}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else "hung"
+
+
+def read_stats(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> dict[str, Any] | str:
+    """The daemon's counters (.tensorfs/stats.json), or why not ("hung", "dead", a reason):
+    read on a thread of its own, left behind if the daemon never answers (see probe)."""
+    outcome: list[dict[str, Any] | str] = []
+
+    def ask() -> None:
+        try:
+            with open(mountpoint / ".tensorfs" / "stats.json", "rb") as file:
+                outcome.append(json.loads(file.read()))
+        except OSError as exc:
+            dead = exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+            outcome.append("dead" if dead else f"cannot read its stats.json: {exc.strerror}")
+        except ValueError:
+            outcome.append("its stats.json is not JSON (a daemon of another version?)")
+
+    thread = threading.Thread(target=ask, name=f"stats {mountpoint}", daemon=True)
     thread.start()
     thread.join(timeout)
     return outcome[0] if outcome else "hung"

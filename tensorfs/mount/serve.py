@@ -20,6 +20,7 @@ import pyfuse3
 import trio
 
 from .. import __version__
+from ..errors import TensorfsError
 from ..integrity import Integrity
 from ..model import Model
 from ..sources import ShardKey
@@ -28,6 +29,7 @@ from . import fs
 from .daemon import READY, MountOptions
 from .fs import TensorOperations
 from .logs import reopen_logs
+from .metrics import serve_metrics
 from .runtime import process_start, remove_record, write_record
 from .tree import Tree, index_json
 from .watch import ShardWatch
@@ -48,6 +50,7 @@ def serve(
     record = _record(model, mountpoint, options, integrity)
     fs.TRACE_REQUESTS = options.debug
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
+    control[fs.STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
     for warning in view.warnings:
         log.warning("%s", warning)
     tree = Tree(model, options.layout, control, options.ownership, build_view(model, view))
@@ -60,14 +63,23 @@ def serve(
     fuse_options |= set(options.fuse_options)
     if options.debug and options.foreground:
         fuse_options.add("debug")
+    stop_metrics: Callable[[], None] = _nothing
+    if options.metrics is not None:
+        try:  # before mounting: a port in use is a mount error, with nothing mounted
+            stop_metrics = serve_metrics(options.metrics, operations.stats, str(mountpoint))
+        except TensorfsError as exc:
+            notify(str(exc))
+            return 1
     try:
         write_record(mountpoint, record)
     except OSError as exc:
+        stop_metrics()
         notify(f"cannot write the daemon's record in {exc.filename or 'the runtime directory'}: {exc.strerror}")
         return 1
     try:
         pyfuse3.init(operations, str(mountpoint), fuse_options)
     except RuntimeError as exc:
+        stop_metrics()
         remove_record(mountpoint, os.getpid())
         hint = f" (check the -o options: {','.join(options.fuse_options)})" if options.fuse_options else ""
         notify(f"cannot mount at {mountpoint}: {exc}{hint}")
@@ -87,6 +99,7 @@ def serve(
             write_record(mountpoint, record)  # kept, so that `tensorfs status` can say why it died
         raise
     systemd_notify(b"STOPPING=1")
+    stop_metrics()
     pyfuse3.close(unmount=True)
     model.close()  # what remote shards fetched is recorded in their cache
     remove_record(mountpoint, os.getpid())
@@ -134,6 +147,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
             "remote": options.remote,
             "selection": None if model.selection.everything else model.selection.as_json(),
+            "metrics": None if options.metrics is None else "{}:{}".format(*options.metrics),
         },
         "in_force": {"readahead_kb": None, "max_background": None},
         "ready": False,
@@ -231,6 +245,10 @@ async def _report_ready(
         log.warning("could not update the daemon's record: %s", exc.strerror)
     notify(READY)
     systemd_notify(b"READY=1")
+
+
+def _nothing() -> None:
+    pass
 
 
 def systemd_notify(message: bytes) -> None:

@@ -1,0 +1,116 @@
+"""The Prometheus endpoint of a daemon (mount --metrics [HOST:]PORT), served by prometheus_client.
+
+Each scrape reads a snapshot of the mount's counters (stats.py). Labels are the mountpoint and a
+few fixed sets (op, errno, kind): never a tensor or a path, which would multiply the series.
+"""
+
+from __future__ import annotations
+
+import errno as errnos
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import TensorfsError
+from .stats import Stats
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """[HOST:]PORT (HOST 127.0.0.1 unless given); ValueError saying why not."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or DEFAULT_HOST
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not [HOST:]PORT with a port from 1 to 65535")
+    return host, int(port)
+
+
+class _Collector:
+    def __init__(self, stats: Stats, mountpoint: str) -> None:
+        self.stats = stats
+        self.mountpoint = mountpoint
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        snapshot = self.stats.snapshot()
+        where = ["mountpoint"]
+        mnt = self.mountpoint
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=where)
+            family.add_metric([mnt], value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=where)
+            family.add_metric([mnt], value)
+            return family
+
+        requests = CounterMetricFamily("tensorfs_requests", "FUSE requests answered.", labels=[*where, "op"])
+        for op, count in sorted(snapshot["requests"].items()):
+            requests.add_metric([mnt, op], count)
+        yield requests
+        errors = CounterMetricFamily(
+            "tensorfs_request_errors", "Requests answered with an errno.", labels=[*where, "op", "errno"]
+        )
+        for row in snapshot["errors"]:
+            errors.add_metric([mnt, row["op"], errnos.errorcode.get(row["errno"], str(row["errno"]))], row["count"])
+        yield errors
+        reads = CounterMetricFamily("tensorfs_reads", "Reads answered, by what they read.", labels=[*where, "kind"])
+        read_bytes = CounterMetricFamily(
+            "tensorfs_read_bytes", "Bytes served, by what they were.", labels=[*where, "kind"]
+        )
+        for kind, count in snapshot["reads"].items():
+            reads.add_metric([mnt, kind], count)
+            read_bytes.add_metric([mnt, kind], snapshot["read_bytes"][kind])
+        yield reads
+        yield read_bytes
+        latency = snapshot["read_latency"]
+        running, buckets = 0, []
+        for bound, count in zip([*latency["buckets"], float("inf")], latency["counts"], strict=True):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        histogram = HistogramMetricFamily(
+            "tensorfs_request_duration_seconds", "Time to answer a read.", labels=[*where, "op"]
+        )
+        histogram.add_metric([mnt, "read"], buckets, latency["sum_seconds"])
+        yield histogram
+        yield counter("tensorfs_page_waits", "Reads that waited for pages brought in.", snapshot["page_waits"])
+        yield counter("tensorfs_page_wait_seconds", "Time reads waited for pages.", snapshot["page_wait_seconds"])
+        yield counter("tensorfs_prefetch_windows", "Windows read ahead of readers.", snapshot["prefetch_windows"])
+        yield counter("tensorfs_prefetch_bytes", "Bytes of windows read ahead.", snapshot["prefetch_bytes"])
+        integrity = snapshot["integrity"]
+        yield counter("tensorfs_tensors_verified", "Tensors whose hash matched the manifest.", integrity["verified"])
+        failures = integrity["verify_failures"]
+        yield counter("tensorfs_verification_failures", "Tensors refused: not the manifest's hash.", failures)
+        yield gauge("tensorfs_open_files", "Files open now.", snapshot["open_files"])
+        yield counter("tensorfs_tensors_opened", "Distinct tensors opened.", snapshot["tensors_opened"])
+        yield gauge("tensorfs_touched_bytes", "Distinct bytes of the model served (by MiB).", snapshot["touched_bytes"])
+        yield gauge("tensorfs_model_bytes", "Bytes of tensor data mounted.", snapshot["model_bytes"])
+        yield gauge("tensorfs_uptime_seconds", "Seconds since the daemon started.", snapshot["uptime_seconds"])
+        process = snapshot["process"]
+        yield gauge("tensorfs_resident_memory_bytes", "The daemon's RSS.", process["rss_bytes"])
+        yield gauge("tensorfs_anonymous_memory_bytes", "The daemon's RssAnon.", process["rss_anon_bytes"])
+        yield gauge("tensorfs_threads", "The daemon's threads.", process["threads"])
+        yield gauge("tensorfs_open_fds", "The daemon's open descriptors.", process["fds"])
+        info = GaugeMetricFamily("tensorfs_build_info", "The daemon's version.", labels=[*where, "version"])
+        info.add_metric([mnt, snapshot["version"]], 1)
+        yield info
+        for source, values in snapshot["sources"].items():
+            for name, value in values.items():
+                yield counter(f"tensorfs_{source}_{name}", f"{source}: {name.replace('_', ' ')}.", value)
+
+
+def serve_metrics(address: tuple[str, int], stats: Stats, mountpoint: str) -> Callable[[], None]:
+    """Start the endpoint on a thread of its own; returns what stops it. TensorfsError if it cannot listen."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(stats, mountpoint))
+    host, port = address
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise TensorfsError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+    return server.shutdown

@@ -1,0 +1,164 @@
+"""What a daemon counts, and where it shows: .tensorfs/stats.json, `tensorfs stats`, `tensorfs status`
+and the Prometheus endpoint; all agree, and agree with what was read."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Mounts
+from helpers import MIB, random_bytes, write_reference
+from tensorfs.mount.stats import Stats, quantile
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_counting_units() -> None:
+    stats = Stats(model_bytes=10 * MIB)
+    stats.read("tensor", 100, 0.0003)
+    stats.read("view", 50, 20.0)
+    stats.touch("s", 0, 1)
+    stats.touch("s", 5, MIB + 1)  # the first MiB again, and one more
+    stats.error("read", errno.EIO)
+    snapshot = stats.snapshot()
+    assert snapshot["read_bytes"]["tensor"] == 100 and snapshot["reads"]["view"] == 1
+    assert snapshot["touched_bytes"] == 2 * MIB
+    assert snapshot["errors"] == [{"op": "read", "errno": errno.EIO, "count": 1}]
+    counts = snapshot["read_latency"]["counts"]
+    assert sum(counts) == 2 and counts[-1] == 1  # 20 s: past every bound
+    assert quantile(snapshot["read_latency"]["buckets"], counts, 0.5) == 0.0005
+    assert snapshot["seconds_since_io_error"] is not None and json.dumps(snapshot)
+
+
+def test_every_view_of_the_counters_agrees(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    tensors = {
+        name: random_bytes(size, i) for i, (name, size) in enumerate([("a", 3 * MIB + 5), ("b", 4096), ("bad", 100)])
+    }
+    write_reference(directory / "m.safetensors", {name: ("U8", [len(data)], data) for name, data in tensors.items()})
+    write_reference(directory / "other.safetensors", {"gone": ("U8", [MIB], random_bytes(MIB, 9))})
+    manifest = mounts.run("manifest", str(directory)).stdout
+    lines = [line if not line.endswith("  bad") else "0" * 64 + "  bad" for line in manifest.splitlines()]
+    (directory / "tensors.sha256").write_text("\n".join(lines) + "\n")
+    port = free_port()
+    mountpoint = mounts.mount(directory, "--metrics", str(port))
+    assert (mountpoint / "a").read_bytes() == tensors["a"]
+    assert (mountpoint / "b").read_bytes() == tensors["b"]
+    with pytest.raises(OSError) as refused:
+        (mountpoint / "bad").read_bytes()  # its hash is not the manifest's
+    assert refused.value.errno == errno.EIO
+    with open(mountpoint / "gone", "rb", buffering=0) as gone:  # verified as it opens
+        os.truncate(directory / "other.safetensors", 1000)  # then cut under the mount
+        with pytest.raises(OSError) as cut:
+            gone.read()
+    assert cut.value.errno == errno.EIO
+
+    raw = (mountpoint / ".tensorfs" / "stats.json").read_bytes()
+    from_file = json.loads(raw)
+    command = mounts.run("stats", "--json", str(mountpoint))
+    assert command.returncode == 0, command.stderr
+    from_command = json.loads(command.stdout)
+    metrics = scrape(port)
+    where = (("mountpoint", str(mountpoint)),)
+
+    for snapshot in (from_file, from_command):
+        assert snapshot["read_bytes"]["tensor"] == len(tensors["a"]) + len(tensors["b"])  # each byte once
+        assert snapshot["integrity"] == {"verified": 3, "verify_failures": 1}  # a, b and gone; bad
+        errors = {(e["op"], e["errno"]): e["count"] for e in snapshot["errors"]}
+        assert errors[("open", errno.EIO)] >= 1 and errors[("read", errno.EIO)] >= 1
+        assert snapshot["tensors_opened"] == 3  # a, b and gone (bad was refused at open)
+    assert from_command["reads"]["tensor"] == from_file["reads"]["tensor"]
+    assert from_command["read_bytes"]["control"] == from_file["read_bytes"]["control"] + len(raw)  # that read
+    assert metrics[("tensorfs_read_bytes_total", (("kind", "tensor"), *where))] == from_file["read_bytes"]["tensor"]
+    assert metrics[("tensorfs_reads_total", (("kind", "tensor"), *where))] == from_file["reads"]["tensor"]
+    assert metrics[("tensorfs_verification_failures_total", where)] == 1
+    opens = metrics[("tensorfs_request_errors_total", (("errno", "EIO"), *where, ("op", "open")))]
+    assert opens == dict(((e["op"], e["errno"]), e["count"]) for e in from_file["errors"])[("open", errno.EIO)]
+    reads = sum(from_command["read_latency"]["counts"])
+    assert metrics[("tensorfs_request_duration_seconds_count", (*where, ("op", "read")))] >= reads
+    assert metrics[("tensorfs_model_bytes", where)] == sum(map(len, tensors.values())) + MIB
+
+    status = mounts.run("status", str(mountpoint))
+    line = status.stdout.splitlines()[1]
+    assert status.returncode == 1 and line.split()[1] == "degraded"
+    assert "1 tensor(s) failed verification" in line and "tensorfs stats" in line
+    table = mounts.run("stats", str(mountpoint))
+    assert table.returncode == 0 and "integrity  0 tensors verified, 1 refused" not in table.stdout
+    assert "1 refused" in table.stdout and "read EIO" in table.stdout
+
+
+def test_a_port_in_use_is_a_mount_error(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"x": ("U8", [1], b"x")})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spare = tmp_path / "spare"
+        spare.mkdir()
+        result = mounts.run("mount", "--metrics", f"127.0.0.1:{port}", str(directory), str(spare))
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert not os.path.ismount(spare)
+    bad = mounts.run("mount", "--metrics", "99999", str(directory), str(spare))
+    assert bad.returncode == 2 and "not [HOST:]PORT" in bad.stderr
+
+
+def test_stats_of_a_hung_daemon_returns(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"x": ("U8", [1], b"x")})
+    mountpoint = mounts.mount(directory)
+    pid = mounts.daemon_pid(mountpoint)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        result = mounts.run("stats", "--timeout", "0.5", str(mountpoint), timeout=60)
+        assert result.returncode == 1 and "its daemon did not answer within 0.5 s" in result.stderr
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    not_one = mounts.run("stats", str(tmp_path))
+    assert not_one.returncode == 1 and "not a tensorfs mount" in not_one.stderr
+
+
+def test_json_logs_name_the_tensor_shard_and_errno(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"ok": ("U8", [4], b"abcd"), "bad": ("U8", [4], b"efgh")})
+    manifest = mounts.run("manifest", str(directory)).stdout
+    lines = [line if not line.endswith("  bad") else "0" * 64 + "  bad" for line in manifest.splitlines()]
+    (directory / "tensors.sha256").write_text("\n".join(lines) + "\n")
+    mountpoint = mounts.mount(directory, "--log-format", "json")
+    assert (mountpoint / "ok").read_bytes() == b"abcd"
+    with pytest.raises(OSError):
+        (mountpoint / "bad").read_bytes()
+    records = [json.loads(line) for line in mounts.log().splitlines()]  # every line is one object
+    assert all({"time", "level", "pid", "event"} <= set(record) for record in records)
+    refused = [record for record in records if record["level"] == "ERROR"]
+    assert refused and refused[0]["fields"] == {
+        "tensor": "bad",
+        "shard": str(directory / "m.safetensors"),
+        "errno": "EIO",
+    }
