@@ -332,6 +332,10 @@ def test_mount_an_s3_model(
         ["sha256sum", "--strict", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    sizes = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+    assert counted["fetched_bytes"] == sizes and counted["fetch_failures"] == 0  # every chunk, once
+    assert counted["gets"] == sum(-(-path.stat().st_size // (8 * MIB)) for path in directory.glob("*.safetensors"))
     entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
     assert entry.source == f"s3://{bucket}/m"
     settings = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["options"]["remote"]

@@ -58,6 +58,10 @@ def serve(
     watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
     operations = TensorOperations(tree, integrity, watch)
     operations.prefetch = options.prefetch_mb << 20
+    if options.remote is not None:  # the fetches and the cache count for themselves
+        from ..sources.cache import COUNTERS
+
+        operations.stats.sources["remote"] = COUNTERS.snapshot
     operations.invalidate = _invalidate
     fuse_options = set(pyfuse3.default_options) | {f"fsname={fsname(model.source)}", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)

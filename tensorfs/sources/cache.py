@@ -345,6 +345,7 @@ class Cache:
                     refused.add(oid)
                     evicted = []
                 freed += sum(nbytes for _, _, nbytes in evicted)
+                COUNTERS.add(evicted_chunks=len(evicted), evicted_bytes=sum(nbytes for _, _, nbytes in evicted))
                 kept += len(chunks) - len(evicted)
                 if freed >= wanted:
                     break
@@ -545,6 +546,7 @@ class CachedObject:
         """The fetch of `chunk` (begun now in `start`'s threads, or already under way); None if present."""
         with self._lock:
             if self._present[chunk]:
+                COUNTERS.add(cache_hits=1)
                 return None
             running = self._inflight.get(chunk)
             if running is not None:
@@ -561,8 +563,10 @@ class CachedObject:
             end = min(self.version.size, begin + self.chunk_size)
             self.cache.make_room(end - begin, self)
             try:
+                COUNTERS.add(gets=1)
                 read_range(self.version, begin, end, self._write)
             except BaseException as exc:
+                COUNTERS.add(fetch_failures=1)
                 with contextlib.suppress(OSError):
                     _punch(self.fd, begin, end - begin)  # nothing half-written stays allocated
                 if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
@@ -574,6 +578,7 @@ class CachedObject:
                 raise
             with self._lock:
                 self._present[chunk] = 1
+            COUNTERS.add(fetched_bytes=end - begin)
             self.cache.record(self, chunk, end - begin)
         finally:
             with self._lock:
@@ -651,6 +656,28 @@ def _yield_to_requests() -> None:
 
 
 _FETCH_NICE = 10
+
+
+class RemoteCounters:
+    """What this process's remote shards did, for the daemon's counters (fetch threads count too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(
+            ("gets", "fetched_bytes", "fetch_failures", "cache_hits", "evicted_chunks", "evicted_bytes"), 0
+        )
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, count in counts.items():
+                self._values[name] += count
+
+    def snapshot(self) -> dict[str, int | float]:
+        with self._lock:
+            return dict(self._values)
+
+
+COUNTERS = RemoteCounters()
 
 
 class Fetcher:
