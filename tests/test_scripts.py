@@ -115,6 +115,7 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
         "tiny_mount_selected",
         "tiny_listing",
         "view_read",
+        "metrics_read",
     ):
         assert key in report, key
     assert report["first_read"]["gbps"] > 0

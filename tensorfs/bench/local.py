@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -165,6 +168,7 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
         )
 
         views_section(config, report, mounter, model_dir, tensors, big)
+        metrics_section(config, report, mounter, model_dir, tensors, big)
         cold_section(config, report, mounter, model_dir, tensors, big, small, shards, out)
         memory_section(report, mounter, model_dir, tensors, big, model_bytes)
         tiny_section(config, report, mounter, work)
@@ -262,6 +266,49 @@ def views_section(
         gbps=median(synthesized) / 1e9,
         per_tensor_gbps=median(per_tensor) / 1e9,
     )
+
+
+def metrics_section(
+    config: Config,
+    report: Report,
+    mounter: Mounter,
+    model_dir: Path,
+    tensors: dict[str, tuple[Path, int, int]],
+    big: list[str],
+) -> None:
+    """First reads with the Prometheus endpoint on and scraped ten times a second, against without
+    it; each on a fresh mount, in turns. (The counting itself is always on.)"""
+    nbytes = sum(tensors[name][2] for name in big)
+    plain, scraped = [], []
+    for _ in range(config.repeat):
+        with mounter.mounted(model_dir) as (mnt, _):
+            plain.append(nbytes / sum(read_file(mnt / name) for name in big))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with mounter.mounted(model_dir, "--metrics", f"127.0.0.1:{port}") as (mnt, _):
+            done = threading.Event()
+            scraper = threading.Thread(target=_scrape, args=(f"http://127.0.0.1:{port}/metrics", done), daemon=True)
+            scraper.start()
+            try:
+                scraped.append(nbytes / sum(read_file(mnt / name) for name in big))
+            finally:
+                done.set()
+                scraper.join()
+    report.add(
+        "metrics_read",
+        "first read, metrics scraped every 0.1 s",
+        f"{median(scraped) / 1e9:.2f} GB/s",
+        median(scraped) / median(plain),
+        ">= 0.97x no endpoint",
+        gbps=median(scraped) / 1e9,
+        plain_gbps=median(plain) / 1e9,
+    )
+
+
+def _scrape(url: str, done: threading.Event) -> None:
+    while not done.wait(0.1):
+        urllib.request.urlopen(url, timeout=10).read()
 
 
 def memory_section(report: Report, mounter: Mounter, model_dir: Path,

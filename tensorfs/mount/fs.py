@@ -414,8 +414,7 @@ class TensorOperations(pyfuse3.Operations):
         self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
     ) -> bool:
         """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
-        self.stats.prefetch_windows += 1
-        self.stats.prefetch_bytes += until - begin
+        self.stats.prefetched(span.shard, begin, until)
         try:
             return bool(
                 await trio.to_thread.run_sync(

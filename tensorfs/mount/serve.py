@@ -58,6 +58,12 @@ def serve(
     watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
     operations = TensorOperations(tree, integrity, watch)
     operations.prefetch = options.prefetch_mb << 20
+    hasher = integrity.hasher
+    operations.stats.sources["hashes"] = lambda: {
+        "tensors_hashed": hasher.tensors_hashed,  # each one not found in the hash cache (a miss)
+        "bytes_hashed": hasher.bytes_hashed,
+        "cache_hits": hasher.cache_hits,
+    }
     if options.remote is not None:  # the fetches and the cache count for themselves
         from ..sources.cache import COUNTERS
 

@@ -25,6 +25,7 @@ LATENCY_BUCKETS = (
 KINDS = ("tensor", "sidecar", "control", "view")
 """What a read served: a tensor's bytes, a .meta.json or .sha256, a .tensorfs/ file, the model view."""
 TOUCH_UNIT = 1 << 20
+_READ, _AHEAD = 1, 2
 
 
 class Stats:
@@ -49,8 +50,10 @@ class Stats:
         self.verify_failures = 0
         self.open_files = 0
         self.opened_tensors: set[str] = set()
-        self._touched: dict[object, bytearray] = {}
+        self._touched: dict[object, bytearray] = {}  # per shard, a byte per MiB: 1 read, 2 read ahead
         self.touched_bytes = 0
+        self.prefetch_hit_bytes = 0
+        """Of the MiB read ahead, those a reader then read (by MiB)."""
         self.changed_shards = 0
         """Shards changed in place under the mount with no manifest: their tensors are refused."""
         self._last_io_error: float | None = None
@@ -73,18 +76,34 @@ class Stats:
 
     def touch(self, shard: object, start: int, end: int) -> None:
         """Bytes [start, end) of a shard were served: count each MiB of it once."""
-        if end <= start:
-            return
+        units = self._units(shard, start, end)
+        for unit in range(*units[1:]):
+            state = units[0][unit]
+            if state != _READ:
+                units[0][unit] = _READ
+                self.touched_bytes += TOUCH_UNIT
+                if state == _AHEAD:
+                    self.prefetch_hit_bytes += TOUCH_UNIT
+
+    def prefetched(self, shard: object, start: int, end: int) -> None:
+        """Bytes [start, end) of a shard were read ahead of a reader."""
+        self.prefetch_windows += 1
+        self.prefetch_bytes += max(0, end - start)
+        units = self._units(shard, start, end)
+        for unit in range(*units[1:]):
+            if units[0][unit] == 0:
+                units[0][unit] = _AHEAD
+
+    def _units(self, shard: object, start: int, end: int) -> tuple[bytearray, int, int]:
         bits = self._touched.get(shard)
         if bits is None:
             bits = self._touched[shard] = bytearray()
+        if end <= start:
+            return bits, 0, 0
         first, last = start // TOUCH_UNIT, (end - 1) // TOUCH_UNIT
         if last >= len(bits):
             bits.extend(bytes(last + 1 - len(bits)))
-        for unit in range(first, last + 1):
-            if not bits[unit]:
-                bits[unit] = 1
-                self.touched_bytes += TOUCH_UNIT
+        return bits, first, last + 1
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -108,6 +127,7 @@ class Stats:
             "page_wait_seconds": round(self.page_wait_seconds, 6),
             "prefetch_windows": self.prefetch_windows,
             "prefetch_bytes": self.prefetch_bytes,
+            "prefetch_hit_bytes": self.prefetch_hit_bytes,
             "integrity": {"verified": self.verified, "verify_failures": self.verify_failures},
             "changed_shards": self.changed_shards,
             "seconds_since_io_error": None if last is None else round(time.monotonic() - last, 3),
