@@ -41,9 +41,12 @@ def test_counting_units() -> None:
     stats.touch("s", 0, 1)
     stats.touch("s", 5, MIB + 1)  # the first MiB again, and one more
     stats.error("read", errno.EIO)
+    stats.prefetched("s", MIB, 4 * MIB + 100)  # a window over MiB 1 (read already) to 4
+    stats.touch("s", 2 * MIB, 2 * MIB + 10)
     snapshot = stats.snapshot()
+    assert snapshot["prefetch_ahead_bytes"] == 3 * MIB and snapshot["prefetch_hit_bytes"] == MIB  # MiB 2, 3, 4; then 2
+    assert snapshot["prefetch_bytes"] == 3 * MIB + 100 and snapshot["touched_bytes"] == 3 * MIB
     assert snapshot["read_bytes"]["tensor"] == 100 and snapshot["reads"]["view"] == 1
-    assert snapshot["touched_bytes"] == 2 * MIB
     assert snapshot["errors"] == [{"op": "read", "errno": errno.EIO, "count": 1}]
     counts = snapshot["read_latency"]["counts"]
     assert sum(counts) == 2 and counts[-1] == 1  # 20 s: past every bound
@@ -162,3 +165,24 @@ def test_json_logs_name_the_tensor_shard_and_errno(mounts: Mounts, tmp_path: Pat
         "shard": str(directory / "m.safetensors"),
         "errno": "EIO",
     }
+
+
+def test_a_shard_changed_under_a_verifying_mount_is_degraded(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"x": ("U8", [4096], random_bytes(4096, 1))})
+    assert mounts.run("manifest", "-o", str(directory / "tensors.sha256"), str(directory)).returncode == 0
+    mountpoint = mounts.mount(directory)
+    with open(directory / "m.safetensors", "r+b") as shard:  # in place: same inode, same size
+        shard.seek(200)
+        for _ in range(8):  # a burst of writes: one warning
+            shard.write(b"\xff")
+            shard.flush()
+    from conftest import wait_until
+
+    def status_line() -> str:
+        return mounts.run("status", str(mountpoint)).stdout.splitlines()[1]
+
+    wait_until(lambda: status_line().split()[1] == "degraded", what="the mount to say it is degraded")
+    assert "1 shard(s) changed under it" in status_line()
+    assert mounts.log().count("changed under the mount") == 1

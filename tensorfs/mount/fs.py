@@ -481,16 +481,21 @@ class TensorOperations(pyfuse3.Operations):
                 "validated, and its %s answer EIO until it is mounted again",
                 _shown(shard),
                 _tensors(len(names)),
+                extra={"fields": {"shard": str(shard), "errno": "EIO"}},
             )
             state.changed = True
-            self.stats.changed_shards += 1
+            self.stats.changed.add(shard)
             self._sums = None
         else:
-            log.warning(
-                "shard %s changed under the mount: its %s verified again before any more of their bytes are served",
-                _shown(shard),
-                _tensors(len(names)) + (" are" if len(names) != 1 else " is"),
-            )
+            # Told once per burst of writes: again only once something of it was verified since.
+            if shard not in self.stats.changed or not self.integrity.verified.isdisjoint(names):
+                log.warning(
+                    "shard %s changed under the mount: its %s verified again before any more of their bytes are served",
+                    _shown(shard),
+                    _tensors(len(names)) + (" are" if len(names) != 1 else " is"),
+                    extra={"fields": {"shard": str(shard)}},
+                )
+            self.stats.changed.add(shard)
             self.integrity.verified.difference_update(names)
             self._failed.difference_update(names)
         self.tree.refresh_shard(shard)

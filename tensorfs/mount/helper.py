@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import click
 
 from ..errors import TensorfsError
+from .daemon import REFUSED_OPTIONS
 
 # Options of mount(8) and fstab that mean nothing more to a read-only FUSE mount (it is always
 # nodev, nosuid), or that systemd and mount(8) use themselves.
@@ -57,6 +58,8 @@ def mount_arguments(argv: Sequence[str], command: click.Command) -> list[str]:
         if key in FUSE_OPTIONS:
             arguments += ["-o", option]
             continue
+        if key in REFUSED_OPTIONS:
+            raise TensorfsError(f"option '{key}': refused: {REFUSED_OPTIONS[key]}")
         found = flags.get(key)
         if found is None or key in NOT_IN_FSTAB:
             raise TensorfsError(f"option '{key}': not a tensorfs mount option (see tensorfs mount --help)")

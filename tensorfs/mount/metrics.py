@@ -80,8 +80,10 @@ class _Collector:
         yield counter("tensorfs_page_wait_seconds", "Time reads waited for pages.", snapshot["page_wait_seconds"])
         yield counter("tensorfs_prefetch_windows", "Windows read ahead of readers.", snapshot["prefetch_windows"])
         yield counter("tensorfs_prefetch_bytes", "Bytes of windows read ahead.", snapshot["prefetch_bytes"])
+        ahead = snapshot["prefetch_ahead_bytes"]
+        yield counter("tensorfs_prefetch_ahead_bytes", "MiB read ahead before a reader asked (by MiB).", ahead)
         hits = snapshot["prefetch_hit_bytes"]
-        yield counter("tensorfs_prefetch_hit_bytes", "Bytes read ahead that readers then read (by MiB).", hits)
+        yield counter("tensorfs_prefetch_hit_bytes", "Of those, MiB a reader then read (by MiB).", hits)
         integrity = snapshot["integrity"]
         yield counter("tensorfs_tensors_verified", "Tensors whose hash matched the manifest.", integrity["verified"])
         failures = integrity["verify_failures"]

@@ -52,10 +52,12 @@ class Stats:
         self.opened_tensors: set[str] = set()
         self._touched: dict[object, bytearray] = {}  # per shard, a byte per MiB: 1 read, 2 read ahead
         self.touched_bytes = 0
+        self.prefetch_ahead_bytes = 0
+        """The MiB that read-ahead brought in before any reader asked (by MiB: the hits' measure)."""
         self.prefetch_hit_bytes = 0
-        """Of the MiB read ahead, those a reader then read (by MiB)."""
-        self.changed_shards = 0
-        """Shards changed in place under the mount with no manifest: their tensors are refused."""
+        """Of those, the MiB a reader then read: the hit ratio is hit / ahead."""
+        self.changed: set[object] = set()
+        """Shards changed in place under the mount (refused without a manifest, verified again with one)."""
         self._last_io_error: float | None = None
         self.sources: dict[str, Callable[[], dict[str, int | float]]] = {}
 
@@ -93,6 +95,7 @@ class Stats:
         for unit in range(*units[1:]):
             if units[0][unit] == 0:
                 units[0][unit] = _AHEAD
+                self.prefetch_ahead_bytes += TOUCH_UNIT
 
     def _units(self, shard: object, start: int, end: int) -> tuple[bytearray, int, int]:
         bits = self._touched.get(shard)
@@ -127,9 +130,10 @@ class Stats:
             "page_wait_seconds": round(self.page_wait_seconds, 6),
             "prefetch_windows": self.prefetch_windows,
             "prefetch_bytes": self.prefetch_bytes,
+            "prefetch_ahead_bytes": self.prefetch_ahead_bytes,
             "prefetch_hit_bytes": self.prefetch_hit_bytes,
             "integrity": {"verified": self.verified, "verify_failures": self.verify_failures},
-            "changed_shards": self.changed_shards,
+            "changed_shards": len(self.changed),
             "seconds_since_io_error": None if last is None else round(time.monotonic() - last, 3),
             "open_files": self.open_files,
             "tensors_opened": len(self.opened_tensors),

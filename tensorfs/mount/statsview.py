@@ -62,8 +62,8 @@ def render(mountpoint: str, now: dict[str, Any], before: dict[str, Any] | None) 
         f"latency    reads p50 {_latency(quantile(buckets, counts, 0.5))}, "
         f"p99 {_latency(quantile(buckets, counts, 0.99))} {window}",
         f"pages      {now['page_waits']} reads waited {now['page_wait_seconds']:.2f} s for pages; "
-        f"{now['prefetch_windows']} windows read ahead ({human_size(now['prefetch_bytes'])}, "
-        f"{human_size(now['prefetch_hit_bytes'])} of it read since)",
+        f"{now['prefetch_windows']} windows read ahead ({human_size(now['prefetch_bytes'])}; by MiB "
+        f"{human_size(now['prefetch_hit_bytes'])} of {human_size(now['prefetch_ahead_bytes'])} read since)",
         f"integrity  {integrity['verified']} tensors verified, {integrity['verify_failures']} refused",
         f"files      {now['open_files']} open; {now['tensors_opened']} tensors opened; "
         f"{human_size(touched)} of {human_size(total)} touched ({100 * touched / total if total else 0:.0f}%)",
