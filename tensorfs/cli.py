@@ -66,6 +66,10 @@ class OutputError(TensorfsError):
         self.broken_pipe = exc.errno == errno.EPIPE
 
 
+_PIECE = 1 << 14
+"""Characters of standard output written at once at most (a pipe holds 64 KiB)."""
+
+
 class _GuardedOutput:
     """Standard output for the commands: an error writing it is an OutputError, not a traceback.
 
@@ -79,7 +83,14 @@ class _GuardedOutput:
         try:
             if self._stream is None:
                 raise OSError(errno.EBADF, os.strerror(errno.EBADF))
-            return self._stream.write(text)
+            if len(text) <= _PIECE:
+                return self._stream.write(text)
+            # Python's buffered writer drops the error of a write that went out in part (`| head`):
+            # a long text goes a pipe's worth at a time, each piece flushed, so the error is seen.
+            for start in range(0, len(text), _PIECE):
+                self._stream.write(text[start : start + _PIECE])
+                self._stream.flush()
+            return len(text)
         except OSError as exc:
             raise OutputError(exc) from None
 
@@ -92,14 +103,6 @@ class _GuardedOutput:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
-
-
-def write_out(text: str) -> None:
-    """Write a long text to standard output a pipe's worth at a time: Python's buffered writer
-    drops the error of a write that went out in part (`| head`), so no write may be larger."""
-    for start in range(0, len(text), 1 << 14):
-        sys.stdout.write(text[start : start + (1 << 14)])
-        sys.stdout.flush()
 
 
 def write_file(path: Path, text: str) -> None:
@@ -432,7 +435,7 @@ def manifest(
     with open_selected(path, selection, remote=remote) as model:
         text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
     if output is None:
-        write_out(text)
+        sys.stdout.write(text)
     else:
         write_file(output, text)
 
@@ -780,6 +783,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
     """
     from .mount.mounttable import FSTYPE, health, mounts, read_stats, resolve_mountpoint
     from .mount.stats import degraded
+    from .mount.statsview import duration
 
     entries = [entry for entry in mounts() if entry.fstype == FSTYPE]
     if mountpoints:
@@ -831,7 +835,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
                 str(record.get("tensors", "-")),
                 human_size(int(record["bytes"])) if isinstance(record.get("bytes"), int) else "-",
                 human_size(served) if served is not None else "-",
-                _uptime(uptime) if uptime is not None else "-",
+                duration(uptime) if uptime is not None else "-",
                 printable(source) + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )
@@ -844,12 +848,6 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
             for row in [header, *rows]:
                 click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:7], widths, strict=True)) + "  " + row[7])
     return 0 if healthy else 1
-
-
-def _uptime(seconds: float) -> str:
-    from .mount.statsview import duration
-
-    return duration(seconds)
 
 
 @cli.command()

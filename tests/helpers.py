@@ -161,3 +161,12 @@ def sharded_every_dtype(directory: Path) -> dict[str, bytes]:
             weight_map[name] = shard.name
     write_index(directory, weight_map)
     return expected
+
+
+def errno_of_reading(path: Path) -> int | None:
+    """The errno reading `path` fails with; None when it reads."""
+    try:
+        path.read_bytes()
+    except OSError as exc:
+        return exc.errno
+    return None

@@ -20,7 +20,7 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, wait_until
-from helpers import MIB, mib_sharded_model, model_bytes
+from helpers import MIB, errno_of_reading, mib_sharded_model, model_bytes
 from tensorfs.integrity import Hasher, format_manifest
 from tensorfs.mount.mounttable import pid_alive
 
@@ -41,14 +41,6 @@ def overwrite_in_place(shard: Path, offset: int, data: bytes) -> None:
     subprocess.run(
         ["dd", f"of={shard}", "bs=1", f"seek={offset}", "conv=notrunc", "status=none"], input=data, check=True
     )
-
-
-def errno_of_reading(path: Path) -> int | None:
-    try:
-        path.read_bytes()
-    except OSError as exc:
-        return exc.errno
-    return None
 
 
 def refused(reader: BinaryIO, validated: bytes, offset: int) -> bool:

@@ -21,7 +21,7 @@ import obstore
 import pytest
 
 from conftest import Mounts, wait_until
-from helpers import MIB, random_bytes, write_reference
+from helpers import MIB, errno_of_reading, random_bytes, write_reference
 from servers import DroppingProxy, Nginx, SeaweedFS
 from tensorfs.model import open_model
 from tensorfs.mount.mounttable import pid_alive
@@ -35,14 +35,6 @@ def big_model(directory: Path, tensors: int = 12, size: int = 8 * MIB) -> dict[s
     data = {f"t{i:02d}": random_bytes(size, 100 + i) for i in range(tensors)}
     write_reference(directory / "m.safetensors", {name: ("U8", [size], blob) for name, blob in data.items()})
     return data
-
-
-def errno_of_reading(path: Path) -> int | None:
-    try:
-        path.read_bytes()
-    except OSError as exc:
-        return exc.errno
-    return None
 
 
 @pytest.fixture

@@ -240,6 +240,11 @@ def cold_section(config: Config, report: Report, mounter: Mounter, model_dir: Pa
         )
 
 
+def read_files(mnt: Path, names: list[str]) -> float:
+    """Seconds to read each of the files `names` under `mnt`, one after another."""
+    return sum(read_file(mnt / name) for name in names)
+
+
 def views_section(
     config: Config,
     report: Report,
@@ -254,7 +259,7 @@ def views_section(
     per_tensor, synthesized = [], []
     for _ in range(config.repeat):
         with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
-            per_tensor.append(nbytes / sum(read_file(mnt / name) for name in big))
+            per_tensor.append(nbytes / read_files(mnt, big))
         with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
             synthesized.append(nbytes / read_file(mnt / ".tensorfs" / "model" / "model.safetensors"))
     report.add(
@@ -282,7 +287,7 @@ def metrics_section(
     plain, scraped = [], []
     for _ in range(config.repeat):
         with mounter.mounted(model_dir) as (mnt, _):
-            plain.append(nbytes / sum(read_file(mnt / name) for name in big))
+            plain.append(nbytes / read_files(mnt, big))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -291,7 +296,7 @@ def metrics_section(
             scraper = threading.Thread(target=_scrape, args=(f"http://127.0.0.1:{port}/metrics", done), daemon=True)
             scraper.start()
             try:
-                scraped.append(nbytes / sum(read_file(mnt / name) for name in big))
+                scraped.append(nbytes / read_files(mnt, big))
             finally:
                 done.set()
                 scraper.join()

@@ -15,9 +15,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import MountError
 from .runtime import daemon_of, process_state, read_record, remove_record
@@ -114,51 +115,58 @@ def daemon_pid(mountpoint: Path) -> int | None:
 PROBE_TIMEOUT = 2.0
 
 
+Answer = TypeVar("Answer")
+
+
+def within(timeout: float, name: str, ask: Callable[[], Answer]) -> Answer | str:
+    """`ask()` on a thread of its own, or "hung" if it has not returned within `timeout`.
+
+    The thread is left behind if a daemon never answers: it ends with this process, or when the
+    daemon does.
+    """
+    outcome: list[Answer] = []
+    thread = threading.Thread(target=lambda: outcome.append(ask()), name=name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else "hung"
+
+
 def probe(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> str:
     """Ask the mount's daemon something it must answer itself: "ok", "dead", "hung" or "no access".
 
-    statfs is never answered from the kernel's caches. It runs on a thread of its own, which is
-    left behind if the daemon never answers: it ends with this process, or when the daemon does.
+    statfs is never answered from the kernel's caches.
     """
-    outcome: list[str] = []
 
-    def ask() -> None:
+    def ask() -> str:
         try:
             os.statvfs(mountpoint)
-            outcome.append("ok")
         except OSError as exc:
             if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENOENT):
-                outcome.append("dead")
-            elif exc.errno in (errno.EACCES, errno.EPERM):
-                outcome.append("no access")
-            else:
-                outcome.append("ok" if exc.errno == errno.ENOSYS else "dead")
+                return "dead"
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                return "no access"
+            return "ok" if exc.errno == errno.ENOSYS else "dead"
+        return "ok"
 
-    thread = threading.Thread(target=ask, name=f"probe {mountpoint}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return outcome[0] if outcome else "hung"
+    return within(timeout, f"probe {mountpoint}", ask)
 
 
 def read_stats(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> dict[str, Any] | str:
-    """The daemon's counters (.tensorfs/stats.json), or why not ("hung", "dead", a reason):
-    read on a thread of its own, left behind if the daemon never answers (see probe)."""
-    outcome: list[dict[str, Any] | str] = []
+    """The daemon's counters (.tensorfs/stats.json), or why not ("hung", "dead", a reason),
+    asked within a deadline as probe() asks."""
 
-    def ask() -> None:
+    def ask() -> dict[str, Any] | str:
         try:
             with open(mountpoint / ".tensorfs" / "stats.json", "rb") as file:
-                outcome.append(json.loads(file.read()))
+                found: dict[str, Any] = json.loads(file.read())
+                return found
         except OSError as exc:
             dead = exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-            outcome.append("dead" if dead else f"cannot read its stats.json: {exc.strerror}")
+            return "dead" if dead else f"cannot read its stats.json: {exc.strerror}"
         except ValueError:
-            outcome.append("its stats.json is not JSON (a daemon of another version?)")
+            return "its stats.json is not JSON (a daemon of another version?)"
 
-    thread = threading.Thread(target=ask, name=f"stats {mountpoint}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return outcome[0] if outcome else "hung"
+    return within(timeout, f"stats {mountpoint}", ask)
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,8 @@ class _Static:
     """A directory's entries: name -> index, in listing order."""
     listing: list[tuple[str, int]]
     """The same entries as a list, for readdir's positions."""
+    in_view: str | None = None
+    """For the view's subdirectories and files: the path in the view (config.json, 1_Pooling/x)."""
 
 
 class Tree:
@@ -232,9 +234,9 @@ class Tree:
         inodes = [inode + which for inode in first for which in range(3)]
         if self.view is not None:
             for index, node in enumerate(self._static):
-                if node.kind is not Kind.VIEW:
+                if node.kind is not Kind.VIEW or node.in_view is None:
                     continue
-                content = self.view.files.get(node.path.removeprefix(VIEW_DIR + "/"))
+                content = self.view.files[node.in_view]
                 # A file never read has nothing in the kernel's cache to drop.
                 if isinstance(content, SynthesizedFile) and content.built and content.draws_on(shard):
                     inodes.append(self.control_dir_inode + index)
@@ -412,7 +414,7 @@ class Tree:
             static = self._static_dir(inode)
             if static is not None:
                 subdirs = sum(self._static[child].kind is Kind.DIRECTORY for child in static.children.values())
-                source = self.view.directory_status.get(static.path.removeprefix(VIEW_DIR + "/")) if self.view else None
+                source = self.view.directory_status.get(static.in_view) if self.view and static.in_view else None
                 if source is not None:  # a subdirectory of the view: as its source directory is
                     access = Access.of(source, self.ownership)
             else:
@@ -487,20 +489,28 @@ class Tree:
             return []
         node = self._static[inode - self.control_dir_inode]
         nodes = [self._static[child] for child in node.children.values()] if listing else [node]
-        found = [self.view.files.get(n.path.removeprefix(VIEW_DIR + "/")) for n in nodes if n.kind is Kind.VIEW]
+        found = [self.view.files[n.in_view] for n in nodes if n.kind is Kind.VIEW and n.in_view is not None]
         return [file for file in found if isinstance(file, SynthesizedFile) and not file.built]
 
     def view_file(self, inode: int) -> SynthesizedFile | bytes:
         """What a file of the view is: a synthesized safetensors file, or the bytes of a companion file."""
-        node = self.node(inode)
-        if node.kind is not Kind.VIEW or self.view is None or node.control is None:
+        static = self._view_node(inode)
+        if static is None or static.in_view is None or static.kind is not Kind.VIEW or self.view is None:
             raise NoSuchEntry(f"inode {inode} is not a file of the view")
-        return self.view.files[node.control.removeprefix(VIEW_DIR + "/")]
+        return self.view.files[static.in_view]
 
     def _companion(self, inode: int) -> Companion | None:
-        assert self.view is not None
-        path = self.node(inode).control or ""
-        return self.view.companions.get(path.removeprefix(VIEW_DIR + "/"))
+        static = self._view_node(inode)
+        assert self.view is not None and static is not None and static.in_view is not None
+        return self.view.companions.get(static.in_view)
+
+    def _view_node(self, inode: int) -> _Static | None:
+        """The node of a subdirectory or file of the view; None for any other inode."""
+        if self.control_dir_inode <= inode < self._first_tensor_inode:
+            static = self._static[inode - self.control_dir_inode]
+            if static.in_view is not None:
+                return static
+        return None
 
 
 def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -> list[_Static]:
@@ -518,7 +528,8 @@ def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -
     nodes: list[_Static] = []
     for path in paths:
         parent = index[path.rpartition("/")[0]] if path else 0
-        nodes.append(_Static(path, kinds.get(path, Kind.DIRECTORY), parent, {}, []))
+        in_view = path.removeprefix(VIEW_DIR + "/") if path.startswith(VIEW_DIR + "/") else None
+        nodes.append(_Static(path, kinds.get(path, Kind.DIRECTORY), parent, {}, [], in_view))
     for i, node in enumerate(nodes[1:], 1):
         nodes[node.parent].listing.append((node.path.rpartition("/")[2], i))
     for node in nodes:
