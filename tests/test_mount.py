@@ -135,8 +135,34 @@ def test_every_mutating_call_gets_erofs(mounts: Mounts, model_dir: Path) -> None
         with pytest.raises(OSError) as caught:
             attempt()
         assert caught.value.errno == errno.EROFS, what
-    assert os.listxattr(tensor) == []
     assert tensor.read_bytes() == reference_tensors(model_dir / "model-00001-of-00003.safetensors")["scalar"][2]
+
+
+def test_the_kernel_stops_asking_what_is_answered_enosys(mounts: Mounts, model_dir: Path) -> None:
+    """Flushes and extended attributes cost a round trip per file until the kernel is told, once, that
+    they are not implemented: after that it answers by itself, and the daemon never hears of them."""
+    mountpoint = mounts.mount(model_dir)
+    expected = {
+        name: data for s in model_dir.glob("*.safetensors") for name, (_, _, data) in reference_tensors(s).items()
+    }
+    assert len(expected) >= 5
+    for name, data in expected.items():
+        path = mountpoint / name
+        assert path.read_bytes() == data  # an open, a read and a close (a flush, then a release)
+        with pytest.raises(OSError) as caught:
+            os.getxattr(path, "user.x")
+        assert caught.value.errno == errno.EOPNOTSUPP
+        with pytest.raises(OSError) as caught:
+            os.listxattr(path)
+        assert caught.value.errno == errno.EOPNOTSUPP
+    counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    assert counted["requests"]["open"] >= len(expected)
+    assert {op: counted["requests"].get(op) for op in ("flush", "getxattr", "listxattr")} == {
+        "flush": 1,
+        "getxattr": 1,
+        "listxattr": 1,
+    }
+    assert counted["errors"] == []
 
 
 def test_bad_models_are_refused_with_nothing_mounted(mounts: Mounts, tmp_path: Path) -> None:

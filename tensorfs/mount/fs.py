@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 # (when a shard does change, the daemon tells the kernel to drop what it holds of it).
 CACHE_TIMEOUT = 24 * 3600.0
 DEFAULT_PREFETCH = 32 << 20
+SMALL_TENSOR = 1 << 20
+"""Tensors up to this size are read without a worker thread when their pages are in memory already."""
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -369,8 +371,8 @@ class TensorOperations(pyfuse3.Operations):
         """A slice of the shard's mapping, its pages brought in off this thread first if need be.
 
         The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
-        evicted from under it (a hole would read as zeros). It is let go by the next read, or the
-        next flush: code that runs once this task has yielded, which is after pyfuse3 has sent the
+        evicted from under it (a hole would read as zeros). It is let go by the next read, or
+        within a second (serve.py): code that runs once this task has yielded, which is after pyfuse3 has sent the
         reply (it replies before it awaits anything).
         """
         if self._replied:
@@ -380,7 +382,13 @@ class TensorOperations(pyfuse3.Operations):
             await self.verify(span.name)  # the shard changed since this file was opened
         low = min(span.start + off, span.end)
         high = min(low + size, span.end)
-        if not (span.ready_from <= low < high <= span.ready_to and span.data.pin(low, high)):
+        ready = span.ready_from <= low < high <= span.ready_to
+        small = span.end - span.start <= SMALL_TENSOR
+        if not ready and small:
+            # A small tensor already in memory (mincore) is answered at once: for many small files
+            # the hop to a worker thread and back would cost more than the whole rest of the read.
+            ready = span.data.resident(low, high)
+        if not (ready and span.data.pin(low, high)):
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
             waited = time.perf_counter()
             try:
@@ -396,7 +404,7 @@ class TensorOperations(pyfuse3.Operations):
             if until > high and not await self._ensure_ahead(span, high, until, self._demand):
                 until = high
             span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
-        elif self.nursery is not None and self._window_running_out(span, high):
+        elif self.nursery is not None and not small and self._window_running_out(span, high):
             span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
             self.nursery.start_soon(self._prefetch, span)
         if not span.data.lazy_views:
@@ -663,7 +671,10 @@ class TensorOperations(pyfuse3.Operations):
         self.stats.open_files -= 1
 
     async def flush(self, fh: int) -> None:
-        pass
+        # Nothing to write back. ENOSYS, once, tells the kernel not to send a flush again on any
+        # close (fc->no_flush): one round trip less for every file a reader opens.
+        self.stats.request("flush")
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     @handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -676,16 +687,17 @@ class TensorOperations(pyfuse3.Operations):
         stats.f_namemax = 255
         return stats
 
-    # -- extended attributes: there are none ------------------------------------------------
-    @handler
+    # -- extended attributes: not supported ------------------------------------------------
+    # ENOSYS, once, makes the kernel answer EOPNOTSUPP itself from then on (fc->no_getxattr,
+    # no_listxattr): `ls -l` asks two of them per file (ACL, capabilities), a round trip each.
+    # Counted as requests, not as errors: it is no failure.
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        self.tree.node(inode)
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        self.stats.request("getxattr")
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
-    @handler
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        self.tree.node(inode)
-        return []
+        self.stats.request("listxattr")
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # -- everything that would change the tree: refused -------------------------------------
     setattr = _read_only("setattr")

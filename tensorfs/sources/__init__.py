@@ -64,6 +64,10 @@ class ShardData(ABC):
         tell a source how it reads).
         """
 
+    def resident(self, start: int, end: int) -> bool:
+        """Whether [start, end) is in memory already, asked without blocking (False: don't know)."""
+        return False
+
     def pin(self, start: int, end: int) -> bool:
         """Hold [start, end) present until unpin(): True if it is (a file's bytes always are)."""
         return True

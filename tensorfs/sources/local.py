@@ -117,6 +117,11 @@ class LocalShard(ShardData):
             self._pages = Pages(self.view)
         return self._pages.populate(start, end)
 
+    def resident(self, start: int, end: int) -> bool:
+        if self._pages is None:
+            self._pages = Pages(self.view)
+        return self._pages.resident(start, end)
+
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Read the file, not the mapping: a mapped page whose bytes were cut from the file kills the
         process that touches it (SIGBUS); a read just comes up short, which is ShardChangedError."""

@@ -27,6 +27,11 @@ _madvise = _libc.madvise
 _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _madvise.restype = ctypes.c_int
 _populate_supported = True
+_mincore = _libc.mincore
+_mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_mincore.restype = ctypes.c_int
+RESIDENT_CHECK_MAX = 1 << 20
+"""Ranges up to this size are asked about (mincore) before a worker thread is sent to read them in."""
 
 
 class _PyBuffer(ctypes.Structure):
@@ -73,6 +78,23 @@ class Pages:
             # Huge pages where the page cache has large folios: fewer pages for the kernel to pin
             # and copy from per reply (measured here: first reads 2.5 -> 2.9 GB/s). Advice only.
             _madvise(self._address, self.size, MADV_HUGEPAGE)
+
+    def resident(self, start: int, end: int) -> bool:
+        """Whether every page of [start, end) is in the page cache (mincore: no wait, no read).
+
+        A small read of a file already cached is then answered at once on the trio thread: its
+        copy takes a minor fault at most, where a hop to a worker thread costs far more."""
+        start = max(0, start - start % PAGE)
+        end = min(end, self.size)
+        if end <= start:
+            return True
+        if end - start > RESIDENT_CHECK_MAX:
+            return False
+        pages = -(-(end - start) // PAGE)
+        vector = ctypes.create_string_buffer(pages)
+        if _mincore(self._address + start, end - start, vector) != 0:
+            return False
+        return all(byte & 1 for byte in vector.raw)
 
     def populate(self, start: int, end: int) -> bool:
         """Read [start, end) of the shard into memory and map it; False if that failed (e.g. truncated)."""
