@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import safetensors
 
+from tensorfs.header import ShardHeader
 from tensorfs.model import INDEX_NAME
 
 # safetensors dtype -> the name safetensors.serialize takes; the F6 types it cannot write.
@@ -85,6 +86,41 @@ def reference_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
     return {
         name: (t["dtype"], list(t["shape"]), bytes(t["data"])) for name, t in safetensors.deserialize(path.read_bytes())
     }
+
+
+Row = tuple[str, list[int], tuple[int, int], bytes]
+"""One tensor of a parsed table: dtype, shape, data_offsets (relative to the data), raw bytes."""
+Table = tuple[dict[str, Row], dict[str, str] | None]
+"""A shard as a reader parses it: every tensor by (unescaped) name, and the `__metadata__`."""
+
+
+def reference_table(path: Path) -> Table:
+    """The shard as the reference reader parses it. Its API gives no offsets, so they are rebuilt from
+    what it does give: its tensors in offset order (which it checked are contiguous from 0) and the
+    length of each one's data; empty tensors sharing an offset get the same one whatever their order."""
+    data = {name: bytes(t["data"]) for name, t in safetensors.deserialize(path.read_bytes())}
+    tensors: dict[str, Row] = {}
+    with safetensors.safe_open(str(path), framework="np") as f:
+        begin = 0
+        for name in f.offset_keys():
+            view = f.get_slice(name)
+            end = begin + len(data[name])
+            tensors[name] = (view.get_dtype(), list(view.get_shape()), (begin, end), data[name])
+            begin = end
+        metadata = f.metadata()
+    assert set(tensors) == set(data)
+    return tensors, metadata
+
+
+def header_table(header: ShardHeader, content: bytes) -> Table:
+    """The shard as tensorfs parsed it into `header`; each tensor's bytes taken from the file's
+    `content` where tensorfs says they are."""
+    tensors: dict[str, Row] = {}
+    for begin, end, name, dtype, shape in header.entries:
+        assert name not in tensors
+        start = header.data_start
+        tensors[name] = (dtype.name, list(shape), (begin, end), content[start + begin : start + end])
+    return tensors, header.metadata
 
 
 def every_dtype_tensors(seed: int = 0) -> dict[str, Tensor]:

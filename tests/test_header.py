@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import entry, reference_accepts
+from helpers import entry, header_table, reference_accepts, reference_table
 from tensorfs import InvalidModelError
 from tensorfs.dtypes import DTYPES
 from tensorfs.header import MAX_HEADER_BYTES, _careful_parse, _fast_parse, read_shard_header
@@ -173,6 +173,26 @@ ACCEPTED = [
     ("non-ascii-name-raw", '{"é":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'.encode(), b"x"),
     ("name-with-dash-zero", {"layer-0": entry("U8", [1], 0, 1)}, b"x"),
     ("colon-after-space-in-name", {"a :b": entry("U8", [1], 0, 1)}, b"x"),
+    (
+        "escaped-control-and-backslash-names",
+        b'{"a\\nb":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+        b'"c\\\\d\\/e":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},'
+        b'"\\u0041\\t":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}}',
+        b"xyz",
+    ),
+    ("surrogate-pair-name", b'{"\\ud83d\\ude00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x"),
+    ("escaped-metadata", b'{"__metadata__":{"k\\"\\n":"v\\\\\\u00e9","":"\\ud83d\\ude00"}}', b""),
+    (
+        "dtypes-and-offsets-out-of-order",
+        {
+            "c": entry("F16", [2, 1], 9, 13),
+            "a": entry("BF16", [], 0, 2),
+            "e": entry("U8", [0, 7], 13, 13),
+            "b": entry("F6_E2M3", [2, 2], 2, 5),
+            "d": entry("I32", [1], 5, 9),
+        },
+        b"0123456789abc",
+    ),
 ]
 
 
@@ -199,6 +219,8 @@ def test_edges_the_reference_accepts_are_accepted(shard_file, case, header, data
     header_obj = read_shard_header(path)
     assert header_obj.file_size == path.stat().st_size
     assert sum(end - begin for begin, end, *_ in header_obj.entries) == len(data)
+    # Names (unescaped), dtypes, shapes, offsets, bytes and metadata: as the reference parses them.
+    assert header_table(header_obj, path.read_bytes()) == reference_table(path)
 
 
 def test_repeated_tensor_name_is_rejected_though_the_reference_keeps_one(shard_file) -> None:  # type: ignore[no-untyped-def]
