@@ -88,10 +88,22 @@ class Mounts:
         if mountpoint is None:
             mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
             mountpoint.mkdir()
-        self.mountpoints.append(mountpoint)
-        result = self.run("mount", "--log-file", str(self.log_file), *options, str(source), str(mountpoint))
+        result = self.attempt(source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint)
         assert result.returncode == 0, result.stderr + self.log()
         assert os.path.ismount(mountpoint)
+        return mountpoint
+
+    def attempt(self, source: Path | str, *options: str, mountpoint: Path) -> subprocess.CompletedProcess[str]:
+        """Run `tensorfs mount`, which may be refused (the caller checks how). Its mountpoint is taken
+        care of first, so that a mount expected to be refused but made all the same is taken away."""
+        self.watch(mountpoint)
+        return self.run("mount", *options, str(source), str(mountpoint))
+
+    def watch(self, mountpoint: Path) -> Path:
+        """Have whatever gets mounted at `mountpoint` unmounted, its daemon gone, at the end of the test:
+        call it before anything may mount there."""
+        if mountpoint not in self.mountpoints:
+            self.mountpoints.append(mountpoint)
         return mountpoint
 
     def daemon_pid(self, mountpoint: Path) -> int:

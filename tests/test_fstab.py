@@ -56,7 +56,8 @@ def test_mount_t_fuse_tensorfs(mounts: Mounts, model_dir: Path, tmp_path: Path) 
         pytest.fail(f"{HELPER} is there already: not this test's to replace")
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
+    mounts.watch(mountpoint)
+    mounts.watch(tmp_path)  # where a bad option must stop a mount: taken away should one be made
     HELPER.symlink_to(Path(sys.executable).parent / "mount.tensorfs")
     try:
         options = f"ro,layout=dotted,readahead_kb=2048,include=t.*,log_file={mounts.log_file},nofail"
@@ -87,7 +88,7 @@ def test_tensorfs_run_as_mount_fuse_runs_it(mounts: Mounts, model_dir: Path, tmp
     """mount.fuse3 runs `tensorfs SRC MNT -o OPTS,dev,suid` (when no mount.fuse.tensorfs exists)."""
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
+    mounts.watch(mountpoint)
     options = f"ro,layout=dotted,log_file={mounts.log_file},dev,suid"
     result = mounts.run(str(model_dir), str(mountpoint), "-o", options)
     assert result.returncode == 0 and result.stdout == "", result.stderr
@@ -103,7 +104,7 @@ def test_systemd_hears_the_mount_ready(mounts: Mounts, model_dir: Path, tmp_path
     listener.settimeout(60)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
+    mounts.watch(mountpoint)
     daemon = subprocess.Popen(
         [sys.executable, "-m", "tensorfs.cli", "mount", "-f", "--log-file", str(mounts.log_file), str(model_dir), str(mountpoint)],
         env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify")},

@@ -276,10 +276,10 @@ def test_verify_all_refuses_to_mount_a_corrupt_model(mounts: Mounts, model_dir: 
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     ok = mounts.mount(model_dir, "--manifest", str(manifest), "--verify", "all", "--no-cache")
-    assert (ok / "w1").read_bytes()
+    assert (ok / "w1").read_bytes() == reference_tensors(model_dir / "a.safetensors")["w1"][2]
     flip_byte_in_place(model_dir / "b.safetensors", "sub/w3")
-    result = mounts.run(
-        "mount", "--manifest", str(manifest), "--verify", "all", "--no-cache", str(model_dir), str(mountpoint)
+    result = mounts.attempt(
+        model_dir, "--manifest", str(manifest), "--verify", "all", "--no-cache", mountpoint=mountpoint
     )
     assert result.returncode == 1
     assert (
@@ -289,7 +289,7 @@ def test_verify_all_refuses_to_mount_a_corrupt_model(mounts: Mounts, model_dir: 
     assert not os.path.ismount(mountpoint)
     incomplete = tmp_path / "incomplete.sha256"
     incomplete.write_text(format_manifest({"w1": "0" * 64}))
-    result = mounts.run("mount", "--manifest", str(incomplete), str(model_dir), str(mountpoint))
+    result = mounts.attempt(model_dir, "--manifest", str(incomplete), mountpoint=mountpoint)
     assert result.returncode == 1 and "tensor 'w2': is in the model but not in the manifest" in result.stderr
 
 

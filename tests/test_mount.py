@@ -172,7 +172,7 @@ def test_bad_models_are_refused_with_nothing_mounted(mounts: Mounts, tmp_path: P
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     before = tensorfs_mounts()
-    result = mounts.run("mount", str(bad), str(mountpoint))
+    result = mounts.attempt(bad, mountpoint=mountpoint)
     assert result.returncode == 1
     assert (
         result.stderr
@@ -193,18 +193,18 @@ def test_bad_mountpoints_are_refused(mounts: Mounts, model_dir: Path, tmp_path: 
         full: "is not empty",
     }
     for mountpoint, words in cases.items():
-        result = mounts.run("mount", str(model_dir), str(mountpoint))
+        result = mounts.attempt(model_dir, mountpoint=mountpoint)
         assert result.returncode == 1 and words in result.stderr and "Traceback" not in result.stderr
         assert result.stderr.count("\n") == 1
     live = mounts.mount(model_dir)
-    result = mounts.run("mount", str(model_dir), str(live))
+    result = mounts.attempt(model_dir, mountpoint=live)
     assert result.returncode == 1 and "already holds a tensorfs mount" in result.stderr
-    result = mounts.run("mount", "-o", "direct_io", str(model_dir), str(tmp_path / "missing"))
+    result = mounts.attempt(model_dir, "-o", "direct_io", mountpoint=tmp_path / "missing")
     assert result.returncode == 1 and "option 'direct_io' is not supported" in result.stderr
     spare = tmp_path / "spare"
     spare.mkdir()
     before = tensorfs_mounts()
-    result = mounts.run("mount", "-o", "no_such_option", str(model_dir), str(spare))
+    result = mounts.attempt(model_dir, "-o", "no_such_option", mountpoint=spare)
     assert result.returncode == 1 and result.stderr.count("\n") == 1
     assert f"error: cannot mount at {spare}" in result.stderr and "no_such_option" in result.stderr
     assert tensorfs_mounts() == before
@@ -249,7 +249,7 @@ def test_umount_after_sigkill_and_mount_again(mounts: Mounts, model_dir: Path) -
     assert caught.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)  # the connection is gone
     status = mounts.run("status")
     assert f"run: tensorfs umount {mountpoint}" in status.stdout
-    result = mounts.run("mount", str(model_dir), str(mountpoint))
+    result = mounts.attempt(model_dir, mountpoint=mountpoint)
     assert (
         result.returncode == 1 and f"holds a dead tensorfs mount: run `tensorfs umount {mountpoint}`" in result.stderr
     )
@@ -266,7 +266,7 @@ def test_foreground_daemon_unmounts_cleanly_on_signal(
 ) -> None:
     mountpoint = tmp_path / "fg"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
+    mounts.watch(mountpoint)
     with subprocess.Popen(
         [sys.executable, "-m", "tensorfs.cli", "mount", "-f", str(model_dir), str(mountpoint)],
         stderr=subprocess.PIPE,
@@ -302,14 +302,14 @@ def test_dotted_layout(mounts: Mounts, tmp_path: Path) -> None:
     write_reference(clash, {"m.w": ("U8", [1], b"a"), "m.w.b": ("U8", [1], b"b")})
     target = tmp_path / "clash-mnt"
     target.mkdir()
-    result = mounts.run("mount", "--layout", "dotted", str(clash), str(target))
+    result = mounts.attempt(clash, "--layout", "dotted", mountpoint=target)
     assert result.returncode == 1 and "needs 'm/w' as a directory" in result.stderr
 
 
 def test_relative_paths_and_a_daemon_that_holds_no_directory(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     mountpoint = tmp_path / "relative-mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
+    mounts.watch(mountpoint)
     result = subprocess.run(
         [sys.executable, "-m", "tensorfs.cli", "mount", "--log-file", "daemon.log", "--cache-dir", "cache",
          "model", "relative-mnt"],

@@ -113,7 +113,7 @@ def test_status_says_why_a_daemon_died(mounts: Mounts, model_dir: Path) -> None:
 def test_racing_mounts_of_one_mountpoint(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     mountpoint = tmp_path / "contested"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
+    mounts.watch(mountpoint)
     command = [sys.executable, "-m", "tensorfs.cli", "mount", "--log-file", str(mounts.log_file)]
     racers = [
         subprocess.Popen([*command, str(model_dir), str(mountpoint)], stderr=subprocess.PIPE, text=True)
@@ -136,7 +136,7 @@ def test_symlinks_to_mountpoints(mounts: Mounts, model_dir: Path, tmp_path: Path
     real.mkdir()
     link = tmp_path / "link"
     link.symlink_to(real)
-    mounts.mountpoints.append(real)
+    mounts.watch(real)
     result = mounts.run("mount", "--log-file", str(mounts.log_file), str(model_dir), str(link))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"mounted {real}: ")
@@ -162,8 +162,7 @@ def test_options_out_of_the_kernels_range_are_refused(
 ) -> None:
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
-    result = mounts.run("mount", option, value, str(model_dir), str(mountpoint))
+    result = mounts.attempt(model_dir, option, value, mountpoint=mountpoint)
     assert result.returncode == 2 and f"Invalid value for '{option}'" in result.stderr
     assert not os.path.ismount(mountpoint)
 
@@ -198,8 +197,7 @@ def test_mount_says_what_it_did_unless_quiet(mounts: Mounts, model_dir: Path, tm
     loud, quiet = tmp_path / "loud", tmp_path / "quiet"
     for directory in (loud, quiet):
         directory.mkdir()
-        mounts.mountpoints.append(directory)
-    result = mounts.run("mount", str(model_dir), str(loud))
+    result = mounts.attempt(model_dir, mountpoint=loud)
     assert result.returncode == 0 and result.stderr == ""
     pid = mounts.daemon_pid(loud)
     log = default_log_file(loud)
@@ -207,7 +205,7 @@ def test_mount_says_what_it_did_unless_quiet(mounts: Mounts, model_dir: Path, tm
     assert log == Path(os.environ["XDG_STATE_HOME"]) / "tensorfs" / f"{escape_path(loud)}.log"
     assert escape_path(Path("/mnt/my-model/v1.0")) == "mnt-my\\x2dmodel-v1.0"  # as systemd-escape --path
     assert "serving" in log.read_text()  # each mount logs to its own file
-    result = mounts.run("mount", "-q", str(model_dir), str(quiet))
+    result = mounts.attempt(model_dir, "-q", mountpoint=quiet)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
@@ -378,7 +376,6 @@ def test_permissions_follow_the_shards_for_other_users(mounts: Mounts, model_dir
 def test_bad_ownership_options(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
     for option, words in (
         ("uid=nosuchuser", "uid takes a user name or number"),
         ("uid=99999999999", "uid takes a user name or number"),  # past uid_t: the kernel cannot hold it
@@ -386,7 +383,7 @@ def test_bad_ownership_options(mounts: Mounts, model_dir: Path, tmp_path: Path) 
         ("uid=\u0663", "uid takes a user name or number"),  # a digit, but not one an id is written in
         ("umask=999", "umask takes an octal mask such as 022"),
     ):
-        result = mounts.run("mount", "-o", option, str(model_dir), str(mountpoint))
+        result = mounts.attempt(model_dir, "-o", option, mountpoint=mountpoint)
         assert (result.returncode, result.stderr) == (1, f"error: option '{option}': {words}\n")
         assert mount_table() and all(m.mountpoint != mountpoint for m in mount_table())
 

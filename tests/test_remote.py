@@ -367,9 +367,8 @@ def test_a_hub_model_mounts_with_its_companion_files(
     monkeypatch.setenv("HF_ENDPOINT", nginx.url)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
-    command = ["mount", "--log-file", str(mounts.log_file), "--cache-dir", str(tmp_path / "c")]
-    result = mounts.run(*command, "hf://org/companions", str(mountpoint))
+    options = ["--log-file", str(mounts.log_file), "--cache-dir", str(tmp_path / "c")]
+    result = mounts.attempt("hf://org/companions", *options, mountpoint=mountpoint)
     url = "hf://org/companions@main/tokenizer.model"
     assert result.returncode == 0 and result.stderr == f"warning: {url}: {65 * MIB} bytes, over 64.0 MiB: skipped\n"
     view = mountpoint / ".tensorfs" / "model"

@@ -122,11 +122,11 @@ def test_a_port_in_use_is_a_mount_error(mounts: Mounts, tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         spare = tmp_path / "spare"
         spare.mkdir()
-        result = mounts.run("mount", "--metrics", f"127.0.0.1:{port}", str(directory), str(spare))
+        result = mounts.attempt(directory, "--metrics", f"127.0.0.1:{port}", mountpoint=spare)
     assert result.returncode == 1 and result.stderr.count("\n") == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert not os.path.ismount(spare)
-    bad = mounts.run("mount", "--metrics", "99999", str(directory), str(spare))
+    bad = mounts.attempt(directory, "--metrics", "99999", mountpoint=spare)
     assert bad.returncode == 2 and "not [HOST:]PORT" in bad.stderr
 
 

@@ -205,8 +205,7 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     assert manifest.returncode == 0  # of the source's tensors: not for the view, whose may be a selection
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mounts.mountpoints.append(mountpoint)
-    result = mounts.run("mount", "--log-file", str(mounts.log_file), str(tmp_path / "m"), str(mountpoint))
+    result = mounts.attempt(tmp_path / "m", "--log-file", str(mounts.log_file), mountpoint=mountpoint)
     assert result.returncode == 0, result.stderr
     assert f"warning: {tmp_path / 'm' / 'leak.txt'}: skipped: a symlink out of the model's directory" in result.stderr
     assert f"warning: {tmp_path / 'm' / 'huge.bin'}: skipped: {65 * MIB} bytes, over 64 MiB" in result.stderr
