@@ -166,11 +166,15 @@ def mib_sharded_model(directory: Path, shards: int) -> Path:
 
 
 def model_bytes(source: Path) -> dict[str, bytes]:
-    """Every tensor's bytes, as tensorfs reads them (tests compare them with what a mount serves)."""
-    import tensorfs
-
-    with tensorfs.open_model(source) as model:
-        return {name: bytes(model.raw(name)) for name in model}
+    """Every tensor's bytes in a shard or a directory of shards, as the reference reader reads them
+    (what tests compare a mount's files with)."""
+    shards = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
+    found: dict[str, bytes] = {}
+    for shard in shards:
+        for name, (_, _, data) in reference_tensors(shard).items():
+            assert name not in found, f"{name} is in two shards"
+            found[name] = data
+    return found
 
 
 def upload(store: Any, prefix: str, directory: Path) -> None:

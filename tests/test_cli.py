@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,28 +12,27 @@ from typing import Any
 
 import pytest
 
-from helpers import entry, random_bytes, raw_shard, write_index, write_reference
+from helpers import Tensor, entry, random_bytes, raw_shard, reference_table, write_index, write_reference
 from tensorfs.cli import main
 from tensorfs.units import human_size
+
+# The model the CLI tests read: shard -> tensors (dtype, shape, the bytes written).
+MODEL: dict[str, dict[str, Tensor]] = {
+    "model-00001-of-00002.safetensors": {"embed": ("BF16", [8, 4], random_bytes(64, 1))},
+    "model-00002-of-00002.safetensors": {
+        "layers/0/w": ("F32", [2, 3], random_bytes(24, 2)),
+        "scalar": ("I64", [], random_bytes(8, 3)),
+    },
+}
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "model"
     directory.mkdir()
-    write_reference(directory / "model-00001-of-00002.safetensors", {"embed": ("BF16", [8, 4], random_bytes(64, 1))})
-    write_reference(
-        directory / "model-00002-of-00002.safetensors",
-        {"layers/0/w": ("F32", [2, 3], random_bytes(24, 2)), "scalar": ("I64", [], random_bytes(8, 3))},
-    )
-    write_index(
-        directory,
-        {
-            "embed": "model-00001-of-00002.safetensors",
-            "layers/0/w": "model-00002-of-00002.safetensors",
-            "scalar": "model-00002-of-00002.safetensors",
-        },
-    )
+    for shard, tensors in MODEL.items():
+        write_reference(directory / shard, tensors)
+    write_index(directory, {name: shard for shard, tensors in MODEL.items() for name in tensors})
     return directory
 
 
@@ -86,16 +86,26 @@ def test_ls_json(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", "--json", str(model_dir)]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["name"] for r in records] == ["embed", "layers/0/w", "scalar"]
-    assert records[2] == {
-        "name": "scalar",
-        "dtype": "I64",
-        "shape": [],
-        "nbytes": 8,
-        "shard": "model-00002-of-00002.safetensors",
-        "offset": records[2]["offset"],
-        "data_offsets": [0, 8],  # the reference writer puts 8-byte types first
-        "numpy_dtype": "<i8",
-    }
+    numpy_dtypes = {"embed": "bfloat16", "layers/0/w": "<f4", "scalar": "<i8"}
+    for record in records:
+        # Where the tensor is, by the reference reader: data offsets, plus the 8-byte length and the header.
+        shard = model_dir / record["shard"]
+        content = shard.read_bytes()
+        data_start = 8 + struct.unpack("<Q", content[:8])[0]
+        dtype, shape, (begin, end), data = reference_table(shard)[0][record["name"]]
+        assert record == {
+            "name": record["name"],
+            "dtype": dtype,
+            "shape": shape,
+            "nbytes": end - begin,
+            "shard": shard.name,
+            "offset": data_start + begin,
+            "data_offsets": [begin, end],
+            "numpy_dtype": numpy_dtypes[record["name"]],
+        }
+        written = MODEL[shard.name][record["name"]][2]
+        assert data == written and content[record["offset"] : record["offset"] + record["nbytes"]] == written
+    assert records[2]["data_offsets"] == [0, 8]  # the reference writer puts 8-byte types first
 
 
 def test_bad_input_never_shows_a_traceback(tmp_path: Path) -> None:

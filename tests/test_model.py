@@ -18,7 +18,7 @@ from helpers import (
     every_dtype_tensors,
     random_bytes,
     raw_shard,
-    reference_tensors,
+    reference_table,
     write_index,
     write_reference,
 )
@@ -29,18 +29,19 @@ from tensorfs.model import INDEX_NAME
 def assert_matches_reference(model: tensorfs.Model, shards: list[Path]) -> None:
     expected = {}
     for shard in shards:
-        for name, (dtype, shape, data) in reference_tensors(shard).items():
-            expected[name] = (shard, dtype, shape, data)
+        for name, (dtype, shape, offsets, data) in reference_table(shard)[0].items():
+            expected[name] = (shard, dtype, shape, offsets, data)
     assert model.names() == sorted(expected)
     assert len(model) == len(expected)
-    for name, (shard, dtype, shape, data) in expected.items():
+    for name, (shard, dtype, shape, offsets, data) in expected.items():
         info = model.info(name)
-        assert (info.name, info.dtype, list(info.shape), info.nbytes, info.shard) == (
+        assert (info.name, info.dtype, list(info.shape), info.nbytes, info.shard, info.data_offsets) == (
             name,
             dtype,
             shape,
             len(data),
             shard,
+            offsets,
         )
         assert bytes(model.raw(name)) == data
         with open(shard, "rb") as f:
