@@ -256,6 +256,31 @@ def test_sha256sums_checks_the_whole_mount(mounts: Mounts, model_dir: Path) -> N
     assert result.stdout.count(": OK") == 5
 
 
+def test_names_gnu_escapes_check_with_the_real_sha256sum(mounts: Mounts, tmp_path: Path) -> None:
+    # sha256sum writes a name holding a backslash, a newline or a carriage return escaped, its line
+    # marked with a leading backslash: tensorfs's lists must read back with coreutils' own -c.
+    names = ["new\nline", "back\\slash", "carriage\rreturn", "sub/both\\\nx", "plain"]
+    shard = tmp_path / "odd.safetensors"
+    write_reference(shard, {name: ("U8", [7 + i], random_bytes(7 + i, i)) for i, name in enumerate(names)})
+    manifest = tmp_path / "m.sha256"  # not the tensors.sha256 a mount would take: its sidecars are hashed
+    result = mounts.run("manifest", "--no-cache", "-o", str(manifest), str(shard))
+    assert result.returncode == 0, result.stderr
+    mountpoint = mounts.mount(shard, "--no-cache")
+    # what coreutils itself writes of the mounted files, in the manifest's order
+    gnu = subprocess.run(["sha256sum", "--", *sorted(names)], cwd=mountpoint, capture_output=True, check=True)
+    assert manifest.read_bytes() == gnu.stdout
+    escaped = [line.startswith(b"\\") for line in gnu.stdout.splitlines()]
+    assert escaped == [name != "plain" for name in sorted(names)]
+    for listing in (manifest, mountpoint / ".tensorfs" / "SHA256SUMS"):
+        result = subprocess.run(["sha256sum", "--strict", "-c", str(listing)], cwd=mountpoint, capture_output=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count(b": OK\n") == len(names) and b"FAILED" not in result.stdout, result.stdout
+    for name in names:
+        sidecar = mountpoint / f"{name}.sha256"
+        result = subprocess.run(["sha256sum", "--strict", "-c", sidecar.name], cwd=sidecar.parent, capture_output=True)
+        assert (result.returncode, result.stdout.count(b": OK\n")) == (0, 1), (name, result.stdout + result.stderr)
+
+
 def test_mount_with_a_manifest_refuses_only_the_corrupt_tensor(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     (model_dir / "tensors.sha256").write_text(format_manifest(expected_digests(model_dir)))
     flip_byte_in_place(model_dir / "a.safetensors", "w1")
