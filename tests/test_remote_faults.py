@@ -170,6 +170,7 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
         pid = mounts.daemon_pid(mountpoint)
         outcomes = {name: errno_of_reading(mountpoint / name) for name in expected}
         assert outcomes["t00"] is None and errno.EIO in outcomes.values()
+        assert set(outcomes.values()) <= {None, errno.EIO}, outcomes  # served, or refused with EIO: nothing else
         for name, outcome in outcomes.items():
             if outcome is None:
                 assert (mountpoint / name).read_bytes() == expected[name]
