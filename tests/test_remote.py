@@ -20,7 +20,16 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, wait_until
-from helpers import MIB, entry, random_bytes, raw_shard, sharded_every_dtype, upload, write_reference
+from helpers import (
+    MIB,
+    entry,
+    random_bytes,
+    raw_shard,
+    reference_table,
+    sharded_every_dtype,
+    upload,
+    write_reference,
+)
 from servers import TOKEN, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.sources import hold
@@ -99,6 +108,12 @@ def test_validate_and_ls_of_an_s3_model(
     result = cli("ls", "--json", *common, f"s3://{bucket}/m", env=s3_env)
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert {r["name"]: r["nbytes"] for r in records} == {name: len(data) for name, data in expected.items()}
+    for record in records:  # where the reference reader finds each tensor in the local copy of its shard
+        shard = directory / record["shard"]
+        dtype, shape, (begin, end), _ = reference_table(shard)[0][record["name"]]
+        data_start = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+        where = (record["dtype"], record["shape"], record["data_offsets"], record["offset"])
+        assert where == (dtype, shape, [begin, end], data_start + begin), record
 
 
 def test_s3_errors_are_one_line(seaweedfs: SeaweedFS, bucket: str, s3_env: dict[str, str], tmp_path: Path) -> None:
