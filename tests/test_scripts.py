@@ -10,6 +10,7 @@ from pathlib import Path
 from conftest import Mounts
 from helpers import MIB
 from servers import Nginx
+from tensorfs.integrity import HASH_WORKERS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def test_bench_hash_runs(tmp_path: Path) -> None:
         sys.executable,
         str(ROOT / "scripts" / "bench_hash.py"),
         "--gib",
-        "0.07",
+        "0.13",  # two tensors of 64 MiB: the parallel sha256sum has two to share
         "--shards",
         "2",
         "--repeat",
@@ -53,6 +54,9 @@ def test_bench_hash_runs(tmp_path: Path) -> None:
     subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
     result = json.loads(out.read_text())
     assert result["bytes"] > 64 << 20 and result["throughput_ratio"] > 0
+    # The fair baseline: as many sha256sum processes as tensorfs has hashing threads, one a tensor.
+    assert result["hash_workers"] == HASH_WORKERS and result["tensors"] >= 2
+    assert result["sha256sum_parallel_s"] > 0 and result["fair_throughput_ratio"] > 0
     assert result["small_tensors"] == 2000 and result["small_cache_ratio"] > 0
 
 
