@@ -1,5 +1,6 @@
 """The benchmark (`tensorfs bench`, scripts/bench.py): local.py measures the read path, the mount and
-listing of local models; remote.py models read from a store (nginx on loopback) through the cache.
+listing of local models, also against peers (peers.py: bindfs and floor.py, the least pyfuse3
+daemon); remote.py models read from a store (nginx on loopback) through the cache.
 
 Every figure is the median of several tries, reported as a ratio to its baseline measured in the
 same run: these machines are noisy.

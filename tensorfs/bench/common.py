@@ -145,11 +145,15 @@ class Mounter:
     def command(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "tensorfs.cli", *args]
 
-    @contextlib.contextmanager
-    def mounted(self, source: Path | str, *extra: str) -> Iterator[tuple[Path, int]]:
-        """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid)."""
+    def fresh_mountpoint(self) -> Path:
+        """A path for a mountpoint, never used before in this run (not made yet)."""
         self.count += 1
-        mountpoint = self.workdir / f"mnt{self.count}"
+        return self.workdir / f"mnt{self.count}"
+
+    @contextlib.contextmanager
+    def mounted(self, source: Path | str, *extra: str, at: Path | None = None) -> Iterator[tuple[Path, int]]:
+        """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid)."""
+        mountpoint = self.fresh_mountpoint() if at is None else at
         mountpoint.mkdir()
         options = [f"--readahead-kb={self.config.readahead_kb}", "--no-cache", *self.config.mount_options, *extra]
         log = str(self.workdir / "daemon.log")

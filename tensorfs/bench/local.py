@@ -1,4 +1,5 @@
-"""The benchmark of the read path of local models, the mount and listing, against direct baselines.
+"""The benchmark of the read path of local models, the mount and listing, against direct baselines
+and against peers serving the same bytes through FUSE (bindfs, and the pyfuse3 floor: peers.py).
 
 Every figure is the median of several tries and is reported as a ratio to its baseline measured
 in the same run, since these machines are noisy.
@@ -6,6 +7,7 @@ in the same run, since these machines are noisy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -15,11 +17,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
+from ..mount.daemon import MountOptions
+from ..mount.runtime import read_record
 from ..synth import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size
 from .common import (
@@ -37,6 +41,7 @@ from .common import (
     touch_fresh_memory,
     warm,
 )
+from .peers import Knobs, Locate, Peer, bindfs_missing, bindfs_peer, floor_peer
 
 # -- building ---------------------------------------------------------------------------------
 
@@ -166,13 +171,110 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
             gbps=median(mount_four) / 1e9,
             direct_gbps=median(direct_four) / 1e9,
         )
+        report.add(
+            "four_readers_direct",
+            "  ... 4 direct readers, warm (ratio: the mount's 4 to them)",
+            f"{median(direct_four) / 1e9:.2f} GB/s",
+            median(mount_four) / median(direct_four),
+            "(reported)",
+            gbps=median(direct_four) / 1e9,
+        )
 
+        peers_section(config, report, mounter, model_dir, tensors, big)
         views_section(config, report, mounter, model_dir, tensors, big)
         metrics_section(config, report, mounter, model_dir, tensors, big)
         cold_section(config, report, mounter, model_dir, tensors, big, small, shards, out)
         memory_section(report, mounter, model_dir, tensors, big, model_bytes)
         tiny_section(config, report, mounter, work)
     return report
+
+
+def peers_section(
+    config: Config,
+    report: Report,
+    mounter: Mounter,
+    model_dir: Path,
+    tensors: dict[str, tuple[Path, int, int]],
+    big: list[str],
+) -> None:
+    """First reads (1 MiB reads, page cache warm) and np.memmap sums of one shard's big tensors through
+    tensorfs and through each peer, each try on a fresh mount, the sides taken in turns."""
+    shard = tensors[big[0]][0]
+    names = [name for name in big if tensors[name][0] == shard]
+    knobs = Knobs(config.readahead_kb, MountOptions().max_background)
+    peers = [floor_peer(shard, tensors, mounter.workdir / "floor.log")]
+    why_not = bindfs_missing()
+    if why_not is None:
+        peers.insert(0, bindfs_peer(shard, tensors, mounter.workdir / "bindfs.log"))
+    else:
+        report.notes.append(f"bindfs peer skipped: {why_not}")
+
+    @contextlib.contextmanager
+    def tensorfs_mounted(mountpoint: Path, _: Knobs) -> Iterator[tuple[Locate, dict[str, int | None]]]:
+        with mounter.mounted(model_dir, at=mountpoint) as (mnt, _pid):  # the knobs: its defaults
+            record = read_record(mnt) or {}
+            yield (lambda name: (mnt / name, 0, tensors[name][2])), dict(record.get("in_force", {}))
+
+    sides = [Peer("tensorfs", "tensorfs", tensorfs_mounted), *peers]
+    rates: dict[str, list[float]] = {side.key: [] for side in sides}
+    sums: dict[str, list[float]] = {side.key: [] for side in sides}
+    in_force: dict[str, dict[str, int | None]] = {}
+    for attempt in range(config.repeat):
+        for side in sides[attempt % len(sides) :] + sides[: attempt % len(sides)]:  # each first in turn
+            with side.mounted(mounter.fresh_mountpoint(), knobs) as (locate, knobs_in_force):
+                rates[side.key] += [tensors[name][2] / read_range(*locate(name)) for name in names]
+            in_force[side.key] = knobs_in_force
+            with side.mounted(mounter.fresh_mountpoint(), knobs) as (locate, _):
+                for name in names:
+                    path, offset, nbytes = locate(name)
+                    start = time.perf_counter()
+                    np.memmap(path, dtype="<f4", mode="r", offset=offset, shape=(nbytes // 4,)).sum()
+                    sums[side.key].append(time.perf_counter() - start)
+    if any(knobs_in_force != in_force["tensorfs"] for knobs_in_force in in_force.values()):
+        report.notes.append(f"the peers' connection knobs differ from tensorfs's: {in_force}")
+    rate = {key: median(values) for key, values in rates.items()}
+    seconds = {key: median(values) for key, values in sums.items()}
+    best_rate = max(peers, key=lambda peer: rate[peer.key])
+    best_sum = min(peers, key=lambda peer: seconds[peer.key])
+    report.add(
+        "peer_first_read",
+        "first read of a shard's tensors, with peers: tensorfs",
+        f"{rate['tensorfs'] / 1e9:.2f} GB/s",
+        rate["tensorfs"] / rate[best_rate.key],
+        f">= 1.0x the best peer ({best_rate.key})",
+        gbps=rate["tensorfs"] / 1e9,
+        tensors=len(names),
+        tensor_bytes=tensors[names[0]][2],
+        best_peer=best_rate.key,
+        in_force=in_force,
+    )
+    for peer in peers:
+        report.add(
+            f"peer_first_read_{peer.key}",
+            f"  ... through {peer.label}",
+            f"{rate[peer.key] / 1e9:.2f} GB/s",
+            rate["tensorfs"] / rate[peer.key],
+            f"(tensorfs / {peer.key})",
+            gbps=rate[peer.key] / 1e9,
+        )
+    report.add(
+        "peer_memmap_sum",
+        "np.memmap(...).sum() of them, first: tensorfs",
+        f"{seconds['tensorfs'] * 1e3:.0f} ms",
+        seconds[best_sum.key] / seconds["tensorfs"],
+        f">= 1.0x the best peer ({best_sum.key})",
+        seconds=seconds["tensorfs"],
+        best_peer=best_sum.key,
+    )
+    for peer in peers:
+        report.add(
+            f"peer_memmap_sum_{peer.key}",
+            f"  ... through {peer.label}",
+            f"{seconds[peer.key] * 1e3:.0f} ms",
+            seconds[peer.key] / seconds["tensorfs"],
+            f"(tensorfs / {peer.key})",
+            seconds=seconds[peer.key],
+        )
 
 
 def cold_section(config: Config, report: Report, mounter: Mounter, model_dir: Path,
