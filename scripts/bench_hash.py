@@ -151,27 +151,32 @@ def main(argv: list[str] | None = None) -> int:
     }
     gb = nbytes / 1e9
     n = HASH_WORKERS
+
+    def line(what: str, seconds: float, *said: str) -> None:
+        print(f"  {what:<48} {seconds:8.4f} s  {'  '.join(said)}".rstrip())
+
     print(f"{nbytes / (1 << 30):.2f} GiB, {len(pieces)} tensors in {args.shards} shards, median of {args.repeat}:")
-    print(f"  sha256sum of the shards (one process)     {m['sha']:7.3f} s  {gb / m['sha']:6.2f} GB/s")
-    print(
-        f"  {n} sha256sum in parallel, one a tensor     {m['sha_parallel']:7.3f} s  {gb / m['sha_parallel']:6.2f} GB/s"
-    )
-    print(
-        f"  tensorfs manifest (command)               {m['cli_first']:7.3f} s  {gb / m['cli_first']:6.2f} GB/s  "
+    line("sha256sum of the shards (one process)", m["sha"], f"{gb / m['sha']:5.2f} GB/s")
+    line(f"{n} sha256sum in parallel, one a tensor", m["sha_parallel"], f"{gb / m['sha_parallel']:5.2f} GB/s")
+    line(
+        "tensorfs manifest (command)",
+        m["cli_first"],
+        f"{gb / m['cli_first']:5.2f} GB/s",
         f"{result['fair_throughput_ratio']:.2f}x {n} parallel sha256sum (bar >= {FAIR_BAR}x), "
-        f"{result['cli_throughput_ratio']:.2f}x one"
+        f"{result['cli_throughput_ratio']:.2f}x one",
     )
-    print(
-        f"  manifest (in-process, no Python start)    {m['first']:7.3f} s  {gb / m['first']:6.2f} GB/s  "
-        f"{result['throughput_ratio']:.2f}x one sha256sum (the old comparison)"
+    line(
+        "manifest in-process (no Python start)",
+        m["first"],
+        f"{gb / m['first']:5.2f} GB/s",
+        f"{result['throughput_ratio']:.2f}x one sha256sum (the old comparison)",
     )
     share = 100 * m["cached"] / m["first"]
-    print(
-        f"  manifest again, cached (in-process)       {m['cached']:7.4f} s  {share:.2f}% of the first "
-        f"(bar < {100 * CACHED_BAR:.0f}%)"
+    line(
+        "manifest again, cached (in-process)", m["cached"], f"{share:.2f}% of the first (bar < {100 * CACHED_BAR:.0f}%)"
     )
     share = 100 * m["cli_cached"] / m["cli_first"]
-    print(f"  ... again, cached (command)               {m['cli_cached']:7.3f} s  {share:.1f}% (mostly Python's start)")
+    line("... again, cached (command)", m["cli_cached"], f"{share:.1f}% of the first (mostly Python's start)")
     if args.small_tensors:
         result.update(
             small_tensors=args.small_tensors,
@@ -179,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             small_fresh_cache_s=round(m["small_fresh"], 3),
             small_cache_ratio=round(m["small_fresh"] / m["small_none"], 3),
         )
-        print(
-            f"  tensorfs manifest --no-cache, {args.small_tensors} tiny tensors  {m['small_none']:7.3f} s\n"
-            f"  ... with a fresh hash cache (--cache-dir)   {m['small_fresh']:7.3f} s  "
-            f"{result['small_cache_ratio']:.2f}x --no-cache (bar <= {SMALL_BAR}x)"
+        line(f"tensorfs manifest --no-cache, {args.small_tensors} tiny tensors", m["small_none"])
+        line(
+            "... with a fresh hash cache (--cache-dir)",
+            m["small_fresh"],
+            f"{result['small_cache_ratio']:.2f}x --no-cache (bar <= {SMALL_BAR}x)",
         )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
