@@ -52,6 +52,8 @@ def test_bench_hash_runs(tmp_path: Path) -> None:
         "1",
         "--small-tensors",
         "2000",
+        "--small-repeat",
+        "1",
     ]
     subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
     result = json.loads(out.read_text())
@@ -59,7 +61,7 @@ def test_bench_hash_runs(tmp_path: Path) -> None:
     # The fair baseline: as many sha256sum processes as tensorfs has hashing threads, one a tensor.
     assert result["hash_workers"] == HASH_WORKERS and result["tensors"] >= 2
     assert result["sha256sum_parallel_s"] > 0 and result["fair_throughput_ratio"] > 0
-    assert result["small_tensors"] == 2000 and result["small_cache_ratio"] > 0
+    assert result["small_tensors"] == 2000 and result["small_repeat"] == 1 and result["small_cache_ratio"] > 0
 
 
 def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
