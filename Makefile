@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light
+SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light bindfs
 DEMO_DIR ?= demo
 
 .PHONY: install system-packages test lint demo bench fuzz soak clean

@@ -27,7 +27,6 @@ from .integrity import (
     Hasher,
     Integrity,
     compare,
-    default_cache_dir,
     find_default_manifest,
     format_manifest,
     read_manifest,
@@ -39,6 +38,7 @@ from .names import LAYOUTS, Layout
 from .progress import Progress
 from .selection import Selection, parse_layers
 from .sources import shard_name
+from .sources.cache import default_cache_dir
 from .sources.remote import RemoteOptions, is_remote, unsupported_scheme
 from .units import human_size
 
@@ -254,8 +254,20 @@ def selection_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return with_selection
 
 
-def open_selected(path: Path | str, selection: Selection, **kwargs: Any) -> Model:
-    return open_model(path, include=selection.include, exclude=selection.exclude, layers=selection.layers, **kwargs)
+def open_selected(
+    path: Path | str, selection: Selection, remote: RemoteOptions, *, no_cache: bool = False, **kwargs: Any
+) -> Model:
+    """open_model with the command's selection, remote options and header cache (--cache-dir, --no-cache)."""
+    cache = False if no_cache else (remote.cache_dir or True)
+    return open_model(
+        path,
+        include=selection.include,
+        exclude=selection.exclude,
+        layers=selection.layers,
+        remote=remote,
+        cache=cache,
+        **kwargs,
+    )
 
 
 def remote_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -328,6 +340,14 @@ def remote_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return with_remote
 
 
+def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--no-cache",
+        is_flag=True,
+        help="Neither read nor write the caches of validated headers and of hashes: validate and hash from scratch.",
+    )(command)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="tensorfs")
 def cli() -> None:
@@ -345,15 +365,23 @@ def cli() -> None:
 @model_argument
 @layout_option
 @selection_options
+@cache_options
 @remote_options
 def validate(
-    path: Path | str, layout: Layout, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+    path: Path | str,
+    layout: Layout,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
 ) -> None:
     """Check every header of MODEL as `mount` would, and summarise it (the selection, if one is given).
 
+    Files unchanged since they were last validated (same device, inode, size, mtime and ctime) are
+    taken from the cache of validated headers; --no-cache checks everything from scratch.
     Exit 0 when valid; exit 1 and one line per problem on stderr when not.
     """
-    with open_selected(path, selection, layout=layout, remote=remote) as model:
+    with open_selected(path, selection, layout=layout, remote=remote, no_cache=no_cache) as model:
         click.echo(
             f"{printable(str(path))}: valid: {len(model.shards)} shard{'s' * (len(model.shards) != 1)}, "
             f"{len(model)} tensor{'s' * (len(model) != 1)}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
@@ -365,12 +393,13 @@ def validate(
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
 @selection_options
+@cache_options
 @remote_options
 def ls_command(
-    path: Path | str, as_json: bool, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+    path: Path | str, as_json: bool, selection: Selection, cache_dir: Path | None, no_cache: bool, remote: RemoteOptions
 ) -> None:
     """List the tensors of MODEL: name, dtype, shape, size and shard."""
-    with open_selected(path, selection, remote=remote) as model:
+    with open_selected(path, selection, remote=remote, no_cache=no_cache) as model:
         if as_json:
             _ls_json(model)
         else:
@@ -396,10 +425,6 @@ def _ls_table(model: Model) -> None:
         out.write(
             f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>{widths[3]}}  {row[4]}\n"
         )
-
-
-def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--no-cache", is_flag=True, help="Neither read nor write the hash cache.")(command)
 
 
 def open_cache(cache_dir: Path | None, no_cache: bool) -> HashCache:
@@ -432,7 +457,7 @@ def manifest(
 
     Hashes found in the cache (same shard file, unchanged) are not computed again.
     """
-    with open_selected(path, selection, remote=remote) as model:
+    with open_selected(path, selection, remote=remote, no_cache=no_cache) as model:
         text = format_manifest(hash_model(model, open_cache(cache_dir, no_cache)), as_json=as_json)
     if output is None:
         sys.stdout.write(text)
@@ -535,7 +560,7 @@ def verify(
     selection, the manifest may list other tensors too.
     """
     # The model first: its errors name it, not the manifest beside it.
-    with open_selected(path, selection, remote=remote) as model:
+    with open_selected(path, selection, remote=remote, no_cache=no_cache) as model:
         manifest_path = manifest_path or find_default_manifest(path, remote)
         if manifest_path is None:
             where = path if isinstance(path, str) or path.is_dir() else path.parent
@@ -681,7 +706,7 @@ def mount(
     def prepare() -> tuple[Model, Integrity, ViewSpec]:
         # Here, after the daemon is forked: obstore (for a remote model) cannot be used across a fork.
         # The model first: its errors name it, not the manifest looked for beside it.
-        model = open_selected(source, selection, layout=layout, remote=remote)
+        model = open_selected(source, selection, layout=layout, remote=remote, no_cache=no_cache)
         try:
             integrity = integrity_of(model)
             return model, integrity, view_spec(source, view_shards, remote)
@@ -740,8 +765,6 @@ def view_spec(source: Path | str, shards: int, remote: RemoteOptions) -> ViewSpe
 
 
 def _settings(remote: RemoteOptions) -> dict[str, object]:
-    from .sources.cache import default_cache_dir
-
     return {
         "cache_dir": str((remote.cache_dir or default_cache_dir()).absolute()),
         "cache_size": remote.cache_size,
@@ -951,7 +974,7 @@ cache_dir_option = click.option(
 
 
 def _object_cache(cache_dir: Path | None) -> Any:
-    from .sources.cache import Cache, default_cache_dir
+    from .sources.cache import Cache
 
     directory = (cache_dir or default_cache_dir()).absolute()
     if not (directory / "objects.sqlite").exists():

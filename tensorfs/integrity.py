@@ -40,11 +40,6 @@ class TensorCorrupt(TensorfsError):
 # -- the persistent cache -------------------------------------------------------------------
 
 
-def default_cache_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(cache) / "tensorfs"
-
-
 class HashCache:
     """SHA-256 of tensors by (shard identity, offsets), in SQLite; safe for several processes at once.
 

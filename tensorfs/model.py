@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidModelError, ModelClosedError, Problem
 from .gcpause import gc_paused
 from .header import Entry, ShardHeader, TensorInfo
+from .headercache import HeaderCache
 from .names import Layout, collisions, name_problems
 from .selection import Selection, layer_of
 from .sources import Identity, ShardData, ShardKey, hold, shard_name
+from .sources.cache import default_cache_dir
 from .sources.index import INDEX_NAME
-from .sources.local import LocalDescription, LocalShard, find_shards
+from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
 from .sources.objects import RemoteDescription, RemoteOpener, RemoteShard
 from .sources.remote import RemoteError, RemoteOptions, is_remote, unsupported_scheme
 
@@ -72,6 +76,7 @@ class Model:
         self.selection = selection or Selection()
         """How this model's tensors were picked from its source's (or its parent's): all by default."""
         self._parent = parent  # a selection made by select(): the parent owns the mappings
+        self._header_cache: Path | None = None  # where its headers are kept, when they are (open_model)
         self._shards = {s.header.path: s for s in shards}
         self._owner = owner
         self._closed = False
@@ -248,7 +253,8 @@ class Model:
 
 @dataclass(frozen=True)
 class ShardSnapshot:
-    header: ShardHeader
+    header: ShardHeader | None
+    """None: in the header cache under the file's identity (or read again from the very same file)."""
     data: object
     """What the shard's source needs to open the same bytes again (ShardData.describe())."""
 
@@ -261,40 +267,57 @@ class ModelSnapshot:
     layout: Layout
     shards: list[ShardSnapshot]
     selection: Selection
+    header_cache: Path | None = None
+    """Where the headers left out of `shards` are."""
 
 
 def snapshot(model: Model) -> ModelSnapshot:
     """What reopen() needs to map `model` again in another process, without validating it again.
 
-    Equal shapes become one shared object, which pickle then sends once: a model's tensors have
-    few distinct shapes, and 100k copies of them would be a tenth of the daemon's memory.
+    Headers kept in the header cache are sent as references (the file's identity): 100k entries
+    take longer to pickle and unpickle than to be read back from the cache. Otherwise equal shapes
+    become one shared object, which pickle then sends once: a model's tensors have few distinct
+    shapes, and 100k copies of them would be a tenth of the daemon's memory.
     """
+    by_reference = model._header_cache is not None and model._parent is None and model.selection.everything
     shapes: dict[tuple[int, ...], Any] = {}
     shards = []
     for shard in model._shards.values():
         header = shard.header
+        description = shard.data.describe()
+        if by_reference and isinstance(description, LocalDescription):
+            shards.append(ShardSnapshot(None, description))
+            continue
         entries: list[Entry] = [
             (begin, end, name, dtype, shapes.setdefault(tuple(shape), shape))
             for begin, end, name, dtype, shape in header.entries
         ]
-        shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), shard.data.describe()))
-    return ModelSnapshot(model.source, model.layout, shards, model.selection)
+        shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), description))
+    return ModelSnapshot(
+        model.source, model.layout, shards, model.selection, model._header_cache if by_reference else None
+    )
 
 
 def reopen(saved: ModelSnapshot) -> Model:
     """Map the shards of a model validated elsewhere; InvalidModelError if any of them changed since."""
     opened: list[_Shard] = []
+    cache = HeaderCache(saved.header_cache)
     try:
         for shard in saved.shards:
-            data = _reopen_data(shard.data)
-            opened.append(_Shard(dataclasses.replace(shard.header, path=data.key), data))
+            if shard.header is None:
+                assert isinstance(shard.data, LocalDescription)
+                opened.append(_Shard(*LocalShard.reopen_with_header(shard.data, cache)))
+            else:
+                data = _reopen_data(shard.data)
+                opened.append(_Shard(dataclasses.replace(shard.header, path=data.key), data))
     except BaseException:
         for done in opened:
             done.data.close()
         raise
-    owner = {entry[2]: shard for shard in opened for entry in shard.header.entries}
+    finally:
+        cache.close()
     source = saved.source if isinstance(saved.source, str) else Path(os.path.abspath(saved.source))
-    return Model(source, opened, owner, saved.layout, saved.selection)
+    return Model(source, opened, _owners(opened), saved.layout, saved.selection)
 
 
 def _reopen_data(description: object) -> ShardData:
@@ -313,6 +336,7 @@ def open_model(
     include: Iterable[str] | str = (),
     exclude: Iterable[str] | str = (),
     layers: tuple[int, int] | str | int | None = None,
+    cache: bool | str | os.PathLike[str] = True,
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
@@ -325,10 +349,16 @@ def open_model(
     `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` ((A, B), "A-B" or N: the N in
     `*.layers.N.*`) select a subset: every header is still validated, but only the selected
     tensors are in the model, and shards without any are not kept mapped (see Selection).
+
+    `cache`: where validated headers are remembered, so that files unchanged since (same device,
+    inode, size, mtime and ctime) are not parsed and checked again: True for the default directory
+    ($XDG_CACHE_HOME/tensorfs), a directory, or False for none (validate from scratch).
     """
     selection = Selection(include, exclude, layers)  # type: ignore[arg-type]  # it takes one glob too
     problems: list[Problem] = []
-    with gc_paused():
+    headers = _header_cache(cache)
+    found: FoundShards | None = None  # a local model's files
+    with gc_paused(), contextlib.closing(headers):
         # Every problem is collected, of every shard and across shards, before any is reported.
         why = unsupported_scheme(path)
         if why is not None:
@@ -340,22 +370,36 @@ def open_model(
             except RemoteError as exc:
                 raise InvalidModelError([Problem(path, str(exc).removeprefix(f"{path}: "))]) from None
             source: ShardKey = path
+            opener.headers = headers if headers.enabled else None
             located = opener.located
             opened = _open_shards(opener.shards, opener.open, problems)
             weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
         else:
             source = Path(path)
-            shard_paths, weight_map, index_label = find_shards(source, problems)
-            opened = _open_shards([(path, str(path)) for path in shard_paths], LocalShard.open, problems)
+            found = find_shards(source, problems, headers)
+            weight_map, index_label = found.weight_map, found.index_label
+            opened = _open_shards(
+                [(path, str(path)) for path in found.paths], functools.partial(LocalShard.open, cache=headers), problems
+            )
             done = None
         try:
-            owner = _check_model(opened, weight_map, index_label, layout, problems)
+            verdict = _verdict_key(source, found, opened, layout) if headers.enabled and found is not None else None
+            owner = _owners(opened) if verdict is not None and headers.get("model", verdict) == len(opened) else None
+            if owner is None:
+                if weight_map is None and index_label is not None and not problems:
+                    weight_map = find_shards(Path(source), problems).weight_map  # the index was known, the model not
+                owner = _check_model(opened, weight_map, index_label, layout, problems)
+                if verdict is not None and not problems:
+                    headers.put("model", verdict, len(opened))
             if problems:
                 raise InvalidModelError(problems)
             if done is not None:
                 done()
             if selection.everything:
-                return Model(source, opened, owner, layout)
+                model = Model(source, opened, owner, layout)
+                if headers.enabled and found is not None:
+                    model._header_cache = headers.directory
+                return model
             kept, owner = _restricted(opened, selection, str(path))
             paths = {shard.header.path for shard in kept}
             for shard in opened:
@@ -366,6 +410,34 @@ def open_model(
             for shard in opened:
                 shard.data.close()
             raise
+
+
+def _header_cache(cache: bool | str | os.PathLike[str]) -> HeaderCache:
+    if cache is True:
+        return HeaderCache(default_cache_dir().absolute())
+    return HeaderCache(Path(cache).absolute() if cache else None)
+
+
+def _verdict_key(source: ShardKey, found: FoundShards, opened: list[_Shard], layout: Layout) -> str | None:
+    """What names a local model's checks across shards: its files' identities, the layout; None
+    when some file has no identity known (then the model is checked whole)."""
+    if found.index_label is not None and found.index_key is None:
+        return None
+    files: list[str] = []
+    for shard in opened:
+        description = shard.data.describe()
+        if not isinstance(description, LocalDescription):
+            return None
+        files += [os.path.abspath(description.path), description.identity.key()]
+    text = "\0".join([os.path.abspath(str(source)), layout, found.index_key or "", *files])
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _owners(shards: list[_Shard]) -> dict[str, _Shard]:
+    owner: dict[str, _Shard] = {}
+    for shard in shards:
+        owner.update(dict.fromkeys([entry[2] for entry in shard.header.entries], shard))
+    return owner
 
 
 def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple[list[_Shard], dict[str, _Shard]]:
@@ -440,10 +512,7 @@ def _check_model(
 
     Returns which shard holds each tensor.
     """
-    owner: dict[str, _Shard] = {}
-    for shard in shards:
-        names = [entry[2] for entry in shard.header.entries]
-        owner.update(dict.fromkeys(names, shard))
+    owner = _owners(shards)
     if len(owner) != sum(len(shard.header.entries) for shard in shards):
         first: dict[str, _Shard] = {}
         for shard in shards:

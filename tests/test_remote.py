@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import obstore
 import pytest
@@ -487,3 +488,36 @@ def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
 
 def test_remote_options_take_a_cache_dir_as_a_string(tmp_path: Path) -> None:
     assert RemoteOptions(cache_dir=str(tmp_path)).cache_dir == tmp_path  # type: ignore[arg-type]
+
+
+def test_headers_of_objects_are_cached_by_url_etag_and_size(
+    nginx: Nginx,
+    served: str,
+    local_model: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tensorfs.sources.objects as objects
+
+    parses = 0
+    real = objects._validated
+
+    def counted(*args: Any) -> Any:
+        nonlocal parses
+        parses += 1
+        return real(*args)
+
+    monkeypatch.setattr(objects, "_validated", counted)
+    _, expected = local_model
+    remote = options(tmp_path)
+    url = f"{served}/model.safetensors.index.json"
+    assert read_all(url, remote) == expected
+    assert parses == 2
+    assert read_all(url, remote) == expected  # the same objects: their headers come from the cache
+    assert parses == 2
+    # One object replaced by the same bytes with another mtime: nginx gives it another ETag, so its
+    # header is validated again (and the other's is not).
+    target = nginx.root / served.rsplit("/", 1)[1] / "model-00001-of-00002.safetensors"
+    os.utime(target, (1_000_000_000, 1_000_000_000))
+    assert read_all(url, remote) == expected
+    assert parses == 3

@@ -41,6 +41,10 @@ class Identity(NamedTuple):
     def of(cls, st: os.stat_result) -> Identity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
+    def key(self) -> str:
+        """As one string (a key of the header cache)."""
+        return ":".join(map(str, self))
+
 
 class ShardData(ABC):
     """An opened shard: its bytes, validated, mapped read-only, and the ways to reach them safely."""

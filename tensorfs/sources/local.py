@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..header import ShardHeader, open_shard, read_header_fd
@@ -15,44 +17,85 @@ from . import Identity, ShardData
 from .index import INDEX_NAME, first_tensor, parse_weight_map, shard_names
 from .pages import Pages
 
+if TYPE_CHECKING:
+    from ..headercache import HeaderCache
 
-def find_shards(source: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str | None]:
-    """The shard files of `source`, and the index's weight map when there is one."""
+
+@dataclass
+class FoundShards:
+    """A local model's shard files, and its index when it has one."""
+
+    paths: list[Path]
+    index_label: str | None = None
+    weight_map: dict[str, str] | None = None
+    """The index's weight map; None also when the index was known to the header cache and not read."""
+    index_key: str | None = None
+    """The index file's identity as read (its path and Identity), when there is one."""
+
+
+def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None = None) -> FoundShards:
+    """The shard files of `source`, and the index's weight map when there is one.
+
+    With a cache, an index unchanged since it was last read whole is not read again: the cache
+    holds the shard names it gave, and the model's own verdict (see model.py) stands for the rest.
+    """
     if source.is_dir():
         index = source / INDEX_NAME
         if index.exists():
-            return _shards_from_index(index, problems)
+            return _shards_from_index(index, problems, cache)
         shards = sorted(source.glob("*.safetensors"))
         if not shards:
             problems.append(Problem(str(source), "no .safetensors files in this directory"))
-        return shards, None, None
+        return FoundShards(shards)
     if source.name.endswith(".index.json") and source.is_file():
-        return _shards_from_index(source, problems)
+        return _shards_from_index(source, problems, cache)
     if not source.exists() and not source.is_symlink():
         problems.append(Problem(str(source), "no such file or directory"))
-        return [], None, None
-    return [source], None, None
+        return FoundShards([])
+    return FoundShards([source])
 
 
-def _shards_from_index(index: Path, problems: list[Problem]) -> tuple[list[Path], dict[str, str] | None, str]:
+def _shards_from_index(index: Path, problems: list[Problem], cache: HeaderCache | None) -> FoundShards:
     label = str(index)
     try:
-        data = index.read_bytes()
+        with open(index, "rb") as file:
+            before = os.fstat(file.fileno())
+            read_as = f"{os.path.abspath(index)}\0{Identity.of(before).key()}"
+            names = cache.get("index", read_as) if cache is not None else None
+            if (
+                isinstance(names, list)
+                and all(isinstance(name, str) for name in names)
+                and all((index.parent / name).exists() for name in names)  # else read it, to say which tensor
+            ):
+                return FoundShards(sorted(index.parent / name for name in names), label, None, read_as)
+            data = file.read()
+            # Written while read: what was read is checked, and never remembered.
+            key = read_as if Identity.of(os.fstat(file.fileno())) == Identity.of(before) else None
     except OSError as exc:
         problems.append(Problem(label, f"cannot read: {exc.strerror}"))
-        return [], None, label
+        return FoundShards([], label)
+    known = len(problems)
     weight_map = parse_weight_map(data, label, problems)
     if weight_map is None:
-        return [], None, label
+        return FoundShards([], label)
+    names = shard_names(weight_map, label, problems)
+    if cache is not None and key is not None and len(problems) == known:
+        cache.put("index", key, names)
+    return FoundShards(_existing(index, names, weight_map, label, problems), label, weight_map, key)
+
+
+def _existing(
+    index: Path, names: list[str], weight_map: dict[str, str], label: str, problems: list[Problem]
+) -> list[Path]:
     shards = []
-    for name in shard_names(weight_map, label, problems):
+    for name in names:
         if (index.parent / name).exists():
             shards.append(index.parent / name)
         else:
             problems.append(
                 Problem(label, f"weight_map names shard '{name}', which does not exist", first_tensor(weight_map, name))
             )
-    return sorted(shards), weight_map, label
+    return sorted(shards)
 
 
 @dataclass(frozen=True)
@@ -79,17 +122,30 @@ class LocalShard(ShardData):
         self._pages: Pages | None = None
 
     @classmethod
-    def open(cls, path: Path, label: str) -> tuple[ShardHeader, LocalShard]:
-        """Read, validate and map the shard at `path`; InvalidModelError saying every problem if not."""
+    def open(cls, path: Path, label: str, cache: HeaderCache | None = None) -> tuple[ShardHeader, LocalShard]:
+        """Read, validate and map the shard at `path`; InvalidModelError saying every problem if not.
+
+        With a cache, a file unchanged since its header was validated (same device, inode, size,
+        mtime and ctime) is not read or validated again.
+        """
         try:
             path.name.encode("utf-8")
         except UnicodeEncodeError:  # .meta.json and index.json name shards in JSON, which is Unicode
             raise InvalidModelError([Problem(label, "file name is not valid UTF-8; rename the shard")]) from None
         fd = open_shard(path, label)
         try:
-            header = read_header_fd(fd, path, label)
+            validated = os.fstat(fd)
+            header = None
+            if cache is not None and stat.S_ISREG(validated.st_mode):
+                header = cache.shard(path, Identity.of(validated).key())
+            if header is None:
+                header = read_header_fd(fd, path, label)
+                if Identity.of(os.fstat(fd)) != Identity.of(validated):
+                    raise InvalidModelError([Problem(label, "changed while it was being validated; try again")])
+                if cache is not None:
+                    cache.put_shard(Identity.of(validated).key(), header)
             # Map the descriptor the header was read from: the bytes served are the bytes validated.
-            return header, cls(path, label, fd, os.fstat(fd))
+            return header, cls(path, label, fd, validated)
         except InvalidModelError:
             os.close(fd)
             raise
@@ -111,6 +167,17 @@ class LocalShard(ShardData):
         except BaseException:
             os.close(fd)
             raise
+
+    @classmethod
+    def reopen_with_header(cls, saved: LocalDescription, cache: HeaderCache) -> tuple[ShardHeader, LocalShard]:
+        """reopen(), and the header validated: from the cache, or read again from the same file."""
+        shard = cls.reopen(saved)
+        try:
+            header = cache.shard(shard.key, saved.identity.key()) or read_header_fd(shard._fd, shard.key, saved.label)
+        except BaseException:
+            shard.close()
+            raise
+        return header, shard
 
     def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
         if self._pages is None:

@@ -14,13 +14,16 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidModelError, Problem
 from ..header import ShardHeader, header_length, parse_header
 from . import Identity, ShardData, hold
 from .cache import Cache, CachedObject, Fetcher, default_cache_dir, wait
 from .index import first_tensor
+
+if TYPE_CHECKING:
+    from ..headercache import HeaderCache
 from .remote import (
     Located,
     ObjectRef,
@@ -202,6 +205,8 @@ class RemoteOpener:
         self._lock = threading.Lock()
         self._opened: dict[str, tuple[ObjectVersion, bytes]] = {}
         self._remembered: dict[str, ObjectVersion] | None = None
+        self.headers: HeaderCache | None = None
+        """Headers validated before, by object version (set by open_model)."""
         if options.offline:
             self.located = self._recall(problems)
         else:
@@ -221,7 +226,13 @@ class RemoteOpener:
             raw = found[0]
         else:
             version, raw = self._read(ref, label)
-        header = _validated(version, raw, label)
+        # An object is known by its URL, ETag and size; without an ETag its header is never cached.
+        identity = f"{version.url}\0{version.etag}\0{version.size}" if version.etag else None
+        header = self.headers.shard(version.url, identity) if self.headers is not None and identity else None
+        if header is None:
+            header = _validated(version, raw, label)
+            if self.headers is not None and identity:
+                self.headers.put_shard(identity, header)
         with self._lock:
             self._opened[ref.url] = (version, raw)
         return header, RemoteShard(self.cache.open_object(version, raw, self.options.chunk_size), self.options)

@@ -1,0 +1,202 @@
+"""Validated headers remembered across runs, in SQLite: a shard unchanged since it was last
+validated is neither parsed nor checked again, and neither is a model whose every file is unchanged.
+
+A row is keyed by what identifies the bytes it was made from (a file's device, inode, size, mtime
+and ctime; an object's URL, ETag and size) and holds the compact form a daemon is handed: offsets,
+names, dtypes, shapes, metadata. Each row carries the SHA-256 of its kind, key and value. A row that
+does not check out, or a database that cannot be read or written, is one warning and a validation
+from scratch: the cache can make tensorfs faster, never make it trust anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .dtypes import DTYPES
+from .header import Entry, ShardHeader
+from .sources import ShardKey
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+"""The form of the rows: rows of another form are never read (their kind says which), only dropped in time."""
+
+_KEEP_UNUSED = 30 * 24 * 3600.0  # a row nobody read for this long is dropped (at the next write)
+_TOUCH_EVERY = 24 * 3600.0  # a row's last use is written at most this often: reads stay reads
+
+
+class HeaderCache:
+    """Shard headers and model checks by the identity of what they were made from; safe for
+    several processes at once (SQLite's WAL), and for threads (one lock)."""
+
+    FILE_NAME = "headers.sqlite"
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._connection: sqlite3.Connection | None = None
+        self._pid = 0
+        self._disabled = directory is None
+        self.hits = self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return not self._disabled
+
+    # -- what is kept ---------------------------------------------------------------------
+    def shard(self, path: ShardKey, identity: str) -> ShardHeader | None:
+        """The header validated earlier from the bytes `identity` names (see Identity.key and
+        object_identity), for the shard at `path`."""
+        found = self._get("shard", identity)
+        if found is None:
+            return None
+        try:
+            # Column by column, so that 100k entries are rebuilt by C loops (zip, map), not Python's.
+            file_size, data_start, metadata, begins, ends, names, dtype_names, dtypes, shapes, shape_of = found
+            kinds = [DTYPES[name] for name in dtype_names]
+            entries: list[Entry] = list(
+                zip(begins, ends, names, map(kinds.__getitem__, dtypes), map(shapes.__getitem__, shape_of), strict=True)
+            )
+        except (TypeError, ValueError, KeyError, IndexError) as exc:  # checksummed, yet not this form: a bug
+            log.warning("header cache %s: a row of %s is unreadable (%s): validated afresh", self.directory, path, exc)
+            return None
+        return ShardHeader(path, file_size, data_start, entries, metadata)
+
+    def put_shard(self, identity: str, header: ShardHeader) -> None:
+        kinds: dict[str, int] = {}
+        shapes: dict[tuple[int, ...], int] = {}
+        dtypes = [kinds.setdefault(dtype.name, len(kinds)) for _, _, _, dtype, _ in header.entries]
+        shape_of = [shapes.setdefault(tuple(shape), len(shapes)) for _, _, _, _, shape in header.entries]
+        value = (
+            header.file_size,
+            header.data_start,
+            header.metadata,
+            [entry[0] for entry in header.entries],
+            [entry[1] for entry in header.entries],
+            [entry[2] for entry in header.entries],
+            list(kinds),
+            dtypes,
+            [list(shape) for shape in shapes],
+            shape_of,
+        )
+        self._put("shard", identity, value)
+
+    def get(self, kind: str, key: str) -> Any:
+        """Any other value kept under (kind, key), as JSON gave it; None when there is none."""
+        return self._get(kind, key)
+
+    def put(self, kind: str, key: str, value: Any) -> None:
+        self._put(kind, key, value)
+
+    # -- the database ---------------------------------------------------------------------
+    def _get(self, kind: str, key: str) -> Any:
+        kind = f"{kind}/{SCHEMA}"
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return None
+            try:
+                row = connection.execute(
+                    "SELECT value, sha256, used FROM rows WHERE kind=? AND key=?", (kind, key)
+                ).fetchone()
+                if row is None:
+                    self.misses += 1
+                    return None
+                value, digest, used = row
+                if not isinstance(value, bytes) or _digest(kind, key, value) != digest:
+                    log.warning(
+                        "header cache %s: a %s row does not match its checksum: dropped, validated afresh",
+                        self.directory,
+                        kind,
+                    )
+                    with connection:
+                        connection.execute("DELETE FROM rows WHERE kind=? AND key=?", (kind, key))
+                    self.misses += 1
+                    return None
+                now = time.time()
+                if now - used > _TOUCH_EVERY:
+                    with connection:
+                        connection.execute("UPDATE rows SET used=? WHERE kind=? AND key=?", (now, kind, key))
+            except sqlite3.Error as exc:
+                self._give_up(exc)
+                return None
+        try:
+            found = orjson.loads(value)
+        except orjson.JSONDecodeError:  # the checksum held: written so by a bug, not damaged since
+            log.warning("header cache %s: a %s row is not JSON; validating afresh", self.directory, kind)
+            return None
+        self.hits += 1
+        return found
+
+    def _put(self, kind: str, key: str, value: Any) -> None:
+        kind = f"{kind}/{SCHEMA}"
+        try:
+            data = orjson.dumps(value)
+        except orjson.JSONEncodeError as exc:  # not a value JSON holds: it is just not kept
+            log.debug("header cache: %s not kept: %s", kind, exc)
+            return
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return
+            now = time.time()
+            try:
+                with connection:
+                    connection.execute(
+                        "INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?)",
+                        (kind, key, data, _digest(kind, key, data), now),
+                    )
+                    connection.execute("DELETE FROM rows WHERE used < ?", (now - _KEEP_UNUSED,))
+            except sqlite3.Error as exc:
+                self._give_up(exc)
+
+    def _connect(self) -> sqlite3.Connection | None:
+        if self._disabled:
+            return None
+        if self._connection is not None and self._pid == os.getpid():
+            return self._connection
+        # A connection must never cross a fork: a child opens its own.
+        assert self.directory is not None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            connection = sqlite3.connect(self.directory / self.FILE_NAME, timeout=5.0, check_same_thread=False)
+            connection.execute("PRAGMA journal_mode=WAL")
+            # A cache may lose its last rows in a power cut, never its consistency: no fsync per commit.
+            connection.execute("PRAGMA synchronous=NORMAL")
+            connection.execute(
+                "CREATE TABLE IF NOT EXISTS rows (kind TEXT, key TEXT, value BLOB NOT NULL, sha256 BLOB NOT NULL,"
+                " used REAL NOT NULL, PRIMARY KEY (kind, key)) WITHOUT ROWID"
+            )
+            connection.commit()
+        except (sqlite3.Error, OSError) as exc:
+            self._give_up(exc)
+            return None
+        self._connection, self._pid = connection, os.getpid()
+        return connection
+
+    def _give_up(self, exc: Exception) -> None:
+        if not self._disabled:
+            log.warning("header cache %s unusable, validating without it: %s", self.directory, exc)
+        self._disabled = True
+        self._connection = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection is not None and self._pid == os.getpid():
+                with contextlib.suppress(sqlite3.Error):
+                    self._connection.close()
+            self._connection = None
+
+
+def _digest(kind: str, key: str, value: bytes) -> bytes:
+    return hashlib.sha256(f"{kind}\0{key}\0".encode("utf-8", "surrogatepass") + value).digest()

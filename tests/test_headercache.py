@@ -1,0 +1,186 @@
+"""The cache of validated headers: what it skips when nothing changed, and that any change, damage or
+trouble with it means a validation from scratch, never a stale or foreign answer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tensorfs
+import tensorfs.model
+import tensorfs.sources.local
+from conftest import Mounts
+from helpers import header_table, model_bytes, random_bytes, reference_table, sharded_every_dtype, write_reference
+from tensorfs.errors import InvalidModelError
+from tensorfs.headercache import HeaderCache
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    sharded_every_dtype(tmp_path / "model")
+    return tmp_path / "model"
+
+
+class Calls:
+    """Counts the calls of a function of a module, still calling it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> None:
+        self.count = 0
+        real: Callable[..., Any] = getattr(module, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+def parsed(monkeypatch: pytest.MonkeyPatch) -> tuple[Calls, Calls, Calls]:
+    """Counters of the three things the cache saves: header parses, index parses, the model's checks."""
+    return (
+        Calls(monkeypatch, tensorfs.sources.local, "read_header_fd"),
+        Calls(monkeypatch, tensorfs.sources.local, "parse_weight_map"),
+        Calls(monkeypatch, tensorfs.model, "_check_model"),
+    )
+
+
+def tables_of(model: tensorfs.Model) -> dict[str, Any]:
+    """Each shard's table as tensorfs holds it (bytes where it says they are)."""
+    return {
+        shard.name: header_table(model.shard_header(shard), shard.read_bytes())
+        for shard in model.shards
+        if isinstance(shard, Path)
+    }
+
+
+def test_unchanged_files_are_neither_read_nor_checked_again(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    headers, index, checks = parsed(monkeypatch)
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, cache=cache) as first:
+        expected = tables_of(first)
+    assert (headers.count, index.count, checks.count) == (2, 1, 1)
+    with tensorfs.open_model(model, cache=cache) as again:
+        assert tables_of(again) == expected
+        assert {name: bytes(again.raw(name)) for name in again} == model_bytes(model)
+    assert (headers.count, index.count, checks.count) == (2, 1, 1)  # nothing parsed or checked
+    for shard in sorted(model.glob("*.safetensors")):  # and what the cache gave is the reference's reading
+        assert expected[shard.name] == reference_table(shard)
+
+
+def test_any_change_of_identity_validates_afresh(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    tensorfs.open_model(model, cache=cache).close()
+    headers, index, checks = parsed(monkeypatch)
+    shard = model / "model-00001-of-00002.safetensors"
+    os.utime(shard)  # a new mtime (and ctime) only: validated again
+    tensorfs.open_model(model, cache=cache).close()
+    assert (headers.count, index.count, checks.count) == (1, 1, 1)  # the index is known, the model is not
+
+    # Rewritten in place to the same size with its old mtime put back: only the ctime tells, and it does.
+    content = shard.read_bytes()
+    stat = shard.stat()
+    renamed = content.replace(b'"scalar"', b'"scalaR"', 1)
+    assert len(renamed) == len(content) and renamed != content
+    shard.write_bytes(renamed)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(InvalidModelError) as caught:  # the index still names "scalar"
+        tensorfs.open_model(model, cache=cache)
+    assert "scalaR" in str(caught.value) and "weight_map" in str(caught.value)
+    assert headers.count == 2
+
+    # The index rewritten to match: read again (its own identity changed), and the model is valid.
+    text = (model / "model.safetensors.index.json").read_text()
+    (model / "model.safetensors.index.json").write_text(text.replace('"scalar"', '"scalaR"'))
+    with tensorfs.open_model(model, cache=cache) as changed:
+        assert "scalaR" in changed and "scalar" not in changed
+    assert index.count == 3
+
+
+def test_a_row_that_does_not_check_out_is_a_warning_and_a_full_validation(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, cache=cache) as first:
+        expected = tables_of(first)
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:  # one byte of every row's value changed
+        rows = db.execute("SELECT kind, key, value FROM rows").fetchall()
+        assert {kind.split("/")[0] for kind, _, _ in rows} == {"shard", "index", "model"}
+        for kind, key, value in rows:
+            damaged = value.replace(b"scalar", b"scalaR") if b"scalar" in value else value[:-1] + b" "
+            db.execute("UPDATE rows SET value=? WHERE kind=? AND key=?", (damaged, kind, key))
+    headers, index, checks = parsed(monkeypatch)
+    with caplog.at_level(logging.WARNING), tensorfs.open_model(model, cache=cache) as again:
+        assert tables_of(again) == expected
+    assert (headers.count, index.count, checks.count) == (2, 1, 1)
+    warned = [r.getMessage() for r in caplog.records if "does not match its checksum" in r.getMessage()]
+    assert len(warned) == len(rows)
+
+
+@pytest.mark.parametrize("trouble", ["corrupt", "unwritable"])
+def test_a_cache_that_cannot_be_used_is_one_warning(
+    trouble: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    if trouble == "corrupt":
+        cache.mkdir()
+        (cache / HeaderCache.FILE_NAME).write_bytes(random_bytes(64 << 10, 7))
+    else:
+        cache.write_bytes(b"a file where the cache's directory should be")  # root ignores permissions
+    headers, _, _ = parsed(monkeypatch)
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING), tensorfs.open_model(model, cache=cache) as opened:
+            assert {name: bytes(opened.raw(name)) for name in opened} == model_bytes(model)
+    assert headers.count == 4
+    warned = [r.getMessage() for r in caplog.records if "header cache" in r.getMessage()]
+    assert len(warned) == 2 and all("unusable" in message for message in warned), warned
+
+
+def test_no_cache_and_the_commands(model: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+
+    def tensorfs_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "tensorfs.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    for command in ("validate", "ls"):
+        done = tensorfs_cli(command, "--no-cache", "--cache-dir", str(cache), str(model))
+        assert done.returncode == 0, done.stderr
+        assert not cache.exists()  # neither read nor written
+    done = tensorfs_cli("validate", "--cache-dir", str(cache), str(model))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:
+        assert db.execute("SELECT COUNT(*) FROM rows WHERE kind LIKE 'shard/%'").fetchone() == (2,)
+    # A shard made invalid in place: the cached verdict does not hide it from `validate`.
+    shard = model / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    done = tensorfs_cli("validate", "--cache-dir", str(cache), str(model))
+    assert done.returncode == 1 and "model-00002-of-00002.safetensors" in done.stderr, done.stderr
+
+
+def test_a_remount_sees_a_shard_changed_in_between(mounts: Mounts, tmp_path: Path) -> None:
+    """The daemon is handed cached headers by reference: it must get the new ones, never the old."""
+    model = tmp_path / "model.safetensors"
+    write_reference(model, {"a": ("U8", [4], b"abcd"), "b": ("U8", [4], b"efgh")})
+    mountpoint = mounts.mount(model)
+    assert (mountpoint / "a").read_bytes() == b"abcd"
+    done = mounts.run("umount", str(mountpoint))
+    assert done.returncode == 0, done.stderr
+    write_reference(model, {"b": ("U8", [4], b"efgh"), "c": ("U8", [4], b"ijkl")})
+    mountpoint = mounts.mount(model)
+    assert sorted(p.name for p in mountpoint.iterdir() if not p.name.endswith((".json", ".sha256"))) == [
+        ".tensorfs",
+        "b",
+        "c",
+    ]
+    assert (mountpoint / "c").read_bytes() == b"ijkl"
