@@ -58,6 +58,7 @@ bench: install
 	$(PY) scripts/bench.py --remote
 	$(PY) scripts/bench_open.py
 	$(PY) scripts/bench_hash.py
+	$(PY) scripts/bench_small.py
 
 # Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:

@@ -180,6 +180,8 @@ class Hasher:
             if identity is None:
                 continue
             spans = {(entry[0], entry[1]): entry[2] for entry in entries if entry[1] - entry[0] >= CACHE_MIN_BYTES}
+            if not spans:  # none is ever cached: not even the database need be opened (or made)
+                continue
             for span, digest in self.cache.get_many(identity, spans).items():
                 found[spans[span]] = digest
         with self._lock:

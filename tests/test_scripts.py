@@ -64,6 +64,19 @@ def test_bench_hash_runs(tmp_path: Path) -> None:
     assert result["small_tensors"] == 2000 and result["small_repeat"] == 1 and result["small_cache_ratio"] > 0
 
 
+def test_bench_small_runs(fuse: None, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_small.py"), "--tensors", "300", "--repeat", "1"]
+    subprocess.run([*command, "--json", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"sha256sum -c", "cp -r", "find -type f | wc -l", "ls -lR"}
+    for figures in result["results"].values():
+        assert figures["ratio"] > 0 and figures["floor_ratio"] > 0
+    # What the kernel was told once it does not ask again: one flush, at most, for 300 closes.
+    assert result["requests"]["sha256sum -c"]["open"] >= 300
+    assert result["requests"]["sha256sum -c"].get("flush", 0) <= 1
+
+
 def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
     import tensorfs
     from tensorfs.synth import many_tiny_tensors
