@@ -370,6 +370,7 @@ def open_model(
             except RemoteError as exc:
                 raise InvalidModelError([Problem(path, str(exc).removeprefix(f"{path}: "))]) from None
             source: ShardKey = path
+            opener.cache.db()  # the objects' cache must be usable (RemoteError if not), before the headers'
             opener.headers = headers if headers.enabled else None
             located = opener.located
             opened = _open_shards(opener.shards, opener.open, problems)

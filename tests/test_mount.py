@@ -329,7 +329,7 @@ def test_relative_paths_and_a_daemon_that_holds_no_directory(mounts: Mounts, mod
     daemon = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_bytes())
     assert daemon["source"] == str(model_dir) and daemon["log_file"] == str(tmp_path / "daemon.log")
     assert subprocess.run(["sha256sum", "-c", "scalar.sha256"], cwd=mountpoint, capture_output=True).returncode == 0
-    assert (tmp_path / "cache" / "hashes.sqlite").exists()  # the cache where it was asked for, not in /
+    assert (tmp_path / "cache" / "headers.sqlite").exists()  # the cache where it was asked for, not in /
 
 
 def test_fsname_escapes() -> None:
