@@ -133,8 +133,11 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
         "four_readers",
         "rss_growth",
         "tiny_mount",
+        "tiny_remount",
+        "tiny_first_mount",
         "tiny_mount_selected",
         "tiny_listing",
+        "tiny_listing_split",
         "view_read",
         "metrics_read",
         "four_readers_direct",
@@ -145,6 +148,8 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
     ):
         assert key in report, key
     assert report["first_read"]["gbps"] > 0
+    assert report["tiny_remount"]["seconds"] > 0 and report["tiny_first_mount"]["seconds"] > 0
+    assert report["tiny_listing_split"]["daemon_seconds"] >= 0
     assert report["four_readers_direct"]["gbps"] > 0
     assert report["peer_first_read_floor"]["gbps"] > 0 and report["peer_memmap_sum_floor"]["seconds"] > 0
     # bindfs is installed by the bench when missing (as root, with apt-get); when that cannot be

@@ -151,11 +151,15 @@ class Mounter:
         return self.workdir / f"mnt{self.count}"
 
     @contextlib.contextmanager
-    def mounted(self, source: Path | str, *extra: str, at: Path | None = None) -> Iterator[tuple[Path, int]]:
-        """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid)."""
+    def mounted(
+        self, source: Path | str, *extra: str, at: Path | None = None, cache: Path | None = None
+    ) -> Iterator[tuple[Path, int]]:
+        """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid).
+        Without the caches of headers and hashes unless `cache` says where they are."""
         mountpoint = self.fresh_mountpoint() if at is None else at
         mountpoint.mkdir()
-        options = [f"--readahead-kb={self.config.readahead_kb}", "--no-cache", *self.config.mount_options, *extra]
+        caching = ["--no-cache"] if cache is None else ["--cache-dir", str(cache)]
+        options = [f"--readahead-kb={self.config.readahead_kb}", *caching, *self.config.mount_options, *extra]
         log = str(self.workdir / "daemon.log")
         subprocess.run(
             self.command("mount", "-q", "--log-file", log, *options, str(source), str(mountpoint)), check=True
@@ -205,6 +209,12 @@ def rss_anon_kib(pid: int) -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1])
     raise RuntimeError("no RssAnon")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median(values: list[float] | list[int]) -> float:
