@@ -36,7 +36,7 @@ def test_bench_open_runs(tmp_path: Path) -> None:
         capture_output=True,
     )
     result = json.loads(out.read_text())
-    assert result["tensors"] == 2000 and result["ratio"] > 0
+    assert result["tensors"] == 2000 and result["ratio"] > 0 and result["cached_ratio"] > 0
 
 
 def test_bench_hash_runs(tmp_path: Path) -> None:
