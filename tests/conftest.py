@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -11,10 +12,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from helpers import raw_shard
+from helpers import raw_shard, read_line
 from servers import BROKEN, GUARDED, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 
@@ -70,6 +72,45 @@ def fuse() -> None:
         pytest.skip(f"FUSE unavailable: {reason}")
 
 
+# `tensorfs mount` run by a subreaper (PR_SET_CHILD_SUBREAPER, 36): the background daemon the command
+# forks and leaves behind becomes this process's child, not init's, so that its exit status can be read.
+ADOPTER = """
+import ctypes, json, os, subprocess, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_CHILD_SUBREAPER): " + os.strerror(ctypes.get_errno()))
+mount = subprocess.run([sys.executable, "-m", "tensorfs.cli", "mount", *sys.argv[1:]], capture_output=True, text=True)
+print(json.dumps([mount.returncode, mount.stdout, mount.stderr]), flush=True)
+if mount.returncode == 0:
+    pid, status = os.wait()
+    print(json.dumps([pid, os.waitstatus_to_exitcode(status)]), flush=True)
+"""
+
+
+class AdoptedDaemon:
+    """A background daemon whose exit status its adopter reports (see ADOPTER)."""
+
+    def __init__(self, adopter: subprocess.Popen[bytes]) -> None:
+        self.adopter = adopter
+        self._pending = bytearray()
+
+    def said(self, timeout: float) -> list[Any]:
+        assert self.adopter.stdout is not None
+        said: list[Any] = json.loads(read_line(self.adopter.stdout.fileno(), timeout, self._pending))
+        return said
+
+    def exit_status(self, timeout: float = 30) -> tuple[int, int]:
+        """(pid, exit code, or -N for signal N) of the daemon, once it has ended."""
+        pid, code = self.said(timeout)
+        return pid, code
+
+    def stop(self) -> None:
+        if self.adopter.poll() is None:
+            self.adopter.kill()
+        self.adopter.wait()
+        if self.adopter.stdout is not None:
+            self.adopter.stdout.close()
+
+
 class Mounts:
     """Mounts made by a test, each unmounted (lazily, so a busy one goes too) and its daemon gone at the end."""
 
@@ -77,6 +118,7 @@ class Mounts:
         self.tmp_path = tmp_path
         self.mountpoints: list[Path] = []
         self.log_file = tmp_path / "daemon.log"
+        self.adopted: list[AdoptedDaemon] = []
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run the tensorfs CLI in a child process."""
@@ -106,6 +148,21 @@ class Mounts:
             self.mountpoints.append(mountpoint)
         return mountpoint
 
+    def mount_adopted(self, source: Path, *options: str) -> tuple[Path, AdoptedDaemon]:
+        """Mount in the background as `mount` does, by a process that then reaps the daemon and tells
+        its exit status."""
+        mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
+        mountpoint.mkdir()
+        self.watch(mountpoint)
+        arguments = ["--log-file", str(self.log_file), *options, str(source), str(mountpoint)]
+        adopter = subprocess.Popen([sys.executable, "-c", ADOPTER, *arguments], stdout=subprocess.PIPE)
+        daemon = AdoptedDaemon(adopter)
+        self.adopted.append(daemon)
+        code, _, stderr = daemon.said(120)
+        assert code == 0, stderr + self.log()
+        assert os.path.ismount(mountpoint)
+        return mountpoint, daemon
+
     def daemon_pid(self, mountpoint: Path) -> int:
         """The daemon's pid, from its record (never read through the mount: it may hang)."""
         pid = daemon_pid(mountpoint)
@@ -127,6 +184,8 @@ class Mounts:
                 subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
             if pid is not None:
                 wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10, kill=pid)
+        for daemon in self.adopted:  # its daemon is gone: it reports, and ends
+            daemon.stop()
 
 
 def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.0, kill: int | None = None) -> None:

@@ -1,9 +1,16 @@
-"""Model builders for the tests: the reference writer (safetensors) and hand-made bytes."""
+"""Model builders for the tests (the reference writer, hand-made bytes), and readers that take part in faults."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import platform
+import select
 import struct
+import subprocess
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -210,3 +217,121 @@ def errno_of_reading(path: Path) -> int | None:
     except OSError as exc:
         return exc.errno
     return None
+
+
+# -- processes that take part in a fault: handshakes over pipes, never sleeps ------------------
+
+
+def read_line(fd: int, timeout: float, pending: bytearray) -> str:
+    """The next line written to the pipe `fd` (bytes beyond it stay in `pending`); AssertionError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in pending:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(left, 0))
+        if not ready:
+            raise AssertionError(f"no line within {timeout:g} s (so far: {bytes(pending)!r})")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError(f"the pipe closed before a whole line (so far: {bytes(pending)!r})")
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    pending[:] = rest
+    return line.decode()
+
+
+# pread64 by machine: the number /proc/PID/syscall shows for a process blocked in it.
+_PREAD64 = {"x86_64": 17, "aarch64": 67}
+
+
+def blocked_in_pread(pid: int) -> bool:
+    """Whether the process sleeps inside pread(2): a read of it is in flight, not about to be."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+    except (OSError, IndexError):
+        return False
+    if state not in ("S", "D") or call == "running":
+        return False
+    expected = _PREAD64.get(platform.machine())
+    return expected is None or call == str(expected)
+
+
+HANDSHAKE_READER = """
+import hashlib, os, sys
+path, mode = sys.argv[1], sys.argv[2]
+try:
+    fd = os.open(path, os.O_RDONLY)
+    os.pread(fd, 4096, 0)
+except OSError as exc:
+    print("error", exc.errno, flush=True)
+    sys.exit(1)
+print("served", flush=True)
+sys.stdin.readline()
+size = os.fstat(fd).st_size
+while True:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what the kernel cached is asked of the daemon again
+    print("reading", flush=True)
+    digest, offset = hashlib.sha256(), 0
+    try:
+        while offset < size:
+            chunk = os.pread(fd, min(1 << 20, size - offset), offset)
+            if not chunk:
+                break
+            digest.update(chunk)
+            offset += len(chunk)
+    except OSError as exc:
+        print("error", exc.errno, flush=True)
+        sys.exit(1)
+    if mode != "forever":
+        print("ok", digest.hexdigest(), flush=True)
+        sys.exit(0)
+"""
+
+
+class HandshakeReader:
+    """A reader in its own process that says what it has done: "served" once it holds the file open
+    and has read from it, then (told to go) "reading" just before it reads the whole file again from
+    the daemon (once, or with forever=True again and again until killed), then "ok <sha256>" or
+    "error <errno>"."""
+
+    def __init__(self, path: Path, *, forever: bool = False) -> None:
+        self.path = path
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HANDSHAKE_READER, str(path), "forever" if forever else "once"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._pending = bytearray()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def said(self, timeout: float = 30) -> str:
+        assert self.process.stdout is not None
+        return read_line(self.process.stdout.fileno(), timeout, self._pending)
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        """Kill it if it still runs, and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def thread_read_bytes(pid: int) -> dict[int, int]:
+    """Bytes each thread of a process has read with read(2) and its kind (rchar), by thread id."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, StopIteration):
+            io = task.joinpath("io").read_text()
+            found[int(task.name)] = int(next(line.split()[1] for line in io.splitlines() if line.startswith("rchar:")))
+    return found

@@ -299,6 +299,17 @@ def test_foreground_daemon_unmounts_cleanly_on_signal(
                 daemon.communicate()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_background_daemon_unmounts_cleanly_on_signal(mounts: Mounts, model_dir: Path, signum: int) -> None:
+    mountpoint, daemon = mounts.mount_adopted(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    assert (mountpoint / "layers" / "0" / "w").stat().st_size == 256
+    os.kill(pid, signum)
+    assert daemon.exit_status() == (pid, 0)
+    assert not os.path.ismount(mountpoint)
+    assert f"{signal.Signals(signum).name}: unmounting" in mounts.log() and f"unmounted {mountpoint}" in mounts.log()
+
+
 def test_dotted_layout(mounts: Mounts, tmp_path: Path) -> None:
     write_reference(
         tmp_path / "m.safetensors", {"model.layers.0.w": ("U8", [2], b"ab"), "model.norm": ("U8", [1], b"c")}
