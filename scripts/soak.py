@@ -2,7 +2,8 @@
 """A bounded soak of a real mount: a mix of every kind of request, for --seconds, counting errors.
 
 Random-range reads (checked byte for byte), whole-file reads, stats, listings, sidecar reads,
-opens and closes, and readers killed in the middle of a read, from several threads at once.
+opens and closes, and readers killed in the middle of their reading (once each has been served),
+from several threads at once.
 Prints the operations done and the errors; exits 1 if there was any error. Needs FUSE.
 
     .venv/bin/python scripts/soak.py [--seconds 60] [--threads 6]      (what `make soak` runs)
@@ -15,6 +16,8 @@ import hashlib
 import json
 import os
 import random
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,38 @@ def build(directory: Path) -> dict[str, bytes]:
     write_sharded(directory, shards)
     with tensorfs.open_model(directory) as model:
         return {name: bytes(model.raw(name)) for name in model}
+
+
+VICTIM = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.pread(fd, 4096, 0)
+os.write(1, b"r")  # open, and served once
+size = os.fstat(fd).st_size
+while True:  # reading from the daemon (not the kernel's cache) until killed
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    for offset in range(0, size, 1 << 20):
+        os.pread(fd, 1 << 20, offset)
+"""
+
+
+def killed_mid_read(path: Path, delay: float) -> bool:
+    """Start a reader, wait until it has the file open and has been served (it says so), let it read on
+    for `delay` seconds, then kill it: whether all of that happened (a reader that failed or ended by
+    itself was not killed mid-read)."""
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, str(path)], stdout=subprocess.PIPE)
+    assert victim.stdout is not None
+    try:
+        ready, _, _ = select.select([victim.stdout], [], [], 30.0)
+        served = bool(ready) and victim.stdout.read(1) == b"r"
+        if served:
+            time.sleep(delay)  # a random moment of its reading
+        victim.kill()
+        return served and victim.wait() == -signal.SIGKILL
+    finally:
+        victim.kill()
+        victim.wait()
+        victim.stdout.close()
 
 
 def worker(seed: int, mountpoint: Path, expected: dict[str, bytes], deadline: float, counts: Counter[str]) -> None:
@@ -71,14 +106,8 @@ def worker(seed: int, mountpoint: Path, expected: dict[str, bytes], deadline: fl
             elif kind == "meta":
                 name = rng.choice(names)
                 ok = json.loads((mountpoint / f"{name}.meta.json").read_bytes())["nbytes"] == len(expected[name])
-            else:  # a reader that disappears in the middle of a read
-                victim = subprocess.Popen(
-                    [sys.executable, "-c", f"open({str(mountpoint / rng.choice(big))!r}, 'rb').read()"]
-                )
-                time.sleep(rng.random() * 0.05)
-                victim.kill()
-                victim.wait()
-                ok = True
+            else:  # a reader that disappears in the middle of its reading
+                ok = killed_mid_read(mountpoint / rng.choice(big), rng.random() * 0.05)
         except OSError as exc:
             counts[f"error: {kind}: {exc}"] += 1
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,8 @@ def test_soak_runs_briefly(fuse: None) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 errors" in result.stdout
+    killed = re.search(r"^  killed: (\d+)$", result.stdout, re.MULTILINE)  # readers killed once served, mid-read
+    assert killed is not None and int(killed.group(1)) > 0, result.stdout
 
 
 def test_make_clean_unmounts_the_demo_first(mounts: Mounts, tmp_path: Path) -> None:
