@@ -11,18 +11,31 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 
 import tensorfs
 from conftest import Mounts, wait_until
-from helpers import MIB, errno_of_reading, mib_sharded_model, model_bytes
+from helpers import (
+    MIB,
+    entry,
+    errno_of_reading,
+    mib_sharded_model,
+    model_bytes,
+    random_bytes,
+    raw_shard,
+    thread_read_bytes,
+    write_reference,
+)
 from tensorfs.integrity import Hasher, format_manifest
 from tensorfs.mount.mounttable import pid_alive
+from tensorfs.mount.runtime import record_path
 
 
 @pytest.fixture
@@ -86,6 +99,114 @@ def test_a_shard_truncated_under_the_mount(mounts: Mounts, model_dir: Path) -> N
     assert "tensor 't1.2': refused (EIO)" in log
 
 
+def stats_of(mountpoint: Path) -> dict[str, Any]:
+    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    return stats
+
+
+def refused_uncached(reader: BinaryIO, validated: bytes, offset: int) -> bool:
+    """`refused`, with what the kernel cached of the file dropped first: the read is the daemon's to answer."""
+    os.posix_fadvise(reader.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return refused(reader, validated, offset)
+
+
+def test_a_shard_truncated_under_a_reader_already_served(mounts: Mounts, model_dir: Path) -> None:
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    with open(mountpoint / "t1.3", "rb", buffering=0) as reader:
+        assert reader.read() == expected["t1.3"]  # served whole: the daemon holds its range as ready
+        waits = stats_of(mountpoint)["page_waits"]
+        os.posix_fadvise(reader.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(reader.fileno(), 4096, 2 * MIB) == expected["t1.3"][2 * MIB : 2 * MIB + 4096]
+        assert stats_of(mountpoint)["page_waits"] == waits  # answered on the path that brings in no pages
+        os.truncate(model_dir / "s1.safetensors", offset_of(model_dir, "t1.3") + MIB)
+        # Refused on that same path, both where the validated bytes are still in the file and where they are cut.
+        for offset in (0, 2 * MIB):
+            wait_until(lambda o=offset: refused_uncached(reader, expected["t1.3"], o), what=f"a read at {offset}")
+    assert errno_of_reading(mountpoint / "t1.0") == errno.EIO or errno_of_reading(mountpoint / "t1.1") == errno.EIO
+    assert pid_alive(pid)
+    for kept in ("t0.3", "t2.1"):
+        assert (mountpoint / kept).read_bytes() == expected[kept]
+    assert "tensor 't1.3': refused (EIO)" in mounts.log()
+
+
+def sparse_model(directory: Path, big: int) -> dict[str, bytes]:
+    """A shard whose tensor 'big' is `big` bytes of zeros (a hole: nothing on disk) after a 1 MiB 'small',
+    and a shard of small tensors; every tensor's bytes but big's."""
+    directory.mkdir()
+    small = random_bytes(MIB, 7)
+    header = {"small": entry("U8", [MIB], 0, MIB), "big": entry("U8", [big], MIB, MIB + big)}
+    shard = directory / "a.safetensors"
+    shard.write_bytes(raw_shard(header, small))
+    os.truncate(shard, shard.stat().st_size + big)
+    others = {f"o{i}": ("U8", [MIB], random_bytes(MIB, 8 + i)) for i in range(2)}
+    write_reference(directory / "b.safetensors", others)
+    return {"small": small, **{name: data for name, (_, _, data) in others.items()}}
+
+
+def zeros_sha256(size: int) -> str:
+    digest, block = hashlib.sha256(), bytes(16 * MIB)
+    for offset in range(0, size, len(block)):
+        digest.update(block[: min(len(block), size - offset)])
+    return digest.hexdigest()
+
+
+def first_read(path: Path) -> bytes | int | None:
+    """What one read of a file's first 4 KiB answers (the errno it fails with); the file opened first."""
+    try:
+        with open(path, "rb", buffering=0) as file:
+            return os.pread(file.fileno(), 4096, 0)
+    except OSError as exc:
+        return exc.errno
+
+
+def hashing_thread_reads(pid: int, before: dict[int, int]) -> int:
+    """Bytes the daemon's worker threads have read since `before` (the request thread reads only requests)."""
+    now = thread_read_bytes(pid)
+    return sum(count - before.get(tid, 0) for tid, count in now.items() if tid != pid)
+
+
+@pytest.mark.parametrize("hashing", ["sidecar", "verification"])
+def test_a_shard_truncated_while_a_tensor_is_hashed(mounts: Mounts, tmp_path: Path, hashing: str) -> None:
+    # 'sidecar': big.sha256 read, no manifest: the daemon hashes big. 'verification': big opened, with a
+    # manifest: the daemon hashes big before serving a byte of it. Either way the shard is cut meanwhile.
+    big = 1 << 30
+    expected = sparse_model(tmp_path / "model", big)
+    model_dir = tmp_path / "model"
+    if hashing == "verification":
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}
+        (model_dir / "tensors.sha256").write_text(format_manifest({**digests, "big": zeros_sha256(big)}))
+    mountpoint = mounts.mount(model_dir, "--no-cache")
+    pid = mounts.daemon_pid(mountpoint)
+    before = thread_read_bytes(pid)
+    outcome: list[bytes | int | None] = []
+    target = mountpoint / ("big.sha256" if hashing == "sidecar" else "big")
+    reader = threading.Thread(target=lambda: outcome.append(first_read(target)))
+    reader.start()
+    try:
+        wait_until(lambda: hashing_thread_reads(pid, before) >= 8 * MIB, what="the hashing to be under way")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            hashed = hashing_thread_reads(pid, before)
+            assert hashed < big, "the hashing finished before the shard could be cut"
+            os.truncate(model_dir / "a.safetensors", offset_of(model_dir, "big") + 16 * MIB)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        reader.join(60)
+    assert not reader.is_alive() and outcome == [errno.EIO]
+    assert pid_alive(pid)
+    assert (mountpoint / "o1").read_bytes() == expected["o1"]  # the other shard is served
+    log = mounts.log()
+    if hashing == "sidecar":  # its shard is not the validated file any more
+        assert errno_of_reading(mountpoint / "small") == errno.EIO
+        assert f"shard {model_dir / 'a.safetensors'} was changed in place under the mount" in log
+    else:  # its bytes are still in the file: verified again, and served
+        assert (mountpoint / "small").read_bytes() == expected["small"]
+        assert "tensor 'big' cannot be verified (refused, EIO)" in log and "of the tensor are gone" in log
+
+
 def test_a_shard_overwritten_in_place_is_refused_until_remounted(mounts: Mounts, model_dir: Path) -> None:
     expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
@@ -130,6 +251,58 @@ def test_attributes_of_a_shard_may_change(mounts: Mounts, model_dir: Path) -> No
     os.utime(model_dir / "s0.safetensors", ns=(10**18, 10**18))  # `touch`: the bytes are the same
     wait_until(lambda: (mountpoint / "t0.0").stat().st_mtime_ns == 10**18, what="the new mtime to show")
     assert (mountpoint / "t0.0").read_bytes() == expected["t0.0"]
+
+
+# `tensorfs mount` with a shard overwritten in place at one of two moments: in the command, after it
+# validated the model and before the daemon maps the files again ("reopen"); or in the daemon, after
+# it mapped them and before it serves (and watches) them.
+MOUNT_WITH_A_WRITE = """
+import sys
+import tensorfs.cli, tensorfs.mount.daemon, tensorfs.mount.serve
+moment, shard, offset = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def overwrite():
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\\xff" * 64)
+def before(module, name):
+    real = getattr(module, name)
+    def patched(*args, **kwargs):
+        overwrite()
+        return real(*args, **kwargs)
+    setattr(module, name, patched)
+before(*{"reopen": (tensorfs.mount.daemon, "snapshot"), "serving": (tensorfs.mount.serve, "serve")}[moment])
+sys.exit(tensorfs.cli.main(["mount", *sys.argv[4:]]))
+"""
+
+
+def mount_with_a_write(mounts: Mounts, moment: str, shard: Path, offset: int, model_dir: Path) -> tuple[Path, str]:
+    mountpoint = mounts.tmp_path / f"mnt{len(mounts.mountpoints)}"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    arguments = [moment, str(shard), str(offset), "--log-file", str(mounts.log_file), str(model_dir), str(mountpoint)]
+    result = subprocess.run(
+        [sys.executable, "-c", MOUNT_WITH_A_WRITE, *arguments], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode in (0, 1), result.stderr
+    return mountpoint, result.stderr if result.returncode else ""
+
+
+def test_a_shard_changed_before_the_daemon_maps_it_is_refused(mounts: Mounts, model_dir: Path) -> None:
+    shard = model_dir / "s1.safetensors"
+    mountpoint, error = mount_with_a_write(mounts, "reopen", shard, offset_of(model_dir, "t1.2"), model_dir)
+    assert error == f"error: {shard}: changed while it was being validated; try again\n"
+    assert not os.path.ismount(mountpoint) and not record_path(mountpoint).exists()
+
+
+def test_a_shard_changed_before_the_daemon_serves_it_is_refused(mounts: Mounts, model_dir: Path) -> None:
+    expected = model_bytes(model_dir)
+    shard = model_dir / "s1.safetensors"
+    mountpoint, error = mount_with_a_write(mounts, "serving", shard, offset_of(model_dir, "t1.2"), model_dir)
+    assert error == "" and os.path.ismount(mountpoint)
+    for name in ("t1.0", "t1.2"):
+        assert errno_of_reading(mountpoint / name) == errno.EIO, name
+    assert (mountpoint / "t0.1").read_bytes() == expected["t0.1"]
+    assert f"shard {shard} was changed in place under the mount" in mounts.log()
 
 
 # -- with a manifest --------------------------------------------------------------------------
