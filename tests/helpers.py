@@ -335,3 +335,29 @@ def thread_read_bytes(pid: int) -> dict[int, int]:
             io = task.joinpath("io").read_text()
             found[int(task.name)] = int(next(line.split()[1] for line in io.splitlines() if line.startswith("rchar:")))
     return found
+
+
+# Opening a model in a fresh process, and what it cost at its peak. Not ru_maxrss: it keeps the peak
+# of whatever ran before (the imports; even the forking parent's, across exec), which hides anything
+# below it. The kernel's peak (VmHWM) is reset to the resident size first, so the peak is the opening's.
+PEAK_OF_OPENING = """
+import sys
+from pathlib import Path
+import tensorfs
+def status(key):
+    return int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith(key + ":")))
+Path("/proc/self/clear_refs").write_text("5")
+before = status("VmRSS")
+with tensorfs.open_model(sys.argv[1]) as model:
+    print(len(model), sum(model.info(name).nbytes for name in model), status("VmHWM") - before)
+"""
+
+
+def peak_of_opening(path: Path) -> tuple[int, int, int]:
+    """(tensors, their bytes, KiB by which the resident size peaked above where it was) of opening `path`."""
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_OF_OPENING, str(path)], capture_output=True, text=True, check=True
+    )
+    tensors, nbytes, peak_kib = map(int, result.stdout.split())
+    return tensors, nbytes, peak_kib

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 from pathlib import Path
 
 import ml_dtypes
@@ -16,6 +15,7 @@ import tensorfs
 from helpers import (
     entry,
     every_dtype_tensors,
+    peak_of_opening,
     random_bytes,
     raw_shard,
     reference_table,
@@ -23,7 +23,7 @@ from helpers import (
     write_reference,
 )
 from tensorfs import InvalidModelError
-from tensorfs.model import INDEX_NAME
+from tensorfs.model import INDEX_NAME, reopen, snapshot
 
 
 def assert_matches_reference(model: tensorfs.Model, shards: list[Path]) -> None:
@@ -274,11 +274,27 @@ def test_opening_reads_no_tensor_data(tmp_path: Path) -> None:
     path.write_bytes(raw_shard({"big": entry("U8", [size], 0, size)}))
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size + size)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with tensorfs.open_model(path) as model:
-        assert model.info("big").nbytes == size
-        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    assert grown_kib < 64 * 1024
+    tensors, nbytes, peak_kib = peak_of_opening(path)
+    assert (tensors, nbytes) == (1, size)
+    assert peak_kib < 4 * 1024  # a few pages of the header and the objects it makes, no tensor bytes
+
+
+def test_reopen_refuses_a_shard_changed_since_it_was_validated(tmp_path: Path) -> None:
+    # What `mount` hands its daemon: the validated model, mapped again there only if no shard changed.
+    write_reference(tmp_path / "a.safetensors", {"w": ("U8", [4], b"abcd")})
+    write_reference(tmp_path / "b.safetensors", {"v": ("U8", [2], b"ef")})
+    with tensorfs.open_model(tmp_path) as model:
+        saved = snapshot(model)
+    with reopen(saved) as again:
+        assert bytes(again.raw("w")) == b"abcd" and bytes(again.raw("v")) == b"ef"
+    with open(tmp_path / "b.safetensors", "ab") as f:  # written to after validation
+        f.write(b"x")
+    with pytest.raises(InvalidModelError, match=r"b\.safetensors: changed while it was being validated; try again"):
+        reopen(saved)
+    write_reference(tmp_path / "new.tmp", {"v": ("U8", [2], b"ef")})
+    os.replace(tmp_path / "new.tmp", tmp_path / "b.safetensors")  # the same bytes, but another file
+    with pytest.raises(InvalidModelError, match="changed while it was being validated"):
+        reopen(saved)
 
 
 def test_info_fields(tmp_path: Path) -> None:
