@@ -299,6 +299,32 @@ def test_foreground_daemon_unmounts_cleanly_on_signal(
                 daemon.communicate()
 
 
+def test_foreground_debug_logs_to_stderr_with_libfuses_own_lines(
+    mounts: Mounts, model_dir: Path, tmp_path: Path
+) -> None:
+    mountpoint = tmp_path / "fg"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    with subprocess.Popen(
+        [sys.executable, "-m", "tensorfs.cli", "mount", "-f", "--debug", str(model_dir), str(mountpoint)],
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as daemon:
+        try:
+            wait_until(lambda: os.path.ismount(mountpoint) or daemon.poll() is not None, what="the mount", timeout=60)
+            assert (mountpoint / "scalar").stat().st_size == 4
+            daemon.send_signal(signal.SIGTERM)
+            _, stderr = daemon.communicate(timeout=30)
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.communicate()
+    assert daemon.returncode == 0, stderr
+    assert " INFO serving " in stderr  # no --log-file in the foreground: the log is stderr
+    assert "lookup(parent_inode=1, name='scalar', uid=" in stderr  # tensorfs's request lines
+    assert "opcode: LOOKUP" in stderr  # and libfuse's own
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_background_daemon_unmounts_cleanly_on_signal(mounts: Mounts, model_dir: Path, signum: int) -> None:
     mountpoint, daemon = mounts.mount_adopted(model_dir)

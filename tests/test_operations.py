@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, wait_until
-from helpers import random_bytes, reference_tensors, write_reference
+from helpers import MIB, entry, random_bytes, raw_shard, reference_tensors, write_reference
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.mount.mounttable import pid_alive, probe
@@ -182,6 +183,47 @@ def test_the_values_in_force_are_read_back(mounts: Mounts, model_dir: Path) -> N
         assert readahead == 2048
 
 
+def needs_root(why: str) -> None:
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"root is needed on CI: {why}")
+        pytest.skip(f"needs root: {why}")
+
+
+@pytest.mark.parametrize(
+    ("option", "kib"),
+    [((), 1024), (("--readahead-kb", "256"), 256), (("--readahead-kb", "0"), 128)],  # 0: FUSE's own, 128 KiB
+)
+def test_the_readahead_is_in_effect(mounts: Mounts, tmp_path: Path, option: tuple[str, ...], kib: int) -> None:
+    needs_root("only root may set a mount's readahead")
+    write_reference(tmp_path / "m.safetensors", {"w": ("U8", [8 * MIB], random_bytes(8 * MIB, 3))})
+    mountpoint = mounts.mount(tmp_path / "m.safetensors", "--debug", *option)
+    device = os.stat(mountpoint).st_dev
+    setting = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
+    record = read_record(mountpoint)
+    assert record is not None and int(setting.read_text()) == record["in_force"]["readahead_kb"] == kib
+    with open(mountpoint / "w", "rb", buffering=0) as f:
+        while f.read(64 * 1024):  # small reads: how much the kernel asks the daemon for is its readahead's
+            pass
+    sizes = [int(size) for size in re.findall(r"read\(fh=\d+ 'w', off=\d+, size=(\d+)\)", mounts.log())]
+    assert sum(sizes) >= 8 * MIB and max(sizes) == kib * 1024
+
+
+@pytest.mark.parametrize(("option", "mib"), [((), 32), (("--prefetch-mb", "3"), 3)])
+def test_the_prefetch_window_is_in_effect(mounts: Mounts, tmp_path: Path, option: tuple[str, ...], mib: int) -> None:
+    shard = tmp_path / "m.safetensors"
+    shard.write_bytes(raw_shard({"w": entry("U8", [64 * MIB], 0, 64 * MIB)}))
+    os.truncate(shard, shard.stat().st_size + 64 * MIB)  # zeros, in a hole
+    mountpoint = mounts.mount(shard, *option)
+    with open(mountpoint / "w", "rb", buffering=0) as f:
+        assert f.read(4096) == bytes(4096)
+    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    # The first read brought in what it asked for and one window ahead of it: exactly --prefetch-mb.
+    assert (stats["prefetch_windows"], stats["prefetch_bytes"]) == (1, mib * MIB)
+    record = read_record(mountpoint)
+    assert record is not None and record["options"]["prefetch_mb"] == mib
+
+
 def test_the_record_lives_outside_the_mount(mounts: Mounts, model_dir: Path) -> None:
     mountpoint = mounts.mount(model_dir)
     path = record_path(mountpoint)
@@ -207,6 +249,23 @@ def test_mount_says_what_it_did_unless_quiet(mounts: Mounts, model_dir: Path, tm
     assert "serving" in log.read_text()  # each mount logs to its own file
     result = mounts.attempt(model_dir, "-q", mountpoint=quiet)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_the_default_log_file_without_xdg_state_home(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "my-mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    environment = {key: value for key, value in os.environ.items() if key != "XDG_STATE_HOME"}
+    environment["HOME"] = str(tmp_path / "home")
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "mount", str(model_dir), str(mountpoint)],
+        capture_output=True, text=True, env=environment, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    escaped = subprocess.run(["systemd-escape", "--path", str(mountpoint)], capture_output=True, text=True, check=True)
+    log = tmp_path / "home" / ".local" / "state" / "tensorfs" / f"{escaped.stdout.strip()}.log"
+    assert result.stdout.endswith(f", log {log}\n") and "\\x2d" in log.name
+    assert "serving" in log.read_text()
 
 
 def test_fsname_is_the_source(mounts: Mounts, model_dir: Path) -> None:
@@ -291,6 +350,10 @@ def test_debug_lines_show_requests_and_errors_name_tensors(mounts: Mounts, model
     assert "lookup(parent_inode=1, name='d', uid=" in log
     assert "open(inode=" in log and " 'd/x', flags=" in log
     assert "read(fh=" in log and " 'd/x', off=0, size=" in log
+    quiet_log = mounts.tmp_path / "quiet.log"
+    quiet = mounts.mount(model_dir, "--log-file", str(quiet_log))  # the last --log-file wins
+    assert (quiet / "d" / "x").read_bytes() == (mountpoint / "d" / "x").read_bytes()
+    assert "serving" in quiet_log.read_text() and "lookup(" not in quiet_log.read_text()  # only with --debug
 
 
 # -- names and manifests ------------------------------------------------------------------------
