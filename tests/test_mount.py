@@ -218,6 +218,31 @@ def test_bad_mountpoints_are_refused(mounts: Mounts, model_dir: Path, tmp_path: 
     assert tensorfs_mounts() == before
 
 
+@pytest.mark.parametrize(
+    ("option", "why"),
+    [
+        ("rw", "the tree is read-only"),
+        ("max_read=131072", "it breaks pyfuse3 3.5 with libfuse 3.14 (requests are already up to 1 MiB)"),
+        ("allow_other,max_read=4096", "it breaks pyfuse3 3.5 with libfuse 3.14 (requests are already up to 1 MiB)"),
+        ("direct_io", "it breaks np.memmap of the mounted files"),
+    ],
+)
+def test_options_that_break_tensorfs_are_refused(
+    mounts: Mounts, model_dir: Path, tmp_path: Path, option: str, why: str
+) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    result = mounts.run("mount", "-o", option, str(model_dir), str(mountpoint))
+    refused = option.rpartition(",")[2]
+    assert (result.returncode, result.stdout, result.stderr) == (
+        1,
+        "",
+        f"error: option '{refused}' is not supported: {why}\n",
+    )
+    assert not os.path.ismount(mountpoint) and mountpoint not in tensorfs_mounts()
+
+
 def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
