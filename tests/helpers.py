@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -170,6 +171,14 @@ def mib_sharded_model(directory: Path, shards: int) -> Path:
         weight_map.update(dict.fromkeys(tensors, shard.name))
     write_index(directory, weight_map)
     return directory
+
+
+def zeros_sha256(size: int) -> str:
+    """The SHA-256 of `size` zero bytes (a tensor in a hole of a sparse file)."""
+    digest, block = hashlib.sha256(), bytes(16 * MIB)
+    for offset in range(0, size, len(block)):
+        digest.update(block[: min(len(block), size - offset)])
+    return digest.hexdigest()
 
 
 def model_bytes(source: Path) -> dict[str, bytes]:

@@ -32,6 +32,7 @@ from helpers import (
     raw_shard,
     thread_read_bytes,
     write_reference,
+    zeros_sha256,
 )
 from tensorfs.integrity import Hasher, format_manifest
 from tensorfs.mount.mounttable import pid_alive
@@ -143,13 +144,6 @@ def sparse_model(directory: Path, big: int) -> dict[str, bytes]:
     others = {f"o{i}": ("U8", [MIB], random_bytes(MIB, 8 + i)) for i in range(2)}
     write_reference(directory / "b.safetensors", others)
     return {"small": small, **{name: data for name, (_, _, data) in others.items()}}
-
-
-def zeros_sha256(size: int) -> str:
-    digest, block = hashlib.sha256(), bytes(16 * MIB)
-    for offset in range(0, size, len(block)):
-        digest.update(block[: min(len(block), size - offset)])
-    return digest.hexdigest()
 
 
 def first_read(path: Path) -> bytes | int | None:

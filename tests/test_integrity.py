@@ -7,7 +7,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,18 @@ import trio
 
 import tensorfs
 import tensorfs.integrity
-from conftest import Mounts
-from helpers import random_bytes, reference_tensors, write_index, write_reference
+from conftest import Mounts, wait_until
+from helpers import (
+    MIB,
+    entry,
+    random_bytes,
+    raw_shard,
+    reference_tensors,
+    thread_read_bytes,
+    write_index,
+    write_reference,
+    zeros_sha256,
+)
 from tensorfs.cli import main
 from tensorfs.integrity import (
     CACHE_MIN_BYTES,
@@ -295,6 +307,56 @@ def test_mount_with_a_manifest_refuses_only_the_corrupt_tensor(mounts: Mounts, m
     assert "w1: FAILED open or read" in result.stdout and "w2: OK" in result.stdout and "sub/w3: OK" in result.stdout
 
 
+def test_a_sha256_is_hashed_in_a_worker_thread_while_other_reads_are_answered(mounts: Mounts, tmp_path: Path) -> None:
+    # The shard of the mount under test ("upper") is a file of another tensorfs mount ("lower"): stopping
+    # the lower daemon holds the upper one's hashing mid-way, in whatever thread does it, for as long as
+    # the test likes. Meanwhile the upper daemon must answer reads of bytes already in memory.
+    big = 256 * MIB
+    source = tmp_path / "source"
+    source.mkdir()
+    small = random_bytes(MIB, 5)
+    shard = source / "a.safetensors"
+    shard.write_bytes(raw_shard({"big": entry("U8", [big], 0, big), "small": entry("U8", [MIB], big, big + MIB)}))
+    os.truncate(shard, shard.stat().st_size + big)  # big: zeros, in a hole
+    with open(shard, "ab") as f:
+        f.write(small)
+    lower = mounts.mount(source, "--no-cache")
+    lower_pid = mounts.daemon_pid(lower)
+    view = lower / ".tensorfs" / "model" / "model.safetensors"
+    upper = mounts.mount(view, "--no-cache", "--log-file", str(tmp_path / "upper.log"))
+    mounts.mountpoints.reverse()  # the upper mount holds the lower one's file: it goes first
+    pid = mounts.daemon_pid(upper)
+    with tensorfs.open_model(view) as model:
+        offset = model.info("small").offset
+    with open(view, "rb") as f:  # small's pages of the lower file are in memory from now on
+        assert os.pread(f.fileno(), MIB, offset) == small
+    before = thread_read_bytes(pid)
+    sidecar: list[str] = []
+    hashing = threading.Thread(target=lambda: sidecar.append((upper / "big.sha256").read_text()))
+    hashing.start()
+    try:
+
+        def hashed() -> dict[int, int]:
+            return {tid: count - before.get(tid, 0) for tid, count in thread_read_bytes(pid).items()}
+
+        wait_until(lambda: max(hashed().values()) >= 8 * MIB, what="the hashing to be under way")
+        os.kill(lower_pid, signal.SIGSTOP)  # from here the hashing cannot end
+        try:
+            worker = max(hashed().items(), key=lambda item: item[1])[0]
+            assert worker != pid  # not the request thread
+            other: list[bytes] = []  # a read of bytes in memory, answered while big is being hashed
+            reader = threading.Thread(target=lambda: other.append((upper / "small").read_bytes()), daemon=True)
+            reader.start()
+            reader.join(30)
+            assert other == [small], "no answer while a hash ran"
+            assert hashing.is_alive() and sum(hashed().values()) < big
+        finally:
+            os.kill(lower_pid, signal.SIGCONT)
+    finally:
+        hashing.join(60)
+    assert sidecar == [f"{zeros_sha256(big)}  big\n"]
+
+
 def test_verify_all_refuses_to_mount_a_corrupt_model(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     manifest = tmp_path / "m.json"
     manifest.write_text(format_manifest(expected_digests(model_dir), as_json=True))
@@ -316,6 +378,24 @@ def test_verify_all_refuses_to_mount_a_corrupt_model(mounts: Mounts, model_dir: 
     incomplete.write_text(format_manifest({"w1": "0" * 64}))
     result = mounts.attempt(model_dir, "--manifest", str(incomplete), mountpoint=mountpoint)
     assert result.returncode == 1 and "tensor 'w2': is in the model but not in the manifest" in result.stderr
+
+
+def test_verify_off_ignores_the_manifest(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    wrong = {**expected_digests(model_dir), "w1": "0" * 64}
+    (model_dir / "tensors.sha256").write_text(format_manifest(wrong))  # found in MODEL, and wrong about w1
+    checked = mounts.mount(model_dir, "--no-cache")
+    with pytest.raises(OSError) as caught:
+        (checked / "w1").read_bytes()
+    assert caught.value.errno == errno.EIO
+    unchecked = mounts.mount(model_dir, "--no-cache", "--verify", "off")
+    w1 = reference_tensors(model_dir / "a.safetensors")["w1"][2]
+    assert (unchecked / "w1").read_bytes() == w1
+    assert (unchecked / "w1.sha256").read_text() == f"{hashlib.sha256(w1).hexdigest()}  w1\n"  # the bytes' hash
+    assert json.loads((unchecked / ".tensorfs" / "daemon.json").read_bytes())["options"]["manifest"] is False
+    garbage = tmp_path / "garbage.sha256"
+    garbage.write_text("not a manifest\n")
+    ignored = mounts.mount(model_dir, "--no-cache", "--manifest", str(garbage), "--verify", "off")
+    assert (ignored / "w1").read_bytes() == w1
 
 
 def test_progress_line_only_on_a_terminal() -> None:
