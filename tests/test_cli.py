@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -200,6 +201,47 @@ def test_manifest_to_a_device_or_a_file(model_dir: Path, tmp_path: Path) -> None
     assert not Path("/dev/.full.partial").exists()
     assert main(["manifest", "--no-cache", "-o", "/dev/null", str(model_dir)]) == 0
     assert main(["manifest", "--no-cache", "-o", str(tmp_path / "missing" / "m"), str(model_dir)]) == 1
+
+
+# `tensorfs manifest` whose files may grow to 4 KiB at most (RLIMIT_FSIZE): the write of a longer
+# manifest crosses it half-way. Python ignores SIGXFSZ (the write fails with EFBIG); "kill" restores the
+# default, which kills the process right there, in the middle of writing its output.
+MANIFEST_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+import tensorfs.cli
+if sys.argv[1] == "kill":
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+sys.exit(tensorfs.cli.main(["manifest", "--no-cache", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize("before", [None, "an older manifest\n"])
+@pytest.mark.parametrize("cut", ["kill", "error"])
+def test_manifest_output_is_written_whole_or_not_at_all(tmp_path: Path, cut: str, before: str | None) -> None:
+    model = tmp_path / "m.safetensors"
+    write_reference(model, {f"tensor.{i:05d}": ("U8", [1], b"x") for i in range(300)})  # 23 KiB of manifest
+    output = tmp_path / "out" / "m.sha256"
+    output.parent.mkdir()
+    if before is not None:
+        output.write_text(before)
+    result = subprocess.run(
+        [sys.executable, "-c", MANIFEST_UNDER_A_FILE_SIZE_LIMIT, cut, "-o", str(output), str(model)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, check=False,
+    )  # fmt: skip
+    if cut == "kill":
+        assert result.returncode == -signal.SIGXFSZ, result.stderr  # killed in the middle of the write
+    else:
+        assert (result.returncode, result.stderr) == (1, f"error: cannot write {output}: File too large\n")
+        assert os.listdir(output.parent) == ([] if before is None else ["m.sha256"])  # nothing half-written left
+    if before is None:
+        assert not output.exists()
+    else:
+        assert output.read_text() == before
+    complete = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "manifest", "--no-cache", "-o", str(output), str(model)], check=False
+    )
+    assert complete.returncode == 0 and output.read_text().count("\n") == 300  # whole, once it can be
 
 
 def test_a_closed_output_is_a_one_line_error(model_dir: Path) -> None:
