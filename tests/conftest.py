@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +78,15 @@ ADOPTER = """
 import ctypes, json, os, subprocess, sys
 if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:
     sys.exit("prctl(PR_SET_CHILD_SUBREAPER): " + os.strerror(ctypes.get_errno()))
-mount = subprocess.run([sys.executable, "-m", "tensorfs.cli", "mount", *sys.argv[1:]], capture_output=True, text=True)
+mount = subprocess.run([*json.loads(sys.argv[1]), *sys.argv[2:]], capture_output=True, text=True)
 print(json.dumps([mount.returncode, mount.stdout, mount.stderr]), flush=True)
 if mount.returncode == 0:
     pid, status = os.wait()
     print(json.dumps([pid, os.waitstatus_to_exitcode(status)]), flush=True)
 """
+
+
+MOUNT_COMMAND = (sys.executable, "-m", "tensorfs.cli", "mount")
 
 
 class AdoptedDaemon:
@@ -148,14 +151,18 @@ class Mounts:
             self.mountpoints.append(mountpoint)
         return mountpoint
 
-    def mount_adopted(self, source: Path, *options: str) -> tuple[Path, AdoptedDaemon]:
-        """Mount in the background as `mount` does, by a process that then reaps the daemon and tells
-        its exit status."""
+    def mount_adopted(
+        self, source: Path, *options: str, command: Sequence[str] = MOUNT_COMMAND
+    ) -> tuple[Path, AdoptedDaemon]:
+        """Mount in the background with `command` (`tensorfs mount`), run by a process that then reaps
+        the daemon and tells its exit status."""
         mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
         mountpoint.mkdir()
         self.watch(mountpoint)
         arguments = ["--log-file", str(self.log_file), *options, str(source), str(mountpoint)]
-        adopter = subprocess.Popen([sys.executable, "-c", ADOPTER, *arguments], stdout=subprocess.PIPE)
+        adopter = subprocess.Popen(
+            [sys.executable, "-c", ADOPTER, json.dumps(list(command)), *arguments], stdout=subprocess.PIPE
+        )
         daemon = AdoptedDaemon(adopter)
         self.adopted.append(daemon)
         code, _, stderr = daemon.said(120)

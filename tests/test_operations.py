@@ -81,6 +81,33 @@ def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_pat
             stuck.wait()
 
 
+# A daemon that runs but never answers again (nor acts on SIGTERM): its request thread blocks for good
+# in the first statfs it is asked.
+MOUNT_A_DAEMON_THAT_WILL_HANG = """
+import sys, time
+import tensorfs.cli
+from tensorfs.mount.fs import TensorOperations
+async def statfs(self, ctx):
+    time.sleep(3600)
+TensorOperations.statfs = statfs
+sys.exit(tensorfs.cli.main(["mount", *sys.argv[1:]]))
+"""
+
+
+def test_umount_stops_a_daemon_that_runs_but_never_answers(mounts: Mounts, model_dir: Path) -> None:
+    command = (sys.executable, "-c", MOUNT_A_DAEMON_THAT_WILL_HANG)
+    mountpoint, daemon = mounts.mount_adopted(model_dir, command=command)
+    pid = mounts.daemon_pid(mountpoint)
+    assert (mountpoint / "-").read_bytes() == b"abc"  # it serves, until asked a statfs
+    result = mounts.run("umount", str(mountpoint), timeout=60)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"{mountpoint}: detached; its daemon was hung (its daemon did not answer within 2 s) and has been stopped\n"
+    )
+    assert daemon.exit_status() == (pid, -signal.SIGKILL)  # SIGTERM could not reach it: SIGKILL did
+    assert all(m.mountpoint != mountpoint for m in mount_table()) and not record_path(mountpoint).exists()
+
+
 def test_probe_of_a_stopped_daemon_times_out(mounts: Mounts, model_dir: Path) -> None:
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
