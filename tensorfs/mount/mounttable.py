@@ -32,6 +32,8 @@ class MountEntry:
     mountpoint: Path
     fstype: str
     source: str = ""
+    device: str = ""
+    """major:minor of the mount's device (a FUSE mount's minor names its connection in fusectl)."""
 
 
 def _unescape(field: str) -> str:
@@ -47,7 +49,7 @@ def mounts() -> list[MountEntry]:
             fields = line.split()
             separator = fields.index("-")
             source = fields[separator + 2] if len(fields) > separator + 2 else ""
-            entries.append(MountEntry(Path(_unescape(fields[4])), fields[separator + 1], _unescape(source)))
+            entries.append(MountEntry(Path(_unescape(fields[4])), fields[separator + 1], _unescape(source), fields[2]))
     return entries
 
 
@@ -121,8 +123,9 @@ Answer = TypeVar("Answer")
 def within(timeout: float, name: str, ask: Callable[[], Answer]) -> Answer | str:
     """`ask()` on a thread of its own, or "hung" if it has not returned within `timeout`.
 
-    The thread is left behind if a daemon never answers: it ends with this process, or when the
-    daemon does.
+    The thread is left behind if a daemon never answers. It ends when the daemon does, or its
+    connection is aborted; not with this process: a request the daemon has taken is waited for
+    uninterruptibly, and the process cannot exit before it ends (see unmount()).
     """
     outcome: list[Answer] = []
     thread = threading.Thread(target=lambda: outcome.append(ask()), name=name, daemon=True)
@@ -255,14 +258,16 @@ def unmount(mountpoint: Path, *, lazy: bool = False, wait_seconds: float = 10.0)
     if state.state == "hung":
         _fusermount(mountpoint, lazy=True)
         if pid is None:
+            aborted = _abort_connection(entry)
             raise MountError(
                 f"{mountpoint}: detached, but its daemon ({state.reason}) has no record here to find it by "
-                "(mounted by another user, or with another TENSORFS_RUNTIME_DIR?): stop it yourself"
+                f"(mounted by another user, or with another TENSORFS_RUNTIME_DIR?){aborted}: stop it yourself"
             )
         if not _stop(pid, wait_seconds):
+            aborted = _abort_connection(entry)
             raise MountError(
                 f"{mountpoint}: detached, but its daemon {pid} ({state.reason}) did not exit even on SIGKILL "
-                f"(state {process_state(pid)}: frozen?)"
+                f"(state {process_state(pid)}: frozen?){aborted}"
             )
         remove_record(mountpoint)
         return f"{mountpoint}: detached; its daemon was hung ({state.reason}) and has been stopped"
@@ -290,6 +295,22 @@ def _fusermount(mountpoint: Path, *, lazy: bool) -> None:
         if "busy" in detail.lower():
             raise MountError(f"{mountpoint}: busy (files are open there); close them, or unmount with --lazy")
         raise MountError(f"{mountpoint}: {detail}")
+
+
+FUSE_CONNECTIONS = Path("/sys/fs/fuse/connections")
+
+
+def _abort_connection(entry: MountEntry) -> str:
+    """End every request of a daemon that stays hung (root, with fusectl): the readers stuck in it,
+    and this command's own probe, which it could not exit without. Says so, or nothing."""
+    major, _, minor = entry.device.partition(":")
+    if major != "0" or not minor.isdigit():
+        return ""
+    try:
+        (FUSE_CONNECTIONS / minor / "abort").write_text("1\n")
+    except OSError:
+        return ""
+    return "; its FUSE connection was aborted, so nothing waits on it"
 
 
 def _stop(pid: int, wait_seconds: float) -> bool:
