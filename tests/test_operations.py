@@ -347,6 +347,31 @@ def test_umount_of_a_hung_mount_it_cannot_find_the_daemon_of(mounts: Mounts, mod
         os.kill(pid, signal.SIGCONT)
 
 
+def test_umount_returns_when_a_daemon_it_cannot_find_holds_its_question(
+    mounts: Mounts, model_dir: Path, tmp_path: Path
+) -> None:
+    # The daemon takes umount's statfs and never answers: a request the daemon has taken is waited
+    # for uninterruptibly, so umount cannot even exit unless something ends that request.
+    needs_root("only root may abort a FUSE connection (fusectl)")
+    mountpoint, _ = mounts.mount_adopted(model_dir, command=(sys.executable, "-c", MOUNT_A_DAEMON_THAT_WILL_HANG))
+    elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "other-run")}
+    output, errors = tmp_path / "umount.out", tmp_path / "umount.err"
+    with open(output, "w") as out, open(errors, "w") as err:  # files, not pipes: a hung umount holds pipes open
+        umount = subprocess.Popen(
+            [sys.executable, "-m", "tensorfs.cli", "umount", str(mountpoint)], stdout=out, stderr=err, env=elsewhere
+        )
+    try:
+        wait_until(lambda: umount.poll() is not None, what="umount to return", timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(mounts.daemon_pid(mountpoint), signal.SIGKILL)  # which lets a stuck umount go
+        umount.wait(timeout=60)
+    assert umount.returncode == 1
+    assert f"{mountpoint}: detached, but its daemon" in errors.read_text() and "stop it yourself" in errors.read_text()
+    assert "its FUSE connection was aborted, so nothing waits on it" in errors.read_text()
+    assert all(m.mountpoint != mountpoint for m in mount_table())
+
+
 def test_status_of_named_mounts(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     first, second = mounts.mount(model_dir), mounts.mount(model_dir)
     link = tmp_path / "link"
