@@ -22,6 +22,7 @@ import pytest
 from conftest import Mounts, wait_until
 from helpers import MIB, entry, random_bytes, raw_shard, reference_tensors, write_reference
 from tensorfs.mount.logs import default_log_file
+from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.mount.mounttable import pid_alive, probe
 from tensorfs.mount.runtime import escape_path, read_record, record_path
@@ -249,6 +250,53 @@ def test_the_prefetch_window_is_in_effect(mounts: Mounts, tmp_path: Path, option
     assert (stats["prefetch_windows"], stats["prefetch_bytes"]) == (1, mib * MIB)
     record = read_record(mountpoint)
     assert record is not None and record["options"]["prefetch_mb"] == mib
+
+
+# Run in a mount namespace of its own (unshare -m): fusectl unmounted there only, so that no other
+# tensorfs daemon on the machine mounts it back first, and nothing outside changes.
+FUSECTL_MISSING = """
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+from tensorfs.mount.mounttable import FUSE_CONNECTIONS, mounts, daemon_pid, pid_alive
+from tensorfs.mount.runtime import read_record
+model, mountpoint, log = sys.argv[1:4]
+def fusectl():
+    return sum(1 for m in mounts() if m.mountpoint == FUSE_CONNECTIONS and m.fstype == "fusectl")
+while fusectl():
+    subprocess.run(["umount", str(FUSE_CONNECTIONS)], check=True)
+found = {"before": fusectl(), "listed": sorted(os.listdir(FUSE_CONNECTIONS))}
+tensorfs = [sys.executable, "-m", "tensorfs.cli"]
+subprocess.run([*tensorfs, "mount", "-q", "--log-file", log, model, mountpoint], check=True)
+pid = found["pid"] = daemon_pid(Path(mountpoint))
+try:
+    found["after"] = fusectl()
+    tuned = FUSE_CONNECTIONS / str(os.minor(os.stat(mountpoint).st_dev)) / "max_background"
+    found["max_background"] = int(tuned.read_text())
+    found["in_force"] = read_record(Path(mountpoint))["in_force"]["max_background"]
+finally:
+    if subprocess.run([*tensorfs, "umount", mountpoint]).returncode != 0:
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint])
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+print(json.dumps(found))
+"""
+
+
+def test_fusectl_is_mounted_when_missing(model_dir: Path, tmp_path: Path, fuse: None) -> None:
+    needs_root("only root mounts fusectl and tunes a connection")
+    mountpoint, log = tmp_path / "mnt", tmp_path / "daemon.log"
+    mountpoint.mkdir()
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", FUSECTL_MISSING,
+         str(model_dir), str(mountpoint), str(log)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert (found["before"], found["listed"], found["after"]) == (0, [], 1)
+    assert found["max_background"] == found["in_force"] == 4
+    assert f"mounted fusectl at {FUSECTL} to tune the FUSE connection" in log.read_text()
+    assert not pid_alive(found["pid"])  # unmounted, in its namespace, and gone
 
 
 def test_the_record_lives_outside_the_mount(mounts: Mounts, model_dir: Path) -> None:
