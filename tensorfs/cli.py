@@ -105,6 +105,21 @@ class _GuardedOutput:
         return getattr(self._stream, name)
 
 
+@contextlib.contextmanager
+def _ended_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the command as Ctrl-C does: what was half-written is removed on the way out."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {number: signal.signal(number, leave) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def write_file(path: Path, text: str) -> None:
     """Write `text` to `path` whole or not at all (a regular file), or as it comes (a device, a pipe)."""
     try:
@@ -115,15 +130,17 @@ def write_file(path: Path, text: str) -> None:
         raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
     target = path if special else path.with_name(f".{path.name}.partial")
     try:
-        with open(target, "w", encoding="utf-8") as out:
+        with _ended_by_signals(), open(target, "w", encoding="utf-8") as out:
             out.write(text)
         if not special:
             target.replace(path)  # all or nothing: never a half-written file
-    except OSError as exc:
+    except BaseException as exc:  # a write that failed, or Ctrl-C, SIGTERM, SIGHUP: nothing half-written left
         if not special:
             with contextlib.suppress(OSError):  # nothing to remove, or a read-only directory
                 target.unlink()
-        raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
+        if isinstance(exc, OSError):
+            raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
+        raise
 
 
 class Finite(click.FloatRange):
@@ -516,21 +533,6 @@ def export(
         click.echo(done)
     except OutputError as exc:  # the model is written: say so, for the exit code says something failed
         raise OutputError(exc.cause, f"wrote {shown}, but ") from None
-
-
-@contextlib.contextmanager
-def _ended_by_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the command as Ctrl-C does: what was half-written is removed on the way out."""
-
-    def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {number: signal.signal(number, leave) for number in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 @cli.command()
