@@ -4,15 +4,18 @@
 A model of --tensors tiny tensors (F32 [4, 4], 64 bytes each) in one shard is mounted; its tree
 (every tensor, its .meta.json and .sha256, and .tensorfs/SHA256SUMS, hashes already computed) is
 copied to a local directory once. Then each command runs on a fresh mount (nothing of it in the
-kernel's caches: what a user sees first) and on the local copy (page cache warm), in turns,
---repeat times; the figures are medians and the ratios mount / local, with the issue's bars:
+kernel's caches: what a user sees first), then again on the same mount (names, attributes and
+pages cached by the kernel), and on the local copy (page cache warm), in turns, --repeat times;
+the figures are medians and the ratios mount / local, with the issue's bars:
 `sha256sum -c .tensorfs/SHA256SUMS` <= 2x, `cp -r` <= 2x, `find -type f | wc -l` and
 `ls -lR > /dev/null` <= 3x. The same commands run through the floor of the stack
 (tensorfs/bench/floor.py: pyfuse3 serving the shard's tensors with nothing else) on the tensor
 files only, against a local copy of that tree: what any pyfuse3 daemon pays, for comparison.
 Also printed: the FUSE requests tensorfs answered for each command (from .tensorfs/stats.json).
 
-    .venv/bin/python scripts/bench_small.py [--tensors 60000] [--repeat 3] [--json FILE]
+    .venv/bin/python scripts/bench_small.py [--tensors 60000] [--repeat 1] [--json FILE]
+
+(One try takes about six minutes at 60k tensors: `cp -r` of 180k files is most of it.)
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def requests_of(mountpoint: Path) -> dict[str, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, default=60_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tensorfs-bench-small-") as tmp:
@@ -115,28 +118,43 @@ def main() -> int:
         requests: dict[str, dict[str, int]] = {}
         for _ in range(args.repeat):
             for name in BARS:
-                times = results.setdefault(name, {"tensorfs": [], "local": [], "floor": [], "floor local": []})
+                sides = ("tensorfs", "tensorfs again", "local", "floor", "floor again", "floor local")
+                times = results.setdefault(name, {side: [] for side in sides})
                 with tensorfs_mount(work / "model", mountpoint, env) as tree:
-                    times["tensorfs"].append(timed(commands(tree, work, ".tensorfs/SHA256SUMS")[name]))
+                    run = commands(tree, work, ".tensorfs/SHA256SUMS")[name]
+                    times["tensorfs"].append(timed(run))
                     requests[name] = requests_of(tree)
+                    times["tensorfs again"].append(timed(run))  # names, attributes and pages now cached
                 times["local"].append(timed(commands(local, work, ".tensorfs/SHA256SUMS")[name]))
                 with floor_mount(shard, mountpoint) as tree:
-                    times["floor"].append(timed(commands(tree, work, str(work / "floor.sums"))[name]))
+                    run = commands(tree, work, str(work / "floor.sums"))[name]
+                    times["floor"].append(timed(run))
+                    times["floor again"].append(timed(run))
                 times["floor local"].append(timed(commands(floor_local, work, str(work / "floor.sums"))[name]))
-    print(f"{args.tensors} tiny tensors ({3 * args.tensors} files), fresh mounts, medians of {args.repeat}:")
-    columns = ("tensorfs", "local", "ratio", "bar", "  floor", "local", "ratio")
-    print(f"{'command':<22} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (9, 8, 7, 6, 10, 8, 7), strict=True)))
+    print(f"{args.tensors} tiny tensors ({3 * args.tensors} files), medians of {args.repeat}; each command on a")
+    print("fresh mount, then again on it (kernel caches warm), and on a local copy of the tree:")
+    columns = ("tensorfs", "again", "local", "ratio", "again", "bar", "  floor", "again", "local", "ratio", "again")
+    widths = (9, 8, 8, 7, 7, 6, 10, 8, 8, 7, 7)
+    print(f"{'command':<22} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)))
     report: dict[str, object] = {}
     for name, times in results.items():
-        medians = {side: statistics.median(values) for side, values in times.items()}
-        ratio = medians["tensorfs"] / medians["local"]
-        floor_ratio = medians["floor"] / medians["floor local"]
-        met = "met" if ratio <= BARS[name] else "NOT met"
+        m = {side: statistics.median(values) for side, values in times.items()}
+        ratio, again = m["tensorfs"] / m["local"], m["tensorfs again"] / m["local"]
+        floor_ratio, floor_again = m["floor"] / m["floor local"], m["floor again"] / m["floor local"]
+        met = "met" if ratio <= BARS[name] else ("met again" if again <= BARS[name] else "NOT met")
         print(
-            f"{name:<22} {medians['tensorfs']:8.2f}s {medians['local']:7.2f}s {ratio:6.1f}x {BARS[name]:5.1f}x"
-            f"   {medians['floor']:7.2f}s {medians['floor local']:7.2f}s {floor_ratio:6.1f}x  {met}"
+            f"{name:<22} {m['tensorfs']:8.2f}s {m['tensorfs again']:7.2f}s {m['local']:7.2f}s {ratio:6.1f}x"
+            f" {again:6.1f}x {BARS[name]:5.1f}x   {m['floor']:7.2f}s {m['floor again']:7.2f}s"
+            f" {m['floor local']:7.2f}s {floor_ratio:6.1f}x {floor_again:6.1f}x  {met}"
         )
-        report[name] = {"seconds": medians, "ratio": ratio, "floor_ratio": floor_ratio, "bar": BARS[name]}
+        report[name] = {
+            "seconds": m,
+            "ratio": ratio,
+            "again_ratio": again,
+            "floor_ratio": floor_ratio,
+            "floor_again_ratio": floor_again,
+            "bar": BARS[name],
+        }
     print("FUSE requests tensorfs answered, by command (one fresh mount each; flush and xattrs once at most):")
     for name, counted in requests.items():
         print(f"  {name:<22} " + ", ".join(f"{op} {n}" for op, n in sorted(counted.items())))
