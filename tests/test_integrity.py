@@ -202,7 +202,14 @@ def test_hashes_are_cached_in_a_few_transactions(tmp_path: Path, monkeypatch: py
     assert len(digests) == 200 and sum(commits) == 200 and len(commits) <= 2
 
 
-def test_a_broken_cache_degrades_to_no_cache(model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_broken_cache_degrades_to_no_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A tensor big enough for the hash cache (the model's others are too small to ever be looked up).
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    big = tensorfs.integrity.CACHE_MIN_BYTES
+    write_reference(
+        model_dir / "m.safetensors", {"big": ("U8", [big], random_bytes(big, 1)), "small": ("U8", [3], b"abc")}
+    )
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / HashCache.FILE_NAME).write_bytes(b"this is not a database" * 100)
