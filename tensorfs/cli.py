@@ -1050,7 +1050,9 @@ def bench(
     json_path: Path | None,
     remote: bool,
 ) -> int:
-    """Measure the read path, mount and listing against direct baselines (needs FUSE; root for cold reads).
+    """Measure the read path, mount and listing against direct baselines and peers (bindfs, and the
+    least pyfuse3 daemon there is: tensorfs/bench/floor.py), in the same run (needs FUSE; root for
+    cold reads, and to install bindfs when missing).
 
     With --remote: a model served by nginx on loopback, read through the mount and its cache, against
     obstore downloading it (needs nginx).
