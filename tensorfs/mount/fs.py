@@ -371,9 +371,9 @@ class TensorOperations(pyfuse3.Operations):
         """A slice of the shard's mapping, its pages brought in off this thread first if need be.
 
         The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
-        evicted from under it (a hole would read as zeros). It is let go by the next read, or
-        within a second (serve.py): code that runs once this task has yielded, which is after pyfuse3 has sent the
-        reply (it replies before it awaits anything).
+        evicted from under it (a hole would read as zeros). It is let go by the next read, or within
+        a second (serve.py): code that runs once this task has yielded, which is after pyfuse3 has
+        sent the reply (it replies before it awaits anything).
         """
         if self._replied:
             self.release_replied()
