@@ -325,7 +325,7 @@ def remote_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--cache-dir",
             type=click.Path(path_type=Path, file_okay=False),
-            help="Where the caches live: hashes, and the bytes of remote models. "
+            help="Where the caches live: validated headers, hashes, and the bytes of remote models. "
             "Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs).",
         ),
         click.option(

@@ -67,6 +67,10 @@ class HeaderCache:
             entries: list[Entry] = list(
                 zip(begins, ends, names, map(kinds.__getitem__, dtypes), map(shapes.__getitem__, shape_of), strict=True)
             )
+            # Cheap checks that the layout fits the file (C-speed comparisons of the columns): a row
+            # is checksummed against damage, and this catches a layout that could not be the file's.
+            if begins[:1] not in ([], [0]) or begins[1:] != ends[:-1] or data_start + (ends or [0])[-1] != file_size:
+                raise ValueError("its tensors do not fill the file")
         except (TypeError, ValueError, KeyError, IndexError) as exc:  # checksummed, yet not this form: a bug
             log.warning("header cache %s: a row of %s is unreadable (%s): validated afresh", self.directory, path, exc)
             return None
@@ -124,7 +128,7 @@ class HeaderCache:
                     self.misses += 1
                     return None
                 now = time.time()
-                if now - used > _TOUCH_EVERY:
+                if not isinstance(used, int | float) or now - used > _TOUCH_EVERY:
                     with connection:
                         connection.execute("UPDATE rows SET used=? WHERE kind=? AND key=?", (now, kind, key))
             except sqlite3.Error as exc:

@@ -119,7 +119,7 @@ class HashCache:
         return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
 
     def put_many(self, identity: Identity, hashes: Mapping[tuple[int, int], str]) -> None:
-        if not hashes:
+        if not hashes or not identity.settled():  # changed too lately to be told from a later change
             return
         with self._lock:
             connection = self._connect()

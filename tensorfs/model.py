@@ -387,8 +387,8 @@ def open_model(
             verdict = _verdict_key(source, found, opened, layout) if headers.enabled and found is not None else None
             owner = _owners(opened) if verdict is not None and headers.get("model", verdict) == len(opened) else None
             if owner is None:
-                if weight_map is None and index_label is not None and not problems:
-                    weight_map = find_shards(Path(source), problems).weight_map  # the index was known, the model not
+                if weight_map is None and index_label is not None:  # the index was known, the model not
+                    weight_map = find_shards(Path(source), []).weight_map  # (its own problems are known: none)
                 owner = _check_model(opened, weight_map, index_label, layout, problems)
                 if verdict is not None and not problems:
                     headers.put("model", verdict, len(opened))
@@ -428,6 +428,8 @@ def _verdict_key(source: ShardKey, found: FoundShards, opened: list[_Shard], lay
     for shard in opened:
         description = shard.data.describe()
         if not isinstance(description, LocalDescription):
+            return None
+        if not description.identity.settled():
             return None
         files += [os.path.abspath(description.path), description.identity.key()]
     text = "\0".join([os.path.abspath(str(source)), layout, found.index_key or "", *files])

@@ -8,19 +8,30 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 import tensorfs
 import tensorfs.model
+import tensorfs.sources
 import tensorfs.sources.local
-from conftest import Mounts
+from conftest import Mounts, wait_until
 from helpers import header_table, model_bytes, random_bytes, reference_table, sharded_every_dtype, write_reference
+from tensorfs import headercache
 from tensorfs.errors import InvalidModelError
 from tensorfs.headercache import HeaderCache
+from tensorfs.sources import SETTLED_NS  # the real window (the fixture below shuts it in this process)
+
+
+@pytest.fixture(autouse=True)
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files just written may be cached here (in this process): the racy window has a test of its own."""
+    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 0)
 
 
 @pytest.fixture
@@ -106,6 +117,21 @@ def test_any_change_of_identity_validates_afresh(model: Path, tmp_path: Path, mo
     assert index.count == 3
 
 
+def test_nothing_is_kept_of_files_changed_too_lately_to_tell(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Racily clean files: with timestamps of a second (or a jiffy), a rewrite within the same tick
+    keeps the identity, so what was read within SETTLED_NS of a change is never remembered."""
+    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 3600 * 10**9)  # every file here is "just written"
+    headers, index, checks = parsed(monkeypatch)
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        tensorfs.open_model(model, cache=cache).close()
+    assert (headers.count, index.count, checks.count) == (4, 2, 2)  # validated afresh each time
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:
+        assert db.execute("SELECT COUNT(*) FROM rows").fetchone() == (0,)
+
+
 def test_a_row_that_does_not_check_out_is_a_warning_and_a_full_validation(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -124,6 +150,48 @@ def test_a_row_that_does_not_check_out_is_a_warning_and_a_full_validation(
     assert (headers.count, index.count, checks.count) == (2, 1, 1)
     warned = [r.getMessage() for r in caplog.records if "does not match its checksum" in r.getMessage()]
     assert len(warned) == len(rows)
+
+
+def test_rows_that_cannot_be_the_files_are_not_taken(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row rewritten with its checksum made again (a forger; or a bug) whose layout cannot be the
+    file's, or whose last use is not a time: a warning and a validation, never a traceback."""
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, cache=cache) as first:
+        expected = tables_of(first)
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:
+        for kind, key, value in db.execute("SELECT kind, key, value FROM rows WHERE kind LIKE 'shard/%'").fetchall():
+            forged = orjson.loads(value)
+            forged[4][0] += 10**6  # the first tensor's end, far past the file's
+            data = orjson.dumps(forged)
+            db.execute(
+                "UPDATE rows SET value=?, sha256=?, used='yesterday' WHERE kind=? AND key=?",
+                (data, headercache._digest(kind, key, data), kind, key),
+            )
+    headers, _, _ = parsed(monkeypatch)
+    with caplog.at_level(logging.WARNING), tensorfs.open_model(model, cache=cache) as again:
+        assert tables_of(again) == expected
+    assert headers.count == 2
+    assert sum("do not fill the file" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_every_problem_is_told_with_the_index_known_to_the_cache(model: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    tensorfs.open_model(model, cache=cache).close()
+    first, second = sorted(model.glob("*.safetensors"))
+    content = first.read_bytes()  # a tensor renamed (the index does not know it) and a shape broken
+    first.write_bytes(content.replace(b'"scalar"', b'"scalaR"', 1))
+    content = second.read_bytes()
+    second.write_bytes(content.replace(b'"shape":[3145728]', b'"shape":[3145729]', 1))
+
+    def problems(cache: Path | bool) -> list[str]:
+        with pytest.raises(InvalidModelError) as caught:
+            tensorfs.open_model(model, cache=cache)
+        return sorted(str(problem) for problem in caught.value.problems)
+
+    assert problems(cache) == problems(False)
+    assert len(problems(False)) == 3
 
 
 @pytest.mark.parametrize("trouble", ["corrupt", "unwritable"])
@@ -152,6 +220,9 @@ def test_no_cache_and_the_commands(model: Path, tmp_path: Path) -> None:
         command = [sys.executable, "-m", "tensorfs.cli", *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
+    # The commands run in processes of their own, with the real window: wait until the files are out of it.
+    newest = max(os.stat(path).st_ctime_ns for path in model.iterdir())
+    wait_until(lambda: time.time_ns() - newest > SETTLED_NS, what="the files to settle")
     for command in ("validate", "ls"):
         done = tensorfs_cli(command, "--no-cache", "--cache-dir", str(cache), str(model))
         assert done.returncode == 0, done.stderr

@@ -18,6 +18,7 @@ import trio
 
 import tensorfs
 import tensorfs.integrity
+import tensorfs.sources
 from conftest import Mounts, wait_until
 from helpers import (
     MIB,
@@ -166,7 +167,13 @@ def big_model(directory: Path) -> Path:
     return directory
 
 
-def test_cache_serves_unchanged_shards_and_never_changed_ones(tmp_path: Path) -> None:
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let files just written be cached (in this process); the racy window has a test of its own."""
+    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 0)
+
+
+def test_cache_serves_unchanged_shards_and_never_changed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settled_at_once(monkeypatch)
     model_dir = big_model(tmp_path / "model")
     assert CACHE_MIN_BYTES == 256 << 10
     with tensorfs.open_model(model_dir) as model:
@@ -420,7 +427,21 @@ def test_progress_line_only_on_a_terminal() -> None:
     assert quiet.getvalue() == ""
 
 
-def test_the_cache_answers_one_tensor_or_a_whole_shard(tmp_path: Path) -> None:
+def test_hashes_of_files_changed_too_lately_to_tell_are_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With second-grained timestamps a rewrite in the same second keeps the identity (and the hash).
+    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 3600 * 10**9)
+    model_dir = big_model(tmp_path / "model")
+    for _ in range(2):
+        with tensorfs.open_model(model_dir) as model:
+            hasher = Hasher(model, HashCache(tmp_path / "cache"))
+            assert hasher.hash_all() == expected_digests(model_dir)
+        assert (hasher.tensors_hashed, hasher.cache_hits) == (4, 0)
+
+
+def test_the_cache_answers_one_tensor_or_a_whole_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settled_at_once(monkeypatch)
     # more tensors than are asked for one by one, each big enough to be cached
     tensors = {f"t{i:03d}": ("U8", [256 << 10], random_bytes(8, i) * (32 << 10)) for i in range(100)}
     write_reference(tmp_path / "m.safetensors", tensors)

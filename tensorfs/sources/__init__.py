@@ -8,6 +8,7 @@ of it present on a worker thread: nothing above this package knows where bytes c
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import NamedTuple
@@ -44,6 +45,23 @@ class Identity(NamedTuple):
     def key(self) -> str:
         """As one string (a key of the header cache)."""
         return ":".join(map(str, self))
+
+    def settled(self) -> bool:
+        """Whether what was read of these bytes may be remembered by this identity (see settled())."""
+        return settled(max(self.mtime_ns, self.ctime_ns))
+
+
+def settled(changed_ns: int) -> bool:
+    """Whether something last changed at `changed_ns` (since the epoch) has been left alone for
+    SETTLED_NS: a write within the tick of the last one may leave every number of an identity as it was."""
+    return time.time_ns() - changed_ns >= SETTLED_NS
+
+
+SETTLED_NS = 2_000_000_000
+"""How long a file (or object) must have been left alone before a cache keys anything by its identity.
+Timestamps can be as coarse as a second (ext3, 128-byte ext4 inodes, many NFS and SMB mounts; FAT's
+mtime two), or a jiffy for ctime before Linux 6.13: a file rewritten within the same tick as it was
+read keeps its identity ("racily clean", as git calls it), so nothing read within that window is kept."""
 
 
 class ShardData(ABC):

@@ -41,7 +41,7 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
     """
     if source.is_dir():
         index = source / INDEX_NAME
-        if index.exists():
+        if index.exists() or index.is_symlink():  # a dangling link is an index that cannot be read
             return _shards_from_index(index, problems, cache)
         shards = sorted(source.glob("*.safetensors"))
         if not shards:
@@ -69,8 +69,9 @@ def _shards_from_index(index: Path, problems: list[Problem], cache: HeaderCache 
             ):
                 return FoundShards(sorted(index.parent / name for name in names), label, None, read_as)
             data = file.read()
-            # Written while read: what was read is checked, and never remembered.
-            key = read_as if Identity.of(os.fstat(file.fileno())) == Identity.of(before) else None
+            # Written while read, or too lately to tell: what was read is checked, and not remembered.
+            unchanged = Identity.of(os.fstat(file.fileno())) == Identity.of(before)
+            key = read_as if unchanged and Identity.of(before).settled() else None
     except OSError as exc:
         problems.append(Problem(label, f"cannot read: {exc.strerror}"))
         return FoundShards([], label)
@@ -142,7 +143,7 @@ class LocalShard(ShardData):
                 header = read_header_fd(fd, path, label)
                 if Identity.of(os.fstat(fd)) != Identity.of(validated):
                     raise InvalidModelError([Problem(label, "changed while it was being validated; try again")])
-                if cache is not None:
+                if cache is not None and Identity.of(validated).settled():
                     cache.put_shard(Identity.of(validated).key(), header)
             # Map the descriptor the header was read from: the bytes served are the bytes validated.
             return header, cls(path, label, fd, validated)

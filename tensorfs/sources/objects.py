@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidModelError, Problem
 from ..header import ShardHeader, header_length, parse_header
-from . import Identity, ShardData, hold
+from . import Identity, ShardData, hold, settled
 from .cache import Cache, CachedObject, Fetcher, default_cache_dir, wait
 from .index import first_tensor
 
@@ -226,8 +226,10 @@ class RemoteOpener:
             raw = found[0]
         else:
             version, raw = self._read(ref, label)
-        # An object is known by its URL, ETag and size; without an ETag its header is never cached.
-        identity = f"{version.url}\0{version.etag}\0{version.size}" if version.etag else None
+        # An object is known by its URL, ETag and size; without an ETag, or modified too lately (a weak
+        # ETag made of mtime and size may not change within a second), its header is not cached.
+        remembered = version.etag and settled(int(version.mtime * 1e9))
+        identity = f"{version.url}\0{version.etag}\0{version.size}" if remembered else None
         header = self.headers.shard(version.url, identity) if self.headers is not None and identity else None
         if header is None:
             header = _validated(version, raw, label)
