@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import tensorfs
+from tensorfs.bench.common import wait_until_settled
 from tensorfs.integrity import HASH_WORKERS, HashCache, Hasher, format_manifest
 from tensorfs.synth import many_tiny_tensors, write_sharded
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(p.stat().st_size for p in shards)
         pieces = tensor_files(model, root / "tensors")
         warm(shards + pieces)  # both sides then read from memory
+        wait_until_settled(shards)  # else the hash cache keeps nothing of them
         names = b"".join(bytes(path) + b"\0" for path in pieces)
         runs: dict[str, list[float]] = {
             k: [] for k in ("sha", "sha_parallel", "first", "cached", "cli_first", "cli_cached")
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.small_tensors:
             small = root / "small"
             warm(many_tiny_tensors(small, args.small_tensors, 4))
+            wait_until_settled(list(small.iterdir()))  # a fresh cache is then filled, as a user's is
             runs["small_none"], runs["small_fresh"] = [], []
             for i in range(args.small_repeat):
                 runs["small_none"].append(timed_command([*manifest, "--no-cache", str(small)]))

@@ -23,6 +23,7 @@ from pathlib import Path
 import safetensors
 
 import tensorfs
+from tensorfs.bench.common import wait_until_settled
 from tensorfs.synth import many_tiny_tensors
 
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tensorfs-bench-open-") as tmp:
         directory = Path(tmp)
         shards = many_tiny_tensors(directory, args.tensors, args.shards)
+        wait_until_settled(list(directory.iterdir()))  # else the header cache keeps nothing of them
         cache = directory / "header-cache"
         reference_keys(shards)  # warm the page cache and the code paths once; fill the header cache
         tensorfs_open(directory, False)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model import INDEX_NAME
 from ..mount.daemon import MountOptions
 from ..mount.runtime import read_record
 from ..synth import Tensor, many_tiny_tensors, write_sharded
@@ -41,6 +42,7 @@ from .common import (
     read_range,
     rss_anon_kib,
     touch_fresh_memory,
+    wait_until_settled,
     warm,
 )
 from .peers import Knobs, Locate, Peer, bindfs_missing, bindfs_peer, floor_peer
@@ -443,6 +445,7 @@ def tiny_section(config: Config, report: Report, mounter: Mounter, work: Path) -
     many_tiny_tensors(tiny, config.tiny_tensors, config.tiny_shards)
     shards = sorted(tiny.glob("*.safetensors"))
     warm(shards)
+    wait_until_settled([*shards, tiny / INDEX_NAME])  # else the header cache keeps nothing of them
     reference = (
         "import sys, safetensors\n"
         "n = 0\n"
