@@ -10,12 +10,9 @@ from scratch: the cache can make tensorfs faster, never make it trust anything e
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ import orjson
 from .dtypes import DTYPES
 from .header import Entry, ShardHeader
 from .sources import ShardKey
+from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +33,21 @@ _KEEP_UNUSED = 30 * 24 * 3600.0  # a row nobody read for this long is dropped (a
 _TOUCH_EVERY = 24 * 3600.0  # a row's last use is written at most this often: reads stay reads
 
 
-class HeaderCache:
+class HeaderCache(SqliteCache):
     """Shard headers and model checks by the identity of what they were made from; safe for
     several processes at once (SQLite's WAL), and for threads (one lock)."""
 
     FILE_NAME = "headers.sqlite"
+    TABLE = (
+        "CREATE TABLE IF NOT EXISTS rows (kind TEXT, key TEXT, value BLOB NOT NULL, sha256 BLOB NOT NULL,"
+        " used REAL NOT NULL, PRIMARY KEY (kind, key)) WITHOUT ROWID"
+    )
+    NAME = "header cache"
+    WITHOUT = "validating without it"
 
     def __init__(self, directory: Path | None) -> None:
-        self.directory = directory
-        self._lock = threading.Lock()
-        self._connection: sqlite3.Connection | None = None
-        self._pid = 0
-        self._disabled = directory is None
+        super().__init__(directory)
         self.hits = self.misses = 0
-
-    @property
-    def enabled(self) -> bool:
-        return not self._disabled
 
     # -- what is kept ---------------------------------------------------------------------
     def shard(self, path: ShardKey, identity: str) -> ShardHeader | None:
@@ -163,43 +159,6 @@ class HeaderCache:
                     connection.execute("DELETE FROM rows WHERE used < ?", (now - _KEEP_UNUSED,))
             except sqlite3.Error as exc:
                 self._give_up(exc)
-
-    def _connect(self) -> sqlite3.Connection | None:
-        if self._disabled:
-            return None
-        if self._connection is not None and self._pid == os.getpid():
-            return self._connection
-        # A connection must never cross a fork: a child opens its own.
-        assert self.directory is not None
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            connection = sqlite3.connect(self.directory / self.FILE_NAME, timeout=5.0, check_same_thread=False)
-            connection.execute("PRAGMA journal_mode=WAL")
-            # A cache may lose its last rows in a power cut, never its consistency: no fsync per commit.
-            connection.execute("PRAGMA synchronous=NORMAL")
-            connection.execute(
-                "CREATE TABLE IF NOT EXISTS rows (kind TEXT, key TEXT, value BLOB NOT NULL, sha256 BLOB NOT NULL,"
-                " used REAL NOT NULL, PRIMARY KEY (kind, key)) WITHOUT ROWID"
-            )
-            connection.commit()
-        except (sqlite3.Error, OSError) as exc:
-            self._give_up(exc)
-            return None
-        self._connection, self._pid = connection, os.getpid()
-        return connection
-
-    def _give_up(self, exc: Exception) -> None:
-        if not self._disabled:
-            log.warning("header cache %s unusable, validating without it: %s", self.directory, exc)
-        self._disabled = True
-        self._connection = None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._connection is not None and self._pid == os.getpid():
-                with contextlib.suppress(sqlite3.Error):
-                    self._connection.close()
-            self._connection = None
 
 
 def _digest(kind: str, key: str, value: bytes) -> bytes:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +20,7 @@ from .header import Entry
 from .model import Model
 from .sources import Identity, ShardKey
 from .sources.remote import AccessDenied, RemoteError, RemoteOptions, beside, exists, is_remote, read_url
+from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)
 
@@ -40,56 +40,16 @@ class TensorCorrupt(TensorfsError):
 # -- the persistent cache -------------------------------------------------------------------
 
 
-class HashCache:
-    """SHA-256 of tensors by (shard identity, offsets), in SQLite; safe for several processes at once.
-
-    Any trouble with the database (corrupt, unwritable, locked for too long) turns the cache off
-    with one warning: a cache can make tensorfs faster, never make it fail.
-    """
+class HashCache(SqliteCache):
+    """SHA-256 of tensors by (shard identity, offsets), in SQLite; safe for several processes at once."""
 
     FILE_NAME = "hashes.sqlite"
-
-    def __init__(self, directory: Path | None) -> None:
-        self.directory = directory
-        self._lock = threading.Lock()
-        self._connection: sqlite3.Connection | None = None
-        self._pid = 0
-        self._disabled = directory is None
-
-    @property
-    def enabled(self) -> bool:
-        return not self._disabled
-
-    def _connect(self) -> sqlite3.Connection | None:
-        if self._disabled:
-            return None
-        if self._connection is not None and self._pid == os.getpid():
-            return self._connection
-        # A connection must never cross a fork: a child opens its own.
-        assert self.directory is not None
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            connection = sqlite3.connect(self.directory / self.FILE_NAME, timeout=5.0, check_same_thread=False)
-            connection.execute("PRAGMA journal_mode=WAL")
-            # A cache may lose its last rows in a power cut, never its consistency: no fsync per commit.
-            connection.execute("PRAGMA synchronous=NORMAL")
-            connection.execute(
-                "CREATE TABLE IF NOT EXISTS hashes (device INTEGER, inode INTEGER, size INTEGER, mtime_ns INTEGER,"
-                " ctime_ns INTEGER, begin INTEGER, end INTEGER, sha256 TEXT NOT NULL,"
-                " PRIMARY KEY (device, inode, size, mtime_ns, ctime_ns, begin, end)) WITHOUT ROWID"
-            )
-            connection.commit()
-        except (sqlite3.Error, OSError) as exc:
-            self._give_up(exc)
-            return None
-        self._connection, self._pid = connection, os.getpid()
-        return connection
-
-    def _give_up(self, exc: Exception) -> None:
-        if not self._disabled:
-            log.warning("hash cache %s unusable, going on without it: %s", self.directory, exc)
-        self._disabled = True
-        self._connection = None
+    TABLE = (
+        "CREATE TABLE IF NOT EXISTS hashes (device INTEGER, inode INTEGER, size INTEGER, mtime_ns INTEGER,"
+        " ctime_ns INTEGER, begin INTEGER, end INTEGER, sha256 TEXT NOT NULL,"
+        " PRIMARY KEY (device, inode, size, mtime_ns, ctime_ns, begin, end)) WITHOUT ROWID"
+    )
+    NAME = "hash cache"
 
     def get_many(self, identity: Identity, spans: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
         """Cached hashes of the shard's byte ranges [begin, end) that have one."""
@@ -133,13 +93,6 @@ class HashCache:
                     )
             except sqlite3.Error as exc:
                 self._give_up(exc)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._connection is not None and self._pid == os.getpid():
-                with contextlib.suppress(sqlite3.Error):
-                    self._connection.close()
-            self._connection = None
 
 
 # -- hashing a model ------------------------------------------------------------------------
