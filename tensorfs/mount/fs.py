@@ -253,15 +253,18 @@ class TensorOperations(pyfuse3.Operations):
             if not reply(token, b"..", self._entry(tree.attributes(tree.parent(fh))), 2):
                 return
             offset = 2
+        shared = None  # what the previous entry set of mode, owner and times: set again only if changed
         for name, inode, mode, size, nlink, mtime, uid, gid in tree.scan(fh, offset - 2):
             entry.st_ino = inode
-            entry.st_mode = mode
             entry.st_size = size
             entry.st_blocks = -(-size // 512)
-            entry.st_nlink = nlink
-            entry.st_uid = uid
-            entry.st_gid = gid
-            entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = mtime
+            if (mode, nlink, uid, gid, mtime) != shared:
+                shared = mode, nlink, uid, gid, mtime
+                entry.st_mode = mode
+                entry.st_nlink = nlink
+                entry.st_uid = uid
+                entry.st_gid = gid
+                entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = mtime
             offset += 1
             if not reply(token, name.encode(), entry, offset):
                 break
