@@ -57,6 +57,11 @@ def run(command: list[str], cwd: Path | None = None) -> None:
     subprocess.run(command, check=True, cwd=cwd)
 
 
+def run_python(code: str) -> None:
+    print(f'\n$ python -c "{code}"', flush=True)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("demo_dir", nargs="?", default="demo", type=Path, help="where the model and its mount go")
@@ -84,8 +89,7 @@ def main(argv: list[str]) -> int:
         f"a = tensorfs.memmap('{embed / 'weight'}'); "
         "print(type(a).__name__, a.dtype, a.shape, a[0, :4])"
     )
-    print(f'\n$ python -c "{code}"', flush=True)
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)
     # The same model as a model directory, for loaders that open one (safetensors, transformers, ...).
     view = mountpoint / ".tensorfs" / "model"
     run(["ls", "-l", str(view)])
@@ -94,8 +98,7 @@ def main(argv: list[str]) -> int:
         f"f = safe_open('{view / 'model.safetensors'}', framework='np'); "
         "print(len(f.keys()), 'tensors;', f.get_tensor('model.norm.weight')[:4])"
     )
-    print(f'\n$ python -c "{code}"', flush=True)
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)
     print(f"\nThe model stays mounted at {mountpoint}. Unmount it with:\n  .venv/bin/tensorfs umount {mountpoint}")
     return 0
 

@@ -210,34 +210,27 @@ class ByteSize(click.ParamType):  # type: ignore[type-arg]
 model_argument = click.argument("path", metavar="MODEL", type=ModelSource())
 
 
-class MetricsAddress(click.ParamType):  # type: ignore[type-arg]
+class ParsedBy(click.ParamType):  # type: ignore[type-arg]
+    """A value `parse` makes of the text (its ValueError: a usage error saying why)."""
+
+    def __init__(self, name: str, parse: Callable[[str], Any]) -> None:
+        self.name = name
+        self._parse = parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):  # already converted (a default)
+            return value
+        try:
+            return self._parse(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _metrics_address(text: str) -> tuple[str, int]:
     """[HOST:]PORT of the metrics endpoint."""
+    from .mount.metrics import parse_address
 
-    name = "address"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, int]:
-        from .mount.metrics import parse_address
-
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_address(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-class LayerRange(click.ParamType):  # type: ignore[type-arg]
-    """An inclusive range of layer numbers: 0-15, or 7."""
-
-    name = "A-B"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, int]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_layers(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
+    return parse_address(text)
 
 
 def selection_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -261,7 +254,7 @@ def selection_options(command: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--layers",
-            type=LayerRange(),
+            type=ParsedBy("A-B", parse_layers),
             help="Only layers A to B (inclusive) of names like model.layers.N.*; tensors of no numbered layer "
             "(embeddings, norms, head) stay unless excluded.",
         ),
@@ -649,7 +642,7 @@ def verify(
 )
 @click.option(
     "--metrics",
-    type=MetricsAddress(),
+    type=ParsedBy("address", _metrics_address),
     metavar="[HOST:]PORT",
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST 127.0.0.1 unless given).",
 )

@@ -14,7 +14,6 @@ import hashlib
 import logging
 import sqlite3
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -45,15 +44,10 @@ class HeaderCache(SqliteCache):
     NAME = "header cache"
     WITHOUT = "validating without it"
 
-    def __init__(self, directory: Path | None) -> None:
-        super().__init__(directory)
-        self.hits = self.misses = 0
-
-    # -- what is kept ---------------------------------------------------------------------
     def shard(self, path: ShardKey, identity: str) -> ShardHeader | None:
-        """The header validated earlier from the bytes `identity` names (see Identity.key and
-        object_identity), for the shard at `path`."""
-        found = self._get("shard", identity)
+        """The header validated earlier from the bytes `identity` names (a file's Identity.key(); an
+        object's URL, ETag and size), for the shard at `path`."""
+        found = self.get("shard", identity)
         if found is None:
             return None
         try:
@@ -89,17 +83,10 @@ class HeaderCache(SqliteCache):
             [list(shape) for shape in shapes],
             shape_of,
         )
-        self._put("shard", identity, value)
+        self.put("shard", identity, value)
 
     def get(self, kind: str, key: str) -> Any:
-        """Any other value kept under (kind, key), as JSON gave it; None when there is none."""
-        return self._get(kind, key)
-
-    def put(self, kind: str, key: str, value: Any) -> None:
-        self._put(kind, key, value)
-
-    # -- the database ---------------------------------------------------------------------
-    def _get(self, kind: str, key: str) -> Any:
+        """The value kept under (kind, key), as JSON gave it; None when there is none (or it is bad)."""
         kind = f"{kind}/{SCHEMA}"
         with self._lock:
             connection = self._connect()
@@ -110,7 +97,6 @@ class HeaderCache(SqliteCache):
                     "SELECT value, sha256, used FROM rows WHERE kind=? AND key=?", (kind, key)
                 ).fetchone()
                 if row is None:
-                    self.misses += 1
                     return None
                 value, digest, used = row
                 if not isinstance(value, bytes) or _digest(kind, key, value) != digest:
@@ -121,7 +107,6 @@ class HeaderCache(SqliteCache):
                     )
                     with connection:
                         connection.execute("DELETE FROM rows WHERE kind=? AND key=?", (kind, key))
-                    self.misses += 1
                     return None
                 now = time.time()
                 if not isinstance(used, int | float) or now - used > _TOUCH_EVERY:
@@ -135,10 +120,10 @@ class HeaderCache(SqliteCache):
         except orjson.JSONDecodeError:  # the checksum held: written so by a bug, not damaged since
             log.warning("header cache %s: a %s row is not JSON; validating afresh", self.directory, kind)
             return None
-        self.hits += 1
         return found
 
-    def _put(self, kind: str, key: str, value: Any) -> None:
+    def put(self, kind: str, key: str, value: Any) -> None:
+        """Keep `value` (JSON) under (kind, key); a value JSON cannot hold is just not kept."""
         kind = f"{kind}/{SCHEMA}"
         try:
             data = orjson.dumps(value)

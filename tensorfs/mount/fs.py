@@ -121,6 +121,19 @@ def _describer(method: Callable[..., Any]) -> Callable[[tuple[Any, ...]], str]:
     return describe
 
 
+def _not_implemented(op: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """A request tensorfs has nothing to do for: ENOSYS, once, and the kernel stops sending it for
+    good (fc->no_flush, no_getxattr, ...), one round trip less per file. Counted as a request, not
+    as an error: it is no failure."""
+
+    async def decline(self: TensorOperations, *_: Any, **__: Any) -> Any:
+        self.stats.request(op)
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    decline.__name__ = op
+    return decline
+
+
 def _read_only(op: str) -> Callable[..., Coroutine[Any, Any, Any]]:
     """A request that would change the tree: refused with EROFS, and counted."""
 
@@ -673,11 +686,11 @@ class TensorOperations(pyfuse3.Operations):
         self._snapshots.pop(fh, None)
         self.stats.open_files -= 1
 
-    async def flush(self, fh: int) -> None:
-        # Nothing to write back. ENOSYS, once, tells the kernel not to send a flush again on any
-        # close (fc->no_flush): one round trip less for every file a reader opens.
-        self.stats.request("flush")
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+    # Nothing to write back on a close; and no extended attributes (the kernel then answers
+    # EOPNOTSUPP itself: `ls -l` asks two of them per file, ACL and capabilities).
+    flush = _not_implemented("flush")
+    getxattr = _not_implemented("getxattr")
+    listxattr = _not_implemented("listxattr")
 
     @handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -689,18 +702,6 @@ class TensorOperations(pyfuse3.Operations):
         stats.f_ffree = stats.f_favail = 0
         stats.f_namemax = 255
         return stats
-
-    # -- extended attributes: not supported ------------------------------------------------
-    # ENOSYS, once, makes the kernel answer EOPNOTSUPP itself from then on (fc->no_getxattr,
-    # no_listxattr): `ls -l` asks two of them per file (ACL, capabilities), a round trip each.
-    # Counted as requests, not as errors: it is no failure.
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        self.stats.request("getxattr")
-        raise pyfuse3.FUSEError(errno.ENOSYS)
-
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        self.stats.request("listxattr")
-        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # -- everything that would change the tree: refused -------------------------------------
     setattr = _read_only("setattr")

@@ -136,15 +136,16 @@ class LocalShard(ShardData):
         fd = open_shard(path, label)
         try:
             validated = os.fstat(fd)
+            identity = Identity.of(validated)
             header = None
             if cache is not None and stat.S_ISREG(validated.st_mode):
-                header = cache.shard(path, Identity.of(validated).key())
+                header = cache.shard(path, identity.key())
             if header is None:
                 header = read_header_fd(fd, path, label)
-                if Identity.of(os.fstat(fd)) != Identity.of(validated):
+                if Identity.of(os.fstat(fd)) != identity:
                     raise InvalidModelError([Problem(label, "changed while it was being validated; try again")])
-                if cache is not None and Identity.of(validated).settled():
-                    cache.put_shard(Identity.of(validated).key(), header)
+                if cache is not None and identity.settled():
+                    cache.put_shard(identity.key(), header)
             # Map the descriptor the header was read from: the bytes served are the bytes validated.
             return header, cls(path, label, fd, validated)
         except InvalidModelError:
