@@ -1,0 +1,59 @@
+"""The few system calls Python's os module lacks, through ctypes: one libc handle for all of tensorfs.
+
+ctypes releases the GIL for the call, which is why even madvise goes through here (mmap.madvise holds it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+
+libc = ctypes.CDLL(None, use_errno=True)
+"""The C library of this process (calls through it let the GIL go)."""
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+
+_syscall = libc.syscall
+_syscall.restype = ctypes.c_long
+
+libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+libc.fallocate.restype = ctypes.c_int
+FALLOC_FL_KEEP_SIZE = 1
+FALLOC_FL_PUNCH_HOLE = 2
+
+_openat2_missing = False
+
+
+def openat2(dir_fd: int, path: str | bytes, flags: int, resolve: int) -> int:
+    """openat2(2): `path` opened relative to `dir_fd` with RESOLVE_* restrictions; OSError as os.open's.
+
+    OSError(ENOSYS) on a kernel older than 5.6 (the caller then walks the path itself).
+    """
+    global _openat2_missing
+    if _openat2_missing:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    name = os.fsencode(path)
+    how = struct.pack("QQQ", flags, 0, resolve)  # struct open_how: flags, mode, resolve
+    fd = _syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), ctypes.c_char_p(name), ctypes.c_char_p(how), len(how))
+    if fd < 0:
+        code = ctypes.get_errno()
+        if code == errno.ENOSYS:
+            _openat2_missing = True
+        raise OSError(code, os.strerror(code), os.fsdecode(name))
+    return int(fd)
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2); OSError when it fails (EOPNOTSUPP where the file system has none)."""
+    if libc.fallocate(fd, mode, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the blocks of [offset, offset + length) of a file, keeping its size (it reads as zeros there)."""
+    fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
