@@ -226,8 +226,8 @@ class ParsedBy(click.ParamType):  # type: ignore[type-arg]
             self.fail(str(exc), param, ctx)
 
 
-def _metrics_address(text: str) -> tuple[str, int]:
-    """[HOST:]PORT of the metrics endpoint."""
+def _metrics_address(text: str) -> tuple[str, int] | str:
+    """[HOST:]PORT, or unix:PATH, of the metrics endpoint."""
     from .mount.metrics import parse_address
 
     return parse_address(text)
@@ -519,8 +519,11 @@ def export(
             done = f"wrote {shown}: {tensors}, {human_size(dest.stat().st_size)}"
         else:
             view = build_view(model, view_spec(path, shards, remote))
-            with Progress(view_bytes(view), "writing") as progress:
-                write_view(view, dest, progress.advance)
+            try:
+                with Progress(view_bytes(view), "writing") as progress:
+                    write_view(view, dest, progress.advance)
+            finally:
+                view.close()
             done = f"wrote {shown}/: {tensors}, {len(view.files)} file{'s' * (len(view.files) != 1)}"
     try:
         click.echo(done)
@@ -556,11 +559,12 @@ def verify(
     """
     # The model first: its errors name it, not the manifest beside it.
     with open_selected(path, selection, remote=remote, no_cache=no_cache) as model:
+        in_model = manifest_path is None
         manifest_path = manifest_path or find_default_manifest(path, remote)
         if manifest_path is None:
             where = path if isinstance(path, str) or path.is_dir() else path.parent
             raise TensorfsError(f"{where}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
-        expected = read_manifest(manifest_path, remote)
+        expected = read_manifest(manifest_path, remote, in_model=in_model)
         actual = hash_model(model, open_cache(cache_dir, no_cache))
         result = compare(model, expected, actual)
         label = str(manifest_path)
@@ -643,8 +647,9 @@ def verify(
 @click.option(
     "--metrics",
     type=ParsedBy("address", _metrics_address),
-    metavar="[HOST:]PORT",
-    help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST 127.0.0.1 unless given).",
+    metavar="[HOST:]PORT|unix:PATH",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST 127.0.0.1 unless given: any local user "
+    "can read them), or on a Unix socket only you can use (made 0600).",
 )
 @selection_options
 @cache_options
@@ -665,7 +670,7 @@ def mount(
     verify: str | None,
     view_shards: int,
     log_format: str,
-    metrics: tuple[str, int] | None,
+    metrics: tuple[str, int] | str | None,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -717,7 +722,7 @@ def mount(
         expected = None
         verified: set[str] = set()
         if given is not None and verify != "off":
-            expected = read_manifest(given, remote)
+            expected = read_manifest(given, remote, in_model=manifest_path is None)
             extra_allowed = shard_of_a_model(source) or not selection.everything  # lists the rest too
             require_coverage(model, expected, str(given), extra_allowed=extra_allowed)
             if verify == "all":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -18,8 +19,19 @@ from pathlib import Path
 from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError, printable
 from .header import Entry
 from .model import Model
+from .safefiles import ModelDirectory, NotRegular, read_bounded
 from .sources import Identity, ShardKey
-from .sources.remote import AccessDenied, RemoteError, RemoteOptions, beside, exists, is_remote, read_url
+from .sources.remote import (
+    AccessDenied,
+    RemoteError,
+    RemoteOptions,
+    TooLarge,
+    beside,
+    exists,
+    is_remote,
+    read_url,
+    redact,
+)
 from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)
@@ -210,6 +222,8 @@ class Hasher:
                         progress(len(piece))
                 found[name] = digest.hexdigest()
         except ShardChangedError as exc:
+            if exc.lost_from is None and not isinstance(shard, Path):  # a remote shard: its own words
+                raise
             lost = exc.lost_from if exc.lost_from is not None else first
             name, begin, end = next(span for span in run if span[2] > lost)
             raise ShardChangedError(
@@ -339,28 +353,46 @@ def _is_hex_digest(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 256 << 20
 """A manifest of a million tensors is about 100 MB: one past this is not a manifest (or never ends)."""
 
 
-def read_manifest(path: Path | str, remote: RemoteOptions | None = None) -> dict[str, str]:
-    """The manifest in `path` (a file, a pipe such as <(...), or a URL), at most MAX_MANIFEST_BYTES."""
+def read_manifest(path: Path | str, remote: RemoteOptions | None = None, *, in_model: bool = False) -> dict[str, str]:
+    """The manifest in `path` (a file, a pipe such as <(...), or a URL), at most MAX_MANIFEST_BYTES.
+
+    `in_model`: the manifest found in a model's directory (see find_default_manifest), which
+    someone else may control: a regular file beneath it, opened once, never blocking.
+    """
     if is_remote(path):
         assert isinstance(path, str)
         try:
-            data = read_url(path, remote or RemoteOptions())
+            data = read_url(path, remote or RemoteOptions(), MAX_MANIFEST_BYTES)
+        except TooLarge:
+            raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest") from None
         except (RemoteError, FileNotFoundError) as exc:
-            raise ManifestError(str(exc) if str(exc).startswith(path) else f"{path}: {exc}") from None
+            shown = redact(path)
+            raise ManifestError(str(exc) if str(exc).startswith(shown) else f"{shown}: {exc}") from None
     else:
         path = Path(path)
         try:
-            with open(path, "rb") as f:
-                kind = os.fstat(f.fileno()).st_mode
+            if in_model:
+                with ModelDirectory(path.parent) as directory:
+                    fd, _ = directory.open_regular(path.name)
+            else:  # named by whoever runs the command: a pipe is fine, and waited for
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+                kind = os.fstat(fd).st_mode
                 if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+                    os.close(fd)
                     raise ManifestError(f"{path}: not a regular file or a pipe")
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+            try:
+                data = read_bounded(fd, MAX_MANIFEST_BYTES)
+            finally:
+                os.close(fd)
+        except NotRegular:
+            raise ManifestError(f"{path}: not a regular file") from None
         except OSError as exc:
-            raise ManifestError(f"{path}: cannot read: {exc.strerror}") from None
+            why = "a symlink out of the model's directory" if exc.errno == errno.EXDEV else exc.strerror
+            raise ManifestError(f"{path}: cannot read: {why}") from None
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest")
     try:
@@ -371,7 +403,8 @@ def read_manifest(path: Path | str, remote: RemoteOptions | None = None) -> dict
 
 
 def find_default_manifest(source: Path | str, remote: RemoteOptions | None = None) -> Path | str | None:
-    """tensors.sha256 in SOURCE, or beside it when SOURCE is a file (a shard, an index), if there is one.
+    """tensors.sha256 in SOURCE, or beside it when SOURCE is a file (a shard, an index), if there is one
+    (read it with read_manifest(..., in_model=True)).
 
     For a remote model: beside its shards in the store (asked with a HEAD, not with --offline).
     """
@@ -390,7 +423,7 @@ def find_default_manifest(source: Path | str, remote: RemoteOptions | None = Non
             raise ManifestError(str(exc)) from None
     source = Path(source)
     candidate = (source if source.is_dir() else source.parent) / DEFAULT_MANIFEST
-    return candidate if candidate.is_file() else None
+    return candidate if os.path.lexists(candidate) else None
 
 
 def shard_of_a_model(source: Path | str) -> bool:

@@ -18,6 +18,7 @@ from operator import itemgetter
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from .errors import InvalidModelError, ModelClosedError, Problem
 from .gcpause import gc_paused
@@ -30,7 +31,7 @@ from .sources.cache import default_cache_dir
 from .sources.index import INDEX_NAME
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
 from .sources.objects import RemoteDescription, RemoteOpener, RemoteShard
-from .sources.remote import RemoteError, RemoteOptions, is_remote, unsupported_scheme
+from .sources.remote import CREDENTIALS_HINT, RemoteError, RemoteOptions, is_remote, redact, unsupported_scheme
 
 if TYPE_CHECKING:
     import numpy as np
@@ -365,6 +366,8 @@ def open_model(
             raise InvalidModelError([Problem(str(path), why)])
         if is_remote(path):
             assert isinstance(path, str)
+            if "@" in urlsplit(path).netloc:  # never shown, never sent
+                raise InvalidModelError([Problem(redact(path), CREDENTIALS_HINT)])
             try:
                 opener = RemoteOpener(path, remote or RemoteOptions(), problems)
             except RemoteError as exc:
@@ -379,16 +382,20 @@ def open_model(
             source = Path(path)
             found = find_shards(source, problems, headers)
             weight_map, index_label = found.weight_map, found.index_label
-            opened = _open_shards(
-                [(path, str(path)) for path in found.paths], functools.partial(LocalShard.open, cache=headers), problems
-            )
+            open_local = functools.partial(LocalShard.open, cache=headers, directory=found.directory)
+            try:
+                opened = _open_shards([(path, str(path)) for path in found.paths], open_local, problems)
+            finally:
+                found.close()
             done = None
         try:
             verdict = _verdict_key(source, found, opened, layout) if headers.enabled and found is not None else None
             owner = _owners(opened) if verdict is not None and headers.get("model", verdict) == len(opened) else None
             if owner is None:
                 if weight_map is None and index_label is not None:  # the index was known, the model not
-                    weight_map = find_shards(Path(source), []).weight_map  # (its own problems are known: none)
+                    again = find_shards(Path(source), [])  # (its own problems are known: none)
+                    again.close()
+                    weight_map = again.weight_map
                 owner = _check_model(opened, weight_map, index_label, layout, problems)
                 if verdict is not None and not problems:
                     headers.put("model", verdict, len(opened))

@@ -11,6 +11,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from .safefiles import UnsafeLocation, make_private_file, private_directory
+
 log = logging.getLogger(__name__)
 
 
@@ -43,14 +45,16 @@ class SqliteCache:
         # A connection must never cross a fork: a child opens its own.
         assert self.directory is not None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # This user's alone: whoever could write here could make the cache vouch for other bytes.
+            private_directory(self.directory, what=f"the {self.NAME}'s directory")
+            make_private_file(self.directory / self.FILE_NAME, what=f"the {self.NAME}")
             connection = sqlite3.connect(self.directory / self.FILE_NAME, timeout=5.0, check_same_thread=False)
             connection.execute("PRAGMA journal_mode=WAL")
             # A cache may lose its last rows in a power cut, never its consistency: no fsync per commit.
             connection.execute("PRAGMA synchronous=NORMAL")
             connection.execute(self.TABLE)
             connection.commit()
-        except (sqlite3.Error, OSError) as exc:
+        except (sqlite3.Error, OSError, UnsafeLocation) as exc:
             self._give_up(exc)
             return None
         self._connection, self._pid = connection, os.getpid()

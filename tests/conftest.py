@@ -17,17 +17,30 @@ from typing import Any
 import pytest
 
 from helpers import raw_shard, read_line
-from servers import BROKEN, GUARDED, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
+from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
+from tensorfs.mount.mounttable import mounts as mount_table
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The daemon's default log, its runtime record and the hash cache: all pointed into tmp."""
-    saved = {key: os.environ.get(key) for key in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "TENSORFS_RUNTIME_DIR")}
+    """The daemon's default log, its runtime record and the hash cache: all pointed into tmp; and no
+    request ever for instance metadata."""
+    keys = (
+        "XDG_STATE_HOME",
+        "XDG_CACHE_HOME",
+        "TENSORFS_RUNTIME_DIR",
+        "AWS_METADATA_ENDPOINT",
+        "AWS_EC2_METADATA_DISABLED",
+    )
+    saved = {key: os.environ.get(key) for key in keys}
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["TENSORFS_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("run"))
+    # An S3 client without credentials asks the instance metadata service (169.254.169.254) for some:
+    # never from a test. Port 9 of loopback: nothing listens there.
+    os.environ["AWS_METADATA_ENDPOINT"] = "http://127.0.0.1:9"
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
     try:
         yield
     finally:
@@ -232,7 +245,7 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     """One nginx for the session: each test serves a directory of its own under its root."""
     if shutil.which("nginx") is None:
         _server_missing("nginx", "not installed (apt-get install nginx-light)")
-    server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN)
+    server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN + HUB_API)
     try:
         server.start()
         yield server
@@ -256,3 +269,58 @@ def mounts(fuse: None, tmp_path: Path) -> Iterator[Mounts]:
         yield made
     finally:
         made.cleanup()
+
+
+class OtherUser:
+    """Another local user (nobody), for the attacks a user makes on what root runs: its processes
+    run as it, its files belong to it."""
+
+    def __init__(self) -> None:
+        import pwd
+
+        entry = pwd.getpwnam("nobody")
+        self.uid, self.gid = entry.pw_uid, entry.pw_gid
+
+    def become(self) -> None:
+        """preexec_fn: the child runs as this user."""
+        os.setgroups([])
+        os.setgid(self.gid)
+        os.setuid(self.uid)
+
+    python = "/usr/bin/python3"
+    """A Python it can run (the project's may be in root's home)."""
+
+    def run(self, *command: str, text: bool = True, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        return subprocess.run(command, capture_output=True, text=text, preexec_fn=self.become, **kwargs)
+
+    def owns(self, *paths: Path) -> None:
+        for path in paths:
+            os.chown(path, self.uid, self.gid, follow_symlinks=False)
+
+
+@pytest.fixture
+def other_user() -> OtherUser:
+    """Another user than root: the tests of what other users gain need root (to be them, and to
+    run tensorfs as root); on CI their absence fails."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the tests of other users need root on CI")
+        pytest.skip("needs root: it acts as another user")
+    return OtherUser()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory under /tmp that every user can reach (tmp_path is root's alone); removed at the
+    end, what is mounted in it unmounted first."""
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="tensorfs-test-", dir="/tmp"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        inside = [entry.mountpoint for entry in mount_table() if entry.mountpoint.is_relative_to(directory)]
+        for mountpoint in sorted(inside, reverse=True):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -6,13 +6,18 @@
 - nginx (Debian's nginx-light; its runner is the benchmark's, tensorfs/bench/servers.py): static files
   over HTTP with ranges, ETags and If-Match, for http(s):// models and the Hub's resolve layout.
 - DroppingProxy: a loopback TCP proxy that cuts every connection after so many bytes.
+- HostileServer: an HTTP store that lies on purpose (more bytes than asked, encodings, other bytes
+  under one ETag, endless bodies).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,7 +28,7 @@ from pathlib import Path
 from tensorfs.bench.servers import Nginx, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "BROKEN", "GUARDED", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
+    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -39,6 +44,8 @@ BROKEN = "location = /broken/m.safetensors { return 500; }"
 """A server error (with nginx's HTML page for a body)."""
 NO_ETAG = "location /noetag/ { etag off; }"
 """An nginx location that sends no ETag (some servers do not): Last-Modified is all there is."""
+HUB_API = "location /api/ { default_type application/json; try_files $uri.json =404; }"
+"""The Hub's listing API (/api/models/ORG/NAME/tree/REV[/PATH]), answered from ....json files."""
 
 
 class SeaweedFS:
@@ -182,3 +189,124 @@ class DroppingProxy:
     def close(self) -> None:
         self._closed = True
         self._listener.close()
+
+
+class HostileServer:
+    """An HTTP server on 127.0.0.1 that serves the files under `root` as a store would (ranges, ETags,
+    If-Match, HEAD), and lies when told to: the faults a test sets are made to really happen on the wire.
+
+    - `padding[name] = n`: ranged answers of that file carry n bytes more than the range (Content-Length too).
+    - `encoded.add(name)`: answers of that file come gzip-compressed (Content-Encoding: gzip).
+    - `replaced[name] = data`: other bytes served under the file's first ETag (as a store that changed
+      an object in place would).
+    - `announced[name] = n`: a GET of that file says it holds n bytes and streams zeros until the
+      client stops reading (what was sent is counted in `sent`).
+    """
+
+    def __init__(self, root: Path) -> None:
+        import http.server
+
+        self.root = root
+        self.padding: dict[str, int] = {}
+        self.encoded: set[str] = set()
+        self.replaced: dict[str, bytes] = {}
+        self.announced: dict[str, int] = {}
+        self.etags: dict[str, str] = {}
+        self.sent: dict[str, int] = {}
+        self.requests: list[tuple[str, str, str, str]] = []
+        """(method, file, Range, Accept-Encoding) of every request."""
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._answer(body=False)
+
+            def do_GET(self) -> None:
+                self._answer(body=True)
+
+            def _answer(self, *, body: bool) -> None:
+                name = self.path.lstrip("/").split("?")[0]
+                headers = self.headers
+                server.requests.append(
+                    (self.command, name, headers.get("Range", ""), headers.get("Accept-Encoding", ""))
+                )
+                path = server.root / name
+                if not path.is_file():
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                original = path.read_bytes()
+                etag = server.etags.setdefault(name, f'"{hashlib.md5(original).hexdigest()}"')
+                data = server.replaced.get(name, original)
+                if self.headers.get("If-Match") not in (None, etag):
+                    self.send_response(412)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if name in server.announced:
+                    self._endless(name, server.announced[name], body)
+                    return
+                start, end, status = 0, len(data), 200
+                ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                if ranged:
+                    start = int(ranged[1])
+                    end = min(len(data), int(ranged[2]) + 1) if ranged[2] else len(data)
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    status = 206
+                payload = data[start:end] + b"\0" * (server.padding.get(name, 0) if ranged else 0)
+                self.send_response(status)
+                if name in server.encoded:
+                    payload = gzip.compress(payload)
+                    self.send_header("Content-Encoding", "gzip")
+                if ranged:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(payload)))
+                self.send_header("ETag", etag)
+                self.send_header("Last-Modified", "Mon, 01 Jan 2024 00:00:00 GMT")
+                self.end_headers()
+                if body:
+                    self._send(name, payload)
+
+            def _endless(self, name: str, size: int, body: bool) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(size))
+                self.send_header("ETag", server.etags[name])
+                self.end_headers()
+                if body:
+                    block = b"\0" * (1 << 20)
+                    for _ in range(0, size, len(block)):
+                        if not self._send(name, block):
+                            return
+
+            def _send(self, name: str, data: bytes) -> bool:
+                try:
+                    self.wfile.write(data)
+                except OSError:
+                    return False
+                server.sent[name] = server.sent.get(name, 0) + len(data)
+                return True
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

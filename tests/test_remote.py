@@ -350,8 +350,10 @@ def test_mount_an_s3_model(
     assert result.returncode == 0, result.stdout + result.stderr
     counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
     sizes = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-    assert counted["fetched_bytes"] == sizes and counted["fetch_failures"] == 0  # every chunk, once
-    assert counted["gets"] == sum(-(-path.stat().st_size // (8 * MIB)) for path in directory.glob("*.safetensors"))
+    companions = len('{"model_type": "test"}') + len('{"pooling": 1}')  # read through the cache too, once
+    assert counted["fetched_bytes"] == sizes + companions and counted["fetch_failures"] == 0  # every chunk, once
+    chunks = sum(-(-path.stat().st_size // (8 * MIB)) for path in directory.glob("*.safetensors"))
+    assert counted["gets"] == chunks + 2
     entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
     assert entry.source == f"s3://{bucket}/m"
     settings = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["options"]["remote"]
@@ -365,8 +367,10 @@ def test_mount_an_s3_model(
     assert (offline / "layers/3/w").read_bytes() == expected["layers/3/w"]
     listed = mounts.run("cache", "ls", "--json", "--cache-dir", str(tmp_path / "cache"))
     objects = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert {o["url"] for o in objects} == {f"s3://{bucket}/m/model-0000{i}-of-00002.safetensors" for i in (1, 2)}
-    assert all(o["cached"] == o["size"] and o["in_use"] for o in objects)
+    shards = {f"s3://{bucket}/m/model-0000{i}-of-00002.safetensors" for i in (1, 2)}
+    companions = {f"s3://{bucket}/m/config.json", f"s3://{bucket}/m/1_Pooling/config.json"}  # read through it
+    assert {o["url"] for o in objects} == shards | companions
+    assert all(o["cached"] == o["size"] and o["in_use"] == (o["url"] in shards) for o in objects)
 
 
 def test_a_hub_model_mounts_with_its_companion_files(
@@ -386,14 +390,18 @@ def test_a_hub_model_mounts_with_its_companion_files(
     options = ["--log-file", str(mounts.log_file), "--cache-dir", str(tmp_path / "c")]
     result = mounts.attempt("hf://org/companions", *options, mountpoint=mountpoint)
     url = "hf://org/companions@main/tokenizer.model"
-    assert result.returncode == 0 and result.stderr == f"warning: {url}: {65 * MIB} bytes, over 64.0 MiB: skipped\n"
+    assert result.returncode == 0 and result.stderr == f"warning: {url}: skipped: {65 * MIB} bytes, over 64 MiB\n"
     view = mountpoint / ".tensorfs" / "model"
     assert sorted(os.listdir(view)) == ["config.json", "model.safetensors", "tokenizer.json"]
     for name in ("config.json", "tokenizer.json"):
         assert (view / name).read_bytes() == (directory / name).read_bytes()
 
 
-def test_cache_prune_never_takes_what_a_mount_holds(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+def test_cache_prune_takes_what_no_reader_uses_and_the_mount_reads_on(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """A mount holds no chunk it is not answering from: `cache prune` beside it frees them all, and the
+    mount fetches again what is read (a chunk answered from stays: see test_trust)."""
     directory = nginx.root / "held"
     directory.mkdir()
     tensors = {f"t{i}": ("U8", [3 * MIB], random_bytes(3 * MIB, 20 + i)) for i in range(4)}
@@ -407,7 +415,7 @@ def test_cache_prune_never_takes_what_a_mount_holds(mounts: Mounts, nginx: Nginx
 
     wait_until(lambda: listed()[0]["cached"] == 8 * MIB, what="the first chunk to be recorded")  # t1 is in it
     assert listed()[0]["in_use"] is True
-    assert cli("cache", "prune", *cache).stdout == "freed 0 B; 8.0 MiB cached\n"  # the mount's chunks stay
+    assert cli("cache", "prune", *cache).stdout == "freed 8.0 MiB; 0 B cached\n"  # nobody answers from it
     if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # no page cache to hide a hole
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     for name, (_, _, data) in tensors.items():
@@ -424,7 +432,7 @@ def test_a_forbidden_default_manifest_is_no_manifest(mounts: Mounts, nginx: Ngin
     mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
     assert (mountpoint / "w").read_bytes() == tensors["w"][2]
     assert (
-        "tensors.sha256: access denied (403): check the credentials and the bucket's policy; taken as no manifest"
+        "tensors.sha256: access denied (403): check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN); taken as no manifest"
         in mounts.log()
     )
     verify = cli("verify", "--cache-dir", str(tmp_path / "cache"), url)

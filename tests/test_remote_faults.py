@@ -164,7 +164,7 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
     expected = big_model(nginx.root / "full", tensors=8)
     cache = tmp_path / "small-disk"
     cache.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(cache)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m,mode=0700", "tmpfs", str(cache)], check=True)
     try:
         mountpoint = mounts.mount(f"{nginx.url}/full/m.safetensors", "--cache-dir", str(cache))  # type: ignore[arg-type]
         pid = mounts.daemon_pid(mountpoint)

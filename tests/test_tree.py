@@ -227,9 +227,14 @@ def test_meta_size_adds_up_to_the_meta_json(tmp_path: Path) -> None:
 
 def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model, tmp_path: Path) -> None:
     from tensorfs.views import Companion, SynthesizedFile, ViewSpec, build_view
+    from tensorfs.views.companions import find_companions
 
-    st = os.stat(tmp_path / "m.safetensors")
-    companions = [Companion("config.json", b"{}", 5, st), Companion("sub/x.txt", b"x", 6, None)]
+    source = tmp_path / "companions"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_bytes(b"{}")
+    (source / "sub" / "x.txt").write_bytes(b"x")
+    os.utime(source / "config.json", ns=(5, 5))
+    companions = find_companions(source, [])
     view = build_view(model, ViewSpec(companions, 2))
     tree = Tree(model, "slash", {"index.json": lambda: index_json(model)}, view=view)
     paths = walk(tree)
@@ -254,7 +259,9 @@ def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model
     assert tree.parent(sub) == paths[".tensorfs/model"] and tree.attributes(paths[".tensorfs/model"]).nlink == 3
     config = tree.attributes(paths[".tensorfs/model/config.json"])
     assert (config.kind, config.size, config.mtime_ns) == (Kind.VIEW, 2, 5)
-    assert tree.view_file(paths[".tensorfs/model/sub/x.txt"]) == b"x"
+    companion = tree.view_file(paths[".tensorfs/model/sub/x.txt"])
+    assert isinstance(companion, Companion) and view.companions.read(companion.path, 0, 10) == b"x"  # read when asked
+    view.close()
     first = tree.view_file(paths[".tensorfs/model/model-00001-of-00002.safetensors"])
     assert isinstance(first, SynthesizedFile)
     assert tree.attributes(paths[".tensorfs/model/model-00001-of-00002.safetensors"]).size == first.size

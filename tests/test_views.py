@@ -105,15 +105,16 @@ def test_write_safetensors_and_export(mounts: Mounts, tmp_path: Path, selected: 
     (tmp_path / "m" / "config.json").write_text('{"model_type": "test"}')
     result = mounts.run("export", *options, "--shards", "3", str(tmp_path / "m"), str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
+    base = "selected" if selected else "model"  # a selection is not named as a whole model is
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "config.json",
-        "model-00001-of-00003.safetensors",
-        "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors",
-        "model.safetensors.index.json",
+        f"{base}-00001-of-00003.safetensors",
+        f"{base}-00002-of-00003.safetensors",
+        f"{base}-00003-of-00003.safetensors",
+        f"{base}.safetensors.index.json",
     ]
     assert mounts.run("validate", str(tmp_path / "out")).returncode == 0
-    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    index = json.loads((tmp_path / "out" / f"{base}.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == names
     for shard in sorted((tmp_path / "out").glob("*.safetensors")):
         for name, (_, _, data) in reference_tensors(shard).items():
@@ -244,7 +245,7 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
 
 
 def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
-    from tensorfs.views.companions import find_companions
+    from tensorfs.views.companions import CompanionFiles, find_companions
 
     repo = tmp_path / "hub" / "models--org--name"
     (repo / "blobs").mkdir(parents=True)
@@ -257,7 +258,9 @@ def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
     (snapshot / "elsewhere.txt").symlink_to(tmp_path / "elsewhere.txt")
     warnings: list[str] = []
     found = find_companions(snapshot, warnings)
-    assert [(c.path, c.data) for c in found] == [("config.json", b'{"a": 1}')]
+    files = CompanionFiles(found)
+    assert [(c.path, files.read(c.path, 0, c.size)) for c in found] == [("config.json", b'{"a": 1}')]
+    files.close()
     assert warnings == [f"{snapshot / 'elsewhere.txt'}: skipped: a symlink out of the model's directory"]
 
 
@@ -274,16 +277,17 @@ def test_view_shards_and_a_selection(mounts: Mounts, tmp_path: Path) -> None:
     write_index(directory, weight_map)
     mountpoint = mounts.mount(directory, "--view-shards", "2", "--layers", "1-3")
     view = mountpoint / ".tensorfs" / "model"
+    # A selection is not named as a whole model is: a loader looking for one finds none (and fails).
     assert sorted(os.listdir(view)) == [
-        "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors",
-        "model.safetensors.index.json",
+        "selected-00001-of-00002.safetensors",
+        "selected-00002-of-00002.safetensors",
+        "selected.safetensors.index.json",
     ]
-    index = json.loads((view / "model.safetensors.index.json").read_text())
+    index = json.loads((view / "selected.safetensors.index.json").read_text())
     assert index["weight_map"] == {
-        "model.layers.1.w": "model-00001-of-00002.safetensors",
-        "model.layers.2.w": "model-00001-of-00002.safetensors",
-        "model.layers.3.w": "model-00002-of-00002.safetensors",
+        "model.layers.1.w": "selected-00001-of-00002.safetensors",
+        "model.layers.2.w": "selected-00001-of-00002.safetensors",
+        "model.layers.3.w": "selected-00002-of-00002.safetensors",
     }
     assert index["metadata"]["total_size"] == 3 * 1024
     for file_name in set(index["weight_map"].values()):

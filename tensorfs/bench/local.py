@@ -359,18 +359,18 @@ def views_section(
     tensors: dict[str, tuple[Path, int, int]],
     big: list[str],
 ) -> None:
-    """The synthesized model.safetensors of .tensorfs/model/, read whole, against reading the
-    per-tensor files of the same selection: each on a fresh mount, taken in turns."""
+    """The synthesized file of .tensorfs/model/, read whole, against reading the per-tensor files of
+    the same selection (its file is selected.safetensors): each on a fresh mount, taken in turns."""
     nbytes = sum(tensors[name][2] for name in big)
     per_tensor, synthesized = [], []
     for _ in range(config.repeat):
         with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
             per_tensor.append(nbytes / read_files(mnt, big))
         with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
-            synthesized.append(nbytes / read_file(mnt / ".tensorfs" / "model" / "model.safetensors"))
+            synthesized.append(nbytes / read_file(mnt / ".tensorfs" / "model" / "selected.safetensors"))
     report.add(
         "view_read",
-        "first read of .tensorfs/model/model.safetensors",
+        "first read of .tensorfs/model/selected.safetensors",
         f"{median(synthesized) / 1e9:.2f} GB/s",
         median(synthesized) / median(per_tensor),
         ">= 0.9x per-tensor files",

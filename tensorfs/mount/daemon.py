@@ -35,6 +35,7 @@ from ..names import Layout
 from ..units import human_size
 from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
+from .metrics import Address
 from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
 from .runtime import mountpoint_lock, remove_record
 from .tree import Ownership
@@ -73,8 +74,8 @@ class MountOptions:
     """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""
     log_format: str = "text"
     """text, or json: one JSON object a line."""
-    metrics: tuple[str, int] | None = None
-    """Where the Prometheus endpoint listens (host, port); None: no endpoint."""
+    metrics: Address | None = None
+    """Where the Prometheus endpoint listens ((host, port), or a Unix socket's path); None: no endpoint."""
 
 
 def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:

@@ -30,7 +30,7 @@ import trio
 from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from ..sources import ShardData, ShardKey, hold
-from ..views import Piece, SynthesizedFile
+from ..views import Companion, Piece, SynthesizedFile
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 from .watch import Change, ShardWatch
@@ -170,7 +170,7 @@ class TensorOperations(pyfuse3.Operations):
         """Bytes brought into memory ahead of a sequential reader."""
         self.nursery: trio.Nursery | None = None
         """Where background work runs; set while the daemon serves (None: no background work)."""
-        self._replied: list[tuple[ShardData, int, int]] = []  # ranges held until their replies have gone
+        self._replied: list[_Held] = []  # ranges held until their replies have gone
         self.invalidate: Callable[[Sequence[int], bool], None] | None = None
         """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
         self._invalidations: dict[ShardKey, bool] = {}  # shard -> attributes only? (still to be done)
@@ -279,7 +279,9 @@ class TensorOperations(pyfuse3.Operations):
                 entry.st_gid = gid
                 entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = mtime
             offset += 1
-            if not reply(token, name.encode(), entry, offset):
+            if not reply(
+                token, name.encode("utf-8", "surrogateescape"), entry, offset
+            ):  # a companion's may not be UTF-8
                 break
 
     async def releasedir(self, fh: int) -> None:
@@ -338,6 +340,10 @@ class TensorOperations(pyfuse3.Operations):
             found = self.tree.view_file(fh)
             if isinstance(found, SynthesizedFile):
                 return "view", await self._read_synthesized(found, off, size)
+            if isinstance(found, Companion):  # read from its file (or through the cache), off this thread
+                assert self.tree.view is not None
+                read = self.tree.view.companions.read
+                return "view", await trio.to_thread.run_sync(read, found.path, off, size, limiter=self._demand)
             content, kind = found, "view"
         elif node.kind is Kind.SUMS:
             content = await self.sha256sums()
@@ -389,12 +395,21 @@ class TensorOperations(pyfuse3.Operations):
         The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
         evicted from under it (a hole would read as zeros). It is let go by the next read, or within
         a second (serve.py): code that runs once this task has yielded, which is after pyfuse3 has
-        sent the reply (it replies before it awaits anything).
+        sent the reply (it replies before it awaits anything). A read answered at once lets go of
+        the ranges held before only once it holds its own (a reader going through a chunk keeps it,
+        and its lock, from one read to the next); one that has to wait lets go of them first, so
+        that no read ever waits while it holds what another may be waiting for.
         """
-        if self._replied:
-            self.release_replied()
+        previous, self._replied = self._replied, []
+        try:
+            return await self._answer_tensor(span, off, size, previous)
+        finally:
+            _let_go(previous)
+
+    async def _answer_tensor(self, span: _Span, off: int, size: int, previous: list[_Held]) -> memoryview:
         self._check_shard(span.shard, span.name)
         if self.integrity.expected is not None and span.name not in self.integrity.verified:
+            _let_go(previous)
             await self.verify(span.name)  # the shard changed since this file was opened
         low = min(span.start + off, span.end)
         high = min(low + size, span.end)
@@ -406,6 +421,7 @@ class TensorOperations(pyfuse3.Operations):
             ready = span.data.resident(low, high)
         if not (ready and span.data.pin(low, high)):
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
+            _let_go(previous)
             waited = time.perf_counter()
             try:
                 await trio.to_thread.run_sync(hold, span.data, low, high, limiter=self._demand)
@@ -431,8 +447,7 @@ class TensorOperations(pyfuse3.Operations):
     def release_replied(self) -> None:
         """Let go of the ranges held for replies: call only from another task than a read's (trio's thread)."""
         replied, self._replied = self._replied, []
-        for data, low, high in replied:
-            data.unpin(low, high)
+        _let_go(replied)
 
     async def _ensure_ahead(
         self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
@@ -745,6 +760,17 @@ class _Span:
     prefetching: bool = False
 
 
+_Held = tuple[ShardData, int, int]
+"""A range held (pinned) for a reply: the shard, [start, end)."""
+
+
+def _let_go(held: list[_Held]) -> None:
+    """Unpin the ranges held, and forget them (so that letting go twice is once)."""
+    for data, low, high in held:
+        data.unpin(low, high)
+    held.clear()
+
+
 def _unreadable(span: _Span, begin: int, end: int, why: str) -> ShardChangedError:
     """The error of a read of bytes [begin, end) of a tensor that cannot be read (its log line's fields too)."""
     error = ShardChangedError(
@@ -764,10 +790,9 @@ def _tensors(count: int) -> str:
 
 
 def _decode(name: bytes) -> str:
-    try:
-        return name.decode("utf-8")
-    except UnicodeDecodeError:
-        raise NoSuchEntry("name is not UTF-8") from None
+    """A name asked for, as the tree holds names: bytes that are not UTF-8 as surrogate escapes (only a
+    companion file's name may hold them)."""
+    return name.decode("utf-8", "surrogateescape")
 
 
 __all__ = ["ROOT_INODE", "TensorOperations", "handler"]

@@ -7,6 +7,7 @@ A fatal signal (SIGSEGV, SIGBUS, ...) is reported in the log too (faulthandler),
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
 import logging
 import os
@@ -30,7 +31,15 @@ def default_log_file(mountpoint: Path) -> Path:
 
 
 class ReopeningFileHandler(logging.FileHandler):
-    """A log file that can be closed and opened again by name, after logrotate moved it away."""
+    """A log file that can be closed and opened again by name, after logrotate moved it away.
+
+    Made readable by its owner alone: it names models, files and tensors (a log file that exists
+    keeps the mode it has).
+    """
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
     def reopen(self) -> None:
         """Open the file by its name again; OSError (and the old file kept) if it cannot be."""
@@ -76,7 +85,7 @@ def setup_logging(log_file: Path | None, *, debug: bool, log_format: str = "text
         faulthandler.enable(sys.stderr)
     else:
         try:
-            log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             handler = ReopeningFileHandler(log_file, encoding="utf-8")
         except OSError as exc:
             raise MountError(f"cannot write the log file {log_file}: {exc.strerror}") from None

@@ -1,12 +1,22 @@
-"""The Prometheus endpoint of a daemon (mount --metrics [HOST:]PORT), served by prometheus_client.
+"""The Prometheus endpoint of a daemon (mount --metrics [HOST:]PORT or unix:PATH), served by prometheus_client.
 
 Each scrape reads a snapshot of the mount's counters (stats.py). Labels are the mountpoint and a
 few fixed sets (op, errno, kind): never a tensor or a path, which would multiply the series.
+
+On TCP (127.0.0.1 by default) every local user can scrape it, and so learn what the mount serves;
+on a Unix socket (made 0600) only its owner can, or whoever the owner lets in (a scraper's sidecar).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno as errnos
+import http.server
+import os
+import socket
+import socketserver
+import stat
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,8 +26,17 @@ from .stats import Stats
 DEFAULT_HOST = "127.0.0.1"
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """[HOST:]PORT (HOST 127.0.0.1 unless given); ValueError saying why not."""
+Address = tuple[str, int] | str
+"""(host, port) of a TCP endpoint, or the path of a Unix socket."""
+
+
+def parse_address(text: str) -> Address:
+    """[HOST:]PORT (HOST 127.0.0.1 unless given), or unix:PATH; ValueError saying why not."""
+    if text.startswith("unix:"):
+        path = text.removeprefix("unix:")
+        if not path:
+            raise ValueError("unix: needs the path of the socket to make, e.g. unix:/run/tensorfs/metrics.sock")
+        return os.path.abspath(path)
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or DEFAULT_HOST
     if not port.isdigit() or not 0 < int(port) < 65536:
@@ -106,15 +125,63 @@ class _Collector:
                 yield counter(f"tensorfs_{source}_{name}", f"{source}: {name.replace('_', ' ')}.", value)
 
 
-def serve_metrics(address: tuple[str, int], stats: Stats, mountpoint: str) -> Callable[[], None]:
+def describe(address: Address) -> str:
+    return f"unix:{address}" if isinstance(address, str) else "{}:{}".format(*address)
+
+
+def serve_metrics(address: Address, stats: Stats, mountpoint: str) -> Callable[[], None]:
     """Start the endpoint on a thread of its own; returns what stops it. TensorfsError if it cannot listen."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(stats, mountpoint))
+    if isinstance(address, str):
+        return _serve_unix(address, registry)
     host, port = address
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         raise TensorfsError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
     return server.shutdown
+
+
+class _UnixServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    address_family = socket.AF_UNIX
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)  # HTTPServer's would ask for a host name and port
+        self.server_name, self.server_port = "localhost", 0
+
+
+def _serve_unix(path: str, registry: Any) -> Callable[[], None]:
+    """The endpoint on a Unix socket at `path`, readable and writable by this user alone; a stale
+    socket of this user's is replaced, anything else there refused."""
+    from prometheus_client import MetricsHandler
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise TensorfsError(f"cannot serve metrics on unix:{path}: {exc.strerror}") from None
+    else:
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise TensorfsError(f"cannot serve metrics on unix:{path}: something else is there; remove it")
+        os.unlink(path)
+    umask = os.umask(0o177)
+    try:
+        server = _UnixServer(path, MetricsHandler.factory(registry))  # type: ignore[arg-type]  # a socket path
+    except OSError as exc:
+        raise TensorfsError(f"cannot serve metrics on unix:{path}: {exc.strerror or exc}") from None
+    finally:
+        os.umask(umask)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+    return stop

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import MountError
-from .runtime import daemon_of, process_state, read_record, remove_record
+from ..safefiles import unescape_mountinfo
+from .runtime import daemon_of, find_record, process_state, read_record, remove_record
 
 FSTYPE = "fuse.tensorfs"
 CONTROL_DIR = ".tensorfs"
@@ -34,11 +35,8 @@ class MountEntry:
     source: str = ""
     device: str = ""
     """major:minor of the mount's device (a FUSE mount's minor names its connection in fusectl)."""
-
-
-def _unescape(field: str) -> str:
-    # /proc/self/mountinfo writes space, tab, newline and backslash as octal escapes.
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    owner: int | None = None
+    """Who made the mount: a FUSE mount's user_id (None for other file systems)."""
 
 
 def mounts() -> list[MountEntry]:
@@ -49,7 +47,17 @@ def mounts() -> list[MountEntry]:
             fields = line.split()
             separator = fields.index("-")
             source = fields[separator + 2] if len(fields) > separator + 2 else ""
-            entries.append(MountEntry(Path(_unescape(fields[4])), fields[separator + 1], _unescape(source), fields[2]))
+            options = fields[separator + 3] if len(fields) > separator + 3 else ""
+            owner = next((int(o[8:]) for o in options.split(",") if o.startswith("user_id=") and o[8:].isdigit()), None)
+            entries.append(
+                MountEntry(
+                    Path(unescape_mountinfo(fields[4])),
+                    fields[separator + 1],
+                    unescape_mountinfo(source),
+                    fields[2],
+                    owner,
+                )
+            )
     return entries
 
 
@@ -191,9 +199,14 @@ class Health:
 
 
 def health(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> Health:
-    """How the tensorfs mount at `mountpoint` is: from its record, its daemon's process and a probe."""
-    record = read_record(mountpoint)
-    pid = daemon_of(record) if record is not None else None
+    """How the tensorfs mount at `mountpoint` is: from its record, its daemon's process and a probe.
+
+    The daemon is known (and may be signalled) only when its record is provably about it (see daemon_of).
+    """
+    found = find_record(mountpoint)
+    record = found.record if found is not None else None
+    entry = mount_at(mountpoint)
+    pid = daemon_of(found, entry.owner if entry is not None else None) if found is not None else None
     if pid is not None and process_state(pid) in ("T", "t"):
         return Health(mountpoint, "hung", f"its daemon {pid} is stopped (SIGSTOP?)", record, pid)
     answer = probe(mountpoint, timeout)

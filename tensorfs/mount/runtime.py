@@ -20,10 +20,12 @@ import os
 import stat
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import MountError
+from ..safefiles import UnsafeLocation, private_directory, read_bounded
 
 SYSTEM_DIR = Path("/run/tensorfs")
 
@@ -40,16 +42,15 @@ def runtime_dir() -> Path:
 
 
 def _private_dir() -> Path:
-    """The runtime directory, made if need be; refused if someone else owns it (a /tmp squatter)."""
+    """The runtime directory, made if need be; refused if another user could change what is in it
+    (someone else's, writable by others: a /tmp squatter)."""
     directory = runtime_dir()
     try:
-        directory.mkdir(mode=0o755 if directory == SYSTEM_DIR else 0o700, parents=True, exist_ok=True)
-        st = os.lstat(directory)
-    except OSError as exc:
-        raise MountError(f"cannot use the runtime directory {directory}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise MountError(f"the runtime directory {directory} is not a directory of this user's")
-    return directory
+        return private_directory(
+            directory, what="the runtime directory", mode=0o755 if directory == SYSTEM_DIR else 0o700
+        )
+    except UnsafeLocation as exc:
+        raise MountError(str(exc)) from None
 
 
 def escape_path(path: Path) -> str:
@@ -76,16 +77,34 @@ def record_path(mountpoint: Path, directory: Path | None = None) -> Path:
 
 
 def write_record(mountpoint: Path, record: dict[str, Any]) -> None:
-    """Write (or replace) the record of the mount at `mountpoint`, whole or not at all."""
+    """Write (or replace) the record of the mount at `mountpoint`, whole or not at all; readable by
+    its owner alone (it names the model, the options and the log)."""
     path = record_path(mountpoint, _private_dir())
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        with open(
+            os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "w"
+        ) as out:
+            out.write(json.dumps(record, indent=2) + "\n")
         partial.replace(path)
     except OSError:
         with contextlib.suppress(OSError):
             partial.unlink()
         raise
+
+
+MAX_RECORD_BYTES = 1 << 20
+"""A record is a few hundred bytes: a file larger than this is not one."""
+
+
+@dataclass(frozen=True)
+class FoundRecord:
+    """A daemon's record, from a directory that only the user it describes can write."""
+
+    path: Path
+    record: dict[str, Any]
+    owner: int
+    """The user whose directory (and file) it is: the user whose daemon it may describe."""
 
 
 def _record_dirs() -> list[Path]:
@@ -96,32 +115,58 @@ def _record_dirs() -> list[Path]:
     return list(dict.fromkeys(directories))
 
 
-def find_record(mountpoint: Path) -> tuple[Path, dict[str, Any]] | None:
-    """(where, what) of the record of the daemon of the mount at `mountpoint` (see _record_dirs)."""
+def _owner_of(directory: Path) -> int | None:
+    """Whose records a directory may hold: its owner's, if it is a real directory that nobody else can
+    write (a record planted by another user in a directory they control describes nothing)."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022:
+        return None
+    if directory == SYSTEM_DIR and st.st_uid != 0:
+        return None
+    return st.st_uid
+
+
+def find_record(mountpoint: Path) -> FoundRecord | None:
+    """The record of the daemon of the mount at `mountpoint` (see _record_dirs), if a trusted one is found."""
     for directory in _record_dirs():
+        owner = _owner_of(directory)
+        if owner is None:
+            continue
         path = record_path(mountpoint, directory)
         try:
-            record = json.loads(path.read_bytes())
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_mode & 0o022:
+                continue
+            record = json.loads(read_bounded(fd, MAX_RECORD_BYTES))
         except (OSError, ValueError):
             continue
+        finally:
+            os.close(fd)
         if isinstance(record, dict) and record.get("mountpoint") == str(mountpoint):
-            return path, record
+            return FoundRecord(path, record, owner)
     return None
 
 
 def read_record(mountpoint: Path) -> dict[str, Any] | None:
     """The record of the daemon of the mount at `mountpoint`, if there is one."""
     found = find_record(mountpoint)
-    return found[1] if found is not None else None
+    return found.record if found is not None else None
 
 
 def remove_record(mountpoint: Path, pid: int | None = None) -> None:
-    """Remove the mount's record (only if it is daemon `pid`'s, when given)."""
+    """Remove the mount's record (only if it is daemon `pid`'s, when given), if it is this user's."""
     found = find_record(mountpoint)
-    if found is None or (pid is not None and found[1].get("pid") != pid):
+    if found is None or found.owner != os.geteuid() or (pid is not None and found.record.get("pid") != pid):
         return
     with contextlib.suppress(OSError):
-        found[0].unlink()
+        found.path.unlink()
 
 
 def process_start(pid: int) -> int | None:
@@ -141,15 +186,43 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def daemon_of(record: dict[str, Any]) -> int | None:
-    """The pid of the record's daemon if that very process still runs (not a zombie, not a reused pid)."""
+def process_uid(pid: int) -> int | None:
+    """The real user id of process `pid` (None if there is no such process)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _is_fuse_daemon(pid: int) -> bool:
+    """Whether process `pid` is a tensorfs program holding a FUSE connection open (/dev/fuse)."""
+    try:
+        if b"tensorfs" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        return any(os.readlink(fd) == "/dev/fuse" for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def daemon_of(found: FoundRecord, mount_owner: int | None = None) -> int | None:
+    """The pid of the record's daemon if it is provably that daemon: the very process that wrote the
+    record (its start time; not a reused pid, not a zombie), a tensorfs program holding a FUSE
+    connection, run by the user whose directory the record is in, who also owns the mount
+    (`mount_owner`, the mount's user_id, when known). Else None: nothing is ever signalled on the
+    word of a record alone."""
+    record = found.record
     pid = record.get("pid")
-    if not isinstance(pid, int) or process_state(pid) in (None, "Z", "X"):
-        return None
     started = record.get("process_start")
-    if started is not None and process_start(pid) != started:
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(started, int):
         return None
-    return pid
+    if process_state(pid) in (None, "Z", "X") or process_start(pid) != started:
+        return None
+    if process_uid(pid) != found.owner or (mount_owner is not None and mount_owner != found.owner):
+        return None
+    return pid if _is_fuse_daemon(pid) else None
 
 
 @contextlib.contextmanager

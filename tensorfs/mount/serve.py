@@ -29,6 +29,7 @@ from . import fs
 from .daemon import READY, MountOptions
 from .fs import TensorOperations
 from .logs import reopen_logs
+from .metrics import describe as describe_address
 from .metrics import serve_metrics
 from .runtime import process_start, remove_record, write_record
 from .tree import Tree, index_json
@@ -157,7 +158,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
             "remote": options.remote,
             "selection": None if model.selection.everything else model.selection.as_json(),
-            "metrics": None if options.metrics is None else "{}:{}".format(*options.metrics),
+            "metrics": None if options.metrics is None else describe_address(options.metrics),
         },
         "in_force": {"readahead_kb": None, "max_background": None},
         "ready": False,

@@ -29,7 +29,7 @@ from ..integrity import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources import ShardKey, shard_name
-from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile
+from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"
@@ -425,15 +425,12 @@ class Tree:
             mtime = self.mtime_ns
             if isinstance(content, SynthesizedFile):
                 access, size = self._sums_access, content.size  # made of the shards: readable as they all are
-            else:
-                size = len(content)
-                companion = self._companion(inode)
-                if companion is None:  # the index of several synthesized files: it lists every tensor
-                    access = self._sums_access
-                else:
-                    mtime = companion.mtime_ns
-                    if companion.status is not None:  # no more readable than the source's file
-                        access = Access.of(companion.status, self.ownership)
+            elif isinstance(content, Companion):
+                mtime, size = content.mtime_ns, content.size
+                if content.status is not None:  # no more readable than the source's file
+                    access = Access.of(content.status, self.ownership)
+            else:  # the index of several synthesized files: it lists every tensor
+                access, size = self._sums_access, len(content)
             return Attributes(inode, node.kind, access.file_mode, size, 1, mtime, access.uid, access.gid)
         if node.kind is Kind.SUMS:
             if self._sums_size is None:
@@ -492,17 +489,12 @@ class Tree:
         found = [self.view.files[n.in_view] for n in nodes if n.kind is Kind.VIEW and n.in_view is not None]
         return [file for file in found if isinstance(file, SynthesizedFile) and not file.built]
 
-    def view_file(self, inode: int) -> SynthesizedFile | bytes:
-        """What a file of the view is: a synthesized safetensors file, or the bytes of a companion file."""
+    def view_file(self, inode: int) -> ViewFile:
+        """What a file of the view is: a synthesized safetensors file, a companion file, or bytes."""
         static = self._view_node(inode)
         if static is None or static.in_view is None or static.kind is not Kind.VIEW or self.view is None:
             raise NoSuchEntry(f"inode {inode} is not a file of the view")
         return self.view.files[static.in_view]
-
-    def _companion(self, inode: int) -> Companion | None:
-        static = self._view_node(inode)
-        assert self.view is not None and static is not None and static.in_view is not None
-        return self.view.companions.get(static.in_view)
 
     def _view_node(self, inode: int) -> _Static | None:
         """The node of a subdirectory or file of the view; None for any other inode."""

@@ -97,6 +97,16 @@ class ShardData(ABC):
     def unpin(self, start: int, end: int) -> None:  # noqa: B027 - a file has nothing to let go of
         """Let go of what pin() held."""
 
+    def hold(self, start: int, end: int) -> None:
+        """Make [start, end) present and pin it (blocking: a worker thread); ShardChangedError when its
+        bytes cannot be had (or kept), a fetch's own error as it is."""
+        for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
+            if not self.ensure(start, end):
+                raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
+            if self.pin(start, end):
+                return
+        raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) {EVICTED_AGAIN}")
+
     @abstractmethod
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` from `offset` without touching the mapping (ShardChangedError if the bytes are gone)."""
@@ -130,12 +140,10 @@ def hold(data: ShardData, start: int, end: int) -> None:
 
     ShardChangedError when its bytes cannot be had (or kept); a fetch's own error as it is.
     """
-    for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
-        if not data.ensure(start, end):
-            raise ShardChangedError(f"{data.label}: bytes [{start}, {end}) cannot be read")
-        if data.pin(start, end):
-            return
-    raise ShardChangedError(
-        f"{data.label}: bytes [{start}, {end}) were evicted again each time they were fetched: "
-        "the cache is too small for what is read at once; raise --cache-size"
-    )
+    data.hold(start, end)
+
+
+EVICTED_AGAIN = (
+    "were evicted again each time they were fetched: the cache is too small for what is read at once; "
+    "raise --cache-size"
+)

@@ -7,6 +7,8 @@ import orjson
 from ..errors import Problem
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 100_000_000
+"""An index is read whole: one larger than a header may be (the reference's limit) is refused unread."""
 
 
 def parse_weight_map(data: bytes, label: str, problems: list[Problem]) -> dict[str, str] | None:

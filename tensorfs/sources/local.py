@@ -4,6 +4,8 @@ mapped read-only, and read (for hashing) with preadv from that same descriptor."
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import mmap
 import os
 import stat
@@ -11,11 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidModelError, Problem, ShardChangedError
+from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..header import ShardHeader, open_shard, read_header_fd
+from ..safefiles import ModelDirectory, NotRegular, mounted_under, read_bounded
 from . import Identity, ShardData
-from .index import INDEX_NAME, first_tensor, parse_weight_map, shard_names
+from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 from .pages import Pages
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..headercache import HeaderCache
@@ -31,6 +36,13 @@ class FoundShards:
     """The index's weight map; None also when the index was known to the header cache and not read."""
     index_key: str | None = None
     """The index file's identity as read (its path and Identity), when there is one."""
+    directory: ModelDirectory | None = None
+    """The directory the shards were found in, opened once: they are opened beneath it (None: the
+    one shard was named itself)."""
+
+    def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()
 
 
 def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None = None) -> FoundShards:
@@ -38,51 +50,90 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
 
     With a cache, an index unchanged since it was last read whole is not read again: the cache
     holds the shard names it gave, and the model's own verdict (see model.py) stands for the rest.
+    What is mounted inside the directory is not looked into (it may hang): a shard there is skipped,
+    with a warning.
     """
     if source.is_dir():
-        index = source / INDEX_NAME
-        if index.exists() or index.is_symlink():  # a dangling link is an index that cannot be read
-            return _shards_from_index(index, problems, cache)
-        shards = sorted(source.glob("*.safetensors"))
-        if not shards:
+        try:
+            directory = ModelDirectory(source)
+        except OSError as exc:
+            problems.append(Problem(str(source), f"cannot open: {exc.strerror}"))
+            return FoundShards([])
+        if os.path.lexists(source / INDEX_NAME):  # a dangling link is an index that cannot be read
+            return _shards_from_index(directory, source / INDEX_NAME, problems, cache)
+        mounted = mounted_under(source)
+        try:
+            names = sorted(e.name for e in directory.scan() if e.name.endswith(".safetensors"))
+        except OSError as exc:
+            problems.append(Problem(str(source), f"cannot list: {exc.strerror}"))
+            return FoundShards([], directory=directory)
+        for name in [name for name in names if name in mounted]:
+            log.warning("%s: skipped: another file system is mounted there", printable(str(source / name)))
+            names.remove(name)
+        if not names:
             problems.append(Problem(str(source), "no .safetensors files in this directory"))
-        return FoundShards(shards)
+        return FoundShards([source / name for name in names], directory=directory)
     if source.name.endswith(".index.json") and source.is_file():
-        return _shards_from_index(source, problems, cache)
+        try:
+            directory = ModelDirectory(source.parent)
+        except OSError as exc:
+            problems.append(Problem(str(source.parent), f"cannot open: {exc.strerror}"))
+            return FoundShards([])
+        return _shards_from_index(directory, source, problems, cache)
     if not source.exists() and not source.is_symlink():
         problems.append(Problem(str(source), "no such file or directory"))
         return FoundShards([])
     return FoundShards([source])
 
 
-def _shards_from_index(index: Path, problems: list[Problem], cache: HeaderCache | None) -> FoundShards:
+def _shards_from_index(
+    directory: ModelDirectory, index: Path, problems: list[Problem], cache: HeaderCache | None
+) -> FoundShards:
     label = str(index)
     try:
-        with open(index, "rb") as file:
-            before = os.fstat(file.fileno())
-            read_as = f"{os.path.abspath(index)}\0{Identity.of(before).key()}"
-            names = cache.get("index", read_as) if cache is not None else None
-            if (
-                isinstance(names, list)
-                and all(isinstance(name, str) for name in names)
-                and all((index.parent / name).exists() for name in names)  # else read it, to say which tensor
-            ):
-                return FoundShards(sorted(index.parent / name for name in names), label, None, read_as)
-            data = file.read()
-            # Written while read, or too lately to tell: what was read is checked, and not remembered.
-            unchanged = Identity.of(os.fstat(file.fileno())) == Identity.of(before)
-            key = read_as if unchanged and Identity.of(before).settled() else None
+        fd, before = directory.open_regular(index.name)
+    except OSError as exc:
+        problems.append(Problem(label, f"cannot read: {_why(exc)}"))
+        return FoundShards([], label, directory=directory)
+    try:
+        read_as = f"{os.path.abspath(index)}\0{Identity.of(before).key()}"
+        names = cache.get("index", read_as) if cache is not None else None
+        if (
+            isinstance(names, list)
+            and all(isinstance(name, str) for name in names)
+            and all((index.parent / name).exists() for name in names)  # else read it, to say which tensor
+        ):
+            return FoundShards(sorted(index.parent / name for name in names), label, None, read_as, directory)
+        # Refused from its size, unread; and as soon as it reads longer (a file that grows meanwhile).
+        data = read_bounded(fd, MAX_INDEX_BYTES) if before.st_size <= MAX_INDEX_BYTES else None
+        # Written while read, or too lately to tell: what was read is checked, and not remembered.
+        unchanged = Identity.of(os.fstat(fd)) == Identity.of(before)
+        key = read_as if unchanged and Identity.of(before).settled() else None
     except OSError as exc:
         problems.append(Problem(label, f"cannot read: {exc.strerror}"))
-        return FoundShards([], label)
+        return FoundShards([], label, directory=directory)
+    finally:
+        os.close(fd)
+    if data is None or len(data) > MAX_INDEX_BYTES:
+        problems.append(Problem(label, f"over {MAX_INDEX_BYTES:,} bytes: too large to be an index"))
+        return FoundShards([], label, directory=directory)
     known = len(problems)
     weight_map = parse_weight_map(data, label, problems)
     if weight_map is None:
-        return FoundShards([], label)
+        return FoundShards([], label, directory=directory)
     names = shard_names(weight_map, label, problems)
     if cache is not None and key is not None and len(problems) == known:
         cache.put("index", key, names)
-    return FoundShards(_existing(index, names, weight_map, label, problems), label, weight_map, key)
+    return FoundShards(_existing(index, names, weight_map, label, problems), label, weight_map, key, directory)
+
+
+def _why(exc: OSError) -> str:
+    """An error opening a file in a model's directory, in words."""
+    if exc.errno == errno.EXDEV:
+        return "a symlink out of the model's directory"
+    if isinstance(exc, NotRegular):
+        return "not a regular file"
+    return exc.strerror or str(exc)
 
 
 def _existing(
@@ -90,7 +141,7 @@ def _existing(
 ) -> list[Path]:
     shards = []
     for name in names:
-        if (index.parent / name).exists():
+        if os.path.lexists(index.parent / name):
             shards.append(index.parent / name)
         else:
             problems.append(
@@ -123,17 +174,26 @@ class LocalShard(ShardData):
         self._pages: Pages | None = None
 
     @classmethod
-    def open(cls, path: Path, label: str, cache: HeaderCache | None = None) -> tuple[ShardHeader, LocalShard]:
+    def open(
+        cls, path: Path, label: str, cache: HeaderCache | None = None, directory: ModelDirectory | None = None
+    ) -> tuple[ShardHeader, LocalShard]:
         """Read, validate and map the shard at `path`; InvalidModelError saying every problem if not.
 
-        With a cache, a file unchanged since its header was validated (same device, inode, size,
-        mtime and ctime) is not read or validated again.
+        `directory`: the model's directory the shard was found in, which it is opened beneath (a
+        symlink out of it is refused). With a cache, a file unchanged since its header was validated
+        (same device, inode, size, mtime and ctime) is not read or validated again.
         """
         try:
             path.name.encode("utf-8")
         except UnicodeEncodeError:  # .meta.json and index.json name shards in JSON, which is Unicode
             raise InvalidModelError([Problem(label, "file name is not valid UTF-8; rename the shard")]) from None
-        fd = open_shard(path, label)
+        if directory is None:
+            fd = open_shard(path, label)
+        else:
+            try:
+                fd = directory.open(path.name)
+            except OSError as exc:
+                raise InvalidModelError([Problem(label, f"cannot open: {_why(exc)}")]) from None
         try:
             validated = os.fstat(fd)
             identity = Identity.of(validated)

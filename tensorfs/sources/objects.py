@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidModelError, Problem
+from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..header import ShardHeader, header_length, parse_header
 from . import Identity, ShardData, hold, settled
 from .cache import Cache, CachedObject, Fetcher, default_cache_dir, wait
@@ -80,8 +80,10 @@ class RemoteShard(ShardData):
         self._most_ahead = options.concurrency if room is None else min(options.concurrency, room)
         version = cached.version
         mtime = int(version.mtime * 1e9)
+        # The mounting user's alone, as the credentials that read it are: -o allow_other must not show
+        # a private bucket to every user (-o umask= opens it up, on purpose).
         self._status = os.stat_result(
-            (0o100444, 0, 0, 1, os.getuid(), os.getgid(), version.size, int(version.mtime), int(version.mtime), 0),
+            (0o100400, 0, 0, 1, os.getuid(), os.getgid(), version.size, int(version.mtime), int(version.mtime), 0),
             {"st_atime_ns": mtime, "st_mtime_ns": mtime, "st_ctime_ns": mtime},
         )
 
@@ -91,14 +93,31 @@ class RemoteShard(ShardData):
         return cls(cache.open_object(saved.version, None, saved.options.chunk_size), saved.options)
 
     def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
-        """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map them."""
+        """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map
+        them: a window ahead of readers, which takes room only if there is some (NoRoomNow if not)."""
         if end <= start:
             return True
         first, last = self._chunks(start, end)
-        waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk)) is not None]
+        waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk, room=False)) is not None]
         self._read_ahead(start, end, ahead)
         wait(waiting)
         return self.cached.pages.populate(start, end)
+
+    def hold(self, start: int, end: int) -> None:
+        """Make [start, end) present and pin it: room for every chunk missing is claimed at once, and
+        each is pinned before it is fetched (see Cache.claim): readers sharing a small cache wait
+        their turn instead of evicting what another is about to use."""
+        if end <= start:
+            return
+        first, last = self._chunks(start, end)
+        self.cached.hold(first, last, self._pool, offline=self.options.offline)
+        try:
+            self._read_ahead(start, end, False)
+            if not self.cached.pages.populate(start, end):
+                raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
+        except BaseException:
+            self.cached.let_go(range(first, last + 1))
+            raise
 
     def pin(self, start: int, end: int) -> bool:
         return end <= start or self.cached.pin(*self._chunks(start, end))
@@ -124,12 +143,8 @@ class RemoteShard(ShardData):
         size = self.cached.chunk_size
         return start // size, (end - 1) // size
 
-    def _fetch(self, chunk: int) -> Any:
-        if self.options.offline:
-            if self.cached.present(chunk):
-                return None
-            raise RemoteError(f"{self.key}: bytes [{chunk * self.cached.chunk_size}, ...) are not cached (--offline)")
-        return self.cached.fetching(chunk, self._pool)
+    def _fetch(self, chunk: int, *, room: bool = True) -> Any:
+        return self.cached.fetching(chunk, self._pool, offline=self.options.offline, room=room)
 
     def _read_ahead(self, start: int, end: int, ahead: bool) -> None:
         """Follow the reader: fetch ahead of one that goes on where the reads so far stopped.
@@ -150,7 +165,8 @@ class RemoteShard(ShardData):
         if self.options.offline:
             return
         for chunk in range(first, min(self.cached.chunks, first + window)):
-            self.cached.fetching(chunk, self._pool)  # not waited for: a failure is met again if it is read
+            # Not waited for (a failure is met again if it is read), nor for room: ahead of readers.
+            self.cached.fetching(chunk, self._pool, room=False)
 
     def prefetch(self, progress: Callable[[int], None] | None = None, chunks: Iterable[int] | None = None) -> None:
         """Fetch every chunk not cached yet (or those of `chunks`), as many at once as there are fetch threads."""

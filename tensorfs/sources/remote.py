@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
+
+import orjson
 
 from ..errors import Problem, TensorfsError, printable
 from ..header import MAX_HEADER_BYTES
 from ..units import human_size
-from .index import INDEX_NAME, first_tensor, parse_weight_map, shard_names
+from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
@@ -51,6 +53,26 @@ def unsupported_scheme(source: object) -> str | None:
     if sep and scheme and scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
         return f"{scheme}:// is not a source tensorfs reads (s3://, http://, https://, hf://, or a local path)"
     return None
+
+
+CREDENTIALS_HINT = (
+    "credentials in a URL are never sent, and would show in /proc/mounts, logs and records: for S3 set "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), for the Hub HF_TOKEN"
+)
+
+
+def check_url(url: str, what: str = "") -> None:
+    """RemoteError (the URL shown without its secret) for a URL that carries credentials (user:password@)."""
+    if "@" in urlsplit(url).netloc:
+        raise RemoteError(f"{redact(url)}: {what + ': ' if what else ''}{CREDENTIALS_HINT}")
+
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
+
+
+def redact(text: str) -> str:
+    """`text` with the user:password of any URL in it replaced by ***."""
+    return _USERINFO.sub(r"\1***@", text)
 
 
 def model_key(source: str, options: RemoteOptions) -> str:
@@ -154,14 +176,15 @@ def _make_client(spec: StoreSpec) -> ObjectStore:
         "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
     }
     client: dict[str, Any] = {"timeout": timeout, "connect_timeout": timedelta(seconds=min(10.0, spec.timeout))}
-    if spec.headers:
-        client["default_headers"] = dict(spec.headers)
+    # The bytes as they are stored: a compressed answer is refused (see _plain), never taken for them.
+    client["default_headers"] = {"Accept-Encoding": "identity", **dict(spec.headers)}
     if spec.kind == "http":
         client["allow_http"] = spec.root.startswith("http://")
         return HTTPStore.from_url(spec.root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
     config: dict[str, Any] = {}
     endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
     if endpoint:
+        check_url(endpoint, "the endpoint")
         config["endpoint"] = endpoint
         config["virtual_hosted_style_request"] = False  # S3-compatible stores want the bucket in the path
         client["allow_http"] = endpoint.startswith("http://")
@@ -261,6 +284,7 @@ class Located:
 
 def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
     """(the store, the key or prefix within it) of a model's URL."""
+    check_url(source)
     if source.startswith("s3://"):
         bucket, _, key = source[len("s3://") :].partition("/")
         if not bucket:
@@ -278,6 +302,7 @@ def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
             raise RemoteError(f"{source}: a Hub model is hf://ORG/NAME or hf://ORG/NAME@REVISION")
         repo, revision = f"{org}/{name}", revision or "main"
         endpoint = (os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
+        check_url(endpoint, "HF_ENDPOINT")
         token = None if options.no_sign_request else _hf_token()
         headers = (("Authorization", f"Bearer {token}"),) if token else ()
         base = f"{endpoint}/{repo}/resolve/{revision}"
@@ -304,7 +329,7 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
     prefix = f"{key}/" if key else ""
     index = ObjectRef(spec, prefix + INDEX_NAME)
     try:
-        data = get_whole(index)
+        data = _index(index)
     except FileNotFoundError:
         data = None
     except RemoteError as exc:
@@ -320,11 +345,19 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
     return Located(shards or [])
 
 
+def _index(index: ObjectRef) -> bytes:
+    """An index whole: TooLarge (its body unread) past MAX_INDEX_BYTES, in the words the local one gets."""
+    try:
+        return get_whole(index, MAX_INDEX_BYTES)
+    except TooLarge:
+        raise TooLarge(f"{index.url}: over {MAX_INDEX_BYTES:,} bytes: too large to be an index") from None
+
+
 def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = None) -> Located:
     label = index.url
     if data is None:
         try:
-            data = get_whole(index)
+            data = _index(index)
         except FileNotFoundError:
             problems.append(Problem(label, "not found"))
             return Located([], index_label=label)
@@ -337,15 +370,46 @@ def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = 
     return Located([index.sibling(name) for name in shard_names(weight_map, label, problems)], weight_map, label)
 
 
-def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
+MAX_LISTED = 100_000
+"""Objects a listing goes through at most (a prefix holding more is not one model's)."""
+
+
+def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
+    """The objects under `prefix` (every level), as the store lists them a page at a time: at most
+    MAX_LISTED, within --remote-timeout in all; (them, whether there were more). RemoteError if the
+    listing fails."""
     import obstore
 
+    deadline = time.monotonic() + spec.timeout
+    found: list[Any] = []
     try:
-        listing = retried(spec, lambda: obstore.list_with_delimiter(spec.client(), prefix or None))
-    except (FileNotFoundError, Exception) as exc:
-        problems.append(Problem(spec.url(prefix.rstrip("/")) + "/", describe_error(exc)))
+        pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1000))
+        for page in pages:
+            found += page
+            if len(found) > MAX_LISTED:
+                return found[:MAX_LISTED], True
+            if time.monotonic() > deadline:
+                raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: listing took over {spec.timeout:g} s")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
+    return found, False
+
+
+def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
+    where = spec.url(prefix.rstrip("/")) + "/"
+    try:
+        listed, more = list_objects(spec, prefix)
+    except RemoteError as exc:
+        problems.append(Problem(where, reason_of(exc, where)))
         return None
-    keys = sorted(str(meta["path"]) for meta in listing["objects"] if str(meta["path"]).endswith(".safetensors"))
+    if more:
+        problems.append(Problem(where, f"over {MAX_LISTED} objects under this prefix: name the model's index"))
+        return None
+    keys = sorted(
+        key for meta in listed if (key := str(meta["path"])).endswith(".safetensors") and "/" not in key[len(prefix) :]
+    )
     return [ObjectRef(spec, key) for key in keys]
 
 
@@ -357,52 +421,100 @@ def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
     return ObjectRef(spec, f"{key}/{name}" if key else name)
 
 
-def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> list[tuple[str, int, float]] | None:
-    """The objects in a remote model's directory as (path in it, size, mtime), and those of its
-    first `subdirectories` subdirectories (not hidden) one level down, for a store that lists
-    (S3); None for one that does not (HTTP, the Hub). RemoteError when a listing fails."""
-    import obstore
+Listed = list[tuple[str, int, float, str | None]]
+"""Objects of a model's directory: (path in it, size, mtime, ETag if known)."""
 
+
+def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
+    """The objects in a remote model's directory, and those of its first `subdirectories`
+    subdirectories (not hidden) one level down, for a store that lists (S3); None for one that does
+    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left out."""
     spec, _ = store_spec(source, options)
     if spec.kind != "s3":
         return None
     directory = beside(source, "x", options).key.rpartition("/")[0]
     top = f"{directory}/" if directory else ""
+    listed, _ = list_objects(spec, top)
+    found: Listed = []
+    inner: set[str] = set()
+    for meta in listed:
+        path = str(meta["path"]).removeprefix(top)
+        parts = path.split("/")
+        if len(parts) > 2:
+            continue
+        if len(parts) == 2:
+            if parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories):
+                continue
+            inner.add(parts[0])
+        found.append((path, int(meta["size"]), _mtime(meta), str(meta.get("e_tag") or "") or None))
+    return found
 
-    def listed(prefix: str) -> Any:
+
+MAX_HUB_LISTING = 16 << 20
+"""The most one answer of the Hub's listing API may hold."""
+
+
+def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
+    """The files of a Hub model's directory (and of its first `subdirectories` subdirectories), as
+    its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH); None for a source
+    that is not on the Hub. RemoteError when the listing fails."""
+    if not source.startswith("hf://"):
+        return None
+    spec, key = store_spec(source, options)
+    repo, _, revision = spec.scheme_root.removeprefix("hf://").partition("@")
+    endpoint = spec.root.removesuffix(f"/{repo}/resolve/{revision}")
+    api = StoreSpec("http", f"{endpoint}/api/models/{repo}/tree", f"{endpoint}/api/models/{repo}/tree",
+                    headers=spec.headers, timeout=spec.timeout)  # fmt: skip
+    directory = key.rpartition("/")[0] if key.endswith((".safetensors", ".index.json")) else key
+
+    def listed(path: str) -> list[dict[str, Any]]:
+        where = ObjectRef(api, f"{revision}/{path}" if path else revision)
         try:
-            return retried(spec, lambda: obstore.list_with_delimiter(spec.client(), prefix or None))
-        except Exception as exc:
-            raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
+            document = orjson.loads(get_whole(where, MAX_HUB_LISTING))
+        except FileNotFoundError:
+            raise RemoteError(f"{where.url}: the Hub's listing of the model's files is not there (404)") from None
+        except orjson.JSONDecodeError as exc:
+            raise RemoteError(f"{where.url}: the Hub's listing is not JSON: {exc}") from None
+        if not isinstance(document, list):
+            raise RemoteError(f"{where.url}: the Hub's listing is not a list of files")
+        return [item for item in document if isinstance(item, dict) and isinstance(item.get("path"), str)]
 
-    first = listed(top)
-    objects = list(first["objects"])
-    inner = [str(prefix).rstrip("/") for prefix in first["common_prefixes"]]
-    for prefix in [p for p in inner if not p.rpartition("/")[2].startswith(".")][:subdirectories]:
-        objects += listed(prefix + "/")["objects"]
-    return [(str(meta["path"]).removeprefix(top), int(meta["size"]), _mtime(meta)) for meta in objects]
+    top = listed(directory)
+    prefix = f"{directory}/" if directory else ""
+    found: Listed = []
+    folders = [item["path"] for item in top if item.get("type") == "directory"]
+    inner = [item for folder in sorted(folders)[:subdirectories] for item in listed(folder)]
+    for item in [*top, *inner]:
+        size = item.get("size")
+        if item.get("type") != "file" or not isinstance(size, int) or not item["path"].startswith(prefix):
+            continue
+        found.append((item["path"].removeprefix(prefix), size, 0.0, None))
+    return found
 
 
 def exists(ref: ObjectRef) -> bool:
     """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
+    return head(ref) is not None
+
+
+def head(ref: ObjectRef) -> ObjectVersion | None:
+    """The object's version now (a HEAD), None when there is none; RemoteError when the store cannot say."""
     import obstore
 
     try:
-        retried(ref.spec, lambda: obstore.head(ref.spec.client(), ref.key))
+        meta = retried(ref.spec, lambda: obstore.head(ref.spec.client(), ref.key))
     except FileNotFoundError:
-        return False
+        return None
     except Exception as exc:
         _raise(ref, exc)
-    return True
-
-
-def read_url(url: str, options: RemoteOptions) -> bytes:
-    """A small remote file whole (a manifest), named by its URL."""
-    spec, key = store_spec(url, options) if not url.startswith(("http://", "https://")) else _http_file(url, options)
-    return get_whole(ObjectRef(spec, key))
+        raise  # unreachable: _raise always raises
+    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
 
 
 def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
+    check_url(url)
+    if "?" in url or "#" in url:
+        raise RemoteError(f"{url}: URLs with a query or fragment (signed URLs) are not supported")
     base, _, name = url.rpartition("/")
     return StoreSpec("http", base, base, timeout=options.timeout), name
 
@@ -425,21 +537,28 @@ def reason_of(exc: BaseException, url: str) -> str:
     return str(exc).removeprefix(f"{url}: ")
 
 
+ACCESS_HINT = "check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)"
+
+
 def describe_error(exc: BaseException) -> str:
-    """One line on why a request failed."""
+    """One line on why a request failed (no URL's secret in it)."""
     from obstore import exceptions as errors
 
     if isinstance(exc, FileNotFoundError):
         return "not found (404)"
-    if isinstance(exc, errors.PermissionDeniedError):
-        return "access denied (403): check the credentials and the bucket's policy"
-    if isinstance(exc, errors.UnauthenticatedError):
-        return "authentication required (401): set credentials (AWS_*, HF_TOKEN)"
-    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
-        return "changed since it was validated (its ETag differs): mount it again"
-    text = str(exc)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    text = redact(str(exc))
     status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    code = status.group(1)[:3] if status else ""
+    if isinstance(exc, errors.PermissionDeniedError) or code == "403":
+        return f"access denied (403): {ACCESS_HINT}"
+    if isinstance(exc, errors.UnauthenticatedError) or code == "401":
+        return f"authentication required (401): {ACCESS_HINT}"
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in text:
+        return "changed since it was validated (its ETag differs): mount it again"
+    if "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower():
+        # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
+        return f"no credentials found: {ACCESS_HINT}, or --no-sign-request for a public bucket"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if status:  # not the body that came with it (an HTML page, an XML error)
         return f"the server answered {printable(status.group(1).strip())}"
     if "error sending request" in first or "ConnectError" in text:
@@ -481,33 +600,70 @@ def _raise(ref: ObjectRef, exc: BaseException) -> None:
 
     if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
         raise ObjectChanged(message) from None
-    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
+    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or ACCESS_HINT in message:
         raise AccessDenied(message) from None
     raise RemoteError(message) from None
 
 
 class TooLarge(RemoteError):
-    """An object over the size asked for: its body was not read."""
+    """An object over the size asked for: its body was not read (or not past the limit)."""
 
 
-def get_whole(ref: ObjectRef, limit: int | None = None) -> bytes:
-    """A small object whole (an index, a manifest); FileNotFoundError when there is none.
+class Unexpected(RemoteError):
+    """An answer that is not what was asked for: more bytes than the range, or an encoding."""
 
-    TooLarge, before its body is read, when the store says it holds more than `limit` bytes.
+
+def _plain(ref: ObjectRef, result: Any) -> None:
+    """Unexpected unless the answer holds the object's bytes as they are (asked for: Accept-Encoding: identity)."""
+    encoding = str(result.attributes.get("Content-Encoding") or "identity").strip()
+    if encoding.lower() != "identity":
+        raise Unexpected(
+            f"{ref.url}: the server sent it {printable(encoding)}-encoded (Content-Encoding), though asked for "
+            "its bytes as they are: refused (serve it without compression)"
+        )
+
+
+def _body(ref: ObjectRef, result: Any, limit: int, what: str) -> bytes:
+    """An answer's body, read as it comes and never past `limit` bytes (`what` says why that bound)."""
+    _plain(ref, result)
+    pieces: list[bytes] = []
+    held = 0
+    for piece in result.stream(min_chunk_size=_PIECE):
+        held += len(piece)
+        if held > limit:
+            raise (TooLarge if what == "size" else Unexpected)(
+                f"{ref.url}: over {human_size(limit)}" if what == "size"
+                else f"{ref.url}: the server sent more than the {limit} bytes asked for: refused"
+            )  # fmt: skip
+        pieces.append(bytes(piece))
+    return b"".join(pieces)
+
+
+def get_whole(ref: ObjectRef, limit: int) -> bytes:
+    """A small object whole (an index, a manifest, a companion file); FileNotFoundError when there is none.
+
+    TooLarge when it holds more than `limit` bytes: before its body is read when the store says so,
+    as soon as the body goes past it when the store said less.
     """
     import obstore
 
     try:
         result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key))
         size = int(result.meta["size"])
-        if limit is not None and size > limit:
+        if size > limit:
             raise TooLarge(f"{ref.url}: {size} bytes, over {human_size(limit)}")
-        return bytes(result.bytes())
+        return _body(ref, result, limit, "size")
     except RemoteError:
         raise
     except Exception as exc:
         _raise(ref, exc)
         raise  # unreachable: _raise always raises
+
+
+def read_url(url: str, options: RemoteOptions, limit: int) -> bytes:
+    """A small remote file whole (a manifest), named by its URL; TooLarge past `limit` bytes."""
+    spec, key = store_spec(url, options) if not url.startswith(("http://", "https://")) else _http_file(url, options)
+    return get_whole(ObjectRef(spec, key), limit)
 
 
 def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
@@ -521,15 +677,17 @@ def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
     client = ref.spec.client()
     try:
         first = retried(ref.spec, lambda: obstore.get(client, ref.key, options={"range": (0, FIRST_READ)}))
-        head = bytes(first.bytes())
+        meta = first.meta
+        version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
+        head = _body(ref, first, min(FIRST_READ, version.size), "range")
+    except RemoteError:
+        raise
     except Exception as exc:
         if "416" in str(exc):  # nothing at offset 0: an empty object
             meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
             return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
         _raise(ref, exc)
         raise
-    meta = first.meta
-    version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
     if len(head) < 8:
         return version, head
     length = int.from_bytes(head[:8], "little")
@@ -537,16 +695,17 @@ def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
     if length > MAX_HEADER_BYTES or end > version.size or end <= len(head):
         return version, head[: max(8, min(end, len(head)))]
     pieces = [head]
-    read_range(version, len(head), end, lambda _, piece: pieces.append(piece))
+    read_range(version, len(head), end, lambda _, piece: pieces.append(bytes(piece)))
     return version, b"".join(pieces)
 
 
 def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:
     """Bytes [start, end) of exactly this version of the object (If-Match its ETag), handed to
-    `write(offset, piece)` as they come: memory stays small however large the range.
+    `write(offset, piece)` as they come: memory stays small however large the range, and no piece
+    is handed on that would go past `end`.
 
-    ObjectChanged if the store has another version (or a short one) now; RemoteError if it cannot
-    say; an OSError of `write` as it is.
+    ObjectChanged if the store has another version (or a short one) now; Unexpected if it sends
+    more than the range, or encoded; RemoteError if it cannot say; an OSError of `write` as it is.
     """
     import obstore
 
@@ -561,7 +720,13 @@ def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[in
     try:
         result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key, options=options))  # type: ignore[arg-type]
         _same_version(version, result.meta)  # a server may ignore the condition: the answer says
+        _plain(ref, result)
         for piece in result.stream(min_chunk_size=_PIECE):
+            if offset + len(piece) > end:
+                raise Unexpected(
+                    f"{ref.url}: the server sent more than the {end - start} bytes of [{start}, {end}) "
+                    "asked for: refused"
+                )
             try:
                 write(offset, piece)
             except OSError as exc:  # the writer's, not the store's
@@ -580,7 +745,7 @@ def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[in
 
 
 # Pieces written to the cache as they arrive: big enough to keep syscalls few, small enough that
-# a fetch thread holds little memory (measured: 1 MiB pieces grew the daemon by 10 MiB more).
+# a fetch thread holds little memory (see docs: 1 MiB pieces grew the daemon's memory).
 _PIECE = 256 << 10
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from ..model import Model
-from ..sources.index import INDEX_NAME
-from .companions import Companion
+from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
 
-__all__ = ["VIEW_DIR", "Companion", "ModelView", "Piece", "SynthesizedFile", "ViewSpec", "build_view", "split"]
+__all__ = [
+    "VIEW_DIR", "Companion", "ModelView", "Piece", "SynthesizedFile", "ViewFile", "ViewSpec", "build_view", "split",
+]  # fmt: skip
 
 VIEW_DIR = "model"
 """The view's directory, in .tensorfs/."""
@@ -39,18 +40,22 @@ class ViewSpec:
     """The source's subdirectories that companions come from: their owners and permissions."""
 
 
+ViewFile = SynthesizedFile | Companion | bytes
+"""A file of the view: synthesized of the tensors, a companion file (read from where it is), or bytes
+made here (the index of several synthesized files)."""
+
+
 class ModelView:
     """The files of the view by path (relative to its directory), and its subdirectories."""
 
     def __init__(
         self,
-        files: dict[str, SynthesizedFile | bytes],
-        companions: dict[str, Companion] | None = None,
+        files: dict[str, ViewFile],
         directory_status: dict[str, os.stat_result] | None = None,
     ) -> None:
         self.files = dict(sorted(files.items()))
-        self.companions = companions or {}
-        """The companion files by path: their mtimes, owners and permissions are their own."""
+        self.companions = CompanionFiles(content for content in self.files.values() if isinstance(content, Companion))
+        """The companion files, read from where they are (their mtimes, owners and permissions are their own)."""
         self.directory_status = directory_status or {}
         """The subdirectories' sources, where there are (local models)."""
         self.directories = sorted({path.rpartition("/")[0] for path in self.files} - {""})
@@ -58,24 +63,38 @@ class ModelView:
     def synthesized(self) -> list[SynthesizedFile]:
         return [content for content in self.files.values() if isinstance(content, SynthesizedFile)]
 
+    def size(self, path: str) -> int:
+        content = self.files[path]
+        return content.size if isinstance(content, SynthesizedFile | Companion) else len(content)
+
+    def close(self) -> None:
+        self.companions.close()
+
+
+PARTIAL_NAME = "selected"
+"""What the synthesized files of a selection are called instead of model: a loader that looks for a
+whole model (model.safetensors, or its index) finds none, and fails, rather than loading the
+selection as the whole model with the rest made up."""
+
 
 def build_view(model: Model, spec: ViewSpec) -> ModelView:
     names = model.sorted_names
     count = spec.shards or _auto_count(model.nbytes)
     metadata = shared_metadata(model)
-    files: dict[str, SynthesizedFile | bytes] = {c.path: c.data for c in spec.companions}
+    files: dict[str, ViewFile] = {c.path: c for c in spec.companions}
     groups = [names] if count == 1 else split(names, [model.locate(name)[2] for name in names], count)
+    base = "model" if model.selection.everything else PARTIAL_NAME
     if len(groups) == 1:
-        files["model.safetensors"] = SynthesizedFile(model, names, metadata)
+        files[f"{base}.safetensors"] = SynthesizedFile(model, names, metadata)
     else:
         weight_map: dict[str, str] = {}
         for k, group in enumerate(groups, 1):
-            file_name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+            file_name = f"{base}-{k:05d}-of-{len(groups):05d}.safetensors"
             files[file_name] = SynthesizedFile(model, group, metadata)
             weight_map.update(dict.fromkeys(group, file_name))
         document = {"metadata": {"total_size": model.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-        files[INDEX_NAME] = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-    return ModelView(files, {c.path: c for c in spec.companions}, spec.directories)
+        files[f"{base}.safetensors.index.json"] = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode()
+    return ModelView(files, spec.directories)
 
 
 def shared_metadata(model: Model) -> dict[str, str] | None:

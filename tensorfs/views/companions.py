@@ -1,37 +1,185 @@
-"""The files that come with a model's weights (config.json, tokenizer files, README.md, ...).
+"""The files that come with a model's weights (config.json, tokenizer files, modules.json, ...).
 
-Read once, at mount, from the top level of the model's directory and its subdirectories one
-level down; held in memory, so serving them never touches the source again.
+Found at mount, from the top level of the model's directory and its subdirectories one level
+down, and served from where they are, when they are read: a local file through a descriptor
+opened beneath the model's directory (and only while it is the file that was found), a remote
+one through the chunk cache, like the weights. The daemon holds none of their bytes.
+
+Where a store cannot list a directory, what loaders look for is looked for: the Hub's API lists a
+repository's files; over plain HTTP the well-known names are asked for, and then the files the
+model's own files name (modules.json's modules, the custom code of config.json's auto_map).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
-import stat
+import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ..errors import printable
+import orjson
+
+from ..errors import TensorfsError, printable
 from ..integrity import DEFAULT_MANIFEST
-from ..sources.remote import RemoteError, RemoteOptions, TooLarge, beside, get_whole, listing_beside
+from ..safefiles import ModelDirectory, NotRegular, mounted_under
+from ..sources import Identity
+from ..sources.remote import (
+    ObjectRef,
+    ObjectVersion,
+    RemoteError,
+    RemoteOptions,
+    TooLarge,
+    beside,
+    get_whole,
+    head,
+    hub_listing,
+    listing_beside,
+)
+
+log = logging.getLogger(__name__)
 
 MAX_COMPANION_BYTES = 64 << 20
 MAX_COMPANIONS_TOTAL = 256 << 20
 MAX_COMPANIONS = 1000
-"""What a daemon holds of companion files at most (they are in its memory for its whole life)."""
+"""The most a view takes of companion files: one file, all of them, and how many."""
+SCAN_SECONDS = 30.0
+"""How long the scan of a model's directory for them may take (past it, the rest is left out)."""
+MAX_NAMING_FILE = 1 << 20
+"""modules.json and config files read at mount to find the files they name: larger ones are not followed."""
+
+
+@dataclass(frozen=True)
+class LocalOrigin:
+    """A companion file in a local model's directory, as found: opened again only if it is still that file."""
+
+    directory: Path
+    identity: Identity
+
+
+@dataclass(frozen=True)
+class RemoteOrigin:
+    """A companion object in a store, read through the chunk cache (at its version, once known)."""
+
+    ref: ObjectRef
+    options: RemoteOptions
+    version: ObjectVersion | None = None
+    """Known from a listing (S3) or a HEAD (HTTP); None: asked for at the first read (the Hub's listing)."""
 
 
 @dataclass(frozen=True)
 class Companion:
     path: str
-    """Relative to the model's directory: config.json, 1_Pooling/config.json."""
-    data: bytes
+    """Relative to the model's directory: config.json, 1_Pooling/config.json (a name that is not
+    UTF-8 keeps its bytes as surrogate escapes, as os.fsdecode makes them)."""
+    size: int
     mtime_ns: int
-    status: os.stat_result | None = None
+    status: os.stat_result | None
     """The source file's, for its owner and permissions (None: a remote object's, the source's apply)."""
+    origin: LocalOrigin | RemoteOrigin
+
+
+class CompanionError(TensorfsError):
+    """A companion file that cannot be served now (gone, changed, or its store unreachable)."""
+
+
+class CompanionFiles:
+    """The companion files of a view, opened on their first read and kept open: read(path, offset, size)."""
+
+    def __init__(self, companions: Iterable[Companion]) -> None:
+        self.by_path = {c.path: c for c in companions}
+        self._lock = threading.Lock()
+        self._open: dict[str, Any] = {}  # path -> a descriptor (local) or a RemoteShard
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        """Bytes [offset, offset + size) of a companion file (blocking: call it from a worker thread)."""
+        companion = self.by_path[path]
+        size = max(0, min(size, companion.size - offset))
+        if size == 0:
+            return b""
+        opened = self._opened(companion)
+        if isinstance(opened, int):
+            return self._read_local(companion, opened, offset, size)
+        buffer = bytearray(size)
+        try:
+            opened.readinto(offset, memoryview(buffer))
+        except TensorfsError as exc:
+            raise CompanionError(f"{path}: {exc}") from None
+        return bytes(buffer)
+
+    def _read_local(self, companion: Companion, fd: int, offset: int, size: int) -> bytes:
+        assert isinstance(companion.origin, LocalOrigin)
+        try:
+            if Identity.of(os.fstat(fd)) != companion.origin.identity:
+                raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
+            data = os.pread(fd, size, offset)
+        except OSError as exc:
+            raise CompanionError(f"{companion.path}: cannot read: {exc.strerror}") from None
+        if len(data) != size:
+            raise CompanionError(f"{companion.path}: shorter than when it was mounted")
+        return data
+
+    def _opened(self, companion: Companion) -> Any:
+        with self._lock:
+            found = self._open.get(companion.path)
+            if found is None:
+                found = self._open[companion.path] = _open(companion)
+            return found
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = self._open, {}
+        for found in opened.values():
+            if isinstance(found, int):
+                os.close(found)
+            else:
+                found.close()
+
+
+def _open(companion: Companion) -> Any:
+    """A descriptor of the very file found (local), or the object read through the cache (remote)."""
+    origin = companion.origin
+    if isinstance(origin, LocalOrigin):
+        try:
+            with ModelDirectory(origin.directory) as directory:
+                fd, st = directory.open_regular(companion.path)
+        except OSError as exc:
+            raise CompanionError(f"{companion.path}: cannot open: {_why(exc)}") from None
+        if Identity.of(st) != origin.identity:
+            os.close(fd)
+            raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
+        return fd
+    from ..sources.objects import RemoteShard, shared_cache  # the remote machinery, only when needed
+
+    version = origin.version
+    try:
+        if version is None:
+            version = head(origin.ref)
+            if version is None:
+                raise CompanionError(f"{origin.ref.url}: gone since it was mounted")
+        if version.size != companion.size:
+            raise CompanionError(f"{origin.ref.url}: {version.size} bytes now, not {companion.size}: it changed")
+        cached = shared_cache(origin.options).open_object(version, None, origin.options.chunk_size)
+    except RemoteError as exc:
+        raise CompanionError(str(exc)) from None
+    return RemoteShard(cached, origin.options)
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.EXDEV:
+        return "a symlink out of the model's directory"
+    if isinstance(exc, NotRegular):
+        return "not a regular file"
+    return exc.strerror or str(exc)
+
+
+# -- local models ---------------------------------------------------------------------------
 
 
 def model_directory(source: Path) -> Path:
@@ -51,61 +199,101 @@ def find_companions(
     """The regular files beside a local model's weights (one level of subdirectories too), by path;
     `directories`, if given, gets each subdirectory's status (its owner and permissions).
 
-    A file in a subdirectory is no more readable than the subdirectory lets it be: its read bits
-    are kept only where the directory grants search.
-
-    Hidden files and directories, the weights and their indexes are left out; a file over 64 MiB,
-    a symlink that leads out of the model's directory (but for a Hugging Face cache snapshot's
-    links to its repository's blobs), or one that cannot be read is left out with
-    a warning (in `warnings`), as is what goes past 1000 files or 256 MiB in all.
+    Each file is opened once, beneath the model's directory (see safefiles): a symlink that leads
+    out of it (but for a Hugging Face cache snapshot's links to its repository's blobs) is left out
+    with a warning, and so is a file that cannot be read, one over 64 MiB, what is mounted inside
+    the directory (never looked into: it may hang), and what goes past 1000 files, 256 MiB in all
+    or 30 s of scanning. A file in a subdirectory is no more readable than the subdirectory lets
+    it be: its read bits are kept only where the directory grants search. Hidden files and
+    directories, the weights and their indexes are not companions.
     """
-    root = model_directory(source).resolve()
+    root_path = model_directory(source).absolute()
+    try:
+        root = ModelDirectory(root_path)
+    except OSError as exc:
+        warnings.append(f"{printable(str(root_path))}: companion files skipped: {exc.strerror}")
+        return []
+    with root:
+        return _scan(root, warnings, directories)
+
+
+def _scan(root: ModelDirectory, warnings: list[str], directories: dict[str, os.stat_result] | None) -> list[Companion]:
+    deadline = time.monotonic() + SCAN_SECONDS
+    mounted = mounted_under(root.path)
     found: list[Companion] = []
     total = 0
-    for relative in _candidates(root):
-        shown = printable(str(root / relative))
+    for relative in _candidates(root, mounted, warnings):
+        shown = printable(str(root.path / relative))
         if len(found) == MAX_COMPANIONS:
             warnings.append(f"{shown} and the files after it: skipped: over {MAX_COMPANIONS} companion files")
             break
-        path = root / relative
+        if time.monotonic() > deadline:
+            warnings.append(f"{shown} and the files after it: skipped: the scan took over {SCAN_SECONDS:g} s")
+            break
         try:
-            target = path.resolve(strict=True)
-        except (OSError, RuntimeError) as exc:
-            warnings.append(f"{shown}: skipped: {getattr(exc, 'strerror', None) or exc}")
+            fd, st = root.open_regular(relative)
+        except NotRegular:
             continue
-        if not (target.is_relative_to(root) or _in_hub_blobs(root, target)):
-            warnings.append(f"{shown}: skipped: a symlink out of the model's directory")
-            continue
-        try:
-            st = os.stat(target)
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            if st.st_size > MAX_COMPANION_BYTES:
-                warnings.append(f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
-                continue
-            if total + st.st_size > MAX_COMPANIONS_TOTAL:
-                warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
-                continue
-            data = target.read_bytes()
         except OSError as exc:
-            warnings.append(f"{shown}: skipped: {exc.strerror}")
+            warnings.append(f"{shown}: skipped: {_why(exc)}")
             continue
-        mtime_ns = st.st_mtime_ns
+        os.close(fd)  # served later through a descriptor opened again, only while it is this file
+        if st.st_size > MAX_COMPANION_BYTES:
+            warnings.append(f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
+            continue
+        if total + st.st_size > MAX_COMPANIONS_TOTAL:
+            warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+            continue
+        identity, mtime_ns = Identity.of(st), st.st_mtime_ns
         subdirectory = relative.rpartition("/")[0]
         if subdirectory:
             try:
-                where = os.stat(root / subdirectory)
+                where = root.status(subdirectory)
             except OSError as exc:
-                warnings.append(f"{shown}: skipped: {exc.strerror}")
+                warnings.append(f"{shown}: skipped: {_why(exc)}")
                 continue
             if directories is not None:
                 directories[subdirectory] = where
             searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
             st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
-        total += len(data)
-        found.append(Companion(relative, data, mtime_ns, st))
+        total += st.st_size
+        found.append(Companion(relative, st.st_size, mtime_ns, st, LocalOrigin(root.path, identity)))
     return found
 
+
+def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) -> list[str]:
+    names: list[str] = []
+    try:
+        top = sorted(root.scan(), key=lambda e: e.name)
+    except OSError:
+        return names
+    for entry in top:
+        if entry.name.startswith(".") or is_weights(entry.name):
+            continue
+        if entry.name in mounted:
+            warnings.append(f"{printable(str(root.path / entry.name))}: skipped: another file system is mounted there")
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                inner = sorted(root.scan(entry.name), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in inner:
+                path = f"{entry.name}/{e.name}"
+                if e.name.startswith(".") or is_weights(e.name) or e.is_dir(follow_symlinks=False):
+                    continue
+                if path in mounted:
+                    warnings.append(
+                        f"{printable(str(root.path / path))}: skipped: another file system is mounted there"
+                    )
+                    continue
+                names.append(path)
+        else:
+            names.append(entry.name)
+    return names
+
+
+# -- remote models ----------------------------------------------------------------------------
 
 WELL_KNOWN = (
     "config.json",
@@ -115,107 +303,175 @@ WELL_KNOWN = (
     "special_tokens_map.json",
     "added_tokens.json",
     "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
     "vocab.json",
     "vocab.txt",
     "merges.txt",
     "preprocessor_config.json",
+    "processor_config.json",
     "chat_template.jinja",
+    "chat_template.json",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
     "README.md",
 )
-"""What a loader looks for beside the weights: fetched from stores that cannot list a directory."""
-
+"""What loaders look for beside the weights: asked for where a store cannot list a directory
+(plain HTTP). sentence-transformers' modules.json and their own configs are among them."""
+MODULE_FILES = (
+    "config.json",
+    "sentence_bert_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+"""What a module of modules.json may hold in its folder (a Pooling's config, a Transformer's tokenizer)."""
 
 COMPANION_TIMEOUT = 10.0
-"""Seconds a companion file may take, retries included: they are optional, and some are guessed."""
+"""Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
 MAX_SUBDIRECTORIES = 50
 
 
 def find_remote_companions(source: str, options: RemoteOptions, warnings: list[str]) -> list[Companion]:
-    """The files beside a remote model's weights: every one a listing shows (S3; and one level of
-    subdirectories), else the well-known ones that are there (HTTP, the Hub); the same limits as
-    for a local model, each fetch bounded by COMPANION_TIMEOUT. Nothing with --offline (the cache
-    keeps only the weights)."""
+    """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
+    one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
+    files the model's own files name; the same limits as for a local model, each look bounded by
+    COMPANION_TIMEOUT. Nothing with --offline (the cache keeps only the weights).
+
+    Which were found, and which looked for and not there, is logged.
+    """
     if options.offline:
         warnings.append(f"{printable(source)}: companion files are not fetched with --offline")
         return []
-    options = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
+    quick = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
     try:
-        listed = listing_beside(source, options, MAX_SUBDIRECTORIES)
+        listed = listing_beside(source, quick, MAX_SUBDIRECTORIES)
     except RemoteError as exc:
         warnings.append(f"companion files skipped: {exc}")
         return []
-    wanted: list[tuple[str, float]] = []
     if listed is None:
-        wanted = [(name, 0.0) for name in WELL_KNOWN]
-    else:
-        total = 0
-        for path, size, mtime in sorted(listed):
-            if any(part.startswith(".") for part in path.split("/")) or is_weights(path.rpartition("/")[2]):
-                continue
-            shown = printable(beside(source, path, options).url)
-            if size > MAX_COMPANION_BYTES:
-                warnings.append(f"{shown}: skipped: {size} bytes, over 64 MiB")
-            elif total + size > MAX_COMPANIONS_TOTAL:
-                warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
-            elif len(wanted) == MAX_COMPANIONS:
-                warnings.append(f"{shown}: skipped: over {MAX_COMPANIONS} companion files")
-            else:
-                total += size
-                wanted.append((path, mtime))
-
-    def fetch(item: tuple[str, float]) -> Companion | str | None:
-        ref = beside(source, item[0], options)
         try:
-            data = get_whole(ref, MAX_COMPANION_BYTES)
-        except FileNotFoundError:
-            return None  # a well-known name that this model does not have
-        except TooLarge as exc:
-            return f"{printable(str(exc))}: skipped"
-        except RemoteError as exc:
-            return f"{printable(str(exc))}: skipped"
-        return Companion(item[0], data, int((item[1] or time.time()) * 1e9))
+            listed = hub_listing(source, quick, MAX_SUBDIRECTORIES)
+        except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
+            log.info("%s; looking for the files loaders look for instead", exc)
+    if listed is not None:
+        found = _listed(source, options, listed, warnings)
+        log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found) or "none")
+        return found
+    return _guessed(source, options, quick, warnings)
 
+
+def _listed(
+    source: str, options: RemoteOptions, listed: list[tuple[str, int, float, str | None]], warnings: list[str]
+) -> list[Companion]:
     found: list[Companion] = []
-    held = 0
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        for result in pool.map(fetch, wanted):
-            if isinstance(result, str):
-                warnings.append(result)
-            elif result is not None:
-                if held + len(result.data) > MAX_COMPANIONS_TOTAL:  # sizes told only now (HTTP)
-                    warnings.append(f"{printable(beside(source, result.path, options).url)}: skipped: "
-                                    "companion files over 256 MiB in all")  # fmt: skip
-                    continue
-                held += len(result.data)
-                found.append(result)
+    total = 0
+    for path, size, mtime, etag in sorted(listed):
+        if any(part.startswith(".") for part in path.split("/")) or is_weights(path.rpartition("/")[2]):
+            continue
+        ref = beside(source, path, options)
+        shown = printable(ref.url)
+        if size > MAX_COMPANION_BYTES:
+            warnings.append(f"{shown}: skipped: {size} bytes, over 64 MiB")
+        elif total + size > MAX_COMPANIONS_TOTAL:
+            warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+        elif len(found) == MAX_COMPANIONS:
+            warnings.append(f"{shown}: skipped: over {MAX_COMPANIONS} companion files")
+        else:
+            total += size
+            version = ObjectVersion(ref, etag, size, mtime) if etag is not None else None
+            mtime_ns = int((mtime or time.time()) * 1e9)
+            found.append(Companion(path, size, mtime_ns, None, RemoteOrigin(ref, options, version)))
     return found
 
 
-def _in_hub_blobs(root: Path, target: Path) -> bool:
-    """Whether `target` is a blob of the Hugging Face cache repository whose snapshot `root` is:
-    a snapshot's files are symlinks to ../../blobs/HASH, part of the same model."""
-    return root.parent.name == "snapshots" and target.parent == root.parent.parent / "blobs"
+def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, warnings: list[str]) -> list[Companion]:
+    """Plain HTTP: the well-known names that are there, then what modules.json and the configs name."""
+    looked: dict[str, ObjectVersion | None] = {}
 
+    def look(paths: Iterable[str]) -> None:
+        wanted = [path for path in dict.fromkeys(paths) if path not in looked and not is_weights(path)]
 
-def _candidates(root: Path) -> list[str]:
-    names: list[str] = []
-    try:
-        top = sorted(os.scandir(root), key=lambda e: e.name)
-    except OSError:
-        return names
-    for entry in top:
-        if entry.name.startswith(".") or is_weights(entry.name):
-            continue
-        if entry.is_dir(follow_symlinks=False):
+        def one(path: str) -> tuple[str, ObjectVersion | str | None]:
             try:
-                inner = sorted(os.scandir(entry.path), key=lambda e: e.name)
-            except OSError:
-                continue
-            names += [
-                f"{entry.name}/{e.name}"
-                for e in inner
-                if not e.name.startswith(".") and not is_weights(e.name) and not e.is_dir()
-            ]
+                return path, head(beside(source, path, quick))
+            except RemoteError as exc:
+                return path, f"{printable(str(exc))}: skipped"
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for path, answer in pool.map(one, wanted[: MAX_COMPANIONS - len(looked)]):
+                if isinstance(answer, str):
+                    warnings.append(answer)
+                    looked[path] = None
+                else:
+                    looked[path] = answer
+
+    look(WELL_KNOWN)
+    look(_named(source, quick, looked, warnings))
+    found: list[Companion] = []
+    total = 0
+    for path, version in sorted(looked.items()):
+        if version is None:
+            continue
+        shown = printable(version.url)
+        if version.size > MAX_COMPANION_BYTES:
+            warnings.append(f"{shown}: skipped: {version.size} bytes, over 64 MiB")
+        elif total + version.size > MAX_COMPANIONS_TOTAL:
+            warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
         else:
-            names.append(entry.name)
-    return names
+            total += version.size
+            mtime_ns = int((version.mtime or time.time()) * 1e9)
+            ref = version.ref
+            found.append(Companion(path, version.size, mtime_ns, None, RemoteOrigin(ref, options, version)))
+    absent = sorted(path for path, version in looked.items() if version is None)
+    log.info(
+        "companion files of %s: found %s; looked for and not there: %s",
+        printable(source),
+        ", ".join(c.path for c in found) or "none",
+        ", ".join(absent) or "none",
+    )
+    return found
+
+
+def _named(
+    source: str, options: RemoteOptions, looked: dict[str, ObjectVersion | None], warnings: list[str]
+) -> list[str]:
+    """The files that the model's own files found so far name: each module of modules.json (its
+    config.json, and any well-known file in its folder), and the Python files of auto_map."""
+    named: list[str] = []
+    for document_name in ("modules.json", "config.json", "tokenizer_config.json"):
+        version = looked.get(document_name)
+        if version is None or version.size > MAX_NAMING_FILE:
+            continue
+        try:
+            document = orjson.loads(get_whole(version.ref, MAX_NAMING_FILE))
+        except (RemoteError, TooLarge, FileNotFoundError, orjson.JSONDecodeError) as exc:
+            warnings.append(f"{printable(version.url)}: not followed: {exc}")
+            continue
+        if document_name == "modules.json" and isinstance(document, list):
+            for module in document:
+                folder = module.get("path") if isinstance(module, dict) else None
+                if isinstance(folder, str) and folder and _plain_path(folder):
+                    named += [f"{folder}/{name}" for name in MODULE_FILES]
+        elif isinstance(document, dict) and isinstance(document.get("auto_map"), dict):
+            for value in document["auto_map"].values():
+                for reference in value if isinstance(value, list) else [value]:
+                    if isinstance(reference, str) and "." in reference:
+                        module_name = reference.rpartition("--")[2].rpartition(".")[0]
+                        if module_name and _plain_path(module_name):
+                            named.append(f"{module_name}.py")
+    return named
+
+
+def _plain_path(path: str) -> bool:
+    """A relative path of at most two plain parts (what a view holds: one level of subdirectories)."""
+    parts = path.split("/")
+    return len(parts) <= 2 and all(part and part not in (".", "..") and "\\" not in part for part in parts)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import TensorfsError, printable
 from ..model import Model
-from . import ModelView, SynthesizedFile, shared_metadata
+from . import Companion, ModelView, SynthesizedFile, shared_metadata
 
 _BLOCK = 1 << 20
 
@@ -69,7 +69,7 @@ def write_view(view: ModelView, directory: Path, progress: Callable[[int], None]
 
 
 def view_bytes(view: ModelView) -> int:
-    return sum(c.size if isinstance(c, SynthesizedFile) else len(c) for c in view.files.values())
+    return sum(view.size(path) for path in view.files)
 
 
 def _write_files(view: ModelView, directory: Path, progress: Callable[[int], None] | None) -> None:
@@ -79,13 +79,20 @@ def _write_files(view: ModelView, directory: Path, progress: Callable[[int], Non
         if source is not None:  # as closed as the source's
             os.chmod(directory / sub, stat.S_IMODE(source.st_mode) | 0o700)
     for path, content in view.files.items():
+        target = directory / path
         if isinstance(content, SynthesizedFile):
-            _write(content, directory / path, progress, _mode_of(content.model))
+            _write(content, target, progress, _mode_of(content.model))
+        elif isinstance(content, Companion):
+            # No more readable than it was (the owner's bits at least, to be written).
+            mode = stat.S_IMODE(content.status.st_mode) & 0o666 | 0o600 if content.status is not None else 0o600
+            with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as out:
+                for start in range(0, content.size, _BLOCK):
+                    piece = view.companions.read(path, start, _BLOCK)
+                    out.write(piece)
+                    if progress is not None:
+                        progress(len(piece))
         else:
-            (directory / path).write_bytes(content)
-            companion = view.companions.get(path)
-            if companion is not None and companion.status is not None:  # no more readable than it was
-                os.chmod(directory / path, stat.S_IMODE(companion.status.st_mode) & 0o666 | 0o600)
+            target.write_bytes(content)
             if progress is not None:
                 progress(len(content))
 
@@ -103,10 +110,8 @@ def _same_file(st: os.stat_result, shard: object) -> bool:
 def _mode_of(model: Model) -> int:
     """The permissions of a file made of the model's tensors: no more readable than its shard files."""
     mode = 0o666
-    for shard in model.shards:
-        if isinstance(shard, Path):
-            with contextlib.suppress(OSError):
-                mode &= stat.S_IMODE(os.stat(shard).st_mode) | 0o600
+    for shard in model.shards:  # as opened and validated, never looked up by its path again
+        mode &= stat.S_IMODE(model.shard_data(shard).status().st_mode) | 0o600
     umask = os.umask(0)
     os.umask(umask)
     return mode & ~umask | 0o600

@@ -1,0 +1,101 @@
+"""Bounded memory and time for whatever a server or a directory holds.
+
+A server that announces a gigabyte of index or manifest is refused before its body is read; a
+model directory with a hung mount inside it is scanned without ever touching that mount.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import Mounts
+from helpers import MIB, random_bytes, write_index, write_reference
+from servers import HostileServer
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[HostileServer]:
+    (tmp_path / "served").mkdir()
+    server = HostileServer(tmp_path / "served")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_an_index_of_a_gigabyte_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:
+    write_reference(hostile.root / "a.safetensors", {"w": ("U8", [16], bytes(16))})
+    write_index(hostile.root, {"w": "a.safetensors"})
+    hostile.announced["model.safetensors.index.json"] = 1 << 30
+    url = f"{hostile.url}/model.safetensors.index.json"
+    result = cli("validate", "--cache-dir", str(tmp_path / "cache"), url)
+    assert result.returncode == 1
+    assert result.stderr == f"error: {url}: over 100,000,000 bytes: too large to be an index\n"
+    assert hostile.sent.get("model.safetensors.index.json", 0) < 64 * MIB  # not read (the socket's buffers at most)
+
+
+def test_a_manifest_of_one_and_a_half_gigabytes_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:
+    write_reference(hostile.root / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    (hostile.root / "tensors.sha256").write_text("")
+    hostile.announced["tensors.sha256"] = 3 << 29
+    url = f"{hostile.url}/m.safetensors"
+    result = cli("verify", "--cache-dir", str(tmp_path / "cache"), url)
+    assert result.returncode == 1
+    assert result.stderr == f"error: {hostile.url}/tensors.sha256: over 256 MiB, too large to be a manifest\n"
+    assert hostile.sent.get("tensors.sha256", 0) < 64 * MIB
+
+
+def test_a_local_index_past_the_limit_is_refused(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    write_reference(model / "a.safetensors", {"w": ("U8", [16], bytes(16))})
+    with open(model / "model.safetensors.index.json", "wb") as index:  # sparse: costs nothing
+        index.truncate(100_000_001)
+    result = cli("validate", str(model))
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == f"error: {model / 'model.safetensors.index.json'}: over 100,000,000 bytes: too large to be an index\n"
+    )
+
+
+def test_a_hung_mount_inside_the_model_directory_is_never_entered(mounts: Mounts, tmp_path: Path) -> None:
+    """A subdirectory of the model's directory holds a mount whose daemon is stopped: anything that
+    looked into it would hang for good. Validation and the mount go on without it, and say so."""
+    model = tmp_path / "model"
+    model.mkdir()
+    expected = random_bytes(MIB, 9)
+    write_reference(model / "m.safetensors", {"w": ("U8", [MIB], expected)})
+    (model / "config.json").write_text("{}")
+    other = tmp_path / "other"
+    other.mkdir()
+    write_reference(other / "o.safetensors", {"x": ("U8", [16], bytes(16))})
+    (model / "onnx").mkdir()
+    inner = mounts.mount(other, mountpoint=model / "onnx")
+    hung = mounts.daemon_pid(inner)
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        validated = cli("validate", str(model), timeout=60)
+        assert validated.returncode == 0, validated.stderr
+        mountpoint = tmp_path / "mnt"
+        mountpoint.mkdir()
+        result = mounts.attempt(model, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+        assert result.returncode == 0, result.stderr
+        assert f"warning: {model / 'onnx'}: skipped: another file system is mounted there" in result.stderr
+        assert (mountpoint / "w").read_bytes() == expected
+        assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
+    finally:
+        os.kill(hung, signal.SIGCONT)

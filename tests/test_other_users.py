@@ -1,0 +1,306 @@
+"""Other local users gain nothing from tensorfs running as root on paths and servers they control.
+
+Each attack is made for real by another user (nobody): files swapped under a scan, a cache
+directory they can write, a daemon record they forge, credentials in a URL, and reading what
+root mounts with -o allow_other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import Mounts, OtherUser
+from helpers import MIB, random_bytes, write_reference
+from servers import Nginx, SeaweedFS
+from tensorfs.mount.runtime import escape_path, process_start
+
+SECRET = b'{"secret": "only root may read this"}'
+
+
+def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=120, **kwargs
+    )  # type: ignore[call-overload]
+
+
+def root_only(tmp_path: Path) -> Path:
+    """A file that only root may read (tmp_path is root's alone)."""
+    secret = tmp_path / "secret.json"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    return secret
+
+
+def users_model(directory: Path, user: OtherUser) -> dict[str, bytes]:
+    """A model in a directory that `user` owns, with a config.json beside it."""
+    directory.mkdir()
+    data = {"w": random_bytes(4096, 1)}
+    write_reference(directory / "model.safetensors", {"w": ("U8", [4096], data["w"])})
+    (directory / "config.json").write_text('{"model_type": "test"}')
+    user.owns(directory, directory / "model.safetensors", directory / "config.json")
+    return data
+
+
+# Run as the other user: config.json swapped, as fast as it goes, between a regular file, a symlink
+# to root's secret and a FIFO (each put in place by a rename: the name always exists).
+FLIPPER = """
+import os, sys
+os.chdir(sys.argv[1])
+secret = sys.argv[2]
+while True:
+    os.symlink(secret, "link.tmp"); os.rename("link.tmp", "config.json")
+    with open("file.tmp", "w") as f: f.write('{"model_type": "test"}')
+    os.rename("file.tmp", "config.json")
+    os.mkfifo("fifo.tmp"); os.rename("fifo.tmp", "config.json")
+    with open("file.tmp", "w") as f: f.write('{"model_type": "test"}')
+    os.rename("file.tmp", "config.json")
+"""
+
+# Run as root: the companion files found and read, many times over, while the flipper runs.
+SCANNER = """
+import sys
+from pathlib import Path
+from tensorfs.views.companions import CompanionError, CompanionFiles, find_companions
+for _ in range(int(sys.argv[2])):
+    found = find_companions(Path(sys.argv[1]), [])
+    files = CompanionFiles(found)
+    for companion in found:
+        try:
+            data = files.read(companion.path, 0, companion.size)
+        except CompanionError:
+            continue
+        if b"only root" in data:
+            sys.exit("LEAK: " + companion.path)
+    files.close()
+print("done")
+"""
+
+
+def test_companions_swapped_while_scanned_never_leak_nor_hang(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path
+) -> None:
+    """The other user swaps config.json for a symlink to root's secret and for a FIFO while root
+    scans and reads the companion files: each is opened once, never followed out, never waited on."""
+    secret = root_only(tmp_path)
+    model = shared_dir / "model"
+    users_model(model, other_user)
+    flipper = subprocess.Popen(
+        [other_user.python, "-c", FLIPPER, str(model), str(secret)], preexec_fn=other_user.become
+    )
+    try:
+        scanned = subprocess.run(
+            [sys.executable, "-c", SCANNER, str(model), "2000"], capture_output=True, text=True, timeout=90
+        )
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert scanned.returncode == 0, scanned.stderr[-2000:]
+    assert scanned.stdout == "done\n"
+
+
+def test_a_companion_changed_after_the_mount_is_refused_not_followed(
+    mounts: Mounts, other_user: OtherUser, shared_dir: Path, tmp_path: Path
+) -> None:
+    """Served from its file when read, and only while it is the file that was found: swapped for a
+    symlink to root's secret, or for a FIFO, it reads EIO through the mount (-o allow_other), at once."""
+    secret = root_only(tmp_path)
+    model = shared_dir / "model"
+    users_model(model, other_user)
+    mountpoint = shared_dir / "mnt"
+    mountpoint.mkdir()
+    mounts.mount(model, "-o", "allow_other", mountpoint=mountpoint)
+    config = mountpoint / ".tensorfs" / "model" / "config.json"
+    read = other_user.run("cat", str(config), timeout=30)
+    assert read.returncode == 0 and read.stdout == '{"model_type": "test"}'
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to(secret)
+    other_user.owns(model / "config.json")
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    read = other_user.run("cat", str(config), timeout=30)
+    assert read.returncode != 0 and "Input/output error" in read.stderr and "only root" not in read.stdout
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    read = other_user.run("cat", str(config), timeout=30)  # no hang
+    assert read.returncode != 0 and "Input/output error" in read.stderr
+
+
+def test_a_shard_is_never_a_symlink_out_of_the_model_directory(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path
+) -> None:
+    """A shard found by an index (or a glob) that is a symlink out of the directory would be served,
+    under -o umask=, to everyone: it is refused by name."""
+    private = tmp_path / "private.safetensors"
+    write_reference(private, {"secret": ("U8", [8], b"rootonly")})
+    private.chmod(0o600)
+    model = shared_dir / "model"
+    users_model(model, other_user)
+    (model / "private.safetensors").symlink_to(private)
+    result = cli("ls", "--no-cache", str(model))
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == f"error: {model / 'private.safetensors'}: cannot open: a symlink out of the model's directory\n"
+    )
+
+
+def test_a_cache_directory_another_user_can_write_is_refused(
+    other_user: OtherUser, shared_dir: Path, nginx: Nginx, tmp_path: Path
+) -> None:
+    """A cache directory that another user can write (or owns) is refused, with a symlink planted in
+    it as the object's cache file: root's file it leads to is neither extended nor overwritten."""
+    directory = nginx.root / "planted"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"w": ("U8", [MIB], random_bytes(MIB, 2))})
+    url = f"{nginx.url}/planted/m.safetensors"
+    assert cli("ls", "--cache-dir", str(tmp_path / "mine"), url).returncode == 0
+    (name,) = os.listdir(tmp_path / "mine" / "objects")  # what the object's cache file is called
+    victim = tmp_path / "victim"  # root's, and not to be touched
+    victim.write_bytes(b"root's own file\n")
+    victim.chmod(0o600)
+    everyone = shared_dir / "everyone"
+    (everyone / "objects").mkdir(parents=True)
+    everyone.chmod(0o777)
+    (everyone / "objects").chmod(0o777)
+    theirs = shared_dir / "theirs"
+    (theirs / "objects").mkdir(parents=True)
+    for planted in (everyone, theirs):
+        (planted / "objects" / name).symlink_to(victim)
+    other_user.owns(theirs, theirs / "objects", theirs / "objects" / name, everyone / "objects" / name)
+    for cache, why in ((everyone, "is writable by every user"), (theirs, f"belongs to user {other_user.uid}")):
+        for command in ("ls", "manifest"):
+            result = cli(command, "--cache-dir", str(cache), url)
+            assert result.returncode == 1, result.stderr
+            assert result.stderr.startswith(f"error: the cache {cache} {why}") and result.stderr.count("\n") == 1
+    assert victim.read_bytes() == b"root's own file\n"  # neither extended nor overwritten
+    local = tmp_path / "local"
+    local.mkdir()
+    write_reference(local / "m.safetensors", {"w": ("U8", [MIB], random_bytes(MIB, 3))})
+    hashed = cli("manifest", "--cache-dir", str(everyone), str(local))  # the header and hash caches: not used
+    assert hashed.returncode == 0, hashed.stderr
+    assert f"the header cache's directory {everyone} is writable by every user" in hashed.stderr
+    assert sorted(os.listdir(everyone)) == ["objects"]  # nothing written there
+
+
+def test_a_record_forged_by_another_user_never_gets_a_process_signalled(
+    mounts: Mounts, other_user: OtherUser, tmp_path: Path
+) -> None:
+    """Root's umount of a hung mount whose record it cannot find in its own directory looks in every
+    user's: a record that another user planted there, naming a process of root's, is not believed."""
+    model = tmp_path / "model"
+    model.mkdir()
+    write_reference(model / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    mountpoint = mounts.mount(model)
+    daemon = mounts.daemon_pid(mountpoint)
+    victim = subprocess.Popen(["sleep", "600"])  # root's, and nothing to do with the mount
+    forged = Path(f"/tmp/tensorfs-{other_user.uid}")
+    try:
+        forged.mkdir(mode=0o700, exist_ok=True)
+        other_user.owns(forged)
+        record = {"pid": victim.pid, "process_start": process_start(victim.pid), "mountpoint": str(mountpoint)}
+        (forged / f"{escape_path(mountpoint)}.json").write_text(json.dumps(record))
+        other_user.owns(forged / f"{escape_path(mountpoint)}.json")
+        os.kill(daemon, signal.SIGSTOP)  # hung: umount will want to stop its daemon
+        elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "elsewhere")}
+        result = cli("umount", str(mountpoint), env=elsewhere)
+        assert result.returncode == 1 and "has no record here to find it by" in result.stderr, result.stderr
+        assert victim.poll() is None  # alive: the forged record named it
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+        victim.kill()
+        victim.wait()
+        for leftover in forged.glob("*"):
+            leftover.unlink()
+        forged.rmdir()
+
+
+def test_credentials_in_a_url_are_refused_and_never_shown(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    hidden = "hunter2-secret"
+    url = f"http://reader:{hidden}@127.0.0.1:{nginx.port}/m.safetensors"
+    model = tmp_path / "m.safetensors"
+    write_reference(model, {"w": ("U8", [4], b"abcd")})
+    for args in (
+        ["validate", url],
+        ["validate", "--endpoint-url", f"http://reader:{hidden}@127.0.0.1:{nginx.port}", "s3://bucket/m"],
+        ["verify", "--manifest", f"http://reader:{hidden}@127.0.0.1:{nginx.port}/tensors.sha256", str(model)],
+    ):
+        result = cli(*args)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, (args, result.stderr)
+        assert hidden not in result.stderr and "***@" in result.stderr and "AWS_ACCESS_KEY_ID" in result.stderr
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mounts.attempt(url, mountpoint=mountpoint)
+    assert result.returncode == 1 and hidden not in result.stderr
+    assert not os.path.ismount(mountpoint) and hidden not in Path("/proc/self/mountinfo").read_text()
+
+
+def test_what_tensorfs_writes_is_its_owners_alone(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    directory = nginx.root / "modes"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"w": ("U8", [MIB], random_bytes(MIB, 4))})
+    cache = tmp_path / "cache"
+    metrics = tmp_path / "metrics.sock"
+    mountpoint = mounts.mount(
+        f"{nginx.url}/modes/m.safetensors",
+        "--cache-dir",
+        str(cache),
+        "--metrics",
+        f"unix:{metrics}",  # type: ignore[arg-type]
+    )
+    assert (mountpoint / "w").read_bytes()
+    assert cli("manifest", "--cache-dir", str(cache), f"{nginx.url}/modes/m.safetensors").returncode == 0
+    runtime = Path(os.environ["TENSORFS_RUNTIME_DIR"])
+    written = [mounts.log_file, runtime / f"{escape_path(mountpoint)}.json", *cache.glob("*.sqlite*"), metrics]
+    assert len(written) >= 5
+    for path in written:
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600, path
+    with socket.socket(socket.AF_UNIX) as client:  # the metrics, over the socket only its owner can use
+        client.connect(str(metrics))
+        client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    assert b"200 OK" in answer.split(b"\r\n")[0] and b"tensorfs_requests_total" in answer
+    assert mounts.run("umount", str(mountpoint)).returncode == 0
+    assert not metrics.exists()
+
+
+def test_a_remote_model_is_its_mounting_users_unless_said_otherwise(
+    mounts: Mounts, other_user: OtherUser, shared_dir: Path, nginx: Nginx, tmp_path: Path
+) -> None:
+    directory = nginx.root / "private-bucket"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"w": ("U8", [4096], random_bytes(4096, 5))})
+    url = f"{nginx.url}/private-bucket/m.safetensors"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    closed = shared_dir / "closed"
+    closed.mkdir()
+    mounts.mount(url, "-o", "allow_other", *cache, mountpoint=closed)  # type: ignore[arg-type]
+    assert stat.S_IMODE((closed / "w").stat().st_mode) == 0o400
+    denied = other_user.run("cat", str(closed / "w"), text=False, timeout=30)
+    assert denied.returncode != 0 and b"Permission denied" in denied.stderr
+    shared = shared_dir / "shared"
+    shared.mkdir()
+    mounts.mount(url, "-o", "allow_other,umask=0222", *cache, mountpoint=shared)  # type: ignore[arg-type]
+    assert stat.S_IMODE((shared / "w").stat().st_mode) == 0o444
+    assert other_user.run("cat", str(shared / "w"), text=False, timeout=30).returncode == 0
+
+
+def test_s3_without_credentials_or_with_wrong_ones_gets_the_same_hint(seaweedfs: SeaweedFS, bucket: str) -> None:
+    endpoint = seaweedfs.endpoint
+    kept = ("AWS_METADATA_ENDPOINT", "AWS_EC2_METADATA_DISABLED")  # (no request for instance metadata)
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k in kept}
+    wrong = {**plain, "AWS_ACCESS_KEY_ID": "tensorfs-test", "AWS_SECRET_ACCESS_KEY": "wrong", "AWS_REGION": "us-east-1"}
+    hints = []
+    for env in (plain, wrong):
+        result = cli("validate", "--remote-timeout", "3", "--endpoint-url", endpoint, f"s3://{bucket}/m", env=env)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        hints.append(result.stderr.partition("): ")[2] or result.stderr.partition("found: ")[2])
+    assert all("check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)" in h for h in hints), hints

@@ -1,0 +1,284 @@
+"""No wrong byte from the remote cache, whatever a server sends or a file on disk holds.
+
+Each test makes the fault happen for real: a server that sends more than the range asked for, or
+compressed bytes, or other bytes under the same ETag; a cache file changed on disk; a file system
+that cannot hold an object; several daemons on one bounded cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tensorfs
+from conftest import Mounts, wait_until
+from helpers import MIB, errno_of_reading, random_bytes, write_reference
+from servers import HostileServer, Nginx
+from tensorfs.sources.cache import OBJECTS_DIR
+from tensorfs.sources.remote import RemoteOptions
+
+
+def cli(*args: str, env: dict[str, str] | None = None, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, env=env, timeout=120, **kwargs
+    )  # type: ignore[call-overload]
+
+
+def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
+    """One shard of four tensors of `size` random bytes (every chunk differs from every other)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {f"t{i}": random_bytes(size, 200 + i) for i in range(4)}
+    write_reference(path, {name: ("U8", [size], blob) for name, blob in data.items()})
+    return data
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[HostileServer]:
+    server = HostileServer(tmp_path / "served")
+    (tmp_path / "served").mkdir(exist_ok=True)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def cached_chunks(cache: Path) -> list[tuple[str, int]]:
+    with sqlite3.connect(cache / "objects.sqlite") as db:
+        return sorted(db.execute("SELECT object, chunk FROM chunks").fetchall())
+
+
+# -- what a server sends ------------------------------------------------------------------------
+
+
+def test_an_answer_longer_than_its_range_writes_nothing_outside_it(hostile: HostileServer, tmp_path: Path) -> None:
+    """A 206 whose body runs past the range: refused, and the chunk after it (already cached, and
+    its tensor's hash in the hash cache) keeps its bytes: in this process, after a remount, for verify."""
+    expected = four_tensors(hostile.root / "m.safetensors")  # t0 ends in chunk 1, t2 lies in chunks 2 and 3
+    url = f"{hostile.url}/m.safetensors"
+    cache = tmp_path / "cache"
+    common = ["--cache-dir", str(cache), "--include", "t2"]
+    manifest = cli("manifest", "-o", str(tmp_path / "t2.sha256"), *common, url)
+    assert manifest.returncode == 0, manifest.stderr  # t2's chunks fetched, its hash in the hash cache
+    (oid, _), *_ = cached_chunks(cache)
+    before = cached_chunks(cache)
+    assert (oid, 2) in before and (oid, 1) not in before
+    kept = (cache / OBJECTS_DIR / oid).read_bytes()[16 * MIB : 32 * MIB]
+    remote = RemoteOptions(cache_dir=cache)
+    with tensorfs.open_model(url, remote=remote) as model:
+        hostile.padding["m.safetensors"] = MIB  # from now on, a megabyte more than each range asked for
+        with pytest.raises(tensorfs.TensorfsError, match=r"sent more than the \d+ bytes of .* asked for: refused"):
+            bytes(model.raw("t0"))  # chunks 0 and 1 fetched: both answers run over
+        assert bytes(model.raw("t2")) == expected["t2"]
+    assert (cache / OBJECTS_DIR / oid).read_bytes()[16 * MIB : 32 * MIB] == kept  # not a byte written into them
+    assert cached_chunks(cache) == before  # and nothing more taken for present
+    hostile.padding.clear()
+    with tensorfs.open_model(url, remote=remote) as model:  # another process's look at the same cache
+        hostile.padding["m.safetensors"] = MIB
+        assert bytes(model.raw("t2")) == expected["t2"]
+    hostile.padding.clear()
+    verified = cli("verify", "--manifest", str(tmp_path / "t2.sha256"), *common, url)
+    assert verified.returncode == 0, verified.stderr
+    with tensorfs.open_model(url, remote=remote) as model:  # an honest answer: all is well
+        assert {name: bytes(model.raw(name)) for name in model} == expected
+
+
+def test_a_compressed_answer_is_refused_in_one_line(hostile: HostileServer, tmp_path: Path) -> None:
+    four_tensors(hostile.root / "m.safetensors", size=MIB)
+    hostile.encoded.add("m.safetensors")
+    result = cli("validate", "--cache-dir", str(tmp_path / "cache"), f"{hostile.url}/m.safetensors")
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"error: {hostile.url}/m.safetensors: the server sent it gzip-encoded (Content-Encoding), though asked "
+        "for its bytes as they are: refused (serve it without compression)\n"
+    )
+    assert hostile.requests and all(accept == "identity" for *_, accept in hostile.requests)  # it was asked
+
+
+def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    """A verified tensor whose chunks were evicted, and that the store then serves otherwise under
+    the same ETag: never served (EIO), with a manifest or without; `cache ls` beside changes nothing."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    manifest = tmp_path / "tensors.sha256"
+    assert (
+        cli("manifest", "-o", str(manifest), "--no-cache", "--cache-dir", str(tmp_path / "other"), url).returncode == 0
+    )
+    cache = tmp_path / "cache"
+    mountpoint = mounts.mount(
+        url,
+        "--manifest",
+        str(manifest),
+        "--cache-dir",
+        str(cache),
+        "--cache-size",
+        "24M",  # type: ignore[arg-type]
+    )
+    assert (mountpoint / "t0").read_bytes() == expected["t0"]  # verified, served
+    listed = cli("cache", "ls", "--json", "--cache-dir", str(cache))
+    assert listed.returncode == 0 and json.loads(listed.stdout.splitlines()[0])["in_use"] is True
+    for name in ("t1", "t2", "t3"):  # 24 MiB through a 24 MiB cache: t0's chunks are evicted
+        assert (mountpoint / name).read_bytes() == expected[name]
+    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    assert stats["evicted_chunks"] > 0
+    before = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    assert cli("cache", "ls", "--cache-dir", str(cache)).returncode == 0  # beside the mount: changes nothing
+    after = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    assert (after["gets"], after["evicted_chunks"]) == (before["gets"], before["evicted_chunks"])
+    served = (hostile.root / "m.safetensors").read_bytes()
+    changed = served[:MIB] + bytes(b ^ 0xFF for b in served[MIB : 2 * MIB]) + served[2 * MIB :]  # inside t0
+    hostile.replaced["m.safetensors"] = changed  # the same ETag
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the kernel's copy of t0 too: it is read again
+    assert errno_of_reading(mountpoint / "t0") == errno.EIO  # never the other bytes
+    assert "are not those the same version (ETag" in mounts.log()
+    assert (mountpoint / "t3").read_bytes() == expected["t3"]  # what is cached is served on
+
+
+def test_a_cache_file_changed_on_disk_is_a_miss_never_data(hostile: HostileServer, tmp_path: Path) -> None:
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    cache = tmp_path / "cache"
+    manifest = cli("manifest", "-o", str(tmp_path / "tensors.sha256"), "--cache-dir", str(cache), url)
+    assert manifest.returncode == 0, manifest.stderr
+    (oid, _), *_ = cached_chunks(cache)
+    with open(cache / OBJECTS_DIR / oid, "r+b") as f:  # a byte of t1 (chunk 1) changed in the cache file
+        f.seek(8 * MIB + 4096)
+        byte = f.read(1)
+        f.seek(8 * MIB + 4096)
+        f.write(bytes([byte[0] ^ 1]))
+    gets = len([r for r in hostile.requests if r[0] == "GET"])
+    with tensorfs.open_model(url, remote=RemoteOptions(cache_dir=cache)) as model:
+        assert {name: bytes(model.raw(name)) for name in model} == expected
+    fetched_again = [r for r in hostile.requests[gets:] if r[0] == "GET" and r[2].startswith(f"bytes={8 * MIB}-")]
+    assert len(fetched_again) == 1  # the bad chunk, and only it, came again
+    verified = cli("verify", "--manifest", str(tmp_path / "tensors.sha256"), "--cache-dir", str(cache), url)
+    assert verified.returncode == 0, verified.stderr
+
+
+def test_an_object_too_large_for_the_cache_file_system(hostile: HostileServer, tmp_path: Path) -> None:
+    four_tensors(hostile.root / "m.safetensors")  # 32 MiB
+
+    def small_files() -> None:  # files of at most 16 MiB: the object's cache file cannot be made
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * MIB, 16 * MIB))
+
+    cache = tmp_path / "cache"
+    result = cli("ls", "--cache-dir", str(cache), f"{hostile.url}/m.safetensors", preexec_fn=small_files)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert (
+        result.stderr.startswith("error: ") and "File too large" in result.stderr and "Traceback" not in result.stderr
+    )
+    assert os.listdir(cache / OBJECTS_DIR) == []  # nothing left behind
+    with sqlite3.connect(cache / "objects.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM objects").fetchone() == (0,)
+
+
+# -- one bounded cache, several processes --------------------------------------------------------
+
+
+def blocks_held(cache: Path) -> int:
+    return sum(entry.stat().st_blocks * 512 for entry in os.scandir(cache / OBJECTS_DIR))
+
+
+def test_daemons_sharing_a_bounded_cache_keep_its_bound_and_go_on(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """Two mounts (one model each) on one 40 MiB cache, four readers each: every read exact, no wait
+    for room that ends in a failure, and the blocks on disk never past the bound."""
+    models = {}
+    for name in ("a", "b"):
+        directory = nginx.root / f"shared-{name}"
+        models[name] = {
+            tensor: data for tensor, data in four_tensors(directory / "m.safetensors", size=6 * MIB).items()
+        }
+        more = {f"u{i}": random_bytes(6 * MIB, 300 + i + (name == "b") * 10) for i in range(8)}
+        write_reference(
+            directory / "m.safetensors",
+            {
+                **{k: ("U8", [6 * MIB], v) for k, v in models[name].items()},
+                **{k: ("U8", [6 * MIB], v) for k, v in more.items()},
+            },
+        )
+        models[name].update(more)
+    cache = tmp_path / "cache"
+    common = ["--cache-dir", str(cache), "--cache-size", "40M"]
+    mountpoints = {name: mounts.mount(f"{nginx.url}/shared-{name}/m.safetensors", *common) for name in models}  # type: ignore[arg-type]
+    failures: list[str] = []
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], blocks_held(cache))
+            time.sleep(0.005)
+
+    def reader(name: str, seed: int) -> None:
+        for tensor in sorted(models[name], key=lambda t: hash((t, seed))):
+            try:
+                if (mountpoints[name] / tensor).read_bytes() != models[name][tensor]:
+                    failures.append(f"{name}/{tensor}: wrong bytes")
+            except OSError as exc:
+                failures.append(f"{name}/{tensor}: {exc}")
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=reader, args=(name, seed)) for name in models for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done.set()
+    watcher.join()
+    assert failures == []
+    assert 0 < peak[0] <= 40 * MIB + 2 * 4096  # the blocks on disk, both daemons' together (and the file system's own)
+
+    def pruned() -> bool:  # the chunks no reader holds go (those of the last replies, within a second)
+        prune = cli("cache", "prune", "--cache-dir", str(cache))
+        assert prune.returncode == 0, prune.stderr
+        return not prune.stdout.startswith("freed 0 B")
+
+    wait_until(pruned, what="cache prune to free the chunks no reader holds", timeout=30)
+    for name, tensors in models.items():  # and the mounts read on, fetching again what they need
+        for tensor, data in tensors.items():
+            assert (mountpoints[name] / tensor).read_bytes() == data
+
+
+def test_a_chunk_another_process_answers_from_is_not_evicted(nginx: Nginx, tmp_path: Path) -> None:
+    """Pins are per chunk and per process: `cache prune` takes every chunk but the one a reader of
+    another process holds, and when the cache is full of held chunks the message says who holds them."""
+    directory = nginx.root / "pinned"
+    expected = four_tensors(directory / "m.safetensors", size=2 * MIB)
+    url = f"{nginx.url}/pinned/m.safetensors"
+    cache = tmp_path / "cache"
+    remote = RemoteOptions(cache_dir=cache, chunk_size=MIB, cache_size=5 * MIB)
+    from tensorfs.sources import hold
+
+    with tensorfs.open_model(url, remote=remote) as model:
+        shard_key, offset, _ = model.locate("t1")
+        shard = model.shard_data(shard_key)
+        hold(shard, offset, offset + MIB)  # two chunks pinned (t1 does not begin on a chunk), as while a reply goes out
+        start, nbytes = model.locate("t3")[1:]
+        got = bytearray(nbytes)
+        model.readinto(shard_key, start, memoryview(got))  # more chunks cached, not pinned
+        assert bytes(got) == expected["t3"]
+        shard.flush()
+        held = [(oid, chunk) for oid, chunk in cached_chunks(cache) if offset // MIB <= chunk <= (offset + MIB) // MIB]
+        assert len(held) == 2 and len(cached_chunks(cache)) > 2
+        assert cli("cache", "prune", "--cache-dir", str(cache)).returncode == 0
+        assert cached_chunks(cache) == held  # the others go; those in use stay
+        started = time.monotonic()
+        full = cli("manifest", "--cache-dir", str(cache), "--cache-size", "2M", "--chunk-mb", "1", url)
+        assert full.returncode == 1 and time.monotonic() - started < 60
+        assert f"processes {os.getpid()} use it too" in full.stderr, full.stderr
+        shard.unpin(offset, offset + MIB)
+    done = cli("manifest", "--cache-dir", str(cache), "--cache-size", "6M", "--chunk-mb", "1", url)
+    assert done.returncode == 0, done.stderr
