@@ -24,9 +24,9 @@ from tensorfs.mount.runtime import escape_path, process_start
 SECRET = b'{"secret": "only root may read this"}'
 
 
-def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=120, **kwargs
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, **kwargs
     )  # type: ignore[call-overload]
 
 
@@ -304,3 +304,32 @@ def test_s3_without_credentials_or_with_wrong_ones_gets_the_same_hint(seaweedfs:
         assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
         hints.append(result.stderr.partition("): ")[2] or result.stderr.partition("found: ")[2])
     assert all("check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)" in h for h in hints), hints
+
+
+def test_an_index_or_manifest_planted_in_a_model_directory_is_not_followed_nor_waited_on(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path
+) -> None:
+    """The other user makes the model's index or its tensors.sha256 a FIFO (which would block an
+    open until a writer comes: forever), or a symlink to root's secret: each is refused at once."""
+    secret = root_only(tmp_path)
+    model = shared_dir / "model"
+    users_model(model, other_user)
+    manifest = model / "tensors.sha256"
+    os.mkfifo(manifest)
+    result = cli("verify", str(model), timeout=30)
+    assert result.returncode == 1 and result.stderr == f"error: {manifest}: not a regular file\n"
+    manifest.unlink()
+    manifest.symlink_to(secret)
+    result = cli("verify", str(model), timeout=30)
+    assert result.returncode == 1 and "only root" not in result.stderr
+    assert result.stderr == f"error: {manifest}: cannot read: a symlink out of the model's directory\n"
+    manifest.unlink()
+    index = model / "model.safetensors.index.json"
+    os.mkfifo(index)
+    result = cli("validate", "--no-cache", str(model), timeout=30)
+    assert result.returncode == 1 and result.stderr == f"error: {index}: cannot read: not a regular file\n"
+    index.unlink()
+    index.symlink_to(secret)
+    result = cli("validate", "--no-cache", str(model), timeout=30)
+    assert result.returncode == 1 and "only root" not in result.stderr
+    assert result.stderr == f"error: {index}: cannot read: a symlink out of the model's directory\n"
