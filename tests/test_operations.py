@@ -12,14 +12,12 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import Mounts, wait_until
+from conftest import Mounts, OtherUser, wait_until
 from helpers import MIB, entry, random_bytes, raw_shard, reference_tensors, write_reference
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
@@ -492,28 +490,15 @@ def test_a_manifest_beside_one_shard_file(mounts: Mounts, model_dir: Path, tmp_p
 # -- owners and permissions, seen by another user ----------------------------------------------
 
 
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory every user can reach (pytest's own are private to the user running it)."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the test of permissions needs root on CI")
-        pytest.skip("needs root: it reads the mount as another user")
-    directory = Path(tempfile.mkdtemp(prefix="tensorfs-shared-"))
-    directory.chmod(0o755)
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 def as_nobody(path: Path) -> str:
     """Read a file as user nobody (with cat: Python itself may be out of nobody's reach): its length, or why not."""
     result = subprocess.run(["cat", str(path)], user=65534, group=65534, capture_output=True, check=False)
     return str(len(result.stdout)) if result.returncode == 0 else result.stderr.decode().rpartition(": ")[2].strip()
 
 
-def test_permissions_follow_the_shards_for_other_users(mounts: Mounts, model_dir: Path, shared_dir: Path) -> None:
+def test_permissions_follow_the_shards_for_other_users(
+    mounts: Mounts, model_dir: Path, shared_dir: Path, other_user: OtherUser
+) -> None:
     model = shared_dir / "model"
     shutil.copytree(model_dir, model)
     os.chmod(model, 0o755)
