@@ -5,7 +5,7 @@ from .header import ShardHeader, TensorInfo
 from .model import Model, open_model
 from .mounted import memmap
 from .selection import Selection
-from .sources.remote import RemoteOptions
+from .sources.store import RemoteOptions
 
 __version__ = "0.1.0"
 

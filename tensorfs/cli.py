@@ -37,9 +37,9 @@ from .model import Model, open_model
 from .names import LAYOUTS, Layout
 from .progress import Progress
 from .selection import Selection, parse_layers
-from .sources import shard_name
 from .sources.cache import default_cache_dir
-from .sources.remote import RemoteOptions, is_remote, unsupported_scheme
+from .sources.shard import shard_name
+from .sources.store import RemoteOptions, is_remote, unsupported_scheme
 from .units import human_size
 
 if TYPE_CHECKING:
@@ -935,7 +935,7 @@ def prefetch(path: Path | str, selection: Selection, cache_dir: Path | None, rem
 
     A progress line on a terminal. Afterwards the model (the selection) mounts and reads with --offline too.
     """
-    from .sources.objects import RemoteShard
+    from .sources.remote import RemoteShard
 
     with open_selected(path, selection, remote=remote) as model:
         wanted: dict[RemoteShard, list[int]] = {}
@@ -974,12 +974,12 @@ cache_dir_option = click.option(
 
 
 def _object_cache(cache_dir: Path | None) -> Any:
-    from .sources.cache import Cache
+    from .sources.cache import ChunkCache
 
     directory = (cache_dir or default_cache_dir()).absolute()
     if not (directory / "objects.sqlite").exists():
         raise TensorfsError(f"{directory}: no cache of remote models here")
-    return Cache(directory)
+    return ChunkCache(directory)
 
 
 @cache.command(name="ls")

@@ -25,7 +25,7 @@ import orjson
 from .dtypes import DTYPES, DType
 from .errors import InvalidModelError, Problem, printable
 from .gcpause import gc_paused
-from .sources import ShardKey, shard_name
+from .sources.shard import ShardKey, shard_name
 
 if TYPE_CHECKING:
     import numpy as np

@@ -20,7 +20,7 @@ import orjson
 
 from .dtypes import DTYPES
 from .header import Entry, ShardHeader
-from .sources import ShardKey
+from .sources.shard import ShardKey
 from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError
 from .header import Entry
 from .model import Model
 from .safefiles import ModelDirectory, NotRegular, read_bounded
-from .sources import Identity, ShardKey
-from .sources.remote import (
+from .sources.shard import Identity, ShardKey
+from .sources.store import (
     AccessDenied,
     RemoteError,
     RemoteOptions,

@@ -26,12 +26,12 @@ from .header import Entry, ShardHeader, TensorInfo
 from .headercache import HeaderCache
 from .names import Layout, collisions, name_problems
 from .selection import Selection, layer_of
-from .sources import Identity, ShardData, ShardKey, hold, shard_name
 from .sources.cache import default_cache_dir
 from .sources.index import INDEX_NAME
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
-from .sources.objects import RemoteDescription, RemoteOpener, RemoteShard
-from .sources.remote import CREDENTIALS_HINT, RemoteError, RemoteOptions, is_remote, redact, unsupported_scheme
+from .sources.remote import RemoteDescription, RemoteOpener, RemoteShard
+from .sources.shard import Identity, ShardData, ShardKey, hold, shard_name
+from .sources.store import CREDENTIALS_HINT, RemoteError, RemoteOptions, is_remote, redact, unsupported_scheme
 
 if TYPE_CHECKING:
     import numpy as np

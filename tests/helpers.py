@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -370,3 +371,31 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
     )
     tensors, nbytes, peak_kib = map(int, result.stdout.split())
     return tensors, nbytes, peak_kib
+
+
+# -- CRC-32 forging: what a store that means to deceive a CRC can do -----------------------------
+
+_CRC_TABLE = []
+for _i in range(256):
+    _c = _i
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0xEDB88320 if _c & 1 else _c >> 1
+    _CRC_TABLE.append(_c)
+_CRC_TOP = {entry >> 24: index for index, entry in enumerate(_CRC_TABLE)}
+
+
+def same_crc32(original: bytes, changed: bytes) -> bytes:
+    """`changed` (as long as `original`) with its last 4 bytes set so that its CRC-32 is `original`'s.
+
+    CRC-32 is linear: the state the last four bytes must lead to is found by running the table
+    backwards from the wanted CRC, and those bytes follow from the state before them.
+    """
+    assert len(changed) == len(original) >= 4
+    before = zlib.crc32(changed[:-4]) ^ 0xFFFFFFFF
+    state = zlib.crc32(original) ^ 0xFFFFFFFF
+    for _ in range(4):
+        index = _CRC_TOP[state >> 24]
+        state = (((state ^ _CRC_TABLE[index]) << 8) & 0xFFFFFFFF) | index
+    forged = changed[:-4] + (state ^ before).to_bytes(4, "little")
+    assert zlib.crc32(forged) == zlib.crc32(original) and forged != original
+    return forged

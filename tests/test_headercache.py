@@ -18,20 +18,20 @@ import pytest
 
 import tensorfs
 import tensorfs.model
-import tensorfs.sources
 import tensorfs.sources.local
+import tensorfs.sources.shard
 from conftest import Mounts, wait_until
 from helpers import header_table, model_bytes, random_bytes, reference_table, sharded_every_dtype, write_reference
 from tensorfs import headercache
 from tensorfs.errors import InvalidModelError
 from tensorfs.headercache import HeaderCache
-from tensorfs.sources import SETTLED_NS  # the real window (the fixture below shuts it in this process)
+from tensorfs.sources.shard import SETTLED_NS  # the real window (the fixture below shuts it in this process)
 
 
 @pytest.fixture(autouse=True)
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Files just written may be cached here (in this process): the racy window has a test of its own."""
-    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_nothing_is_kept_of_files_changed_too_lately_to_tell(
 ) -> None:
     """Racily clean files: with timestamps of a second (or a jiffy), a rewrite within the same tick
     keeps the identity, so what was read within SETTLED_NS of a change is never remembered."""
-    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 3600 * 10**9)  # every file here is "just written"
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 3600 * 10**9)  # every file here is "just written"
     headers, index, checks = parsed(monkeypatch)
     cache = tmp_path / "cache"
     for _ in range(2):

@@ -18,7 +18,7 @@ import trio
 
 import tensorfs
 import tensorfs.integrity
-import tensorfs.sources
+import tensorfs.sources.shard
 from conftest import Mounts, wait_until
 from helpers import (
     MIB,
@@ -169,7 +169,7 @@ def big_model(directory: Path) -> Path:
 
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let files just written be cached (in this process); the racy window has a test of its own."""
-    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)
 
 
 def test_cache_serves_unchanged_shards_and_never_changed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -431,7 +431,7 @@ def test_hashes_of_files_changed_too_lately_to_tell_are_not_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With second-grained timestamps a rewrite in the same second keeps the identity (and the hash).
-    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 3600 * 10**9)
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 3600 * 10**9)
     model_dir = big_model(tmp_path / "model")
     for _ in range(2):
         with tensorfs.open_model(model_dir) as model:

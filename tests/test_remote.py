@@ -33,8 +33,8 @@ from helpers import (
 )
 from servers import TOKEN, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import mounts as mount_table
-from tensorfs.sources import hold
-from tensorfs.sources.remote import RemoteOptions
+from tensorfs.sources.shard import hold
+from tensorfs.sources.store import RemoteOptions
 
 
 @pytest.fixture
@@ -505,10 +505,10 @@ def test_headers_of_objects_are_cached_by_url_etag_and_size(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tensorfs.sources
-    import tensorfs.sources.objects as objects
+    import tensorfs.sources.remote as objects
+    import tensorfs.sources.shard
 
-    monkeypatch.setattr(tensorfs.sources, "SETTLED_NS", 0)  # objects just written may be cached here
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)  # objects just written may be cached here
     parses = 0
     real = objects._validated
 

@@ -26,7 +26,7 @@ from servers import DroppingProxy, Nginx, SeaweedFS
 from tensorfs.model import open_model
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.sources.cache import OBJECTS_DIR
-from tensorfs.sources.remote import RemoteOptions
+from tensorfs.sources.store import RemoteOptions
 
 
 def big_model(directory: Path, tensors: int = 12, size: int = 8 * MIB) -> dict[str, bytes]:

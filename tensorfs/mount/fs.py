@@ -29,7 +29,7 @@ import trio
 
 from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
-from ..sources import ShardData, ShardKey, hold
+from ..sources.shard import ShardData, ShardKey, hold
 from ..views import Companion, Piece, SynthesizedFile
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree

@@ -23,7 +23,7 @@ from .. import __version__
 from ..errors import TensorfsError
 from ..integrity import Integrity
 from ..model import Model
-from ..sources import ShardKey
+from ..sources.shard import ShardKey
 from ..views import ViewSpec, build_view
 from . import fs
 from .daemon import READY, MountOptions
@@ -55,6 +55,9 @@ def serve(
     for warning in view.warnings:
         log.warning("%s", warning)
     tree = Tree(model, options.layout, control, options.ownership, build_view(model, view))
+    if integrity.expected is not None:  # bytes fetched again must be those that passed it
+        for shard in model.shards:
+            model.shard_data(shard).hold_to_manifest()
     watched = {shard: model.shard_data(shard).watched() for shard in model.shards}
     watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
     operations = TensorOperations(tree, integrity, watch)

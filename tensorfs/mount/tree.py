@@ -28,7 +28,7 @@ from ..header import Entry
 from ..integrity import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
-from ..sources import ShardKey, shard_name
+from ..sources.shard import ShardKey, shard_name
 from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
 
 ROOT_INODE = 1

@@ -22,7 +22,7 @@ import struct
 import time
 from collections.abc import Iterable
 
-from ..sources import ShardKey
+from ..sources.shard import ShardKey
 
 log = logging.getLogger(__name__)
 

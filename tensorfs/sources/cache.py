@@ -3,19 +3,22 @@
 Layout of a cache directory (this user's alone; shared safely by several processes):
 
     objects.sqlite   objects (URL, ETag, size, header, chunk size), chunks present, every chunk's
-                     SHA-256 as it first came, models resolved
+                     checksums as it first came, models resolved
     objects/ID       one sparse file per object version (ID: sha256 of URL, ETag and size)
 
 No byte is taken from the cache that is not the object's:
 
 - A chunk is written only inside its own range: a server that sends more than was asked is an
   error, and a failed fetch frees only its own chunk.
-- Each chunk's SHA-256 is computed as it arrives and kept with the object for as long as the object
-  is cached, also after the chunk is evicted: the same version must always give the same bytes,
-  so a chunk fetched again that hashes otherwise is refused (a store that serves other bytes under
-  one ETag), and so is a chunk whose file bytes no longer hash to it (the file changed on disk: a
-  miss, fetched again, never data). A process checks every chunk it did not fetch itself before it
-  first uses it.
+- Each chunk's checksums are computed as it arrives and kept with the object for as long as the
+  object is cached, also after the chunk is evicted: the same version must always give the same
+  bytes, so a chunk fetched again that sums otherwise is refused (a store that serves other bytes
+  under one ETag), and so is a chunk whose file bytes no longer sum to them (the file changed on
+  disk: a miss, fetched again, never data). A process checks every chunk it did not fetch itself
+  before it first uses it. The checksum is a CRC-32 (what changes by accident shows, at a small
+  cost), and a SHA-256 too where a manifest is in force: a store that means to send other bytes
+  under one ETag cannot forge that one, and the bytes that passed the manifest are the only ones
+  ever served again.
 - A chunk counts as present only once its bytes are written and flushed to disk (fdatasync) and its
   row committed: a process killed mid-chunk leaves a chunk that is fetched again, never a hole
   taken for data.
@@ -46,6 +49,7 @@ import sqlite3
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,15 +61,16 @@ from ..safefiles import UnsafeLocation, check_private_file, make_private_file, p
 from ..syscalls import fallocate, punch_hole
 from ..units import human_size
 from .pages import Pages
-from .remote import ObjectChanged, ObjectVersion, RemoteError, read_range
+from .store import ObjectChanged, ObjectVersion, RemoteError, read_range
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "objects.sqlite"
 OBJECTS_DIR = "objects"
 ROOM_LOCK = "room.lock"
-SCHEMA = 2
-"""The form of the database: a cache of an older form is emptied of its chunks (they had no checksums)."""
+SCHEMA = 3
+"""The form of the database: a cache of an older form is emptied of its chunks (their checksums were
+not these, or there were none)."""
 _ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before it fails (cache too small)
 _SAVE_AT_LEAST_EVERY = 1.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
 _FETCH_WAIT = 0.01  # seconds between looks at a chunk another process is fetching
@@ -154,8 +159,8 @@ def holders(path: Path) -> list[int]:
     return sorted(found)
 
 
-class Cache:
-    """One cache directory, as this process uses it."""
+class ChunkCache:
+    """The cache of remote objects' chunks in one directory, as this process uses it."""
 
     def __init__(self, directory: Path, limit: int | None = None) -> None:
         self.directory = directory
@@ -165,7 +170,7 @@ class Cache:
         self._pid = 0
         self._checked_directory = False
         self._objects: dict[str, CachedObject] = {}  # open in this process, by id
-        self._pending: dict[str, dict[int, tuple[int, bytes]]] = {}  # chunks written, not yet recorded
+        self._pending: dict[str, dict[int, tuple[int, ChunkSum]]] = {}  # chunks written, not yet recorded
         self._saving = threading.Lock()
         self._room = threading.Condition(self._lock)  # told when pinned chunks are let go, or rows saved
         self._waiting_for_room = 0
@@ -200,7 +205,8 @@ class Cache:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA:
-                    db.execute("DROP TABLE IF EXISTS chunks")  # made without checksums: fetched again
+                    db.execute("DROP TABLE IF EXISTS chunks")  # their checksums were not these: fetched again
+                    db.execute("DROP TABLE IF EXISTS digests")
                 db.execute(
                     "CREATE TABLE IF NOT EXISTS objects (id TEXT PRIMARY KEY, url TEXT NOT NULL, etag TEXT NOT NULL,"
                     " size INTEGER NOT NULL, mtime REAL NOT NULL, chunk_size INTEGER NOT NULL,"
@@ -213,7 +219,7 @@ class Cache:
                 db.execute("CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used)")
                 db.execute(
                     "CREATE TABLE IF NOT EXISTS digests (object TEXT NOT NULL, chunk INTEGER NOT NULL,"
-                    " sha256 BLOB NOT NULL, PRIMARY KEY (object, chunk)) WITHOUT ROWID"
+                    " crc32 INTEGER NOT NULL, sha256 BLOB, PRIMARY KEY (object, chunk)) WITHOUT ROWID"
                 )
                 db.execute(
                     "CREATE TABLE IF NOT EXISTS models (source TEXT PRIMARY KEY, description TEXT NOT NULL,"
@@ -266,11 +272,11 @@ class Cache:
                              time.time()),
                         )  # fmt: skip
                     present = [c for (c,) in db.execute("SELECT chunk FROM chunks WHERE object=?", (oid,))]
-                    digests = dict(db.execute("SELECT chunk, sha256 FROM digests WHERE object=?", (oid,)).fetchall())
+                    sums = db.execute("SELECT chunk, crc32, sha256 FROM digests WHERE object=?", (oid,)).fetchall()
             except BaseException:
                 cached.close()
                 raise
-            cached.known(digests)
+            cached.known({chunk: ChunkSum(crc, sha) for chunk, crc, sha in sums})
             cached.clear_orphans(set(present))
             self._objects[oid] = cached
             return cached
@@ -293,8 +299,8 @@ class Cache:
         return found if isinstance(found, dict) else None
 
     # -- presence ---------------------------------------------------------------------------
-    def recorded(self, oid: str, chunk: int) -> bytes | None:
-        """The chunk's SHA-256 if it is recorded present (its bytes on disk, by some process), else None.
+    def recorded(self, oid: str, chunk: int) -> ChunkSum | None:
+        """The chunk's checksums if it is recorded present (its bytes on disk, by some process), else None.
 
         On a connection of its own: a reader's lookup never waits for a commit of this process.
         """
@@ -304,21 +310,28 @@ class Cache:
                     self.db()
                     self._reader = sqlite3.connect(self.directory / DB_NAME, timeout=30.0, check_same_thread=False)
                 row = self._reader.execute(
-                    "SELECT d.sha256 FROM chunks c JOIN digests d ON d.object = c.object AND d.chunk = c.chunk"
+                    "SELECT d.crc32, d.sha256 FROM chunks c JOIN digests d ON d.object = c.object AND d.chunk = c.chunk"
                     " WHERE c.object=? AND c.chunk=?",
                     (oid, chunk),
                 ).fetchone()
             except sqlite3.Error as exc:
                 raise RemoteError(f"the cache {self.directory}: {exc}") from None
-        return bytes(row[0]) if row is not None else None
+        return ChunkSum(row[0], row[1]) if row is not None else None
 
-    def digest_of(self, oid: str, chunk: int) -> bytes | None:
-        """The SHA-256 the chunk had when it first came, if it ever came."""
+    def sums_of(self, oid: str, chunk: int) -> ChunkSum | None:
+        """The checksums the chunk had when it first came, if it ever came."""
         with self._transaction() as db:
-            row = db.execute("SELECT sha256 FROM digests WHERE object=? AND chunk=?", (oid, chunk)).fetchone()
-        return bytes(row[0]) if row is not None else None
+            row = db.execute("SELECT crc32, sha256 FROM digests WHERE object=? AND chunk=?", (oid, chunk)).fetchone()
+        return ChunkSum(row[0], row[1]) if row is not None else None
 
-    def record(self, cached: CachedObject, chunk: int, nbytes: int, digest: bytes) -> None:
+    def strengthen(self, oid: str, chunk: int, sums: ChunkSum) -> None:
+        """Keep the SHA-256 of a chunk that came before without one (its CRC-32 checked as the same)."""
+        with contextlib.suppress(RemoteError), self._transaction() as db:
+            db.execute(
+                "UPDATE digests SET sha256=? WHERE object=? AND chunk=? AND sha256 IS NULL", (sums.sha256, oid, chunk)
+            )
+
+    def record(self, cached: CachedObject, chunk: int, nbytes: int, digest: ChunkSum) -> None:
         """A chunk written: it is recorded (for other processes, and after a crash) at the next save()."""
         with self._lock:
             self._pending.setdefault(cached.id, {})[chunk] = (nbytes, digest)
@@ -367,7 +380,7 @@ class Cache:
         return True
 
     def _commit(
-        self, pending: dict[str, dict[int, tuple[int, bytes]]], touched: dict[str, set[int]], files: list[int]
+        self, pending: dict[str, dict[int, tuple[int, ChunkSum]]], touched: dict[str, set[int]], files: list[int]
     ) -> None:
         try:
             for fd in files:
@@ -385,9 +398,14 @@ class Cache:
                     "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?)",
                     [(oid, chunk, now) for oid, chunks in pending.items() for chunk in chunks],
                 )
-                db.executemany(
-                    "INSERT OR IGNORE INTO digests VALUES (?, ?, ?)",
-                    [(oid, chunk, digest) for oid, chunks in pending.items() for chunk, (_, digest) in chunks.items()],
+                db.executemany(  # a SHA-256 where there was none before is kept; nothing else changes
+                    "INSERT INTO digests VALUES (?, ?, ?, ?) ON CONFLICT (object, chunk)"
+                    " DO UPDATE SET sha256 = COALESCE(digests.sha256, excluded.sha256)",
+                    [
+                        (oid, chunk, s.crc32, s.sha256)
+                        for oid, chunks in pending.items()
+                        for chunk, (_, s) in chunks.items()
+                    ],
                 )
                 db.executemany(
                     "UPDATE chunks SET used=? WHERE object=? AND chunk=?",
@@ -704,7 +722,7 @@ class Cache:
 class CachedObject:
     """One object version's cache file in this process: mapped, held, its chunks known present or not."""
 
-    def __init__(self, cache: Cache, oid: str, version: ObjectVersion, path: Path, chunk_size: int) -> None:
+    def __init__(self, cache: ChunkCache, oid: str, version: ObjectVersion, path: Path, chunk_size: int) -> None:
         self.cache = cache
         self.id = oid
         self.version = version
@@ -713,8 +731,10 @@ class CachedObject:
         self.users = 1
         self.chunks = -(-version.size // chunk_size)
         self._present = bytearray(self.chunks)
-        """Chunks this process may answer from: fetched here, or recorded and checked against their digest."""
-        self._digests: dict[int, bytes] = {}
+        """Chunks this process may answer from: fetched here, or recorded and checked against their checksums."""
+        self._digests: dict[int, ChunkSum] = {}
+        self.strong = False
+        """Whether chunks are also summed with SHA-256 here (where a manifest is in force)."""
         self._lock = threading.Lock()
         self._inflight: dict[int, Future[None]] = {}
         self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
@@ -728,10 +748,10 @@ class CachedObject:
         self.view = memoryview(self._mapping) if self._mapping is not None else memoryview(b"")
         self.pages = Pages(self.view)
 
-    def known(self, digests: dict[int, bytes]) -> None:
-        """The digests the object's chunks came with (its recorded chunks are checked against them
+    def known(self, sums: dict[int, ChunkSum]) -> None:
+        """The checksums the object's chunks came with (its recorded chunks are checked against them
         when first wanted here, and so become present here)."""
-        self._digests = {int(chunk): bytes(digest) for chunk, digest in digests.items()}
+        self._digests = dict(sums)
 
     def clear_orphans(self, recorded: set[int]) -> None:
         """Free the blocks of chunks allocated but never recorded (their fetch did not end: its process
@@ -820,7 +840,7 @@ class CachedObject:
 
     def hold(self, first: int, last: int, start: ThreadPoolExecutor, *, offline: bool = False) -> None:
         """Make chunks first..last present and pin them (blocking: a worker thread): room for all that
-        are missing is claimed at once, each is pinned before it is fetched (see Cache.claim).
+        are missing is claimed at once, each is pinned before it is fetched (see ChunkCache.claim).
 
         CacheFull when there is no room in time; a fetch's own error as it is (wait()).
         """
@@ -963,7 +983,7 @@ class CachedObject:
 
     def _check(self, chunk: int) -> bool:
         """Whether a chunk recorded (by any process, any time) is present here: its bytes on disk
-        still hash to what they did when they came. A chunk that does not is a miss, never data:
+        still sum to what they did when they came. A chunk that does not is a miss, never data:
         its record is dropped and it is fetched again."""
         if not _lock(self.fd, fcntl.F_RDLCK, _presence_byte(chunk)):
             return False  # being evicted just now
@@ -972,7 +992,7 @@ class CachedObject:
             if digest is None:
                 return False
             begin, end = self._range(chunk)
-            actual = hashlib.sha256()
+            actual = _Summing(self.strong)
             buffer = bytearray(min(_CHECK_PIECE, end - begin))
             for start in range(begin, end, _CHECK_PIECE):
                 piece = memoryview(buffer)[: min(_CHECK_PIECE, end - start)]
@@ -982,8 +1002,11 @@ class CachedObject:
             with self._lock:
                 if not self._pins.get(chunk):
                     _lock(self.fd, fcntl.F_UNLCK, _presence_byte(chunk))
-        if actual.digest() == digest:
-            self._digests[chunk] = digest
+        found = actual.sums()
+        if digest.agrees(found):
+            if found.sha256 is not None and digest.sha256 is None:  # summed for a manifest now: kept
+                self.cache.strengthen(self.id, chunk, found)
+            self._digests[chunk] = ChunkSum(digest.crc32, digest.sha256 or found.sha256)
             COUNTERS.add(chunks_checked=1)
             return True
         COUNTERS.add(bad_chunks=1)
@@ -1004,10 +1027,10 @@ class CachedObject:
         begin, end = self._range(chunk)
         if not reserved:
             self.cache.reserve(self, chunk, end - begin, wait=room)
-        digest = hashlib.sha256()
+        summing = _Summing(self.strong)
 
         def write(offset: int, piece: bytes) -> None:
-            digest.update(piece)
+            summing.update(piece)
             view = memoryview(piece)
             while view:
                 written = os.pwrite(self.fd, view, offset)
@@ -1016,8 +1039,9 @@ class CachedObject:
         try:
             COUNTERS.add(gets=1)
             read_range(self.version, begin, end, write)
-            expected = self._digests.get(chunk) or self.cache.digest_of(self.id, chunk)
-            if expected is not None and digest.digest() != expected:
+            expected = self._digests.get(chunk) or self.cache.sums_of(self.id, chunk)
+            digest = summing.sums()
+            if expected is not None and not expected.agrees(digest):
                 COUNTERS.add(changed_chunks=1)
                 raise BadChunk(
                     f"{self.version.url}: bytes [{begin}, {end}) are not those the same version (ETag "
@@ -1033,9 +1057,9 @@ class CachedObject:
                 raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
             raise
         COUNTERS.add(fetched_bytes=end - begin)
-        self._fetched(chunk, digest.digest())
+        self._fetched(chunk, digest)
 
-    def _fetched(self, chunk: int, digest: bytes | None) -> None:
+    def _fetched(self, chunk: int, digest: ChunkSum | None) -> None:
         """The chunk is present here; a new one (its digest given) is recorded at the next save."""
         with self._lock:
             self._present[chunk] = 1
@@ -1044,9 +1068,9 @@ class CachedObject:
         if digest is not None:
             self.cache.record(self, chunk, self.chunk_bytes(chunk), digest)
         else:
-            self.recorded({chunk: (0, b"")})
+            self.recorded([chunk])
 
-    def recorded(self, chunks: dict[int, tuple[int, bytes]]) -> None:
+    def recorded(self, chunks: Iterable[int]) -> None:
         """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""
         with self._lock:
             for chunk in chunks:
@@ -1095,6 +1119,37 @@ class CachedObject:
         with contextlib.suppress(OSError):
             os.close(self.fd)  # and with it every lock of this process on the file
         self.fd = -1
+
+
+@dataclass(frozen=True)
+class ChunkSum:
+    """What a chunk's bytes summed to when they first came: a CRC-32 always, a SHA-256 where a
+    manifest is in force (see the module's docstring)."""
+
+    crc32: int
+    sha256: bytes | None = None
+
+    def agrees(self, other: ChunkSum) -> bool:
+        """Whether `other` sums the same bytes: the CRC-32s equal, and the SHA-256s where both have one."""
+        if self.crc32 != other.crc32:
+            return False
+        return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
+
+
+class _Summing:
+    """The checksums of bytes given a piece at a time (both functions let the GIL go for large pieces)."""
+
+    def __init__(self, strong: bool) -> None:
+        self._crc = 0
+        self._sha = hashlib.sha256() if strong else None
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._crc = zlib.crc32(piece, self._crc)
+        if self._sha is not None:
+            self._sha.update(piece)
+
+    def sums(self) -> ChunkSum:
+        return ChunkSum(self._crc, self._sha.digest() if self._sha is not None else None)
 
 
 def _open_held(path: Path, size: int) -> int:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..header import ShardHeader, open_shard, read_header_fd
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, read_bounded
-from . import Identity, ShardData
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 from .pages import Pages
+from .shard import Identity, ShardData
 
 log = logging.getLogger(__name__)
 

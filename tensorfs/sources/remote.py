@@ -1,766 +1,306 @@
-"""Shards that are objects in a store: S3 (and any S3-compatible store), plain HTTP(S), and the Hub.
+"""Remote shards: objects read through the local cache, and how a remote model's shards are opened.
 
-The client is obstore (DESIGN.md: measured best here). Everything about a store is kept in a
-StoreSpec, a picklable recipe, so that the daemon makes its own client from what the command
-validated. Each object is read at a version: the ETag and size seen when its header was read;
-every later GET is conditional on that ETag (If-Match), so versions are never mixed.
-
-    s3://BUCKET/PREFIX            every *.safetensors under PREFIX/ (not recursive), or the index there
-    s3://BUCKET/KEY.safetensors   one object (and KEY.index.json: an index, its shards beside it)
-    http(s)://HOST/.../NAME.safetensors, or .../model.safetensors.index.json (no listing over HTTP)
-    hf://ORG/NAME[@REVISION]      the Hub: {HF_ENDPOINT}/ORG/NAME/resolve/REVISION/FILE (and hf://.../FILE)
+A remote shard's bytes are its cache file's: mapped read-only like a local shard, and made
+present chunk by chunk (GETs on the fetch threads, then madvise) before anything reads them.
+A reader that keeps on where the last one stopped is sequential, however many tensor files it
+opens on the way: the chunks ahead of it are fetched before it asks (the window doubles each
+time, up to as many chunks as there are fetch threads); any other reader fetches only what it
+reads.
 """
 
 from __future__ import annotations
 
-import configparser
 import os
-import re
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
-from urllib.parse import unquote, urlsplit
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from ..errors import Problem, TensorfsError, printable
-from ..header import MAX_HEADER_BYTES
-from ..units import human_size
-from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
+from ..errors import InvalidModelError, Problem, ShardChangedError
+from ..header import ShardHeader, header_length, parse_header
+from .cache import CachedObject, ChunkCache, Fetcher, default_cache_dir, wait
+from .index import first_tensor
+from .shard import Identity, ShardData, hold, settled
 
 if TYPE_CHECKING:
-    from obstore.store import ObjectStore
-
-REMOTE_SCHEMES = ("s3://", "http://", "https://", "hf://")
-FIRST_READ = 64 << 10
-"""The first GET of a shard: its header, almost always whole (a second GET reads the rest)."""
-HF_ENDPOINT = "https://huggingface.co"
-
-
-def is_remote(source: object) -> bool:
-    return isinstance(source, str) and source.startswith(REMOTE_SCHEMES)
-
-
-def unsupported_scheme(source: object) -> str | None:
-    """Why `source` cannot be a model when it is a URL of a scheme tensorfs does not read (else None)."""
-    if not isinstance(source, str) or is_remote(source):
-        return None
-    scheme, sep, _ = source.partition("://")
-    if sep and scheme and scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
-        return f"{scheme}:// is not a source tensorfs reads (s3://, http://, https://, hf://, or a local path)"
-    return None
-
-
-CREDENTIALS_HINT = (
-    "credentials in a URL are never sent, and would show in /proc/mounts, logs and records: for S3 set "
-    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), for the Hub HF_TOKEN"
+    from ..headercache import HeaderCache
+from .store import (
+    Located,
+    ObjectRef,
+    ObjectVersion,
+    RemoteError,
+    RemoteOptions,
+    locate,
+    model_key,
+    read_header,
+    store_spec,
 )
 
 
-def check_url(url: str, what: str = "") -> None:
-    """RemoteError (the URL shown without its secret) for a URL that carries credentials (user:password@)."""
-    if "@" in urlsplit(url).netloc:
-        raise RemoteError(f"{redact(url)}: {what + ': ' if what else ''}{CREDENTIALS_HINT}")
-
-
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
-
-
-def redact(text: str) -> str:
-    """`text` with the user:password of any URL in it replaced by ***."""
-    return _USERINFO.sub(r"\1***@", text)
-
-
-def model_key(source: str, options: RemoteOptions) -> str:
-    """One name for one model however its URL is written: hf://ORG/NAME is hf://ORG/NAME@main."""
-    spec, key = store_spec(source, options)
-    return spec.url(key)
-
-
-class RemoteError(TensorfsError):
-    """An object could not be read from its store (after the retries the error allows)."""
-
-
-class AccessDenied(RemoteError):
-    """The store refused the request (401, 403)."""
-
-
-class ObjectChanged(RemoteError):
-    """An object was replaced in its store since it was validated: its other bytes are not to be mixed in."""
-
-
 @dataclass(frozen=True)
-class RemoteOptions:
-    """How to reach stores, and the local cache that remote shards are read through."""
+class RemoteDescription:
+    """A remote shard as validated: the object version, and how this process read it (the options)."""
 
-    endpoint_url: str | None = None
-    """An S3-compatible endpoint (AWS_ENDPOINT_URL also sets it)."""
-    region: str | None = None
-    no_sign_request: bool = False
-    """Anonymous requests (public buckets)."""
-    cache_dir: Path | None = None
-    """Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs)."""
-    cache_size: int | None = None
-    """Bytes the cache may hold (least recently used chunks go first); None: no bound."""
-    chunk_size: int = 8 << 20
-    concurrency: int = 8
-    """GETs at once."""
-    timeout: float = 60.0
-    """Seconds a read may wait on the store, retries included, before it fails."""
-    offline: bool = False
-    """Only what is cached: no request is made."""
-
-    def __post_init__(self) -> None:
-        if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
-            object.__setattr__(self, "cache_dir", Path(self.cache_dir))  # a string is meant as a path
-        if self.cache_size is not None and self.cache_size < 2 * self.chunk_size:
-            raise TensorfsError(
-                f"--cache-size {human_size(self.cache_size)} holds less than two chunks of "
-                f"{human_size(self.chunk_size)} (a read may span two): raise it, or lower --chunk-mb"
-            )
+    version: ObjectVersion
+    options: RemoteOptions
 
 
-@dataclass(frozen=True)
-class StoreSpec:
-    """A store, as a recipe that any process can make a client from (see client())."""
-
-    kind: Literal["s3", "http"]
-    root: str
-    """The bucket (s3), or the base URL without a trailing slash (http)."""
-    scheme_root: str
-    """What URLs of its objects begin with: s3://BUCKET, the base URL, hf://ORG/NAME@REV."""
-    endpoint_url: str | None = None
-    region: str | None = None
-    no_sign: bool = False
-    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    timeout: float = 60.0
-
-    def url(self, key: str) -> str:
-        return f"{self.scheme_root}/{key}" if key else self.scheme_root
-
-    def client(self) -> ObjectStore:
-        """An obstore client for this store: one per process and recipe (they are thread-safe).
-
-        obstore's runtime does not survive a fork: a process forked after obstore was used hangs
-        on its first request. That is a bug of the caller, told here rather than as a hang.
-        """
-        global _used_in
-        with _clients_lock:
-            if _used_in is not None and _used_in != os.getpid():
-                raise RuntimeError(
-                    f"obstore was used in process {_used_in}, which forked this one: it cannot work here"
-                )
-            _used_in = os.getpid()
-            store = _clients.get(self)
-            if store is None:
-                store = _clients[self] = _make_client(self)
-            return store
+_caches: dict[tuple[str, int | None], ChunkCache] = {}
+_caches_lock = threading.Lock()
 
 
-_clients: dict[StoreSpec, Any] = {}
-_clients_lock = threading.Lock()
-_used_in: int | None = None  # the process whose obstore runtime is running
+def shared_cache(options: RemoteOptions) -> ChunkCache:
+    """The cache that `options` name, one per process (its chunks and locks are the process's)."""
+    directory = (options.cache_dir or default_cache_dir()).absolute()
+    with _caches_lock:
+        key = (str(directory), options.cache_size)
+        cache = _caches.get(key)
+        if cache is None:
+            cache = _caches[key] = ChunkCache(directory, options.cache_size)
+        return cache
 
 
-def _make_client(spec: StoreSpec) -> ObjectStore:
-    from obstore.store import HTTPStore, S3Store
+class RemoteShard(ShardData):
+    """An object version, read through its cache file."""
 
-    timeout = timedelta(seconds=spec.timeout)
-    retry = {
-        "max_retries": 1_000_000,  # the time is the bound (--remote-timeout), not a count
-        "retry_timeout": timeout,
-        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
-    }
-    client: dict[str, Any] = {"timeout": timeout, "connect_timeout": timedelta(seconds=min(10.0, spec.timeout))}
-    # The bytes as they are stored: a compressed answer is refused (see _plain), never taken for them.
-    client["default_headers"] = {"Accept-Encoding": "identity", **dict(spec.headers)}
-    if spec.kind == "http":
-        client["allow_http"] = spec.root.startswith("http://")
-        return HTTPStore.from_url(spec.root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
-    config: dict[str, Any] = {}
-    endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
-    if endpoint:
-        check_url(endpoint, "the endpoint")
-        config["endpoint"] = endpoint
-        config["virtual_hosted_style_request"] = False  # S3-compatible stores want the bucket in the path
-        client["allow_http"] = endpoint.startswith("http://")
-    profile = _profile()
-    region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    config["region"] = region or profile.get("region") or "us-east-1"
-    if spec.no_sign:
-        config["skip_signature"] = True
-    elif not os.environ.get("AWS_ACCESS_KEY_ID") and profile.get("aws_access_key_id"):
-        # The shared credentials file (obstore reads the environment and instance metadata itself).
-        config["access_key_id"] = profile["aws_access_key_id"]
-        config["secret_access_key"] = profile.get("aws_secret_access_key", "")
-        if profile.get("aws_session_token"):
-            config["token"] = profile["aws_session_token"]
-    return S3Store(spec.root, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
-
-
-def _profile() -> dict[str, str]:
-    """The AWS profile's settings from ~/.aws/credentials and ~/.aws/config (AWS_PROFILE, default 'default')."""
-    name = os.environ.get("AWS_PROFILE") or "default"
-    found: dict[str, str] = {}
-    files = (
-        (os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config", "default" if name == "default" else f"profile {name}"),
-        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", name),
-    )
-    for path, section in files:
-        parser = configparser.RawConfigParser()
-        try:
-            parser.read(os.path.expanduser(path), encoding="utf-8")
-        except (OSError, configparser.Error):
-            continue
-        if parser.has_section(section):
-            found.update(parser.items(section))
-    return found
-
-
-def _hf_token() -> str | None:
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if token:
-        return token.strip()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    for path in (os.environ.get("HF_TOKEN_PATH"), os.path.join(home, "token")):
-        if path:
-            try:
-                return Path(os.path.expanduser(path)).read_text().strip() or None
-            except OSError:
-                continue
-    return None
-
-
-# -- objects and where a model's are ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ObjectRef:
-    """An object of a store (not yet a version of it)."""
-
-    spec: StoreSpec
     key: str
+    lazy_views = False
 
-    @property
-    def url(self) -> str:
-        return self.spec.url(self.key)
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1]
-
-    def sibling(self, name: str) -> ObjectRef:
-        directory = self.key.rpartition("/")[0]
-        return ObjectRef(self.spec, f"{directory}/{name}" if directory else name)
-
-
-@dataclass(frozen=True)
-class ObjectVersion:
-    """An object as it was when its header was read: every later GET must find the same one."""
-
-    ref: ObjectRef
-    etag: str
-    size: int
-    mtime: float
-    """Last-Modified, in seconds since the epoch."""
-
-    @property
-    def url(self) -> str:
-        return self.ref.url
-
-
-@dataclass
-class Located:
-    """A remote model's shards, and the index's weight map when there is one."""
-
-    shards: list[ObjectRef]
-    weight_map: dict[str, str] | None = None
-    index_label: str | None = None
-
-
-def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
-    """(the store, the key or prefix within it) of a model's URL."""
-    check_url(source)
-    if source.startswith("s3://"):
-        bucket, _, key = source[len("s3://") :].partition("/")
-        if not bucket:
-            raise RemoteError(f"{source}: no bucket: s3://BUCKET/PREFIX")
-        spec = StoreSpec(
-            "s3", bucket, f"s3://{bucket}", options.endpoint_url, options.region, options.no_sign_request,
-            timeout=options.timeout,
-        )  # fmt: skip
-        return spec, key.strip("/")
-    if source.startswith("hf://"):
-        org, _, rest = source[len("hf://") :].strip("/").partition("/")
-        name_revision, _, key = rest.partition("/")
-        name, _, revision = name_revision.partition("@")
-        if not org or not name:
-            raise RemoteError(f"{source}: a Hub model is hf://ORG/NAME or hf://ORG/NAME@REVISION")
-        repo, revision = f"{org}/{name}", revision or "main"
-        endpoint = (os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
-        check_url(endpoint, "HF_ENDPOINT")
-        token = None if options.no_sign_request else _hf_token()
-        headers = (("Authorization", f"Bearer {token}"),) if token else ()
-        base = f"{endpoint}/{repo}/resolve/{revision}"
-        return StoreSpec("http", base, f"hf://{repo}@{revision}", headers=headers, timeout=options.timeout), key
-    if "?" in source or "#" in source:
-        raise RemoteError(f"{source}: URLs with a query or fragment (signed URLs) are not supported")
-    base, _, name = source.rstrip("/").rpartition("/")
-    name = unquote(name)  # the store's client escapes what the key needs: %20 must not become %2520
-    if not name.endswith((".safetensors", ".index.json")):
-        raise RemoteError(
-            f"{source}: name the model's index (…/{INDEX_NAME}) or a .safetensors file: HTTP has no listing"
+    def __init__(self, cached: CachedObject, options: RemoteOptions) -> None:
+        self.cached = cached
+        self.key = self.label = cached.version.url
+        self.view = cached.view
+        self.options = options
+        self._pool = Fetcher.pool(options.concurrency)
+        self._lock = threading.Lock()
+        self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
+        self._window = 0  # chunks fetched ahead of a sequential reader
+        # Never so far ahead that the window evicts what the reader is on (two chunks: a read may span two).
+        room = None if cached.cache.limit is None else cached.cache.limit // cached.chunk_size - 2
+        self._most_ahead = options.concurrency if room is None else min(options.concurrency, room)
+        version = cached.version
+        mtime = int(version.mtime * 1e9)
+        # The mounting user's alone, as the credentials that read it are: -o allow_other must not show
+        # a private bucket to every user (-o umask= opens it up, on purpose).
+        self._status = os.stat_result(
+            (0o100400, 0, 0, 1, os.getuid(), os.getgid(), version.size, int(version.mtime), int(version.mtime), 0),
+            {"st_atime_ns": mtime, "st_mtime_ns": mtime, "st_ctime_ns": mtime},
         )
-    return StoreSpec("http", base, base, timeout=options.timeout), name
 
+    @classmethod
+    def reopen(cls, saved: RemoteDescription) -> RemoteShard:
+        cache = shared_cache(saved.options)
+        return cls(cache.open_object(saved.version, None, saved.options.chunk_size), saved.options)
 
-def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
-    """The shards of the remote model at `source` (same rules as a local model's), problems said."""
-    spec, key = store_spec(source, options)
-    if key.endswith(".safetensors"):
-        return Located([ObjectRef(spec, key)])
-    if key.endswith(".index.json"):
-        return _from_index(ObjectRef(spec, key), problems)
-    # A directory: its index if it has one, else every *.safetensors in it (s3), or model.safetensors (hf).
-    prefix = f"{key}/" if key else ""
-    index = ObjectRef(spec, prefix + INDEX_NAME)
-    try:
-        data = _index(index)
-    except FileNotFoundError:
-        data = None
-    except RemoteError as exc:
-        problems.append(Problem(index.url, reason_of(exc, index.url)))
-        return Located([])
-    if data is not None:
-        return _from_index(index, problems, data)
-    if spec.kind == "http":  # the Hub: no listing either
-        return Located([ObjectRef(spec, prefix + "model.safetensors")])
-    shards = _list_shards(spec, prefix, problems)
-    if shards is not None and not shards:
-        problems.append(Problem(spec.url(key) + "/", "no .safetensors objects under this prefix"))
-    return Located(shards or [])
+    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+        """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map
+        them: a window ahead of readers, which takes room only if there is some (NoRoomNow if not)."""
+        if end <= start:
+            return True
+        first, last = self._chunks(start, end)
+        waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk, room=False)) is not None]
+        self._read_ahead(start, end, ahead)
+        wait(waiting)
+        return self.cached.pages.populate(start, end)
 
-
-def _index(index: ObjectRef) -> bytes:
-    """An index whole: TooLarge (its body unread) past MAX_INDEX_BYTES, in the words the local one gets."""
-    try:
-        return get_whole(index, MAX_INDEX_BYTES)
-    except TooLarge:
-        raise TooLarge(f"{index.url}: over {MAX_INDEX_BYTES:,} bytes: too large to be an index") from None
-
-
-def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = None) -> Located:
-    label = index.url
-    if data is None:
+    def hold(self, start: int, end: int) -> None:
+        """Make [start, end) present and pin it: room for every chunk missing is claimed at once, and
+        each is pinned before it is fetched (see ChunkCache.claim): readers sharing a small cache wait
+        their turn instead of evicting what another is about to use."""
+        if end <= start:
+            return
+        first, last = self._chunks(start, end)
+        self.cached.hold(first, last, self._pool, offline=self.options.offline)
         try:
-            data = _index(index)
+            self._read_ahead(start, end, False)
+            if not self.cached.pages.populate(start, end):
+                raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
+        except BaseException:
+            self.cached.let_go(range(first, last + 1))
+            raise
+
+    def pin(self, start: int, end: int) -> bool:
+        return end <= start or self.cached.pin(*self._chunks(start, end))
+
+    def unpin(self, start: int, end: int) -> None:
+        if end > start:
+            self.cached.unpin(*self._chunks(start, end))
+
+    def chunks_of(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        """The chunks that hold bytes of `ranges` ([start, end) pairs), in order."""
+        found: set[int] = set()
+        for start, end in ranges:
+            if end > start:
+                first, last = self._chunks(start, end)
+                found.update(range(first, last + 1))
+        return sorted(found)
+
+    def chunk_bytes(self, chunk: int) -> int:
+        size = self.cached.chunk_size
+        return min(size, self.cached.version.size - chunk * size)
+
+    def _chunks(self, start: int, end: int) -> tuple[int, int]:
+        size = self.cached.chunk_size
+        return start // size, (end - 1) // size
+
+    def _fetch(self, chunk: int, *, room: bool = True) -> Any:
+        return self.cached.fetching(chunk, self._pool, offline=self.options.offline, room=room)
+
+    def _read_ahead(self, start: int, end: int, ahead: bool) -> None:
+        """Follow the reader: fetch ahead of one that goes on where the reads so far stopped.
+
+        Every range asked for extends the run it continues (or starts a new one); a reader's own
+        request that continues the run doubles the window of chunks fetched ahead of it (up to as
+        many as there are fetch threads), any other resets it. A window asked for `ahead` extends
+        the run without fetching further: a reader of one tensor fetches only its tensor's chunks.
+        """
+        size = self.cached.chunk_size
+        with self._lock:
+            continues = self._frontier - size <= start <= self._frontier + size
+            self._frontier = max(self._frontier, end) if continues else end
+            if ahead:
+                return
+            self._window = min(max(1, 2 * self._window), self._most_ahead) if continues else 0
+            first, window = (self._frontier - 1) // size + 1, self._window
+        if self.options.offline:
+            return
+        for chunk in range(first, min(self.cached.chunks, first + window)):
+            # Not waited for (a failure is met again if it is read), nor for room: ahead of readers.
+            self.cached.fetching(chunk, self._pool, room=False)
+
+    def prefetch(self, progress: Callable[[int], None] | None = None, chunks: Iterable[int] | None = None) -> None:
+        """Fetch every chunk not cached yet (or those of `chunks`), as many at once as there are fetch threads."""
+        if self.options.offline:
+            return
+        wanted = range(self.cached.chunks) if chunks is None else chunks
+        pending = [(chunk, self.cached.fetching(chunk, self._pool)) for chunk in wanted]
+        for chunk, future in pending:
+            if future is not None:
+                wait([future])
+            if progress is not None:
+                progress(self.chunk_bytes(chunk))
+
+    def readinto(self, offset: int, buffer: memoryview) -> None:
+        """The bytes from the cache file (fetched first if need be), never through the mapping."""
+        end = offset + len(buffer)
+        hold(self, offset, end)
+        try:
+            self.cached.readinto(offset, buffer)
+        finally:
+            self.unpin(offset, end)
+
+    def identity(self) -> Identity | None:
+        # An object version never changes: URL, ETag and size stand for it (as numbers, for the hash cache).
+        version = self.cached.version
+        return Identity(-1, int(self.cached.id[:15], 16), version.size, int(version.mtime * 1e9), 0)
+
+    def status(self) -> os.stat_result:
+        return self._status
+
+    def hold_to_manifest(self) -> None:
+        self.cached.strong = True
+
+    def flush(self) -> None:
+        self.cached.cache.save()
+
+    def describe(self) -> RemoteDescription:
+        return RemoteDescription(self.cached.version, self.options)
+
+    def close(self) -> None:
+        self.cached.close()
+
+
+class RemoteOpener:
+    """What `open_model` needs of a remote model: where its shards are, and how to open one.
+
+    Online, the shards are found in the store and each header read with at most two GETs; with
+    --offline, what the cache remembers of the model is used, and no request is made.
+    """
+
+    def __init__(self, source: str, options: RemoteOptions, problems: list[Problem]) -> None:
+        self.source = source
+        self.options = options
+        self.cache = shared_cache(options)
+        self._lock = threading.Lock()
+        self._opened: dict[str, tuple[ObjectVersion, bytes]] = {}
+        self._remembered: dict[str, ObjectVersion] | None = None
+        self.headers: HeaderCache | None = None
+        """Headers validated before, by object version (set by open_model)."""
+        if options.offline:
+            self.located = self._recall(problems)
+        else:
+            self.located = locate(source, options, problems)
+
+    @property
+    def shards(self) -> list[tuple[ObjectRef, str]]:
+        return [(ref, ref.url) for ref in self.located.shards]
+
+    def open(self, ref: ObjectRef, label: str) -> tuple[ShardHeader, RemoteShard]:
+        """Read, validate and open one shard (from the cache, --offline); InvalidModelError if it fails."""
+        if self._remembered is not None:
+            version = self._remembered[ref.url]
+            found = self.cache.header_of(version.url, version.etag, version.size)
+            if found is None:
+                raise InvalidModelError([Problem(label, "--offline: its header is not in the cache")])
+            raw = found[0]
+        else:
+            version, raw = self._read(ref, label)
+        # An object is known by its URL, ETag and size; without an ETag, or modified too lately (a weak
+        # ETag made of mtime and size may not change within a second), its header is not cached.
+        remembered = version.etag and settled(int(version.mtime * 1e9))
+        identity = f"{version.url}\0{version.etag}\0{version.size}" if remembered else None
+        header = self.headers.shard(version.url, identity) if self.headers is not None and identity else None
+        if header is None:
+            header = _validated(version, raw, label)
+            if self.headers is not None and identity:
+                self.headers.put_shard(identity, header)
+        with self._lock:
+            self._opened[ref.url] = (version, raw)
+        return header, RemoteShard(self.cache.open_object(version, raw, self.options.chunk_size), self.options)
+
+    def _read(self, ref: ObjectRef, label: str) -> tuple[ObjectVersion, bytes]:
+        located = self.located
+        try:
+            return read_header(ref)
         except FileNotFoundError:
-            problems.append(Problem(label, "not found"))
-            return Located([], index_label=label)
+            if located.weight_map is not None and located.index_label is not None:
+                reason = f"weight_map names shard '{ref.name}', which does not exist"
+                tensor = first_tensor(located.weight_map, ref.name)
+                raise InvalidModelError([Problem(located.index_label, reason, tensor)]) from None
+            raise InvalidModelError([Problem(label, "not found (404)")]) from None
         except RemoteError as exc:
-            problems.append(Problem(label, reason_of(exc, label)))
-            return Located([], index_label=label)
-    weight_map = parse_weight_map(data, label, problems)
-    if weight_map is None:
-        return Located([], index_label=label)
-    return Located([index.sibling(name) for name in shard_names(weight_map, label, problems)], weight_map, label)
+            raise InvalidModelError([Problem(label, str(exc).removeprefix(f"{label}: "))]) from None
 
+    def remember(self) -> None:
+        """Once the model is valid: what it resolved to, for a later --offline."""
+        if self._remembered is not None:
+            return
+        shards = [
+            {"key": v.ref.key, "etag": v.etag, "size": v.size, "mtime": v.mtime} for v, _ in self._opened.values()
+        ]
+        description = {"shards": shards, "weight_map": self.located.weight_map, "index": self.located.index_label}
+        self.cache.remember_model(model_key(self.source, self.options), description)
 
-MAX_LISTED = 100_000
-"""Objects a listing goes through at most (a prefix holding more is not one model's)."""
-
-
-def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
-    """The objects under `prefix` (every level), as the store lists them a page at a time: at most
-    MAX_LISTED, within --remote-timeout in all; (them, whether there were more). RemoteError if the
-    listing fails."""
-    import obstore
-
-    deadline = time.monotonic() + spec.timeout
-    found: list[Any] = []
-    try:
-        pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1000))
-        for page in pages:
-            found += page
-            if len(found) > MAX_LISTED:
-                return found[:MAX_LISTED], True
-            if time.monotonic() > deadline:
-                raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: listing took over {spec.timeout:g} s")
-    except RemoteError:
-        raise
-    except Exception as exc:
-        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
-    return found, False
-
-
-def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
-    where = spec.url(prefix.rstrip("/")) + "/"
-    try:
-        listed, more = list_objects(spec, prefix)
-    except RemoteError as exc:
-        problems.append(Problem(where, reason_of(exc, where)))
-        return None
-    if more:
-        problems.append(Problem(where, f"over {MAX_LISTED} objects under this prefix: name the model's index"))
-        return None
-    keys = sorted(
-        key for meta in listed if (key := str(meta["path"])).endswith(".safetensors") and "/" not in key[len(prefix) :]
-    )
-    return [ObjectRef(spec, key) for key in keys]
-
-
-def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
-    """The object named `name` in the remote model's directory (its prefix, or its file's directory)."""
-    spec, key = store_spec(source, options)
-    if key.endswith((".safetensors", ".index.json")):
-        return ObjectRef(spec, key).sibling(name)
-    return ObjectRef(spec, f"{key}/{name}" if key else name)
-
-
-Listed = list[tuple[str, int, float, str | None]]
-"""Objects of a model's directory: (path in it, size, mtime, ETag if known)."""
-
-
-def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
-    """The objects in a remote model's directory, and those of its first `subdirectories`
-    subdirectories (not hidden) one level down, for a store that lists (S3); None for one that does
-    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left out."""
-    spec, _ = store_spec(source, options)
-    if spec.kind != "s3":
-        return None
-    directory = beside(source, "x", options).key.rpartition("/")[0]
-    top = f"{directory}/" if directory else ""
-    listed, _ = list_objects(spec, top)
-    found: Listed = []
-    inner: set[str] = set()
-    for meta in listed:
-        path = str(meta["path"]).removeprefix(top)
-        parts = path.split("/")
-        if len(parts) > 2:
-            continue
-        if len(parts) == 2:
-            if parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories):
-                continue
-            inner.add(parts[0])
-        found.append((path, int(meta["size"]), _mtime(meta), str(meta.get("e_tag") or "") or None))
-    return found
-
-
-MAX_HUB_LISTING = 16 << 20
-"""The most one answer of the Hub's listing API may hold."""
-
-
-def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
-    """The files of a Hub model's directory (and of its first `subdirectories` subdirectories), as
-    its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH); None for a source
-    that is not on the Hub. RemoteError when the listing fails."""
-    if not source.startswith("hf://"):
-        return None
-    spec, key = store_spec(source, options)
-    repo, _, revision = spec.scheme_root.removeprefix("hf://").partition("@")
-    endpoint = spec.root.removesuffix(f"/{repo}/resolve/{revision}")
-    api = StoreSpec("http", f"{endpoint}/api/models/{repo}/tree", f"{endpoint}/api/models/{repo}/tree",
-                    headers=spec.headers, timeout=spec.timeout)  # fmt: skip
-    directory = key.rpartition("/")[0] if key.endswith((".safetensors", ".index.json")) else key
-
-    def listed(path: str) -> list[dict[str, Any]]:
-        where = ObjectRef(api, f"{revision}/{path}" if path else revision)
+    def _recall(self, problems: list[Problem]) -> Located:
+        spec, _ = store_spec(self.source, self.options)
         try:
-            document = orjson.loads(get_whole(where, MAX_HUB_LISTING))
-        except FileNotFoundError:
-            raise RemoteError(f"{where.url}: the Hub's listing of the model's files is not there (404)") from None
-        except orjson.JSONDecodeError as exc:
-            raise RemoteError(f"{where.url}: the Hub's listing is not JSON: {exc}") from None
-        if not isinstance(document, list):
-            raise RemoteError(f"{where.url}: the Hub's listing is not a list of files")
-        return [item for item in document if isinstance(item, dict) and isinstance(item.get("path"), str)]
-
-    top = listed(directory)
-    prefix = f"{directory}/" if directory else ""
-    found: Listed = []
-    folders = [item["path"] for item in top if item.get("type") == "directory"]
-    inner = [item for folder in sorted(folders)[:subdirectories] for item in listed(folder)]
-    for item in [*top, *inner]:
-        size = item.get("size")
-        if item.get("type") != "file" or not isinstance(size, int) or not item["path"].startswith(prefix):
-            continue
-        found.append((item["path"].removeprefix(prefix), size, 0.0, None))
-    return found
+            remembered = self.cache.recall_model(model_key(self.source, self.options))
+        except RemoteError as exc:
+            problems.append(Problem(self.source, str(exc)))
+            return Located([])
+        if remembered is None:
+            problems.append(Problem(self.source, f"--offline: the cache {self.cache.directory} never had this model"))
+            return Located([])
+        self._remembered = {
+            spec.url(s["key"]): ObjectVersion(ObjectRef(spec, s["key"]), s["etag"], s["size"], s["mtime"])
+            for s in remembered["shards"]
+        }
+        refs = [v.ref for v in self._remembered.values()]
+        return Located(refs, remembered["weight_map"], remembered["index"])
 
 
-def exists(ref: ObjectRef) -> bool:
-    """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
-    return head(ref) is not None
-
-
-def head(ref: ObjectRef) -> ObjectVersion | None:
-    """The object's version now (a HEAD), None when there is none; RemoteError when the store cannot say."""
-    import obstore
-
-    try:
-        meta = retried(ref.spec, lambda: obstore.head(ref.spec.client(), ref.key))
-    except FileNotFoundError:
-        return None
-    except Exception as exc:
-        _raise(ref, exc)
-        raise  # unreachable: _raise always raises
-    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
-
-
-def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
-    check_url(url)
-    if "?" in url or "#" in url:
-        raise RemoteError(f"{url}: URLs with a query or fragment (signed URLs) are not supported")
-    base, _, name = url.rpartition("/")
-    return StoreSpec("http", base, base, timeout=options.timeout), name
-
-
-def missing_shards(located: Located, found: set[str], problems: list[Problem]) -> None:
-    """An index's shard that is not in the store is the index's problem (the first tensor it maps there)."""
-    if located.weight_map is None or located.index_label is None:
-        return
-    for ref in located.shards:
-        if ref.name not in found:
-            reason = f"weight_map names shard '{ref.name}', which does not exist"
-            problems.append(Problem(located.index_label, reason, first_tensor(located.weight_map, ref.name)))
-
-
-# -- requests ----------------------------------------------------------------------------------
-
-
-def reason_of(exc: BaseException, url: str) -> str:
-    """An error's message without the URL it begins with (a Problem names the URL itself)."""
-    return str(exc).removeprefix(f"{url}: ")
-
-
-ACCESS_HINT = "check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)"
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line on why a request failed (no URL's secret in it)."""
-    from obstore import exceptions as errors
-
-    if isinstance(exc, FileNotFoundError):
-        return "not found (404)"
-    text = redact(str(exc))
-    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
-    code = status.group(1)[:3] if status else ""
-    if isinstance(exc, errors.PermissionDeniedError) or code == "403":
-        return f"access denied (403): {ACCESS_HINT}"
-    if isinstance(exc, errors.UnauthenticatedError) or code == "401":
-        return f"authentication required (401): {ACCESS_HINT}"
-    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in text:
-        return "changed since it was validated (its ETag differs): mount it again"
-    if "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower():
-        # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
-        return f"no credentials found: {ACCESS_HINT}, or --no-sign-request for a public bucket"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    if status:  # not the body that came with it (an HTML page, an XML error)
-        return f"the server answered {printable(status.group(1).strip())}"
-    if "error sending request" in first or "ConnectError" in text:
-        # obstore's debug text ends with the cause: connection refused, a DNS failure, TLS
-        causes = re.findall(r'(?:message|error): "([^"]+)"', text) or re.findall(r'ConnectError\(\s*"([^"]+)"', text)
-        return f"unreachable ({printable(causes[-1])})" if causes else "unreachable"
-    reason = first.rsplit(" - ", 1)[-1]  # after "Error performing GET URL in 2s, after 3 retries, ... - "
-    return printable(reason[:300])
-
-
-Answer = TypeVar("Answer")
-
-
-def retried(spec: StoreSpec, call: Callable[[], Answer]) -> Answer:
-    """`call()` (a GET, HEAD or LIST: safe to repeat), asked again until --remote-timeout while
-    its request fails before any answer comes.
-
-    The client retries most such failures itself, but not a connection closed before the request
-    went out ("connection was not ready"), as by a store or balancer that accepts connections
-    and drops them while it restarts.
-    """
-    deadline = time.monotonic() + spec.timeout
-    pause = 0.1
-    while True:
-        try:
-            return call()
-        except Exception as exc:
-            if "error sending request" not in str(exc) or time.monotonic() + pause > deadline:
-                raise
-        time.sleep(pause)
-        pause = min(5.0, 2 * pause)
-
-
-def _raise(ref: ObjectRef, exc: BaseException) -> None:
-    message = f"{ref.url}: {describe_error(exc)}"
-    if isinstance(exc, FileNotFoundError):
-        raise FileNotFoundError(message) from None
-    from obstore import exceptions as errors
-
-    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
-        raise ObjectChanged(message) from None
-    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or ACCESS_HINT in message:
-        raise AccessDenied(message) from None
-    raise RemoteError(message) from None
-
-
-class TooLarge(RemoteError):
-    """An object over the size asked for: its body was not read (or not past the limit)."""
-
-
-class Unexpected(RemoteError):
-    """An answer that is not what was asked for: more bytes than the range, or an encoding."""
-
-
-def _plain(ref: ObjectRef, result: Any) -> None:
-    """Unexpected unless the answer holds the object's bytes as they are (asked for: Accept-Encoding: identity)."""
-    encoding = str(result.attributes.get("Content-Encoding") or "identity").strip()
-    if encoding.lower() != "identity":
-        raise Unexpected(
-            f"{ref.url}: the server sent it {printable(encoding)}-encoded (Content-Encoding), though asked for "
-            "its bytes as they are: refused (serve it without compression)"
-        )
-
-
-def _body(ref: ObjectRef, result: Any, limit: int, what: str) -> bytes:
-    """An answer's body, read as it comes and never past `limit` bytes (`what` says why that bound)."""
-    _plain(ref, result)
-    pieces: list[bytes] = []
-    held = 0
-    for piece in result.stream(min_chunk_size=_PIECE):
-        held += len(piece)
-        if held > limit:
-            raise (TooLarge if what == "size" else Unexpected)(
-                f"{ref.url}: over {human_size(limit)}" if what == "size"
-                else f"{ref.url}: the server sent more than the {limit} bytes asked for: refused"
-            )  # fmt: skip
-        pieces.append(bytes(piece))
-    return b"".join(pieces)
-
-
-def get_whole(ref: ObjectRef, limit: int) -> bytes:
-    """A small object whole (an index, a manifest, a companion file); FileNotFoundError when there is none.
-
-    TooLarge when it holds more than `limit` bytes: before its body is read when the store says so,
-    as soon as the body goes past it when the store said less.
-    """
-    import obstore
-
-    try:
-        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key))
-        size = int(result.meta["size"])
-        if size > limit:
-            raise TooLarge(f"{ref.url}: {size} bytes, over {human_size(limit)}")
-        return _body(ref, result, limit, "size")
-    except RemoteError:
-        raise
-    except Exception as exc:
-        _raise(ref, exc)
-        raise  # unreachable: _raise always raises
-
-
-def read_url(url: str, options: RemoteOptions, limit: int) -> bytes:
-    """A small remote file whole (a manifest), named by its URL; TooLarge past `limit` bytes."""
-    spec, key = store_spec(url, options) if not url.startswith(("http://", "https://")) else _http_file(url, options)
-    return get_whole(ObjectRef(spec, key), limit)
-
-
-def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
-    """The object's version and its header's bytes (8-byte length and JSON): at most two GETs.
-
-    RemoteError (or FileNotFoundError) when the store does not give them; a length that is
-    wrong for the object is returned as it is, for the header's rules to refuse.
-    """
-    import obstore
-
-    client = ref.spec.client()
-    try:
-        first = retried(ref.spec, lambda: obstore.get(client, ref.key, options={"range": (0, FIRST_READ)}))
-        meta = first.meta
-        version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
-        head = _body(ref, first, min(FIRST_READ, version.size), "range")
-    except RemoteError:
-        raise
-    except Exception as exc:
-        if "416" in str(exc):  # nothing at offset 0: an empty object
-            meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
-            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
-        _raise(ref, exc)
-        raise
-    if len(head) < 8:
-        return version, head
-    length = int.from_bytes(head[:8], "little")
-    end = 8 + length
-    if length > MAX_HEADER_BYTES or end > version.size or end <= len(head):
-        return version, head[: max(8, min(end, len(head)))]
-    pieces = [head]
-    read_range(version, len(head), end, lambda _, piece: pieces.append(bytes(piece)))
-    return version, b"".join(pieces)
-
-
-def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:
-    """Bytes [start, end) of exactly this version of the object (If-Match its ETag), handed to
-    `write(offset, piece)` as they come: memory stays small however large the range, and no piece
-    is handed on that would go past `end`.
-
-    ObjectChanged if the store has another version (or a short one) now; Unexpected if it sends
-    more than the range, or encoded; RemoteError if it cannot say; an OSError of `write` as it is.
-    """
-    import obstore
-
-    ref = version.ref
-    options: dict[str, Any] = {"range": (start, end)}
-    if version.etag:
-        options["if_match"] = version.etag
-    elif version.mtime:  # a server without ETags: its Last-Modified (to the second) stands for the version
-        options["if_unmodified_since"] = datetime.fromtimestamp(version.mtime, UTC)
-    offset = start
-    unwritten: OSError | None = None
-    try:
-        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key, options=options))  # type: ignore[arg-type]
-        _same_version(version, result.meta)  # a server may ignore the condition: the answer says
-        _plain(ref, result)
-        for piece in result.stream(min_chunk_size=_PIECE):
-            if offset + len(piece) > end:
-                raise Unexpected(
-                    f"{ref.url}: the server sent more than the {end - start} bytes of [{start}, {end}) "
-                    "asked for: refused"
-                )
-            try:
-                write(offset, piece)
-            except OSError as exc:  # the writer's, not the store's
-                unwritten = exc
-                break
-            offset += len(piece)
-    except RemoteError:
-        raise
-    except Exception as exc:
-        _raise(ref, exc)
-    if unwritten is not None:
-        raise unwritten
-    if offset != end:
-        came = offset - start
-        raise ObjectChanged(f"{ref.url}: {came} bytes came for [{start}, {end}): it changed since it was validated")
-
-
-# Pieces written to the cache as they arrive: big enough to keep syscalls few, small enough that
-# a fetch thread holds little memory (see docs: 1 MiB pieces grew the daemon's memory).
-_PIECE = 256 << 10
-
-
-def _same_version(version: ObjectVersion, meta: Any) -> None:
-    """ObjectChanged unless a response's object is the version validated (ETag, else size and Last-Modified)."""
-    etag = str(meta.get("e_tag") or "")
-    mtime = _mtime(meta)
-    if (
-        int(meta["size"]) != version.size
-        or (etag and version.etag and etag != version.etag)
-        or (not version.etag and mtime and version.mtime and mtime != version.mtime)
-    ):
-        raise ObjectChanged(f"{version.url}: changed since it was validated")
-
-
-def _mtime(meta: Any) -> float:
-    modified = meta.get("last_modified")
-    return float(modified.timestamp()) if modified is not None else 0.0
+def _validated(version: ObjectVersion, raw: bytes, label: str) -> ShardHeader:
+    length = header_length(raw[:8], version.size, label)
+    if len(raw) < 8 + length:
+        raise InvalidModelError([Problem(label, "the header's bytes did not all come")])
+    return parse_header(raw[8 : 8 + length], version.url, version.size, label)

@@ -29,8 +29,8 @@ import orjson
 from ..errors import TensorfsError, printable
 from ..integrity import DEFAULT_MANIFEST
 from ..safefiles import ModelDirectory, NotRegular, mounted_under
-from ..sources import Identity
-from ..sources.remote import (
+from ..sources.shard import Identity
+from ..sources.store import (
     ObjectRef,
     ObjectVersion,
     RemoteError,
@@ -155,7 +155,7 @@ def _open(companion: Companion) -> Any:
             os.close(fd)
             raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
         return fd
-    from ..sources.objects import RemoteShard, shared_cache  # the remote machinery, only when needed
+    from ..sources.remote import RemoteShard, shared_cache  # the remote machinery, only when needed
 
     version = origin.version
     try:

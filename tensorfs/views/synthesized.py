@@ -19,7 +19,7 @@ from json.encoder import encode_basestring
 
 from ..dtypes import DTYPES
 from ..model import Model
-from ..sources import ShardKey
+from ..sources.shard import ShardKey
 
 _RANK = {name: rank for rank, name in enumerate(DTYPES)}  # the reference's dtype order, narrowest first
 

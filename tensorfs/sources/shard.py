@@ -1,0 +1,153 @@
+"""Where a shard's bytes come from, behind one small interface that the model and the read path use.
+
+A shard is a local file (local.py) or an object in a store, read through a local cache. Opened,
+either is a read-only mapping (the file, or the object's cache file) and a way to make a range
+of it present on a worker thread: nothing above this package knows where bytes come from.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import NamedTuple
+
+from ..errors import ShardChangedError
+
+ShardKey = Path | str
+"""What names a shard in a model: a file's path, or an object's URL."""
+
+
+def shard_name(key: ShardKey) -> str:
+    """The shard's file name (what .meta.json and index.json call it)."""
+    return key.name if isinstance(key, Path) else key.rstrip("/").rsplit("/", 1)[-1]
+
+
+class Identity(NamedTuple):
+    """What changes whenever a shard's bytes may have: a cached hash is valid for one identity only.
+
+    For a file: device, inode, size, mtime and ctime (no one can set a ctime back, so a file
+    rewritten in place and given its old mtime again still gets a new one). For an object, the
+    same five numbers stand for its URL, ETag and size (see sources/remote.py).
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Identity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def key(self) -> str:
+        """As one string (a key of the header cache)."""
+        return ":".join(map(str, self))
+
+    def settled(self) -> bool:
+        """Whether what was read of these bytes may be remembered by this identity (see settled())."""
+        return settled(max(self.mtime_ns, self.ctime_ns))
+
+
+def settled(changed_ns: int) -> bool:
+    """Whether something last changed at `changed_ns` (since the epoch) has been left alone for
+    SETTLED_NS: a write within the tick of the last one may leave every number of an identity as it was."""
+    return time.time_ns() - changed_ns >= SETTLED_NS
+
+
+SETTLED_NS = 2_000_000_000
+"""How long a file (or object) must have been left alone before a cache keys anything by its identity.
+Timestamps can be as coarse as a second (ext3, 128-byte ext4 inodes, many NFS and SMB mounts; FAT's
+mtime two), or a jiffy for ctime before Linux 6.13: a file rewritten within the same tick as it was
+read keeps its identity ("racily clean", as git calls it), so nothing read within that window is kept."""
+
+
+class ShardData(ABC):
+    """An opened shard: its bytes, validated, mapped read-only, and the ways to reach them safely."""
+
+    key: ShardKey
+    label: str
+    """How messages name it: its path or URL, as given."""
+    view: memoryview
+    """The whole shard, on a read-only mapping: zero-copy views and read replies come from it."""
+    lazy_views = True
+    """Whether a view may be handed out before its range is ensured (a file's pages fault in by
+    themselves; a cache file's unfetched chunks are holes, which read as zeros)."""
+
+    @abstractmethod
+    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+        """Bring [start, end) into memory, mapped (blocking: call it from a worker thread).
+
+        False when the bytes are gone from the file; TensorfsError when they cannot be fetched.
+        Either way the caller answers EIO: only a range ensured may be touched through the
+        mapping. `ahead`: not a reader's request but a window ahead of one (a reader's requests
+        tell a source how it reads).
+        """
+
+    def resident(self, start: int, end: int) -> bool:
+        """Whether [start, end) is in memory already, asked without blocking (False: don't know)."""
+        return False
+
+    def pin(self, start: int, end: int) -> bool:
+        """Hold [start, end) present until unpin(): True if it is (a file's bytes always are)."""
+        return True
+
+    def unpin(self, start: int, end: int) -> None:  # noqa: B027 - a file has nothing to let go of
+        """Let go of what pin() held."""
+
+    def hold(self, start: int, end: int) -> None:
+        """Make [start, end) present and pin it (blocking: a worker thread); ShardChangedError when its
+        bytes cannot be had (or kept), a fetch's own error as it is."""
+        for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
+            if not self.ensure(start, end):
+                raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
+            if self.pin(start, end):
+                return
+        raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) {EVICTED_AGAIN}")
+
+    @abstractmethod
+    def readinto(self, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` from `offset` without touching the mapping (ShardChangedError if the bytes are gone)."""
+
+    @abstractmethod
+    def identity(self) -> Identity | None:
+        """The identity of the bytes validated, if the shard still holds them; None if it changed since."""
+
+    @abstractmethod
+    def status(self) -> os.stat_result:
+        """Owner, mode and times to show for the shard's files: as it is now."""
+
+    def watched(self) -> tuple[int, os.stat_result] | None:
+        """(descriptor, status when validated) of a file to watch for changes; None: nothing to watch."""
+        return None
+
+    def hold_to_manifest(self) -> None:  # noqa: B027 - a file's bytes are checked by the watch
+        """A manifest is in force: bytes that come again must be those that passed it (a remote shard
+        keeps the SHA-256 of every chunk it fetches, and refuses a chunk that comes otherwise)."""
+
+    def flush(self) -> None:  # noqa: B027 - most sources have nothing to flush
+        """Make what was fetched into a cache known to other processes, and safe from a crash."""
+
+    @abstractmethod
+    def describe(self) -> object:
+        """What reopen() needs to open the same bytes again in another process (picklable)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of the mapping (a view still alive keeps it until it goes) and of the descriptors."""
+
+
+def hold(data: ShardData, start: int, end: int) -> None:
+    """Make [start, end) of a shard present and pin it (blocking: a worker thread).
+
+    ShardChangedError when its bytes cannot be had (or kept); a fetch's own error as it is.
+    """
+    data.hold(start, end)
+
+
+EVICTED_AGAIN = (
+    "were evicted again each time they were fetched: the cache is too small for what is read at once; "
+    "raise --cache-size"
+)

@@ -1,0 +1,766 @@
+"""Shards that are objects in a store: S3 (and any S3-compatible store), plain HTTP(S), and the Hub.
+
+The client is obstore (DESIGN.md: measured best here). Everything about a store is kept in a
+StoreSpec, a picklable recipe, so that the daemon makes its own client from what the command
+validated. Each object is read at a version: the ETag and size seen when its header was read;
+every later GET is conditional on that ETag (If-Match), so versions are never mixed.
+
+    s3://BUCKET/PREFIX            every *.safetensors under PREFIX/ (not recursive), or the index there
+    s3://BUCKET/KEY.safetensors   one object (and KEY.index.json: an index, its shards beside it)
+    http(s)://HOST/.../NAME.safetensors, or .../model.safetensors.index.json (no listing over HTTP)
+    hf://ORG/NAME[@REVISION]      the Hub: {HF_ENDPOINT}/ORG/NAME/resolve/REVISION/FILE (and hf://.../FILE)
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import orjson
+
+from ..errors import Problem, TensorfsError, printable
+from ..header import MAX_HEADER_BYTES
+from ..units import human_size
+from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
+
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
+
+REMOTE_SCHEMES = ("s3://", "http://", "https://", "hf://")
+FIRST_READ = 64 << 10
+"""The first GET of a shard: its header, almost always whole (a second GET reads the rest)."""
+HF_ENDPOINT = "https://huggingface.co"
+
+
+def is_remote(source: object) -> bool:
+    return isinstance(source, str) and source.startswith(REMOTE_SCHEMES)
+
+
+def unsupported_scheme(source: object) -> str | None:
+    """Why `source` cannot be a model when it is a URL of a scheme tensorfs does not read (else None)."""
+    if not isinstance(source, str) or is_remote(source):
+        return None
+    scheme, sep, _ = source.partition("://")
+    if sep and scheme and scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
+        return f"{scheme}:// is not a source tensorfs reads (s3://, http://, https://, hf://, or a local path)"
+    return None
+
+
+CREDENTIALS_HINT = (
+    "credentials in a URL are never sent, and would show in /proc/mounts, logs and records: for S3 set "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), for the Hub HF_TOKEN"
+)
+
+
+def check_url(url: str, what: str = "") -> None:
+    """RemoteError (the URL shown without its secret) for a URL that carries credentials (user:password@)."""
+    if "@" in urlsplit(url).netloc:
+        raise RemoteError(f"{redact(url)}: {what + ': ' if what else ''}{CREDENTIALS_HINT}")
+
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
+
+
+def redact(text: str) -> str:
+    """`text` with the user:password of any URL in it replaced by ***."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def model_key(source: str, options: RemoteOptions) -> str:
+    """One name for one model however its URL is written: hf://ORG/NAME is hf://ORG/NAME@main."""
+    spec, key = store_spec(source, options)
+    return spec.url(key)
+
+
+class RemoteError(TensorfsError):
+    """An object could not be read from its store (after the retries the error allows)."""
+
+
+class AccessDenied(RemoteError):
+    """The store refused the request (401, 403)."""
+
+
+class ObjectChanged(RemoteError):
+    """An object was replaced in its store since it was validated: its other bytes are not to be mixed in."""
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How to reach stores, and the local cache that remote shards are read through."""
+
+    endpoint_url: str | None = None
+    """An S3-compatible endpoint (AWS_ENDPOINT_URL also sets it)."""
+    region: str | None = None
+    no_sign_request: bool = False
+    """Anonymous requests (public buckets)."""
+    cache_dir: Path | None = None
+    """Default: $XDG_CACHE_HOME/tensorfs (~/.cache/tensorfs)."""
+    cache_size: int | None = None
+    """Bytes the cache may hold (least recently used chunks go first); None: no bound."""
+    chunk_size: int = 8 << 20
+    concurrency: int = 8
+    """GETs at once."""
+    timeout: float = 60.0
+    """Seconds a read may wait on the store, retries included, before it fails."""
+    offline: bool = False
+    """Only what is cached: no request is made."""
+
+    def __post_init__(self) -> None:
+        if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
+            object.__setattr__(self, "cache_dir", Path(self.cache_dir))  # a string is meant as a path
+        if self.cache_size is not None and self.cache_size < 2 * self.chunk_size:
+            raise TensorfsError(
+                f"--cache-size {human_size(self.cache_size)} holds less than two chunks of "
+                f"{human_size(self.chunk_size)} (a read may span two): raise it, or lower --chunk-mb"
+            )
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A store, as a recipe that any process can make a client from (see client())."""
+
+    kind: Literal["s3", "http"]
+    root: str
+    """The bucket (s3), or the base URL without a trailing slash (http)."""
+    scheme_root: str
+    """What URLs of its objects begin with: s3://BUCKET, the base URL, hf://ORG/NAME@REV."""
+    endpoint_url: str | None = None
+    region: str | None = None
+    no_sign: bool = False
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    timeout: float = 60.0
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme_root}/{key}" if key else self.scheme_root
+
+    def client(self) -> ObjectStore:
+        """An obstore client for this store: one per process and recipe (they are thread-safe).
+
+        obstore's runtime does not survive a fork: a process forked after obstore was used hangs
+        on its first request. That is a bug of the caller, told here rather than as a hang.
+        """
+        global _used_in
+        with _clients_lock:
+            if _used_in is not None and _used_in != os.getpid():
+                raise RuntimeError(
+                    f"obstore was used in process {_used_in}, which forked this one: it cannot work here"
+                )
+            _used_in = os.getpid()
+            store = _clients.get(self)
+            if store is None:
+                store = _clients[self] = _make_client(self)
+            return store
+
+
+_clients: dict[StoreSpec, Any] = {}
+_clients_lock = threading.Lock()
+_used_in: int | None = None  # the process whose obstore runtime is running
+
+
+def _make_client(spec: StoreSpec) -> ObjectStore:
+    from obstore.store import HTTPStore, S3Store
+
+    timeout = timedelta(seconds=spec.timeout)
+    retry = {
+        "max_retries": 1_000_000,  # the time is the bound (--remote-timeout), not a count
+        "retry_timeout": timeout,
+        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+    }
+    client: dict[str, Any] = {"timeout": timeout, "connect_timeout": timedelta(seconds=min(10.0, spec.timeout))}
+    # The bytes as they are stored: a compressed answer is refused (see _plain), never taken for them.
+    client["default_headers"] = {"Accept-Encoding": "identity", **dict(spec.headers)}
+    if spec.kind == "http":
+        client["allow_http"] = spec.root.startswith("http://")
+        return HTTPStore.from_url(spec.root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    config: dict[str, Any] = {}
+    endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+    if endpoint:
+        check_url(endpoint, "the endpoint")
+        config["endpoint"] = endpoint
+        config["virtual_hosted_style_request"] = False  # S3-compatible stores want the bucket in the path
+        client["allow_http"] = endpoint.startswith("http://")
+    profile = _profile()
+    region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    config["region"] = region or profile.get("region") or "us-east-1"
+    if spec.no_sign:
+        config["skip_signature"] = True
+    elif not os.environ.get("AWS_ACCESS_KEY_ID") and profile.get("aws_access_key_id"):
+        # The shared credentials file (obstore reads the environment and instance metadata itself).
+        config["access_key_id"] = profile["aws_access_key_id"]
+        config["secret_access_key"] = profile.get("aws_secret_access_key", "")
+        if profile.get("aws_session_token"):
+            config["token"] = profile["aws_session_token"]
+    return S3Store(spec.root, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+
+
+def _profile() -> dict[str, str]:
+    """The AWS profile's settings from ~/.aws/credentials and ~/.aws/config (AWS_PROFILE, default 'default')."""
+    name = os.environ.get("AWS_PROFILE") or "default"
+    found: dict[str, str] = {}
+    files = (
+        (os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config", "default" if name == "default" else f"profile {name}"),
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", name),
+    )
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(os.path.expanduser(path), encoding="utf-8")
+        except (OSError, configparser.Error):
+            continue
+        if parser.has_section(section):
+            found.update(parser.items(section))
+    return found
+
+
+def _hf_token() -> str | None:
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        return token.strip()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    for path in (os.environ.get("HF_TOKEN_PATH"), os.path.join(home, "token")):
+        if path:
+            try:
+                return Path(os.path.expanduser(path)).read_text().strip() or None
+            except OSError:
+                continue
+    return None
+
+
+# -- objects and where a model's are ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """An object of a store (not yet a version of it)."""
+
+    spec: StoreSpec
+    key: str
+
+    @property
+    def url(self) -> str:
+        return self.spec.url(self.key)
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    def sibling(self, name: str) -> ObjectRef:
+        directory = self.key.rpartition("/")[0]
+        return ObjectRef(self.spec, f"{directory}/{name}" if directory else name)
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    """An object as it was when its header was read: every later GET must find the same one."""
+
+    ref: ObjectRef
+    etag: str
+    size: int
+    mtime: float
+    """Last-Modified, in seconds since the epoch."""
+
+    @property
+    def url(self) -> str:
+        return self.ref.url
+
+
+@dataclass
+class Located:
+    """A remote model's shards, and the index's weight map when there is one."""
+
+    shards: list[ObjectRef]
+    weight_map: dict[str, str] | None = None
+    index_label: str | None = None
+
+
+def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
+    """(the store, the key or prefix within it) of a model's URL."""
+    check_url(source)
+    if source.startswith("s3://"):
+        bucket, _, key = source[len("s3://") :].partition("/")
+        if not bucket:
+            raise RemoteError(f"{source}: no bucket: s3://BUCKET/PREFIX")
+        spec = StoreSpec(
+            "s3", bucket, f"s3://{bucket}", options.endpoint_url, options.region, options.no_sign_request,
+            timeout=options.timeout,
+        )  # fmt: skip
+        return spec, key.strip("/")
+    if source.startswith("hf://"):
+        org, _, rest = source[len("hf://") :].strip("/").partition("/")
+        name_revision, _, key = rest.partition("/")
+        name, _, revision = name_revision.partition("@")
+        if not org or not name:
+            raise RemoteError(f"{source}: a Hub model is hf://ORG/NAME or hf://ORG/NAME@REVISION")
+        repo, revision = f"{org}/{name}", revision or "main"
+        endpoint = (os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
+        check_url(endpoint, "HF_ENDPOINT")
+        token = None if options.no_sign_request else _hf_token()
+        headers = (("Authorization", f"Bearer {token}"),) if token else ()
+        base = f"{endpoint}/{repo}/resolve/{revision}"
+        return StoreSpec("http", base, f"hf://{repo}@{revision}", headers=headers, timeout=options.timeout), key
+    if "?" in source or "#" in source:
+        raise RemoteError(f"{source}: URLs with a query or fragment (signed URLs) are not supported")
+    base, _, name = source.rstrip("/").rpartition("/")
+    name = unquote(name)  # the store's client escapes what the key needs: %20 must not become %2520
+    if not name.endswith((".safetensors", ".index.json")):
+        raise RemoteError(
+            f"{source}: name the model's index (…/{INDEX_NAME}) or a .safetensors file: HTTP has no listing"
+        )
+    return StoreSpec("http", base, base, timeout=options.timeout), name
+
+
+def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
+    """The shards of the remote model at `source` (same rules as a local model's), problems said."""
+    spec, key = store_spec(source, options)
+    if key.endswith(".safetensors"):
+        return Located([ObjectRef(spec, key)])
+    if key.endswith(".index.json"):
+        return _from_index(ObjectRef(spec, key), problems)
+    # A directory: its index if it has one, else every *.safetensors in it (s3), or model.safetensors (hf).
+    prefix = f"{key}/" if key else ""
+    index = ObjectRef(spec, prefix + INDEX_NAME)
+    try:
+        data = _index(index)
+    except FileNotFoundError:
+        data = None
+    except RemoteError as exc:
+        problems.append(Problem(index.url, reason_of(exc, index.url)))
+        return Located([])
+    if data is not None:
+        return _from_index(index, problems, data)
+    if spec.kind == "http":  # the Hub: no listing either
+        return Located([ObjectRef(spec, prefix + "model.safetensors")])
+    shards = _list_shards(spec, prefix, problems)
+    if shards is not None and not shards:
+        problems.append(Problem(spec.url(key) + "/", "no .safetensors objects under this prefix"))
+    return Located(shards or [])
+
+
+def _index(index: ObjectRef) -> bytes:
+    """An index whole: TooLarge (its body unread) past MAX_INDEX_BYTES, in the words the local one gets."""
+    try:
+        return get_whole(index, MAX_INDEX_BYTES)
+    except TooLarge:
+        raise TooLarge(f"{index.url}: over {MAX_INDEX_BYTES:,} bytes: too large to be an index") from None
+
+
+def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = None) -> Located:
+    label = index.url
+    if data is None:
+        try:
+            data = _index(index)
+        except FileNotFoundError:
+            problems.append(Problem(label, "not found"))
+            return Located([], index_label=label)
+        except RemoteError as exc:
+            problems.append(Problem(label, reason_of(exc, label)))
+            return Located([], index_label=label)
+    weight_map = parse_weight_map(data, label, problems)
+    if weight_map is None:
+        return Located([], index_label=label)
+    return Located([index.sibling(name) for name in shard_names(weight_map, label, problems)], weight_map, label)
+
+
+MAX_LISTED = 100_000
+"""Objects a listing goes through at most (a prefix holding more is not one model's)."""
+
+
+def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
+    """The objects under `prefix` (every level), as the store lists them a page at a time: at most
+    MAX_LISTED, within --remote-timeout in all; (them, whether there were more). RemoteError if the
+    listing fails."""
+    import obstore
+
+    deadline = time.monotonic() + spec.timeout
+    found: list[Any] = []
+    try:
+        pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1000))
+        for page in pages:
+            found += page
+            if len(found) > MAX_LISTED:
+                return found[:MAX_LISTED], True
+            if time.monotonic() > deadline:
+                raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: listing took over {spec.timeout:g} s")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
+    return found, False
+
+
+def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
+    where = spec.url(prefix.rstrip("/")) + "/"
+    try:
+        listed, more = list_objects(spec, prefix)
+    except RemoteError as exc:
+        problems.append(Problem(where, reason_of(exc, where)))
+        return None
+    if more:
+        problems.append(Problem(where, f"over {MAX_LISTED} objects under this prefix: name the model's index"))
+        return None
+    keys = sorted(
+        key for meta in listed if (key := str(meta["path"])).endswith(".safetensors") and "/" not in key[len(prefix) :]
+    )
+    return [ObjectRef(spec, key) for key in keys]
+
+
+def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
+    """The object named `name` in the remote model's directory (its prefix, or its file's directory)."""
+    spec, key = store_spec(source, options)
+    if key.endswith((".safetensors", ".index.json")):
+        return ObjectRef(spec, key).sibling(name)
+    return ObjectRef(spec, f"{key}/{name}" if key else name)
+
+
+Listed = list[tuple[str, int, float, str | None]]
+"""Objects of a model's directory: (path in it, size, mtime, ETag if known)."""
+
+
+def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
+    """The objects in a remote model's directory, and those of its first `subdirectories`
+    subdirectories (not hidden) one level down, for a store that lists (S3); None for one that does
+    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left out."""
+    spec, _ = store_spec(source, options)
+    if spec.kind != "s3":
+        return None
+    directory = beside(source, "x", options).key.rpartition("/")[0]
+    top = f"{directory}/" if directory else ""
+    listed, _ = list_objects(spec, top)
+    found: Listed = []
+    inner: set[str] = set()
+    for meta in listed:
+        path = str(meta["path"]).removeprefix(top)
+        parts = path.split("/")
+        if len(parts) > 2:
+            continue
+        if len(parts) == 2:
+            if parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories):
+                continue
+            inner.add(parts[0])
+        found.append((path, int(meta["size"]), _mtime(meta), str(meta.get("e_tag") or "") or None))
+    return found
+
+
+MAX_HUB_LISTING = 16 << 20
+"""The most one answer of the Hub's listing API may hold."""
+
+
+def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
+    """The files of a Hub model's directory (and of its first `subdirectories` subdirectories), as
+    its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH); None for a source
+    that is not on the Hub. RemoteError when the listing fails."""
+    if not source.startswith("hf://"):
+        return None
+    spec, key = store_spec(source, options)
+    repo, _, revision = spec.scheme_root.removeprefix("hf://").partition("@")
+    endpoint = spec.root.removesuffix(f"/{repo}/resolve/{revision}")
+    api = StoreSpec("http", f"{endpoint}/api/models/{repo}/tree", f"{endpoint}/api/models/{repo}/tree",
+                    headers=spec.headers, timeout=spec.timeout)  # fmt: skip
+    directory = key.rpartition("/")[0] if key.endswith((".safetensors", ".index.json")) else key
+
+    def listed(path: str) -> list[dict[str, Any]]:
+        where = ObjectRef(api, f"{revision}/{path}" if path else revision)
+        try:
+            document = orjson.loads(get_whole(where, MAX_HUB_LISTING))
+        except FileNotFoundError:
+            raise RemoteError(f"{where.url}: the Hub's listing of the model's files is not there (404)") from None
+        except orjson.JSONDecodeError as exc:
+            raise RemoteError(f"{where.url}: the Hub's listing is not JSON: {exc}") from None
+        if not isinstance(document, list):
+            raise RemoteError(f"{where.url}: the Hub's listing is not a list of files")
+        return [item for item in document if isinstance(item, dict) and isinstance(item.get("path"), str)]
+
+    top = listed(directory)
+    prefix = f"{directory}/" if directory else ""
+    found: Listed = []
+    folders = [item["path"] for item in top if item.get("type") == "directory"]
+    inner = [item for folder in sorted(folders)[:subdirectories] for item in listed(folder)]
+    for item in [*top, *inner]:
+        size = item.get("size")
+        if item.get("type") != "file" or not isinstance(size, int) or not item["path"].startswith(prefix):
+            continue
+        found.append((item["path"].removeprefix(prefix), size, 0.0, None))
+    return found
+
+
+def exists(ref: ObjectRef) -> bool:
+    """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
+    return head(ref) is not None
+
+
+def head(ref: ObjectRef) -> ObjectVersion | None:
+    """The object's version now (a HEAD), None when there is none; RemoteError when the store cannot say."""
+    import obstore
+
+    try:
+        meta = retried(ref.spec, lambda: obstore.head(ref.spec.client(), ref.key))
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        _raise(ref, exc)
+        raise  # unreachable: _raise always raises
+    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
+
+
+def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
+    check_url(url)
+    if "?" in url or "#" in url:
+        raise RemoteError(f"{url}: URLs with a query or fragment (signed URLs) are not supported")
+    base, _, name = url.rpartition("/")
+    return StoreSpec("http", base, base, timeout=options.timeout), name
+
+
+def missing_shards(located: Located, found: set[str], problems: list[Problem]) -> None:
+    """An index's shard that is not in the store is the index's problem (the first tensor it maps there)."""
+    if located.weight_map is None or located.index_label is None:
+        return
+    for ref in located.shards:
+        if ref.name not in found:
+            reason = f"weight_map names shard '{ref.name}', which does not exist"
+            problems.append(Problem(located.index_label, reason, first_tensor(located.weight_map, ref.name)))
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def reason_of(exc: BaseException, url: str) -> str:
+    """An error's message without the URL it begins with (a Problem names the URL itself)."""
+    return str(exc).removeprefix(f"{url}: ")
+
+
+ACCESS_HINT = "check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line on why a request failed (no URL's secret in it)."""
+    from obstore import exceptions as errors
+
+    if isinstance(exc, FileNotFoundError):
+        return "not found (404)"
+    text = redact(str(exc))
+    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    code = status.group(1)[:3] if status else ""
+    if isinstance(exc, errors.PermissionDeniedError) or code == "403":
+        return f"access denied (403): {ACCESS_HINT}"
+    if isinstance(exc, errors.UnauthenticatedError) or code == "401":
+        return f"authentication required (401): {ACCESS_HINT}"
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in text:
+        return "changed since it was validated (its ETag differs): mount it again"
+    if "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower():
+        # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
+        return f"no credentials found: {ACCESS_HINT}, or --no-sign-request for a public bucket"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if status:  # not the body that came with it (an HTML page, an XML error)
+        return f"the server answered {printable(status.group(1).strip())}"
+    if "error sending request" in first or "ConnectError" in text:
+        # obstore's debug text ends with the cause: connection refused, a DNS failure, TLS
+        causes = re.findall(r'(?:message|error): "([^"]+)"', text) or re.findall(r'ConnectError\(\s*"([^"]+)"', text)
+        return f"unreachable ({printable(causes[-1])})" if causes else "unreachable"
+    reason = first.rsplit(" - ", 1)[-1]  # after "Error performing GET URL in 2s, after 3 retries, ... - "
+    return printable(reason[:300])
+
+
+Answer = TypeVar("Answer")
+
+
+def retried(spec: StoreSpec, call: Callable[[], Answer]) -> Answer:
+    """`call()` (a GET, HEAD or LIST: safe to repeat), asked again until --remote-timeout while
+    its request fails before any answer comes.
+
+    The client retries most such failures itself, but not a connection closed before the request
+    went out ("connection was not ready"), as by a store or balancer that accepts connections
+    and drops them while it restarts.
+    """
+    deadline = time.monotonic() + spec.timeout
+    pause = 0.1
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if "error sending request" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(5.0, 2 * pause)
+
+
+def _raise(ref: ObjectRef, exc: BaseException) -> None:
+    message = f"{ref.url}: {describe_error(exc)}"
+    if isinstance(exc, FileNotFoundError):
+        raise FileNotFoundError(message) from None
+    from obstore import exceptions as errors
+
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
+        raise ObjectChanged(message) from None
+    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or ACCESS_HINT in message:
+        raise AccessDenied(message) from None
+    raise RemoteError(message) from None
+
+
+class TooLarge(RemoteError):
+    """An object over the size asked for: its body was not read (or not past the limit)."""
+
+
+class Unexpected(RemoteError):
+    """An answer that is not what was asked for: more bytes than the range, or an encoding."""
+
+
+def _plain(ref: ObjectRef, result: Any) -> None:
+    """Unexpected unless the answer holds the object's bytes as they are (asked for: Accept-Encoding: identity)."""
+    encoding = str(result.attributes.get("Content-Encoding") or "identity").strip()
+    if encoding.lower() != "identity":
+        raise Unexpected(
+            f"{ref.url}: the server sent it {printable(encoding)}-encoded (Content-Encoding), though asked for "
+            "its bytes as they are: refused (serve it without compression)"
+        )
+
+
+def _body(ref: ObjectRef, result: Any, limit: int, what: str) -> bytes:
+    """An answer's body, read as it comes and never past `limit` bytes (`what` says why that bound)."""
+    _plain(ref, result)
+    pieces: list[bytes] = []
+    held = 0
+    for piece in result.stream(min_chunk_size=_PIECE):
+        held += len(piece)
+        if held > limit:
+            raise (TooLarge if what == "size" else Unexpected)(
+                f"{ref.url}: over {human_size(limit)}" if what == "size"
+                else f"{ref.url}: the server sent more than the {limit} bytes asked for: refused"
+            )  # fmt: skip
+        pieces.append(bytes(piece))
+    return b"".join(pieces)
+
+
+def get_whole(ref: ObjectRef, limit: int) -> bytes:
+    """A small object whole (an index, a manifest, a companion file); FileNotFoundError when there is none.
+
+    TooLarge when it holds more than `limit` bytes: before its body is read when the store says so,
+    as soon as the body goes past it when the store said less.
+    """
+    import obstore
+
+    try:
+        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key))
+        size = int(result.meta["size"])
+        if size > limit:
+            raise TooLarge(f"{ref.url}: {size} bytes, over {human_size(limit)}")
+        return _body(ref, result, limit, "size")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        _raise(ref, exc)
+        raise  # unreachable: _raise always raises
+
+
+def read_url(url: str, options: RemoteOptions, limit: int) -> bytes:
+    """A small remote file whole (a manifest), named by its URL; TooLarge past `limit` bytes."""
+    spec, key = store_spec(url, options) if not url.startswith(("http://", "https://")) else _http_file(url, options)
+    return get_whole(ObjectRef(spec, key), limit)
+
+
+def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
+    """The object's version and its header's bytes (8-byte length and JSON): at most two GETs.
+
+    RemoteError (or FileNotFoundError) when the store does not give them; a length that is
+    wrong for the object is returned as it is, for the header's rules to refuse.
+    """
+    import obstore
+
+    client = ref.spec.client()
+    try:
+        first = retried(ref.spec, lambda: obstore.get(client, ref.key, options={"range": (0, FIRST_READ)}))
+        meta = first.meta
+        version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
+        head = _body(ref, first, min(FIRST_READ, version.size), "range")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        if "416" in str(exc):  # nothing at offset 0: an empty object
+            meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
+            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
+        _raise(ref, exc)
+        raise
+    if len(head) < 8:
+        return version, head
+    length = int.from_bytes(head[:8], "little")
+    end = 8 + length
+    if length > MAX_HEADER_BYTES or end > version.size or end <= len(head):
+        return version, head[: max(8, min(end, len(head)))]
+    pieces = [head]
+    read_range(version, len(head), end, lambda _, piece: pieces.append(bytes(piece)))
+    return version, b"".join(pieces)
+
+
+def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:
+    """Bytes [start, end) of exactly this version of the object (If-Match its ETag), handed to
+    `write(offset, piece)` as they come: memory stays small however large the range, and no piece
+    is handed on that would go past `end`.
+
+    ObjectChanged if the store has another version (or a short one) now; Unexpected if it sends
+    more than the range, or encoded; RemoteError if it cannot say; an OSError of `write` as it is.
+    """
+    import obstore
+
+    ref = version.ref
+    options: dict[str, Any] = {"range": (start, end)}
+    if version.etag:
+        options["if_match"] = version.etag
+    elif version.mtime:  # a server without ETags: its Last-Modified (to the second) stands for the version
+        options["if_unmodified_since"] = datetime.fromtimestamp(version.mtime, UTC)
+    offset = start
+    unwritten: OSError | None = None
+    try:
+        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key, options=options))  # type: ignore[arg-type]
+        _same_version(version, result.meta)  # a server may ignore the condition: the answer says
+        _plain(ref, result)
+        for piece in result.stream(min_chunk_size=_PIECE):
+            if offset + len(piece) > end:
+                raise Unexpected(
+                    f"{ref.url}: the server sent more than the {end - start} bytes of [{start}, {end}) "
+                    "asked for: refused"
+                )
+            try:
+                write(offset, piece)
+            except OSError as exc:  # the writer's, not the store's
+                unwritten = exc
+                break
+            offset += len(piece)
+    except RemoteError:
+        raise
+    except Exception as exc:
+        _raise(ref, exc)
+    if unwritten is not None:
+        raise unwritten
+    if offset != end:
+        came = offset - start
+        raise ObjectChanged(f"{ref.url}: {came} bytes came for [{start}, {end}): it changed since it was validated")
+
+
+# Pieces written to the cache as they arrive: big enough to keep syscalls few, small enough that
+# a fetch thread holds little memory (see docs: 1 MiB pieces grew the daemon's memory).
+_PIECE = 256 << 10
+
+
+def _same_version(version: ObjectVersion, meta: Any) -> None:
+    """ObjectChanged unless a response's object is the version validated (ETag, else size and Last-Modified)."""
+    etag = str(meta.get("e_tag") or "")
+    mtime = _mtime(meta)
+    if (
+        int(meta["size"]) != version.size
+        or (etag and version.etag and etag != version.etag)
+        or (not version.etag and mtime and version.mtime and mtime != version.mtime)
+    ):
+        raise ObjectChanged(f"{version.url}: changed since it was validated")
+
+
+def _mtime(meta: Any) -> float:
+    modified = meta.get("last_modified")
+    return float(modified.timestamp()) if modified is not None else 0.0
