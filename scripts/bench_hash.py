@@ -32,7 +32,8 @@ from pathlib import Path
 
 import tensorfs
 from tensorfs.bench.common import wait_until_settled
-from tensorfs.integrity import HASH_WORKERS, HashCache, Hasher, format_manifest
+from tensorfs.integrity import HASH_WORKERS, HashCache, Hasher
+from tensorfs.manifest import format_manifest
 from tensorfs.synth import many_tiny_tensors, write_sharded
 
 FAIR_BAR = 0.9

@@ -22,17 +22,16 @@ import click
 from . import __version__
 from .errors import InvalidModelError, Problem, TensorfsError, printable
 from .integrity import (
-    DEFAULT_MANIFEST,
     HashCache,
     Hasher,
     Integrity,
     compare,
     find_default_manifest,
-    format_manifest,
     read_manifest,
     require_coverage,
     shard_of_a_model,
 )
+from .manifest import DEFAULT_MANIFEST, format_manifest
 from .model import Model, open_model
 from .names import LAYOUTS, Layout
 from .progress import Progress

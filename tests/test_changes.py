@@ -34,7 +34,8 @@ from helpers import (
     write_reference,
     zeros_sha256,
 )
-from tensorfs.integrity import Hasher, format_manifest
+from tensorfs.integrity import Hasher
+from tensorfs.manifest import format_manifest
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.mount.runtime import record_path
 

@@ -25,7 +25,7 @@ from json.encoder import encode_basestring
 
 from ..errors import TensorfsError
 from ..header import Entry
-from ..integrity import sha256sum_line
+from ..manifest import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources.shard import ShardKey, shard_name

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from ..errors import TensorfsError, printable
-from ..integrity import DEFAULT_MANIFEST
+from ..manifest import DEFAULT_MANIFEST
 from ..safefiles import ModelDirectory, NotRegular, mounted_under
 from ..sources.shard import Identity
 from ..sources.store import (
