@@ -1,7 +1,7 @@
 """tensorfs: serve the tensors of a safetensors model as files, or as zero-copy numpy views."""
 
 from .errors import InvalidModelError, ModelClosedError, MountError, Problem, TensorfsError
-from .header import ShardHeader, TensorInfo
+from .formats import ShardHeader, TensorInfo
 from .model import Model, open_model
 from .mounted import memmap
 from .selection import Selection

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from .dtypes import DTYPES
-from .header import Entry, ShardHeader
+from .formats import Entry, ShardHeader
 from .sources.shard import ShardKey
 from .sqlitecache import SqliteCache
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError, printable
-from .header import Entry
+from .formats import Entry
 from .manifest import DEFAULT_MANIFEST, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
 from .model import Model
 from .safefiles import ModelDirectory, NotRegular, read_bounded

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from .errors import InvalidModelError, ModelClosedError, Problem
+from .formats import Entry, ShardHeader, TensorInfo
 from .gcpause import gc_paused
-from .header import Entry, ShardHeader, TensorInfo
 from .headercache import HeaderCache
 from .names import Layout, collisions, name_problems
 from .selection import Selection, layer_of

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import safetensors
 
-from tensorfs.header import ShardHeader
+from tensorfs.formats import ShardHeader
 from tensorfs.model import INDEX_NAME
 
 # safetensors dtype -> the name safetensors.serialize takes; the F6 types it cannot write.

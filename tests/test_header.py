@@ -11,7 +11,8 @@ import pytest
 from helpers import entry, header_table, reference_accepts, reference_table
 from tensorfs import InvalidModelError
 from tensorfs.dtypes import DTYPES
-from tensorfs.header import MAX_HEADER_BYTES, _careful_parse, _fast_parse, read_shard_header
+from tensorfs.formats.safetensors import MAX_HEADER_BYTES, _careful_parse, _fast_parse
+from tensorfs.sources.local import read_shard_header
 
 U8_A = {"a": entry("U8", [1], 0, 1)}
 

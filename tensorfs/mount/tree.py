@@ -24,7 +24,7 @@ from enum import Enum
 from json.encoder import encode_basestring
 
 from ..errors import TensorfsError
-from ..header import Entry
+from ..formats import Entry
 from ..manifest import sha256sum_line
 from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
-from ..header import ShardHeader, open_shard, read_header_fd
+from ..formats import ShardHeader
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, read_bounded
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 from .pages import Pages
@@ -148,6 +149,54 @@ def _existing(
                 Problem(label, f"weight_map names shard '{name}', which does not exist", first_tensor(weight_map, name))
             )
     return sorted(shards)
+
+
+def open_shard(path: Path, label: str) -> int:
+    """Open a shard read-only and return its descriptor, or raise InvalidModelError saying why not."""
+    try:
+        # O_NONBLOCK: a FIFO given as a shard must not hang the open; regular files ignore it.
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise InvalidModelError([Problem(label, f"cannot open: {exc.strerror}")]) from None
+
+
+def read_header_fd(fd: int, path: Path, label: str) -> ShardHeader:
+    """The validated table of the open shard `fd` (the file at `path`, shown as `label`), its bytes
+    read from that descriptor."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidModelError([Problem(label, "not a regular file")])
+        return formats.read_table(
+            lambda offset, count: _pread_exactly(fd, count, offset, label), st.st_size, path, label
+        )
+    except OSError as exc:
+        raise InvalidModelError([Problem(label, f"cannot read: {exc.strerror}")]) from None
+
+
+def read_shard_header(path: Path, label: str | None = None) -> ShardHeader:
+    """Read and validate the table of the shard at `path`; `label` names it in messages.
+
+    Raises InvalidModelError listing every problem found. Tensor data is never read.
+    """
+    label = str(path) if label is None else label
+    fd = open_shard(path, label)
+    try:
+        return read_header_fd(fd, path, label)
+    finally:
+        os.close(fd)
+
+
+def _pread_exactly(fd: int, count: int, offset: int, label: str) -> bytes:
+    chunks = []
+    while count:
+        chunk = os.pread(fd, count, offset)
+        if not chunk:
+            raise InvalidModelError([Problem(label, "file shrank while its header was being read")])
+        chunks.append(chunk)
+        count -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
-from ..header import ShardHeader, header_length, parse_header
+from ..formats import ShardHeader
 from .cache import CachedObject, ChunkCache, Fetcher, default_cache_dir, wait
 from .index import first_tensor
 from .shard import Identity, ShardData, hold, settled
@@ -32,7 +33,7 @@ from .store import (
     RemoteOptions,
     locate,
     model_key,
-    read_header,
+    read_first_bytes,
     store_spec,
 )
 
@@ -261,7 +262,7 @@ class RemoteOpener:
     def _read(self, ref: ObjectRef, label: str) -> tuple[ObjectVersion, bytes]:
         located = self.located
         try:
-            return read_header(ref)
+            return read_first_bytes(ref, formats.table_bytes)
         except FileNotFoundError:
             if located.weight_map is not None and located.index_label is not None:
                 reason = f"weight_map names shard '{ref.name}', which does not exist"
@@ -300,7 +301,11 @@ class RemoteOpener:
 
 
 def _validated(version: ObjectVersion, raw: bytes, label: str) -> ShardHeader:
-    length = header_length(raw[:8], version.size, label)
-    if len(raw) < 8 + length:
-        raise InvalidModelError([Problem(label, "the header's bytes did not all come")])
-    return parse_header(raw[8 : 8 + length], version.url, version.size, label)
+    """The table of the object, from its first bytes (all its format's table needs)."""
+
+    def read(offset: int, count: int) -> bytes:
+        if offset + count > len(raw):
+            raise InvalidModelError([Problem(label, "the header's bytes did not all come")])
+        return raw[offset : offset + count]
+
+    return formats.read_table(read, version.size, version.url, label)

@@ -28,7 +28,6 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from ..errors import Problem, TensorfsError, printable
-from ..header import MAX_HEADER_BYTES
 from ..units import human_size
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 
@@ -666,11 +665,11 @@ def read_url(url: str, options: RemoteOptions, limit: int) -> bytes:
     return get_whole(ObjectRef(spec, key), limit)
 
 
-def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
-    """The object's version and its header's bytes (8-byte length and JSON): at most two GETs.
+def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tuple[ObjectVersion, bytes]:
+    """The object's version and its first bytes, as many as `needed(first, size)` says its format's
+    table takes (told from the first FIRST_READ of them): one GET, two when the table is longer.
 
-    RemoteError (or FileNotFoundError) when the store does not give them; a length that is
-    wrong for the object is returned as it is, for the header's rules to refuse.
+    RemoteError (or FileNotFoundError) when the store does not give them.
     """
     import obstore
 
@@ -688,12 +687,9 @@ def read_header(ref: ObjectRef) -> tuple[ObjectVersion, bytes]:
             return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
         _raise(ref, exc)
         raise
-    if len(head) < 8:
-        return version, head
-    length = int.from_bytes(head[:8], "little")
-    end = 8 + length
-    if length > MAX_HEADER_BYTES or end > version.size or end <= len(head):
-        return version, head[: max(8, min(end, len(head)))]
+    end = needed(head, version.size)
+    if end <= len(head):
+        return version, head[:end]
     pieces = [head]
     read_range(version, len(head), end, lambda _, piece: pieces.append(bytes(piece)))
     return version, b"".join(pieces)

@@ -1,6 +1,6 @@
-"""One shard's header: bytes -> validated ShardHeader, by the reference reader's rules.
+"""safetensors: a file's first bytes -> its validated table (ShardHeader), by the reference reader's rules.
 
-Pure: it reads the file it is given and nothing else, and keeps no state. Every rule of the
+Pure: it reads what it is given and nothing else, and keeps no state. Every rule of the
 safetensors reference reader (0.8) is applied, plus tensorfs's own: duplicate JSON keys are errors.
 Tensor names are checked as paths elsewhere (names.py), since that needs the whole model.
 """
@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from itertools import chain
 from math import prod
 from operator import itemgetter
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .dtypes import DTYPES, DType
-from .errors import InvalidModelError, Problem, printable
-from .gcpause import gc_paused
-from .sources.shard import ShardKey, shard_name
+from ..dtypes import DTYPES, DType
+from ..errors import InvalidModelError, Problem, printable
+from ..gcpause import gc_paused
+from ..sources.shard import ShardKey
+from .table import Entry, ShardHeader, shape_text
 
 if TYPE_CHECKING:
-    import numpy as np
+    from . import Reader
 
 MAX_HEADER_BYTES = 100_000_000
 """The reference reader's limit on the JSON header's length (rule 2)."""
@@ -39,103 +36,31 @@ _FIELD_GETTER = itemgetter(*_FIELDS)
 _EMPTY_OBJECT = re.compile(r"\{[ \t\n\r]*\}")
 _SPACE_BEFORE_COLON = (b" :", b"\t:", b"\n:", b"\r:")
 _MAX_DEPTH = 127  # containers nested in one another: the most the reference reader accepts
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """Where one tensor lives and what it is."""
-
-    name: str
-    dtype: str
-    """The safetensors dtype name, e.g. "BF16"."""
-    shape: tuple[int, ...]
-    nbytes: int
-    shard: ShardKey
-    """The shard's file (a Path), or its object's URL (a str)."""
-    offset: int
-    """Absolute byte offset of the tensor's data in the shard file."""
-    data_offsets: tuple[int, int]
-    """The offsets as the header gives them, relative to the end of the header."""
-
-    @property
-    def numpy_dtype(self) -> np.dtype | None:
-        """The numpy dtype (ml_dtypes for bf16/fp8); None for the packed F4/F6 types."""
-        return DTYPES[self.dtype].numpy
-
-    def as_json(self) -> dict[str, Any]:
-        """The fields as JSON values: what `.meta.json` and `ls --json` say of a tensor."""
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "nbytes": self.nbytes,
-            "shard": shard_name(self.shard),
-            "offset": self.offset,
-            "data_offsets": list(self.data_offsets),
-            "numpy_dtype": DTYPES[self.dtype].numpy_name,
-        }
-
-
-Entry = tuple[int, int, str, DType, list[int]]
-"""One tensor of a header as (begin, end, name, dtype, shape): compact, since models hold 100k."""
-
 _UNKNOWN_DTYPE = DType("?", 0, None)  # stands in only in headers that are about to be rejected
 
 
-@dataclass(frozen=True)
-class ShardHeader:
-    """A shard whose header passed every rule."""
-
-    path: ShardKey
-    """The shard's file, or its object's URL."""
-    file_size: int
-    data_start: int
-    """Where tensor data begins: 8 + the header's length."""
-    entries: list[Entry]
-    """Every tensor, in file order (by offset)."""
-    metadata: dict[str, str] | None
-    """The header's `__metadata__`, when it has one."""
-
-    def info(self, entry: Entry) -> TensorInfo:
-        """The public description of one of this header's entries."""
-        begin, end, name, dtype, shape = entry
-        return TensorInfo(name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end))
+def sniff(first: bytes, name: str) -> bool:
+    """safetensors has no magic bytes: it takes what no other format claims (see formats/)."""
+    return True
 
 
-def read_shard_header(path: Path, label: str | None = None) -> ShardHeader:
-    """Read and validate the header of the shard at `path`; `label` names it in messages.
-
-    Raises InvalidModelError listing every problem found. Tensor data is never read.
-    """
-    label = str(path) if label is None else label
-    fd = open_shard(path, label)
-    try:
-        return read_header_fd(fd, path, label)
-    finally:
-        os.close(fd)
+def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader:
+    """The validated table of the safetensors file at `path` (`size` bytes, shown as `label`), its
+    bytes had from `read(offset, count)`: the 8-byte length, then the header. Tensor data is never
+    read. InvalidModelError listing every problem found."""
+    length = header_length(read(0, 8) if size >= 8 else b"", size, label)
+    return parse_header(read(8, length), path, size, label)
 
 
-def open_shard(path: Path, label: str) -> int:
-    """Open a shard read-only and return its descriptor, or raise InvalidModelError saying why not."""
-    try:
-        # O_NONBLOCK: a FIFO given as a shard must not hang the open; regular files ignore it.
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise InvalidModelError([Problem(label, f"cannot open: {exc.strerror}")]) from None
-
-
-def read_header_fd(fd: int, path: Path, label: str) -> ShardHeader:
-    """Read and validate the header of the open shard `fd` (the file at `path`, shown as `label`)."""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidModelError([Problem(label, "not a regular file")])
-        size = st.st_size
-        length = header_length(_pread_exactly(fd, 8, 0, label) if size >= 8 else b"", size, label)
-        raw = _pread_exactly(fd, length, 8, label)
-    except OSError as exc:
-        raise InvalidModelError([Problem(label, f"cannot read: {exc.strerror}")]) from None
-    return parse_header(raw, path, size, label)
+def table_bytes(first: bytes, size: int) -> int:
+    """How many of a file's first bytes its table takes: 8 + the header's length, once `first` holds
+    the 8 bytes that say it (as few as there are, for a length to be refused)."""
+    if len(first) < 8:
+        return len(first)
+    length = int.from_bytes(first[:8], "little")
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        return min(len(first), 8)  # refused by its length alone: no more is read
+    return 8 + length
 
 
 def header_length(prefix: bytes, size: int, label: str) -> int:
@@ -152,18 +77,6 @@ def header_length(prefix: bytes, size: int, label: str) -> int:
             [Problem(label, f"header length {length} runs past the end of the file ({size} bytes)")]
         )
     return length
-
-
-def _pread_exactly(fd: int, count: int, offset: int, label: str) -> bytes:
-    chunks = []
-    while count:
-        chunk = os.pread(fd, count, offset)
-        if not chunk:
-            raise InvalidModelError([Problem(label, "file shrank while its header was being read")])
-        chunks.append(chunk)
-        count -= len(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
 
 
 def parse_header(raw: bytes, path: ShardKey, file_size: int, label: str | None = None) -> ShardHeader:
@@ -440,7 +353,7 @@ def _check_entry(name: str, entry: Any, label: str, problems: list[Problem]) -> 
                 Problem(
                     label,
                     f"data_offsets [{offsets[0]}, {offsets[1]}] hold {offsets[1] - offsets[0]} bytes "
-                    f"but {dtype.name} {_shape_text(shape)} needs {nbytes}",
+                    f"but {dtype.name} {shape_text(shape)} needs {nbytes}",
                     name,
                 )
             )
@@ -487,12 +400,12 @@ def _nbytes(shape: list[int], dtype: DType, name: str, label: str, problems: lis
         count *= dim
         if count >= _U64_END:  # the reference multiplies in order, so overflow before a 0 still counts
             problems.append(
-                Problem(label, f"shape {_shape_text(shape)} has too many elements (overflows 64 bits)", name)
+                Problem(label, f"shape {shape_text(shape)} has too many elements (overflows 64 bits)", name)
             )
             return None
     bits = count * dtype.bits
     if bits >= _U64_END:
-        problems.append(Problem(label, f"shape {_shape_text(shape)} of {dtype.name} overflows 64 bits in size", name))
+        problems.append(Problem(label, f"shape {shape_text(shape)} of {dtype.name} overflows 64 bits in size", name))
         return None
     if bits % 8:
         problems.append(
@@ -500,7 +413,3 @@ def _nbytes(shape: list[int], dtype: DType, name: str, label: str, problems: lis
         )
         return None
     return bits // 8
-
-
-def _shape_text(shape: list[int] | tuple[int, ...]) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"

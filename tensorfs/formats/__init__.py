@@ -1,0 +1,70 @@
+"""What a file's bytes mean: one module per format, each turning a file's first bytes into the
+validated table of its tensors (table.py) or every problem found. The rest of tensorfs sees the
+table alone: names across shards, the index, selections, the mount, the views and the commands
+never ask which format a file is.
+
+A format is found by a file's content (its magic bytes), its name a hint only. safetensors has no
+magic (8 bytes of length, then JSON): it takes what no other format claims.
+
+Adding a format: a module here with `sniff(first: bytes, name: str) -> bool`,
+`read_table(read, size, path, label) -> ShardHeader` and `table_bytes(first, size) -> int` (how
+many of a file's first bytes its table takes, told from its first 64 KiB: a store is asked for
+just those), put in FORMATS ahead of safetensors. Its
+table's dtypes come from dtypes.py (a new one goes there, with its numpy dtype if it has one);
+`read(offset, count)` gives exactly those bytes of the file, wherever it is (a local file, or an
+object in a store: a remote table should cost the store one GET, two when its header is long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ..sources.shard import ShardKey
+from . import safetensors
+from .table import Entry, ShardHeader, TensorInfo, shape_text
+
+__all__ = [
+    "FORMATS", "SNIFF_BYTES", "Entry", "Reader", "ShardHeader", "TensorInfo", "detect", "read_table", "shape_text",
+    "table_bytes",
+]  # fmt: skip
+
+Reader = Callable[[int, int], bytes]
+"""(offset, count) -> exactly those bytes of a file (InvalidModelError, or OSError, if they cannot be had)."""
+
+
+class Format(Protocol):
+    """What a format's module offers (see the module's docstring)."""
+
+    def sniff(self, first: bytes, name: str) -> bool: ...
+
+    def read_table(self, read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader: ...
+
+    def table_bytes(self, first: bytes, size: int) -> int: ...
+
+
+FORMATS: list[Format] = [safetensors]
+"""In the order they are tried; the last takes what no other claims."""
+SNIFF_BYTES = 8
+"""The bytes a format is told by."""
+
+
+def detect(first: bytes, name: str) -> Format:
+    """The format of a file whose first bytes are `first` (up to SNIFF_BYTES) and whose name is `name`."""
+    for format_ in FORMATS[:-1]:
+        if format_.sniff(first, name):
+            return format_
+    return FORMATS[-1]
+
+
+def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader:
+    """The validated table of the file at `path` (`size` bytes, shown as `label`), whatever its format;
+    InvalidModelError listing every problem found. Tensor data is never read."""
+    first = read(0, min(size, SNIFF_BYTES)) if len(FORMATS) > 1 else b""
+    return detect(first, str(path)).read_table(read, size, path, label)
+
+
+def table_bytes(first: bytes, size: int) -> int:
+    """How many of a file's first bytes its table takes (told from `first`, the first bytes of it
+    a store gave: at least SNIFF_BYTES of them when the file has as many)."""
+    return detect(first[:SNIFF_BYTES], "").table_bytes(first, size)
