@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -15,23 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InvalidModelError, Problem, ShardChangedError, TensorfsError, printable
+from .errors import ShardChangedError, TensorfsError, printable
 from .formats import Entry
-from .manifest import DEFAULT_MANIFEST, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
 from .model import Model
-from .safefiles import ModelDirectory, NotRegular, read_bounded
 from .sources.shard import Identity, ShardKey
-from .sources.store import (
-    AccessDenied,
-    RemoteError,
-    RemoteOptions,
-    TooLarge,
-    beside,
-    exists,
-    is_remote,
-    read_url,
-    redact,
-)
 from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)
@@ -280,127 +265,3 @@ class Integrity:
     def digest(self, name: str) -> str:
         """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread)."""
         return self.hasher.cached([name]).get(name) or self.hasher.hash_one(name)
-
-
-# -- reading manifests ------------------------------------------------------------------------
-
-
-def read_manifest(path: Path | str, remote: RemoteOptions | None = None, *, in_model: bool = False) -> dict[str, str]:
-    """The manifest in `path` (a file, a pipe such as <(...), or a URL), at most MAX_MANIFEST_BYTES.
-
-    `in_model`: the manifest found in a model's directory (see find_default_manifest), which
-    someone else may control: a regular file beneath it, opened once, never blocking.
-    """
-    if is_remote(path):
-        assert isinstance(path, str)
-        try:
-            data = read_url(path, remote or RemoteOptions(), MAX_MANIFEST_BYTES)
-        except TooLarge:
-            raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest") from None
-        except (RemoteError, FileNotFoundError) as exc:
-            shown = redact(path)
-            raise ManifestError(str(exc) if str(exc).startswith(shown) else f"{shown}: {exc}") from None
-    else:
-        path = Path(path)
-        try:
-            if in_model:
-                with ModelDirectory(path.parent) as directory:
-                    fd, _ = directory.open_regular(path.name)
-            else:  # named by whoever runs the command: a pipe is fine, and waited for
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
-                kind = os.fstat(fd).st_mode
-                if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
-                    os.close(fd)
-                    raise ManifestError(f"{path}: not a regular file or a pipe")
-            try:
-                data = read_bounded(fd, MAX_MANIFEST_BYTES)
-            finally:
-                os.close(fd)
-        except NotRegular:
-            raise ManifestError(f"{path}: not a regular file") from None
-        except OSError as exc:
-            why = "a symlink out of the model's directory" if exc.errno == errno.EXDEV else exc.strerror
-            raise ManifestError(f"{path}: cannot read: {why}") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ManifestError(f"{path}: not UTF-8 text") from None
-    return parse_manifest(text, str(path))
-
-
-def find_default_manifest(source: Path | str, remote: RemoteOptions | None = None) -> Path | str | None:
-    """tensors.sha256 in SOURCE, or beside it when SOURCE is a file (a shard, an index), if there is one
-    (read it with read_manifest(..., in_model=True)).
-
-    For a remote model: beside its shards in the store (asked with a HEAD, not with --offline).
-    """
-    if is_remote(source):
-        assert isinstance(source, str)
-        options = remote or RemoteOptions()
-        if options.offline:
-            return None
-        ref = beside(source, DEFAULT_MANIFEST, options)
-        try:
-            return ref.url if exists(ref) else None
-        except AccessDenied as exc:  # S3 answers 403 for a missing key to whoever may not list the bucket
-            log.warning("%s; taken as no manifest", exc)
-            return None
-        except RemoteError as exc:
-            raise ManifestError(str(exc)) from None
-    source = Path(source)
-    candidate = (source if source.is_dir() else source.parent) / DEFAULT_MANIFEST
-    return candidate if os.path.lexists(candidate) else None
-
-
-def shard_of_a_model(source: Path | str) -> bool:
-    """Whether SOURCE is one .safetensors file: it may be one shard of the model its manifest lists."""
-    if isinstance(source, str) and is_remote(source):
-        return source.rstrip("/").endswith(".safetensors")
-    source = Path(source)
-    return not source.is_dir() and not source.name.endswith(".index.json")
-
-
-@dataclass(frozen=True)
-class Comparison:
-    mismatched: list[str]
-    missing: list[str]
-    """In the manifest, not in the model."""
-    unexpected: list[str]
-    """In the model, not in the manifest."""
-
-    @property
-    def ok(self) -> bool:
-        return not (self.mismatched or self.missing or self.unexpected)
-
-
-def compare(model: Model, expected: Mapping[str, str], actual: Mapping[str, str]) -> Comparison:
-    return Comparison(
-        mismatched=sorted(name for name, digest in actual.items() if name in expected and expected[name] != digest),
-        missing=sorted(name for name in expected if name not in model),
-        unexpected=sorted(name for name in model.names() if name not in expected),
-    )
-
-
-def manifest_coverage_problems(
-    model: Model, expected: Mapping[str, str], manifest: str, *, extra_allowed: bool = False
-) -> list[Problem]:
-    """Problems when a manifest does not list exactly the model's tensors (or, `extra_allowed`, at least)."""
-    problems = [
-        Problem(manifest, "is in the manifest but not in the model", name)
-        for name in ([] if extra_allowed else expected)
-        if name not in model
-    ]
-    problems += [
-        Problem(manifest, "is in the model but not in the manifest", name)
-        for name in model.names()
-        if name not in expected
-    ]
-    return problems
-
-
-def require_coverage(model: Model, expected: Mapping[str, str], manifest: str, *, extra_allowed: bool = False) -> None:
-    problems = manifest_coverage_problems(model, expected, manifest, extra_allowed=extra_allowed)
-    if problems:
-        raise InvalidModelError(problems)

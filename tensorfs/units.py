@@ -13,3 +13,8 @@ def human_size(nbytes: int) -> str:
         if size < 1024 or unit == "PiB":
             break
     return f"{size:.1f} {unit}"
+
+
+def plural(count: int, noun: str) -> str:
+    """3, 'tensor' -> '3 tensors'; 1, 'shard' -> '1 shard'."""
+    return f"{count} {noun}{'s' * (count != 1)}"

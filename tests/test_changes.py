@@ -374,13 +374,13 @@ def test_hashing_a_shard_that_shrank_is_an_error_not_a_crash(model_dir: Path) ->
 
 MANIFEST_OF_A_SHRINKING_SHARD = """
 import os, sys
-import tensorfs.cli
-real = tensorfs.cli.open_model
+import tensorfs.cli, tensorfs.source
+real = tensorfs.source.open_model
 def open_then_shrink(path, **kwargs):
     model = real(path, **kwargs)
     os.truncate(sys.argv[2], int(sys.argv[3]))
     return model
-tensorfs.cli.open_model = open_then_shrink
+tensorfs.source.open_model = open_then_shrink
 sys.exit(tensorfs.cli.main(["manifest", "--no-cache", sys.argv[1]]))
 """
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import Mounts, wait_until
 from helpers import every_dtype_tensors, write_reference
-from tensorfs.cli import mount
+from tensorfs.cli.mount import mount
 from tensorfs.errors import TensorfsError
 from tensorfs.mount.helper import mount_arguments
 from tensorfs.mount.mounttable import mount_at, pid_alive

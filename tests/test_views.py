@@ -157,7 +157,7 @@ def test_writing_never_goes_over_what_is_not_a_model_file(mounts: Mounts, tmp_pa
 
 
 def test_a_signal_leaves_no_half_written_export(tmp_path: Path) -> None:
-    from tensorfs.cli import _ended_by_signals
+    from tensorfs.cli.output import ended_by_signals as _ended_by_signals
     from tensorfs.views import ViewSpec, build_view
     from tensorfs.views.export import write_view
 

@@ -9,7 +9,6 @@ or ignored; anything else is a one-line error.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import click
@@ -80,21 +79,3 @@ def _options_of(command: click.Command) -> dict[str, tuple[str, bool]]:
                 if name.startswith("--"):
                     found[name[2:].replace("-", "_")] = (name, bool(param.is_flag))
     return found
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """mount.tensorfs SOURCE MOUNTPOINT [-o OPTS]: what mount(8) runs for `-t fuse.tensorfs`."""
-    from ..cli import main as cli_main
-    from ..cli import mount
-
-    words = list(sys.argv[1:] if argv is None else argv)
-    try:
-        arguments = mount_arguments(words, mount)
-    except TensorfsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return cli_main(["mount", *arguments])
-
-
-def run() -> None:
-    sys.exit(main())

@@ -25,6 +25,7 @@ from .shard import Identity, ShardData, hold, settled
 
 if TYPE_CHECKING:
     from ..headercache import HeaderCache
+    from ..model import Model
 from .store import (
     Located,
     ObjectRef,
@@ -181,6 +182,10 @@ class RemoteShard(ShardData):
             if progress is not None:
                 progress(self.chunk_bytes(chunk))
 
+    def missing(self, chunks: Iterable[int]) -> int:
+        """How many of `chunks` the cache does not hold (here, or recorded by another process)."""
+        return sum(not self.cached.present(chunk) for chunk in chunks)
+
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """The bytes from the cache file (fetched first if need be), never through the mapping."""
         end = offset + len(buffer)
@@ -209,6 +214,19 @@ class RemoteShard(ShardData):
 
     def close(self) -> None:
         self.cached.close()
+
+
+def fetch_plan(model: Model, *, whole: bool) -> dict[RemoteShard, list[int]]:
+    """The chunks to fetch to hold `model` in the cache, by remote shard: every chunk of its objects
+    (`whole`), or only those of its tensors' bytes (a selection). Empty for a local model."""
+    wanted: dict[RemoteShard, list[int]] = {}
+    for shard, entries in model.by_shard().items():
+        data = model.shard_data(shard)
+        if isinstance(data, RemoteShard):
+            start = model.shard_header(shard).data_start
+            everything = [(0, data.cached.version.size)] if whole else []
+            wanted[data] = data.chunks_of(everything or [(start + b, start + e) for b, e, *_ in entries])
+    return wanted
 
 
 class RemoteOpener:

@@ -1,0 +1,84 @@
+"""The `tensorfs` command line: one subcommand per thing a user does with a model.
+
+group.py holds the click group; the commands are in the module named for what they act on:
+model.py (validate, ls, manifest, verify, export), mount.py (mount, umount, status, stats),
+remote.py (prefetch, cache), bench.py; options.py and output.py are what they share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+
+import click
+
+from ..errors import TensorfsError
+from ..sources.store import is_remote
+from . import bench, model, mount, remote  # noqa: F401 - each registers its commands with the group
+from .group import cli
+from .output import GuardedOutput, OutputError, drop_output, error_lines
+
+__all__ = ["cli", "main", "mount_helper"]
+
+
+def _run_by_mount(words: list[str]) -> bool:
+    """Whether the words are a mount helper's (a model and a mountpoint), not a command's."""
+    if len(words) < 2 or words[0] in cli.commands or words[0].startswith("-"):
+        return False
+    return is_remote(words[0]) or os.path.exists(words[0])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return its exit code: 0 done, 1 bad input or failure, 2 usage error.
+
+    An output that cannot be written (`> /dev/full`) is a one-line error and exit 1; a reader
+    that went away (`| head`) ends the command quietly with 141, as coreutils' commands end.
+    """
+    words = list(sys.argv[1:] if argv is None else argv)
+    if _run_by_mount(words):  # mount.fuse3 runs `tensorfs SRC MNT -o OPTS` for -t fuse.tensorfs
+        return mount_helper(words)
+    stdout = sys.stdout
+    sys.stdout = GuardedOutput(stdout)
+    try:
+        result = cli.main(args=words, prog_name="tensorfs", standalone_mode=False)
+        sys.stdout.flush()
+    except OutputError as exc:
+        drop_output(stdout)
+        if exc.broken_pipe:
+            return 141
+        error_lines(exc.lines())
+        return exc.exit_code
+    except TensorfsError as exc:
+        error_lines(exc.lines())
+        return exc.exit_code
+    except click.ClickException as exc:
+        with contextlib.suppress(OSError):
+            exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        error_lines(["Aborted."], prefix="")
+        return 130
+    finally:
+        sys.stdout = stdout
+    return result if isinstance(result, int) else 0
+
+
+def mount_helper(argv: Sequence[str] | None = None) -> int:
+    """mount.tensorfs SOURCE MOUNTPOINT [-o OPTS]: what mount(8) runs for `-t fuse.tensorfs` (see
+    mount/helper.py): `tensorfs mount` with the options mount(8) gives, translated."""
+    from ..mount.helper import mount_arguments
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        arguments = mount_arguments(words, mount.mount)
+    except TensorfsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return main(["mount", *arguments])
+
+
+def run_mount_helper() -> None:
+    """The entry point of the mount.tensorfs script."""
+    sys.exit(mount_helper())

@@ -1,0 +1,21 @@
+"""The `tensorfs` command group: the commands are in the modules named for what they act on
+(model.py, mount.py, remote.py, bench.py)."""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tensorfs")
+def cli() -> None:
+    """Serve the tensors of a safetensors model as files, one per tensor.
+
+    MODEL is a .safetensors file, a directory of shards (with or without
+    model.safetensors.index.json), or an index file; or such a model in a
+    store, read through a local cache: s3://BUCKET/PREFIX (or .../KEY.safetensors),
+    https://.../model.safetensors.index.json (or .../NAME.safetensors),
+    hf://ORG/NAME[@REVISION].
+    """

@@ -1,0 +1,212 @@
+"""The commands that act on a model: validate, ls, manifest, verify, export."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import InvalidModelError, TensorfsError, printable
+from ..formats import shape_text
+from ..manifest import DEFAULT_MANIFEST, format_manifest
+from ..model import Model
+from ..mount.prepare import hash_with_progress
+from ..names import Layout
+from ..progress import Progress
+from ..selection import Selection
+from ..sources.shard import shard_name
+from ..sources.store import RemoteOptions
+from ..units import human_size, plural
+from .group import cli
+from .options import (
+    ModelLocation,
+    cache_options,
+    layout_option,
+    model_argument,
+    remote_options,
+    selection_options,
+    source_of,
+    view_files_option,
+)
+from .output import OutputError, ended_by_signals, table, write_file
+
+
+@cli.command()
+@model_argument
+@layout_option
+@selection_options
+@cache_options
+@remote_options
+def validate(
+    path: Path | str,
+    layout: Layout,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
+) -> None:
+    """Check every header of MODEL as `mount` would, and summarise it (the selection, if one is given).
+
+    Files unchanged since they were last validated (same device, inode, size, mtime and ctime) are
+    taken from the cache of validated headers; --no-cache checks everything from scratch.
+    Exit 0 when valid; exit 1 and one line per problem on stderr when not.
+    """
+    with source_of(path, remote, no_cache).open(selection, layout) as model:
+        click.echo(
+            f"{printable(str(path))}: valid: {plural(len(model.shards), 'shard')}, "
+            f"{plural(len(model), 'tensor')}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
+            + ("" if selection.everything else f", selected by {printable(selection.describe())}")
+        )
+
+
+@cli.command(name="ls")
+@model_argument
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
+@selection_options
+@cache_options
+@remote_options
+def ls_command(
+    path: Path | str, as_json: bool, selection: Selection, cache_dir: Path | None, no_cache: bool, remote: RemoteOptions
+) -> None:
+    """List the tensors of MODEL: name, dtype, shape, size and shard."""
+    with source_of(path, remote, no_cache).open(selection) as model:
+        if as_json:
+            _ls_json(model)
+        else:
+            _ls_table(model)
+
+
+def _ls_json(model: Model) -> None:
+    out = sys.stdout
+    for name in model:
+        out.write(json.dumps(model.info(name).as_json(), ensure_ascii=False) + "\n")
+
+
+def _ls_table(model: Model) -> None:
+    rows = [("NAME", "DTYPE", "SHAPE", "SIZE", "SHARD")]
+    for name in model:
+        info = model.info(name)
+        rows.append(
+            (printable(name), info.dtype, shape_text(info.shape), human_size(info.nbytes), shard_name(info.shard))
+        )
+    sys.stdout.write("".join(line + "\n" for line in table(rows, "<<<>")))
+
+
+@cli.command()
+@model_argument
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write here, not to stdout.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON object {tensor name: hex SHA-256}.")
+@selection_options
+@cache_options
+@remote_options
+def manifest(
+    path: Path | str,
+    output: Path | None,
+    as_json: bool,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
+) -> None:
+    """The SHA-256 of every tensor's raw bytes, in sha256sum format (`<hex>  <tensor name>`) by name.
+
+    Hashes found in the cache (same shard file, unchanged) are not computed again.
+    """
+    source = source_of(path, remote, no_cache)
+    with source.open(selection) as model:
+        text = format_manifest(hash_with_progress(model, source.hash_cache()), as_json=as_json)
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_file(output, text)
+
+
+@cli.command()
+@model_argument
+@click.argument("dest", type=click.Path(path_type=Path))
+@view_files_option("--shards", "A directory DEST: the model")
+@selection_options
+@remote_options
+def export(
+    path: Path | str, dest: Path, shards: int, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+) -> None:
+    """Write MODEL's tensors (or a selection of them) as a new safetensors model at DEST.
+
+    DEST ending in .safetensors: one file. Otherwise a new directory holding what .tensorfs/model/
+    of a mount holds: model.safetensors (or model-0000K-of-0000N.safetensors and an index; a
+    selection's are named selected) and the model's companion files (config.json, tokenizer files,
+    ...). Streamed, with a progress line on a terminal; written whole or not at all.
+    """
+    from ..views import build_view
+    from ..views.export import view_bytes, write_view
+
+    shown = printable(str(dest))
+    one_file = dest.name.endswith(".safetensors")
+    if one_file and shards:
+        raise TensorfsError(f"{shown}: --shards needs a directory DEST (a .safetensors DEST is one file)")
+    if dest.exists() or dest.is_symlink():  # never over anything, the source's own files least of all
+        raise TensorfsError(f"{shown}: already exists; name a new {'file' if one_file else 'directory'}")
+    source = source_of(path, remote)
+    with source.open(selection) as model, ended_by_signals():
+        tensors = plural(len(model), "tensor")
+        if one_file:
+            with Progress(model.nbytes, "writing") as progress:
+                model.write_safetensors(dest, progress.advance)
+            done = f"wrote {shown}: {tensors}, {human_size(dest.stat().st_size)}"
+        else:
+            spec = source.view_spec(shards)
+            for warning in spec.warnings:
+                click.echo(f"warning: {warning}", err=True)
+            view = build_view(model, spec)
+            try:
+                with Progress(view_bytes(view), "writing") as progress:
+                    write_view(view, dest, progress.advance)
+            finally:
+                view.close()
+            done = f"wrote {shown}/: {tensors}, {plural(len(view.files), 'file')}"
+    try:
+        click.echo(done)
+    except OutputError as exc:  # the model is written: say so, for the exit code says something failed
+        raise OutputError(exc.cause, f"wrote {shown}, but ") from None
+
+
+@cli.command()
+@model_argument
+@click.option(
+    "--manifest",
+    "manifest_path",
+    type=ModelLocation(),
+    metavar="FILE|URL",
+    help=f"The manifest to check against (sha256sum or JSON; a file or a URL). Default: {DEFAULT_MANIFEST} in "
+    "MODEL (in its directory, for a file).",
+)
+@selection_options
+@cache_options
+@remote_options
+def verify(
+    path: Path | str,
+    manifest_path: Path | str | None,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
+) -> None:
+    """Hash every tensor of MODEL (or of the selection) and compare with a manifest.
+
+    Exit 0 when all match; exit 1 naming every mismatched, missing and unexpected tensor. With a
+    selection, the manifest may list other tensors too.
+    """
+    source = source_of(path, remote, no_cache)
+    # The model first: its errors name it, not the manifest beside it.
+    with source.open(selection) as model:
+        found = source.manifest(manifest_path, selection)
+        if found is None:
+            raise TensorfsError(f"{source.directory}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
+        actual = hash_with_progress(model, source.hash_cache())
+        problems = found.mismatches(model, actual, lambda name: f"does not match {found.label} (sha256 {actual[name]})")
+        problems += found.coverage(model)
+        if problems:
+            raise InvalidModelError(problems)
+        click.echo(f"{printable(str(path))}: all {len(model)} tensors match {printable(found.label)}")
