@@ -93,7 +93,7 @@ def test_concurrent_readers_share_one_hashing(ops: TensorOperations) -> None:
                 nursery.start_soon(lambda: _append(results, ops.read(inode, 0, 4096)))
 
     run(readers)
-    assert ops.integrity.hasher.tensors_hashed == 1
+    assert ops.verifier.integrity.hasher.tensors_hashed == 1
     assert len(set(results)) == 1 and results[0].startswith(hashlib.sha256(DATA).hexdigest().encode())
 
 
@@ -183,13 +183,13 @@ def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> Non
         with tensorfs.open_model(shard) as model:
             expected = {"big": hashlib.sha256(DATA).hexdigest(), "other": hashlib.sha256(b"abcd").hexdigest()}
             integrity = Integrity(Hasher(model), expected if manifest else None)
+            dropped: list[tuple[list[int], bool]] = []
             ops = TensorOperations(
                 Tree(model, "slash", {}),
                 integrity,
                 ShardWatch([(shard, *model.shard_data(shard).watched())]),
+                invalidate=lambda inodes, attr_only, dropped=dropped: dropped.append((sorted(inodes), attr_only)),
             )
-            dropped: list[tuple[list[int], bool]] = []
-            ops.invalidate = lambda inodes, attr_only, dropped=dropped: dropped.append((sorted(inodes), attr_only))
             everything = sorted([*ops.tree.inodes_of(shard), ops.tree.sums_inode])
             big, other = ops.tree.tensor_inode("big"), ops.tree.tensor_inode("other")
             fh = run(ops.open, big, os.O_RDONLY, None).fh

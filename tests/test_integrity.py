@@ -237,8 +237,8 @@ def test_concurrent_openers_of_one_unverified_tensor_share_one_hashing(
                     nursery.start_soon(lambda: _open(ops, inode, opened))
 
         trio.run(open_many)
-        assert len(opened) == 6 and ops.integrity.hasher.tensors_hashed == 1
-        assert "w1" in ops.integrity.verified
+        assert len(opened) == 6 and ops.verifier.integrity.hasher.tensors_hashed == 1
+        assert "w1" in ops.verifier.integrity.verified
 
 
 async def _open(ops: TensorOperations, inode: int, opened: list[Any]) -> None:

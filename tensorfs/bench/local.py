@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..model import INDEX_NAME
-from ..mount.daemon import MountOptions
+from ..mount.options import MountOptions
 from ..mount.runtime import read_record
 from ..synth import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size

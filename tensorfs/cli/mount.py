@@ -148,7 +148,7 @@ def mount(
     so in one line (unless -q).
     """
     from ..mount.daemon import mount as mount_model
-    from ..mount.daemon import MountOptions, split_fuse_options
+    from ..mount.options import MountOptions, split_fuse_options
 
     model = source_of(path, remote, no_cache)
     passed, ownership = split_fuse_options(fuse_options)

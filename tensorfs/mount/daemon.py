@@ -12,11 +12,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import grp
 import logging
 import os
 import pickle
-import pwd
 import select
 import signal
 import stat
@@ -24,94 +22,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MountError, TensorfsError, printable
 from ..gcpause import gc_paused
 from ..integrity import HashCache, Hasher, Integrity
 from ..model import Model, reopen, snapshot
-from ..names import Layout
 from ..units import human_size
 from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
-from .metrics import Address
 from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
+from .options import READY, MountOptions
 from .runtime import mountpoint_lock, remove_record
-from .tree import Ownership
 
 log = logging.getLogger("tensorfs")
 
-READY = "ready"
 READY_TIMEOUT = 120.0
-# Options that break tensorfs (DESIGN.md): direct_io breaks np.memmap of the files, max_read= breaks
-# pyfuse3 3.5 with libfuse 3.14, and the tree is read-only.
-REFUSED_OPTIONS = {
-    "rw": "the tree is read-only",
-    "direct_io": "it breaks np.memmap of the mounted files",
-    "max_read": "it breaks pyfuse3 3.5 with libfuse 3.14 (requests are already up to 1 MiB)",
-}
-# Options tensorfs applies itself, as bindfs and sshfs users know them: libfuse's low-level API has none.
-OWNERSHIP_OPTIONS = ("uid", "gid", "umask")
-_NO_ID = (1 << 32) - 1  # (uid_t)-1 means "no owner" to the kernel: ids are below it
-
-
-@dataclass(frozen=True)
-class MountOptions:
-    layout: Layout = "slash"
-    fuse_options: tuple[str, ...] = ()
-    """Options passed to FUSE as given with -o (allow_other, ...)."""
-    ownership: Ownership = field(default_factory=Ownership)
-    """-o uid=,gid=,umask=: applied by tensorfs, not passed to FUSE."""
-    foreground: bool = False
-    debug: bool = False
-    log_file: Path | None = None
-    readahead_kb: int = 1024
-    prefetch_mb: int = 32
-    max_background: int = 4
-    quiet: bool = False
-    remote: dict[str, object] | None = None
-    """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""
-    log_format: str = "text"
-    """text, or json: one JSON object a line."""
-    metrics: Address | None = None
-    """Where the Prometheus endpoint listens ((host, port), or a Unix socket's path); None: no endpoint."""
-
-
-def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:
-    """`-o a,b -o c` -> ((a, b, c), the uid/gid/umask overrides), refusing options that break tensorfs."""
-    options = tuple(opt.strip() for value in values for opt in value.split(",") if opt.strip())
-    passed, owner = [], {}
-    for option in options:
-        key, _, value = option.partition("=")
-        if key in REFUSED_OPTIONS:
-            raise MountError(f"option '{option}' is not supported: {REFUSED_OPTIONS[key]}")
-        if key in OWNERSHIP_OPTIONS:
-            owner[key] = _ownership_value(key, value)
-        else:
-            passed.append(option)
-    return tuple(passed), Ownership(**owner)
-
-
-def _ownership_value(key: str, value: str) -> int:
-    """uid= and gid= take a number or a name; umask= an octal mask."""
-    try:
-        if key == "umask":
-            mask = int(value, 8)
-            if not 0 <= mask <= 0o777:
-                raise ValueError
-            return mask
-        number = int(value) if value.isascii() and value.isdigit() else None
-        if number is None:
-            number = pwd.getpwnam(value).pw_uid if key == "uid" else grp.getgrnam(value).gr_gid
-        if not 0 <= number < _NO_ID:
-            raise ValueError
-        return number
-    except (ValueError, KeyError):
-        what = (
-            "an octal mask such as 022" if key == "umask" else f"a {'user' if key == 'uid' else 'group'} name or number"
-        )
-        raise MountError(f"option '{key}={value}': {key} takes {what}") from None
 
 
 def check_mountpoint(mountpoint: Path) -> None:

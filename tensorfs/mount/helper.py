@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import click
 
 from ..errors import TensorfsError
-from .daemon import REFUSED_OPTIONS
+from .options import REFUSED_OPTIONS
 
 # Options of mount(8) and fstab that mean nothing more to a read-only FUSE mount (it is always
 # nodev, nosuid), or that systemd and mount(8) use themselves.

@@ -26,11 +26,11 @@ from ..model import Model
 from ..sources.shard import ShardKey
 from ..views import ViewSpec, build_view
 from . import fs
-from .daemon import READY, MountOptions
 from .fs import TensorOperations
 from .logs import reopen_logs
 from .metrics import describe as describe_address
 from .metrics import serve_metrics
+from .options import READY, MountOptions
 from .runtime import process_start, remove_record, write_record
 from .tree import Tree, index_json
 from .watch import ShardWatch
@@ -49,7 +49,6 @@ def serve(
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     _return_big_buffers()
     record = _record(model, mountpoint, options, integrity)
-    fs.TRACE_REQUESTS = options.debug
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
     control[fs.STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
     for warning in view.warnings:
@@ -60,19 +59,27 @@ def serve(
             model.shard_data(shard).hold_to_manifest()
     watched = {shard: model.shard_data(shard).watched() for shard in model.shards}
     watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
-    operations = TensorOperations(tree, integrity, watch)
-    operations.prefetch = options.prefetch_mb << 20
     hasher = integrity.hasher
-    operations.stats.sources["hashes"] = lambda: {
-        "tensors_hashed": hasher.tensors_hashed,  # each one not found in the hash cache (a miss)
-        "bytes_hashed": hasher.bytes_hashed,
-        "cache_hits": hasher.cache_hits,
+    counters: dict[str, Callable[[], dict[str, int | float]]] = {
+        "hashes": lambda: {
+            "tensors_hashed": hasher.tensors_hashed,  # each one not found in the hash cache (a miss)
+            "bytes_hashed": hasher.bytes_hashed,
+            "cache_hits": hasher.cache_hits,
+        }
     }
     if options.remote is not None:  # the fetches and the cache count for themselves
         from ..sources.cache import COUNTERS
 
-        operations.stats.sources["remote"] = COUNTERS.snapshot
-    operations.invalidate = _invalidate
+        counters["remote"] = COUNTERS.snapshot
+    operations = TensorOperations(
+        tree,
+        integrity,
+        watch,
+        prefetch=options.prefetch_mb << 20,
+        invalidate=_invalidate,
+        trace=options.debug,
+        counters=counters,
+    )
     fuse_options = set(pyfuse3.default_options) | {f"fsname={fsname(model.source)}", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)
     if options.debug and options.foreground:
@@ -214,7 +221,7 @@ async def _run(
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(_handle_signals)
-        nursery.start_soon(operations.watch_changes)
+        nursery.start_soon(operations.verifier.watch_changes)
         nursery.start_soon(_flush_caches, operations)
         nursery.start_soon(_report_ready, mountpoint, options, record, notify)
         await pyfuse3.main()

@@ -22,14 +22,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from json.encoder import encode_basestring
+from typing import TYPE_CHECKING
 
 from ..errors import TensorfsError
 from ..formats import Entry
 from ..manifest import sha256sum_line
-from ..model import Model
 from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources.shard import ShardKey, shard_name
 from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 ROOT_INODE = 1
 SUMS_NAME = "SHA256SUMS"

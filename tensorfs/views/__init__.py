@@ -11,10 +11,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
-from ..model import Model
 from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
+
+if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..model import Model
 
 __all__ = [
     "VIEW_DIR", "Companion", "ModelView", "Piece", "SynthesizedFile", "ViewFile", "ViewSpec", "build_view", "split",

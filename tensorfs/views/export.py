@@ -12,10 +12,13 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import TensorfsError, printable
-from ..model import Model
 from . import Companion, ModelView, SynthesizedFile, shared_metadata
+
+if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..model import Model
 
 _BLOCK = 1 << 20
 

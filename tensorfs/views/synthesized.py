@@ -16,10 +16,13 @@ from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from json.encoder import encode_basestring
+from typing import TYPE_CHECKING
 
 from ..dtypes import DTYPES
-from ..model import Model
 from ..sources.shard import ShardKey
+
+if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..model import Model
 
 _RANK = {name: rank for rank, name in enumerate(DTYPES)}  # the reference's dtype order, narrowest first
 

@@ -1,0 +1,126 @@
+"""The package's shape: no import cycles, and the layers that must stay light import nothing heavy.
+
+Every import counts, in a function too (a lazy import hides a cycle, it does not remove it), except
+those under `if TYPE_CHECKING:`, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tensorfs
+
+PACKAGE = Path(tensorfs.__file__).parent
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (its file, whether it is a package's __init__)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for statement in node.body for inner in ast.walk(statement))
+    return skipped
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which of the package's modules each module imports."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        tree = ast.parse(path.read_text())
+        skipped = _type_checking_only(tree)
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                prefix = ".".join(base + ([node.module] if node.module else []))
+                # `from . import x` imports the module x when there is one, else a name of the package
+                targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix for a in node.names]
+            graph[name].update(target for target in targets if target in modules and target != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        for imported in graph[module] - seen:
+            seen.add(imported)
+            todo.append(imported)
+    return seen
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_mount_tree_and_the_formats_stay_light() -> None:
+    """The tree and a format's parser are pure: no hashing, no SQLite, no remote client, no CLI."""
+    graph = import_graph()
+    heavy = {"tensorfs.integrity", "tensorfs.sources.cache", "tensorfs.sources.store", "tensorfs.headercache"}
+    heavy |= {module for module in graph if module.startswith("tensorfs.cli")}
+    assert not (graph["tensorfs.mount.tree"] & heavy)
+    for module in graph:
+        if module.startswith("tensorfs.formats"):
+            assert not (reachable(graph, module) & (heavy | {"tensorfs.model", "tensorfs.views"})), module
+
+
+def test_only_the_cli_imports_the_cli() -> None:
+    graph = import_graph()
+    for module, imported in graph.items():
+        if not module.startswith("tensorfs.cli"):
+            assert not {name for name in imported if name.startswith("tensorfs.cli")}, module
