@@ -32,9 +32,10 @@ from pathlib import Path
 
 import tensorfs
 from tensorfs.bench.common import wait_until_settled
-from tensorfs.integrity import HASH_WORKERS, HashCache, Hasher
+from tensorfs.hashcache import HashCache
+from tensorfs.integrity import HASH_WORKERS, Hasher
 from tensorfs.manifest import format_manifest
-from tensorfs.synth import many_tiny_tensors, write_sharded
+from tensorfs.sample_models import many_tiny_tensors, write_sharded
 
 FAIR_BAR = 0.9
 CACHED_BAR = 0.05

@@ -24,7 +24,7 @@ import safetensors
 
 import tensorfs
 from tensorfs.bench.common import wait_until_settled
-from tensorfs.synth import many_tiny_tensors
+from tensorfs.sample_models import many_tiny_tensors
 
 
 def reference_keys(shards: list[Path]) -> int:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tensorfs.synth import many_tiny_tensors
+from tensorfs.sample_models import many_tiny_tensors
 
 BARS = {"sha256sum -c": 2.0, "cp -r": 2.0, "find -type f | wc -l": 3.0, "ls -lR": 3.0}
 TENSORFS = [sys.executable, "-m", "tensorfs.cli"]

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from .dtypes import DTYPES
-from .formats import Entry, ShardHeader
+from .formats import BEGIN, END, NAME, Entry, ShardHeader
 from .sources.shard import ShardKey
 from .sqlitecache import SqliteCache
 
@@ -75,9 +75,9 @@ class HeaderCache(SqliteCache):
             header.file_size,
             header.data_start,
             header.metadata,
-            [entry[0] for entry in header.entries],
-            [entry[1] for entry in header.entries],
-            [entry[2] for entry in header.entries],
+            [entry[BEGIN] for entry in header.entries],
+            [entry[END] for entry in header.entries],
+            [entry[NAME] for entry in header.entries],
             list(kinds),
             dtypes,
             [list(shape) for shape in shapes],

@@ -1,11 +1,10 @@
-"""Proving bytes: SHA-256 of tensors, manifests, the persistent hash cache, verification."""
+"""Proving bytes: SHA-256 of tensors (kept in the hash cache, hashcache.py) and verification."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -14,16 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ShardChangedError, TensorfsError, printable
-from .formats import Entry
+from .formats import BEGIN, END, NAME, Entry
+from .hashcache import HashCache
 from .model import Model
 from .sources.shard import Identity, ShardKey
-from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # read a tensor in pieces this large: they stay in the CPU's cache between read and hash
 HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
-_FEW_SPANS = 64  # up to this many ranges, the cache is asked range by range
 _SAVE_EVERY = 5.0  # seconds between commits of new hashes while a model is hashed
 CACHE_MIN_BYTES = 256 << 10
 """Smaller tensors are hashed again rather than cached: storing a row costs a good part of hashing them."""
@@ -31,64 +29,6 @@ CACHE_MIN_BYTES = 256 << 10
 
 class TensorCorrupt(TensorfsError):
     """A tensor's bytes do not hash to what its manifest says."""
-
-
-# -- the persistent cache -------------------------------------------------------------------
-
-
-class HashCache(SqliteCache):
-    """SHA-256 of tensors by (shard identity, offsets), in SQLite; safe for several processes at once."""
-
-    FILE_NAME = "hashes.sqlite"
-    TABLE = (
-        "CREATE TABLE IF NOT EXISTS hashes (device INTEGER, inode INTEGER, size INTEGER, mtime_ns INTEGER,"
-        " ctime_ns INTEGER, begin INTEGER, end INTEGER, sha256 TEXT NOT NULL,"
-        " PRIMARY KEY (device, inode, size, mtime_ns, ctime_ns, begin, end)) WITHOUT ROWID"
-    )
-    NAME = "hash cache"
-
-    def get_many(self, identity: Identity, spans: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
-        """Cached hashes of the shard's byte ranges [begin, end) that have one."""
-        wanted = set(spans)
-        key = "device=? AND inode=? AND size=? AND mtime_ns=? AND ctime_ns=?"
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return {}
-            try:
-                if len(wanted) <= _FEW_SPANS:  # a sidecar's one tensor: look it up by its key
-                    found = {}
-                    for begin, end in wanted:
-                        row = connection.execute(
-                            f"SELECT sha256 FROM hashes WHERE {key} AND begin=? AND end=?", (*identity, begin, end)
-                        ).fetchone()
-                        if row is not None:
-                            found[begin, end] = row[0]
-                    return found
-                # Many tensors of a shard (a manifest): one pass over the shard's rows beats a query each.
-                rows = connection.execute(
-                    f"SELECT begin, end, sha256 FROM hashes WHERE {key}", tuple(identity)
-                ).fetchall()
-            except sqlite3.Error as exc:
-                self._give_up(exc)
-                return {}
-        return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
-
-    def put_many(self, identity: Identity, hashes: Mapping[tuple[int, int], str]) -> None:
-        if not hashes or not identity.settled():  # changed too lately to be told from a later change
-            return
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return
-            try:
-                with connection:
-                    connection.executemany(
-                        "INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        [(*identity, begin, end, digest) for (begin, end), digest in hashes.items()],
-                    )
-            except sqlite3.Error as exc:
-                self._give_up(exc)
 
 
 # -- hashing a model ------------------------------------------------------------------------
@@ -128,7 +68,11 @@ class Hasher:
             identity = self.model.identity(shard)
             if identity is None:
                 continue
-            spans = {(entry[0], entry[1]): entry[2] for entry in entries if entry[1] - entry[0] >= CACHE_MIN_BYTES}
+            spans = {
+                (entry[BEGIN], entry[END]): entry[NAME]
+                for entry in entries
+                if entry[END] - entry[BEGIN] >= CACHE_MIN_BYTES
+            }
             if not spans:  # none is ever cached: not even the database need be opened (or made)
                 continue
             for span, digest in self.cache.get_many(identity, spans).items():

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from .errors import InvalidModelError, ModelClosedError, Problem
-from .formats import Entry, ShardHeader, TensorInfo
+from .formats import NAME, Entry, ShardHeader, TensorInfo
 from .gcpause import gc_paused
 from .headercache import HeaderCache
 from .names import Layout, collisions, name_problems
 from .selection import Selection, layer_of
-from .sources.cache import default_cache_dir
+from .sources.chunkcache import default_cache_dir
 from .sources.index import INDEX_NAME
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
 from .sources.remote import RemoteDescription, RemoteOpener, RemoteShard
-from .sources.shard import Identity, ShardData, ShardKey, hold, shard_name
+from .sources.shard import Identity, ShardData, ShardKey, shard_name
 from .sources.store import CREDENTIALS_HINT, RemoteError, RemoteOptions, is_remote, redact, unsupported_scheme
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class _Shard:
 
     @cached_property
     def by_name(self) -> dict[str, Entry]:
-        return {entry[2]: entry for entry in self.header.entries}
+        return {entry[NAME]: entry for entry in self.header.entries}
 
 
 class Model:
@@ -189,8 +189,8 @@ class Model:
         shard = self._owner[name]
         begin, end, _, _, _ = shard.by_name[name]
         start = shard.header.data_start
-        if not shard.data.lazy_views:  # fetched, and held until the model is closed: never evicted under a view
-            hold(shard.data, start + begin, start + end)
+        if shard.data.needs_ensure:  # fetched, and held until the model is closed: never evicted under a view
+            shard.data.ensure_pinned(start + begin, start + end)
         return shard.data.view[start + begin : start + end]
 
     def array(self, name: str) -> np.ndarray:
@@ -389,16 +389,16 @@ def open_model(
                 found.close()
             done = None
         try:
-            verdict = _verdict_key(source, found, opened, layout) if headers.enabled and found is not None else None
-            owner = _owners(opened) if verdict is not None and headers.get("model", verdict) == len(opened) else None
+            checks = _checks_key(source, found, opened, layout) if headers.enabled and found is not None else None
+            owner = _owners(opened) if checks is not None and headers.get("model", checks) == len(opened) else None
             if owner is None:
                 if weight_map is None and index_label is not None:  # the index was known, the model not
                     again = find_shards(Path(source), [])  # (its own problems are known: none)
                     again.close()
                     weight_map = again.weight_map
                 owner = _check_model(opened, weight_map, index_label, layout, problems)
-                if verdict is not None and not problems:
-                    headers.put("model", verdict, len(opened))
+                if checks is not None and not problems:
+                    headers.put("model", checks, len(opened))
             if problems:
                 raise InvalidModelError(problems)
             if done is not None:
@@ -426,7 +426,7 @@ def _header_cache(cache: bool | str | os.PathLike[str]) -> HeaderCache:
     return HeaderCache(Path(cache).absolute() if cache else None)
 
 
-def _verdict_key(source: ShardKey, found: FoundShards, opened: list[_Shard], layout: Layout) -> str | None:
+def _checks_key(source: ShardKey, found: FoundShards, opened: list[_Shard], layout: Layout) -> str | None:
     """What names a local model's checks across shards: its files' identities, the layout; None
     when some file has no identity known (then the model is checked whole)."""
     if found.index_label is not None and found.index_key is None:
@@ -446,7 +446,7 @@ def _verdict_key(source: ShardKey, found: FoundShards, opened: list[_Shard], lay
 def _owners(shards: list[_Shard]) -> dict[str, _Shard]:
     owner: dict[str, _Shard] = {}
     for shard in shards:
-        owner.update(dict.fromkeys([entry[2] for entry in shard.header.entries], shard))
+        owner.update(dict.fromkeys([entry[NAME] for entry in shard.header.entries], shard))
     return owner
 
 
@@ -455,10 +455,10 @@ def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple
     kept: list[_Shard] = []
     owner: dict[str, _Shard] = {}
     for shard in shards:
-        chosen = set(selection.select(entry[2] for entry in shard.header.entries))
+        chosen = set(selection.select(entry[NAME] for entry in shard.header.entries))
         if not chosen:
             continue
-        entries = [entry for entry in shard.header.entries if entry[2] in chosen]
+        entries = [entry for entry in shard.header.entries if entry[NAME] in chosen]
         restricted = _Shard(dataclasses.replace(shard.header, entries=entries), shard.data)
         kept.append(restricted)
         owner.update(dict.fromkeys(chosen, restricted))
@@ -466,7 +466,7 @@ def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple
         raise InvalidModelError([Problem(label, f"no tensor matches the selection ({selection.describe()})")])
     if selection.layers is not None and all(layer_of(name) is None for name in owner):
         # Only tensors outside the layers would be kept: a range that misses, or a model named otherwise.
-        numbers = {n for shard in shards for entry in shard.header.entries if (n := layer_of(entry[2])) is not None}
+        numbers = {n for shard in shards for entry in shard.header.entries if (n := layer_of(entry[NAME])) is not None}
         held = f"its layers are {min(numbers)}-{max(numbers)}" if numbers else "it has no numbered layers"
         why = f"--layers {selection.layers[0]}-{selection.layers[1]} selects no layer ({held})"
         raise InvalidModelError([Problem(label, why)])
@@ -505,7 +505,7 @@ def _index_agrees(shards: list[_Shard], weight_map: dict[str, str], tensors: int
     if len(weight_map) != tensors:
         return False
     for shard in shards:
-        names = [entry[2] for entry in shard.header.entries]
+        names = [entry[NAME] for entry in shard.header.entries]
         if list(map(weight_map.get, names)) != [shard_name(shard.header.path)] * len(names):
             return False
     return True
@@ -527,10 +527,10 @@ def _check_model(
         first: dict[str, _Shard] = {}
         for shard in shards:
             for entry in shard.header.entries:
-                holder = first.setdefault(entry[2], shard)
+                holder = first.setdefault(entry[NAME], shard)
                 if holder is not shard:
                     problems.append(
-                        Problem(shard.label, f"is also in shard {shard_name(holder.header.path)}", entry[2])
+                        Problem(shard.label, f"is also in shard {shard_name(holder.header.path)}", entry[NAME])
                     )
     bad_names = name_problems(owner, layout)
     for name, reason in bad_names:

@@ -10,7 +10,8 @@ Layout = Literal["slash", "dotted"]
 
 LAYOUTS: tuple[Layout, ...] = ("slash", "dotted")
 SIDECAR_SUFFIXES = (".meta.json", ".sha256")
-RESERVED_DIR = ".tensorfs"
+CONTROL_DIR = ".tensorfs"  # the mount's own files: index.json, daemon.json, stats.json, the model view
+STATS_NAME = "stats.json"  # in CONTROL_DIR, made afresh at each open
 MAX_NAME_BYTES = 255
 _LONGEST_SUFFIX = max(len(s) for s in SIDECAR_SUFFIXES)
 
@@ -50,8 +51,8 @@ def name_problem(name: str, layout: Layout = "slash") -> str | None:
                 )
                 return f"{where} {how}, which --layout dotted makes an empty path component"
         parts = tensor_path(name, layout).split("/")
-    if parts[0] == RESERVED_DIR:
-        return f"names beginning with '{RESERVED_DIR}/' are reserved for tensorfs"
+    if parts[0] == CONTROL_DIR:
+        return f"names beginning with '{CONTROL_DIR}/' are reserved for tensorfs"
     if len(encoded) + _LONGEST_SUFFIX <= MAX_NAME_BYTES:
         return None  # short enough that no component can be too long
     for part in parts[:-1]:

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import Problem, printable
-from .integrity import HashCache, Hasher
+from .hashcache import HashCache
+from .integrity import Hasher
 from .manifest import DEFAULT_MANIFEST, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
 from .model import Model, open_model
 from .names import Layout
 from .safefiles import ModelDirectory, NotRegular, read_bounded
 from .selection import Selection
-from .sources.cache import default_cache_dir
+from .sources.chunkcache import default_cache_dir
 from .sources.store import (
     AccessDenied,
     RemoteError,

@@ -18,7 +18,7 @@ from conftest import Mounts, wait_until
 from helpers import MIB, HandshakeReader, blocked_in_pread, entry, mib_sharded_model, model_bytes, raw_shard
 from tensorfs.mount.mounttable import FSTYPE, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
-from tensorfs.synth import many_tiny_tensors
+from tensorfs.sample_models import many_tiny_tensors
 
 
 @pytest.fixture

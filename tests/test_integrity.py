@@ -32,7 +32,8 @@ from helpers import (
     zeros_sha256,
 )
 from tensorfs.cli import main
-from tensorfs.integrity import CACHE_MIN_BYTES, HashCache, Hasher, Integrity
+from tensorfs.hashcache import HashCache
+from tensorfs.integrity import CACHE_MIN_BYTES, Hasher, Integrity
 from tensorfs.manifest import ManifestError, format_manifest, parse_manifest, sha256sum_line
 from tensorfs.mount.fs import TensorOperations
 from tensorfs.mount.tree import Tree

@@ -33,7 +33,6 @@ from helpers import (
 )
 from servers import TOKEN, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import mounts as mount_table
-from tensorfs.sources.shard import hold
 from tensorfs.sources.store import RemoteOptions
 
 
@@ -297,7 +296,7 @@ def test_a_fetch_waits_for_a_chunk_in_use_when_the_cache_is_full(nginx: Nginx, t
     with tensorfs.open_model(f"{nginx.url}/full-cache/m.safetensors", remote=remote) as model:
         shard_key, offset, _ = model.locate("t")
         shard = model.shard_data(shard_key)
-        hold(shard, offset, offset + MIB)  # chunks 0 and 1, pinned: as while a reply goes out
+        shard.ensure_pinned(offset, offset + MIB)  # chunks 0 and 1, pinned: as while a reply goes out
         got = bytearray(100)
         second = threading.Thread(target=shard.readinto, args=(offset + 5 * MIB // 2, memoryview(got)))
         second.start()

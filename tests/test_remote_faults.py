@@ -25,7 +25,7 @@ from helpers import MIB, errno_of_reading, random_bytes, write_reference
 from servers import DroppingProxy, Nginx, SeaweedFS
 from tensorfs.model import open_model
 from tensorfs.mount.mounttable import pid_alive
-from tensorfs.sources.cache import OBJECTS_DIR
+from tensorfs.sources.chunkcache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
 

@@ -80,7 +80,7 @@ def test_bench_small_runs(fuse: None, tmp_path: Path) -> None:
 
 def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
     import tensorfs
-    from tensorfs.synth import many_tiny_tensors
+    from tensorfs.sample_models import many_tiny_tensors
 
     many_tiny_tensors(tmp_path, 1001, 4)
     with tensorfs.open_model(tmp_path) as model:
@@ -203,7 +203,7 @@ def test_soak_runs_briefly(fuse: None) -> None:
 
 
 def test_make_clean_unmounts_the_demo_first(mounts: Mounts, tmp_path: Path) -> None:
-    from tensorfs.synth import many_tiny_tensors
+    from tensorfs.sample_models import many_tiny_tensors
 
     work = tmp_path / "checkout"
     (work / "demo" / "mnt").mkdir(parents=True)

@@ -25,7 +25,7 @@ import tensorfs
 from conftest import Mounts, wait_until
 from helpers import MIB, errno_of_reading, random_bytes, same_crc32, write_reference
 from servers import HostileServer, Nginx
-from tensorfs.sources.cache import OBJECTS_DIR
+from tensorfs.sources.chunkcache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
 
@@ -262,12 +262,13 @@ def test_a_chunk_another_process_answers_from_is_not_evicted(nginx: Nginx, tmp_p
     url = f"{nginx.url}/pinned/m.safetensors"
     cache = tmp_path / "cache"
     remote = RemoteOptions(cache_dir=cache, chunk_size=MIB, cache_size=5 * MIB)
-    from tensorfs.sources.shard import hold
 
     with tensorfs.open_model(url, remote=remote) as model:
         shard_key, offset, _ = model.locate("t1")
         shard = model.shard_data(shard_key)
-        hold(shard, offset, offset + MIB)  # two chunks pinned (t1 does not begin on a chunk), as while a reply goes out
+        shard.ensure_pinned(
+            offset, offset + MIB
+        )  # two chunks pinned (t1 does not begin on a chunk), as while a reply goes out
         start, nbytes = model.locate("t3")[1:]
         got = bytearray(nbytes)
         model.readinto(shard_key, start, memoryview(got))  # more chunks cached, not pinned

@@ -26,7 +26,7 @@ import numpy as np
 from ..model import INDEX_NAME
 from ..mount.options import MountOptions
 from ..mount.runtime import read_record
-from ..synth import Tensor, many_tiny_tensors, write_sharded
+from ..sample_models import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size
 from .common import (
     Config,

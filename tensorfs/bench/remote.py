@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..model import open_model
-from ..synth import Tensor, many_tiny_tensors, write_sharded
+from ..sample_models import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size
 from .common import Config, Mounter, Report, median, probe_while, read_file, rss_anon_kib, touch_fresh_memory, warm
 from .servers import Nginx

@@ -22,10 +22,23 @@ from typing import Protocol
 
 from ..sources.shard import ShardKey
 from . import safetensors
-from .table import Entry, ShardHeader, TensorInfo, shape_text
+from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_text
 
 __all__ = [
-    "FORMATS", "SNIFF_BYTES", "Entry", "Reader", "ShardHeader", "TensorInfo", "detect", "read_table", "shape_text",
+    "BEGIN",
+    "DTYPE",
+    "END",
+    "FORMATS",
+    "NAME",
+    "SHAPE",
+    "SNIFF_BYTES",
+    "Entry",
+    "Reader",
+    "ShardHeader",
+    "TensorInfo",
+    "detect",
+    "read_table",
+    "shape_text",
     "table_bytes",
 ]  # fmt: skip
 

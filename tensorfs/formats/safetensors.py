@@ -22,7 +22,7 @@ from ..dtypes import DTYPES, DType
 from ..errors import InvalidModelError, Problem, printable
 from ..gcpause import gc_paused
 from ..sources.shard import ShardKey
-from .table import Entry, ShardHeader, shape_text
+from .table import BEGIN, END, SHAPE, Entry, ShardHeader, shape_text
 
 if TYPE_CHECKING:
     from . import Reader
@@ -157,7 +157,7 @@ def _fast_parse(raw: bytes) -> tuple[list[Entry], dict[str, str] | None] | None:
         return None  # a field missing or of the wrong kind
     # The dimensions, checked over all entries at once (offsets need no range check here: the
     # caller proves them contiguous from 0 to the end of the file).
-    dims = list(chain.from_iterable([entry[4] for entry in entries]))
+    dims = list(chain.from_iterable([entry[SHAPE] for entry in entries]))
     if not set(map(type, dims)) <= {int} or min(dims, default=1) <= 0:
         return None  # a 0 needs the reference's overflow order: the careful path has it
     if raw.count(b'":') != keys + 3 * len(entries):
@@ -185,9 +185,9 @@ def _contiguous_end(entries: list[Entry]) -> int | None:
     """Where the data of `entries` (sorted by offsets) ends, or None when they leave a gap or overlap."""
     end = 0
     for entry in entries:
-        if entry[0] != end:
+        if entry[BEGIN] != end:
             return None
-        end = entry[1]
+        end = entry[END]
     return end
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from ..dtypes import DTYPES, DType
 from ..sources.shard import ShardKey, shard_name
@@ -59,7 +59,13 @@ class TensorInfo:
 
 
 Entry = tuple[int, int, str, DType, list[int]]
-"""One tensor of a header as (begin, end, name, dtype, shape): compact, since models hold 100k."""
+"""One tensor of a header as (begin, end, name, dtype, shape): a plain tuple, since models hold 100k
+and a NamedTuple costs their parse and walks more (docs/performance.md); read it as entry[NAME]."""
+BEGIN: Final = 0
+END: Final = 1
+NAME: Final = 2
+DTYPE: Final = 3
+SHAPE: Final = 4
 
 
 @dataclass(frozen=True)

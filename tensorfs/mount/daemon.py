@@ -26,7 +26,8 @@ from pathlib import Path
 
 from ..errors import MountError, TensorfsError, printable
 from ..gcpause import gc_paused
-from ..integrity import HashCache, Hasher, Integrity
+from ..hashcache import HashCache
+from ..integrity import Hasher, Integrity
 from ..model import Model, reopen, snapshot
 from ..units import human_size
 from ..views import ViewSpec

@@ -29,7 +29,8 @@ import trio
 
 from ..errors import ShardChangedError, TensorfsError, printable
 from ..integrity import Integrity, TensorCorrupt
-from ..sources.shard import ShardData, ShardKey, hold
+from ..names import STATS_NAME
+from ..sources.shard import ShardData, ShardKey
 from ..views import Companion, Piece, SynthesizedFile
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
@@ -47,7 +48,6 @@ SMALL_TENSOR = 1 << 20
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
-STATS_NAME = "stats.json"
 """The .tensorfs/ file of the daemon's counters: a snapshot made at each open."""
 
 
@@ -168,7 +168,7 @@ class TensorOperations(pyfuse3.Operations):
         self.verifier = Verifier(tree, integrity, self.stats, watch, invalidate)
         self.prefetch = prefetch
         self.trace = trace
-        self._spans: dict[int, _Span] = {}  # open tensor files by inode
+        self._spans: dict[int, _OpenTensor] = {}  # open tensor files by inode
         # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
         self._demand = trio.CapacityLimiter(8)
         self._prefetchers = trio.CapacityLimiter(2)
@@ -354,14 +354,14 @@ class TensorOperations(pyfuse3.Operations):
             kind = "sidecar" if node.kind is Kind.META else "control"
         return kind, content[off : off + size]
 
-    def _span_of(self, name: str, inode: int | None = None) -> _Span:
+    def _span_of(self, name: str, inode: int | None = None) -> _OpenTensor:
         """The open-file state of a tensor's bytes (made on first use, shared by its file and the view)."""
         inode = self.tree.tensor_inode(name) if inode is None else inode
         span = self._spans.get(inode)
         if span is None:
             shard, offset, nbytes = self.tree.model.locate(name)
             data = self.tree.model.shard_data(shard)
-            span = self._spans[inode] = _Span(name, shard, data, data.view, offset, offset + nbytes)
+            span = self._spans[inode] = _OpenTensor(name, shard, data, data.view, offset, offset + nbytes)
         return span
 
     async def _read_synthesized(self, file: SynthesizedFile, off: int, size: int) -> bytes | memoryview:
@@ -391,7 +391,7 @@ class TensorOperations(pyfuse3.Operations):
             reply += buffer
         return bytes(reply)
 
-    async def _read_tensor(self, span: _Span, off: int, size: int) -> memoryview:
+    async def _read_tensor(self, span: _OpenTensor, off: int, size: int) -> memoryview:
         """A slice of the shard's mapping, its pages brought in off this thread first if need be.
 
         The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
@@ -408,7 +408,7 @@ class TensorOperations(pyfuse3.Operations):
         finally:
             _let_go(previous)
 
-    async def _answer_tensor(self, span: _Span, off: int, size: int, previous: list[_Held]) -> memoryview:
+    async def _answer_tensor(self, span: _OpenTensor, off: int, size: int, previous: list[_Held]) -> memoryview:
         self.verifier.check(span.shard, span.name)
         if self.verifier.needs_verifying(span.name):
             _let_go(previous)
@@ -426,11 +426,11 @@ class TensorOperations(pyfuse3.Operations):
             _let_go(previous)
             waited = time.perf_counter()
             try:
-                await trio.to_thread.run_sync(hold, span.data, low, high, limiter=self._demand)
+                await trio.to_thread.run_sync(span.data.ensure_pinned, low, high, limiter=self._demand)
             except TensorfsError as exc:  # gone from the file, or a remote shard's bytes not fetched
                 # The reader gets EIO and the daemon goes on. What was validated is never replaced
                 # by anything else.
-                why = "the shard shrank under the mount" if span.data.lazy_views else str(exc)
+                why = str(exc) if span.data.needs_ensure else "the shard shrank under the mount"
                 raise _unreadable(span, low - span.start, high - span.start, why) from None
             self.stats.page_waits += 1
             self.stats.page_wait_seconds += time.perf_counter() - waited
@@ -441,7 +441,7 @@ class TensorOperations(pyfuse3.Operations):
         elif self.nursery is not None and not small and self._window_running_out(span, high):
             span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
             self.nursery.start_soon(self._prefetch, span)
-        if not span.data.lazy_views:
+        if span.data.needs_ensure:
             self._replied.append((span.data, low, high))  # nothing awaited from here to the reply
         self.stats.touch(span.shard, low, high)
         return span.view[low:high]
@@ -452,7 +452,7 @@ class TensorOperations(pyfuse3.Operations):
         _let_go(replied)
 
     async def _ensure_ahead(
-        self, span: _Span, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
+        self, span: _OpenTensor, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
     ) -> bool:
         """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
         self.stats.prefetched(span.shard, begin, until)
@@ -465,10 +465,10 @@ class TensorOperations(pyfuse3.Operations):
         except TensorfsError:
             return False
 
-    def _window_running_out(self, span: _Span, high: int) -> bool:
+    def _window_running_out(self, span: _OpenTensor, high: int) -> bool:
         return span.ready_to < span.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
 
-    async def _prefetch(self, span: _Span) -> None:
+    async def _prefetch(self, span: _OpenTensor) -> None:
         begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
         try:
             # A reader that consumed its window: its source may read further ahead (ahead=False).
@@ -515,7 +515,7 @@ class TensorOperations(pyfuse3.Operations):
 
 
 @dataclass(eq=False)
-class _Span:
+class _OpenTensor:
     """An open tensor file: where its bytes are, and which of them are known to be in memory."""
 
     name: str
@@ -540,7 +540,7 @@ def _let_go(held: list[_Held]) -> None:
     held.clear()
 
 
-def _unreadable(span: _Span, begin: int, end: int, why: str) -> ShardChangedError:
+def _unreadable(span: _OpenTensor, begin: int, end: int, why: str) -> ShardChangedError:
     """The error of a read of bytes [begin, end) of a tensor that cannot be read (its log line's fields too)."""
     error = ShardChangedError(
         f"{span.shard}: tensor '{printable(span.name)}': bytes [{begin}, {end}) of the tensor cannot be read: {why}"

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import MountError
+from ..names import CONTROL_DIR, STATS_NAME
 from ..safefiles import unescape_mountinfo
 from .runtime import daemon_of, find_record, process_state, read_record, remove_record
 
 FSTYPE = "fuse.tensorfs"
-CONTROL_DIR = ".tensorfs"
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def read_stats(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> dict[str, An
 
     def ask() -> dict[str, Any] | str:
         try:
-            with open(mountpoint / ".tensorfs" / "stats.json", "rb") as file:
+            with open(mountpoint / CONTROL_DIR / STATS_NAME, "rb") as file:
                 found: dict[str, Any] = json.loads(file.read())
                 return found
         except OSError as exc:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import InvalidModelError, TensorfsError
-from ..integrity import HashCache, Hasher, Integrity
+from ..hashcache import HashCache
+from ..integrity import Hasher, Integrity
 from ..manifest import DEFAULT_MANIFEST
 from ..model import Model
 from ..names import Layout

@@ -23,9 +23,9 @@ from .. import __version__
 from ..errors import TensorfsError
 from ..integrity import Integrity
 from ..model import Model
+from ..names import STATS_NAME
 from ..sources.shard import ShardKey
 from ..views import ViewSpec, build_view
-from . import fs
 from .fs import TensorOperations
 from .logs import reopen_logs
 from .metrics import describe as describe_address
@@ -50,7 +50,7 @@ def serve(
     _return_big_buffers()
     record = _record(model, mountpoint, options, integrity)
     control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
-    control[fs.STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
+    control[STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
     for warning in view.warnings:
         log.warning("%s", warning)
     tree = Tree(model, options.layout, control, options.ownership, build_view(model, view))
@@ -68,7 +68,7 @@ def serve(
         }
     }
     if options.remote is not None:  # the fetches and the cache count for themselves
-        from ..sources.cache import COUNTERS
+        from ..sources.chunkcache import COUNTERS
 
         counters["remote"] = COUNTERS.snapshot
     operations = TensorOperations(

@@ -25,9 +25,9 @@ from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from ..errors import TensorfsError
-from ..formats import Entry
+from ..formats import BEGIN, END, NAME, Entry
 from ..manifest import sha256sum_line
-from ..names import RESERVED_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
+from ..names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources.shard import ShardKey, shard_name
 from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
 
@@ -121,7 +121,7 @@ class Node:
 
 
 @dataclass(frozen=True, slots=True)
-class _Static:
+class _ControlNode:
     """.tensorfs/ or something in it: few, so each is an object."""
 
     path: str
@@ -233,7 +233,7 @@ class Tree:
     def inodes_of(self, shard: ShardKey) -> list[int]:
         """The inodes of every file with bytes of the shard: its tensors' files and their two sidecars,
         and the synthesized files of the view."""
-        first = [self.tensor_inode(entry[2]) for entry in self.model.shard_header(shard).entries]
+        first = [self.tensor_inode(entry[NAME]) for entry in self.model.shard_header(shard).entries]
         inodes = [inode + which for inode in first for which in range(3)]
         if self.view is not None:
             for index, node in enumerate(self._static):
@@ -276,7 +276,7 @@ class Tree:
         return self.paths[tensor].rpartition("/")[2]
 
     # -- directories -----------------------------------------------------------------------
-    def _static_dir(self, inode: int) -> _Static | None:
+    def _static_dir(self, inode: int) -> _ControlNode | None:
         """The node of a directory in .tensorfs/ (or of .tensorfs/ itself); None for any other inode."""
         if self.control_dir_inode <= inode < self._first_tensor_inode:
             static = self._static[inode - self.control_dir_inode]
@@ -306,7 +306,7 @@ class Tree:
         position -= len(subdirs)
         if index == 0:
             if position == 0:
-                return RESERVED_DIR, self.control_dir_inode
+                return CONTROL_DIR, self.control_dir_inode
             position -= 1
         tensor, which = divmod(position, 3)
         t = self._dir_tensors[index][tensor]
@@ -345,7 +345,7 @@ class Tree:
             mode, uid, gid = access.file_mode, access.uid, access.gid
             file_inode = first_inode + 3 * t
             if which == 0:
-                yield base, file_inode, mode, entry[1] - entry[0], 1, mtime, uid, gid
+                yield base, file_inode, mode, entry[END] - entry[BEGIN], 1, mtime, uid, gid
             if which <= 1:
                 size = _meta_size(entry, data_start, shard_name(shard))
                 yield base + META_SUFFIX, file_inode + 1, mode, size, 1, mtime, uid, gid
@@ -362,10 +362,10 @@ class Tree:
         if static is not None:
             child = static.children.get(name)
             if child is None:
-                raise NoSuchEntry(f"no {name!r} in {RESERVED_DIR}/{static.path}")
+                raise NoSuchEntry(f"no {name!r} in {CONTROL_DIR}/{static.path}")
             return self.control_dir_inode + child
         index = self._dir_number(parent)
-        if index == 0 and name == RESERVED_DIR:
+        if index == 0 and name == CONTROL_DIR:
             return self.control_dir_inode
         prefix = self._dir_paths[index] + "/" if index else ""
         sub = self._dir_index.get(prefix + name)
@@ -499,7 +499,7 @@ class Tree:
             raise NoSuchEntry(f"inode {inode} is not a file of the view")
         return self.view.files[static.in_view]
 
-    def _view_node(self, inode: int) -> _Static | None:
+    def _view_node(self, inode: int) -> _ControlNode | None:
         """The node of a subdirectory or file of the view; None for any other inode."""
         if self.control_dir_inode <= inode < self._first_tensor_inode:
             static = self._static[inode - self.control_dir_inode]
@@ -508,7 +508,7 @@ class Tree:
         return None
 
 
-def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -> list[_Static]:
+def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -> list[_ControlNode]:
     """.tensorfs/ and everything in it, as a list: its files, then the view's directories and files.
 
     Entries are listed by name. The first is .tensorfs/ itself; inodes follow the list's order.
@@ -520,11 +520,11 @@ def _static_nodes(control_files: Mapping[str, object], view: ModelView | None) -
         kinds.update({f"{VIEW_DIR}/{path}": Kind.VIEW for path in view.files})
     paths = ["", *sorted(kinds)]
     index = {path: i for i, path in enumerate(paths)}
-    nodes: list[_Static] = []
+    nodes: list[_ControlNode] = []
     for path in paths:
         parent = index[path.rpartition("/")[0]] if path else 0
         in_view = path.removeprefix(VIEW_DIR + "/") if path.startswith(VIEW_DIR + "/") else None
-        nodes.append(_Static(path, kinds.get(path, Kind.DIRECTORY), parent, {}, [], in_view))
+        nodes.append(_ControlNode(path, kinds.get(path, Kind.DIRECTORY), parent, {}, [], in_view))
     for i, node in enumerate(nodes[1:], 1):
         nodes[node.parent].listing.append((node.path.rpartition("/")[2], i))
     for node in nodes:

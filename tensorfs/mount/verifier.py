@@ -23,6 +23,7 @@ import pyfuse3
 import trio
 
 from ..errors import ShardChangedError, TensorfsError, printable
+from ..formats import NAME
 from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
 from ..sources.shard import ShardKey
 from ..units import plural
@@ -110,7 +111,7 @@ class Verifier:
         state.generation += 1
         if state.changed:
             return  # refused already, and nothing of it cached since
-        names = [entry[2] for entry in self.tree.model.shard_header(shard).entries]
+        names = [entry[NAME] for entry in self.tree.model.shard_header(shard).entries]
         for name in names:
             self._digests.pop(name, None)
         if self.integrity.expected is None:

@@ -50,7 +50,7 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
     """The shard files of `source`, and the index's weight map when there is one.
 
     With a cache, an index unchanged since it was last read whole is not read again: the cache
-    holds the shard names it gave, and the model's own verdict (see model.py) stands for the rest.
+    holds the shard names it gave, and the model's own checks (see model.py) stand for the rest.
     What is mounted inside the directory is not looked into (it may hang): a shard there is skipped,
     with a warning.
     """

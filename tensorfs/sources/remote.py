@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..formats import ShardHeader
-from .cache import CachedObject, ChunkCache, Fetcher, default_cache_dir, wait
+from .chunkcache import CachedObject, ChunkCache, Fetcher, default_cache_dir, wait
 from .index import first_tensor
-from .shard import Identity, ShardData, hold, settled
+from .shard import Identity, ShardData, settled
 
 if TYPE_CHECKING:
     from ..headercache import HeaderCache
@@ -66,7 +66,7 @@ class RemoteShard(ShardData):
     """An object version, read through its cache file."""
 
     key: str
-    lazy_views = False
+    needs_ensure = True
 
     def __init__(self, cached: CachedObject, options: RemoteOptions) -> None:
         self.cached = cached
@@ -105,14 +105,14 @@ class RemoteShard(ShardData):
         wait(waiting)
         return self.cached.pages.populate(start, end)
 
-    def hold(self, start: int, end: int) -> None:
+    def ensure_pinned(self, start: int, end: int) -> None:
         """Make [start, end) present and pin it: room for every chunk missing is claimed at once, and
         each is pinned before it is fetched (see ChunkCache.claim): readers sharing a small cache wait
         their turn instead of evicting what another is about to use."""
         if end <= start:
             return
         first, last = self._chunks(start, end)
-        self.cached.hold(first, last, self._pool, offline=self.options.offline)
+        self.cached.ensure_pinned(first, last, self._pool, offline=self.options.offline)
         try:
             self._read_ahead(start, end, False)
             if not self.cached.pages.populate(start, end):
@@ -189,7 +189,7 @@ class RemoteShard(ShardData):
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """The bytes from the cache file (fetched first if need be), never through the mapping."""
         end = offset + len(buffer)
-        hold(self, offset, end)
+        self.ensure_pinned(offset, end)
         try:
             self.cached.readinto(offset, buffer)
         finally:

@@ -72,9 +72,9 @@ class ShardData(ABC):
     """How messages name it: its path or URL, as given."""
     view: memoryview
     """The whole shard, on a read-only mapping: zero-copy views and read replies come from it."""
-    lazy_views = True
-    """Whether a view may be handed out before its range is ensured (a file's pages fault in by
-    themselves; a cache file's unfetched chunks are holes, which read as zeros)."""
+    needs_ensure = False
+    """Whether a range must be ensured before any view of it is handed out: a file's pages fault in
+    by themselves, but a cache file's unfetched chunks are holes, which read as zeros."""
 
     @abstractmethod
     def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
@@ -97,7 +97,7 @@ class ShardData(ABC):
     def unpin(self, start: int, end: int) -> None:  # noqa: B027 - a file has nothing to let go of
         """Let go of what pin() held."""
 
-    def hold(self, start: int, end: int) -> None:
+    def ensure_pinned(self, start: int, end: int) -> None:
         """Make [start, end) present and pin it (blocking: a worker thread); ShardChangedError when its
         bytes cannot be had (or kept), a fetch's own error as it is."""
         for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
@@ -137,14 +137,6 @@ class ShardData(ABC):
     @abstractmethod
     def close(self) -> None:
         """Let go of the mapping (a view still alive keeps it until it goes) and of the descriptors."""
-
-
-def hold(data: ShardData, start: int, end: int) -> None:
-    """Make [start, end) of a shard present and pin it (blocking: a worker thread).
-
-    ShardChangedError when its bytes cannot be had (or kept); a fetch's own error as it is.
-    """
-    data.hold(start, end)
 
 
 EVICTED_AGAIN = (

@@ -19,6 +19,7 @@ from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from ..dtypes import DTYPES
+from ..formats import BEGIN, DTYPE, END, SHAPE
 from ..sources.shard import ShardKey
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
@@ -68,16 +69,16 @@ class SynthesizedFile:
                 return
             model, names = self.model, self._names
             entries = [model.entry(name)[2] for name in names]
-            order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][3].name], names[i]))
+            order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][DTYPE].name], names[i]))
             offset = 0
             starts, ends = [0] * len(names), [0] * len(names)
             for i in order:
-                begin, end = entries[i][0], entries[i][1]
+                begin, end = entries[i][BEGIN], entries[i][END]
                 starts[i], ends[i] = offset, offset + end - begin
                 offset += end - begin
             fields = [
-                f'{encode_basestring(names[i])}:{{"dtype":"{entries[i][3].name}",'
-                f'"shape":[{",".join(map(str, entries[i][4]))}],"data_offsets":[{starts[i]},{ends[i]}]}}'
+                f'{encode_basestring(names[i])}:{{"dtype":"{entries[i][DTYPE].name}",'
+                f'"shape":[{",".join(map(str, entries[i][SHAPE]))}],"data_offsets":[{starts[i]},{ends[i]}]}}'
                 for i in sorted(range(len(names)), key=names.__getitem__)
             ]
             if self._metadata is not None:

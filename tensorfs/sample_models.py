@@ -1,4 +1,4 @@
-"""Synthetic models for the demo, the benchmarks and the tests (written here, nothing downloaded)."""
+"""Sample models, written here for the demo, the benchmarks and the tests (nothing downloaded)."""
 
 from __future__ import annotations
 

@@ -838,7 +838,7 @@ class CachedObject:
                 self._let_go(chunk)
         self.cache.room_freed()
 
-    def hold(self, first: int, last: int, start: ThreadPoolExecutor, *, offline: bool = False) -> None:
+    def ensure_pinned(self, first: int, last: int, start: ThreadPoolExecutor, *, offline: bool = False) -> None:
         """Make chunks first..last present and pin them (blocking: a worker thread): room for all that
         are missing is claimed at once, each is pinned before it is fetched (see ChunkCache.claim).
 
