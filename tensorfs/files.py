@@ -1,5 +1,5 @@
 """Writing a file whole or not at all: what every file tensorfs writes for a user goes through here
-(a manifest, an exported model, a daemon's record)."""
+(a manifest, an exported model, a daemon's record, the files of an exported model directory)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import BinaryIO
 
 
 def partial_of(path: Path) -> Path:
-    """Where a file is written before it is renamed to `path`: beside it, hidden."""
-    return path.with_name(f".{path.name}.partial")
+    """Where a file (or a directory) is written before it is renamed to `path`: beside it, hidden, this
+    process's own (two writers never share one)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.partial")
 
 
 def umasked(mode: int) -> int:

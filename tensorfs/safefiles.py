@@ -213,6 +213,15 @@ def _unsafe(st: os.stat_result, *, own: bool) -> str | None:
     return None
 
 
+def why_refused(exc: OSError) -> str:
+    """Why a file of a model's directory could not be opened, in words."""
+    if exc.errno == errno.EXDEV:
+        return "a symlink out of the model's directory"
+    if isinstance(exc, NotRegular):
+        return "not a regular file"
+    return exc.strerror or str(exc)
+
+
 def check_private_file(path: Path, *, what: str) -> None:
     """A file tensorfs keeps in a private directory must be a regular file of this user's that
     nobody else can write (not a symlink, nor left there by another user); UnsafeLocation if not.

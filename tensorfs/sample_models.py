@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from .dtypes import DTYPES
-from .model import INDEX_NAME
+from .sources.index import INDEX_NAME, index_document
 
 Tensor = tuple[str, Sequence[int], bytes]
 """(safetensors dtype name, shape, raw little-endian bytes)."""
@@ -53,8 +53,7 @@ def write_sharded(
             weight_map[name] = path.name
             total += len(data)
     if index:
-        document = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX_NAME).write_text(json.dumps(document, indent=2) + "\n")
+        (directory / INDEX_NAME).write_bytes(index_document(weight_map, total))
     return paths
 
 
@@ -86,6 +85,5 @@ def many_tiny_tensors(directory: Path, tensors: int, shards: int) -> list[Path]:
         os.utime(path)
         weight_map.update(dict.fromkeys(names, path.name))
         paths.append(path)
-    document = {"metadata": {"total_size": 64 * tensors}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(document))
+    (directory / INDEX_NAME).write_bytes(index_document(weight_map, 64 * tensors))
     return paths

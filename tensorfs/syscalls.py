@@ -22,6 +22,13 @@ _syscall.restype = ctypes.c_long
 
 libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 libc.fallocate.restype = ctypes.c_int
+libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+libc.madvise.restype = ctypes.c_int
+libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+libc.mincore.restype = ctypes.c_int
+libc.inotify_init1.argtypes = (ctypes.c_int,)
+libc.inotify_add_watch.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
+libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
 

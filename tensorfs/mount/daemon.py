@@ -29,7 +29,7 @@ from ..gcpause import gc_paused
 from ..hashcache import HashCache
 from ..integrity import Hasher, Integrity
 from ..model import Model, reopen, snapshot
-from ..units import human_size
+from ..units import human_size, plural
 from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
 from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
@@ -157,7 +157,7 @@ def _mount_in_background(
     os.close(status_read)
     if message == READY:
         announce(
-            f"mounted {printable(str(mountpoint))}: {tensors} tensor{'s' * (tensors != 1)} ({human_size(nbytes)}), "
+            f"mounted {printable(str(mountpoint))}: {plural(tensors, 'tensor')} ({human_size(nbytes)}), "
             f"daemon {pid}, log {printable(str(options.log_file))}"
         )
         return 0

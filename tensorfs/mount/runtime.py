@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MountError
+from ..files import write_whole
 from ..safefiles import UnsafeLocation, private_directory, read_bounded
 
 SYSTEM_DIR = Path("/run/tensorfs")
@@ -79,18 +80,8 @@ def record_path(mountpoint: Path, directory: Path | None = None) -> Path:
 def write_record(mountpoint: Path, record: dict[str, Any]) -> None:
     """Write (or replace) the record of the mount at `mountpoint`, whole or not at all; readable by
     its owner alone (it names the model, the options and the log)."""
-    path = record_path(mountpoint, _private_dir())
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with open(
-            os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "w"
-        ) as out:
-            out.write(json.dumps(record, indent=2) + "\n")
-        partial.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        raise
+    text = json.dumps(record, indent=2) + "\n"
+    write_whole(record_path(mountpoint, _private_dir()), lambda out: out.write(text.encode()), mode=0o600)
 
 
 MAX_RECORD_BYTES = 1 << 20

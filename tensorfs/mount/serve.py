@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import logging
@@ -25,6 +24,8 @@ from ..integrity import Integrity
 from ..model import Model
 from ..names import STATS_NAME
 from ..sources.shard import ShardKey
+from ..syscalls import libc
+from ..units import plural
 from ..views import ViewSpec, build_view
 from .fs import TensorOperations
 from .logs import reopen_logs
@@ -105,7 +106,7 @@ def serve(
         hint = f" (check the -o options: {','.join(options.fuse_options)})" if options.fuse_options else ""
         notify(f"cannot mount at {mountpoint}: {exc}{hint}")
         return 1
-    log.info("serving %s (%d tensor%s) at %s", _absolute(model.source), len(model), "s" * (len(model) != 1), mountpoint)
+    log.info("serving %s (%s) at %s", _absolute(model.source), plural(len(model), "tensor"), mountpoint)
     try:
         trio.run(_run, operations, mountpoint, options, record, notify)
     except BaseException as exc:
@@ -137,7 +138,7 @@ def _return_big_buffers() -> None:
     (M_MMAP_THRESHOLD), which cost a third of first-read throughput.
     """
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 2)
+        libc.mallopt(_M_ARENA_MAX, 2)
 
 
 _M_ARENA_MAX = -8

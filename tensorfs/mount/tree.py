@@ -28,6 +28,7 @@ from ..errors import TensorfsError
 from ..formats import BEGIN, END, NAME, Entry
 from ..manifest import sha256sum_line
 from ..names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
+from ..sources.index import index_document
 from ..sources.shard import ShardKey, shard_name
 from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
 
@@ -585,6 +586,4 @@ def _checkable(path: str) -> str:
 
 def index_json(model: Model) -> bytes:
     """A model.safetensors.index.json-style index of what is mounted."""
-    weight_map = {name: shard_name(model.locate(name)[0]) for name in model.sorted_names}
-    document = {"metadata": {"total_size": model.nbytes}, "weight_map": weight_map}
-    return (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+    return index_document({name: shard_name(model.locate(name)[0]) for name in model.sorted_names}, model.nbytes)

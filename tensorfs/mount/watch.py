@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 
 from ..sources.shard import ShardKey
+from ..syscalls import libc
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,6 @@ IN_CLOEXEC = os.O_CLOEXEC
 _MASK = IN_MODIFY | IN_ATTRIB | IN_MOVE_SELF | IN_DELETE_SELF
 _CHECK_EVERY = 0.001  # seconds between looks at a watched shard's size and times
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (of the name that follows; 0 for a watched file)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.inotify_init1.argtypes = (ctypes.c_int,)
-_libc.inotify_add_watch.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
 
 
 class Change(enum.Enum):
@@ -68,12 +65,12 @@ class ShardWatch:
         self.paths = list(self._fds)
         self._seen = {path: _times_of(st) for path, _, st in shards}  # size, mtime_ns, ctime_ns
         self._unchecked = True  # since validation: compared at the first changes()
-        self._fd: int = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        self._fd: int = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         try:
             if self._fd < 0:
                 raise _os_error("inotify_init1")
             for path, fd in self._fds.items():
-                wd = _libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _MASK)
+                wd = libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _MASK)
                 if wd < 0:
                     raise _os_error(f"inotify_add_watch on {path}")
                 self._shards.setdefault(wd, []).append(path)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 import orjson
 
 from ..errors import Problem
@@ -9,6 +12,12 @@ from ..errors import Problem
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000
 """An index is read whole: one larger than a header may be (the reference's limit) is refused unread."""
+
+
+def index_document(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    """An index as the reference writers make it: metadata.total_size, and the weight_map."""
+    document = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    return (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode()
 
 
 def parse_weight_map(data: bytes, label: str, problems: list[Problem]) -> dict[str, str] | None:

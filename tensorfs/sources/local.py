@@ -4,7 +4,6 @@ mapped read-only, and read (for hashing) with preadv from that same descriptor."
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..formats import ShardHeader
-from ..safefiles import ModelDirectory, NotRegular, mounted_under, read_bounded
+from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 from .pages import Pages
 from .shard import Identity, ShardData
@@ -94,7 +93,7 @@ def _shards_from_index(
     try:
         fd, before = directory.open_regular(index.name)
     except OSError as exc:
-        problems.append(Problem(label, f"cannot read: {_why(exc)}"))
+        problems.append(Problem(label, f"cannot read: {why_refused(exc)}"))
         return FoundShards([], label, directory=directory)
     try:
         read_as = f"{os.path.abspath(index)}\0{Identity.of(before).key()}"
@@ -126,15 +125,6 @@ def _shards_from_index(
     if cache is not None and key is not None and len(problems) == known:
         cache.put("index", key, names)
     return FoundShards(_existing(index, names, weight_map, label, problems), label, weight_map, key, directory)
-
-
-def _why(exc: OSError) -> str:
-    """An error opening a file in a model's directory, in words."""
-    if exc.errno == errno.EXDEV:
-        return "a symlink out of the model's directory"
-    if isinstance(exc, NotRegular):
-        return "not a regular file"
-    return exc.strerror or str(exc)
 
 
 def _existing(
@@ -242,7 +232,7 @@ class LocalShard(ShardData):
             try:
                 fd = directory.open(path.name)
             except OSError as exc:
-                raise InvalidModelError([Problem(label, f"cannot open: {_why(exc)}")]) from None
+                raise InvalidModelError([Problem(label, f"cannot open: {why_refused(exc)}")]) from None
         try:
             validated = os.fstat(fd)
             identity = Identity.of(validated)

@@ -15,6 +15,8 @@ import logging
 import mmap
 import os
 
+from ..syscalls import libc
+
 log = logging.getLogger(__name__)
 
 MADV_WILLNEED = 3
@@ -22,14 +24,9 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_madvise = _libc.madvise
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_madvise.restype = ctypes.c_int
+_madvise = libc.madvise
 _populate_supported = True
-_mincore = _libc.mincore
-_mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-_mincore.restype = ctypes.c_int
+_mincore = libc.mincore
 RESIDENT_CHECK_MAX = 1 << 20
 """Ranges up to this size are asked about (mincore) before a worker thread is sent to read them in."""
 

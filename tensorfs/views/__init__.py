@@ -7,12 +7,12 @@ model's own companion files (config.json, tokenizer files, ...).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from ..sources.index import index_document
 from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
 
@@ -95,8 +95,7 @@ def build_view(model: Model, spec: ViewSpec) -> ModelView:
             file_name = f"{base}-{k:05d}-of-{len(groups):05d}.safetensors"
             files[file_name] = SynthesizedFile(model, group, metadata)
             weight_map.update(dict.fromkeys(group, file_name))
-        document = {"metadata": {"total_size": model.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-        files[f"{base}.safetensors.index.json"] = (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode()
+        files[f"{base}.safetensors.index.json"] = index_document(dict(sorted(weight_map.items())), model.nbytes)
     return ModelView(files, spec.directories)
 
 

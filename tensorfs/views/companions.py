@@ -13,7 +13,6 @@ model's own files name (modules.json's modules, the custom code of config.json's
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ import orjson
 
 from ..errors import TensorfsError, printable
 from ..manifest import DEFAULT_MANIFEST
-from ..safefiles import ModelDirectory, NotRegular, mounted_under
+from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
 from ..sources.shard import Identity
 from ..sources.store import (
     ObjectRef,
@@ -150,7 +149,7 @@ def _open(companion: Companion) -> Any:
             with ModelDirectory(origin.directory) as directory:
                 fd, st = directory.open_regular(companion.path)
         except OSError as exc:
-            raise CompanionError(f"{companion.path}: cannot open: {_why(exc)}") from None
+            raise CompanionError(f"{companion.path}: cannot open: {why_refused(exc)}") from None
         if Identity.of(st) != origin.identity:
             os.close(fd)
             raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
@@ -169,14 +168,6 @@ def _open(companion: Companion) -> Any:
     except RemoteError as exc:
         raise CompanionError(str(exc)) from None
     return RemoteShard(cached, origin.options)
-
-
-def _why(exc: OSError) -> str:
-    if exc.errno == errno.EXDEV:
-        return "a symlink out of the model's directory"
-    if isinstance(exc, NotRegular):
-        return "not a regular file"
-    return exc.strerror or str(exc)
 
 
 # -- local models ---------------------------------------------------------------------------
@@ -235,7 +226,7 @@ def _scan(root: ModelDirectory, warnings: list[str], directories: dict[str, os.s
         except NotRegular:
             continue
         except OSError as exc:
-            warnings.append(f"{shown}: skipped: {_why(exc)}")
+            warnings.append(f"{shown}: skipped: {why_refused(exc)}")
             continue
         os.close(fd)  # served later through a descriptor opened again, only while it is this file
         if st.st_size > MAX_COMPANION_BYTES:
@@ -250,7 +241,7 @@ def _scan(root: ModelDirectory, warnings: list[str], directories: dict[str, os.s
             try:
                 where = root.status(subdirectory)
             except OSError as exc:
-                warnings.append(f"{shown}: skipped: {_why(exc)}")
+                warnings.append(f"{shown}: skipped: {why_refused(exc)}")
                 continue
             if directories is not None:
                 directories[subdirectory] = where
@@ -295,9 +286,7 @@ def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) ->
 
 # -- remote models ----------------------------------------------------------------------------
 
-WELL_KNOWN = (
-    "config.json",
-    "generation_config.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -308,6 +297,11 @@ WELL_KNOWN = (
     "vocab.json",
     "vocab.txt",
     "merges.txt",
+)
+WELL_KNOWN = (
+    "config.json",
+    "generation_config.json",
+    *TOKENIZER_FILES,
     "preprocessor_config.json",
     "processor_config.json",
     "chat_template.jinja",
@@ -319,20 +313,7 @@ WELL_KNOWN = (
 )
 """What loaders look for beside the weights: asked for where a store cannot list a directory
 (plain HTTP). sentence-transformers' modules.json and their own configs are among them."""
-MODULE_FILES = (
-    "config.json",
-    "sentence_bert_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-)
+MODULE_FILES = ("config.json", "sentence_bert_config.json", *TOKENIZER_FILES)
 """What a module of modules.json may hold in its folder (a Pooling's config, a Transformer's tokenizer)."""
 
 COMPANION_TIMEOUT = 10.0

@@ -6,15 +6,15 @@ Bytes are read from the shard files (preadv; for a remote model through its cach
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import TensorfsError, printable
+from ..files import partial_of, umasked, write_whole
 from . import Companion, ModelView, SynthesizedFile, shared_metadata
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
@@ -39,25 +39,17 @@ def write_safetensors(model: Model, path: Path, progress: Callable[[int], None] 
     if st is not None and any(_same_file(st, shard) for shard in model.shards):
         raise TensorfsError(f"cannot write {shown}: it is a shard of the model being written")
     synthesized = SynthesizedFile(model, model.sorted_names, shared_metadata(model))
-    partial = target.with_name(f".{target.name}.partial")
     try:
-        _write(synthesized, partial, progress, _mode_of(model))
-        partial.replace(target)
+        write_whole(target, lambda out: _stream(synthesized, out, progress), mode=_mode_of(model), sync=True)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        raise TensorfsError(f"cannot write {printable(str(path))}: {exc.strerror or exc}") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        raise
+        raise TensorfsError(f"cannot write {shown}: {exc.strerror or exc}") from None
 
 
 def write_view(view: ModelView, directory: Path, progress: Callable[[int], None] | None = None) -> None:
     """A model directory (what .tensorfs/model/ of a mount holds) at `directory`, which must not exist."""
     if directory.exists() or directory.is_symlink():
         raise TensorfsError(f"{printable(str(directory))}: already exists; name a new directory")
-    partial = directory.with_name(f".{directory.name}.partial")
+    partial = partial_of(directory)
     try:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
@@ -84,7 +76,11 @@ def _write_files(view: ModelView, directory: Path, progress: Callable[[int], Non
     for path, content in view.files.items():
         target = directory / path
         if isinstance(content, SynthesizedFile):
-            _write(content, target, progress, _mode_of(content.model))
+            mode = _mode_of(content.model)
+            with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as out:
+                _stream(content, out, progress)
+                out.flush()
+                os.fsync(out.fileno())
         elif isinstance(content, Companion):
             # No more readable than it was (the owner's bits at least, to be written).
             mode = stat.S_IMODE(content.status.st_mode) & 0o666 | 0o600 if content.status is not None else 0o600
@@ -115,30 +111,25 @@ def _mode_of(model: Model) -> int:
     mode = 0o666
     for shard in model.shards:  # as opened and validated, never looked up by its path again
         mode &= stat.S_IMODE(model.shard_data(shard).status().st_mode) | 0o600
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask | 0o600
+    return umasked(mode) | 0o600
 
 
-def _write(synthesized: SynthesizedFile, path: Path, progress: Callable[[int], None] | None, mode: int) -> None:
+def _stream(synthesized: SynthesizedFile, out: BinaryIO, progress: Callable[[int], None] | None) -> None:
+    """Write the synthesized file's bytes to `out`, a block at a time, read from the shards."""
     model: Model = synthesized.model
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode), "wb") as out:
-        os.fchmod(out.fileno(), mode)  # a partial left by an earlier try keeps its mode otherwise
-        for start in range(0, synthesized.size, _BLOCK):
-            end = min(synthesized.size, start + _BLOCK)
-            filled = 0
-            for piece in synthesized.pieces(start, end):
-                if isinstance(piece, bytes):
-                    view[filled : filled + len(piece)] = piece
-                    filled += len(piece)
-                    continue
-                length = piece.end - piece.start
-                model.readinto(piece.shard, piece.shard_offset, view[filled : filled + length])
-                filled += length
-            out.write(view[:filled])
-            if progress is not None:
-                progress(filled)
-        out.flush()
-        os.fsync(out.fileno())
+    for start in range(0, synthesized.size, _BLOCK):
+        end = min(synthesized.size, start + _BLOCK)
+        filled = 0
+        for piece in synthesized.pieces(start, end):
+            if isinstance(piece, bytes):
+                view[filled : filled + len(piece)] = piece
+                filled += len(piece)
+                continue
+            length = piece.end - piece.start
+            model.readinto(piece.shard, piece.shard_offset, view[filled : filled + length])
+            filled += length
+        out.write(view[:filled])
+        if progress is not None:
+            progress(filled)
