@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import Problem, printable
+from .formats import is_weights_name
 from .hashcache import HashCache
 from .integrity import Hasher
 from .manifest import DEFAULT_MANIFEST, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
@@ -83,7 +84,7 @@ class Source:
     def is_one_shard(self) -> bool:
         """Whether it is one .safetensors file: maybe one shard of the model its manifest lists."""
         if isinstance(self.location, str):
-            return self.location.rstrip("/").endswith(".safetensors")
+            return is_weights_name(self.location.rstrip("/"))
         return not self.location.is_dir() and not self.location.name.endswith(".index.json")
 
     @property

@@ -6,7 +6,8 @@ never ask which format a file is.
 A format is found by a file's content (its magic bytes), its name a hint only. safetensors has no
 magic (8 bytes of length, then JSON): it takes what no other format claims.
 
-Adding a format: a module here with `sniff(first: bytes, name: str) -> bool`,
+Adding a format: a module here with SUFFIXES (the names its files are found by),
+`sniff(first: bytes, name: str) -> bool`,
 `read_table(read, size, path, label) -> ShardHeader` and `table_bytes(first, size) -> int` (how
 many of a file's first bytes its table takes, told from its first 64 KiB: a store is asked for
 just those), put in FORMATS ahead of safetensors. Its
@@ -32,11 +33,14 @@ __all__ = [
     "NAME",
     "SHAPE",
     "SNIFF_BYTES",
+    "WEIGHT_FILES",
+    "WEIGHT_SUFFIXES",
     "Entry",
     "Reader",
     "ShardHeader",
     "TensorInfo",
     "detect",
+    "is_weights_name",
     "read_table",
     "shape_text",
     "table_bytes",
@@ -49,6 +53,8 @@ Reader = Callable[[int, int], bytes]
 class Format(Protocol):
     """What a format's module offers (see the module's docstring)."""
 
+    SUFFIXES: tuple[str, ...]
+
     def sniff(self, first: bytes, name: str) -> bool: ...
 
     def read_table(self, read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader: ...
@@ -60,6 +66,15 @@ FORMATS: list[Format] = [safetensors]
 """In the order they are tried; the last takes what no other claims."""
 SNIFF_BYTES = 8
 """The bytes a format is told by."""
+WEIGHT_SUFFIXES = tuple(suffix for format_ in FORMATS for suffix in format_.SUFFIXES)
+"""The names of files that hold a model's tensors, in a directory or a store's listing."""
+WEIGHT_FILES = " or ".join(WEIGHT_SUFFIXES)
+"""How messages name them (".safetensors")."""
+
+
+def is_weights_name(name: str) -> bool:
+    """Whether a file of this name is looked at as a shard of the model (its content decides how)."""
+    return name.endswith(WEIGHT_SUFFIXES)
 
 
 def detect(first: bytes, name: str) -> Format:

@@ -39,6 +39,10 @@ _MAX_DEPTH = 127  # containers nested in one another: the most the reference rea
 _UNKNOWN_DTYPE = DType("?", 0, None)  # stands in only in headers that are about to be rejected
 
 
+SUFFIXES: tuple[str, ...] = (".safetensors",)
+"""The names its files are found by in a directory or a listing (content decides what a file is)."""
+
+
 def sniff(first: bytes, name: str) -> bool:
     """safetensors has no magic bytes: it takes what no other format claims (see formats/)."""
     return True

@@ -63,7 +63,7 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
             return _shards_from_index(directory, source / INDEX_NAME, problems, cache)
         mounted = mounted_under(source)
         try:
-            names = sorted(e.name for e in directory.scan() if e.name.endswith(".safetensors"))
+            names = sorted(e.name for e in directory.scan() if formats.is_weights_name(e.name))
         except OSError as exc:
             problems.append(Problem(str(source), f"cannot list: {exc.strerror}"))
             return FoundShards([], directory=directory)
@@ -71,7 +71,7 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
             log.warning("%s: skipped: another file system is mounted there", printable(str(source / name)))
             names.remove(name)
         if not names:
-            problems.append(Problem(str(source), "no .safetensors files in this directory"))
+            problems.append(Problem(str(source), f"no {formats.WEIGHT_FILES} files in this directory"))
         return FoundShards([source / name for name in names], directory=directory)
     if source.name.endswith(".index.json") and source.is_file():
         try:

@@ -1,6 +1,6 @@
 """Shards that are objects in a store: S3 (and any S3-compatible store), plain HTTP(S), and the Hub.
 
-The client is obstore (DESIGN.md: measured best here). Everything about a store is kept in a
+The client is obstore (the best measured here: docs/performance.md). Everything about a store is kept in a
 StoreSpec, a picklable recipe, so that the daemon makes its own client from what the command
 validated. Each object is read at a version: the ETag and size seen when its header was read;
 every later GET is conditional on that ETag (If-Match), so versions are never mixed.
@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from ..errors import Problem, TensorfsError, printable
+from ..formats import WEIGHT_FILES, is_weights_name
 from ..units import human_size
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 
@@ -310,9 +311,9 @@ def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
         raise RemoteError(f"{source}: URLs with a query or fragment (signed URLs) are not supported")
     base, _, name = source.rstrip("/").rpartition("/")
     name = unquote(name)  # the store's client escapes what the key needs: %20 must not become %2520
-    if not name.endswith((".safetensors", ".index.json")):
+    if not (is_weights_name(name) or name.endswith(".index.json")):
         raise RemoteError(
-            f"{source}: name the model's index (…/{INDEX_NAME}) or a .safetensors file: HTTP has no listing"
+            f"{source}: name the model's index (…/{INDEX_NAME}) or a {WEIGHT_FILES} file: HTTP has no listing"
         )
     return StoreSpec("http", base, base, timeout=options.timeout), name
 
@@ -320,7 +321,7 @@ def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
 def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
     """The shards of the remote model at `source` (same rules as a local model's), problems said."""
     spec, key = store_spec(source, options)
-    if key.endswith(".safetensors"):
+    if is_weights_name(key):
         return Located([ObjectRef(spec, key)])
     if key.endswith(".index.json"):
         return _from_index(ObjectRef(spec, key), problems)
@@ -340,7 +341,7 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
         return Located([ObjectRef(spec, prefix + "model.safetensors")])
     shards = _list_shards(spec, prefix, problems)
     if shards is not None and not shards:
-        problems.append(Problem(spec.url(key) + "/", "no .safetensors objects under this prefix"))
+        problems.append(Problem(spec.url(key) + "/", f"no {WEIGHT_FILES} objects under this prefix"))
     return Located(shards or [])
 
 
@@ -406,16 +407,14 @@ def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[
     if more:
         problems.append(Problem(where, f"over {MAX_LISTED} objects under this prefix: name the model's index"))
         return None
-    keys = sorted(
-        key for meta in listed if (key := str(meta["path"])).endswith(".safetensors") and "/" not in key[len(prefix) :]
-    )
+    keys = sorted(key for meta in listed if is_weights_name(key := str(meta["path"])) and "/" not in key[len(prefix) :])
     return [ObjectRef(spec, key) for key in keys]
 
 
 def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
     """The object named `name` in the remote model's directory (its prefix, or its file's directory)."""
     spec, key = store_spec(source, options)
-    if key.endswith((".safetensors", ".index.json")):
+    if is_weights_name(key) or key.endswith(".index.json"):
         return ObjectRef(spec, key).sibling(name)
     return ObjectRef(spec, f"{key}/{name}" if key else name)
 
@@ -464,7 +463,7 @@ def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) ->
     endpoint = spec.root.removesuffix(f"/{repo}/resolve/{revision}")
     api = StoreSpec("http", f"{endpoint}/api/models/{repo}/tree", f"{endpoint}/api/models/{repo}/tree",
                     headers=spec.headers, timeout=spec.timeout)  # fmt: skip
-    directory = key.rpartition("/")[0] if key.endswith((".safetensors", ".index.json")) else key
+    directory = key.rpartition("/")[0] if is_weights_name(key) or key.endswith(".index.json") else key
 
     def listed(path: str) -> list[dict[str, Any]]:
         where = ObjectRef(api, f"{revision}/{path}" if path else revision)
@@ -741,7 +740,7 @@ def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[in
 
 
 # Pieces written to the cache as they arrive: big enough to keep syscalls few, small enough that
-# a fetch thread holds little memory (see docs: 1 MiB pieces grew the daemon's memory).
+# a fetch thread holds little memory (docs/performance.md).
 _PIECE = 256 << 10
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from ..errors import TensorfsError, printable
+from ..formats import is_weights_name
 from ..manifest import DEFAULT_MANIFEST
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
 from ..sources.shard import Identity
@@ -181,7 +182,7 @@ def model_directory(source: Path) -> Path:
 def is_weights(name: str) -> bool:
     """The files a view makes itself or that describe the weights, not taken from the source (a
     manifest of the source's tensors would not match a selection of them)."""
-    return name.endswith((".safetensors", ".safetensors.index.json")) or name == DEFAULT_MANIFEST
+    return is_weights_name(name) or name.endswith(".safetensors.index.json") or name == DEFAULT_MANIFEST
 
 
 def find_companions(
