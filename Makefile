@@ -54,11 +54,11 @@ soak: install
 	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS)
 
 bench: install
-	$(PY) scripts/bench.py
-	$(PY) scripts/bench.py --remote
-	$(PY) scripts/bench_open.py
-	$(PY) scripts/bench_hash.py
-	$(PY) scripts/bench_small.py
+	$(PY) -m tensorfs.cli bench --suite read
+	$(PY) -m tensorfs.cli bench --suite remote
+	$(PY) -m tensorfs.cli bench --suite open
+	$(PY) -m tensorfs.cli bench --suite hash
+	$(PY) -m tensorfs.cli bench --suite small
 
 # Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:

@@ -1,4 +1,5 @@
-"""The scripts under scripts/ keep working (no timings are asserted: those are the benchmark's)."""
+"""The scripts under scripts/ (the demo, the soak) and every suite of `tensorfs bench`, run with
+--quick, keep working (no timings are asserted: those are the benchmark's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from conftest import Mounts
 from helpers import MIB
@@ -18,64 +22,63 @@ from tensorfs.integrity import HASH_WORKERS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_open_runs(tmp_path: Path) -> None:
+def bench_quick(suite: str, tmp_path: Path, timeout: float | None = None) -> dict[str, Any]:
+    """`tensorfs bench --suite SUITE --quick`, its JSON report."""
     out = tmp_path / "bench.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_open.py"),
-            "--tensors",
-            "2000",
-            "--shards",
-            "3",
-            "--repeat",
-            "1",
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
+    command = ["bench", "--suite", suite, "--quick", "--workdir", str(tmp_path), "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *command], capture_output=True, text=True, check=False, timeout=timeout
     )
-    result = json.loads(out.read_text())
-    assert result["tensors"] == 2000 and result["ratio"] > 0 and result["cached_ratio"] > 0
+    assert result.returncode == 0, result.stdout + result.stderr
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def test_bench_open_runs(tmp_path: Path) -> None:
+    report = bench_quick("open", tmp_path)  # --quick: 2000 tensors in 3 shards, one try
+    assert report["safe_open_keys"]["tensors"] == 2000
+    assert report["open_model"]["ratio"] > 0 and report["open_model_cached"]["ratio"] > 0
 
 
 def test_bench_hash_runs(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench_hash.py"),
-        "--gib",
-        "0.13",  # two tensors of 64 MiB: the parallel sha256sum has two to share
-        "--shards",
-        "2",
-        "--repeat",
-        "1",
-        "--small-tensors",
-        "2000",
-        "--small-repeat",
-        "1",
-    ]
-    subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
-    result = json.loads(out.read_text())
-    assert result["bytes"] > 64 << 20 and result["throughput_ratio"] > 0
+    # --quick: 0.13 GiB, two tensors of 64 MiB in 2 shards (the parallel sha256sum has two to share),
+    # one try; 2000 tiny tensors, one try.
+    report = bench_quick("hash", tmp_path)
+    assert report["sha256sum"]["bytes"] > 64 << 20 and report["manifest_in_process"]["ratio"] > 0
     # The fair baseline: as many sha256sum processes as tensorfs has hashing threads, one a tensor.
-    assert result["hash_workers"] == HASH_WORKERS and result["tensors"] >= 2
-    assert result["sha256sum_parallel_s"] > 0 and result["fair_throughput_ratio"] > 0
-    assert result["small_tensors"] == 2000 and result["small_repeat"] == 1 and result["small_cache_ratio"] > 0
+    assert report["sha256sum_parallel"]["hash_workers"] == HASH_WORKERS and report["sha256sum_parallel"]["tensors"] >= 2
+    assert report["sha256sum_parallel"]["seconds"] > 0 and report["manifest_command"]["ratio"] > 0
+    small = report["small_no_cache"]
+    assert small["tensors"] == 2000 and small["repeat"] == 1 and report["small_fresh_cache"]["ratio"] > 0
 
 
 def test_bench_small_runs(fuse: None, tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    command = [sys.executable, str(ROOT / "scripts" / "bench_small.py"), "--tensors", "300", "--repeat", "1"]
-    subprocess.run([*command, "--json", str(out)], check=True, capture_output=True, timeout=300)
-    result = json.loads(out.read_text())
-    assert set(result["results"]) == {"sha256sum -c", "cp -r", "find -type f | wc -l", "ls -lR"}
-    for figures in result["results"].values():
+    report = bench_quick("small", tmp_path, timeout=300)  # --quick: 300 tensors, one try
+    results = {row["command"]: row for row in report.values() if isinstance(row, dict) and "command" in row}
+    assert set(results) == {"sha256sum -c", "cp -r", "find -type f | wc -l", "ls -lR"}
+    for figures in results.values():
         assert figures["ratio"] > 0 and figures["floor_ratio"] > 0
     # What the kernel was told once it does not ask again: one flush, at most, for 300 closes.
-    assert result["requests"]["sha256sum -c"]["open"] >= 300
-    assert result["requests"]["sha256sum -c"].get("flush", 0) <= 1
+    assert results["sha256sum -c"]["requests"]["open"] >= 300
+    assert results["sha256sum -c"]["requests"].get("flush", 0) <= 1
+
+
+def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorfs import bench
+    from tensorfs.cli import bench as command
+    from tensorfs.cli import main
+
+    assert command.SUITES == bench.SUITES == tuple(command.FIELDS)
+    # Refused before anything is built (--quick all the same: were one run, it would be short).
+    for args, words in (
+        (["--suite", "open", "--gib", "1"], "--gib is for the suites read, remote, hash, not open"),
+        (["--suite", "small", "--shards", "2"], "--shards is for the suites read, remote, open, hash, not small"),
+        (["--tensors", "10"], "--tensors is for the suites open, hash, small, not read"),
+        (["--suite", "open", "--tensors", "0"], "--tensors 0 only skips hash's model of tiny tensors"),
+        (["--remote", "--suite", "hash"], "--remote is --suite remote: not --suite hash"),
+    ):
+        assert main(["bench", "--quick", *args]) == 2
+        assert words in capsys.readouterr().err
 
 
 def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:

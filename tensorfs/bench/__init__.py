@@ -1,9 +1,18 @@
-"""The benchmark (`tensorfs bench`, scripts/bench.py): local.py measures the read path, the mount and
-listing of local models, also against peers (peers.py: bindfs and floor.py, the least pyfuse3
-daemon); remote.py models read from a store (nginx on loopback) through the cache.
+"""The benchmarks, all of them `tensorfs bench --suite SUITE`:
 
-Every figure is the median of several tries, reported as a ratio to its baseline measured in the
-same run: these machines are noisy.
+- read (the default): local.py measures the read path, the mount and listing of local models, also
+  against peers (peers.py: bindfs and floor.py, the least pyfuse3 daemon);
+- remote (also `--remote`): remote.py, models read from a store (nginx on loopback) through the cache;
+- open: opening.py, tensorfs.open_model of a 100k-tensor model against safetensors.safe_open().keys();
+- hash: hashing.py, `tensorfs manifest` against sha256sum, and what the hash cache costs and saves;
+- small: small.py, small files and metadata commands over a mount against a local copy, and the
+  pyfuse3 floor's.
+
+Why one home: one command that anyone with the package can run on their own machine, no checkout
+needed; one report format, each figure a ratio to its baseline measured in the same run (these
+machines are noisy: every figure is the median of several tries); one JSON document (--json);
+one set of servers (servers.py) and peers (peers.py, floor.py); and every suite checked by the
+tests with --quick.
 """
 
 from __future__ import annotations
@@ -13,18 +22,28 @@ from pathlib import Path
 
 from .common import Config, Report
 
-__all__ = ["Config", "Report", "main"]
+__all__ = ["SUITES", "Config", "Report", "main"]
+
+SUITES = ("read", "remote", "open", "hash", "small")
 
 
-def main(config: Config, json_path: Path | None = None, *, remote: bool = False) -> int:
-    """Run the local benchmark (or, `remote`, the remote one), print its table, and write it as JSON if asked."""
-    if remote:
-        from .remote import run
-    else:
+def main(config: Config, json_path: Path | None = None, *, suite: str = "read") -> int:
+    """Run one suite of the benchmark, print its table, and write it as JSON if asked."""
+    if suite == "read":
         from .local import run
+    elif suite == "remote":
+        from .remote import run
+    elif suite == "open":
+        from .opening import run
+    elif suite == "hash":
+        from .hashing import run
+    elif suite == "small":
+        from .small import run
+    else:
+        raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
     report = run(config)
     print(report.table())
     if json_path is not None:
-        document = {"config": {k: str(v) for k, v in vars(config).items()}, **report.data, "notes": report.notes}
+        document = {"config": {"suite": suite, **config.settings(suite)}, **report.data, "notes": report.notes}
         json_path.write_text(json.dumps(document, indent=2) + "\n")
     return 0

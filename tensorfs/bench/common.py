@@ -24,6 +24,10 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 READ_SIZE = 1 << 20
 
 
+OWN_FIELDS = {"open": "open_", "hash": "hash_", "small": "small_files_"}
+"""The prefix of the Config fields of each suite whose defaults differ from the read suite's."""
+
+
 @dataclass
 class Config:
     gib: float = 2.0
@@ -37,10 +41,60 @@ class Config:
     readahead_kb: int = 1024
     mount_options: tuple[str, ...] = ()
     workdir: Path | None = None
+    # The suites whose defaults differ from the read suite's have fields of their own:
+    open_tensors: int = 100_000
+    """The open suite (opening.py): open_model of this many tiny tensors ..."""
+    open_shards: int = 20
+    """... in this many shards ..."""
+    open_repeat: int = 9
+    """... median of this many tries."""
+    hash_gib: float = 1.0
+    """The hash suite (hashing.py): a model of 64 MiB tensors this big ..."""
+    hash_shards: int = 4
+    """... in this many shards ..."""
+    hash_repeat: int = 3
+    """... median of this many tries ..."""
+    hash_small_tensors: int = 60_000
+    """... and a model of this many tiny tensors (0: not measured) ..."""
+    hash_small_repeat: int = 7
+    """... its median of this many tries (a second each; the bar is tight)."""
+    small_files_tensors: int = 60_000
+    """The small suite (small.py): a mount of this many tiny tensors (three files each) ..."""
+    small_files_repeat: int = 1
+    """... median of this many tries (one takes about six minutes at 60k tensors)."""
+
+    def settings(self, suite: str) -> dict[str, str]:
+        """The fields `suite` reads, as text (the JSON report's "config"): the open, hash and small
+        suites have fields of their own (OWN_FIELDS) and the workdir; read and remote all the others."""
+        own = OWN_FIELDS.get(suite)
+        return {
+            name: str(value)
+            for name, value in vars(self).items()
+            if name == "workdir"
+            or (name.startswith(own) if own is not None else not name.startswith(tuple(OWN_FIELDS.values())))
+        }
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(gib=1 / 16, shards=2, tensor_mib=16, small_tensors=200, tiny_tensors=3000, tiny_shards=3, repeat=1)
+        return cls(
+            gib=1 / 16,
+            shards=2,
+            tensor_mib=16,
+            small_tensors=200,
+            tiny_tensors=3000,
+            tiny_shards=3,
+            repeat=1,
+            open_tensors=2000,
+            open_shards=3,
+            open_repeat=1,
+            hash_gib=0.13,  # two tensors of 64 MiB: the parallel sha256sum has two to share
+            hash_shards=2,
+            hash_repeat=1,
+            hash_small_tensors=2000,
+            hash_small_repeat=1,
+            small_files_tensors=300,
+            small_files_repeat=1,
+        )
 
 
 @dataclass

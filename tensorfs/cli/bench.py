@@ -1,4 +1,4 @@
-"""tensorfs bench: the benchmark and its peers (see tensorfs/bench/)."""
+"""tensorfs bench: the benchmarks and their peers, one suite at a time (see tensorfs/bench/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ import click
 
 from .group import cli
 from .options import READAHEAD_KB, Finite
+
+SUITES = ("read", "remote", "open", "hash", "small")
+"""tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
+
+FIELDS: dict[str, dict[str, str]] = {
+    "read": {"gib": "gib", "shards": "shards", "repeat": "repeat", "readahead_kb": "readahead_kb"},
+    "remote": {"gib": "gib", "shards": "shards", "repeat": "repeat", "readahead_kb": "readahead_kb"},
+    "open": {"tensors": "open_tensors", "shards": "open_shards", "repeat": "open_repeat"},
+    "hash": {"gib": "hash_gib", "shards": "hash_shards", "repeat": "hash_repeat", "tensors": "hash_small_tensors"},
+    "small": {"tensors": "small_files_tensors", "repeat": "small_files_repeat"},
+}
+"""The Config field each option sets, by suite; an option a suite has no field for is refused."""
 
 
 @cli.command()
@@ -22,7 +34,21 @@ from .options import READAHEAD_KB, Finite
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
 )
-@click.option("--remote", is_flag=True, help="Measure remote models instead: served by nginx, through the cache.")
+@click.option(
+    "--suite",
+    type=click.Choice(SUITES),
+    help="What to measure (default: read). The defaults of --gib, --shards and --repeat above are read's.",
+)
+@click.option(
+    "--tensors",
+    type=click.IntRange(0, 10_000_000),
+    help="Tiny tensors in the model of open (default 100000), of small (60000), of hash's second (60000; 0: none).",
+)
+@click.option(
+    "--remote",
+    is_flag=True,
+    help="Measure remote models instead: served by nginx, through the cache. The same as --suite remote.",
+)
 def bench(
     quick: bool,
     gib: float | None,
@@ -31,20 +57,48 @@ def bench(
     readahead_kb: int | None,
     workdir: Path | None,
     json_path: Path | None,
+    suite: str | None,
+    tensors: int | None,
     remote: bool,
 ) -> int:
-    """Measure the read path, mount and listing against direct baselines and peers (bindfs, and the
-    least pyfuse3 daemon there is: tensorfs/bench/floor.py), in the same run (needs FUSE; root for
-    cold reads, and to install bindfs when missing).
+    """Measure tensorfs against baselines and peers measured in the same run, one suite at a time
+    (--suite; see tensorfs/bench/):
 
-    With --remote: a model served by nginx on loopback, read through the mount and its cache, against
-    obstore downloading it (needs nginx).
+    read (the default): the read path, mount and listing against direct baselines and peers (bindfs,
+    and the least pyfuse3 daemon there is: tensorfs/bench/floor.py), in the same run (needs FUSE;
+    root for cold reads, and to install bindfs when missing). --gib 2, --shards 4, --repeat 3.
+
+    remote (or --remote): a model served by nginx on loopback, read through the mount and its cache,
+    against obstore downloading it (needs nginx). --gib 2, --shards 4, --repeat 3.
+
+    open: tensorfs.open_model of a model of many tiny tensors against safetensors.safe_open().keys(),
+    in this process. --tensors 100000, --shards 20, --repeat 9.
+
+    hash: `tensorfs manifest` against sha256sum, and what the hash cache costs and saves. --gib 1,
+    --shards 4, --repeat 3, --tensors 60000 (a second model, of tiny tensors; 0 skips it).
+
+    small: sha256sum -c, cp -r, find and ls -lR over a mount against a local copy of its tree, and
+    through the pyfuse3 floor (needs FUSE). --tensors 60000, --repeat 1.
     """
     from .. import bench as benchmark
 
+    if remote:
+        if suite not in (None, "remote"):
+            raise click.UsageError(f"--remote is --suite remote: not --suite {suite}")
+        suite = "remote"
+    suite = suite or "read"
+    fields = FIELDS[suite]
     config = benchmark.Config.quick() if quick else benchmark.Config()
-    for name, value in (("gib", gib), ("shards", shards), ("repeat", repeat), ("readahead_kb", readahead_kb)):
-        if value is not None:
-            setattr(config, name, value)
+    given = {"gib": gib, "shards": shards, "repeat": repeat, "readahead_kb": readahead_kb, "tensors": tensors}
+    for option, value in given.items():
+        if value is None:
+            continue
+        if option not in fields:
+            flag = "--" + option.replace("_", "-")
+            takes = [name for name, known in FIELDS.items() if option in known]
+            raise click.UsageError(f"{flag} is for the suites {', '.join(takes)}, not {suite}")
+        if option == "tensors" and value == 0 and suite != "hash":
+            raise click.UsageError(f"--tensors 0 only skips hash's model of tiny tensors; {suite} needs some")
+        setattr(config, fields[option], value)
     config.workdir = workdir
-    return benchmark.main(config, json_path, remote=remote)
+    return benchmark.main(config, json_path, suite=suite)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Small files and metadata: what users run first over a mount, against a local copy of the same tree.
 
 A model of --tensors tiny tensors (F32 [4, 4], 64 bytes each) in one shard is mounted; its tree
@@ -11,16 +10,15 @@ the figures are medians and the ratios mount / local, with the issue's bars:
 `ls -lR > /dev/null` <= 3x. The same commands run through the floor of the stack
 (tensorfs/bench/floor.py: pyfuse3 serving the shard's tensors with nothing else) on the tensor
 files only, against a local copy of that tree: what any pyfuse3 daemon pays, for comparison.
-Also printed: the FUSE requests tensorfs answered for each command (from .tensorfs/stats.json).
+Also reported: the FUSE requests tensorfs answered for each command (from .tensorfs/stats.json).
 
-    .venv/bin/python scripts/bench_small.py [--tensors 60000] [--repeat 1] [--json FILE]
+    tensorfs bench --suite small [--tensors 60000] [--repeat 1] [--json FILE]
 
 (One try takes about six minutes at 60k tensors: `cp -r` of 180k files is most of it.)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -33,9 +31,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tensorfs.sample_models import many_tiny_tensors
+from ..sample_models import many_tiny_tensors
+from .common import Config, Report
 
 BARS = {"sha256sum -c": 2.0, "cp -r": 2.0, "find -type f | wc -l": 3.0, "ls -lR": 3.0}
+KEYS = {"sha256sum -c": "sha256sum_c", "cp -r": "cp_r", "find -type f | wc -l": "find_wc", "ls -lR": "ls_lR"}
+"""Each command's key in the report (the JSON): its rows are KEY, KEY_again, KEY_local, KEY_floor, ..."""
 TENSORFS = [sys.executable, "-m", "tensorfs.cli"]
 
 
@@ -94,17 +95,15 @@ def requests_of(mountpoint: Path) -> dict[str, int]:
     return counted
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tensors", type=int, default=60_000)
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--json", type=Path, help="write the figures here too")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="tensorfs-bench-small-") as tmp:
+def run(config: Config, out: Callable[[str], None] = print) -> Report:
+    tensors, repeat = config.small_files_tensors, config.small_files_repeat
+    out(f"{tensors} tiny tensors ({3 * tensors} files), medians of {repeat}; each command on a")
+    out("fresh mount, then again on it (kernel caches warm), and on a local copy of the tree ...")
+    with tempfile.TemporaryDirectory(prefix="tensorfs-bench-small-", dir=config.workdir) as tmp:
         work = Path(tmp)
         env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "TENSORFS_RUNTIME_DIR": str(work / "run")}
         env["XDG_STATE_HOME"] = str(work / "state")
-        (shard,) = many_tiny_tensors(work / "model", args.tensors, 1)
+        (shard,) = many_tiny_tensors(work / "model", tensors, 1)
         mountpoint = work / "mnt"
         mountpoint.mkdir()
         local, floor_local = work / "local", work / "floor-local"
@@ -116,52 +115,88 @@ def main() -> int:
         shutil.copyfile(local / ".tensorfs" / "SHA256SUMS", work / "floor.sums")  # the same names, flat
         results: dict[str, dict[str, list[float]]] = {}
         requests: dict[str, dict[str, int]] = {}
-        for _ in range(args.repeat):
+        for _ in range(repeat):
             for name in BARS:
                 sides = ("tensorfs", "tensorfs again", "local", "floor", "floor again", "floor local")
                 times = results.setdefault(name, {side: [] for side in sides})
                 with tensorfs_mount(work / "model", mountpoint, env) as tree:
-                    run = commands(tree, work, ".tensorfs/SHA256SUMS")[name]
-                    times["tensorfs"].append(timed(run))
+                    command = commands(tree, work, ".tensorfs/SHA256SUMS")[name]
+                    times["tensorfs"].append(timed(command))
                     requests[name] = requests_of(tree)
-                    times["tensorfs again"].append(timed(run))  # names, attributes and pages now cached
+                    times["tensorfs again"].append(timed(command))  # names, attributes and pages now cached
                 times["local"].append(timed(commands(local, work, ".tensorfs/SHA256SUMS")[name]))
                 with floor_mount(shard, mountpoint) as tree:
-                    run = commands(tree, work, str(work / "floor.sums"))[name]
-                    times["floor"].append(timed(run))
-                    times["floor again"].append(timed(run))
+                    command = commands(tree, work, str(work / "floor.sums"))[name]
+                    times["floor"].append(timed(command))
+                    times["floor again"].append(timed(command))
                 times["floor local"].append(timed(commands(floor_local, work, str(work / "floor.sums"))[name]))
-    print(f"{args.tensors} tiny tensors ({3 * args.tensors} files), medians of {args.repeat}; each command on a")
-    print("fresh mount, then again on it (kernel caches warm), and on a local copy of the tree:")
-    columns = ("tensorfs", "again", "local", "ratio", "again", "bar", "  floor", "again", "local", "ratio", "again")
-    widths = (9, 8, 8, 7, 7, 6, 10, 8, 8, 7, 7)
-    print(f"{'command':<22} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)))
-    report: dict[str, object] = {}
+    report = Report()
     for name, times in results.items():
         m = {side: statistics.median(values) for side, values in times.items()}
         ratio, again = m["tensorfs"] / m["local"], m["tensorfs again"] / m["local"]
         floor_ratio, floor_again = m["floor"] / m["floor local"], m["floor again"] / m["floor local"]
         met = "met" if ratio <= BARS[name] else ("met again" if again <= BARS[name] else "NOT met")
-        print(
-            f"{name:<22} {m['tensorfs']:8.2f}s {m['tensorfs again']:7.2f}s {m['local']:7.2f}s {ratio:6.1f}x"
-            f" {again:6.1f}x {BARS[name]:5.1f}x   {m['floor']:7.2f}s {m['floor again']:7.2f}s"
-            f" {m['floor local']:7.2f}s {floor_ratio:6.1f}x {floor_again:6.1f}x  {met}"
+        key = KEYS[name]
+        report.add(
+            f"{key}_local",
+            f"{name}: the local copy of the tree (baseline)",
+            f"{m['local']:.3f} s",
+            None,
+            "",
+            seconds=m["local"],
         )
-        report[name] = {
-            "seconds": m,
-            "ratio": ratio,
-            "again_ratio": again,
-            "floor_ratio": floor_ratio,
-            "floor_again_ratio": floor_again,
-            "bar": BARS[name],
-        }
-    print("FUSE requests tensorfs answered, by command (one fresh mount each; flush and xattrs once at most):")
-    for name, counted in requests.items():
-        print(f"  {name:<22} " + ", ".join(f"{op} {n}" for op, n in sorted(counted.items())))
-    if args.json:
-        args.json.write_text(json.dumps({"results": report, "requests": requests}, indent=1) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        report.add(
+            key,
+            "  ... on a fresh mount",
+            f"{m['tensorfs']:.3f} s",
+            ratio,
+            f"<= {BARS[name]}x the local copy",
+            command=name,
+            seconds=m,
+            again_ratio=again,
+            floor_ratio=floor_ratio,
+            floor_again_ratio=floor_again,
+            at_most=BARS[name],
+            met=met,
+            requests=requests[name],
+            tensors=tensors,
+            repeat=repeat,
+        )
+        report.add(
+            f"{key}_again",
+            "  ... again on that mount (kernel caches warm)",
+            f"{m['tensorfs again']:.3f} s",
+            again,
+            f"(bar: {met})",
+            seconds=m["tensorfs again"],
+        )
+        report.add(
+            f"{key}_floor_local",
+            "  ... the local copy of the floor's tree (its baseline)",
+            f"{m['floor local']:.3f} s",
+            None,
+            "",
+            seconds=m["floor local"],
+        )
+        report.add(
+            f"{key}_floor",
+            "  ... through the pyfuse3 floor (bench/floor.py)",
+            f"{m['floor']:.3f} s",
+            floor_ratio,
+            "(reported)",
+            seconds=m["floor"],
+        )
+        report.add(
+            f"{key}_floor_again",
+            "  ... the floor again (kernel caches warm)",
+            f"{m['floor again']:.3f} s",
+            floor_again,
+            "(reported)",
+            seconds=m["floor again"],
+        )
+    for name, counted in requests.items():  # flush and xattrs once at most
+        report.notes.append(
+            f"FUSE requests tensorfs answered for `{name}` on a fresh mount: "
+            + ", ".join(f"{op} {n}" for op, n in sorted(counted.items()))
+        )
+    return report
