@@ -26,7 +26,7 @@ from tensorfs import InvalidModelError, TensorfsError
 from tensorfs.dtypes import DTYPES
 
 EXAMPLES = int(os.environ.get("TENSORFS_FUZZ_EXAMPLES", "5000"))
-# What tensorfs refuses on purpose though the reference accepts it (README, "What is checked").
+# What tensorfs refuses on purpose though the reference accepts it (docs/guarantees.md, "What is checked").
 STRICTER = (
     "appears more than once",
     "repeats the",

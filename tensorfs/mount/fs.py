@@ -236,7 +236,8 @@ class TensorOperations(pyfuse3.Operations):
 
     async def _lay_out(self, inode: int, *, listing: bool = False) -> None:
         """Make the layouts of synthesized files that an answer about `inode` (or its listing) needs,
-        on a worker thread: at 100k tensors one takes 0.3 s, which this thread must not spend."""
+        on a worker thread: at 100k tensors that takes longer than this thread may stall
+        (docs/performance.md)."""
         for file in self.tree.unbuilt(inode, listing=listing):
             await trio.to_thread.run_sync(file.build)
 

@@ -132,10 +132,10 @@ def serve(
 def _return_big_buffers() -> None:
     """Keep the daemon's heap small while remote fetch threads come and go.
 
-    glibc gives each thread that allocates its own arena and keeps freed buffers there: the
-    fetch threads' pieces made the daemon's memory grow by 23 MiB over a 2 GiB remote read.
-    Two arenas hold it to about 13 MiB without the slow path of one mapping per buffer
-    (M_MMAP_THRESHOLD), which cost a third of first-read throughput.
+    glibc gives each thread that allocates its own arena and keeps freed buffers there, so the
+    fetch threads' pieces made the daemon's memory grow. Two arenas bound it without the slow
+    path of one mapping per buffer (M_MMAP_THRESHOLD), which costs first-read throughput
+    (docs/performance.md).
     """
     with contextlib.suppress(OSError, AttributeError):
         libc.mallopt(_M_ARENA_MAX, 2)
@@ -287,7 +287,8 @@ def systemd_notify(message: bytes) -> None:
 
 
 def _set_readahead(device: int, kilobytes: int) -> int | None:
-    """Raise the mount's readahead so the kernel sends 1 MiB reads (1.7x the 128 KiB default here).
+    """Raise the mount's readahead so the kernel sends 1 MiB reads (faster than the 128 KiB default:
+    docs/performance.md).
 
     Returns the value in force, read back from the kernel (None if it cannot be read).
     """
@@ -307,8 +308,8 @@ def _set_max_background(device: int, requests: int) -> int | None:
     """Lower how many readahead requests the kernel keeps queued at this daemon (its default: 12).
 
     Every queued read waits on the daemon's one thread, and so does any lookup behind them: with
-    four readers streaming cold data, listing the root took 74 ms (median) at 12 and 0.8 ms at 3,
-    and the streams finished sooner; one cold reader alone reads a little slower with very few.
+    fewer, listings stay quick while cold data streams, and the streams finish sooner; one cold
+    reader alone reads a little slower with very few (docs/performance.md).
     The knob is in the fusectl file system, mounted if need be. Returns the value in force.
     """
     if os.major(device) != 0:

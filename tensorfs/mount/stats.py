@@ -2,7 +2,7 @@
 touched. Plain integers, changed on the daemon's one request thread (no locks per request); read
 as a snapshot for .tensorfs/stats.json, `tensorfs stats` and the Prometheus endpoint.
 
-The snapshot's field names are stable (README: "Operating tensorfs"). Other layers plug their
+The snapshot's field names are stable (docs/operating.md). Other layers plug their
 own counters in as a `sources` entry: a function that returns a flat {name: number} dict.
 """
 

@@ -73,7 +73,7 @@ class Pages:
         self._address = _buffer_address(view) if self.size else 0
         if self.size:
             # Huge pages where the page cache has large folios: fewer pages for the kernel to pin
-            # and copy from per reply (measured here: first reads 2.5 -> 2.9 GB/s). Advice only.
+            # and copy from per reply (docs/performance.md). Advice only.
             _madvise(self._address, self.size, MADV_HUGEPAGE)
 
     def resident(self, start: int, end: int) -> bool:
