@@ -69,7 +69,7 @@ def serve(
         }
     }
     if options.remote is not None:  # the fetches and the cache count for themselves
-        from ..sources.chunkcache import COUNTERS
+        from ..sources.fetching import COUNTERS
 
         counters["remote"] = COUNTERS.snapshot
     operations = TensorOperations(

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..formats import ShardHeader
-from .chunkcache import CachedObject, ChunkCache, Fetcher, default_cache_dir, wait
+from .cachefile import CachedObject
+from .chunkcache import ChunkCache, default_cache_dir
+from .fetching import Fetcher, wait
 from .index import first_tensor
 from .shard import Identity, ShardData, settled
 

@@ -1,0 +1,572 @@
+"""One object version's file in the chunk cache, as one process uses it: mapped, held, its chunks
+known present or not, fetched into it and checked (CachedObject); the lock bytes every process
+takes in it, and the checksums its chunks are kept with. How the cache as a whole keeps its bound
+and its promises: chunkcache.py."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import printable
+from ..syscalls import fallocate, punch_hole
+from ..units import human_size
+from .fetching import COUNTERS, failed_future, wait
+from .pages import Pages
+from .store import ObjectChanged, ObjectVersion, RemoteError, read_range
+
+if TYPE_CHECKING:
+    from .chunkcache import ChunkCache
+
+log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cache's messages
+
+ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before it fails (cache too small)
+SAVE_AT_LEAST_EVERY = 1.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
+_FETCH_WAIT = 0.01  # seconds between looks at a chunk another process is fetching
+_CHECK_PIECE = 1 << 20  # a chunk is read back in pieces this large to be checked
+
+
+class CacheFull(RemoteError):
+    """No room in the cache for a chunk: everything in it is in use, or its disk is full."""
+
+
+class NoRoomNow(RemoteError):
+    """No room in the cache at this moment, for a fetch that does not wait for some (one ahead of readers)."""
+
+
+class BadChunk(RemoteError):
+    """A chunk whose bytes are not those the object version gave before (the store's, or the file's)."""
+
+
+# -- locks ------------------------------------------------------------------------------------
+
+IN_USE = 0  # byte 0: held shared by every process with the file open
+
+
+def presence_byte(chunk: int) -> int:
+    return 1 + 2 * chunk
+
+
+def fetch_byte(chunk: int) -> int:
+    return 2 + 2 * chunk
+
+
+def lock_byte(fd: int, kind: int, start: int, *, wait: bool = False) -> bool:
+    """Lock one byte of a cache file (F_RDLCK, F_WRLCK, or F_UNLCK); whether it was had.
+
+    Open file description locks (F_OFD_SETLK): a POSIX lock would be dropped when this process
+    closes any other descriptor of the file, and another process would then evict chunks from
+    under our mapping (holes read as zeros).
+    """
+    flock = struct.pack("hhqqi4x", kind, os.SEEK_SET, start, 1, 0)  # type, whence, start, length, pid (0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, flock)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def holders(path: Path) -> list[int]:
+    """The processes (of those this one may look at) that have `path` open: for messages."""
+    found = []
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit() or int(process.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (process / "fd").iterdir():
+                if os.readlink(fd) == str(path):
+                    found.append(int(process.name))
+                    break
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class ChunkSum:
+    """What a chunk's bytes summed to when they first came: a CRC-32 always, a SHA-256 where a
+    manifest is in force (see the module's docstring)."""
+
+    crc32: int
+    sha256: bytes | None = None
+
+    def agrees(self, other: ChunkSum) -> bool:
+        """Whether `other` sums the same bytes: the CRC-32s equal, and the SHA-256s where both have one."""
+        if self.crc32 != other.crc32:
+            return False
+        return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
+
+
+class _Summing:
+    """The checksums of bytes given a piece at a time (both functions let the GIL go for large pieces)."""
+
+    def __init__(self, strong: bool) -> None:
+        self._crc = 0
+        self._sha = hashlib.sha256() if strong else None
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._crc = zlib.crc32(piece, self._crc)
+        if self._sha is not None:
+            self._sha.update(piece)
+
+    def sums(self) -> ChunkSum:
+        return ChunkSum(self._crc, self._sha.digest() if self._sha is not None else None)
+
+
+class CachedObject:
+    """One object version's cache file in this process: mapped, held, its chunks known present or not."""
+
+    def __init__(self, cache: ChunkCache, oid: str, version: ObjectVersion, path: Path, chunk_size: int) -> None:
+        self.cache = cache
+        self.id = oid
+        self.version = version
+        self.path = path
+        self.chunk_size = chunk_size
+        self.users = 1
+        self.chunks = -(-version.size // chunk_size)
+        self._present = bytearray(self.chunks)
+        """Chunks this process may answer from: fetched here, or recorded and checked against their checksums."""
+        self._digests: dict[int, ChunkSum] = {}
+        self.strong = False
+        """Whether chunks are also summed with SHA-256 here (where a manifest is in force)."""
+        self._lock = threading.Lock()
+        self._inflight: dict[int, Future[None]] = {}
+        self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
+        self._fetching: set[int] = set()  # chunks whose fetch lock this process holds until they are recorded
+        self.fd = open_held(path, version.size)
+        try:
+            self._mapping = mmap.mmap(self.fd, version.size, access=mmap.ACCESS_READ) if version.size else None
+        except OSError as exc:
+            os.close(self.fd)
+            raise RemoteError(f"{version.url}: cannot map its cache file {path}: {exc.strerror}") from None
+        self.view = memoryview(self._mapping) if self._mapping is not None else memoryview(b"")
+        self.pages = Pages(self.view)
+
+    def known(self, sums: dict[int, ChunkSum]) -> None:
+        """The checksums the object's chunks came with (its recorded chunks are checked against them
+        when first wanted here, and so become present here)."""
+        self._digests = dict(sums)
+
+    def clear_orphans(self, recorded: set[int]) -> None:
+        """Free the blocks of chunks allocated but never recorded (their fetch did not end: its process
+        was killed), each under its fetch lock: nobody is fetching it now, and its record is final."""
+        offset, size = 0, self.version.size
+        while offset < size:
+            try:
+                start = os.lseek(self.fd, offset, os.SEEK_DATA)
+                end = os.lseek(self.fd, start, os.SEEK_HOLE)
+            except OSError:  # ENXIO: no data after offset (or no SEEK_DATA here)
+                return
+            for chunk in range(start // self.chunk_size, -(-end // self.chunk_size)):
+                if chunk in recorded or not lock_byte(self.fd, fcntl.F_WRLCK, fetch_byte(chunk)):
+                    continue
+                try:
+                    if self.cache.recorded(self.id, chunk) is None:
+                        begin, stop = self._range(chunk)
+                        with contextlib.suppress(OSError):
+                            punch_hole(self.fd, begin, stop - begin)
+                finally:
+                    lock_byte(self.fd, fcntl.F_UNLCK, fetch_byte(chunk))
+            offset = max(end, start + 1)
+
+    # -- presence -------------------------------------------------------------------------
+    def present(self, chunk: int) -> bool:
+        """Whether the chunk can be had without a GET (here, or recorded by another process)."""
+        return bool(self._present[chunk]) or self.cache.recorded(self.id, chunk) is not None
+
+    def present_count(self) -> int:
+        """Chunks present (as this process knows)."""
+        with self._lock:
+            return sum(self._present)
+
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(min(self.chunk_size, self.version.size - chunk * self.chunk_size) for chunk in self._pins)
+
+    def pin(self, first: int, last: int) -> bool:
+        """Hold chunks first..last against eviction (here and by other processes); False (nothing
+        held) if one is not present, or was evicted by another process meanwhile."""
+        chunks = range(first, last + 1)
+        with self._lock:
+            if not all(self._present[chunk] for chunk in chunks):
+                return False
+            taken: list[int] = []
+            for chunk in chunks:
+                if not self._pins.get(chunk) and not self._hold(chunk):
+                    for done in taken:
+                        self._let_go(done)
+                    return False
+                self._pins[chunk] = self._pins.get(chunk, 0) + 1
+                taken.append(chunk)
+        self.cache.touch(self, chunks)
+        return True
+
+    def pin_present(self, first: int, last: int) -> tuple[list[int], list[int]]:
+        """Pin the chunks of first..last that are present here, or being fetched here; (those pinned,
+        those missing: to fetch). Called with the cache's room lock held: nothing is evicted meanwhile."""
+        pinned: list[int] = []
+        missing: list[int] = []
+        with self._lock:
+            for chunk in range(first, last + 1):
+                here = self._present[chunk] or chunk in self._inflight  # (a fetch or a check: evictions need
+                # the room lock, which the caller holds)
+                if here and (self._pins.get(chunk) or self._hold(chunk, checked=bool(self._present[chunk]))):
+                    self._pins[chunk] = self._pins.get(chunk, 0) + 1
+                    pinned.append(chunk)
+                else:
+                    missing.append(chunk)
+        return pinned, missing
+
+    def pin_claimed(self, chunks: Iterable[int]) -> None:
+        """Pin chunks about to be fetched: from now on nobody evicts them (nor could: they are not recorded)."""
+        with self._lock:
+            for chunk in chunks:
+                if not self._pins.get(chunk):
+                    lock_byte(self.fd, fcntl.F_RDLCK, presence_byte(chunk))
+                self._pins[chunk] = self._pins.get(chunk, 0) + 1
+
+    def let_go(self, chunks: Iterable[int]) -> None:
+        """Unpin each of `chunks` once."""
+        with self._lock:
+            for chunk in chunks:
+                self._let_go(chunk)
+        self.cache.room_freed()
+
+    def ensure_pinned(self, first: int, last: int, start: ThreadPoolExecutor, *, offline: bool = False) -> None:
+        """Make chunks first..last present and pin them (blocking: a worker thread): room for all that
+        are missing is claimed at once, each is pinned before it is fetched (see ChunkCache.claim).
+
+        CacheFull when there is no room in time; a fetch's own error as it is (wait()).
+        """
+        deadline = time.monotonic() + ROOM_WAIT
+        for _ in range(8):
+            claimed = self.cache.claim(self, first, last, deadline)
+            started = [
+                self.fetching(chunk, start, offline=offline, reserved=chunk in claimed)
+                for chunk in range(first, last + 1)
+            ]
+            failure: Exception | None = None
+            for future in started:
+                if future is not None:
+                    try:
+                        future.result()
+                    except Exception as exc:
+                        failure = failure or exc
+            if all(self._present[chunk] for chunk in range(first, last + 1)):
+                return
+            self.let_go(range(first, last + 1))
+            if failure is not None and not isinstance(failure, NoRoomNow):
+                wait([failed_future(failure)])  # raised as wait() raises a fetch's failure
+        raise CacheFull(self.cache.what_holds(self))
+
+    def _hold(self, chunk: int, *, checked: bool = True) -> bool:
+        """Take the chunk's presence lock (the first pin of it here): False if another process evicts
+        it just now, or evicted it since this process last looked (then it is not present here)."""
+        if not lock_byte(self.fd, fcntl.F_RDLCK, presence_byte(chunk)):
+            self._present[chunk] = 0
+            return False
+        if not checked or chunk in self._fetching or self.cache.pending(self.id, chunk):
+            return True  # being fetched, or written here and not yet recorded: nobody else can evict it
+        try:
+            still = self.cache.recorded(self.id, chunk) is not None
+        except RemoteError:
+            still = False
+        if not still:
+            lock_byte(self.fd, fcntl.F_UNLCK, presence_byte(chunk))
+            self._present[chunk] = 0
+        return still
+
+    def _let_go(self, chunk: int) -> None:
+        left = self._pins.get(chunk, 0) - 1
+        if left > 0:
+            self._pins[chunk] = left
+            return
+        self._pins.pop(chunk, None)
+        with contextlib.suppress(OSError):
+            lock_byte(self.fd, fcntl.F_UNLCK, presence_byte(chunk))
+
+    def unpin(self, first: int, last: int) -> None:
+        with self._lock:
+            for chunk in range(first, last + 1):
+                self._let_go(chunk)
+        self.cache.room_freed()
+
+    def take(self, chunk: int) -> bool:
+        """Mark a chunk not present, for its eviction: unless it is pinned or being fetched here. Until
+        taken() is told how it went, a fetch of it here waits (an eviction is quick)."""
+        with self._lock:
+            if self._pins.get(chunk) or chunk in self._inflight or chunk in self._fetching:
+                return False
+            self._present[chunk] = 0
+            self._inflight[chunk] = Future()
+            return True
+
+    def taken(self, chunk: int, gone: bool) -> None:
+        """The eviction of a chunk taken is over: it is gone, or (another process answers from it) still there."""
+        with self._lock:
+            if not gone:
+                self._present[chunk] = 1
+            waited = self._inflight.pop(chunk, None)
+        if waited is not None:
+            waited.set_result(None)
+
+    # -- fetching -------------------------------------------------------------------------
+    def fetching(
+        self,
+        chunk: int,
+        start: ThreadPoolExecutor,
+        *,
+        offline: bool = False,
+        reserved: bool = False,
+        room: bool = True,
+    ) -> Future[None] | None:
+        """The fetch of `chunk` (begun now in `start`'s threads, or already under way): a GET, or a
+        check of a chunk recorded by another process or before; None if present here.
+
+        `offline`: no GET; a chunk not cached fails its future (RemoteError). `reserved`: its room is
+        taken already (see claim); `room`: wait for room if there is none (else NoRoomNow at once).
+        """
+        with self._lock:
+            if self._present[chunk]:
+                COUNTERS.add(cache_hits=1)
+                return None
+            running = self._inflight.get(chunk)
+            if running is not None:
+                return running
+            future = start.submit(self._fetch, chunk, offline, reserved, room)
+            self._inflight[chunk] = future
+            return future
+
+    def _fetch(self, chunk: int, offline: bool, reserved: bool, room: bool) -> None:
+        try:
+            self._take_fetch_lock(chunk)
+            try:
+                if self._present[chunk] or self._check(chunk):
+                    self._fetched(chunk, None)
+                    return
+                if offline:
+                    begin, end = self._range(chunk)
+                    if reserved:  # its blocks were taken for a fetch that will not be
+                        with contextlib.suppress(OSError):
+                            punch_hole(self.fd, begin, end - begin)
+                    raise RemoteError(f"{self.version.url}: bytes [{begin}, {end}) are not cached (--offline)")
+                self._get(chunk, reserved=reserved, room=room)
+            except BaseException:
+                with self._lock:
+                    self._fetching.discard(chunk)
+                    with contextlib.suppress(OSError):
+                        lock_byte(self.fd, fcntl.F_UNLCK, fetch_byte(chunk))
+                raise
+        finally:
+            with self._lock:
+                self._inflight.pop(chunk, None)
+            self.cache.room_freed()
+
+    def _take_fetch_lock(self, chunk: int) -> None:
+        """Be the one process that fetches `chunk` (another that is at it is waited for: it records
+        the chunk when done, or dies and lets go)."""
+        deadline = time.monotonic() + max(60.0, 4 * SAVE_AT_LEAST_EVERY)
+        while not lock_byte(self.fd, fcntl.F_WRLCK, fetch_byte(chunk)):
+            if time.monotonic() > deadline:
+                raise RemoteError(
+                    f"{self.version.url}: chunk {chunk} is being fetched by another process that never ends"
+                )
+            time.sleep(_FETCH_WAIT)
+        with self._lock:
+            self._fetching.add(chunk)
+
+    def _check(self, chunk: int) -> bool:
+        """Whether a chunk recorded (by any process, any time) is present here: its bytes on disk
+        still sum to what they did when they came. A chunk that does not is a miss, never data:
+        its record is dropped and it is fetched again."""
+        if not lock_byte(self.fd, fcntl.F_RDLCK, presence_byte(chunk)):
+            return False  # being evicted just now
+        try:
+            digest = self.cache.recorded(self.id, chunk)
+            if digest is None:
+                return False
+            begin, end = self._range(chunk)
+            actual = _Summing(self.strong)
+            buffer = bytearray(min(_CHECK_PIECE, end - begin))
+            for start in range(begin, end, _CHECK_PIECE):
+                piece = memoryview(buffer)[: min(_CHECK_PIECE, end - start)]
+                self.readinto(start, piece)
+                actual.update(piece)
+        finally:
+            with self._lock:
+                if not self._pins.get(chunk):
+                    lock_byte(self.fd, fcntl.F_UNLCK, presence_byte(chunk))
+        found = actual.sums()
+        if digest.agrees(found):
+            if found.sha256 is not None and digest.sha256 is None:  # summed for a manifest now: kept
+                self.cache.strengthen(self.id, chunk, found)
+            self._digests[chunk] = ChunkSum(digest.crc32, digest.sha256 or found.sha256)
+            COUNTERS.add(chunks_checked=1)
+            return True
+        COUNTERS.add(bad_chunks=1)
+        log.warning(
+            "%s: chunk %d in the cache file %s does not hold the bytes it was recorded with (changed on disk): "
+            "fetched again",
+            printable(self.version.url),
+            chunk,
+            self.path,
+        )
+        self._digests[chunk] = digest  # what the object's bytes are: the fetch again must give them
+        self.cache.forget_chunk(self.id, chunk)
+        return False
+
+    def _get(self, chunk: int, *, reserved: bool, room: bool) -> None:
+        """GET the chunk into its range of the file (nothing outside it), and check what came."""
+        begin, end = self._range(chunk)
+        if not reserved:
+            self.cache.reserve(self, chunk, end - begin, wait=room)
+        summing = _Summing(self.strong)
+
+        def write(offset: int, piece: bytes) -> None:
+            summing.update(piece)
+            view = memoryview(piece)
+            while view:
+                written = os.pwrite(self.fd, view, offset)
+                view, offset = view[written:], offset + written
+
+        try:
+            COUNTERS.add(gets=1)
+            read_range(self.version, begin, end, write)
+            expected = self._digests.get(chunk) or self.cache.sums_of(self.id, chunk)
+            digest = summing.sums()
+            if expected is not None and not expected.agrees(digest):
+                COUNTERS.add(changed_chunks=1)
+                raise BadChunk(
+                    f"{self.version.url}: bytes [{begin}, {end}) are not those the same version (ETag "
+                    f"{printable(self.version.etag) or 'none'}) gave before: the store serves other bytes under it"
+                )
+        except BaseException as exc:
+            COUNTERS.add(fetch_failures=1)
+            with contextlib.suppress(OSError):
+                punch_hole(self.fd, begin, end - begin)  # nothing half-written stays, nor its blocks
+            if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CacheFull(f"{self.version.url}: the cache disk is full ({self.cache.directory})") from None
+                raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
+            raise
+        COUNTERS.add(fetched_bytes=end - begin)
+        self._fetched(chunk, digest)
+
+    def _fetched(self, chunk: int, digest: ChunkSum | None) -> None:
+        """The chunk is present here; a new one (its digest given) is recorded at the next save."""
+        with self._lock:
+            self._present[chunk] = 1
+            if digest is not None:
+                self._digests[chunk] = digest
+        if digest is not None:
+            self.cache.record(self, chunk, self.chunk_bytes(chunk), digest)
+        else:
+            self.recorded([chunk])
+
+    def recorded(self, chunks: Iterable[int]) -> None:
+        """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""
+        with self._lock:
+            for chunk in chunks:
+                if chunk in self._fetching:
+                    self._fetching.discard(chunk)
+                    with contextlib.suppress(OSError):
+                        lock_byte(self.fd, fcntl.F_UNLCK, fetch_byte(chunk))
+
+    def allocate(self, offset: int, nbytes: int) -> None:
+        """Take the blocks of [offset, offset + nbytes) now (CacheFull when the disk has none)."""
+        try:
+            fallocate(self.fd, 0, offset, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CacheFull(f"{self.version.url}: the cache disk is full ({self.cache.directory})") from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
+
+    def chunk_bytes(self, chunk: int) -> int:
+        return min(self.chunk_size, self.version.size - chunk * self.chunk_size)
+
+    def _range(self, chunk: int) -> tuple[int, int]:
+        begin = chunk * self.chunk_size
+        return begin, min(self.version.size, begin + self.chunk_size)
+
+    def readinto(self, offset: int, buffer: memoryview) -> None:
+        done, size = 0, len(buffer)
+        while done < size:
+            count = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise ObjectChanged(f"{self.version.url}: its cache file is shorter than the object")
+            done += count
+
+    def close(self) -> None:
+        self.cache.save(wait=True)  # what was fetched is recorded while the file is open to flush
+        if not self.cache.let_go(self):
+            return
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            if self._mapping is not None:
+                self._mapping.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)  # and with it every lock of this process on the file
+        self.fd = -1
+
+
+def open_held(path: Path, size: int) -> int:
+    """Open (or make, sized `size`: sparse) a cache file and hold it (a shared lock on byte 0, while
+    mapped: nobody removes it).
+
+    A file removed by `cache prune` while we waited for the lock is left for a new one. RemoteError,
+    with nothing left behind, when the file cannot be made (a file system that cannot hold the size).
+    """
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            made = True
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as exc:
+                raise RemoteError(f"cannot use the cache file {path}: {exc.strerror}") from None
+            made = False
+        except OSError as exc:
+            raise RemoteError(f"cannot make the cache file {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise RemoteError(f"the cache file {path} is not this user's alone: remove it")
+            lock_byte(fd, fcntl.F_RDLCK, IN_USE, wait=True)
+            if os.stat(path, follow_symlinks=False).st_ino != st.st_ino:
+                os.close(fd)
+                continue
+            if st.st_size != size:
+                os.ftruncate(fd, size)  # sparse: nothing is allocated yet
+            return fd
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        except OSError as exc:
+            os.close(fd)
+            if made:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise RemoteError(
+                f"cannot make a cache file of {human_size(size)} in {path.parent}: {exc.strerror}"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
