@@ -59,6 +59,25 @@ class InvalidModelError(TensorfsError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
+class TensorNotFound(TensorfsError, KeyError):
+    """A tensor was asked for by a name the model does not hold: a KeyError too, as a dict's would be."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class IntegrityError(TensorfsError):
+    """A tensor's bytes do not hash to what its manifest says."""
+
+    def __init__(self, message: str, tensor: str | None = None, expected: str | None = None, actual: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+        self.expected = expected
+        """The manifest's SHA-256 (hex)."""
+        self.actual = actual
+        """The SHA-256 the bytes have (hex)."""
+
+
 class MountError(TensorfsError):
     """A mount or unmount could not be done (bad mountpoint, FUSE unavailable, daemon failed)."""
 

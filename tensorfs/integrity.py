@@ -11,12 +11,15 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import ShardChangedError, TensorfsError, printable
+from .errors import IntegrityError, ShardChangedError, printable
 from .formats import BEGIN, END, NAME, Entry
 from .hashcache import HashCache
-from .model import Model
 from .sources.shard import Identity, ShardKey
+
+if TYPE_CHECKING:
+    from .model import Model
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +28,6 @@ HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _SAVE_EVERY = 5.0  # seconds between commits of new hashes while a model is hashed
 CACHE_MIN_BYTES = 256 << 10
 """Smaller tensors are hashed again rather than cached: storing a row costs a good part of hashing them."""
-
-
-class TensorCorrupt(TensorfsError):
-    """A tensor's bytes do not hash to what its manifest says."""
 
 
 # -- hashing a model ------------------------------------------------------------------------
@@ -199,13 +198,73 @@ class Hasher:
 
 @dataclass
 class Integrity:
-    """What a mount knows of its tensors' hashes: the hasher, the manifest's values, what is verified."""
+    """What a mount (or an open model) knows of its tensors' hashes: the hasher, the manifest's
+    values, what is verified."""
 
     hasher: Hasher
     expected: Mapping[str, str] | None = None
     """The manifest: tensor -> hex SHA-256. With one, no tensor is served before it matches."""
     verified: set[str] = field(default_factory=set)
+    label: str = "the manifest"
+    """How messages name the manifest (where it was read from)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _hashing: dict[str, threading.Event] = field(default_factory=dict, repr=False)
 
     def digest(self, name: str) -> str:
         """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread)."""
         return self.hasher.cached([name]).get(name) or self.hasher.hash_one(name)
+
+    def check(self, name: str) -> None:
+        """Verify one tensor against the manifest, once (blocking: its bytes are hashed unless the hash
+        cache knows them; a tensor another thread is verifying is waited for). IntegrityError naming
+        the tensor, the expected and the actual hash when it does not match."""
+        if self.expected is None:
+            return
+        while name not in self.verified:
+            with self._lock:
+                if name in self.verified:
+                    return
+                running = self._hashing.get(name)
+                if running is None:
+                    running = self._hashing[name] = threading.Event()
+                    mine = True
+                else:
+                    mine = False
+            if not mine:
+                running.wait()
+                continue  # verified by the other thread, or it failed: then try ourselves
+            try:
+                self._compare({name: self.digest(name)})
+            finally:
+                with self._lock:
+                    del self._hashing[name]
+                running.set()
+
+    def check_many(self, names: Iterable[str], progress: Callable[[int], None] | None = None) -> None:
+        """Verify these tensors (those not yet verified), hashing on HASH_WORKERS threads; IntegrityError
+        for the first in name order that does not match (every matching one is verified still)."""
+        if self.expected is None:
+            return
+        todo = [name for name in names if name not in self.verified]
+        if todo:
+            self._compare(self.hasher.hash_all(todo, progress))
+
+    def _compare(self, actual: Mapping[str, str]) -> None:
+        assert self.expected is not None
+        bad = []
+        for name, digest in actual.items():
+            if digest == self.expected[name]:
+                self.verified.add(name)
+            else:
+                bad.append(name)
+        if bad:
+            name = min(bad)
+            shard = self.hasher.model.locate(name)[0]
+            expected = self.expected[name]
+            raise IntegrityError(
+                f"{printable(str(shard))}: tensor '{printable(name)}': its bytes hash to {actual[name]}, not to "
+                f"{expected} as {printable(self.label)} says",
+                name,
+                expected,
+                actual[name],
+            )

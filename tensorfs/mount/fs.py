@@ -27,8 +27,8 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from ..errors import ShardChangedError, TensorfsError, printable
-from ..integrity import Integrity, TensorCorrupt
+from ..errors import IntegrityError, ShardChangedError, TensorfsError, printable
+from ..integrity import Integrity
 from ..names import STATS_NAME
 from ..sources.shard import ShardData, ShardKey
 from ..views import Companion, Piece, SynthesizedFile
@@ -56,7 +56,7 @@ def stats_json(stats: Stats) -> bytes:
 
 
 # Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
-_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, TensorCorrupt: errno.EIO, Refused: errno.EIO}
+_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, IntegrityError: errno.EIO, Refused: errno.EIO}
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -5,7 +5,7 @@ manifest). The request handlers (fs.py) ask it before they answer:
 - check(shard, tensor): Refused (EIO) when the shard was changed in place and no manifest can
   tell its bytes right;
 - verify(tensor): with a manifest, no byte of a tensor is served before its hash matches
-  (TensorCorrupt, or Refused, when it does not);
+  (IntegrityError, or Refused, when it does not);
 - sidecar_digest(tensor) and sha256sums(): what those files say.
 
 Every change the watch reports is applied before any of these answers (see notice_changes);
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import pyfuse3
 import trio
 
-from ..errors import ShardChangedError, TensorfsError, printable
+from ..errors import IntegrityError, ShardChangedError, TensorfsError, printable
 from ..formats import NAME
-from ..integrity import HASH_WORKERS, Integrity, TensorCorrupt
+from ..integrity import HASH_WORKERS, Integrity
 from ..sources.shard import ShardKey
 from ..units import plural
 from .stats import Stats
@@ -295,7 +295,7 @@ class Verifier:
                     expected[name],
                     extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
                 )
-        raise TensorCorrupt(f"tensor {name!r} does not match the manifest")
+        raise IntegrityError(f"tensor {name!r} does not match the manifest")
 
 
 @dataclass(eq=False)
