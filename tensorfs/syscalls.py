@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import struct
 
@@ -29,6 +30,11 @@ libc.mincore.restype = ctypes.c_int
 libc.inotify_init1.argtypes = (ctypes.c_int,)
 libc.inotify_add_watch.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
 libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+libc.mmap.restype = ctypes.c_void_p
+libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
 
@@ -64,3 +70,17 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """Free the blocks of [offset, offset + length) of a file, keeping its size (it reads as zeros there)."""
     fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+
+
+def map_private(fd: int, size: int) -> int:
+    """mmap(2) of the first `size` bytes of `fd`, private and writable (copy on write: no write reaches
+    the file); its address. Unlike Python's mmap, no duplicate of the descriptor is kept."""
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(address)
+
+
+def unmap(address: int, size: int) -> None:
+    libc.munmap(address, size)

@@ -321,8 +321,12 @@ class LocalShard(ShardData):
     def describe(self) -> LocalDescription:
         return LocalDescription(self.key, self.label, Identity.of(self._validated))
 
+    def mapped_file(self) -> tuple[int, int]:
+        return self._fd, self._validated.st_size
+
     def close(self) -> None:
+        self.close_private(lambda: None)  # a file's mapping needs nothing kept open: it goes with its last view
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self.view.release()
-        self._mapping.close()
+        self._mapping.close()  # BufferError while a view of it is alive: it goes with the last one

@@ -214,8 +214,11 @@ class RemoteShard(ShardData):
     def describe(self) -> RemoteDescription:
         return RemoteDescription(self.cached.version, self.options)
 
+    def mapped_file(self) -> tuple[int, int]:
+        return self.cached.fd, self.cached.version.size
+
     def close(self) -> None:
-        self.cached.close()
+        self.close_private(self.cached.close)
 
 
 def fetch_plan(model: Model, *, whole: bool) -> dict[RemoteShard, list[int]]:

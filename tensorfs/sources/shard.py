@@ -7,13 +7,20 @@ of it present on a worker thread: nothing above this package knows where bytes c
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ShardChangedError
+from ..syscalls import map_private, unmap
+from .pages import Pages
 
 ShardKey = Path | str
 """What names a shard in a model: a file's path, or an object's URL."""
@@ -49,6 +56,41 @@ class Identity(NamedTuple):
     def settled(self) -> bool:
         """Whether what was read of these bytes may be remembered by this identity (see settled())."""
         return settled(max(self.mtime_ns, self.ctime_ns))
+
+
+_private_made = threading.Lock()
+
+
+class PrivateMapping:
+    """A private copy-on-write mapping of a whole file (MAP_PRIVATE): pages written are the writer's
+    own copies; the file and every other mapping of it never see them. It keeps no descriptor, and
+    is unmapped when the last array or tensor on it goes."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._after: list[Callable[[], None]] = []  # what closing left to do once it is unmapped
+        if not size:
+            self.view = memoryview(bytearray())
+        else:
+            address = map_private(fd, size)
+            memory = (ctypes.c_char * size).from_address(address)
+            weakref.finalize(memory, _unmapped, address, size, self._after)
+            self.view = memoryview(memory).cast("B")
+        self.pages = Pages(self.view)
+
+    def close(self, then: Callable[[], None]) -> None:
+        """Let go of it, then call `then`: now, or when the last view of it goes."""
+        if not len(self.view):
+            then()
+            return
+        self._after.append(then)
+        self.view.release()  # views made of it keep the memory; when none is left, it is unmapped
+
+
+def _unmapped(address: int, size: int, after: list[Callable[[], None]]) -> None:
+    unmap(address, size)
+    for close in after:
+        with contextlib.suppress(BufferError):  # a view of the shared mapping still alive keeps that one
+            close()
 
 
 def settled(changed_ns: int) -> bool:
@@ -106,6 +148,39 @@ class ShardData(ABC):
             if self.pin(start, end):
                 return
         raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) {EVICTED_AGAIN}")
+
+    # -- the private mapping: what the in-process API's arrays and tensors are made on ----------
+    _private: PrivateMapping | None = None
+
+    @abstractmethod
+    def mapped_file(self) -> tuple[int, int]:
+        """(descriptor, size) of the file the shard is mapped from (the shard's, or its cache file)."""
+
+    def private_view(self) -> memoryview:
+        """The whole shard on a private copy-on-write mapping of its file, made once: writable, and no
+        write ever reaches the file. Where needs_ensure, a range must be ensured (and pinned) before
+        anything looks at its bytes."""
+        if self._private is None:
+            with _private_made:
+                if self._private is None:
+                    self._private = PrivateMapping(*self.mapped_file())
+        return self._private.view
+
+    def ensure_private(self, start: int, end: int) -> bool:
+        """ensure() [start, end), and map its pages in the private mapping too (no fault when touched)."""
+        self.private_view()
+        assert self._private is not None
+        if self.needs_ensure and not self.ensure(start, end, ahead=True):
+            return False
+        return self._private.pages.populate(start, end)
+
+    def close_private(self, then: Callable[[], None]) -> None:
+        """Let go of the private mapping, then call `then` (the rest of closing); while an array or a
+        tensor on it is alive, both wait until the last one goes (a cache file's chunks must stay)."""
+        if self._private is None:
+            then()
+        else:
+            self._private.close(then)
 
     @abstractmethod
     def readinto(self, offset: int, buffer: memoryview) -> None:
