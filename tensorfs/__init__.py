@@ -1,26 +1,44 @@
-"""tensorfs: serve the tensors of a safetensors model as files, or as zero-copy numpy views."""
+"""tensorfs: serve the tensors of a safetensors model as files, or in-process as zero-copy numpy
+arrays and torch tensors (a drop-in for safetensors.safe_open)."""
 
-from .errors import InvalidModelError, ModelClosedError, MountError, Problem, TensorfsError
+from .errors import (
+    IntegrityError,
+    InvalidModelError,
+    ModelClosedError,
+    MountError,
+    Problem,
+    TensorfsError,
+    TensorNotFound,
+)
 from .formats import ShardHeader, TensorInfo
-from .model import Model, open_model
+from .loader import SafeOpen, TensorSlice, load_file, open_model, safe_open
+from .model import Model
 from .mounted import memmap
+from .prefetch import Prefetch
 from .selection import Selection
 from .sources.store import RemoteOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "IntegrityError",
     "InvalidModelError",
     "Model",
     "ModelClosedError",
     "MountError",
+    "Prefetch",
     "Problem",
     "RemoteOptions",
+    "SafeOpen",
     "Selection",
     "ShardHeader",
     "TensorInfo",
+    "TensorNotFound",
+    "TensorSlice",
     "TensorfsError",
     "__version__",
+    "load_file",
     "memmap",
     "open_model",
+    "safe_open",
 ]

@@ -10,7 +10,8 @@ import dataclasses
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -20,11 +21,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from .errors import InvalidModelError, ModelClosedError, Problem
+from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError, TensorNotFound
 from .formats import NAME, Entry, ShardHeader, TensorInfo
+from .frameworks import check_device, framework_of, make_tensor
 from .gcpause import gc_paused
 from .headercache import HeaderCache
 from .names import Layout, collisions, name_problems
+from .prefetch import DEFAULT_AHEAD, DEFAULT_AHEAD_BYTES, Prefetch, Window, aiterate, iterate
 from .selection import Selection, layer_of
 from .sources.chunkcache import default_cache_dir
 from .sources.index import INDEX_NAME
@@ -36,10 +39,13 @@ from .sources.store import CREDENTIALS_HINT, RemoteError, RemoteOptions, is_remo
 if TYPE_CHECKING:
     import numpy as np
 
+    from .integrity import Integrity
+
 __all__ = ["INDEX_NAME", "Model", "ModelSnapshot", "open_model", "reopen", "snapshot"]
 
 _begin = itemgetter(0)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
+_BRINGERS = 4  # threads bringing tensors in ahead of use: reads and fetches wait, hashing takes the cores
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,10 @@ class Model:
             shard_name(s.header.path): dict(s.header.metadata or {}) for s in shards
         }
         """Each shard's `__metadata__` (empty when it has none), keyed by the shard's file name."""
+        self.integrity: Integrity | None = parent.integrity if parent is not None else None
+        """With a manifest (open_model's verify=): no view of a tensor is handed out before it matches."""
+        self._pool: ThreadPoolExecutor | None = None  # the threads that bring tensors in (made when asked)
+        self._pool_made = threading.Lock()
 
     # -- the set of tensors --------------------------------------------------------------
     @cached_property
@@ -131,8 +141,14 @@ class Model:
 
     def entry(self, name: str) -> tuple[ShardKey, int, Entry]:
         """(shard, where its data starts, the header's entry): the raw form, for code that does 100k."""
-        shard = self._owner[name]
+        shard = self._shard_of(name)
         return shard.header.path, shard.header.data_start, shard.by_name[name]
+
+    def _shard_of(self, name: str) -> _Shard:
+        try:
+            return self._owner[name]
+        except KeyError:
+            raise TensorNotFound(str(Problem(str(self.source), "not in the model", name))) from None
 
     def locate(self, name: str) -> tuple[ShardKey, int, int]:
         """(shard, absolute offset, nbytes) of a tensor: cheaper than info() where that is all."""
@@ -152,8 +168,8 @@ class Model:
         return groups
 
     def info(self, name: str) -> TensorInfo:
-        """Where tensor `name` lives and what it is; KeyError when there is no such tensor."""
-        shard = self._owner[name]
+        """Where tensor `name` lives and what it is; TensorNotFound (a KeyError) when there is no such tensor."""
+        shard = self._shard_of(name)
         return shard.header.info(shard.by_name[name])
 
     # -- the data ------------------------------------------------------------------------
@@ -183,10 +199,11 @@ class Model:
         """The tensor's bytes: a read-only view on the shard's mapping, no copy.
 
         For a remote model the tensor's chunks are fetched first (TensorfsError if they cannot be),
-        and kept in the cache while the model is open.
+        and kept in the cache while the model is open. Verified first when the model is.
         """
         self._check_open()
-        shard = self._owner[name]
+        shard = self._shard_of(name)
+        self._verify(name)
         begin, end, _, _, _ = shard.by_name[name]
         start = shard.header.data_start
         if shard.data.needs_ensure:  # fetched, and held until the model is closed: never evicted under a view
@@ -201,11 +218,112 @@ class Model:
         import numpy as np  # here: only the array views need numpy
 
         self._check_open()
-        shard = self._owner[name]
+        shard = self._shard_of(name)
         _, _, _, dtype, shape = shard.by_name[name]
         if dtype.numpy is None:
             return np.frombuffer(self.raw(name), dtype=np.uint8)
         return np.frombuffer(self.raw(name), dtype=dtype.numpy).reshape(shape)
+
+    def tensor(self, name: str, framework: str = "np", device: Any = "cpu") -> Any:
+        """The tensor as a numpy array (`framework` "np") or a torch tensor ("pt"), no copy: on a private
+        copy-on-write mapping of its shard, so it is writable and no write ever reaches the file (the
+        model's tensors share that mapping: a write shows in every view of those bytes). `device`
+        other than "cpu" copies a torch tensor there.
+
+        Verified first when the model is; a remote tensor's chunks are fetched, and kept in the cache
+        while the model is open (and after, while the tensor is alive).
+        """
+        kind = framework_of(framework)
+        check_device(kind, device)
+        self._check_open()
+        shard = self._shard_of(name)
+        self._verify(name)
+        begin, end, _, dtype, shape = shard.by_name[name]
+        start = shard.header.data_start
+        if shard.data.needs_ensure:
+            shard.data.ensure_pinned(start + begin, start + end)
+        return make_tensor(shard.data.private_view()[start + begin : start + end], dtype, shape, kind, device)
+
+    # -- ahead of use ----------------------------------------------------------------------
+    def prefetch(self, names: Iterable[str] | None = None) -> Prefetch:
+        """Bring the tensors `names` (all by default) in on worker threads, in that order: their pages
+        read (a local model) or their chunks fetched (a remote one), and verified when the model is.
+        Returns at once: the handle says done(), wait(timeout), cancel(), bytes_done of bytes_total."""
+        self._check_open()
+        return Prefetch(self, self._known(names), self._workers())
+
+    def tensors(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        framework: str = "np",
+        device: Any = "cpu",
+        ahead: int = DEFAULT_AHEAD,
+        ahead_bytes: int = DEFAULT_AHEAD_BYTES,
+    ) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) for each of `names` (sorted names by default) in order, as tensor() gives them,
+        while the next ones are brought in and verified in the background: at most `ahead` tensors
+        and `ahead_bytes` bytes ahead of the one handed out. Leaving the loop stops the work ahead."""
+        return iterate(self._window(names, framework, device, ahead, ahead_bytes))
+
+    def atensors(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        framework: str = "np",
+        device: Any = "cpu",
+        ahead: int = DEFAULT_AHEAD,
+        ahead_bytes: int = DEFAULT_AHEAD_BYTES,
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """tensors(), as an async iterator (asyncio or trio): waiting for a tensor never blocks the loop."""
+        return aiterate(self._window(names, framework, device, ahead, ahead_bytes))
+
+    def _window(self, names: Iterable[str] | None, framework: str, device: Any, ahead: int, ahead_bytes: int) -> Window:
+        kind = framework_of(framework)
+        check_device(kind, device)
+        self._check_open()
+        return Window(
+            self, self._known(names), self._workers(), lambda name: self.tensor(name, kind, device), ahead, ahead_bytes
+        )
+
+    def _known(self, names: Iterable[str] | None) -> Sequence[str]:
+        """`names` as a list (every tensor, sorted, for None); TensorNotFound for one not in the model."""
+        if names is None:
+            return self.sorted_names
+        chosen = list(names)
+        for name in chosen:
+            self._shard_of(name)
+        return chosen
+
+    def _bring_in(self, names: list[str]) -> None:
+        """Map the pages of these neighbouring tensors (fetching a remote shard's chunks), then verify
+        each when the model is verified (blocking: a worker thread)."""
+        self._check_open()
+        shard = self._shard_of(names[0])
+        start = shard.header.data_start
+        first, last = shard.by_name[names[0]], shard.by_name[names[-1]]
+        if not shard.data.ensure_private(start + first[0], start + last[1]):
+            raise ShardChangedError(f"{shard.label}: bytes [{start + first[0]}, {start + last[1]}) cannot be read")
+        for name in names:
+            self._verify(name)
+
+    def _verify(self, name: str) -> None:
+        if self.integrity is not None:
+            self.integrity.check(name)
+
+    def _workers(self) -> ThreadPoolExecutor:
+        root = self._root
+        with root._pool_made:
+            if root._pool is None:
+                root._pool = ThreadPoolExecutor(_BRINGERS, thread_name_prefix="tensorfs-ahead")
+            return root._pool
+
+    @property
+    def _root(self) -> Model:
+        model = self
+        while model._parent is not None:
+            model = model._parent
+        return model
 
     def write_safetensors(self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> None:
         """Write the model's tensors (this selection's) as one safetensors file at `path`.
@@ -217,6 +335,8 @@ class Model:
         from .views.export import write_safetensors  # views build on the model
 
         self._check_open()
+        if self.integrity is not None:
+            self.integrity.check_many(self.sorted_names)
         write_safetensors(self, Path(path), progress)
 
     # -- lifetime ------------------------------------------------------------------------
@@ -235,6 +355,11 @@ class Model:
         self._closed = True
         if self._parent is not None:
             return  # the mappings are the parent's
+        if self._pool is not None:  # what is on its way stops first: nothing touches a closed mapping
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.integrity is not None:
+            self.integrity.hasher.save()
+            self.integrity.hasher.cache.close()
         for shard in self._shards.values():
             # A view handed out may still be alive: then the mapping goes when it does.
             with contextlib.suppress(BufferError):

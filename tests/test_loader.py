@@ -1,0 +1,461 @@
+"""The in-process loader: tensorfs.safe_open and load_file against the reference (safetensors), torch
+tensors over the shards' bytes, verification in-process, prefetching, and nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorfs
+from conftest import wait_until
+from helpers import (
+    MIB,
+    REFERENCE_WRITER_DTYPES,
+    every_dtype_tensors,
+    random_bytes,
+    sharded_every_dtype,
+    upload,
+    write_reference,
+)
+from servers import Nginx, SeaweedFS
+from tensorfs.manifest import DEFAULT_MANIFEST, format_manifest
+
+
+def as_bytes(tensor: Any) -> bytes:
+    """A tensor's raw bytes, whatever it is."""
+    if isinstance(tensor, torch.Tensor):
+        if tensor.element_size() == 1:  # as bytes before any copy: a copy makes a bool's byte 0 or 1
+            tensor = tensor.view(torch.uint8)
+        flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.reshape(-1))  # stride 1, whatever it was
+        return bytes(flat.view(torch.uint8).numpy().tobytes())
+    return bytes(np.ascontiguousarray(tensor).tobytes())
+
+
+def same_tensor(ours: Any, theirs: Any) -> None:
+    assert type(ours) is type(theirs)
+    assert ours.dtype == theirs.dtype
+    assert tuple(ours.shape) == tuple(theirs.shape)
+    assert as_bytes(ours) == as_bytes(theirs)
+
+
+SLICES: list[Callable[[int], Any]] = [
+    lambda ndim: slice(None),
+    lambda ndim: 0,
+    lambda ndim: slice(1, None),
+    lambda ndim: (Ellipsis, slice(None, 1)),
+    lambda ndim: (slice(None), slice(None, None, 2)),
+    lambda ndim: (slice(0, 1), Ellipsis),
+]
+
+
+def in_byte_order(names: list[str], opened: tensorfs.SafeOpen) -> list[str]:
+    """`names` by shard and offset; empty tensors at one offset by name (the reference's order of
+    those follows its hash map, not the file)."""
+    shards = opened.model.shards
+    return sorted(names, key=lambda n: (shards.index(opened.model.locate(n)[0]), opened.model.locate(n)[1:], n))
+
+
+def compare_with_reference(path: Path, framework: str, **options: Any) -> None:
+    """Everything safe_open shows of `path`, ours against the reference's."""
+    with tensorfs.safe_open(path, framework, **options) as ours, safetensors.safe_open(str(path), framework) as theirs:
+        assert ours.keys() == theirs.keys()
+        assert ours.offset_keys() == in_byte_order(theirs.offset_keys(), ours)
+        assert ours.metadata() == theirs.metadata()
+        for name in theirs.offset_keys():
+            reference = theirs.get_slice(name)
+            mine = ours.get_slice(name)
+            assert mine.get_dtype() == reference.get_dtype()
+            assert mine.get_shape() == reference.get_shape()
+            try:
+                whole = theirs.get_tensor(name)
+            except Exception:
+                continue
+            same_tensor(ours.get_tensor(name), whole)
+            if reference.get_dtype() == "F4":
+                continue  # the reference slices F4 by its values, but gives tensors of two values an element
+            shape = reference.get_shape()
+            for make in SLICES:
+                key = make(len(shape))
+                try:
+                    expected = reference[key]
+                except Exception:
+                    continue
+                got = mine[key]
+                if framework == "pt":
+                    same_tensor(got, expected)
+                else:
+                    assert np.asarray(got).dtype == np.asarray(expected).dtype
+                    assert as_bytes(got) == as_bytes(expected)
+
+
+names = st.text(st.sampled_from("abcxyz019._/é名"), min_size=1, max_size=12).filter(
+    lambda n: not n.startswith(("/", ".")) and "//" not in n and not n.endswith("/") and "/." not in n
+)
+dtypes = st.sampled_from(sorted(REFERENCE_WRITER_DTYPES))
+shapes = st.lists(st.integers(0, 4), max_size=3)
+
+
+@st.composite
+def models(draw: st.DrawFn) -> tuple[dict[str, tuple[str, list[int], bytes]], dict[str, str] | None]:
+    from tensorfs.dtypes import DTYPES
+
+    chosen = draw(st.dictionaries(names, st.tuples(dtypes, shapes), min_size=1, max_size=6))
+    tensors = {}
+    for i, (name, (dtype, shape)) in enumerate(sorted(chosen.items())):
+        if dtype == "F4":  # two values a byte: the writer wants an even last dimension
+            shape = [*shape[:-1], 2 * shape[-1]] if shape else [2]
+        count = int(np.prod(shape)) if shape else 1
+        data = random_bytes(count * DTYPES[dtype].bits // 8, i)
+        if dtype == "BOOL":  # 0 or 1, as a bool is: numpy makes any other byte 1 in a scalar
+            data = bytes(byte & 1 for byte in data)
+        tensors[name] = (dtype, shape, data)
+    metadata = draw(st.none() | st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2))
+    return tensors, metadata
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(models())
+def test_safe_open_is_the_reference_on_generated_files(tmp_path: Path, model: Any) -> None:
+    tensors, metadata = model
+    path = tmp_path / "m.safetensors"
+    write_reference(path, tensors, metadata)
+    names_ok = True
+    try:
+        tensorfs.open_model(path, cache=False).close()
+    except tensorfs.InvalidModelError:
+        names_ok = False  # a name tensorfs refuses (it must stay a path in a mount): covered elsewhere
+    if names_ok:
+        for framework in ("pt", "np"):
+            compare_with_reference(path, framework, cache=False)
+
+
+def test_safe_open_is_the_reference_for_every_dtype_and_on_shards(tmp_path: Path) -> None:
+    one = tmp_path / "one.safetensors"
+    write_reference(one, every_dtype_tensors(seed=7), {"format": "pt", "ünï": "cødé"})
+    for framework in ("pt", "torch", "np", "numpy"):
+        compare_with_reference(one, {"torch": "pt", "numpy": "np"}.get(framework, framework))
+    directory = tmp_path / "sharded"
+    expected = sharded_every_dtype(directory)
+    shards = sorted(directory.glob("*.safetensors"))
+    with tensorfs.safe_open(directory, "pt") as ours:
+        in_file_order = in_byte_order(
+            [name for shard in shards for name in safetensors.safe_open(str(shard), "pt").offset_keys()], ours
+        )
+        assert ours.keys() == sorted(expected)
+        assert ours.offset_keys() == in_file_order
+        assert ours.metadata() is None  # the shards' __metadata__ differ: none is common
+        for shard in shards:
+            with safetensors.safe_open(str(shard), "pt") as theirs:
+                for name in theirs.offset_keys():
+                    same_tensor(ours.get_tensor(name), theirs.get_tensor(name))
+    loaded = tensorfs.load_file(directory / "model.safetensors.index.json")
+    assert list(loaded) == in_file_order
+    assert {name: as_bytes(tensor) for name, tensor in loaded.items()} == expected
+
+
+def test_beyond_the_reference(tmp_path: Path) -> None:
+    """numpy gets ml_dtypes where the reference raises (fp8), and F4 as its raw bytes."""
+    import ml_dtypes
+
+    path = tmp_path / "m.safetensors"
+    tensors = every_dtype_tensors(seed=3)
+    write_reference(path, tensors)
+    with tensorfs.safe_open(path, "np") as ours:
+        for name, dtype in (("t.f8_e4m3", ml_dtypes.float8_e4m3fn), ("t.f8_e8m0", ml_dtypes.float8_e8m0fnu)):
+            with pytest.raises(AttributeError):  # numpy has no such dtype of its own
+                safetensors.safe_open(str(path), "np").get_tensor(name)
+            array = ours.get_tensor(name)
+            assert array.dtype == dtype and array.shape == (3, 4) and as_bytes(array) == tensors[name][2]
+        f4 = ours.get_tensor("t.f4")
+        assert f4.dtype == np.uint8 and as_bytes(f4) == tensors["t.f4"][2]
+
+
+def private_mappings_of(path: Path) -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of this process's mappings of `path`."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, end, fields[1]))
+    return found
+
+
+def test_torch_tensors_are_the_files_bytes_and_writing_them_never_writes_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    data = random_bytes(4 * MIB, 1)
+    write_reference(path, {"big": ("F32", [MIB], data), "small": ("U8", [3], b"abc")})
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with tensorfs.safe_open(path, "pt") as opened:
+        big = opened.get_tensor("big")
+        address = big.data_ptr()
+        mappings = [m for m in private_mappings_of(path) if m[0] <= address < m[1]]
+        assert mappings and mappings[0][2].endswith("p")  # no copy: on a private mapping of the file itself
+        big[0] = 12345.0  # writable, with no warning (warnings are errors here)
+        small = opened.get_tensor("small")
+        small[:] = 0
+        again = opened.get_tensor("big")
+        assert again[0].item() == 12345.0  # one private mapping per shard, as safetensors' torch storage
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert big[0].item() == 12345.0 and as_bytes(big[1:]) == data[4:]  # alive after the model closed
+    with tensorfs.safe_open(path, "pt") as opened:
+        assert as_bytes(opened.get_tensor("big")) == data  # a new open sees the file's bytes
+
+
+def test_load_file_is_a_state_dict_transformers_loads(tmp_path: Path) -> None:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37)
+    for name, shard_size in (("one", "1GB"), ("sharded", "40KB")):
+        directory = tmp_path / name
+        BertModel(config).eval().save_pretrained(directory, max_shard_size=shard_size)
+        by_transformers = BertModel.from_pretrained(directory).eval()
+        ours = BertModel(config).eval()
+        source = directory if name == "sharded" else directory / "model.safetensors"
+        if name == "sharded":
+            assert len(list(directory.glob("*.safetensors"))) > 1
+        missing, unexpected = ours.load_state_dict(tensorfs.load_file(source), strict=False)
+        assert not unexpected and not [key for key in missing if "position_ids" not in key]
+        ids = torch.randint(0, 99, (2, 7))
+        with torch.no_grad():
+            assert torch.equal(ours(ids).last_hidden_state, by_transformers(ids).last_hidden_state)
+
+
+# -- verification -----------------------------------------------------------------------------
+
+
+def verified_model(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A model of three tensors and its manifest beside it."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    tensors = {
+        "a": ("U8", [2 * MIB], random_bytes(2 * MIB, 1)),
+        "b": ("F32", [1000], random_bytes(4000, 2)),
+        "c": ("I64", [3], random_bytes(24, 3)),
+    }
+    write_reference(directory / "model.safetensors", tensors)
+    digests = {name: hashlib.sha256(data).hexdigest() for name, (_, _, data) in tensors.items()}
+    (directory / DEFAULT_MANIFEST).write_text(format_manifest(digests))
+    return directory, {name: data for name, (_, _, data) in tensors.items()}
+
+
+def test_verified_tensors_load_and_a_forged_line_fails_that_tensor_alone(tmp_path: Path) -> None:
+    directory, expected = verified_model(tmp_path)
+    assert {k: as_bytes(v) for k, v in tensorfs.load_file(directory, verify=True).items()} == expected
+    with tensorfs.safe_open(directory, "np", verify=True) as opened:
+        assert as_bytes(opened.get_slice("a")[:10]) == expected["a"][:10]
+    manifest = directory / DEFAULT_MANIFEST
+    forged = manifest.read_text().replace(hashlib.sha256(expected["b"]).hexdigest(), "0" * 64)
+    manifest.write_text(forged)
+    assert_refused_alone(directory, "b", expected, verify=True)
+
+
+def test_a_byte_flipped_on_disk_fails_that_tensor_alone(tmp_path: Path) -> None:
+    directory, expected = verified_model(tmp_path)
+    shard = directory / "model.safetensors"
+    with tensorfs.open_model(shard, cache=False) as model:
+        _, offset, nbytes = model.locate("c")
+    content = bytearray(shard.read_bytes())
+    content[offset + nbytes - 1] ^= 1  # the last byte of c
+    shard.write_bytes(bytes(content))
+    assert_refused_alone(directory, "c", expected, verify=directory / DEFAULT_MANIFEST)
+
+
+def assert_refused_alone(directory: Path, bad: str, expected: dict[str, bytes], **options: Any) -> None:
+    with tensorfs.safe_open(directory, "pt", **options) as opened:
+        for _ in range(2):  # refused again, not once
+            with pytest.raises(tensorfs.IntegrityError) as refused:
+                opened.get_tensor(bad)
+        assert refused.value.tensor == bad and refused.value.actual != refused.value.expected
+        assert f"tensor '{bad}'" in str(refused.value) and len(str(refused.value).splitlines()) == 1
+        with pytest.raises(tensorfs.IntegrityError):
+            opened.get_slice(bad)
+        with pytest.raises(tensorfs.IntegrityError):
+            opened.model.array(bad)
+        with pytest.raises(tensorfs.IntegrityError):
+            opened.model.raw(bad)
+        for name in expected:
+            if name != bad:
+                assert as_bytes(opened.get_tensor(name)) == expected[name]
+        with pytest.raises(tensorfs.IntegrityError):
+            opened.model.prefetch().wait()
+        seen = []
+        with pytest.raises(tensorfs.IntegrityError):
+            for name, _ in opened.model.tensors(framework="pt"):
+                seen.append(name)
+        assert seen == [name for name in sorted(expected) if name < bad]
+    with pytest.raises(tensorfs.IntegrityError, match=f"tensor '{bad}'"):
+        tensorfs.load_file(directory, **options)
+
+
+def test_verify_needs_a_manifest_and_reads_one_from_a_url(nginx: Nginx, tmp_path: Path) -> None:
+    directory, expected = verified_model(tmp_path)
+    manifest = (directory / DEFAULT_MANIFEST).read_bytes()
+    (directory / DEFAULT_MANIFEST).unlink()
+    with pytest.raises(tensorfs.TensorfsError, match="needs a manifest"):
+        tensorfs.open_model(directory, verify=True)
+    (nginx.root / "manifests").mkdir()
+    (nginx.root / "manifests" / "m.sha256").write_bytes(manifest)
+    loaded = tensorfs.load_file(directory, framework="np", verify=f"{nginx.url}/manifests/m.sha256")
+    assert {k: as_bytes(v) for k, v in loaded.items()} == expected
+
+
+# -- remote -----------------------------------------------------------------------------------
+
+
+def test_remote_models_load_as_local_ones(
+    nginx: Nginx, seaweedfs: SeaweedFS, bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    directory = tmp_path / "model"
+    expected = sharded_every_dtype(directory)
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}
+    (directory / DEFAULT_MANIFEST).write_text(format_manifest(digests))
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    upload(seaweedfs.store(bucket), "loader", directory)
+    served = nginx.root / "loader"
+    served.mkdir()
+    for path in directory.iterdir():
+        (served / path.name).write_bytes(path.read_bytes())
+    sources = {
+        f"s3://{bucket}/loader": tensorfs.RemoteOptions(
+            cache_dir=tmp_path / "s3-cache", endpoint_url=seaweedfs.endpoint
+        ),
+        f"{nginx.url}/loader/model.safetensors.index.json": tensorfs.RemoteOptions(cache_dir=tmp_path / "http-cache"),
+    }
+    for source, remote in sources.items():
+        loaded = tensorfs.load_file(source, remote=remote, verify=True)
+        assert {name: as_bytes(tensor) for name, tensor in loaded.items()} == expected
+        with tensorfs.safe_open(source, "pt", remote=remote) as opened:
+            for name in opened.offset_keys():
+                assert as_bytes(opened.get_tensor(name)) == expected[name]
+            assert as_bytes(opened.get_slice("layers/1/w")[5:9]) == expected["layers/1/w"][5:9]
+        del loaded, opened
+        gc.collect()
+
+
+# -- prefetching ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def many(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    path = tmp_path / "many.safetensors"
+    tensors = {f"t{i:02d}": ("U8", [64 * 1024 + i], random_bytes(64 * 1024 + i, i)) for i in range(40)}
+    write_reference(path, tensors)
+    return path, {name: data for name, (_, _, data) in tensors.items()}
+
+
+def test_prefetch_brings_everything_in_and_says_so(many: tuple[Path, dict[str, bytes]]) -> None:
+    path, _ = many
+    with tensorfs.open_model(path) as model:
+        handle = model.prefetch()
+        assert handle.wait(timeout=60) and handle.done()
+        assert handle.bytes_done == handle.bytes_total == model.nbytes
+        with pytest.raises(tensorfs.TensorNotFound):
+            model.prefetch(["t01", "nope"])
+
+
+def test_tensors_come_in_order_and_leaving_stops_what_is_ahead(
+    many: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, expected = many
+    with tensorfs.open_model(path) as model:
+        assert [(n, as_bytes(t)) for n, t in model.tensors(ahead=3)] == sorted(expected.items())
+        names = list(reversed(model.names()))
+        assert [n for n, _ in model.tensors(names, framework="pt", ahead=0)] == names
+    release = threading.Event()
+    brought: list[str] = []
+    with tensorfs.open_model(path) as model:
+        bring = model._bring_in
+
+        def held(names: list[str]) -> None:
+            brought.extend(names)
+            if names[0] != "t00":
+                release.wait(30)
+            bring(names)
+
+        monkeypatch.setattr(model, "_bring_in", held)
+        for name, _ in model.tensors(ahead=8):  # 4 threads: t01-t04 are taken and held, t05-t08 queued
+            assert name == "t00"
+            wait_until(lambda: len(brought) >= 5, what="four tensors ahead are being brought in")
+            break
+        release.set()
+    assert sorted(brought) == ["t00", "t01", "t02", "t03", "t04"]  # the queued ones never began
+
+
+def test_atensors_under_asyncio_and_trio(many: tuple[Path, dict[str, bytes]]) -> None:
+    path, expected = many
+
+    async def collect(model: tensorfs.Model) -> list[tuple[str, bytes]]:
+        return [(name, as_bytes(tensor)) async for name, tensor in model.atensors(framework="pt", ahead=2)]
+
+    with tensorfs.open_model(path) as model:
+        assert asyncio.run(collect(model)) == sorted(expected.items())
+        assert trio.run(collect, model) == sorted(expected.items())
+
+
+# -- errors and lifetime ----------------------------------------------------------------------
+
+
+def test_bad_requests_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2], random_bytes(8, 0))})
+    with pytest.raises(tensorfs.TensorfsError, match="framework 'tf' is not one tensorfs serves"):
+        tensorfs.safe_open(path, "tf")
+    with pytest.raises(tensorfs.TensorfsError, match="numpy arrays live on the CPU"):
+        tensorfs.safe_open(path, "np", device="cuda:0")
+    with tensorfs.safe_open(path, "pt") as opened:
+        with pytest.raises(KeyError) as missing:
+            opened.get_tensor("x")
+        assert isinstance(missing.value, tensorfs.TensorNotFound)
+        assert str(missing.value) == f"{path}: tensor 'x': not in the model"
+    with pytest.raises(tensorfs.ModelClosedError):
+        opened.get_tensor("w")
+    with pytest.raises(tensorfs.ModelClosedError):
+        opened.model.tensors()
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    with tensorfs.safe_open(path, "pt") as opened, pytest.raises(tensorfs.TensorfsError, match="tensorfs\\[torch\\]"):
+        opened.get_tensor("w")
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_nothing_is_left_behind(many: tuple[Path, dict[str, bytes]]) -> None:
+    path, _ = many
+    gc.collect()
+    fds, threads, maps = open_descriptors(), threading.active_count(), len(private_mappings_of(path))
+    for _ in range(20):
+        with tensorfs.safe_open(path, "pt") as opened:
+            tensors = [opened.get_tensor(name) for name in opened.keys()[:5]]
+            list(opened.model.tensors(ahead=4))
+            opened.model.prefetch().wait()
+        assert threading.active_count() == threads  # the threads ahead end with the model
+        assert open_descriptors() == fds
+        assert len(private_mappings_of(path)) == maps + 1  # kept by the tensors alive...
+        del tensors
+        gc.collect()
+        assert len(private_mappings_of(path)) == maps  # ...and gone with them
+    loaded = tensorfs.load_file(path)
+    assert open_descriptors() == fds and threading.active_count() == threads
+    del loaded
+    gc.collect()
+    assert len(private_mappings_of(path)) == maps
