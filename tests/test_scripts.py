@@ -63,6 +63,17 @@ def test_bench_small_runs(fuse: None, tmp_path: Path) -> None:
     assert results["sha256sum -c"]["requests"].get("flush", 0) <= 1
 
 
+def test_bench_load_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> None:  # nginx: it is there
+    # --quick: 1/16 GiB of 8 MiB tensors, one try; its own nginx and SeaweedFS.
+    report = bench_quick("load", tmp_path, timeout=600)
+    assert report["load_safetensors"]["nbytes"] >= 64 << 20
+    for key in ("load_safe_open", "load_load_file", "load_runai_local", "load_verified_warm", "load_verified_scratch"):
+        assert report[key]["ratio"] > 0, key
+    for key in ("load_remote_nginx", "load_remote_s3"):
+        assert report[key]["ratio"] > 0, key
+    assert report["load_overlap"]["ratio"] > 0 and report["load_overlap"]["reading_seconds"] > 0  # root, here
+
+
 def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> None:
     from tensorfs import bench
     from tensorfs.cli import bench as command
@@ -71,7 +82,7 @@ def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> N
     assert command.SUITES == bench.SUITES == tuple(command.FIELDS)
     # Refused before anything is built (--quick all the same: were one run, it would be short).
     for args, words in (
-        (["--suite", "open", "--gib", "1"], "--gib is for the suites read, remote, hash, not open"),
+        (["--suite", "open", "--gib", "1"], "--gib is for the suites read, remote, hash, load, not open"),
         (["--suite", "small", "--shards", "2"], "--shards is for the suites read, remote, open, hash, not small"),
         (["--tensors", "10"], "--tensors is for the suites open, hash, small, not read"),
         (["--suite", "open", "--tensors", "0"], "--tensors 0 only skips hash's model of tiny tensors"),

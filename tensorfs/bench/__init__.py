@@ -6,7 +6,8 @@
 - open: opening.py, tensorfs.open_model of a 100k-tensor model against safetensors.safe_open().keys();
 - hash: hashing.py, `tensorfs manifest` against sha256sum, and what the hash cache costs and saves;
 - small: small.py, small files and metadata commands over a mount against a local copy, and the
-  pyfuse3 floor's.
+  pyfuse3 floor's;
+- load: loading.py, the in-process loader against safetensors and the Run:ai Model Streamer.
 
 Why one home: one command that anyone with the package can run on their own machine, no checkout
 needed; one report format, each figure a ratio to its baseline measured in the same run (these
@@ -24,7 +25,7 @@ from .common import Config, Report
 
 __all__ = ["SUITES", "Config", "Report", "main"]
 
-SUITES = ("read", "remote", "open", "hash", "small")
+SUITES = ("read", "remote", "open", "hash", "small", "load")
 
 
 def main(config: Config, json_path: Path | None = None, *, suite: str = "read") -> int:
@@ -39,6 +40,8 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
         from .hashing import run
     elif suite == "small":
         from .small import run
+    elif suite == "load":
+        from .loading import run
     else:
         raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
     report = run(config)

@@ -24,7 +24,7 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 READ_SIZE = 1 << 20
 
 
-OWN_FIELDS = {"open": "open_", "hash": "hash_", "small": "small_files_"}
+OWN_FIELDS = {"open": "open_", "hash": "hash_", "small": "small_files_", "load": "load_"}
 """The prefix of the Config fields of each suite whose defaults differ from the read suite's."""
 
 
@@ -62,6 +62,12 @@ class Config:
     """The small suite (small.py): a mount of this many tiny tensors (three files each) ..."""
     small_files_repeat: int = 1
     """... median of this many tries (one takes about six minutes at 60k tensors)."""
+    load_gib: float = 1.0
+    """The load suite (loading.py): a model this big, in one file ..."""
+    load_tensor_mib: int = 64
+    """... of F32 tensors this big ..."""
+    load_repeat: int = 3
+    """... median of this many tries."""
 
     def settings(self, suite: str) -> dict[str, str]:
         """The fields `suite` reads, as text (the JSON report's "config"): the open, hash and small
@@ -94,6 +100,9 @@ class Config:
             hash_small_repeat=1,
             small_files_tensors=300,
             small_files_repeat=1,
+            load_gib=1 / 16,
+            load_tensor_mib=8,
+            load_repeat=1,
         )
 
 

@@ -9,7 +9,7 @@ import click
 from .group import cli
 from .options import READAHEAD_KB, Finite
 
-SUITES = ("read", "remote", "open", "hash", "small")
+SUITES = ("read", "remote", "open", "hash", "small", "load")
 """tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
 
 FIELDS: dict[str, dict[str, str]] = {
@@ -18,6 +18,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "open": {"tensors": "open_tensors", "shards": "open_shards", "repeat": "open_repeat"},
     "hash": {"gib": "hash_gib", "shards": "hash_shards", "repeat": "hash_repeat", "tensors": "hash_small_tensors"},
     "small": {"tensors": "small_files_tensors", "repeat": "small_files_repeat"},
+    "load": {"gib": "load_gib", "repeat": "load_repeat"},
 }
 """The Config field each option sets, by suite; an option a suite has no field for is refused."""
 
@@ -79,6 +80,10 @@ def bench(
 
     small: sha256sum -c, cp -r, find and ls -lR over a mount against a local copy of its tree, and
     through the pyfuse3 floor (needs FUSE). --tensors 60000, --repeat 1.
+
+    load: the in-process loader (tensorfs.safe_open, load_file, verification, tensors() ahead)
+    against safetensors and the Run:ai Model Streamer, local and from nginx and SeaweedFS (needs
+    FUSE, nginx; root for cold reads). --gib 1, --repeat 3.
     """
     from .. import bench as benchmark
 
