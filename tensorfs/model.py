@@ -45,7 +45,7 @@ __all__ = ["INDEX_NAME", "Model", "ModelSnapshot", "open_model", "reopen", "snap
 
 _begin = itemgetter(0)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
-_BRINGERS = 4  # threads bringing tensors in ahead of use: reads and fetches wait, hashing takes the cores
+_BRINGERS = 4  # threads bringing tensors in ahead of use: one reads in order (prefetch.Lane), the others hash
 
 
 @dataclass(frozen=True)
@@ -295,17 +295,15 @@ class Model:
             self._shard_of(name)
         return chosen
 
-    def _bring_in(self, names: list[str]) -> None:
-        """Map the pages of these neighbouring tensors (fetching a remote shard's chunks), then verify
-        each when the model is verified (blocking: a worker thread)."""
+    def _read_in(self, names: list[str]) -> None:
+        """Map the pages of these neighbouring tensors (fetching a remote shard's chunks) (blocking: a
+        worker thread)."""
         self._check_open()
         shard = self._shard_of(names[0])
         start = shard.header.data_start
         first, last = shard.by_name[names[0]], shard.by_name[names[-1]]
         if not shard.data.ensure_private(start + first[0], start + last[1]):
             raise ShardChangedError(f"{shard.label}: bytes [{start + first[0]}, {start + last[1]}) cannot be read")
-        for name in names:
-            self._verify(name)
 
     def _verify(self, name: str) -> None:
         if self.integrity is not None:

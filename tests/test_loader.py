@@ -383,21 +383,54 @@ def test_tensors_come_in_order_and_leaving_stops_what_is_ahead(
     release = threading.Event()
     brought: list[str] = []
     with tensorfs.open_model(path) as model:
-        bring = model._bring_in
+        read_in = model._read_in
 
         def held(names: list[str]) -> None:
             brought.extend(names)
             if names[0] != "t00":
                 release.wait(30)
-            bring(names)
+            read_in(names)
 
-        monkeypatch.setattr(model, "_bring_in", held)
-        for name, _ in model.tensors(ahead=8):  # 4 threads: t01-t04 are taken and held, t05-t08 queued
+        monkeypatch.setattr(model, "_read_in", held)
+        for name, _ in model.tensors(ahead=8):  # t01 is being read (held), t02-t08 wait their turn
             assert name == "t00"
-            wait_until(lambda: len(brought) >= 5, what="four tensors ahead are being brought in")
+            wait_until(lambda: len(brought) >= 2, what="the tensor after t00 is being read")
             break
         release.set()
-    assert sorted(brought) == ["t00", "t01", "t02", "t03", "t04"]  # the queued ones never began
+    assert brought == ["t00", "t01"]  # read one after the other, in order; the queued ones never began
+
+
+def test_prefetch_reads_in_order_and_hashes_beside_the_reads(
+    many: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, expected = many
+    (path.parent / DEFAULT_MANIFEST).write_text(
+        format_manifest({n: hashlib.sha256(b).hexdigest() for n, b in expected.items()})
+    )
+    events: list[tuple[str, str]] = []
+    hashing = threading.Event()
+    with tensorfs.open_model(path, verify=True, cache=False) as model:
+        read_in, verify = model._read_in, model._verify
+        names = list(reversed(model.names()))  # one tensor a run: neighbours join only forwards
+
+        def reading(run: list[str]) -> None:
+            events.append(("read", run[0]))
+            if run[0] == names[2]:  # the lane goes on only once the first is being hashed elsewhere
+                assert hashing.wait(30)
+            read_in(run)
+
+        def verifying(name: str) -> None:
+            if name == names[0]:
+                hashing.set()
+            verify(name)
+            events.append(("verified", name))
+
+        monkeypatch.setattr(model, "_read_in", reading)
+        monkeypatch.setattr(model, "_verify", verifying)
+        handle = model.prefetch(names)
+        assert handle.wait(60)
+    assert [name for what, name in events if what == "read"] == names
+    assert sorted(name for what, name in events if what == "verified") == sorted(names)
 
 
 def test_atensors_under_asyncio_and_trio(many: tuple[Path, dict[str, bytes]]) -> None:
@@ -459,3 +492,18 @@ def test_nothing_is_left_behind(many: tuple[Path, dict[str, bytes]]) -> None:
     del loaded
     gc.collect()
     assert len(private_mappings_of(path)) == maps
+
+
+def test_torch_is_imported_only_for_torch_tensors(tmp_path: Path) -> None:
+    import subprocess
+
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2], random_bytes(8, 0))})
+    code = (
+        "import sys, tensorfs\n"
+        "with tensorfs.safe_open(sys.argv[1], 'np') as f: f.get_tensor('w')\n"
+        "print('torch' in sys.modules)\n"
+        "with tensorfs.safe_open(sys.argv[1], 'pt', device='meta') as f: print(f.get_tensor('w').device)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "meta"]  # another device than the CPU: a copy there
