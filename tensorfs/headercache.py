@@ -5,7 +5,8 @@ A row is keyed by what identifies the bytes it was made from (a file's device, i
 and ctime; an object's URL, ETag and size) and holds the compact form a daemon is handed: offsets,
 names, dtypes, shapes, metadata. Each row carries the SHA-256 of its kind, key and value. A row that
 does not check out, or a database that cannot be read or written, is one warning and a validation
-from scratch: the cache can make tensorfs faster, never make it trust anything else.
+from scratch: the cache can make tensorfs faster, never make it trust anything else. Small local
+headers are not kept at all (WORTH_CACHING).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from .sources.shard import ShardKey
 from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)
+
+WORTH_CACHING = 32 << 10
+"""A local file (shard header or index) shorter than this is read and validated afresh every time,
+and a model whose shards' headers all are is checked afresh: that costs less than opening the
+cache's database (docs/performance.md). Remote objects are cached whatever their size (their
+bytes come over a network anyway)."""
 
 SCHEMA = 1
 """The form of the rows: rows of another form are never read (their kind says which), only dropped in time."""

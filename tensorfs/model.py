@@ -25,7 +25,7 @@ from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedEr
 from .formats import NAME, Entry, ShardHeader, TensorInfo
 from .frameworks import check_device, framework_of, make_tensor
 from .gcpause import gc_paused
-from .headercache import HeaderCache
+from .headercache import WORTH_CACHING, HeaderCache
 from .names import Layout, collisions, name_problems
 from .prefetch import DEFAULT_AHEAD, DEFAULT_AHEAD_BYTES, Prefetch, Window, aiterate, iterate
 from .selection import Selection, layer_of
@@ -512,7 +512,13 @@ def open_model(
                 found.close()
             done = None
         try:
-            checks = _checks_key(source, found, opened, layout) if headers.enabled and found is not None else None
+            checks = None
+            if (
+                headers.enabled
+                and found is not None
+                and sum(shard.header.data_start for shard in opened) >= WORTH_CACHING
+            ):
+                checks = _checks_key(source, found, opened, layout)
             owner = _owners(opened) if checks is not None and headers.get("model", checks) == len(opened) else None
             if owner is None:
                 if weight_map is None and index_label is not None:  # the index was known, the model not

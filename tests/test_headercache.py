@@ -21,7 +21,15 @@ import tensorfs.model
 import tensorfs.sources.local
 import tensorfs.sources.shard
 from conftest import Mounts, wait_until
-from helpers import header_table, model_bytes, random_bytes, reference_table, sharded_every_dtype, write_reference
+from helpers import (
+    header_table,
+    model_bytes,
+    random_bytes,
+    reference_table,
+    sharded_every_dtype,
+    write_index,
+    write_reference,
+)
 from tensorfs import headercache
 from tensorfs.errors import InvalidModelError
 from tensorfs.headercache import HeaderCache
@@ -32,6 +40,27 @@ from tensorfs.sources.shard import SETTLED_NS  # the real window (the fixture be
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Files just written may be cached here (in this process): the racy window has a test of its own."""
     monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)
+
+
+@pytest.fixture(autouse=True)
+def small_headers_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small test files are cached here (in this process): leaving them out has a test of its own."""
+    monkeypatch.setattr(tensorfs.sources.local, "WORTH_CACHING", 0)
+    monkeypatch.setattr(tensorfs.model, "WORTH_CACHING", 0)
+
+
+def long_headers(directory: Path) -> None:
+    """Two shards whose headers are WORTH_CACHING long, and an index: what commands in processes of
+    their own (the real threshold) cache."""
+    directory.mkdir(parents=True)
+    weight_map = {}
+    for number in (1, 2):
+        shard = f"model-0000{number}-of-00002.safetensors"
+        count = headercache.WORTH_CACHING // 64  # over 64 bytes of JSON each
+        tensors = {f"layers.{number}.{i}.weight": ("F32", [1], random_bytes(4, i)) for i in range(count)}
+        write_reference(directory / shard, tensors, {"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+    write_index(directory, weight_map)
 
 
 @pytest.fixture
@@ -213,7 +242,27 @@ def test_a_cache_that_cannot_be_used_is_one_warning(
     assert len(warned) == 2 and all("unusable" in message for message in warned), warned
 
 
-def test_no_cache_and_the_commands(model: Path, tmp_path: Path) -> None:
+def test_small_headers_are_validated_afresh_without_the_database(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for module in (tensorfs.sources.local, tensorfs.model):
+        monkeypatch.setattr(module, "WORTH_CACHING", headercache.WORTH_CACHING)
+    headers, index, checks = parsed(monkeypatch)
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        with tensorfs.open_model(model, cache=cache) as opened:
+            assert {name: bytes(opened.raw(name)) for name in opened} == model_bytes(model)
+    assert (headers.count, index.count, checks.count) == (4, 2, 2)  # every time: cheaper than the cache
+    assert not cache.exists()  # not even opened
+    long_headers(tmp_path / "long")
+    for _ in range(2):
+        tensorfs.open_model(tmp_path / "long", cache=cache).close()
+    assert (headers.count, index.count, checks.count) == (6, 3, 3)  # the second time from the cache
+
+
+def test_no_cache_and_the_commands(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    long_headers(model)
     cache = tmp_path / "cache"
 
     def tensorfs_cli(*args: str) -> subprocess.CompletedProcess[str]:

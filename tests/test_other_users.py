@@ -19,6 +19,7 @@ from pathlib import Path
 from conftest import Mounts, OtherUser
 from helpers import MIB, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
+from tensorfs.headercache import WORTH_CACHING
 from tensorfs.mount.runtime import escape_path, process_start
 
 SECRET = b'{"secret": "only root may read this"}'
@@ -182,10 +183,12 @@ def test_a_cache_directory_another_user_can_write_is_refused(
     assert victim.read_bytes() == b"root's own file\n"  # neither extended nor overwritten
     local = tmp_path / "local"
     local.mkdir()
-    write_reference(local / "m.safetensors", {"w": ("U8", [MIB], random_bytes(MIB, 3))})
+    tensors = {f"b{i}": ("U8", [1], bytes(1)) for i in range(WORTH_CACHING // 32)}  # a header worth caching
+    write_reference(local / "m.safetensors", {"w": ("U8", [MIB], random_bytes(MIB, 3)), **tensors})
     hashed = cli("manifest", "--cache-dir", str(everyone), str(local))  # the header and hash caches: not used
     assert hashed.returncode == 0, hashed.stderr
     assert f"the header cache's directory {everyone} is writable by every user" in hashed.stderr
+    assert f"the hash cache's directory {everyone} is writable by every user" in hashed.stderr
     assert sorted(os.listdir(everyone)) == ["objects"]  # nothing written there
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..formats import ShardHeader
+from ..headercache import WORTH_CACHING
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 from .pages import Pages
@@ -97,6 +98,8 @@ def _shards_from_index(
         return FoundShards([], label, directory=directory)
     try:
         read_as = f"{os.path.abspath(index)}\0{Identity.of(before).key()}"
+        if before.st_size < WORTH_CACHING:
+            cache = None
         names = cache.get("index", read_as) if cache is not None else None
         if (
             isinstance(names, list)
@@ -198,6 +201,12 @@ class LocalDescription:
     identity: Identity
 
 
+def _worth_caching(fd: int) -> bool:
+    """Whether the shard's header is long enough to be worth the header cache (WORTH_CACHING)."""
+    prefix = os.pread(fd, 8, 0)
+    return len(prefix) == 8 and int.from_bytes(prefix, "little") >= WORTH_CACHING
+
+
 class LocalShard(ShardData):
     """A shard file, mapped read-only through the descriptor it was validated through (kept open)."""
 
@@ -237,7 +246,9 @@ class LocalShard(ShardData):
             validated = os.fstat(fd)
             identity = Identity.of(validated)
             header = None
-            if cache is not None and stat.S_ISREG(validated.st_mode):
+            if cache is not None and not (stat.S_ISREG(validated.st_mode) and _worth_caching(fd)):
+                cache = None
+            if cache is not None:
                 header = cache.shard(path, identity.key())
             if header is None:
                 header = read_header_fd(fd, path, label)
