@@ -65,7 +65,7 @@ def make_tensor(buffer: memoryview, dtype: DType, shape: Sequence[int], framewor
 def _numpy(buffer: memoryview, dtype: DType, shape: Sequence[int]) -> Any:
     import numpy as np
 
-    if dtype.numpy is None:  # packed F4/F6: the raw bytes
+    if dtype.numpy is None:  # packed F4/F6, block-quantized: the raw bytes
         return np.frombuffer(buffer, dtype=np.uint8)
     return np.frombuffer(buffer, dtype=dtype.numpy).reshape(shape)
 
@@ -75,7 +75,7 @@ def _torch(buffer: memoryview, dtype: DType, shape: Sequence[int], device: Any) 
     name = TORCH_DTYPES.get(dtype.name)
     if dtype.name == "F4" and shape and shape[-1] % 2 == 0:
         shape = (*shape[:-1], shape[-1] // 2)  # two values in each element
-    elif dtype.bits % 8:  # packed, and not into whole elements: the raw bytes, as numpy gets them
+    elif dtype.packed:  # not into whole elements (F6, blocks): the raw bytes, as numpy gets them
         name, shape = "uint8", (len(buffer),)
     kind = getattr(torch, name or "uint8")
     if len(buffer) == 0:

@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
-from .dtypes import DTYPES
-from .formats import BEGIN, END, NAME, Entry, ShardHeader
+from .dtypes import DTYPE_NAMED
+from .formats import BEGIN, END, NAME, Entry, ShardHeader, fits_file
 from .sources.shard import ShardKey
 from .sqlitecache import SqliteCache
 
@@ -32,7 +32,7 @@ and a model whose shards' headers all are is checked afresh: that costs less tha
 cache's database (docs/performance.md). Remote objects are cached whatever their size (their
 bytes come over a network anyway)."""
 
-SCHEMA = 1
+SCHEMA = 2
 """The form of the rows: rows of another form are never read (their kind says which), only dropped in time."""
 
 _KEEP_UNUSED = 30 * 24 * 3600.0  # a row nobody read for this long is dropped (at the next write)
@@ -59,19 +59,20 @@ class HeaderCache(SqliteCache):
             return None
         try:
             # Column by column, so that 100k entries are rebuilt by C loops (zip, map), not Python's.
-            file_size, data_start, metadata, begins, ends, names, dtype_names, dtypes, shapes, shape_of = found
-            kinds = [DTYPES[name] for name in dtype_names]
+            (file_size, data_start, metadata, begins, ends, names, dtype_names, dtypes, shapes, shape_of, format_name,
+             layout) = found  # fmt: skip
+            kinds = [DTYPE_NAMED[name] for name in dtype_names]
             entries: list[Entry] = list(
                 zip(begins, ends, names, map(kinds.__getitem__, dtypes), map(shapes.__getitem__, shape_of), strict=True)
             )
             # Cheap checks that the layout fits the file (C-speed comparisons of the columns): a row
             # is checksummed against damage, and this catches a layout that could not be the file's.
-            if begins[:1] not in ([], [0]) or begins[1:] != ends[:-1] or data_start + (ends or [0])[-1] != file_size:
-                raise ValueError("its tensors do not fill the file")
+            if not fits_file(format_name, begins, ends, data_start, file_size, layout):
+                raise ValueError(f"its tensors cannot be where a {format_name} file has them")
         except (TypeError, ValueError, KeyError, IndexError) as exc:  # checksummed, yet not this form: a bug
             log.warning("header cache %s: a row of %s is unreadable (%s): validated afresh", self.directory, path, exc)
             return None
-        return ShardHeader(path, file_size, data_start, entries, metadata)
+        return ShardHeader(path, file_size, data_start, entries, metadata, format_name, layout)
 
     def put_shard(self, identity: str, header: ShardHeader) -> None:
         kinds: dict[str, int] = {}
@@ -89,6 +90,8 @@ class HeaderCache(SqliteCache):
             dtypes,
             [list(shape) for shape in shapes],
             shape_of,
+            header.format,
+            header.layout,
         )
         self.put("shard", identity, value)
 

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from . import model as models
-from .dtypes import DTYPES
+from .dtypes import DTYPE_NAMED
 from .errors import InvalidModelError
 from .frameworks import check_device, framework_of
 from .hashcache import HashCache
@@ -175,8 +175,8 @@ class TensorSlice:
         return list(self._info.shape)
 
     def get_dtype(self) -> str:
-        """The safetensors dtype name ("F32", "BF16", ...)."""
-        return DTYPES[self._info.dtype].name
+        """The dtype's name ("F32", "BF16", ...; a GGUF's "Q4_K" ...)."""
+        return DTYPE_NAMED[self._info.dtype].name
 
     def __getitem__(self, key: Any) -> Any:
         whole = self._opened.model.tensor(self._name, self._opened.framework)  # a view: nothing read yet

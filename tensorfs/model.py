@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from . import formats
 from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError, TensorNotFound
 from .formats import NAME, Entry, ShardHeader, TensorInfo
 from .frameworks import check_device, framework_of, make_tensor
@@ -120,6 +121,11 @@ class Model:
         """The shards (paths of files, or URLs of objects), sorted."""
         return sorted(self._shards, key=str)
 
+    @property
+    def format(self) -> str:
+        """The format of the model's files ("safetensors", "gguf"): one for all its shards."""
+        return next(iter(self._shards.values())).header.format if self._shards else "safetensors"
+
     @cached_property
     def nbytes(self) -> int:
         """Bytes of tensor data over all tensors."""
@@ -138,6 +144,11 @@ class Model:
     def shard_header(self, shard: ShardKey) -> ShardHeader:
         """The validated header of one shard."""
         return self._shards[shard].header
+
+    def file_metadata(self, shard: ShardKey) -> dict[str, Any] | None:
+        """What the shard's file says of itself: a safetensors `__metadata__`, a GGUF's key/value
+        pairs (decoded; read again from the file: blocking)."""
+        return formats.file_metadata(self.shard_header(shard), self.shard_data(shard).read)
 
     def entry(self, name: str) -> tuple[ShardKey, int, Entry]:
         """(shard, where its data starts, the header's entry): the raw form, for code that does 100k."""
@@ -324,7 +335,8 @@ class Model:
         return model
 
     def write_safetensors(self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> None:
-        """Write the model's tensors (this selection's) as one safetensors file at `path`.
+        """Write the model's tensors (this selection's) as one safetensors file at `path` (a GGUF
+        model's: one GGUF file, its metadata and alignment the source's).
 
         Laid out as the reference writer lays them out, with the shards' `__metadata__` when they
         all agree on it; streamed from the shard files, written whole or not at all. `progress`,
@@ -652,6 +664,10 @@ def _check_model(
     Returns which shard holds each tensor.
     """
     owner = _owners(shards)
+    for shard in shards:  # one model, one format: its views are files of that format
+        if shard.header.format != shards[0].header.format:
+            why = f"is a {shard.header.format} file, where {shards[0].label} is {shards[0].header.format}"
+            problems.append(Problem(shard.label, f"{why}: a model's shards are all of one format"))
     if len(owner) != sum(len(shard.header.entries) for shard in shards):
         first: dict[str, _Shard] = {}
         for shard in shards:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import DTYPES
+from .dtypes import DTYPE_NAMED
 from .names import SIDECAR_SUFFIXES
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ def memmap(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
 
     path = Path(path)
     meta = json.loads(path.with_name(path.name + SIDECAR_SUFFIXES[0]).read_bytes())
-    dtype = DTYPES[meta["dtype"]].numpy
+    dtype = DTYPE_NAMED[meta["dtype"]].numpy
     if dtype is None:
         dtype, shape = np.dtype(np.uint8), (meta["nbytes"],)
     else:

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import translate
 
-_LAYER = re.compile(r"(?:^|[./])(?:layers|layer|blocks|block|h)[./](\d+)(?:[./]|$)")
+_LAYER = re.compile(r"(?:^|[./])(?:layers|layer|blocks|block|blk|h)[./](\d+)(?:[./]|$)")
 """A numbered layer as models name them: model.layers.12.mlp... (Llama and most), transformer.h.3
-(GPT-2), encoder.layer.3 (BERT), blocks.3 / block.3; '/' works as well as '.'."""
+(GPT-2), encoder.layer.3 (BERT), blocks.3 / block.3, blk.3 (GGUF); '/' works as well as '.'."""
 
 
 @dataclass(frozen=True)

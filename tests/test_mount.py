@@ -107,6 +107,11 @@ def test_listing_and_control_files(mounts: Mounts, model_dir: Path) -> None:
     assert index["metadata"]["total_size"] == sum(
         len(d) for s in model_dir.glob("*.safetensors") for _, _, d in reference_tensors(s).values()
     )
+    metadata = json.loads((mountpoint / ".tensorfs" / "metadata.json").read_bytes())
+    assert metadata == {
+        "format": "safetensors",
+        "shards": {s.name: reference_metadata(s) for s in sorted(model_dir.glob("*.safetensors"))},
+    }
     daemon = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_bytes())
     assert pid_alive(daemon["pid"]) and daemon["pid"] != os.getpid()
     assert daemon["source"] == str(model_dir) and daemon["version"] == tensorfs.__version__
@@ -402,3 +407,12 @@ def test_fsname_escapes() -> None:
     from tensorfs.mount.serve import fsname
 
     assert fsname(Path("/m/a,b\\c d%e/é")) == "/m/a\\,b\\\\c d%25e/%C3%A9"
+
+
+def reference_metadata(shard: Path) -> dict[str, str] | None:
+    """The shard's `__metadata__` as the reference reader reads it (None when it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "np") as opened:
+        found: dict[str, str] | None = opened.metadata()
+        return found

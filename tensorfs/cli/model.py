@@ -132,25 +132,29 @@ def manifest(
 def export(
     path: Path | str, dest: Path, shards: int, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
 ) -> None:
-    """Write MODEL's tensors (or a selection of them) as a new safetensors model at DEST.
+    """Write MODEL's tensors (or a selection of them) as a new model at DEST, in MODEL's format.
 
-    DEST ending in .safetensors: one file. Otherwise a new directory holding what .tensorfs/model/
-    of a mount holds: model.safetensors (or model-0000K-of-0000N.safetensors and an index; a
-    selection's are named selected) and the model's companion files (config.json, tokenizer files,
-    ...). Streamed, with a progress line on a terminal; written whole or not at all.
+    DEST ending in .safetensors (.gguf for a GGUF model): one file. Otherwise a new directory
+    holding what .tensorfs/model/ of a mount holds: model.safetensors (or
+    model-0000K-of-0000N.safetensors and an index; a GGUF model's model.gguf; a selection's are
+    named selected) and the model's companion files (config.json, tokenizer files, ...). Streamed,
+    with a progress line on a terminal; written whole or not at all.
     """
     from ..views import build_view
     from ..views.export import view_bytes, write_view
 
     shown = printable(str(dest))
-    one_file = dest.name.endswith(".safetensors")
+    one_file = dest.name.endswith((".safetensors", ".gguf"))
     if one_file and shards:
-        raise TensorfsError(f"{shown}: --shards needs a directory DEST (a .safetensors DEST is one file)")
+        raise TensorfsError(f"{shown}: --shards needs a directory DEST (a {dest.suffix} DEST is one file)")
     if dest.exists() or dest.is_symlink():  # never over anything, the source's own files least of all
         raise TensorfsError(f"{shown}: already exists; name a new {'file' if one_file else 'directory'}")
     source = source_of(path, remote)
     with source.open(selection) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
+        if one_file and dest.suffix != f".{model.format}":
+            why = f"a {model.format} model is written as a .{model.format} file (or a directory)"
+            raise TensorfsError(f"{shown}: {why}")
         if one_file:
             with Progress(model.nbytes, "writing") as progress:
                 model.write_safetensors(dest, progress.advance)

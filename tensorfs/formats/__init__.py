@@ -6,23 +6,25 @@ never ask which format a file is.
 A format is found by a file's content (its magic bytes), its name a hint only. safetensors has no
 magic (8 bytes of length, then JSON): it takes what no other format claims.
 
-Adding a format: a module here with SUFFIXES (the names its files are found by),
-`sniff(first: bytes, name: str) -> bool`,
+Adding a format: a module here with NAME (as ShardHeader.format says it), SUFFIXES (the names its
+files are found by), `sniff(first: bytes, name: str) -> bool`, `fits(...)` (whether tensors at
+given offsets could be such a file's: a check of a cached table),
 `read_table(read, size, path, label) -> ShardHeader` and `table_bytes(first, size) -> int` (how
 many of a file's first bytes its table takes, told from its first 64 KiB: a store is asked for
 just those), put in FORMATS ahead of safetensors. Its
 table's dtypes come from dtypes.py (a new one goes there, with its numpy dtype if it has one);
-`read(offset, count)` gives exactly those bytes of the file, wherever it is (a local file, or an
-object in a store: a remote table should cost the store one GET, two when its header is long).
+`read(offset, count)` gives those bytes of the file, wherever it is (a local file, or an object in
+a store: a remote table should cost the store one GET, two when its header is long); fewer when
+it reads the first bytes a store gave (as many as table_bytes said), past their end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..sources.shard import ShardKey
-from . import safetensors
+from . import gguf, safetensors
 from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_text
 
 __all__ = [
@@ -40,6 +42,8 @@ __all__ = [
     "ShardHeader",
     "TensorInfo",
     "detect",
+    "file_metadata",
+    "fits_file",
     "is_weights_name",
     "read_table",
     "shape_text",
@@ -47,12 +51,14 @@ __all__ = [
 ]  # fmt: skip
 
 Reader = Callable[[int, int], bytes]
-"""(offset, count) -> exactly those bytes of a file (InvalidModelError, or OSError, if they cannot be had)."""
+"""(offset, count) -> those bytes of a file (InvalidModelError, or OSError, if they cannot be had;
+fewer past the end of the first bytes a store gave, see the module's docstring)."""
 
 
 class Format(Protocol):
     """What a format's module offers (see the module's docstring)."""
 
+    NAME: str
     SUFFIXES: tuple[str, ...]
 
     def sniff(self, first: bytes, name: str) -> bool: ...
@@ -61,20 +67,39 @@ class Format(Protocol):
 
     def table_bytes(self, first: bytes, size: int) -> int: ...
 
+    def fits(self, begins: list[int], ends: list[int], data_start: int, size: int, layout: Any) -> bool: ...
 
-FORMATS: list[Format] = [safetensors]
+    def file_metadata(self, header: ShardHeader, read: Reader) -> dict[str, Any] | None: ...
+
+
+FORMATS: list[Format] = [gguf, safetensors]
 """In the order they are tried; the last takes what no other claims."""
 SNIFF_BYTES = 8
 """The bytes a format is told by."""
 WEIGHT_SUFFIXES = tuple(suffix for format_ in FORMATS for suffix in format_.SUFFIXES)
 """The names of files that hold a model's tensors, in a directory or a store's listing."""
-WEIGHT_FILES = " or ".join(WEIGHT_SUFFIXES)
-"""How messages name them (".safetensors")."""
+WEIGHT_FILES = " or ".join(sorted(WEIGHT_SUFFIXES, key=lambda suffix: suffix != ".safetensors"))
+"""How messages name them (".safetensors or .gguf")."""
 
 
 def is_weights_name(name: str) -> bool:
     """Whether a file of this name is looked at as a shard of the model (its content decides how)."""
     return name.endswith(WEIGHT_SUFFIXES)
+
+
+FORMAT_NAMED = {format_.NAME: format_ for format_ in FORMATS}
+
+
+def fits_file(name: str, begins: list[int], ends: list[int], data_start: int, size: int, layout: Any) -> bool:
+    """Whether tensors at these offsets could be a `name` file's of `size` bytes (a cheap check of a
+    table kept elsewhere, the header cache's: it was validated when it was made)."""
+    return FORMAT_NAMED[name].fits(begins, ends, data_start, size, layout)
+
+
+def file_metadata(header: ShardHeader, read: Reader) -> dict[str, Any] | None:
+    """What a file says of itself: a safetensors `__metadata__`, a GGUF's key/value pairs (decoded,
+    read again through `read`: a table keeps no more than its views need)."""
+    return FORMAT_NAMED[header.format].file_metadata(header, read)
 
 
 def detect(first: bytes, name: str) -> Format:

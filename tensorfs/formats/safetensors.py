@@ -39,6 +39,7 @@ _MAX_DEPTH = 127  # containers nested in one another: the most the reference rea
 _UNKNOWN_DTYPE = DType("?", 0, None)  # stands in only in headers that are about to be rejected
 
 
+NAME = "safetensors"
 SUFFIXES: tuple[str, ...] = (".safetensors",)
 """The names its files are found by in a directory or a listing (content decides what a file is)."""
 
@@ -53,7 +54,21 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
     bytes had from `read(offset, count)`: the 8-byte length, then the header. Tensor data is never
     read. InvalidModelError listing every problem found."""
     length = header_length(read(0, 8) if size >= 8 else b"", size, label)
-    return parse_header(read(8, length), path, size, label)
+    raw = read(8, length)
+    if len(raw) != length:
+        raise InvalidModelError([Problem(label, "the header's bytes did not all come")])
+    return parse_header(raw, path, size, label)
+
+
+def file_metadata(header: ShardHeader, read: Reader) -> dict[str, str] | None:
+    """What the file says of itself: its header's `__metadata__` (None when it has none)."""
+    return header.metadata
+
+
+def fits(begins: list[int], ends: list[int], data_start: int, size: int, layout: object) -> bool:
+    """Whether tensors at these offsets fill a file of `size` bytes whose data starts at `data_start`,
+    as rules 6 and 10 have it (C-speed comparisons of the columns)."""
+    return begins[:1] in ([], [0]) and begins[1:] == ends[:-1] and data_start + (ends or [0])[-1] == size
 
 
 def table_bytes(first: bytes, size: int) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPE_NAMED, DType
 from ..sources.shard import ShardKey, shard_name
 
 if TYPE_CHECKING:
@@ -37,16 +37,20 @@ class TensorInfo:
     offset: int
     """Absolute byte offset of the tensor's data in the shard file."""
     data_offsets: tuple[int, int]
-    """The offsets as the header gives them, relative to the end of the header."""
+    """The offsets as the header gives them, relative to where the file's tensor data begins."""
+    format: str = "safetensors"
+    """The shard's format (formats/): "safetensors" or "gguf"."""
 
     @property
     def numpy_dtype(self) -> np.dtype | None:
-        """The numpy dtype (ml_dtypes for bf16/fp8); None for the packed F4/F6 types."""
-        return DTYPES[self.dtype].numpy
+        """The numpy dtype (ml_dtypes for bf16/fp8); None for packed F4/F6 and block-quantized types."""
+        return DTYPE_NAMED[self.dtype].numpy
 
     def as_json(self) -> dict[str, Any]:
-        """The fields as JSON values: what `.meta.json` and `ls --json` say of a tensor."""
-        return {
+        """The fields as JSON values: what `.meta.json` and `ls --json` say of a tensor. A GGUF tensor
+        also has its dimensions as stored (innermost first) and its type's block and type sizes."""
+        dtype = DTYPE_NAMED[self.dtype]
+        fields = {
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -54,8 +58,13 @@ class TensorInfo:
             "shard": shard_name(self.shard),
             "offset": self.offset,
             "data_offsets": list(self.data_offsets),
-            "numpy_dtype": DTYPES[self.dtype].numpy_name,
+            "numpy_dtype": dtype.numpy_name,
         }
+        if self.format == "gguf":
+            fields["gguf_dims"] = list(self.shape[::-1])
+            fields["block_size"] = dtype.block_size
+            fields["type_size"] = dtype.type_size or dtype.bits // 8
+        return fields
 
 
 Entry = tuple[int, int, str, DType, list[int]]
@@ -76,13 +85,20 @@ class ShardHeader:
     """The shard's file, or its object's URL."""
     file_size: int
     data_start: int
-    """Where tensor data begins: 8 + the header's length."""
+    """Where tensor data begins (safetensors: 8 + the header's length; GGUF: past the tensor infos, aligned)."""
     entries: list[Entry]
     """Every tensor, in file order (by offset)."""
     metadata: dict[str, str] | None
     """The header's `__metadata__`, when it has one."""
+    format: str = "safetensors"
+    """Which format's table it is (formats/): "safetensors" or "gguf"."""
+    layout: dict[str, int] | None = None
+    """What else the format's views need of the file, as JSON numbers (a GGUF's version, alignment,
+    and where its key/value pairs are)."""
 
     def info(self, entry: Entry) -> TensorInfo:
         """The public description of one of this header's entries."""
         begin, end, name, dtype, shape = entry
-        return TensorInfo(name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end))
+        return TensorInfo(
+            name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end), self.format
+        )

@@ -33,7 +33,7 @@ from .metrics import describe as describe_address
 from .metrics import serve_metrics
 from .options import READY, MountOptions
 from .runtime import process_start, remove_record, write_record
-from .tree import Tree, index_json
+from .tree import Tree, index_json, metadata_json
 from .watch import ShardWatch
 
 log = logging.getLogger("tensorfs")
@@ -50,7 +50,11 @@ def serve(
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     _return_big_buffers()
     record = _record(model, mountpoint, options, integrity)
-    control = {"index.json": lambda: index_json(model), "daemon.json": lambda: _json(record)}
+    control = {
+        "index.json": lambda: index_json(model),
+        "metadata.json": lambda: metadata_json(model),
+        "daemon.json": lambda: _json(record),
+    }
     control[STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
     for warning in view.warnings:
         log.warning("%s", warning)

@@ -57,7 +57,7 @@ class Kind(Enum):
 
 
 _TENSOR_KINDS = (Kind.TENSOR, Kind.META, Kind.SHA256)
-_EVERY_TENSOR_FILES = ("index.json",)  # control files that list every tensor (besides SHA256SUMS)
+_EVERY_TENSOR_FILES = ("index.json", "metadata.json")  # control files that tell of every shard (and SHA256SUMS)
 
 
 class NoSuchEntry(TensorfsError):
@@ -348,7 +348,7 @@ class Tree:
             if which == 0:
                 yield base, file_inode, mode, entry[END] - entry[BEGIN], 1, mtime, uid, gid
             if which <= 1:
-                size = _meta_size(entry, data_start, shard_name(shard))
+                size = _meta_size(entry, data_start, shard_name(shard), model.shard_header(shard).format)
                 yield base + META_SUFFIX, file_inode + 1, mode, size, 1, mtime, uid, gid
             yield base + SHA256_SUFFIX, file_inode + 2, mode, self._sha256_size(t), 1, mtime, uid, gid
             which = 0
@@ -542,17 +542,18 @@ def meta_json(model: Model, name: str) -> bytes:
 def meta_size(model: Model, name: str) -> int:
     """len(meta_json(model, name)), by adding up the lengths of its parts (a listing needs 100k of them)."""
     shard, data_start, entry = model.entry(name)
-    return _meta_size(entry, data_start, shard_name(shard))
+    return _meta_size(entry, data_start, shard_name(shard), model.shard_header(shard).format)
 
 
-def _meta_size(entry: Entry, data_start: int, shard_name: str) -> int:
+def _meta_size(entry: Entry, data_start: int, shard_name: str, format_name: str) -> int:
     begin, end, name, dtype, shape = entry
     numpy_name = dtype.numpy_name
-    return (
+    shape_size = 2 + 2 * len(shape) + sum(map(len, map(str, shape))) - (2 if shape else 0)
+    size = (
         _META_FIXED
         + _json_string_size(name)
         + len(dtype.name)
-        + (2 + 2 * len(shape) + sum(map(len, map(str, shape))) - (2 if shape else 0))
+        + shape_size
         + len(str(end - begin))
         + _json_string_size(shard_name)
         + len(str(data_start + begin))
@@ -560,6 +561,9 @@ def _meta_size(entry: Entry, data_start: int, shard_name: str) -> int:
         + len(str(end))
         + (4 if numpy_name is None else len(numpy_name) + 2)
     )
+    if format_name == "gguf":  # the dimensions as stored (the shape reversed), the block and type sizes
+        size += _GGUF_FIXED + shape_size + len(str(dtype.block_size)) + len(str(dtype.type_size or dtype.bits // 8))
+    return size
 
 
 def _json_string_size(text: str) -> int:
@@ -572,6 +576,7 @@ _META_FIXED = (
     len('{"name": , "dtype": "", "shape": , "nbytes": , "shard": , "offset": , "data_offsets": [, ], "numpy_dtype": }')
     + 1
 )
+_GGUF_FIXED = len(', "gguf_dims": , "block_size": , "type_size": ')  # what a GGUF tensor's adds
 
 
 def sha256_line(hex_digest: str, filename: str) -> bytes:
@@ -582,6 +587,13 @@ def sha256_line(hex_digest: str, filename: str) -> bytes:
 def _checkable(path: str) -> str:
     """`sha256sum -c` reads standard input for a file named '-': name it ./- instead."""
     return "./-" if path == "-" else path
+
+
+def metadata_json(model: Model) -> bytes:
+    """What each shard says of itself (a safetensors `__metadata__`, a GGUF's key/value pairs), by
+    shard file name, with the model's format."""
+    shards = {shard_name(shard): model.file_metadata(shard) for shard in model.shards}
+    return (json.dumps({"format": model.format, "shards": shards}, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def index_json(model: Model) -> bytes:

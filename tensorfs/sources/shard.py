@@ -186,6 +186,12 @@ class ShardData(ABC):
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` from `offset` without touching the mapping (ShardChangedError if the bytes are gone)."""
 
+    def read(self, offset: int, count: int) -> bytes:
+        """readinto(), as new bytes (a format's Reader)."""
+        buffer = bytearray(count)
+        self.readinto(offset, memoryview(buffer))
+        return bytes(buffer)
+
     @abstractmethod
     def identity(self) -> Identity | None:
         """The identity of the bytes validated, if the shard still holds them; None if it changed since."""

@@ -666,7 +666,8 @@ def read_url(url: str, options: RemoteOptions, limit: int) -> bytes:
 
 def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tuple[ObjectVersion, bytes]:
     """The object's version and its first bytes, as many as `needed(first, size)` says its format's
-    table takes (told from the first FIRST_READ of them): one GET, two when the table is longer.
+    table takes (told from the first FIRST_READ of them, then from all that came): one GET, two when
+    a safetensors header is longer, a few more for a long GGUF table (twice as many bytes each time).
 
     RemoteError (or FileNotFoundError) when the store does not give them.
     """
@@ -686,12 +687,12 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
             return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
         _raise(ref, exc)
         raise
-    end = needed(head, version.size)
-    if end <= len(head):
-        return version, head[:end]
-    pieces = [head]
-    read_range(version, len(head), end, lambda _, piece: pieces.append(bytes(piece)))
-    return version, b"".join(pieces)
+    # A format that tells its table's length from its first bytes asks once more at most; one that
+    # can only tell how far it got (GGUF) asks for twice as much each time, up to its own bound.
+    buffer = bytearray(head)
+    while (end := min(needed(bytes(buffer), version.size), version.size)) > len(buffer):
+        read_range(version, len(buffer), end, lambda _, piece: buffer.extend(piece))
+    return version, bytes(buffer[:end])
 
 
 def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:

@@ -2,7 +2,7 @@
 
 A model directory any safetensors loader opens: the selected tensors as one synthesized
 `model.safetensors` (or several files and an index, as transformers writes them), plus the
-model's own companion files (config.json, tokenizer files, ...).
+model's own companion files (config.json, tokenizer files, ...). A GGUF model's is one `model.gguf`.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def build_view(model: Model, spec: ViewSpec) -> ModelView:
     files: dict[str, ViewFile] = {c.path: c for c in spec.companions}
     groups = [names] if count == 1 else split(names, [model.locate(name)[2] for name in names], count)
     base = "model" if model.selection.everything else PARTIAL_NAME
-    if len(groups) == 1:
+    if model.format == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
+        files[f"{base}.gguf"] = SynthesizedFile(model, names, None)
+    elif len(groups) == 1:
         files[f"{base}.safetensors"] = SynthesizedFile(model, names, metadata)
     else:
         weight_map: dict[str, str] = {}

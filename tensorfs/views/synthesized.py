@@ -1,10 +1,13 @@
-"""A safetensors file made from a model's tensors: its header, and where each of its bytes comes from.
+"""A safetensors (or GGUF) file made from a model's tensors: its header, and where each of its bytes
+comes from.
 
 Nothing is copied to build one: the header is made on first use, and each tensor's bytes stay in
-its shard; a reader asks which pieces cover a byte range. The layout is the reference writer's
-(safetensors' `serialize`): tensors ordered by dtype, widest first, then by name, with no gaps, so
-each starts aligned to its element size; the header is padded with spaces to a multiple of 8, so
-the data starts 8-aligned. The header's keys are sorted by name.
+its shard; a reader asks which pieces cover a byte range. A safetensors file is laid out as the
+reference writer lays it out (safetensors' `serialize`): tensors ordered by dtype, widest first,
+then by name, with no gaps, so each starts aligned to its element size; the header is padded with
+spaces to a multiple of 8, so the data starts 8-aligned, and its keys are sorted by name. A GGUF is
+laid out as the source's: its key/value pairs as they are (but the split.* ones of a multi-file
+model), its tensors in the source's order, each padded with zeros to the source's alignment.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from ..dtypes import DTYPES
-from ..formats import BEGIN, DTYPE, END, SHAPE
+from ..formats import BEGIN, DTYPE, END, SHAPE, gguf
 from ..sources.shard import ShardKey
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
@@ -41,7 +44,8 @@ class Piece:
 
 
 class SynthesizedFile:
-    """One safetensors file holding `names` (tensors of `model`), in the reference writer's layout.
+    """One file holding `names` (tensors of `model`): safetensors in the reference writer's layout, or,
+    for a GGUF model, a GGUF.
 
     The layout is made on first use (a mount that nobody reads it from pays nothing), and kept in
     arrays: for 100k tensors, the header's bytes and a few MiB.
@@ -49,6 +53,8 @@ class SynthesizedFile:
 
     def __init__(self, model: Model, names: list[str], metadata: Mapping[str, str] | None) -> None:
         self.model = model
+        self.format = model.format
+        """The file's format: the model's ("safetensors", "gguf")."""
         self._names = names
         self._metadata = dict(sorted(metadata.items())) if metadata else None
         self._lock = threading.Lock()  # the daemon's thread and a hashing or export thread may ask at once
@@ -67,30 +73,15 @@ class SynthesizedFile:
         with self._lock:
             if self._built:
                 return
-            model, names = self.model, self._names
-            entries = [model.entry(name)[2] for name in names]
-            order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][DTYPE].name], names[i]))
-            offset = 0
-            starts, ends = [0] * len(names), [0] * len(names)
-            for i in order:
-                begin, end = entries[i][BEGIN], entries[i][END]
-                starts[i], ends[i] = offset, offset + end - begin
-                offset += end - begin
-            fields = [
-                f'{encode_basestring(names[i])}:{{"dtype":"{entries[i][DTYPE].name}",'
-                f'"shape":[{",".join(map(str, entries[i][SHAPE]))}],"data_offsets":[{starts[i]},{ends[i]}]}}'
-                for i in sorted(range(len(names)), key=names.__getitem__)
-            ]
-            if self._metadata is not None:
-                fields.insert(0, '"__metadata__":' + json.dumps(self._metadata, separators=(",", ":")))
-            text = ("{" + ",".join(fields) + "}").encode("utf-8")
-            del fields
-            text += b" " * (-len(text) % 8)
-            self._header = len(text).to_bytes(8, "little") + text
+            if self.format == gguf.NAME:
+                header, order, starts, ends, nbytes = _gguf_layout(self.model, self._names)
+            else:
+                header, order, starts, ends, nbytes = _safetensors_layout(self.model, self._names, self._metadata)
+            self._header = header
             self._order = array("L", order)
             self._starts = array("Q", (starts[i] for i in order))
             self._ends = array("Q", (ends[i] for i in order))
-            self._nbytes = offset
+            self._nbytes = nbytes
             self._built = True
 
     @property
@@ -118,7 +109,8 @@ class SynthesizedFile:
         return any(self.model.locate(name)[0] == shard for name in self._names)
 
     def pieces(self, start: int, end: int) -> Iterator[bytes | Piece]:
-        """What covers bytes [start, end) of the file, in order: header bytes, then tensors' pieces.
+        """What covers bytes [start, end) of the file, in order: header bytes, then tensors' pieces
+        (and the zeros that pad a GGUF's tensors to its alignment).
 
         Empty tensors have no piece.
         """
@@ -132,9 +124,63 @@ class SynthesizedFile:
         index = bisect_right(self._starts, position) - 1
         while position < stop and 0 <= index < len(self._order):
             begin, until = self._starts[index], min(stop, self._ends[index])
+            if begin > position:  # padding before this tensor
+                yield bytes(min(begin, stop) - position)
+                position = min(begin, stop)
+                continue
             if until > position:
                 name = self._names[self._order[index]]
                 shard, offset, _ = self.model.locate(name)
                 yield Piece(data_start + position, data_start + until, name, shard, offset + position - begin)
                 position = until
             index += 1
+        if position < stop:  # padding after the last tensor
+            yield bytes(stop - position)
+
+
+_Layout = tuple[bytes, list[int], list[int], list[int], int]
+"""(header, file order -> index in names, each name's start and end from where the data starts, data bytes)."""
+
+
+def _safetensors_layout(model: Model, names: list[str], metadata: Mapping[str, str] | None) -> _Layout:
+    entries = [model.entry(name)[2] for name in names]
+    order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][DTYPE].name], names[i]))
+    offset = 0
+    starts, ends = [0] * len(names), [0] * len(names)
+    for i in order:
+        begin, end = entries[i][BEGIN], entries[i][END]
+        starts[i], ends[i] = offset, offset + end - begin
+        offset += end - begin
+    fields = [
+        f'{encode_basestring(names[i])}:{{"dtype":"{entries[i][DTYPE].name}",'
+        f'"shape":[{",".join(map(str, entries[i][SHAPE]))}],"data_offsets":[{starts[i]},{ends[i]}]}}'
+        for i in sorted(range(len(names)), key=names.__getitem__)
+    ]
+    if metadata is not None:
+        fields.insert(0, '"__metadata__":' + json.dumps(metadata, separators=(",", ":")))
+    text = ("{" + ",".join(fields) + "}").encode("utf-8")
+    del fields
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, order, starts, ends, offset
+
+
+def _gguf_layout(model: Model, names: list[str]) -> _Layout:
+    """The source's order (shard by shard, by offset), its key/value pairs (the first shard's, as a
+    multi-file GGUF keeps them; its split.* ones dropped) and its alignment."""
+    shards = {shard: k for k, shard in enumerate(model.shards)}
+    place = [model.locate(name) for name in names]
+    order = sorted(range(len(names)), key=lambda i: (shards[place[i][0]], place[i][1]))
+    first = model.shard_header(model.shards[0])
+    layout = first.layout or {}
+    alignment = layout.get("alignment", gguf.DEFAULT_ALIGNMENT)
+    pairs = gguf.pairs(model.shard_data(model.shards[0]).read, layout)
+    kept = [raw for key, raw in pairs if not key.startswith("split.")]
+    offset = 0
+    starts, ends = [0] * len(names), [0] * len(names)
+    infos = []
+    for i in order:
+        _, _, entry = model.entry(names[i])
+        starts[i], ends[i] = offset, offset + entry[END] - entry[BEGIN]
+        infos.append((names[i], entry[SHAPE][::-1], entry[DTYPE], offset))
+        offset = ends[i] + -ends[i] % alignment
+    return gguf.table(3, kept, infos, alignment), order, starts, ends, offset

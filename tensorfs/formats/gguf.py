@@ -1,0 +1,419 @@
+"""GGUF (versions 2 and 3, little-endian): a file's first bytes -> its validated table (ShardHeader).
+
+The rules are those llama.cpp's own reader (ggml/src/gguf.cpp) enforces, the authority where the
+`gguf` package checks less: the magic, version 2 or 3, counts and string lengths the file can hold,
+known value types, arrays of scalars or strings (not of arrays), no key twice, `general.alignment` a
+u32 power of two, strings and arrays of at most 2^30 bytes or elements, keys not empty, tensor names
+under 64 bytes and unique, at most 4 dimensions whose product fits in 63 bits, a known ggml type
+(removed ones refused) whose block size divides the first dimension, and each tensor's offset
+exactly where the previous one's data ends, padded to the alignment (so aligned, in order, never
+overlapping); the data section, its last tensor padded too, inside the file. tensorfs adds: keys
+and names are UTF-8 without NUL (names become file names). Bytes after the data are allowed, as
+llama.cpp allows them. The type table is ggml's (dtypes.GGML_TYPES).
+
+Pure and bounded: it reads what it is given through `read(offset, count)` in growing pieces (at
+most MAX_TABLE_BYTES, and never more than the file holds), every count is checked against the bytes
+left before anything is made of it, and arrays of numbers are stepped over, not decoded. The
+key/value pairs are not kept: `layout` says where they are, and metadata() decodes them on demand.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Any
+
+from ..dtypes import GGML_ID, GGML_TYPES, DType
+from ..errors import InvalidModelError, Problem, printable
+from ..sources.shard import ShardKey
+from .table import Entry, ShardHeader
+
+if TYPE_CHECKING:
+    from . import Reader
+
+NAME = "gguf"
+SUFFIXES: tuple[str, ...] = (".gguf",)
+"""The names its files are found by in a directory or a listing (content decides what a file is)."""
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_TABLE_BYTES = 256 << 20
+"""The most a GGUF's key/value pairs and tensor infos may take: a 262k-token vocabulary with its
+merges takes about 10 MB."""
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NAME_BYTES = 63  # GGML_MAX_NAME is 64, its NUL included
+MAX_STRING_BYTES = MAX_ARRAY_ITEMS = 1 << 30  # GGUF_MAX_STRING_LENGTH, GGUF_MAX_ARRAY_ELEMENTS
+_SIZE_MAX = (1 << 64) - 1
+_FIRST_READ = 64 << 10
+_INT64_MAX = (1 << 63) - 1
+
+# Value types: their ids, and the bytes of the fixed-size ones.
+STRING, ARRAY = 8, 9
+VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+VALUE_TYPE_NAMES = {
+    0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
+    8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
+}  # fmt: skip
+_UINT32 = 4
+ALIGNMENT_KEY = "general.alignment"
+
+
+def sniff(first: bytes, name: str) -> bool:
+    """A GGUF begins with its magic, whatever its name; a byte-swapped one too (refused with a hint)."""
+    return first[:4] == MAGIC
+
+
+class _Fault(Exception):
+    """What is wrong where the table cannot be read any further (its reason; the tensor, if any)."""
+
+    def __init__(self, reason: str, tensor: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.tensor = tensor
+
+
+class _Cursor:
+    """The table's bytes, read as they are needed, in pieces twice as long each time."""
+
+    def __init__(self, read: Reader, size: int) -> None:
+        self._read = read
+        self.size = size
+        self._buffer = bytearray()
+        self.position = 0
+
+    def need(self, count: int, what: str) -> None:
+        """Make `count` more bytes from the position available; _Fault when the file (or the bound) ends first."""
+        end = self.position + count
+        if end <= len(self._buffer):
+            return
+        if end > self.size:
+            raise _Fault(f"{what} runs past the end of the file ({self.size} bytes): truncated")
+        if end > MAX_TABLE_BYTES:
+            raise _Fault(f"{what} runs past {MAX_TABLE_BYTES:,} bytes: the table is too large")
+        want = min(self.size, MAX_TABLE_BYTES, max(end, 2 * len(self._buffer), _FIRST_READ))
+        self._buffer += self._read(len(self._buffer), want - len(self._buffer))
+        if end > len(self._buffer):  # a reader of a table's first bytes alone gives no more
+            raise _Fault(f"{what} runs past the table's first {len(self._buffer):,} bytes: truncated")
+
+    def take(self, count: int, what: str) -> memoryview:
+        self.need(count, what)
+        start = self.position
+        self.position += count
+        return memoryview(self._buffer)[start : self.position]
+
+    def u32(self, what: str) -> int:
+        return int.from_bytes(self.take(4, what), "little")
+
+    def u64(self, what: str) -> int:
+        return int.from_bytes(self.take(8, what), "little")
+
+    def string(self, what: str) -> str:
+        """A string: UTF-8 without NUL (keys and names become JSON and file names)."""
+        raw = self.take(_string_length(self, what), what)
+        try:
+            text = str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise _Fault(f"{what} is not valid UTF-8") from None
+        if "\0" in text:
+            raise _Fault(f"{what} holds a NUL byte")
+        return text
+
+    def left(self) -> int:
+        return self.size - self.position
+
+
+def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader:
+    """The validated table of the GGUF at `path` (`size` bytes, shown as `label`), its bytes had from
+    `read(offset, count)`. Tensor data is never read. InvalidModelError listing what is wrong."""
+    cursor = _Cursor(read, size)
+    try:
+        version, n_tensors, n_kv = _preamble(cursor)
+        kv_start = cursor.position
+        alignment = _skip_pairs(cursor, n_kv)
+        kv_end = cursor.position
+        infos = _tensor_infos(cursor, n_tensors)
+    except _Fault as fault:
+        raise InvalidModelError([Problem(label, fault.reason, fault.tensor)]) from None
+    # No tensor, no data section: llama.cpp pads only before tensors (older writers pad anyway).
+    data_start = _padded(cursor.position, alignment) if infos else cursor.position
+    problems: list[Problem] = []
+    entries = _entries(infos, alignment, data_start, size, label, problems)
+    if problems:
+        raise InvalidModelError(problems)
+    layout = {"version": version, "alignment": alignment, "kv_start": kv_start, "kv_end": kv_end, "kv_count": n_kv}
+    return ShardHeader(path, size, data_start, entries, None, "gguf", layout)
+
+
+def fits(begins: list[int], ends: list[int], data_start: int, size: int, layout: Any) -> bool:
+    """Whether tensors at these offsets (sorted) could be a GGUF's: aligned, in order, none past the next
+    one's start, the last inside the file."""
+    alignment = layout["alignment"]
+    return (
+        data_start % alignment == 0
+        and all(begin % alignment == 0 for begin in begins)
+        and all(end <= begin for end, begin in zip(ends, begins[1:], strict=False))
+        and data_start + (ends or [0])[-1] <= size
+    )
+
+
+def table_bytes(first: bytes, size: int) -> int:
+    """How many of a file's first bytes its table takes, as far as `first` tells: all of it when the
+    table ends within `first`, else at least twice as many as `first` (a store is asked again)."""
+    cursor = _Cursor(_only(first), min(size, len(first)))
+    try:
+        _, n_tensors, n_kv = _preamble(cursor)
+        _skip_pairs(cursor, n_kv)
+        _tensor_infos(cursor, n_tensors)
+    except _Fault:
+        if len(first) >= size or len(first) >= MAX_TABLE_BYTES:
+            return len(first)  # refused from what there is
+        return min(size, MAX_TABLE_BYTES, max(2 * len(first), _FIRST_READ))
+    return cursor.position
+
+
+def _only(first: bytes) -> Reader:
+    def read(offset: int, count: int) -> bytes:
+        return first[offset : offset + count]
+
+    return read
+
+
+def _preamble(cursor: _Cursor) -> tuple[int, int, int]:
+    if cursor.size < 4 or bytes(cursor.take(4, "the magic")) != MAGIC:
+        raise _Fault("not a GGUF file (no GGUF magic)")
+    version = cursor.u32("the version")
+    if version not in VERSIONS:
+        if version and version & 0xFFFF == 0:  # as llama.cpp tells byte-swapped files
+            raise _Fault("a big-endian GGUF: tensorfs reads little-endian GGUF only (convert it with gguf's tools)")
+        if version == 1:
+            raise _Fault("GGUF version 1 is not supported: convert it to version 3 (llama.cpp's convert scripts)")
+        raise _Fault(f"GGUF version {version} is not one tensorfs reads (2 and 3)")
+    n_tensors = cursor.u64("the tensor count")
+    n_kv = cursor.u64("the key/value count")
+    # Each tensor info takes at least 8 + 4 + 4 + 8 bytes (an empty name, no dimension), each pair
+    # at least 8 + 4 + 1: a count that cannot fit is refused before anything is made of it.
+    if n_tensors > cursor.left() // 24:
+        raise _Fault(f"{n_tensors:,} tensors cannot fit in the {cursor.left():,} bytes left: truncated or corrupt")
+    if n_kv > cursor.left() // 13:
+        raise _Fault(f"{n_kv:,} key/value pairs cannot fit in the {cursor.left():,} bytes left: truncated or corrupt")
+    return version, n_tensors, n_kv
+
+
+def _skip_pairs(cursor: _Cursor, count: int) -> int:
+    """Step over `count` key/value pairs, checking each; the alignment they set (or the default)."""
+    keys: set[str] = set()
+    alignment = DEFAULT_ALIGNMENT
+    for number in range(count):
+        key = cursor.string(f"key {number}")
+        if not key:
+            raise _Fault(f"key {number} is empty")
+        if key in keys:
+            raise _Fault(f"key '{printable(key)}' appears twice")
+        keys.add(key)
+        kind = cursor.u32(f"the type of key '{printable(key)}'")
+        if key == ALIGNMENT_KEY:
+            if kind != _UINT32:
+                raise _Fault(f"{ALIGNMENT_KEY} is {VALUE_TYPE_NAMES.get(kind, kind)}, not UINT32")
+            alignment = cursor.u32(ALIGNMENT_KEY)
+            if alignment == 0 or alignment & (alignment - 1):
+                raise _Fault(f"{ALIGNMENT_KEY} {alignment} is not a power of two")
+            continue
+        _skip_value(cursor, kind, f"the value of key '{printable(key)}'")
+    return alignment
+
+
+def _skip_value(cursor: _Cursor, kind: int, what: str) -> None:
+    if kind in VALUE_SIZES:
+        cursor.take(VALUE_SIZES[kind], what)
+    elif kind == STRING:
+        _skip_string(cursor, what)
+    elif kind == ARRAY:
+        item = cursor.u32(f"the element type of {what}")
+        count = cursor.u64(f"the length of {what}")
+        if count > MAX_ARRAY_ITEMS:
+            raise _Fault(f"{what}: an array of {count:,} elements, over GGUF's limit of {MAX_ARRAY_ITEMS:,}")
+        if item in VALUE_SIZES:
+            if count > cursor.left() // VALUE_SIZES[item]:
+                raise _Fault(f"{what}: an array of {count:,} elements, more than the file holds")
+            cursor.take(count * VALUE_SIZES[item], what)
+        elif item == STRING:
+            if count > cursor.left() // 8:
+                raise _Fault(f"{what}: an array of {count:,} strings, more than the file holds")
+            for _ in range(count):
+                _skip_string(cursor, what)
+        elif item == ARRAY:
+            raise _Fault(f"{what}: an array of arrays, which GGUF readers do not take")
+        else:
+            raise _Fault(f"{what}: an array of unknown type {item}")
+    else:
+        raise _Fault(f"{what}: unknown type {kind}")
+
+
+def _skip_string(cursor: _Cursor, what: str) -> None:
+    cursor.take(_string_length(cursor, what), what)
+
+
+def _string_length(cursor: _Cursor, what: str) -> int:
+    length = cursor.u64(f"the length of {what}")
+    if length > MAX_STRING_BYTES:
+        raise _Fault(f"{what}: a string of {length:,} bytes, over GGUF's limit of {MAX_STRING_BYTES:,}")
+    if length > cursor.left():
+        raise _Fault(f"{what}: a string of {length:,} bytes, more than the file holds")
+    return length
+
+
+_Info = tuple[str, list[int], DType, int]  # name, dims as stored (innermost first), type, offset
+
+
+def _tensor_infos(cursor: _Cursor, count: int) -> list[_Info]:
+    infos: list[_Info] = []
+    names: set[str] = set()
+    for number in range(count):
+        name = cursor.string(f"the name of tensor {number}")
+        if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+            raise _Fault(f"its name is over {MAX_NAME_BYTES} bytes (GGML_MAX_NAME)", name)
+        if name in names:
+            raise _Fault("the name appears twice", name)
+        names.add(name)
+        n_dims = cursor.u32("its dimension count")
+        if n_dims > MAX_DIMS:
+            raise _Fault(f"{n_dims} dimensions: GGUF tensors have at most {MAX_DIMS}", name)
+        dims = [cursor.u64("a dimension") for _ in range(n_dims)]
+        type_id = cursor.u32("its type")
+        offset = cursor.u64("its offset")
+        dtype = GGML_TYPES.get(type_id)
+        if dtype is None:
+            raise _Fault(f"unknown ggml type {type_id}", name)
+        if any(dim > _INT64_MAX for dim in dims):
+            raise _Fault(f"a dimension of {dims} is negative (as int64)", name)
+        ne = [*dims, 1, 1, 1, 1][:MAX_DIMS]
+        if all(ne) and (  # llama.cpp's checks, as it makes them (integer division, <=)
+            _INT64_MAX // ne[1] <= ne[0]
+            or _INT64_MAX // ne[2] <= ne[0] * ne[1]
+            or _INT64_MAX // ne[3] <= ne[0] * ne[1] * ne[2]
+        ):
+            raise _Fault(f"dimensions {dims} hold more than {_INT64_MAX} elements", name)
+        if ne[0] % dtype.block_size:
+            raise _Fault(
+                f"its first dimension {ne[0]} is not a multiple of {dtype.name}'s block size {dtype.block_size}", name
+            )
+        if ne[0] * ne[1] * ne[2] * ne[3] // dtype.block_size > _SIZE_MAX // (dtype.type_size or dtype.bits // 8):
+            raise _Fault(f"dimensions {dims} hold more bytes than a 64-bit size", name)
+        infos.append((name, dims, dtype, offset))
+    return infos
+
+
+def _nbytes(dims: list[int], dtype: DType) -> int:
+    elements = 1
+    for dim in dims:
+        elements *= dim
+    if dtype.block_size > 1:
+        return elements // dtype.block_size * dtype.type_size
+    return elements * dtype.bits // 8
+
+
+def _padded(offset: int, alignment: int) -> int:
+    return offset + -offset % alignment
+
+
+def _entries(
+    infos: list[_Info], alignment: int, data_start: int, size: int, label: str, problems: list[Problem]
+) -> list[Entry]:
+    """Each tensor where the previous one's data ends, padded to the alignment, and the data in the
+    file; the first tensor out of place is the problem (those after it follow from it)."""
+    entries: list[Entry] = []
+    expected = 0
+    for name, dims, dtype, offset in infos:
+        nbytes = _nbytes(dims, dtype)
+        if offset != expected:
+            if offset % alignment:
+                why = f"its offset {offset} is not a multiple of the alignment {alignment}"
+            else:
+                why = f"its offset {offset} is not {expected}, where the tensor before it ends (padded to {alignment})"
+            problems.append(Problem(label, why, name))
+            return []
+        entries.append((offset, offset + nbytes, name, dtype, dims[::-1]))
+        expected = _padded(offset + nbytes, alignment)
+    if data_start + expected > size:
+        problems.append(
+            Problem(
+                label,
+                f"its tensor data runs to byte {data_start + expected:,} (padded to {alignment}), "
+                f"past the end of the file ({size:,} bytes)",
+                infos[-1][0],
+            )
+        )
+    return entries
+
+
+def file_metadata(header: ShardHeader, read: Reader) -> dict[str, Any]:
+    """What the file says of itself: its key/value pairs, decoded (see metadata())."""
+    return metadata(read, header.layout or {})
+
+
+def metadata(read: Reader, layout: dict[str, int]) -> dict[str, Any]:
+    """The key/value pairs of a GGUF whose table is `layout` (ShardHeader.layout), decoded: arrays
+    whole, numbers as numbers, strings as text (bytes that are not UTF-8 replaced: values are not
+    held to it, as llama.cpp does not hold them). Validated already: read again only when asked."""
+    start, end = layout["kv_start"], layout["kv_end"]
+    raw = read(start, end - start)
+    cursor = _Cursor(_only(raw), len(raw))
+    pairs: dict[str, Any] = {}
+    for _ in range(layout["kv_count"]):
+        key = cursor.string("a key")
+        kind = cursor.u32("a type")
+        pairs[key] = _value(cursor, kind)
+    return pairs
+
+
+def _value(cursor: _Cursor, kind: int) -> Any:
+    if kind in VALUE_SIZES:
+        return struct.unpack("<" + _VALUE_FORMATS[kind], cursor.take(VALUE_SIZES[kind], "a value"))[0]
+    if kind == STRING:
+        return _text(cursor)
+    item = cursor.u32("an element type")
+    count = cursor.u64("an array length")
+    if item in VALUE_SIZES:
+        return list(
+            struct.unpack(f"<{count}{_VALUE_FORMATS[item]}", cursor.take(count * VALUE_SIZES[item], "an array"))
+        )
+    return [_text(cursor) for _ in range(count)]
+
+
+def _text(cursor: _Cursor) -> str:
+    return str(cursor.take(cursor.u64("a length"), "a string"), "utf-8", "replace")
+
+
+def pairs(read: Reader, layout: dict[str, int]) -> list[tuple[str, bytes]]:
+    """Each key/value pair of a GGUF whose table is `layout`, as its key and its bytes in the file
+    (key, type, value): what a GGUF made of the file's tensors carries over as it is."""
+    start, end = layout["kv_start"], layout["kv_end"]
+    raw = read(start, end - start)
+    cursor = _Cursor(_only(raw), len(raw))
+    found: list[tuple[str, bytes]] = []
+    for _ in range(layout["kv_count"]):
+        begin = cursor.position
+        key = cursor.string("a key")
+        _skip_value(cursor, cursor.u32("a type"), "a value")
+        found.append((key, raw[begin : cursor.position]))
+    return found
+
+
+def alignment_pair(alignment: int) -> bytes:
+    """The key/value pair that sets the alignment (for a GGUF whose source had none: the default)."""
+    return _string(ALIGNMENT_KEY) + struct.pack("<II", _UINT32, alignment)
+
+
+def table(version: int, pairs: list[bytes], infos: list[tuple[str, list[int], DType, int]], alignment: int) -> bytes:
+    """A GGUF's first bytes: magic, version, counts, the pairs (each as its bytes), the tensor infos
+    (name, dimensions as stored, type, offset from the data's start), padded to `alignment`."""
+    parts = [MAGIC, struct.pack("<IQQ", version, len(infos), len(pairs)), *pairs]
+    for name, dims, dtype, offset in infos:
+        parts += [_string(name), struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML_ID[dtype.name], offset)]
+    head = b"".join(parts)
+    return head + bytes(-len(head) % alignment)
+
+
+def _string(text: str) -> bytes:
+    encoded = text.encode("utf-8")
+    return struct.pack("<Q", len(encoded)) + encoded

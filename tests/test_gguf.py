@@ -1,0 +1,451 @@
+"""GGUF behind the formats/ seam: tables the `gguf` package (the reference reader) agrees with, every
+rule of llama.cpp's reader enforced in one line, and every command, the mount, its view and the loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGUFReader
+from gguf_files import ARRAY, F32, STRING, U8, U32, info, pair, raw_gguf, row_bytes, string, write_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorfs
+from conftest import Mounts
+from helpers import random_bytes
+from servers import Nginx, SeaweedFS
+from tensorfs.dtypes import GGML_TYPES
+from tensorfs.errors import InvalidModelError
+from tensorfs.formats import gguf
+from tensorfs.formats.table import ShardHeader
+
+EVERY_TYPE = sorted(GGML_TYPES.values(), key=lambda dtype: dtype.name)
+WRITTEN_RIGHT = [dtype for dtype in EVERY_TYPE if dtype.name != "Q8_1"]
+"""The types the reference writer writes as ggml reads them: its Q8_1 blocks are 40 bytes, ggml's 36."""
+
+
+def table_of(path: Path) -> ShardHeader:
+    data = path.read_bytes()
+    return gguf.read_table(lambda offset, count: data[offset : offset + count], len(data), path, str(path))
+
+
+def reference(path: Path) -> dict[str, tuple[str, list[int], int, int, bytes]]:
+    """Each tensor as GGUFReader reads it: type, dims as stored, data offset, bytes."""
+    reader = GGUFReader(str(path))
+    return {
+        t.name: (t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset), t.n_bytes, t.data.tobytes())
+        for t in reader.tensors
+    }
+
+
+def every_type(path: Path, seed: int = 0) -> dict[str, bytes]:
+    """One tensor of each ggml type, two rows of two blocks, and a 1-d one of one block."""
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for dtype in WRITTEN_RIGHT:
+        tensors[f"blk.0.{dtype.name.lower()}.weight"] = (dtype.name, [2, 2 * dtype.block_size])
+        tensors[f"blk.1.{dtype.name.lower()}.bias"] = (dtype.name, [dtype.block_size])
+    return write_gguf(path, tensors, {"general.name": "every type", "x.list": [1, 2, 3]}, seed)
+
+
+def test_the_type_table_is_the_reference_packages_but_q8_1() -> None:
+    ours = {
+        number: (dtype.name, dtype.block_size, dtype.type_size or dtype.bits // 8)
+        for number, dtype in GGML_TYPES.items()
+    }
+    theirs = {int(t): (t.name, *sizes) for t, sizes in GGML_QUANT_SIZES.items()}
+    assert ours == {**theirs, 9: ("Q8_1", 32, 36)}  # ggml's block_q8_1: two halves and 32 bytes
+    assert theirs[9] == ("Q8_1", 32, 40)
+
+
+def test_a_q8_1_tensor_is_read_as_ggml_reads_it(tmp_path: Path) -> None:
+    path = tmp_path / "q8_1.gguf"
+    path.write_bytes(raw_gguf([], [info("q", [64], 9, 0)], bytes(96)))  # two 36-byte blocks, padded to 96
+    assert [(e[3].name, e[1] - e[0]) for e in table_of(path).entries] == [("Q8_1", 72)]
+
+
+def test_tables_are_the_reference_readers(tmp_path: Path) -> None:
+    path = tmp_path / "every.gguf"
+    written = every_type(path)
+    table = table_of(path)
+    expected = reference(path)
+    assert table.format == "gguf" and table.data_start % 32 == 0
+    found = {}
+    for begin, end, name, dtype, shape in table.entries:
+        content = path.read_bytes()[table.data_start + begin : table.data_start + end]
+        found[name] = (dtype.name, shape[::-1], table.data_start + begin, end - begin, content)
+    assert found == expected
+    assert {name: row[4] for name, row in found.items()} == written
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.sampled_from(WRITTEN_RIGHT), st.lists(st.integers(1, 3), min_size=0, max_size=3), st.integers(1, 3)
+        ),
+        min_size=0,
+        max_size=6,
+    ),
+    alignment=st.sampled_from([None, 1, 8, 64]),
+    seed=st.integers(0, 1000),
+)
+def test_generated_files_are_the_reference_readers(
+    tmp_path_factory: pytest.TempPathFactory, shapes: list[tuple[Any, list[int], int]], alignment: int | None, seed: int
+) -> None:
+    path = tmp_path_factory.mktemp("gen") / "m.gguf"
+    tensors = {
+        f"t{i}": (dtype.name, [*rows, blocks * dtype.block_size]) for i, (dtype, rows, blocks) in enumerate(shapes)
+    }
+    write_gguf(path, tensors, seed=seed, alignment=alignment)
+    table = table_of(path)
+    expected = reference(path)
+    assert {e[2]: (e[3].name, e[4][::-1], table.data_start + e[0], e[1] - e[0]) for e in table.entries} == {
+        name: row[:4] for name, row in expected.items()
+    }
+
+
+def test_metadata_is_every_pair_decoded(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    pairs = {
+        "a.text": "héllo",
+        "a.count": 7,
+        "a.ratio": 0.5,
+        "a.flag": True,
+        "a.ints": [1, 2, 3],
+        "a.words": ["x", "yz"],
+    }
+    write_gguf(path, {"w": ("F32", [4])}, pairs)
+    table = table_of(path)
+    data = path.read_bytes()
+    decoded = gguf.metadata(lambda offset, count: data[offset : offset + count], table.layout or {})
+    assert decoded == {"general.architecture": "llama", **pairs}
+    reader = GGUFReader(str(path))
+    assert set(decoded) == {key for key in reader.fields if not key.startswith("GGUF.")}
+
+
+def malformed() -> dict[str, tuple[bytes, str]]:
+    """Files breaking one rule each, and what the one-line error must say."""
+    w = [info("w", [8], 0, 0)]  # one F32 tensor of 8 elements: 32 bytes
+    data = bytes(32)
+    q4 = [info("q", [33], 2, 0)]  # Q4_0 of 33 elements: not whole blocks
+    cases = {
+        "version 0": (raw_gguf([], w, data, version=0), "GGUF version 0 is not one tensorfs reads"),
+        "version 1": (raw_gguf([], w, data, version=1), "GGUF version 1 is not supported"),
+        "version 4": (raw_gguf([], w, data, version=4), "GGUF version 4 is not one tensorfs reads"),
+        "big-endian": (b"GGUF" + struct.pack(">IQQ", 3, 0, 0), "big-endian GGUF"),
+        "truncated": (raw_gguf([], w, data)[:30], "truncated"),
+        "truncated info": (
+            raw_gguf([], w, data)[:50],
+            "its offset runs past the end of the file (50 bytes): truncated",
+        ),
+        "too many tensors": (raw_gguf([], w, data, counts=(1 << 40, 0)), "tensors cannot fit"),
+        "too many pairs": (raw_gguf([], w, data, counts=(1, 1 << 40)), "key/value pairs cannot fit"),
+        "long string": (raw_gguf([pair("k", STRING, struct.pack("<Q", 1000))], w, data), "more than the file holds"),
+        "long array": (
+            raw_gguf([pair("k", ARRAY, struct.pack("<IQ", U32, 1000))], w, data),
+            "more than the file holds",
+        ),
+        "nested array": (raw_gguf([pair("k", ARRAY, struct.pack("<IQ", ARRAY, 1))], w, data), "an array of arrays"),
+        "unknown value type": (raw_gguf([pair("k", 13, b"")], w, data), "unknown type 13"),
+        "empty key": (raw_gguf([pair("", U8, b"\0")], w, data), "key 0 is empty"),
+        "NUL in a name": (raw_gguf([], [info(b"w\0x", [8], 0, 0)], data), "holds a NUL byte"),
+        "string over 2^30": (
+            raw_gguf([pair("k", STRING, struct.pack("<Q", (1 << 30) + 1))], w, data),
+            "over GGUF's limit of 1,073,741,824",
+        ),
+        "array over 2^30": (
+            raw_gguf([pair("k", ARRAY, struct.pack("<IQ", U8, (1 << 30) + 1))], w, data),
+            "over GGUF's limit of 1,073,741,824",
+        ),
+        "negative dimension": (raw_gguf([], [info("w", [(1 << 64) - 8], 0, 0)], data), "is negative"),
+        "removed type": (raw_gguf([], [info("w", [32], 31, 0)], data), "unknown ggml type 31"),
+        "key twice": (raw_gguf([pair("k", U8, b"\0"), pair("k", U8, b"\0")], w, data), "key 'k' appears twice"),
+        "alignment not u32": (
+            raw_gguf([pair("general.alignment", U8, b"\x20")], w, data),
+            "general.alignment is UINT8, not UINT32",
+        ),
+        "alignment 0": (
+            raw_gguf([pair("general.alignment", U32, struct.pack("<I", 0))], w, data),
+            "not a power of two",
+        ),
+        "alignment 48": (
+            raw_gguf([pair("general.alignment", U32, struct.pack("<I", 48))], w, data, alignment=48),
+            "not a power of two",
+        ),
+        "key not UTF-8": (raw_gguf([pair(b"\xff", U8, b"\0")], w, data), "not valid UTF-8"),
+        "long name": (raw_gguf([], [info("n" * 64, [8], 0, 0)], data), "over 63 bytes"),
+        "name twice": (raw_gguf([], [info("w", [8], 0, 0), info("w", [8], 0, 32)], data * 2), "appears twice"),
+        "five dimensions": (raw_gguf([], [info("w", [1, 1, 1, 1, 8], 0, 0)], data), "5 dimensions"),
+        "overflow": (raw_gguf([], [info("w", [1 << 32, 1 << 32], 0, 0)], data), "more than 9223372036854775807"),
+        "unknown type": (raw_gguf([], [info("w", [8], 4, 0)], data), "unknown ggml type 4"),
+        "partial block": (raw_gguf([], q4, bytes(64)), "not a multiple of Q4_0's block size 32"),
+        "misaligned": (
+            raw_gguf([], [info("w", [8], 0, 0), info("v", [8], 0, 40)], data * 3),
+            "not a multiple of the alignment",
+        ),
+        "overlap": (
+            raw_gguf([], [info("w", [8], 0, 0), info("v", [8], 0, 0)], data * 2),
+            "not 32, where the tensor before",
+        ),
+        "past the end": (raw_gguf([], w, data[:16]), "past the end of the file"),
+        "last not padded": (raw_gguf([], [info("w", [7], 0, 0)], bytes(28)), "past the end of the file"),
+    }
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(malformed()))
+def test_each_rule_is_one_line_naming_the_file(case: str, tmp_path: Path) -> None:
+    content, expected = malformed()[case]
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(InvalidModelError) as raised:
+        table_of(path)
+    message = str(raised.value)
+    assert expected in message and message.count("\n") == 0 and message.startswith(str(path)), message
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "validate", "--no-cache", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_what_llama_cpp_takes_is_taken(tmp_path: Path) -> None:
+    """The hand-made files above break one rule each: the same made right is valid, and so are the
+    edges llama.cpp takes (no dimension, a dimension of 0, a 63-byte name, bytes after the data)."""
+    path = tmp_path / "good.gguf"
+    infos = [info("w", [7], 0, 0), info("s", [], 0, 32), info("z", [0, 4], 2, 64), info("n" * 63, [2], 0, 64)]
+    path.write_bytes(raw_gguf([pair("k", F32, struct.pack("<f", 1.0))], infos, bytes(96) + b"trailing"))
+    table = table_of(path)
+    assert [(e[2], e[3].name, e[4], e[1] - e[0]) for e in table.entries] == [
+        ("w", "F32", [7], 28),
+        ("s", "F32", [], 4),
+        ("z", "Q4_0", [4, 0], 0),
+        ("n" * 63, "F32", [2], 8),
+    ]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_files_are_refused_or_agree_with_the_reference(
+    tmp_path_factory: pytest.TempPathFactory, data: Any
+) -> None:
+    """Bytes of a valid file flipped or cut: tensorfs refuses in one InvalidModelError, or its table is
+    what the reference reader reads (never a crash, never a table the reference disagrees with)."""
+    directory = tmp_path_factory.mktemp("fuzz")
+    source = directory / "m.gguf"
+    if not source.exists():
+        write_gguf(source, {"a": ("F32", [2, 8]), "b": ("Q8_0", [32]), "c": ("F16", [4])}, {"k.list": ["x", "y"]})
+    content = bytearray(source.read_bytes())
+    table_end = table_of(source).data_start
+    for _ in range(data.draw(st.integers(1, 4))):
+        content[data.draw(st.integers(0, table_end - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del content[data.draw(st.integers(0, len(content))) :]
+    damaged = directory / "damaged.gguf"
+    damaged.write_bytes(bytes(content))
+    try:
+        table = table_of(damaged)
+    except InvalidModelError as exc:
+        assert str(exc).count("\n") == 0, str(exc)  # one problem: the rest would follow from it
+        return
+    expected = reference(damaged)
+    assert {e[2]: (e[3].name, e[4][::-1], table.data_start + e[0], e[1] - e[0]) for e in table.entries} == {
+        name: row[:4] for name, row in expected.items()
+    }
+
+
+def test_the_mount_serves_each_tensor_and_a_gguf_view(mounts: Mounts, tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    written = every_type(path)
+    mountpoint = mounts.mount(path)
+    expected = reference(path)
+    for name, (type_name, dims, offset, nbytes, content) in expected.items():
+        assert (mountpoint / name).read_bytes() == content == written[name]
+        meta = json.loads((mountpoint / f"{name}.meta.json").read_bytes())
+        dtype = GGML_TYPES[next(t for t, d in GGML_TYPES.items() if d.name == type_name)]
+        assert meta == {
+            "name": name,
+            "dtype": type_name,
+            "shape": dims[::-1],
+            "nbytes": nbytes,
+            "shard": "model.gguf",
+            "offset": offset,
+            "data_offsets": [offset - table_of(path).data_start, offset - table_of(path).data_start + nbytes],
+            "numpy_dtype": dtype.numpy_name,
+            "gguf_dims": dims,
+            "block_size": dtype.block_size,
+            "type_size": dtype.type_size or dtype.bits // 8,
+        }
+        assert (mountpoint / f"{name}.meta.json").stat().st_size == len((mountpoint / f"{name}.meta.json").read_bytes())
+        digest = (mountpoint / f"{name}.sha256").read_text().split()[0]
+        assert digest == hashlib.sha256(content).hexdigest()
+    plain = "blk.0.f32.weight"
+    assert np.array_equal(tensorfs.memmap(mountpoint / plain), np.frombuffer(written[plain], "<f4").reshape(2, 2))
+    view = mountpoint / ".tensorfs" / "model" / "model.gguf"
+    assert view.read_bytes() == path.read_bytes()  # the same tensors, in the same order: the same file
+    assert {name: row[4] for name, row in reference(view).items()} == written
+    checked = subprocess.run(
+        ["sha256sum", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    metadata = json.loads((mountpoint / ".tensorfs" / "metadata.json").read_bytes())
+    assert metadata == {
+        "format": "gguf",
+        "shards": {"model.gguf": {"general.architecture": "llama", "general.name": "every type", "x.list": [1, 2, 3]}},
+    }
+
+
+def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    written = write_gguf(
+        path,
+        {"token_embd.weight": ("F32", [4, 8]), "blk.0.w": ("Q4_K", [1, 256]), "blk.1.w": ("Q8_0", [2, 32])},
+        {"split.count": 1},
+        alignment=64,
+    )
+    mountpoint = mounts.mount(path, "--exclude", "blk.0.*")
+    view = mountpoint / ".tensorfs" / "model" / "selected.gguf"
+    reader = GGUFReader(str(view))
+    assert {t.name: t.data.tobytes() for t in reader.tensors} == {
+        name: data for name, data in written.items() if name != "blk.0.w"
+    }
+    assert "split.count" not in reader.fields and reader.alignment == 64
+    assert reader.fields["general.architecture"].contents() == "llama"
+
+
+def test_the_loader_and_the_commands(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    written = write_gguf(path, {"a": ("F32", [2, 4]), "b": ("Q6_K", [256]), "c": ("BF16", [3, 2])})
+    with tensorfs.safe_open(path, "np") as opened:
+        assert opened.keys() == ["a", "b", "c"]
+        assert np.array_equal(opened.get_tensor("a"), np.frombuffer(written["a"], "<f4").reshape(2, 4))
+        assert opened.get_tensor("b").tobytes() == written["b"] and opened.get_slice("b").get_dtype() == "Q6_K"
+    pt = tensorfs.load_file(path)
+    assert pt["c"].shape == (3, 2) and pt["b"].numel() == len(written["b"])
+    listed = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "ls", "--json", str(path)], capture_output=True, text=True, check=True
+    )
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(row["name"], row["dtype"], row["gguf_dims"]) for row in rows] == [
+        ("a", "F32", [4, 2]),
+        ("b", "Q6_K", [256]),
+        ("c", "BF16", [2, 3]),
+    ]
+    manifest = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "manifest", str(path)], capture_output=True, text=True, check=True
+    )
+    assert {line.split()[1]: line.split()[0] for line in manifest.stdout.splitlines()} == {
+        name: hashlib.sha256(data).hexdigest() for name, data in written.items()
+    }
+
+
+def test_a_model_is_of_one_format(tmp_path: Path) -> None:
+    from helpers import write_reference
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_gguf(directory / "a.gguf", {"a": ("F32", [4])})
+    write_reference(directory / "b.safetensors", {"b": ("F32", [1], random_bytes(4, 0))})
+    with pytest.raises(
+        InvalidModelError, match=r"is a safetensors file, where .* is gguf: a model's shards are all of one format"
+    ):
+        tensorfs.open_model(directory)
+
+
+def test_remote_models_with_long_tables(
+    nginx: Nginx, seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vocabulary longer than a store's first read: the table is asked for again, twice as long each
+    time; tensors and the GGUF view come through the chunk cache as from a local file."""
+    from tensorfs.sources.store import FIRST_READ, RemoteOptions
+
+    path = tmp_path / "vocab.gguf"
+    words = [f"token-{i}" for i in range(FIRST_READ // 4)]
+    written = write_gguf(path, {"w": ("F32", [4]), "q": ("Q4_K", [2, 256])}, {"tokenizer.ggml.tokens": words})
+    served = nginx.root / tmp_path.name
+    served.mkdir()
+    (served / "vocab.gguf").write_bytes(path.read_bytes())
+    import obstore
+
+    obstore.put(seaweedfs.store(bucket), "m/vocab.gguf", path.read_bytes())
+    sources = {
+        f"{nginx.url}/{tmp_path.name}/vocab.gguf": RemoteOptions(cache_dir=tmp_path / "c1"),
+        f"s3://{bucket}/m/vocab.gguf": RemoteOptions(cache_dir=tmp_path / "c2", endpoint_url=seaweedfs.endpoint),
+    }
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    try:
+        for url, remote in sources.items():
+            with tensorfs.open_model(url, remote=remote) as model:
+                assert {name: bytes(model.raw(name)) for name in model} == written
+                assert model.format == "gguf" and model.info("q").as_json()["gguf_dims"] == [256, 2]
+        gets = [r for r in nginx.requests() if r[1].endswith(f"{tmp_path.name}/vocab.gguf") and r[0] == "GET"]
+        assert 3 <= len(gets) <= 8  # 64 KiB, 128 KiB, 256 KiB, the rest; then the tensors' chunks
+    finally:
+        shutil.rmtree(served, ignore_errors=True)
+
+
+def test_header_cache_rows_keep_the_format(tmp_path: Path) -> None:
+    path = tmp_path / "vocab.gguf"
+    write_gguf(
+        path, {"w": ("F32", [4]), "q": ("Q4_0", [32])}, {"tokenizer.ggml.tokens": [f"t{i}" for i in range(9000)]}
+    )
+    from tensorfs.headercache import HeaderCache
+
+    cache = HeaderCache(tmp_path / "cache")
+    header = table_of(path)
+    cache.put_shard("key", header)
+    again = cache.shard(path, "key")
+    assert again == header and again is not None and again.format == "gguf" and again.layout == header.layout
+    # A row whose layout cannot be a GGUF's (a tensor off the alignment), its checksum made again: not taken.
+    misaligned = dataclasses.replace(header, entries=[(1, 1 + e[1] - e[0], *e[2:]) for e in header.entries[:1]])
+    cache.put_shard("forged", misaligned)
+    assert cache.shard(path, "forged") is None
+    cache.close()
+
+
+def test_an_empty_string_and_a_zero_length_pair_are_values(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(raw_gguf([pair("empty", STRING, string("")), pair("none", ARRAY, struct.pack("<IQ", U8, 0))], []))
+    table = table_of(path)
+    data = path.read_bytes()
+    assert table.entries == [] and gguf.metadata(lambda o, c: data[o : o + c], table.layout or {}) == {
+        "empty": "",
+        "none": [],
+    }
+    assert row_bytes("Q4_K", 256) == 144
+
+
+def test_export_writes_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    written = write_gguf(
+        path, {"token_embd.weight": ("F32", [2, 8]), "blk.0.w": ("Q5_K", [256]), "blk.1.w": ("I8", [3])}
+    )
+
+    def export(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "tensorfs.cli", "export", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    done = export(str(path), str(tmp_path / "copy.gguf"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "copy.gguf").read_bytes() == path.read_bytes()
+    done = export("--layers", "1", str(path), str(tmp_path / "stage"))
+    assert done.returncode == 0, done.stderr
+    assert {t.name: t.data.tobytes() for t in GGUFReader(str(tmp_path / "stage" / "selected.gguf")).tensors} == {
+        "token_embd.weight": written["token_embd.weight"],
+        "blk.1.w": written["blk.1.w"],
+    }
+    refused = export(str(path), str(tmp_path / "out.safetensors"))
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "a gguf model is written as a .gguf file" in refused.stderr
+    assert not (tmp_path / "out.safetensors").exists()
