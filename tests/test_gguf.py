@@ -10,9 +10,11 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import modelvet  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tensorfs
-from conftest import Mounts
+from conftest import Mounts, _server_missing
 from helpers import random_bytes
 from servers import Nginx, SeaweedFS
 from tensorfs.dtypes import GGML_TYPES
@@ -169,6 +171,21 @@ def malformed() -> dict[str, tuple[bytes, str]]:
         ),
         "negative dimension": (raw_gguf([], [info("w", [(1 << 64) - 8], 0, 0)], data), "is negative"),
         "removed type": (raw_gguf([], [info("w", [32], 31, 0)], data), "unknown ggml type 31"),
+        "value not UTF-8": (raw_gguf([pair("k", STRING, string(b"ok\xff"))], w, data), "not valid UTF-8"),
+        "long string in an array not UTF-8": (
+            raw_gguf(
+                [pair("k", ARRAY, struct.pack("<IQ", STRING, 3) + string("a") + string(b"\xe2" * 200) + string("b"))],
+                w,
+                data,
+            ),
+            "a string is not valid UTF-8",
+        ),
+        "a sequence cut at a string's end": (
+            raw_gguf(
+                [pair("k", ARRAY, struct.pack("<IQ", STRING, 2) + string(b"a\xe2\x82") + string(b"\xac"))], w, data
+            ),
+            "a string is not valid UTF-8",
+        ),
         "key twice": (raw_gguf([pair("k", U8, b"\0"), pair("k", U8, b"\0")], w, data), "key 'k' appears twice"),
         "alignment not u32": (
             raw_gguf([pair("general.alignment", U8, b"\x20")], w, data),
@@ -224,7 +241,10 @@ def test_what_llama_cpp_takes_is_taken(tmp_path: Path) -> None:
     edges llama.cpp takes (no dimension, a dimension of 0, a 63-byte name, bytes after the data)."""
     path = tmp_path / "good.gguf"
     infos = [info("w", [7], 0, 0), info("s", [], 0, 32), info("z", [0, 4], 2, 64), info("n" * 63, [2], 0, 64)]
-    path.write_bytes(raw_gguf([pair("k", F32, struct.pack("<f", 1.0))], infos, bytes(96) + b"trailing"))
+    words = [("€" * 100).encode(), b"x" * 300, "é".encode(), bytes(range(1, 128))]  # lengths over 127 too
+    vocabulary = struct.pack("<IQ", STRING, len(words)) + b"".join(map(string, words))
+    pairs = [pair("k", F32, struct.pack("<f", 1.0)), pair("words", ARRAY, vocabulary)]
+    path.write_bytes(raw_gguf(pairs, infos, bytes(96) + b"trailing"))
     table = table_of(path)
     assert [(e[2], e[3].name, e[4], e[1] - e[0]) for e in table.entries] == [
         ("w", "F32", [7], 28),
@@ -232,15 +252,18 @@ def test_what_llama_cpp_takes_is_taken(tmp_path: Path) -> None:
         ("z", "Q4_0", [4, 0], 0),
         ("n" * 63, "F32", [2], 8),
     ]
+    data = path.read_bytes()
+    assert gguf.metadata(_reader(data), table.layout or {})["words"] == [word.decode() for word in words]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_damaged_files_are_refused_or_agree_with_the_reference(
+def test_damaged_files_are_refused_or_agree_with_the_references(
     tmp_path_factory: pytest.TempPathFactory, data: Any
 ) -> None:
     """Bytes of a valid file flipped or cut: tensorfs refuses in one InvalidModelError, or its table is
-    what the reference reader reads (never a crash, never a table the reference disagrees with)."""
+    what the reference reader reads and modelvet accepts the file (never a crash, never a table the
+    reference disagrees with, never a file modelvet refuses)."""
     directory = tmp_path_factory.mktemp("fuzz")
     source = directory / "m.gguf"
     if not source.exists():
@@ -262,6 +285,8 @@ def test_damaged_files_are_refused_or_agree_with_the_reference(
     assert {e[2]: (e[3].name, e[4][::-1], table.data_start + e[0], e[1] - e[0]) for e in table.entries} == {
         name: row[:4] for name, row in expected.items()
     }
+    report = modelvet.verify_path(str(damaged))
+    assert report.accepted, report.violation_name  # nothing modelvet refuses is taken
 
 
 def test_the_mount_serves_each_tensor_and_a_gguf_view(mounts: Mounts, tmp_path: Path) -> None:
@@ -449,3 +474,64 @@ def test_export_writes_a_gguf(tmp_path: Path) -> None:
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "a gguf model is written as a .gguf file" in refused.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# -- real files nobody here wrote ---------------------------------------------------------------
+
+REAL_FILES = Path(sys.prefix) / "test-files"  # fetched by `make test` (scripts/fetch_test_files.py)
+
+
+def real_vocabularies() -> list[Path]:
+    found = sorted(REAL_FILES.glob("ggml-vocab-*.gguf"))
+    if not found:
+        _server_missing("llama.cpp's GGUF vocabularies", f"none in {REAL_FILES}: run make test (it fetches them)")
+    return found
+
+
+def test_real_files_are_the_reference_readers() -> None:
+    for path in real_vocabularies():
+        if path.stat().st_size > 10 << 20:
+            continue  # the reference reader takes seconds on the largest; the next test has it
+        table = table_of(path)
+        reader = GGUFReader(str(path))
+        assert [e[2] for e in table.entries] == [t.name for t in reader.tensors]
+        decoded = gguf.metadata(_reader(path.read_bytes()), table.layout or {})
+        expected = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+        assert decoded.keys() == expected.keys(), path.name
+        for key, value in decoded.items():
+            assert value == expected[key] or _same_floats(value, expected[key]), (path.name, key)
+
+
+def _reader(data: bytes) -> Callable[[int, int], bytes]:
+    return lambda offset, count: data[offset : offset + count]
+
+
+def _same_floats(ours: Any, theirs: Any) -> bool:
+    """float32 values: the reference reader gives numpy's float32 as Python floats, as they are."""
+    return bool(np.array_equal(np.asarray(ours, dtype=np.float32), np.asarray(theirs, dtype=np.float32)))
+
+
+def test_real_files_mount_with_their_metadata(mounts: Mounts) -> None:
+    largest = max(real_vocabularies(), key=lambda path: path.stat().st_size)
+    assert modelvet.verify_path(str(largest)).accepted
+    mountpoint = mounts.mount(largest)
+    metadata = json.loads((mountpoint / ".tensorfs" / "metadata.json").read_bytes())
+    tokens = metadata["shards"][largest.name]["tokenizer.ggml.tokens"]
+    assert metadata["format"] == "gguf" and len(tokens) > 200_000 and all(isinstance(t, str) for t in tokens)
+    assert (mountpoint / ".tensorfs" / "model" / "model.gguf").read_bytes() == largest.read_bytes()
+
+
+def test_tensorfs_refuses_what_modelvet_refuses(tmp_path: Path) -> None:
+    """modelvet (a C verify-before-load validator): every malformed file above that it refuses,
+    tensorfs refuses too (tensorfs refuses all of them)."""
+    import modelvet
+
+    refused_by_modelvet = []
+    for case, (content, _) in sorted(malformed().items()):
+        path = tmp_path / f"{case.replace(' ', '-')}.gguf"
+        path.write_bytes(content)
+        if not modelvet.verify_path(str(path)).accepted:
+            refused_by_modelvet.append(case)
+        with pytest.raises(InvalidModelError):
+            table_of(path)
+    assert len(refused_by_modelvet) >= len(malformed()) // 2  # the peer is a real check, not a no-op

@@ -8,7 +8,8 @@ under 64 bytes and unique, at most 4 dimensions whose product fits in 63 bits, a
 (removed ones refused) whose block size divides the first dimension, and each tensor's offset
 exactly where the previous one's data ends, padded to the alignment (so aligned, in order, never
 overlapping); the data section, its last tensor padded too, inside the file. tensorfs adds: keys
-and names are UTF-8 without NUL (names become file names). Bytes after the data are allowed, as
+and names are UTF-8 without NUL (names become file names), and every string is UTF-8 (as GGUF's
+specification says, and as modelvet checks). Bytes after the data are allowed, as
 llama.cpp allows them. The type table is ggml's (dtypes.GGML_TYPES).
 
 Pure and bounded: it reads what it is given through `read(offset, count)` in growing pieces (at
@@ -55,6 +56,7 @@ VALUE_TYPE_NAMES = {
     8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
 }  # fmt: skip
 _UINT32 = 4
+_U64 = struct.Struct("<Q")
 ALIGNMENT_KEY = "general.alignment"
 
 
@@ -94,6 +96,11 @@ class _Cursor:
         self._buffer += self._read(len(self._buffer), want - len(self._buffer))
         if end > len(self._buffer):  # a reader of a table's first bytes alone gives no more
             raise _Fault(f"{what} runs past the table's first {len(self._buffer):,} bytes: truncated")
+
+    @property
+    def buffer(self) -> bytearray:
+        """The bytes read so far, from the file's start."""
+        return self._buffer
 
     def take(self, count: int, what: str) -> memoryview:
         self.need(count, what)
@@ -239,8 +246,7 @@ def _skip_value(cursor: _Cursor, kind: int, what: str) -> None:
         elif item == STRING:
             if count > cursor.left() // 8:
                 raise _Fault(f"{what}: an array of {count:,} strings, more than the file holds")
-            for _ in range(count):
-                _skip_string(cursor, what)
+            _skip_strings(cursor, count, what)
         elif item == ARRAY:
             raise _Fault(f"{what}: an array of arrays, which GGUF readers do not take")
         else:
@@ -249,8 +255,48 @@ def _skip_value(cursor: _Cursor, kind: int, what: str) -> None:
         raise _Fault(f"{what}: unknown type {kind}")
 
 
+def _skip_strings(cursor: _Cursor, count: int, what: str) -> None:
+    """Step over `count` strings (a vocabulary: 262k of them), each UTF-8: those wholly in the bytes
+    read so far in a tight loop, the one across their end the careful way (which reads more)."""
+    unpack = _U64.unpack_from
+    start = cursor.position
+    long: list[int] = []  # where the strings of over 127 bytes begin (their lengths' bytes may be too)
+    done = 0
+    while done < count:
+        buffer, position = cursor.buffer, cursor.position
+        end = len(buffer)
+        while done < count and position + 8 <= end:
+            length = unpack(buffer, position)[0]
+            following = position + 8 + length
+            if following > end:  # past what was read (or past the file: the careful way says)
+                break
+            if length > 127:
+                long.append(position)
+            position = following
+            done += 1
+        cursor.position = position
+        if done < count:
+            _skip_string(cursor, what)
+            if cursor.position - position > 135:
+                long.append(position)
+            done += 1
+    # UTF-8 checked in a few decodes: a run of strings with their lengths between them is UTF-8
+    # exactly when each string is, if no length has a byte over 127 (a sequence cut short, or begun,
+    # at a string's edge meets a length's bytes and fails); runs are cut at the longer ones' lengths.
+    view = memoryview(cursor.buffer)
+    edges = [start, *(edge for begin in long for edge in (begin, begin + 8)), cursor.position]
+    for begin, finish in zip(edges[::2], edges[1::2], strict=True):
+        try:
+            str(view[begin:finish], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Fault(f"{what}: a string is not valid UTF-8 (byte {begin + exc.start:,})") from None
+
+
 def _skip_string(cursor: _Cursor, what: str) -> None:
-    cursor.take(_string_length(cursor, what), what)
+    try:
+        str(cursor.take(_string_length(cursor, what), what), "utf-8")
+    except UnicodeDecodeError:
+        raise _Fault(f"{what} is not valid UTF-8") from None
 
 
 def _string_length(cursor: _Cursor, what: str) -> int:
@@ -353,8 +399,7 @@ def file_metadata(header: ShardHeader, read: Reader) -> dict[str, Any]:
 
 def metadata(read: Reader, layout: dict[str, int]) -> dict[str, Any]:
     """The key/value pairs of a GGUF whose table is `layout` (ShardHeader.layout), decoded: arrays
-    whole, numbers as numbers, strings as text (bytes that are not UTF-8 replaced: values are not
-    held to it, as llama.cpp does not hold them). Validated already: read again only when asked."""
+    whole, numbers as numbers, strings as text. Validated already: read again only when asked."""
     start, end = layout["kv_start"], layout["kv_end"]
     raw = read(start, end - start)
     cursor = _Cursor(_only(raw), len(raw))
@@ -381,7 +426,7 @@ def _value(cursor: _Cursor, kind: int) -> Any:
 
 
 def _text(cursor: _Cursor) -> str:
-    return str(cursor.take(cursor.u64("a length"), "a string"), "utf-8", "replace")
+    return str(cursor.take(cursor.u64("a length"), "a string"), "utf-8")
 
 
 def pairs(read: Reader, layout: dict[str, int]) -> list[tuple[str, bytes]]:
@@ -406,12 +451,13 @@ def alignment_pair(alignment: int) -> bytes:
 
 def table(version: int, pairs: list[bytes], infos: list[tuple[str, list[int], DType, int]], alignment: int) -> bytes:
     """A GGUF's first bytes: magic, version, counts, the pairs (each as its bytes), the tensor infos
-    (name, dimensions as stored, type, offset from the data's start), padded to `alignment`."""
+    (name, dimensions as stored, type, offset from the data's start), padded to `alignment` when
+    there are tensors (as read_table has it)."""
     parts = [MAGIC, struct.pack("<IQQ", version, len(infos), len(pairs)), *pairs]
     for name, dims, dtype, offset in infos:
         parts += [_string(name), struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML_ID[dtype.name], offset)]
     head = b"".join(parts)
-    return head + bytes(-len(head) % alignment)
+    return head + bytes(-len(head) % alignment) if infos else head  # no tensor, no data to align
 
 
 def _string(text: str) -> bytes:
