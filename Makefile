@@ -66,6 +66,7 @@ bench: install
 	$(PY) -m tensorfs.cli bench --suite hash
 	$(PY) -m tensorfs.cli bench --suite small
 	$(PY) -m tensorfs.cli bench --suite load
+	$(PY) -m tensorfs.cli bench --suite formats
 
 # Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:

@@ -74,6 +74,13 @@ def test_bench_load_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> None:  # n
     assert report["load_overlap"]["ratio"] > 0 and report["load_overlap"]["reading_seconds"] > 0  # root, here
 
 
+def test_bench_formats_runs(fuse: None, tmp_path: Path) -> None:
+    # --quick: a 16k-token vocabulary, 1/16 GiB of tensors, one try.
+    report = bench_quick("formats", tmp_path, timeout=600)
+    assert report["formats_validate"]["ratio"] > 0 and report["formats_validate_cached"]["seconds"] > 0
+    assert report["formats_mount_gguf"]["ratio"] > 0 and report["formats_read_gguf"]["ratio"] > 0
+
+
 def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> None:
     from tensorfs import bench
     from tensorfs.cli import bench as command
@@ -82,7 +89,7 @@ def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> N
     assert command.SUITES == bench.SUITES == tuple(command.FIELDS)
     # Refused before anything is built (--quick all the same: were one run, it would be short).
     for args, words in (
-        (["--suite", "open", "--gib", "1"], "--gib is for the suites read, remote, hash, load, not open"),
+        (["--suite", "open", "--gib", "1"], "--gib is for the suites read, remote, hash, load, formats, not open"),
         (["--suite", "small", "--shards", "2"], "--shards is for the suites read, remote, open, hash, not small"),
         (["--tensors", "10"], "--tensors is for the suites open, hash, small, not read"),
         (["--suite", "open", "--tensors", "0"], "--tensors 0 only skips hash's model of tiny tensors"),

@@ -7,7 +7,8 @@
 - hash: hashing.py, `tensorfs manifest` against sha256sum, and what the hash cache costs and saves;
 - small: small.py, small files and metadata commands over a mount against a local copy, and the
   pyfuse3 floor's;
-- load: loading.py, the in-process loader against safetensors and the Run:ai Model Streamer.
+- load: loading.py, the in-process loader against safetensors and the Run:ai Model Streamer;
+- formats: formats.py, GGUF against safetensors (mount, reads) and against modelvet (validating).
 
 Why one home: one command that anyone with the package can run on their own machine, no checkout
 needed; one report format, each figure a ratio to its baseline measured in the same run (these
@@ -25,7 +26,7 @@ from .common import Config, Report
 
 __all__ = ["SUITES", "Config", "Report", "main"]
 
-SUITES = ("read", "remote", "open", "hash", "small", "load")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats")
 
 
 def main(config: Config, json_path: Path | None = None, *, suite: str = "read") -> int:
@@ -42,6 +43,8 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
         from .small import run
     elif suite == "load":
         from .loading import run
+    elif suite == "formats":
+        from .formats import run
     else:
         raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
     report = run(config)

@@ -24,7 +24,7 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 READ_SIZE = 1 << 20
 
 
-OWN_FIELDS = {"open": "open_", "hash": "hash_", "small": "small_files_", "load": "load_"}
+OWN_FIELDS = {"open": "open_", "hash": "hash_", "small": "small_files_", "load": "load_", "formats": "formats_"}
 """The prefix of the Config fields of each suite whose defaults differ from the read suite's."""
 
 
@@ -68,6 +68,12 @@ class Config:
     """... of F32 tensors this big ..."""
     load_repeat: int = 3
     """... median of this many tries."""
+    formats_gib: float = 1.0
+    """The formats suite (formats.py): the same tensors this big as GGUF and as safetensors ..."""
+    formats_repeat: int = 3
+    """... median of this many tries (five times as many for validating) ..."""
+    formats_tokens: int = 262_144
+    """... and a GGUF of a vocabulary this long to validate (gemma's)."""
 
     def settings(self, suite: str) -> dict[str, str]:
         """The fields `suite` reads, as text (the JSON report's "config"): the open, hash and small
@@ -103,6 +109,9 @@ class Config:
             load_gib=1 / 16,
             load_tensor_mib=8,
             load_repeat=1,
+            formats_gib=1 / 16,
+            formats_repeat=1,
+            formats_tokens=16_384,
         )
 
 

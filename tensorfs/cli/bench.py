@@ -9,7 +9,7 @@ import click
 from .group import cli
 from .options import READAHEAD_KB, Finite
 
-SUITES = ("read", "remote", "open", "hash", "small", "load")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats")
 """tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
 
 FIELDS: dict[str, dict[str, str]] = {
@@ -19,6 +19,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "hash": {"gib": "hash_gib", "shards": "hash_shards", "repeat": "hash_repeat", "tensors": "hash_small_tensors"},
     "small": {"tensors": "small_files_tensors", "repeat": "small_files_repeat"},
     "load": {"gib": "load_gib", "repeat": "load_repeat"},
+    "formats": {"gib": "formats_gib", "repeat": "formats_repeat"},
 }
 """The Config field each option sets, by suite; an option a suite has no field for is refused."""
 
@@ -84,6 +85,9 @@ def bench(
     load: the in-process loader (tensorfs.safe_open, load_file, verification, tensors() ahead)
     against safetensors and the Run:ai Model Streamer, local and from nginx and SeaweedFS (needs
     FUSE, nginx; root for cold reads). --gib 1, --repeat 3.
+
+    formats: GGUF against safetensors (mounting, reads through the mount) and against modelvet
+    (validating a GGUF with a 262k-token vocabulary); needs FUSE. --gib 1, --repeat 3.
     """
     from .. import bench as benchmark
 

@@ -1,0 +1,225 @@
+"""Formats other than safetensors against safetensors and against their own validators, in one run.
+
+- validating a GGUF with a 262k-token vocabulary (its table as long as a real model's, 8 MB):
+  `tensorfs.open_model` in-process, from scratch, <= 1.0x modelvet (a C validator) on the same
+  file; with its header cached, reported (near zero); the `gguf` package's GGUFReader reported;
+- the same tensors (--gib of them, 64 MiB each, half F16, half Q8_0 in the GGUF, as raw bytes in
+  the safetensors file) as a GGUF and as safetensors: mounting (the command, header cache cold)
+  <= 1.2x, and reading every tensor's file through the mount, page cache warm (both files read in
+  after the caches are dropped, as root), >= 1.0x safetensors.
+
+    tensorfs bench --suite formats [--gib 1] [--repeat 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..loader import open_model
+from ..names import SIDECAR_SUFFIXES as SIDECARS
+from .common import (
+    Config,
+    Mounter,
+    Report,
+    can_drop_caches,
+    drop_caches,
+    read_file,
+    touch_fresh_memory,
+    wait_until_settled,
+)
+
+VALIDATE_BAR, MOUNT_BAR, READ_BAR = 1.0, 1.2, 1.0
+TENSOR_MIB = 64
+
+
+def timed(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def medians(sides: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Each side's median over `repeat` tries, in turns, after an untimed try of each."""
+    for work in sides.values():
+        work()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeat):
+        for name, work in sides.items():
+            times[name].append(timed(work))
+    return {name: statistics.median(found) for name, found in times.items()}
+
+
+def vocabulary_gguf(path: Path, tokens: int) -> None:
+    """A GGUF whose table is a real model's size: a vocabulary, its scores and types."""
+    from gguf import GGUFWriter
+
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"tok{i}-{rng.integers(1 << 30):x}" for i in range(tokens)])
+    writer.add_token_scores(rng.random(tokens, dtype=np.float32).tolist())
+    writer.add_token_types([1] * tokens)
+    writer.add_tensor("token_embd.weight", rng.random((16, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def same_tensors(directory: Path, gib: float) -> tuple[Path, Path]:
+    """One model as a GGUF (F16 and Q8_0 tensors) and as safetensors (the same bytes, U8)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from safetensors.numpy import save_file
+
+    count = max(2, round(gib * 1024 / TENSOR_MIB))
+    rows = TENSOR_MIB << 20 >> 12  # 4 KiB rows
+    writer = GGUFWriter(str(directory / "model.gguf"), "llama")
+    tensors = {}
+    for i in range(count):
+        data = np.random.default_rng(i).integers(0, 256, (rows, 4096), dtype=np.uint8)
+        kind = GGMLQuantizationType.F16 if i % 2 == 0 else GGMLQuantizationType.Q8_0
+        row_bytes = 4096 if kind == GGMLQuantizationType.F16 else 4096 // 34 * 34
+        writer.add_tensor(f"blk.{i}.weight", data[:, :row_bytes], raw_dtype=kind)
+        tensors[f"blk.{i}.weight"] = np.ascontiguousarray(data[:, :row_bytes]).reshape(-1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory / "model.gguf", directory / "model.safetensors"
+
+
+def run(config: Config, out: Callable[[str], None] = print) -> Report:
+    import modelvet  # type: ignore[import-untyped]
+    from gguf import GGUFReader
+
+    report = Report()
+    repeat = config.formats_repeat
+    with tempfile.TemporaryDirectory(prefix="tensorfs-bench-formats-", dir=config.workdir) as tmp:
+        work = Path(tmp)
+        out(f"a GGUF with a {config.formats_tokens:,}-token vocabulary; median of {5 * repeat} tries ...")
+        vocabulary = work / "vocabulary.gguf"
+        vocabulary_gguf(vocabulary, config.formats_tokens)
+        wait_until_settled([vocabulary])  # else the header cache keeps nothing
+        cache = work / "cache"
+        open_model(vocabulary, cache=cache).close()
+        times = medians(
+            {
+                "modelvet": lambda: modelvet.verify_path(str(vocabulary)),
+                "tensorfs": lambda: open_model(vocabulary, cache=False).close(),
+                "cached": lambda: open_model(vocabulary, cache=cache).close(),
+            },
+            5 * repeat,
+        )
+        reference = timed(lambda: GGUFReader(str(vocabulary)))
+        size = vocabulary.stat().st_size
+        report.add(
+            "formats_modelvet",
+            f"modelvet.verify_path of a GGUF of {size / 1e6:.1f} MB (baseline)",
+            f"{times['modelvet'] * 1000:.1f} ms",
+            None,
+            "",
+            seconds=times["modelvet"],
+            nbytes=size,
+        )
+        report.add(
+            "formats_validate",
+            "tensorfs.open_model of it, from scratch",
+            f"{times['tensorfs'] * 1000:.1f} ms",
+            times["tensorfs"] / times["modelvet"],
+            f"<= {VALIDATE_BAR}x modelvet",
+            seconds=times["tensorfs"],
+            at_most=VALIDATE_BAR,
+        )
+        report.add(
+            "formats_validate_cached",
+            "  ... its header cached",
+            f"{times['cached'] * 1000:.1f} ms",
+            times["cached"] / times["modelvet"],
+            "(reported)",
+            seconds=times["cached"],
+        )
+        report.add(
+            "formats_gguf_reader",
+            "  ... the gguf package's GGUFReader (one try)",
+            f"{reference * 1000:.0f} ms",
+            reference / times["modelvet"],
+            "(reported)",
+            seconds=reference,
+        )
+
+        out(f"the same {config.formats_gib:g} GiB of tensors as GGUF and as safetensors, mounted ...")
+        models = work / "models"
+        models.mkdir()
+        gguf_file, safetensors_file = same_tensors(models, config.formats_gib)
+        touch_fresh_memory(2 * gguf_file.stat().st_size)
+        mounter = Mounter(work, config)
+
+        def mount_once(source: Path) -> Callable[[], None]:
+            def mount() -> None:
+                with mounter.mounted(source):
+                    pass
+
+            return mount
+
+        def read_once(source: Path) -> Callable[[], float]:
+            def read() -> float:
+                with mounter.mounted(source) as (mountpoint, _):
+                    files = [p for p in mountpoint.iterdir() if p.is_file() and not p.name.endswith(SIDECARS)]
+                    return sum(read_file(path) for path in files)
+
+            return read
+
+        # Both files' pages brought in the same way: as their writers left them, the safetensors
+        # file's read through a mount 30% faster than the GGUF's, and the same after this.
+        if can_drop_caches():
+            drop_caches()
+        for path in (gguf_file, safetensors_file):
+            subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+        mounting = medians({"gguf": mount_once(gguf_file), "safetensors": mount_once(safetensors_file)}, repeat)
+        reads: dict[str, list[float]] = {"gguf": [], "safetensors": []}
+        for _ in range(repeat):
+            reads["gguf"].append(read_once(gguf_file)())
+            reads["safetensors"].append(read_once(safetensors_file)())
+        reading = {name: statistics.median(found) for name, found in reads.items()}
+    report.add(
+        "formats_mount_safetensors",
+        "mounting the safetensors file (baseline)",
+        f"{mounting['safetensors']:.3f} s",
+        None,
+        "",
+        seconds=mounting["safetensors"],
+    )
+    report.add(
+        "formats_mount_gguf",
+        "mounting the GGUF of the same tensors",
+        f"{mounting['gguf']:.3f} s",
+        mounting["gguf"] / mounting["safetensors"],
+        f"<= {MOUNT_BAR}x safetensors",
+        seconds=mounting["gguf"],
+        at_most=MOUNT_BAR,
+    )
+    report.add(
+        "formats_read_safetensors",
+        "reading every tensor's file through the mount, safetensors (baseline)",
+        f"{reading['safetensors']:.3f} s",
+        None,
+        "",
+        seconds=reading["safetensors"],
+    )
+    report.add(
+        "formats_read_gguf",
+        "  ... GGUF",
+        f"{reading['gguf']:.3f} s",
+        reading["safetensors"] / reading["gguf"],
+        f">= {READ_BAR}x safetensors",
+        seconds=reading["gguf"],
+        at_least=READ_BAR,
+    )
+    return report
