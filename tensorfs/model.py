@@ -664,10 +664,20 @@ def _check_model(
     Returns which shard holds each tensor.
     """
     owner = _owners(shards)
-    for shard in shards:  # one model, one format: its views are files of that format
-        if shard.header.format != shards[0].header.format:
-            why = f"is a {shard.header.format} file, where {shards[0].label} is {shards[0].header.format}"
-            problems.append(Problem(shard.label, f"{why}: a model's shards are all of one format"))
+    # One model, one format (its views are files of that format), and what that format asks of its
+    # files together (several GGUF models in one directory): said instead of their names' clashes.
+    mixed = [
+        Problem(shard.label, f"is a {shard.header.format} file, where {shards[0].label} is {shards[0].header.format}"
+                ": a model's shards are all of one format")
+        for shard in shards
+        if shard.header.format != shards[0].header.format
+    ]  # fmt: skip
+    if shards and not mixed:
+        in_order = sorted(shards, key=lambda shard: str(shard.header.path))
+        mixed = formats.across_files(shards[0].header.format, [(s.label, s.header) for s in in_order])
+    if mixed:
+        problems += mixed
+        return owner
     if len(owner) != sum(len(shard.header.entries) for shard in shards):
         first: dict[str, _Shard] = {}
         for shard in shards:

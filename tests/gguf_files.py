@@ -28,10 +28,12 @@ def write_gguf(
     pairs: dict[str, Any] | None = None,
     seed: int = 0,
     alignment: int | None = None,
+    split_max_tensors: int = 0,
 ) -> dict[str, bytes]:
     """A GGUF written by the reference writer: each tensor of a ggml type and a numpy-order shape
-    (the last dimension a multiple of the type's block size), random bytes; returns each tensor's bytes."""
-    writer = GGUFWriter(str(path), "llama")
+    (the last dimension a multiple of the type's block size), random bytes; returns each tensor's
+    bytes. With split_max_tensors, a multi-file GGUF (PATH-00001-of-0000N.gguf, ...)."""
+    writer = GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     if alignment is not None:
         writer.add_custom_alignment(alignment)
     for key, value in (pairs or {}).items():

@@ -535,3 +535,47 @@ def test_tensorfs_refuses_what_modelvet_refuses(tmp_path: Path) -> None:
         with pytest.raises(InvalidModelError):
             table_of(path)
     assert len(refused_by_modelvet) >= len(malformed()) // 2  # the peer is a real check, not a no-op
+
+
+def test_a_multi_file_gguf_is_one_model(mounts: Mounts, tmp_path: Path) -> None:
+    directory = tmp_path / "split"
+    directory.mkdir()
+    tensors = {f"blk.{i}.w": ("Q8_0" if i % 2 else "F32", [2, 32]) for i in range(5)}
+    written = write_gguf(directory / "m.gguf", tensors, {"general.name": "split"}, split_max_tensors=2)
+    parts = sorted(path.name for path in directory.iterdir())
+    assert parts == ["m-00001-of-00003.gguf", "m-00002-of-00003.gguf", "m-00003-of-00003.gguf"]
+    for source in (directory, directory / parts[0], directory / parts[2]):  # the directory, or any part
+        with tensorfs.open_model(source) as model:
+            assert {name: bytes(model.raw(name)) for name in model} == written
+    mountpoint = mounts.mount(directory / parts[0])
+    view = mountpoint / ".tensorfs" / "model" / "model.gguf"
+    reader = GGUFReader(str(view))
+    assert {t.name: t.data.tobytes() for t in reader.tensors} == written
+    assert not any(key.startswith("split.") for key in reader.fields)
+    assert reader.fields["general.name"].contents() == "split"
+
+
+def test_parts_missing_or_not_of_one_model_are_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "split"
+    directory.mkdir()
+    write_gguf(directory / "m.gguf", {f"blk.{i}.w": ("F32", [4]) for i in range(4)}, split_max_tensors=2)
+    (directory / "m-00002-of-00002.gguf").unlink()
+    with pytest.raises(InvalidModelError, match=r"of which m-00002-of-00002\.gguf cannot be found"):
+        tensorfs.open_model(directory / "m-00001-of-00002.gguf")
+    several = tmp_path / "several"
+    several.mkdir()
+    write_gguf(several / "model-Q4.gguf", {"w": ("Q4_0", [32])})
+    write_gguf(several / "model-Q8.gguf", {"w": ("Q8_0", [32])})
+    with pytest.raises(InvalidModelError) as raised:
+        tensorfs.open_model(several)
+    message = str(raised.value)
+    assert "several GGUFs are several models; name the one to open" in message and "also in shard" not in message
+    lying = tmp_path / "lying"
+    lying.mkdir()
+    write_gguf(lying / "m.gguf", {f"t{i}": ("F32", [4]) for i in range(4)}, split_max_tensors=2)
+    first, second = sorted(lying.iterdir())
+    second.rename(tmp_path / "kept")
+    first.rename(second)  # part 1 under part 2's name
+    (tmp_path / "kept").rename(first)
+    with pytest.raises(InvalidModelError, match=r"split\.no is 1, where this is part 0"):
+        tensorfs.open_model(lying)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..errors import Problem
 from ..sources.shard import ShardKey
 from . import gguf, safetensors
 from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_text
@@ -41,6 +42,7 @@ __all__ = [
     "Reader",
     "ShardHeader",
     "TensorInfo",
+    "across_files",
     "detect",
     "file_metadata",
     "fits_file",
@@ -71,6 +73,8 @@ class Format(Protocol):
 
     def file_metadata(self, header: ShardHeader, read: Reader) -> dict[str, Any] | None: ...
 
+    def across_files(self, shards: list[tuple[str, ShardHeader]]) -> list[Problem]: ...
+
 
 FORMATS: list[Format] = [gguf, safetensors]
 """In the order they are tried; the last takes what no other claims."""
@@ -94,6 +98,12 @@ def fits_file(name: str, begins: list[int], ends: list[int], data_start: int, si
     """Whether tensors at these offsets could be a `name` file's of `size` bytes (a cheap check of a
     table kept elsewhere, the header cache's: it was validated when it was made)."""
     return FORMAT_NAMED[name].fits(begins, ends, data_start, size, layout)
+
+
+def across_files(name: str, shards: list[tuple[str, ShardHeader]]) -> list[Problem]:
+    """What a format says is wrong across a model's files (label and table of each, in name order),
+    beyond what every format is held to (unique names, the index)."""
+    return FORMAT_NAMED[name].across_files(shards)
 
 
 def file_metadata(header: ShardHeader, read: Reader) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ key/value pairs are not kept: `layout` says where they are, and metadata() decod
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,11 @@ VALUE_TYPE_NAMES = {
 }  # fmt: skip
 _UINT32 = 4
 _U64 = struct.Struct("<Q")
+_INTEGERS = {kind: struct.Struct("<" + _VALUE_FORMATS[kind]) for kind in (0, 1, 2, 3, 4, 5, 10, 11)}
+SPLIT_KEYS = {"split.no": "split_no", "split.count": "split_count", "split.tensors.count": "split_tensors"}
+"""The keys of a multi-file GGUF (llama.cpp's gguf-split), and their names in a table's layout."""
+SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf")
+"""How gguf-split names the files of a multi-file GGUF: NAME-00001-of-00003.gguf."""
 ALIGNMENT_KEY = "general.alignment"
 
 
@@ -136,7 +142,7 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
     try:
         version, n_tensors, n_kv = _preamble(cursor)
         kv_start = cursor.position
-        alignment = _skip_pairs(cursor, n_kv)
+        alignment, splits = _skip_pairs(cursor, n_kv)
         kv_end = cursor.position
         infos = _tensor_infos(cursor, n_tensors)
     except _Fault as fault:
@@ -148,6 +154,7 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
     if problems:
         raise InvalidModelError(problems)
     layout = {"version": version, "alignment": alignment, "kv_start": kv_start, "kv_end": kv_end, "kv_count": n_kv}
+    layout.update(splits)
     return ShardHeader(path, size, data_start, entries, None, "gguf", layout)
 
 
@@ -206,10 +213,12 @@ def _preamble(cursor: _Cursor) -> tuple[int, int, int]:
     return version, n_tensors, n_kv
 
 
-def _skip_pairs(cursor: _Cursor, count: int) -> int:
-    """Step over `count` key/value pairs, checking each; the alignment they set (or the default)."""
+def _skip_pairs(cursor: _Cursor, count: int) -> tuple[int, dict[str, int]]:
+    """Step over `count` key/value pairs, checking each; the alignment they set (or the default),
+    and what the split.* keys of a multi-file GGUF say (SPLIT_KEYS, integers)."""
     keys: set[str] = set()
     alignment = DEFAULT_ALIGNMENT
+    splits: dict[str, int] = {}
     for number in range(count):
         key = cursor.string(f"key {number}")
         if not key:
@@ -225,8 +234,11 @@ def _skip_pairs(cursor: _Cursor, count: int) -> int:
             if alignment == 0 or alignment & (alignment - 1):
                 raise _Fault(f"{ALIGNMENT_KEY} {alignment} is not a power of two")
             continue
+        if key in SPLIT_KEYS and kind in _INTEGERS:
+            splits[SPLIT_KEYS[key]] = _INTEGERS[kind].unpack(cursor.take(_INTEGERS[kind].size, key))[0]
+            continue
         _skip_value(cursor, kind, f"the value of key '{printable(key)}'")
-    return alignment
+    return alignment, splits
 
 
 def _skip_value(cursor: _Cursor, kind: int, what: str) -> None:
@@ -463,3 +475,40 @@ def table(version: int, pairs: list[bytes], infos: list[tuple[str, list[int], DT
 def _string(text: str) -> bytes:
     encoded = text.encode("utf-8")
     return struct.pack("<Q", len(encoded)) + encoded
+
+
+def split_files(name: str) -> list[str] | None:
+    """The names of every file of the multi-file GGUF that `name` is one of (by gguf-split's naming);
+    None when it is not named as one."""
+    found = SPLIT_NAME.fullmatch(name)
+    if found is None or int(found["count"]) < 1:
+        return None
+    count = int(found["count"])
+    return [f"{found['prefix']}-{number:05d}-of-{count:05d}.gguf" for number in range(1, count + 1)]
+
+
+def across_files(shards: list[tuple[str, ShardHeader]]) -> list[Problem]:
+    """What is wrong across the files of one GGUF model (label and table of each, in name order):
+    several files are one model only as the parts of a multi-file GGUF, numbered 0 to N-1 by
+    split.no, each saying N in split.count, holding split.tensors.count tensors in all."""
+    if len(shards) < 2 and all((header.layout or {}).get("split_count", 1) == 1 for _, header in shards):
+        return []
+    problems: list[Problem] = []
+    total = sum(len(header.entries) for _, header in shards)
+    for number, (label, header) in enumerate(shards):
+        layout = header.layout or {}
+        if "split_count" not in layout:
+            why = "is not a part of a multi-file GGUF (no split.count): several GGUFs are several models"
+            problems.append(Problem(label, f"{why}; name the one to open"))
+            continue
+        if layout["split_count"] != len(shards):
+            problems.append(
+                Problem(label, f"split.count says {layout['split_count']} files, and there are {len(shards)}")
+            )
+        if layout.get("split_no") != number:
+            why = f"split.no is {layout.get('split_no')}, where this is part {number} (from 0) of the model"
+            problems.append(Problem(label, why))
+        if "split_tensors" in layout and layout["split_tensors"] != total:
+            why = f"split.tensors.count says {layout['split_tensors']} tensors, and the files hold {total}"
+            problems.append(Problem(label, why))
+    return problems

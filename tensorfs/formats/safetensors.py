@@ -60,6 +60,11 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
     return parse_header(raw, path, size, label)
 
 
+def across_files(shards: list[tuple[str, ShardHeader]]) -> list[Problem]:
+    """Nothing beyond what every format's files are held to (unique names, the index)."""
+    return []
+
+
 def file_metadata(header: ShardHeader, read: Reader) -> dict[str, str] | None:
     """What the file says of itself: its header's `__metadata__` (None when it has none)."""
     return header.metadata

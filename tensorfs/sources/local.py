@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
-from ..formats import ShardHeader
+from ..formats import ShardHeader, gguf
 from ..headercache import WORTH_CACHING
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
@@ -84,7 +84,24 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
     if not source.exists() and not source.is_symlink():
         problems.append(Problem(str(source), "no such file or directory"))
         return FoundShards([])
+    parts = gguf.split_files(source.name)
+    if parts is not None and len(parts) > 1:  # a part of a multi-file GGUF: the model is all of them
+        return _split_parts(source, parts, problems)
     return FoundShards([source])
+
+
+def _split_parts(source: Path, parts: list[str], problems: list[Problem]) -> FoundShards:
+    try:
+        directory = ModelDirectory(source.parent)
+    except OSError as exc:
+        problems.append(Problem(str(source.parent), f"cannot open: {exc.strerror}"))
+        return FoundShards([])
+    missing = [name for name in parts if not os.path.lexists(source.parent / name)]
+    if missing:
+        why = f"a part of a multi-file GGUF of {len(parts)} files, of which {', '.join(missing)} cannot be found"
+        problems.append(Problem(str(source), why))
+        return FoundShards([], directory=directory)
+    return FoundShards([source.parent / name for name in parts], directory=directory)
 
 
 def _shards_from_index(
