@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tensorfs
+import tensorfs.sources.shard
 from conftest import Mounts, _server_missing
 from helpers import random_bytes
 from servers import Nginx, SeaweedFS
@@ -579,3 +581,18 @@ def test_parts_missing_or_not_of_one_model_are_refused(tmp_path: Path) -> None:
     (tmp_path / "kept").rename(first)
     with pytest.raises(InvalidModelError, match=r"split\.no is 1, where this is part 0"):
         tensorfs.open_model(lying)
+
+
+def test_small_gguf_tables_skip_the_header_cache_and_long_ones_use_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small, long = tmp_path / "small.gguf", tmp_path / "long.gguf"
+    write_gguf(small, {"w": ("F32", [4])})
+    write_gguf(long, {"w": ("F32", [4])}, {"tokenizer.ggml.tokens": [f"t{i}" for i in range(9000)]})
+    cache = tmp_path / "cache"
+    tensorfs.open_model(small, cache=cache).close()
+    assert not cache.exists()  # cheaper validated again than looked up
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)  # files just written are kept too
+    tensorfs.open_model(long, cache=cache).close()
+    with sqlite3.connect(cache / "headers.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM rows WHERE kind LIKE 'shard/%'").fetchone() == (1,)

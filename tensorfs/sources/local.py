@@ -218,9 +218,13 @@ class LocalDescription:
     identity: Identity
 
 
-def _worth_caching(fd: int) -> bool:
-    """Whether the shard's header is long enough to be worth the header cache (WORTH_CACHING)."""
-    prefix = os.pread(fd, 8, 0)
+def _worth_caching(fd: int, size: int) -> bool:
+    """Whether the shard's table may be long enough to be worth the header cache (WORTH_CACHING):
+    a safetensors file's first 8 bytes say how long its header is; another format's table is no
+    longer than its file."""
+    prefix = os.pread(fd, formats.SNIFF_BYTES, 0)
+    if formats.detect(prefix, "").NAME != "safetensors":
+        return size >= WORTH_CACHING
     return len(prefix) == 8 and int.from_bytes(prefix, "little") >= WORTH_CACHING
 
 
@@ -263,7 +267,7 @@ class LocalShard(ShardData):
             validated = os.fstat(fd)
             identity = Identity.of(validated)
             header = None
-            if cache is not None and not (stat.S_ISREG(validated.st_mode) and _worth_caching(fd)):
+            if cache is not None and not (stat.S_ISREG(validated.st_mode) and _worth_caching(fd, validated.st_size)):
                 cache = None
             if cache is not None:
                 header = cache.shard(path, identity.key())
