@@ -123,8 +123,14 @@ class Model:
 
     @property
     def format(self) -> str:
-        """The format of the model's files ("safetensors", "gguf"): one for all its shards."""
+        """The format of the model's files ("safetensors", "gguf", "pytorch"): one for all its shards."""
         return next(iter(self._shards.values())).header.format if self._shards else "safetensors"
+
+    @property
+    def view_format(self) -> str:
+        """The format of the model's views and exports: a GGUF's are GGUFs, every other model's
+        safetensors (a PyTorch checkpoint is read through its safetensors view, no pickle run)."""
+        return "gguf" if self.format == "gguf" else "safetensors"
 
     @cached_property
     def nbytes(self) -> int:

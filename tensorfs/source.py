@@ -12,7 +12,7 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,7 @@ from .names import Layout
 from .safefiles import ModelDirectory, NotRegular, read_bounded
 from .selection import Selection
 from .sources.chunkcache import default_cache_dir
+from .sources.shard import ShardKey
 from .sources.store import (
     AccessDenied,
     RemoteError,
@@ -145,18 +146,19 @@ class Source:
         return Manifest(str(found), digests, lists_more)
 
     # -- what comes with it -------------------------------------------------------------------
-    def view_spec(self, shards: int = 0) -> ViewSpec:
+    def view_spec(self, shards: int = 0, weights: Collection[ShardKey] = ()) -> ViewSpec:
         """What a view of the model holds besides its tensors: its companion files (those left out
-        are the spec's warnings), and how many synthesized files (`shards`: 0 chooses)."""
+        are the spec's warnings; `weights`, the model's own files, never one), and how many
+        synthesized files (`shards`: 0 chooses)."""
         from .views import ViewSpec
         from .views.companions import find_companions, find_remote_companions
 
         warnings: list[str] = []
         directories: dict[str, os.stat_result] = {}
         if isinstance(self.location, str):
-            companions = find_remote_companions(self.location, self.remote, warnings)
+            companions = find_remote_companions(self.location, self.remote, warnings, weights)
         else:
-            companions = find_companions(self.location, warnings, directories)
+            companions = find_companions(self.location, warnings, directories, weights)
         return ViewSpec(companions, shards, warnings, directories)
 
     def settings(self) -> dict[str, Any] | None:

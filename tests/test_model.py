@@ -264,7 +264,9 @@ def test_broken_index(tmp_path: Path, content: bytes, words: str) -> None:
 def test_missing_and_empty_sources(tmp_path: Path) -> None:
     with pytest.raises(InvalidModelError, match="no such file or directory"):
         tensorfs.open_model(tmp_path / "nope")
-    with pytest.raises(InvalidModelError, match=r"no \.safetensors or \.gguf files in this directory"):
+    with pytest.raises(
+        InvalidModelError, match=r"no \.safetensors, \.gguf, \.bin, \.pt or \.pth files in this directory"
+    ):
         tensorfs.open_model(tmp_path)
 
 

@@ -130,7 +130,7 @@ def test_s3_errors_are_one_line(seaweedfs: SeaweedFS, bucket: str, s3_env: dict[
         (["validate", *common, f"s3://{bucket}/bad/missing.safetensors"], s3_env,
          f"error: s3://{bucket}/bad/missing.safetensors: not found (404)"),
         (["validate", *common, f"s3://{bucket}/nothing-here"], s3_env,
-         f"error: s3://{bucket}/nothing-here/: no .safetensors or .gguf objects under this prefix"),
+         f"error: s3://{bucket}/nothing-here/: no .safetensors, .gguf, .bin, .pt or .pth objects under this prefix"),
         (["validate", *common, f"s3://{bucket}/bad"], wrong,
          f"error: s3://{bucket}/bad/model.safetensors.index.json: access denied (403): check the credentials"),
         (["validate", "--remote-timeout", "2", "--endpoint-url", closed, f"s3://{bucket}/bad"], s3_env,

@@ -132,9 +132,10 @@ def manifest(
 def export(
     path: Path | str, dest: Path, shards: int, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
 ) -> None:
-    """Write MODEL's tensors (or a selection of them) as a new model at DEST, in MODEL's format.
+    """Write MODEL's tensors (or a selection of them) as a new model at DEST.
 
-    DEST ending in .safetensors (.gguf for a GGUF model): one file. Otherwise a new directory
+    DEST ending in .safetensors (.gguf for a GGUF model; a PyTorch checkpoint is written as
+    safetensors, without torch and without running its pickle): one file. Otherwise a new directory
     holding what .tensorfs/model/ of a mount holds: model.safetensors (or
     model-0000K-of-0000N.safetensors and an index; a GGUF model's model.gguf; a selection's are
     named selected) and the model's companion files (config.json, tokenizer files, ...). Streamed,
@@ -152,15 +153,15 @@ def export(
     source = source_of(path, remote)
     with source.open(selection) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
-        if one_file and dest.suffix != f".{model.format}":
-            why = f"a {model.format} model is written as a .{model.format} file (or a directory)"
+        if one_file and dest.suffix != f".{model.view_format}":
+            why = f"a {model.format} model is written as a .{model.view_format} file (or a directory)"
             raise TensorfsError(f"{shown}: {why}")
         if one_file:
             with Progress(model.nbytes, "writing") as progress:
                 model.write_safetensors(dest, progress.advance)
             done = f"wrote {shown}: {tensors}, {human_size(dest.stat().st_size)}"
         else:
-            spec = source.view_spec(shards)
+            spec = source.view_spec(shards, model.shards)
             for warning in spec.warnings:
                 click.echo(f"warning: {warning}", err=True)
             view = build_view(model, spec)

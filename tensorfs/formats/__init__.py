@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from ..errors import Problem
 from ..sources.shard import ShardKey
-from . import gguf, safetensors
+from . import gguf, pytorch, safetensors
 from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_text
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "ShardHeader",
     "TensorInfo",
     "across_files",
+    "choose_files",
     "detect",
     "file_metadata",
     "fits_file",
@@ -76,19 +77,29 @@ class Format(Protocol):
     def across_files(self, shards: list[tuple[str, ShardHeader]]) -> list[Problem]: ...
 
 
-FORMATS: list[Format] = [gguf, safetensors]
+FORMATS: list[Format] = [gguf, pytorch, safetensors]
 """In the order they are tried; the last takes what no other claims."""
 SNIFF_BYTES = 8
 """The bytes a format is told by."""
 WEIGHT_SUFFIXES = tuple(suffix for format_ in FORMATS for suffix in format_.SUFFIXES)
 """The names of files that hold a model's tensors, in a directory or a store's listing."""
-WEIGHT_FILES = " or ".join(sorted(WEIGHT_SUFFIXES, key=lambda suffix: suffix != ".safetensors"))
-"""How messages name them (".safetensors or .gguf")."""
+_NAMED = sorted(WEIGHT_SUFFIXES, key=lambda suffix: suffix != ".safetensors")
+WEIGHT_FILES = ", ".join(_NAMED[:-1]) + " or " + _NAMED[-1]
+"""How messages name them (".safetensors, .gguf, .bin, .pt or .pth")."""
 
 
 def is_weights_name(name: str) -> bool:
     """Whether a file of this name is looked at as a shard of the model (its content decides how)."""
     return name.endswith(WEIGHT_SUFFIXES)
+
+
+def choose_files(names: list[str]) -> tuple[list[str], str | None]:
+    """Which of the weight files found in a directory or under a prefix (sorted names) are its model;
+    (them, or why there is no telling). PyTorch checkpoints only where there is no other format's file:
+    a Hub model often has both model.safetensors and pytorch_model.bin, and loaders prefer the first
+    (see pytorch.choose for which of several checkpoints)."""
+    others = [name for name in names if not name.endswith(pytorch.SUFFIXES)]
+    return (others, None) if others else pytorch.choose(names)
 
 
 FORMAT_NAMED = {format_.NAME: format_ for format_ in FORMATS}

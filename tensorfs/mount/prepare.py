@@ -40,7 +40,7 @@ def prepare(
     model = source.open(selection, layout)
     try:
         integrity = _integrity(source, model, selection, manifest, verify)
-        view = source.view_spec(view_shards)
+        view = source.view_spec(view_shards, model.shards)
         for warning in view.warnings:
             warn(warning)
         return model, integrity, view

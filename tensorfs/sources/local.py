@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
-from ..formats import ShardHeader, gguf
+from ..formats import ShardHeader, gguf, pytorch
 from ..headercache import WORTH_CACHING
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
@@ -71,7 +71,13 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
         for name in [name for name in names if name in mounted]:
             log.warning("%s: skipped: another file system is mounted there", printable(str(source / name)))
             names.remove(name)
-        if not names:
+        names, ambiguous = formats.choose_files(names)
+        checkpoints = not names or names[0].endswith(pytorch.SUFFIXES)
+        if checkpoints and os.path.lexists(source / pytorch.INDEX_NAME):
+            return _shards_from_index(directory, source / pytorch.INDEX_NAME, problems, cache)
+        if ambiguous is not None:
+            problems.append(Problem(str(source), ambiguous))
+        elif not names:
             problems.append(Problem(str(source), f"no {formats.WEIGHT_FILES} files in this directory"))
         return FoundShards([source / name for name in names], directory=directory)
     if source.name.endswith(".index.json") and source.is_file():

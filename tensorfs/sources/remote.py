@@ -37,6 +37,7 @@ from .store import (
     locate,
     model_key,
     read_first_bytes,
+    read_range,
     store_spec,
 )
 
@@ -275,7 +276,7 @@ class RemoteOpener:
         identity = f"{version.url}\0{version.etag}\0{version.size}" if remembered else None
         header = self.headers.shard(version.url, identity) if self.headers is not None and identity else None
         if header is None:
-            header = _validated(version, raw, label)
+            header = _validated(version, raw, label, self._remembered is not None)
             if self.headers is not None and identity:
                 self.headers.put_shard(identity, header)
         with self._lock:
@@ -323,13 +324,21 @@ class RemoteOpener:
         return Located(refs, remembered["weight_map"], remembered["index"])
 
 
-def _validated(version: ObjectVersion, raw: bytes, label: str) -> ShardHeader:
-    """The table of the object, from its first bytes (all its format's table needs)."""
+def _validated(version: ObjectVersion, raw: bytes, label: str, offline: bool = False) -> ShardHeader:
+    """The table of the object, from its first bytes (all a safetensors or GGUF table needs; a read
+    that begins in them gets no more, as formats/ says), and exactly this version's bytes past them
+    that its format asks for (a checkpoint's directory is at its end): a ranged GET each."""
 
     def read(offset: int, count: int) -> bytes:
-        # A GGUF's reader reads ahead of its needs, and takes fewer bytes if that is all there are.
-        if offset > len(raw):
-            raise InvalidModelError([Problem(label, "the header's bytes did not all come")])
-        return raw[offset : offset + count]
+        if offset < len(raw) or offset >= version.size:
+            return raw[offset : offset + count]
+        if offline:
+            raise InvalidModelError([Problem(label, "--offline: its table is not in the cache")])
+        piece = bytearray()
+        try:
+            read_range(version, offset, min(offset + count, version.size), lambda _, data: piece.extend(data))
+        except RemoteError as exc:
+            raise InvalidModelError([Problem(label, str(exc).removeprefix(f"{label}: "))]) from None
+        return bytes(piece)
 
     return formats.read_table(read, version.size, version.url, label)

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from ..errors import Problem, TensorfsError, printable
-from ..formats import WEIGHT_FILES, is_weights_name
+from ..formats import WEIGHT_FILES, choose_files, is_weights_name, pytorch
 from ..units import human_size
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 
@@ -337,12 +337,26 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
         return Located([])
     if data is not None:
         return _from_index(index, problems, data)
-    if spec.kind == "http":  # the Hub: no listing either
+    shards = _list_shards(spec, prefix, problems) if spec.kind != "http" else []  # the Hub: no listing either
+    if shards is None:
+        return Located([])
+    names, ambiguous = choose_files([ref.key[len(prefix) :] for ref in shards])
+    if not names or names[0].endswith(pytorch.SUFFIXES):  # checkpoints, or nothing: a checkpoint's index?
+        checkpoint_index = ObjectRef(spec, prefix + pytorch.INDEX_NAME)
+        try:
+            return _from_index(checkpoint_index, problems, _index(checkpoint_index))
+        except FileNotFoundError:
+            pass
+        except RemoteError as exc:
+            problems.append(Problem(checkpoint_index.url, reason_of(exc, checkpoint_index.url)))
+            return Located([])
+    if spec.kind == "http":
         return Located([ObjectRef(spec, prefix + "model.safetensors")])
-    shards = _list_shards(spec, prefix, problems)
-    if shards is not None and not shards:
+    if ambiguous is not None:
+        problems.append(Problem(spec.url(key) + "/", ambiguous))
+    elif not names:
         problems.append(Problem(spec.url(key) + "/", f"no {WEIGHT_FILES} objects under this prefix"))
-    return Located(shards or [])
+    return Located([ObjectRef(spec, prefix + name) for name in names])
 
 
 def _index(index: ObjectRef) -> bytes:

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +26,10 @@ from typing import Any
 import orjson
 
 from ..errors import TensorfsError, printable
-from ..formats import is_weights_name
+from ..formats import is_weights_name, pytorch
 from ..manifest import DEFAULT_MANIFEST
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
-from ..sources.shard import Identity
+from ..sources.shard import Identity, ShardKey
 from ..sources.store import (
     ObjectRef,
     ObjectVersion,
@@ -181,12 +181,23 @@ def model_directory(source: Path) -> Path:
 
 def is_weights(name: str) -> bool:
     """The files a view makes itself or that describe the weights, not taken from the source (a
-    manifest of the source's tensors would not match a selection of them)."""
-    return is_weights_name(name) or name.endswith(".safetensors.index.json") or name == DEFAULT_MANIFEST
+    manifest of the source's tensors would not match a selection of them). A `.bin` is a PyTorch
+    checkpoint's weights by the names that make one a model (pytorch_model.bin, its numbered parts
+    and index); other `.bin` files (ONNX external data, a training run's arguments) are companions."""
+    if name.endswith(pytorch.SUFFIXES):
+        return pytorch.is_model_name(name)
+    return (
+        is_weights_name(name)
+        or name.endswith(".safetensors.index.json")
+        or name in (DEFAULT_MANIFEST, pytorch.INDEX_NAME)
+    )
 
 
 def find_companions(
-    source: Path, warnings: list[str], directories: dict[str, os.stat_result] | None = None
+    source: Path,
+    warnings: list[str],
+    directories: dict[str, os.stat_result] | None = None,
+    weights: Collection[ShardKey] = (),
 ) -> list[Companion]:
     """The regular files beside a local model's weights (one level of subdirectories too), by path;
     `directories`, if given, gets each subdirectory's status (its owner and permissions).
@@ -197,7 +208,8 @@ def find_companions(
     the directory (never looked into: it may hang), and what goes past 1000 files, 256 MiB in all
     or 30 s of scanning. A file in a subdirectory is no more readable than the subdirectory lets
     it be: its read bits are kept only where the directory grants search. Hidden files and
-    directories, the weights and their indexes are not companions.
+    directories, the weights and their indexes are not companions, nor the model's own files
+    (`weights`: a checkpoint named model.pt is weights by being the model, not by its name).
     """
     root_path = model_directory(source).absolute()
     try:
@@ -205,16 +217,21 @@ def find_companions(
     except OSError as exc:
         warnings.append(f"{printable(str(root_path))}: companion files skipped: {exc.strerror}")
         return []
+    own = {os.path.abspath(weight) for weight in weights}
     with root:
-        return _scan(root, warnings, directories)
+        return _scan(root, warnings, directories, own)
 
 
-def _scan(root: ModelDirectory, warnings: list[str], directories: dict[str, os.stat_result] | None) -> list[Companion]:
+def _scan(
+    root: ModelDirectory, warnings: list[str], directories: dict[str, os.stat_result] | None, own: set[str]
+) -> list[Companion]:
     deadline = time.monotonic() + SCAN_SECONDS
     mounted = mounted_under(root.path)
     found: list[Companion] = []
     total = 0
     for relative in _candidates(root, mounted, warnings):
+        if os.path.abspath(root.path / relative) in own:
+            continue
         shown = printable(str(root.path / relative))
         if len(found) == MAX_COMPANIONS:
             warnings.append(f"{shown} and the files after it: skipped: over {MAX_COMPANIONS} companion files")
@@ -322,7 +339,9 @@ COMPANION_TIMEOUT = 10.0
 MAX_SUBDIRECTORIES = 50
 
 
-def find_remote_companions(source: str, options: RemoteOptions, warnings: list[str]) -> list[Companion]:
+def find_remote_companions(
+    source: str, options: RemoteOptions, warnings: list[str], weights: Collection[ShardKey] = ()
+) -> list[Companion]:
     """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
     one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
     files the model's own files name; the same limits as for a local model, each look bounded by
@@ -345,14 +364,18 @@ def find_remote_companions(source: str, options: RemoteOptions, warnings: list[s
         except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
             log.info("%s; looking for the files loaders look for instead", exc)
     if listed is not None:
-        found = _listed(source, options, listed, warnings)
+        found = _listed(source, options, listed, warnings, {str(weight) for weight in weights})
         log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found) or "none")
         return found
     return _guessed(source, options, quick, warnings)
 
 
 def _listed(
-    source: str, options: RemoteOptions, listed: list[tuple[str, int, float, str | None]], warnings: list[str]
+    source: str,
+    options: RemoteOptions,
+    listed: list[tuple[str, int, float, str | None]],
+    warnings: list[str],
+    own: set[str],
 ) -> list[Companion]:
     found: list[Companion] = []
     total = 0
@@ -360,6 +383,8 @@ def _listed(
         if any(part.startswith(".") for part in path.split("/")) or is_weights(path.rpartition("/")[2]):
             continue
         ref = beside(source, path, options)
+        if ref.url in own:
+            continue
         shown = printable(ref.url)
         if size > MAX_COMPANION_BYTES:
             warnings.append(f"{shown}: skipped: {size} bytes, over 64 MiB")

@@ -1,0 +1,623 @@
+"""PyTorch checkpoints behind the formats/ seam: tables torch.load(weights_only=True) (the reference
+reader, torch==2.13.0) agrees with, byte for byte; pickles that would run something refused, with
+nothing of them run; every zip rule in one line; every command, the mount, its safetensors view,
+the loader, remote stores, and transformers reading a real model's checkpoint through the view."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorfs
+from conftest import Mounts
+from servers import Nginx, SeaweedFS
+from tensorfs.errors import InvalidModelError
+from tensorfs.formats import pytorch
+
+SAFETENSORS_NAME = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
+"""torch dtype -> safetensors dtype name, from the reference library's own table."""
+TORCH_DTYPES = [*SAFETENSORS_NAME, torch.float8_e8m0fnu]
+"""Every dtype torch saves that safetensors has (and tensorfs: F8_E8M0 too)."""
+SAFETENSORS_NAME[torch.float8_e8m0fnu] = "F8_E8M0"
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def reference(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Each tensor as torch.load(weights_only=True) has it: dtype, shape, bytes; in its order."""
+    loaded = torch.load(path, weights_only=True, map_location="cpu")
+    return {name: (SAFETENSORS_NAME[t.dtype], list(t.shape), as_bytes(t)) for name, t in loaded.items()}
+
+
+def ours(source: Path | str, **options: Any) -> dict[str, tuple[str, list[int], bytes]]:
+    with tensorfs.open_model(source, **options) as model:
+        return {name: (model.info(name).dtype, list(model.info(name).shape), bytes(model.raw(name))) for name in model}
+
+
+def every_dtype(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A state dict of every dtype, a scalar, empty tensors, tied weights, a slice at a storage offset, a Parameter."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for dtype in TORCH_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        raw = torch.randint(0, 256, (2 * 3 * torch.empty((), dtype=dtype).element_size(),), generator=generator)
+        tensors[f"w.{name}"] = raw.to(torch.uint8).view(dtype).reshape(2, 3)
+    base = torch.arange(24, dtype=torch.float32)
+    tensors.update({
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "empty.scalar_shape": torch.zeros(3, 0, dtype=torch.int8),
+        "embed.weight": base.reshape(4, 6),
+        "lm_head.weight": base.reshape(4, 6),  # tied: the same storage
+        "slice": base[6:12],  # a storage offset
+        "row": base.reshape(4, 6)[2],
+        "param": torch.nn.Parameter(torch.ones(3, 2)),
+    })  # fmt: skip
+    return tensors
+
+
+def checkpoint(
+    path: Path, pickled: bytes, storages: dict[str, bytes], *, archive: str = "archive",
+    byteorder: bytes | None = b"little", method: int = zipfile.ZIP_STORED, extra: dict[str, bytes] | None = None,
+) -> Path:  # fmt: skip
+    """A checkpoint written by hand (zipfile, which torch.load reads): data.pkl, byteorder, data/KEY."""
+    with zipfile.ZipFile(path, "w") as archive_file:
+        archive_file.writestr(f"{archive}/data.pkl", pickled)
+        archive_file.writestr(f"{archive}/version", b"3\n")
+        if byteorder is not None:
+            archive_file.writestr(f"{archive}/byteorder", byteorder)
+        for key, data in storages.items():
+            archive_file.writestr(zipfile.ZipInfo(f"{archive}/data/{key}"), data, compress_type=method)
+        for name, data in (extra or {}).items():
+            archive_file.writestr(f"{archive}/{name}", data)
+    return path
+
+
+def saved(path: Path, obj: Any, **options: Any) -> Path:
+    torch.save(obj, path, **options)
+    return path
+
+
+def test_tables_are_torch_loads(tmp_path: Path) -> None:
+    path = saved(tmp_path / "every.bin", every_dtype())
+    expected = reference(path)
+    found = ours(path)
+    assert found == expected
+    table = tensorfs.open_model(path)
+    try:
+        tied = {name: table.info(name).offset for name in ("embed.weight", "lm_head.weight")}
+        assert len(set(tied.values())) == 1  # one storage, two files over the same bytes
+        assert table.info("slice").offset == tied["embed.weight"] + 6 * 4
+        assert table.format == "pytorch" and table.view_format == "safetensors"
+    finally:
+        table.close()
+
+
+def test_nested_checkpoints_name_tensors_by_their_keys(tmp_path: Path) -> None:
+    """A training checkpoint: the model's state dict under "model", an optimizer's state keyed by
+    ints, an epoch number; tensors named by their keys joined with '.', the rest left out."""
+    model = {"layer.weight": torch.ones(2, 2), "layer.bias": torch.zeros(2)}
+    optimizer = {"state": {0: {"exp_avg": torch.full((2, 2), 3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    path = saved(tmp_path / "train.pt", {"model": model, "optimizer": optimizer, "epoch": 3})
+    found = ours(path)
+    assert sorted(found) == ["model.layer.bias", "model.layer.weight", "optimizer.state.0.exp_avg"]
+    assert found["optimizer.state.0.exp_avg"][2] == as_bytes(torch.full((2, 2), 3.0))
+
+
+# -- never run ---------------------------------------------------------------------------------
+
+
+class RunsCommand:
+    """What a hostile checkpoint holds: unpickled, it runs a command."""
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.function, self.args
+
+
+class Custom:
+    def __init__(self) -> None:
+        self.weight = torch.ones(2)
+
+
+def hostile(marker: Path, tmp_path: Path) -> dict[str, tuple[Path, str, bool]]:
+    """Checkpoints that would run something or make what is not a state dict: what each refusal
+    names, and whether torch.load(weights_only=True) refuses it too."""
+    touch = f"touch {marker}"
+    cases: dict[str, tuple[Path, str, bool]] = {}
+
+    def case(name: str, obj: Any, expected: str, **options: Any) -> None:
+        cases[name] = (saved(tmp_path / f"{name}.bin", obj, **options), expected, True)
+
+    case("os.system", {"w": torch.ones(1), "x": RunsCommand(os.system, touch)}, "'posix.system'")
+    case("exec", RunsCommand(exec, f"open({str(marker)!r}, 'w')"), "'builtins.exec'")
+    case("eval", {"w": RunsCommand(eval, f"open({str(marker)!r}, 'w')")}, "'builtins.eval'")
+    case("popen", RunsCommand(subprocess.Popen, ["touch", str(marker)]), "'subprocess.Popen'", pickle_protocol=4)
+    case("a module", torch.nn.Linear(2, 2), "'torch.nn.modules.linear.Linear'")
+    case("a custom class", {"c": Custom()}, "'test_pytorch.Custom'")
+    # Opcodes that make objects: INST calls the global it names; NEWOBJ a class's __new__; EXT1 a
+    # global by its copyreg code.
+    inst = b"(S'" + touch.encode() + b"'\nios\nsystem\n."
+    cases["INST"] = (checkpoint(tmp_path / "inst.bin", inst, {}), "'os.system'", True)
+    newobj = b"\x80\x02ccollections\nOrderedDict\n)\x81."
+    cases["NEWOBJ"] = (checkpoint(tmp_path / "newobj.bin", newobj, {}), "opcode NEWOBJ", False)
+    ext = b"\x80\x02\x82\x01."
+    cases["EXT1"] = (checkpoint(tmp_path / "ext.bin", ext, {}), "opcode EXT1", False)
+    rebuild = b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n(cos\nsystem\n"
+    cases["a global for a storage"] = (
+        checkpoint(tmp_path / "ns.bin", rebuild + b"K\x00))\x89tRs.", {}),
+        "'os.system'",
+        True,
+    )
+    return cases
+
+
+def test_hostile_pickles_are_refused_and_nothing_runs(mounts: Mounts, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    cases = hostile(marker, tmp_path)
+    for name, (path, expected, torch_refuses) in cases.items():
+        if torch_refuses:  # the reference refuses these too
+            with pytest.raises(pickle.UnpicklingError), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # protocol 4 is not torch's: it says so
+                torch.load(path, weights_only=True)
+        done = mounts.run("validate", "--no-cache", str(path))
+        assert done.returncode == 1 and done.stderr.count("\n") == 1, (name, done.stderr)
+        assert done.stderr.startswith(f"error: {path}: data.pkl ") and expected in done.stderr, (name, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert not marker.exists(), name
+    path = cases["os.system"][0]
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    refused = mounts.attempt(path, mountpoint=mountpoint)
+    assert refused.returncode == 1 and "'posix.system'" in refused.stderr and not os.path.ismount(mountpoint)
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(RunsCommand(os.system, f"touch {marker}")))
+    assert marker.exists()  # the control: what these files hold does run when unpickled
+
+
+def test_pickles_cost_time_and_memory_in_proportion_to_their_length(tmp_path: Path) -> None:
+    """Python's unpickler would take hours (int keys that all hash alike, a list copied again and
+    again) or allocate gigabytes (a memo index of 2^31) on these few bytes; here each is done in
+    one pass or refused."""
+    prime = (1 << 61) - 1  # every multiple of it hashes to 0
+    keys = b"".join(b"\x8a\x0a" + (k * prime).to_bytes(10, "little") + b"K\x00" for k in range(1, 200_001))
+    colliding = b"\x80\x02}(" + keys
+    path = checkpoint(tmp_path / "collide.bin", colliding + b"u.", {})
+    assert ours(path) == {}  # a dict of 200,000 numbers: no tensors
+    memo = b"\x80\x02}r\xff\xff\xff\x7f."  # LONG_BINPUT 2^31 - 1
+    assert ours(checkpoint(tmp_path / "memo.bin", memo, {})) == {}
+    pairs = b"](" + b"X\x01\x00\x00\x00aK\x00\x86" * 100_000 + b"e"
+    again = b"\x80\x02" + pairs + b"q\x00" + b"0ccollections\nOrderedDict\nh\x00\x85R" * 20_000 + b"."
+    with pytest.raises(InvalidModelError, match="items a byte of it"):
+        ours(checkpoint(tmp_path / "copies.bin", again, {}))
+
+
+# -- the archive's rules -------------------------------------------------------------------------
+
+
+class _Rebuild:
+    def __init__(self, *fields: Any) -> None:
+        self.fields = fields
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        storage_class, key, count, offset, shape, stride = self.fields
+        storage = _Persistent(("storage", getattr(torch, storage_class), key, "cpu", count))
+        return torch._utils._rebuild_tensor_v2, (storage, offset, shape, stride, False, {})
+
+
+class _Persistent:
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, _Persistent) else None
+
+
+def state_pickle(storage_class: str, key: str, count: int, offset: int, shape: tuple[int, ...]) -> bytes:
+    stride = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+    out = io.BytesIO()
+    _Pickler(out, protocol=2).dump({"t": _Rebuild(storage_class, key, count, offset, shape, stride)})
+    return out.getvalue()
+
+
+def _central_entry(data: bytearray, name: bytes) -> int:
+    """Where the central directory's entry of `name` begins."""
+    position = 0
+    while True:
+        position = data.index(b"PK\x01\x02", position)
+        length = struct.unpack_from("<H", data, position + 28)[0]
+        if data[position + 46 : position + 46 + length] == name:
+            return position
+        position += 4
+
+
+def _truncated(tmp_path: Path) -> Path:
+    whole = saved(tmp_path / "whole.bin", {"t": torch.ones(64)}).read_bytes()
+    (tmp_path / "truncated.bin").write_bytes(whole[: len(whole) // 2])
+    return tmp_path / "truncated.bin"
+
+
+def _another_zip(tmp_path: Path) -> Path:
+    with zipfile.ZipFile(tmp_path / "other.bin", "w") as other:
+        other.writestr("notes/readme.txt", "hello")
+    return tmp_path / "other.bin"
+
+
+def _scripted(tmp_path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated, and still writes these
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(tmp_path / "script.pt"))
+    return tmp_path / "script.pt"
+
+
+def _crc_damaged(tmp_path: Path) -> Path:
+    damaged = bytearray(saved(tmp_path / "crc.bin", {"layer": torch.ones(2)}).read_bytes())
+    damaged[damaged.index(b"layer")] = ord("p")  # a name changed: the pickle reads, its CRC-32 does not match
+    (tmp_path / "crc.bin").write_bytes(damaged)
+    return tmp_path / "crc.bin"
+
+
+def _overlapping(tmp_path: Path) -> Path:
+    path = checkpoint(tmp_path / "overlap.bin", GOOD, {"0": F32_BYTES, "1": F32_BYTES})
+    two = bytearray(path.read_bytes())
+    struct.pack_into("<II", two, _central_entry(two, b"archive/data/0") + 20, 40, 40)  # into data/1's header
+    path.write_bytes(two)
+    return path
+
+
+def _twice(tmp_path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate it writes
+        return checkpoint(tmp_path / "twice.bin", GOOD, {"0": F32_BYTES}, extra={"data/0": F32_BYTES})
+
+
+def _quantized(tmp_path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated, and still saved
+        return saved(tmp_path / "q.bin", {"q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)})
+
+
+GOOD = state_pickle("FloatStorage", "0", 4, 0, (2, 2))
+F32_BYTES = bytes(16)
+ZIP_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "compressed": (lambda d: checkpoint(d / "z.bin", GOOD, {"0": F32_BYTES}, method=zipfile.ZIP_DEFLATED),
+                   "is compressed (method 8)"),
+    "legacy": (lambda d: saved(d / "legacy.bin", {"t": torch.ones(2)}, _use_new_zipfile_serialization=False),
+               "legacy format (torch < 1.6"),
+    "big-endian": (lambda d: checkpoint(d / "big.bin", GOOD, {"0": F32_BYTES}, byteorder=b"big"),
+                   "big-endian checkpoint"),
+    "truncated": (_truncated, "no zip end-of-central-directory record"),
+    "another zip": (_another_zip, "no notes/data.pkl: not a PyTorch checkpoint"),
+    "TorchScript": (_scripted, "a TorchScript archive"),
+    "storage missing": (lambda d: checkpoint(d / "m.bin", GOOD, {}), "tensor 't': its storage 0 is not in"),
+    "storage short": (lambda d: checkpoint(d / "s.bin", GOOD, {"0": F32_BYTES[:12]}), "holds 16 bytes, where"),
+    "past its storage": (
+        lambda d: checkpoint(d / "p.bin", state_pickle("FloatStorage", "0", 4, 2, (2, 2)), {"0": F32_BYTES}),
+        "runs past the end of its storage",
+    ),
+    "not contiguous": (lambda d: saved(d / "t.bin", {"t": torch.ones(2, 3).t()}), "tensor 't': is not contiguous"),
+    "complex128": (lambda d: saved(d / "c.bin", {"c": torch.zeros(2, dtype=torch.complex128)}),
+                   "ComplexDoubleStorage (safetensors has no such dtype)"),
+    "quantized": (_quantized, "a quantized tensor"),
+    "data.pkl damaged": (_crc_damaged, "does not match its CRC-32"),
+    "overlapping entries": (_overlapping, "overlaps"),
+    "an entry twice": (_twice, "holds archive/data/0 twice"),
+    "not a state dict": (lambda d: checkpoint(d / "l.bin", pickle.dumps([1, 2], protocol=2), {}),
+                         "holds a list, not a dict of tensors"),
+}  # fmt: skip
+"""Checkpoints that break one rule each (made in a directory), and what the one line says."""
+
+
+@pytest.mark.parametrize("case", list(ZIP_CASES))
+def test_each_rule_is_one_line_naming_the_file(case: str, tmp_path: Path) -> None:
+    make, expected = ZIP_CASES[case]
+    path = make(tmp_path)
+    with pytest.raises(InvalidModelError) as raised:
+        tensorfs.open_model(path, cache=False)
+    message = str(raised.value)
+    assert expected in message and message.count("\n") == 0 and message.startswith(str(path)), message
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "validate", "--no-cache", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_what_the_reference_reads_of_hand_made_archives_is_read(tmp_path: Path) -> None:
+    """The hand-made archives above differ from a good one in one thing: made right, both readers take it."""
+    path = checkpoint(tmp_path / "good.bin", state_pickle("FloatStorage", "0", 4, 0, (2, 2)), {"0": bytes(range(16))})
+    assert ours(path) == reference(path) == {"t": ("F32", [2, 2], bytes(range(16)))}
+    no_byteorder = checkpoint(tmp_path / "old.bin", state_pickle("ByteStorage", "7", 3, 1, (2,)), {"7": b"abc"},
+                              byteorder=None)  # fmt: skip
+    assert ours(no_byteorder) == reference(no_byteorder) == {"t": ("U8", [2], b"bc")}
+
+
+# -- the mount, its views, the commands ------------------------------------------------------------
+
+
+def test_the_mount_serves_each_tensor_and_a_safetensors_view(mounts: Mounts, tmp_path: Path) -> None:
+    path = saved(tmp_path / "every.bin", every_dtype())
+    expected = reference(path)
+    mountpoint = mounts.mount(path)
+    for name, (dtype, shape, content) in expected.items():
+        assert (mountpoint / name).read_bytes() == content, name
+        meta = json.loads((mountpoint / f"{name}.meta.json").read_bytes())
+        assert (meta["dtype"], meta["shape"], meta["nbytes"], meta["shard"]) == (
+            dtype,
+            shape,
+            len(content),
+            "every.bin",
+        )
+        assert path.read_bytes()[meta["offset"] : meta["offset"] + len(content)] == content
+        assert meta["data_offsets"] == [meta["offset"], meta["offset"] + len(content)]
+        assert (mountpoint / f"{name}.sha256").read_text().split()[0] == hashlib.sha256(content).hexdigest()
+    assert np.array_equal(tensorfs.memmap(mountpoint / "embed.weight"), np.arange(24, dtype="<f4").reshape(4, 6))
+    checked = subprocess.run(
+        ["sha256sum", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
+    loaded = safetensors.torch.load_file(view)
+    assert {name: (SAFETENSORS_NAME[t.dtype], list(t.shape), as_bytes(t)) for name, t in loaded.items()} == expected
+    with safetensors.safe_open(str(view), "pt") as opened:
+        assert opened.metadata() == {"format": "pt"}
+    metadata = json.loads((mountpoint / ".tensorfs" / "metadata.json").read_bytes())
+    assert metadata == {"format": "pytorch", "shards": {"every.bin": {"format": "pt"}}}
+
+
+def llama_like(path: Path, layers: int = 4) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    state = {"model.embed_tokens.weight": torch.randn(16, 8), "model.norm.weight": torch.ones(8)}
+    for layer in range(layers):
+        state[f"model.layers.{layer}.mlp.up_proj.weight"] = torch.randn(8, 8)
+        state[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(8)
+    torch.save(state, path)
+    return state
+
+
+def test_layers_and_the_export_of_a_checkpoint(mounts: Mounts, tmp_path: Path) -> None:
+    path = tmp_path / "pytorch_model.bin"
+    state = llama_like(path)
+    mountpoint = mounts.mount(path, "--layers", "1-2")
+    view = mountpoint / ".tensorfs" / "model" / "selected.safetensors"
+    selected = safetensors.torch.load_file(view)
+    assert sorted(selected) == sorted(n for n in state if ".layers." not in n or ".layers.1." in n or ".layers.2." in n)
+    assert all(torch.equal(selected[name], state[name]) for name in selected)
+    out = tmp_path / "out.safetensors"
+    done = mounts.run("export", str(path), str(out))
+    assert done.returncode == 0, done.stderr
+    exported = safetensors.torch.load_file(out)
+    assert exported.keys() == state.keys() and all(torch.equal(exported[n], state[n]) for n in state)
+    refused = mounts.run("export", str(path), str(tmp_path / "out.gguf"))
+    assert refused.returncode == 1 and "a pytorch model is written as a .safetensors file" in refused.stderr
+    listed = mounts.run("ls", "--json", str(path))
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert {row["name"]: row["shape"] for row in rows} == {name: list(t.shape) for name, t in state.items()}
+    manifest = mounts.run("manifest", str(path))
+    assert {line.split()[1]: line.split()[0] for line in manifest.stdout.splitlines()} == {
+        name: hashlib.sha256(as_bytes(t)).hexdigest() for name, t in state.items()
+    }
+
+
+def test_the_loader_reads_checkpoints(tmp_path: Path) -> None:
+    path = saved(tmp_path / "every.bin", every_dtype())
+    loaded = torch.load(path, weights_only=True)
+    with tensorfs.safe_open(path, "pt") as opened:
+        for name, tensor in loaded.items():
+            got = opened.get_tensor(name)
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape and as_bytes(got) == as_bytes(tensor)
+        assert opened.metadata() == {"format": "pt"}
+    state = tensorfs.load_file(path)
+    assert state.keys() == loaded.keys()
+    state["embed.weight"][0, 0] = loaded["embed.weight"][0, 0] = 99.0  # written: a private copy of the pages
+    assert state["lm_head.weight"][0, 0] == loaded["lm_head.weight"][0, 0] == 99.0  # tied, as torch.load has them
+    assert torch.load(path, weights_only=True)["embed.weight"][0, 0] == 0.0  # the file unchanged
+
+
+def test_which_files_of_a_directory_are_the_model(tmp_path: Path) -> None:
+    both = tmp_path / "both"
+    both.mkdir()
+    safetensors.torch.save_file({"w": torch.ones(2)}, both / "model.safetensors")
+    torch.save({"w": torch.zeros(2)}, both / "pytorch_model.bin")
+    with tensorfs.open_model(both) as model:
+        assert model.format == "safetensors"  # as transformers prefers it
+    training = tmp_path / "training"
+    training.mkdir()
+    torch.save({"w": torch.ones(2)}, training / "pytorch_model.bin")
+    torch.save({"lr": 0.1}, training / "training_args.bin")
+    torch.save({"state": {0: {"exp_avg": torch.ones(2)}}}, training / "optimizer.pt")
+    assert ours(training) == {"w": ("F32", [2], as_bytes(torch.ones(2)))}
+    several = tmp_path / "several"
+    several.mkdir()
+    torch.save({"w": torch.ones(2)}, several / "a.pt")
+    torch.save({"w": torch.ones(2)}, several / "b.pt")
+    with pytest.raises(InvalidModelError, match=r"holds several PyTorch checkpoints \(a\.pt, b\.pt\): name the one"):
+        tensorfs.open_model(several)
+    sharded = tmp_path / "sharded"
+    state = sharded_checkpoint(sharded)
+    found = ours(sharded)
+    assert found == {name: (SAFETENSORS_NAME[t.dtype], list(t.shape), as_bytes(t)) for name, t in state.items()}
+    (sharded / pytorch.INDEX_NAME).unlink()  # the numbered parts, all there, are one model without it
+    assert ours(sharded) == found
+    (sharded / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(InvalidModelError, match=r"of 2 files, of which pytorch_model-00002-of-00002\.bin cannot be"):
+        tensorfs.open_model(sharded)
+
+
+def test_a_views_companions_are_never_the_models_own_file(mounts: Mounts, tmp_path: Path) -> None:
+    """A checkpoint named model.pt is the model's weights by being chosen, not by its name: its view
+    holds model.safetensors, not a second copy of the checkpoint beside it (over the 64 MiB
+    companion limit it would also be a warning), while other .pt/.bin files stay companions."""
+    model = tmp_path / "model"
+    model.mkdir()
+    torch.save({"w": torch.ones(2)}, model / "model.pt")
+    (model / "config.json").write_text("{}")
+    torch.save({"lr": 0.1}, model / "training_args.bin")
+    for source in (model, model / "model.pt"):
+        dest = tmp_path / f"export-{source.name}"
+        done = mounts.run("export", str(source), str(dest))
+        assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+        assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors", "training_args.bin"]
+        assert (dest / "training_args.bin").read_bytes() == (model / "training_args.bin").read_bytes()
+
+
+def sharded_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """Two shards and their index, as transformers 4 wrote them (save_pretrained(safe_serialization=False))."""
+    directory.mkdir()
+    state = llama_like(directory / "whole.bin")
+    (directory / "whole.bin").unlink()
+    names = list(state)
+    parts = {"pytorch_model-00001-of-00002.bin": names[:3], "pytorch_model-00002-of-00002.bin": names[3:]}
+    for file_name, part in parts.items():
+        torch.save({name: state[name] for name in part}, directory / file_name)
+    weight_map = {name: file_name for file_name, part in parts.items() for name in part}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        "weight_map": weight_map,
+    }
+    (directory / pytorch.INDEX_NAME).write_text(json.dumps(index))
+    return state
+
+
+def test_transformers_loads_a_real_models_checkpoint_through_the_view(mounts: Mounts, tmp_path: Path) -> None:
+    """A real model's state dict saved by torch itself (tied embeddings: one storage, two tensors), and
+    its config: transformers reads the mount's safetensors view, and computes what the original does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)  # fmt: skip
+    original = LlamaForCausalLM(config).eval()
+    directory = tmp_path / "llama"
+    directory.mkdir()
+    config.save_pretrained(directory)
+    torch.save(original.state_dict(), directory / "pytorch_model.bin")
+    mountpoint = mounts.mount(directory)
+    assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
+    loaded = LlamaForCausalLM.from_pretrained(mountpoint / ".tensorfs" / "model").eval()
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, original(ids).logits)
+
+
+# -- remote ---------------------------------------------------------------------------------------------
+
+
+def test_remote_checkpoints(
+    nginx: Nginx, seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's directory is at its end and its storages' headers throughout: read with ranged
+    GETs of exactly that version beyond the first; a sharded one by its index; a prefix's
+    pytorch_model.bin beside a training run's other files."""
+    import obstore
+
+    from tensorfs.sources.store import RemoteOptions
+
+    big = {f"layer.{i}": torch.full((256, 1024), float(i)) for i in range(3)}  # 1 MiB each
+    big["small"] = torch.arange(5)
+    local = saved(tmp_path / "big.bin", big)
+    expected = reference(local)
+    sharded = tmp_path / "sharded"
+    state = sharded_checkpoint(sharded)
+    served = nginx.root / tmp_path.name
+    shutil.copytree(sharded, served / "sharded")
+    shutil.copy(local, served / "big.bin")
+    store = seaweedfs.store(bucket)
+    obstore.put(store, "run/pytorch_model.bin", local.read_bytes())
+    obstore.put(store, "run/training_args.bin", saved(tmp_path / "args.bin", {"lr": 0.1}).read_bytes())
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    try:
+        http = f"{nginx.url}/{tmp_path.name}"
+        assert ours(f"{http}/big.bin", remote=RemoteOptions(cache_dir=tmp_path / "c1")) == expected
+        gets = [r for r in nginx.requests() if r[1].endswith(f"{tmp_path.name}/big.bin") and r[0] == "GET"]
+        assert 3 <= len(gets) <= 12, gets  # the first bytes, the end, the storages' headers; the tensors' chunks
+        index_url = f"{http}/sharded/{pytorch.INDEX_NAME}"
+        assert ours(index_url, remote=RemoteOptions(cache_dir=tmp_path / "c2")) == {
+            name: (SAFETENSORS_NAME[t.dtype], list(t.shape), as_bytes(t)) for name, t in state.items()
+        }
+        s3 = RemoteOptions(cache_dir=tmp_path / "c3", endpoint_url=seaweedfs.endpoint)
+        assert ours(f"s3://{bucket}/run", remote=s3) == expected
+    finally:
+        shutil.rmtree(served, ignore_errors=True)
+
+
+def test_header_cache_rows_of_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tensorfs.sources.shard
+
+    path = saved(tmp_path / "big.bin", {f"t{i}": torch.full((64, 64), float(i)) for i in range(8)})
+    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)
+    first = ours(path, cache=tmp_path / "cache")
+
+    def parsed(*args: Any) -> Any:
+        raise AssertionError("read again")
+
+    monkeypatch.setattr(pytorch, "read_table", parsed)
+    assert ours(path, cache=tmp_path / "cache") == first
+
+
+# -- damaged files --------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.one_of(st.none(), st.integers(0, 10_000)))  # fmt: skip
+def test_damaged_checkpoints_are_refused_or_agree_with_torch(
+    edits: list[tuple[int, int]], cut: int | None, tmp_path: Path
+) -> None:
+    """Bytes changed anywhere (the pickle, the zip's headers and directory, the data) and files cut
+    short: each refused in one line, or read as torch.load reads it. Nothing torch refuses is read
+    (its reader's checks of the small records and of the Zip64 end records included); tensorfs
+    refuses more (a local header that does not name its entry, data.pkl's CRC-32)."""
+    data = bytearray(FUZZED)
+    for position, value in edits:
+        data[position % len(data)] = value
+    if cut is not None:
+        data = data[: cut % len(data)]
+    path = tmp_path / "damaged.bin"
+    path.write_bytes(bytes(data))
+    try:
+        found = ours(path, cache=False)
+    except InvalidModelError as exc:
+        assert str(exc).count("\n") == 0 and str(exc).startswith(str(path)), str(exc)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert found == reference(path)
+
+
+def _fuzzed() -> bytes:
+    state = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    state["tied"] = state["a.weight"]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+FUZZED = _fuzzed()
