@@ -4,9 +4,12 @@
   `tensorfs.open_model` in-process, from scratch, <= 1.0x modelvet (a C validator) on the same
   file; with its header cached, reported (near zero); the `gguf` package's GGUFReader reported;
 - the same tensors (--gib of them, 64 MiB each, half F16, half Q8_0 in the GGUF, as raw bytes in
-  the safetensors file) as a GGUF and as safetensors: mounting (the command, header cache cold)
-  <= 1.2x, and reading every tensor's file through the mount, page cache warm (both files read in
-  after the caches are dropped, as root), >= 1.0x safetensors.
+  the safetensors file and the PyTorch checkpoint) as a GGUF, as a checkpoint (torch.save) and as
+  safetensors: mounting (the command, header cache cold) <= 1.2x, and reading every tensor's file
+  through the mount, page cache warm (the files read in after the caches are dropped, as root),
+  >= 1.0x safetensors;
+- a checkpoint of 3,000 small tensors (a large model's count) against the same as safetensors:
+  `tensorfs.open_model` from scratch, reported (a checkpoint's table is a pickle, walked in Python).
 
     tensorfs bench --suite formats [--gib 1] [--repeat 3] [--json FILE]
 """
@@ -37,6 +40,7 @@ from .common import (
 
 VALIDATE_BAR, MOUNT_BAR, READ_BAR = 1.0, 1.2, 1.0
 TENSOR_MIB = 64
+MANY_TENSORS = 3000
 
 
 def timed(work: Callable[[], object]) -> float:
@@ -72,8 +76,10 @@ def vocabulary_gguf(path: Path, tokens: int) -> None:
     writer.close()
 
 
-def same_tensors(directory: Path, gib: float) -> tuple[Path, Path]:
-    """One model as a GGUF (F16 and Q8_0 tensors) and as safetensors (the same bytes, U8)."""
+def same_tensors(directory: Path, gib: float) -> dict[str, Path]:
+    """One model as a GGUF (F16 and Q8_0 tensors), as safetensors and as a PyTorch checkpoint (the
+    same bytes, U8), by format."""
+    import torch
     from gguf import GGMLQuantizationType, GGUFWriter
     from safetensors.numpy import save_file
 
@@ -92,7 +98,23 @@ def same_tensors(directory: Path, gib: float) -> tuple[Path, Path]:
     writer.write_tensors_to_file()
     writer.close()
     save_file(tensors, str(directory / "model.safetensors"))
-    return directory / "model.gguf", directory / "model.safetensors"
+    torch.save({name: torch.from_numpy(data) for name, data in tensors.items()}, directory / "pytorch_model.bin")
+    return {
+        "gguf": directory / "model.gguf",
+        "safetensors": directory / "model.safetensors",
+        "pytorch": directory / "pytorch_model.bin",
+    }
+
+
+def many_tensors(directory: Path, count: int) -> tuple[Path, Path]:
+    """`count` small tensors (a layer's worth of names each) as a checkpoint and as safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {f"model.layers.{i // 10}.block.{i % 10}.weight": torch.full((16, 16), float(i)) for i in range(count)}
+    torch.save(tensors, directory / "many.bin")
+    save_file(tensors, str(directory / "many.safetensors"))
+    return directory / "many.bin", directory / "many.safetensors"
 
 
 def run(config: Config, out: Callable[[str], None] = print) -> Report:
@@ -154,11 +176,37 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             seconds=reference,
         )
 
-        out(f"the same {config.formats_gib:g} GiB of tensors as GGUF and as safetensors, mounted ...")
+        out(f"{MANY_TENSORS:,} small tensors as a PyTorch checkpoint and as safetensors ...")
+        checkpoint, flat = many_tensors(work, MANY_TENSORS)
+        many = medians(
+            {
+                "pytorch": lambda: open_model(checkpoint, cache=False).close(),
+                "safetensors": lambda: open_model(flat, cache=False).close(),
+            },
+            5 * repeat,
+        )
+        report.add(
+            "formats_open_many_safetensors",
+            f"tensorfs.open_model of {MANY_TENSORS:,} tensors as safetensors, from scratch (baseline)",
+            f"{many['safetensors'] * 1000:.1f} ms",
+            None,
+            "",
+            seconds=many["safetensors"],
+        )
+        report.add(
+            "formats_open_many_pytorch",
+            "  ... as a PyTorch checkpoint",
+            f"{many['pytorch'] * 1000:.1f} ms",
+            many["pytorch"] / many["safetensors"],
+            "(reported)",
+            seconds=many["pytorch"],
+        )
+
+        out(f"the same {config.formats_gib:g} GiB of tensors as GGUF, PyTorch and safetensors, mounted ...")
         models = work / "models"
         models.mkdir()
-        gguf_file, safetensors_file = same_tensors(models, config.formats_gib)
-        touch_fresh_memory(2 * gguf_file.stat().st_size)
+        files = same_tensors(models, config.formats_gib)
+        touch_fresh_memory(2 * files["gguf"].stat().st_size)
         mounter = Mounter(work, config)
 
         def mount_once(source: Path) -> Callable[[], None]:
@@ -180,13 +228,13 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         # file's read through a mount 30% faster than the GGUF's, and the same after this.
         if can_drop_caches():
             drop_caches()
-        for path in (gguf_file, safetensors_file):
+        for path in files.values():
             subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
-        mounting = medians({"gguf": mount_once(gguf_file), "safetensors": mount_once(safetensors_file)}, repeat)
-        reads: dict[str, list[float]] = {"gguf": [], "safetensors": []}
+        mounting = medians({name: mount_once(path) for name, path in files.items()}, repeat)
+        reads: dict[str, list[float]] = {name: [] for name in files}
         for _ in range(repeat):
-            reads["gguf"].append(read_once(gguf_file)())
-            reads["safetensors"].append(read_once(safetensors_file)())
+            for name, path in files.items():
+                reads[name].append(read_once(path)())
         reading = {name: statistics.median(found) for name, found in reads.items()}
     report.add(
         "formats_mount_safetensors",
@@ -206,6 +254,15 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         at_most=MOUNT_BAR,
     )
     report.add(
+        "formats_mount_pytorch",
+        "mounting the PyTorch checkpoint of the same tensors",
+        f"{mounting['pytorch']:.3f} s",
+        mounting["pytorch"] / mounting["safetensors"],
+        f"<= {MOUNT_BAR}x safetensors",
+        seconds=mounting["pytorch"],
+        at_most=MOUNT_BAR,
+    )
+    report.add(
         "formats_read_safetensors",
         "reading every tensor's file through the mount, safetensors (baseline)",
         f"{reading['safetensors']:.3f} s",
@@ -220,6 +277,15 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         reading["safetensors"] / reading["gguf"],
         f">= {READ_BAR}x safetensors",
         seconds=reading["gguf"],
+        at_least=READ_BAR,
+    )
+    report.add(
+        "formats_read_pytorch",
+        "  ... PyTorch",
+        f"{reading['pytorch']:.3f} s",
+        reading["safetensors"] / reading["pytorch"],
+        f">= {READ_BAR}x safetensors",
+        seconds=reading["pytorch"],
         at_least=READ_BAR,
     )
     return report

@@ -86,8 +86,9 @@ def bench(
     against safetensors and the Run:ai Model Streamer, local and from nginx and SeaweedFS (needs
     FUSE, nginx; root for cold reads). --gib 1, --repeat 3.
 
-    formats: GGUF against safetensors (mounting, reads through the mount) and against modelvet
-    (validating a GGUF with a 262k-token vocabulary); needs FUSE. --gib 1, --repeat 3.
+    formats: GGUF and PyTorch checkpoints against safetensors (mounting, reads through the mount,
+    opening 3,000 tensors) and GGUF against modelvet (validating a 262k-token vocabulary); needs
+    FUSE. --gib 1, --repeat 3.
     """
     from .. import bench as benchmark
 
