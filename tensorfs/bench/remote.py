@@ -1,11 +1,16 @@
 """The benchmark of remote models (`tensorfs bench --remote`): a model served by nginx on loopback,
 read through the mount and its cache, against obstore downloading the same bytes in the same run.
 
-The bars (the remote-models issue): a first read of the model through the mount >= 0.8x obstore
-downloading it with the same concurrency; a re-read from the cache >= 0.9x a local shard's first
-read; one 4 MiB tensor fetches at most 4 MiB + 2 chunks + the headers; a 20-shard model mounts with
-at most 2 GETs a shard, in at most 3x the time it takes from local disk; `stat` p99 < 10 ms while
-four readers stream cold remote data; the daemon's RssAnon flat within 16 MiB over the whole read.
+The bars (the remote-models issue and the download-speed issue): a first read of the model through
+the mount >= 0.9x obstore downloading the same objects into files with the same concurrency and
+chunk size (what a user has after a download), on loopback and through a distant link (25 ms each
+way, 200 MB/s shared: link.py), with the daemon's CPU per GiB <= 1.2x the downloader's; the first
+byte of a cold small tensor through the link within 3 round trips; a re-read from the cache >= 0.9x
+a local shard's first read; one 4 MiB tensor fetches at most 4 MiB + 2 chunks + the headers; a
+20-shard model mounts with at most 2 GETs a shard, in at most 3x the time it takes from local disk;
+`stat` p99 < 10 ms while four readers stream cold remote data; the daemon's RssAnon flat within 16
+MiB over the whole read. Each side of a first read starts with the disk synced and, as root, the
+page cache dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +29,20 @@ import numpy as np
 from ..model import open_model
 from ..sample_models import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size
-from .common import Config, Mounter, Report, median, probe_while, read_file, rss_anon_kib, touch_fresh_memory, warm
+from .common import (
+    Config,
+    Mounter,
+    Report,
+    can_drop_caches,
+    drop_caches,
+    median,
+    probe_while,
+    read_file,
+    rss_anon_kib,
+    touch_fresh_memory,
+    warm,
+)
+from .link import SlowLink
 from .servers import Nginx
 
 CHUNK = 8 << 20
@@ -70,18 +88,69 @@ def download(url: str, objects: list[tuple[str, int]]) -> float:
     return fetched / (time.perf_counter() - begin)
 
 
+def download_into_files(url: str, objects: list[tuple[str, int]], directory: Path) -> tuple[float, float]:
+    """(bytes/s, CPU seconds) of obstore fetching every object into a file of its own, in CHUNK
+    ranges, CONCURRENCY at once, each range's pieces written where they belong as they come: what a
+    user has after a download (the files removed after)."""
+    import obstore
+    from obstore.store import HTTPStore
+
+    store = HTTPStore.from_url(url, client_options={"allow_http": True, "timeout": "600s"})
+    directory.mkdir()
+    files = {}
+    for name, size in objects:
+        files[name] = os.open(directory / name.replace("/", "_"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(files[name], size)
+    jobs = [(name, start, min(size, start + CHUNK)) for name, size in objects for start in range(0, size, CHUNK)]
+
+    def fetch(job: tuple[str, int, int]) -> int:
+        name, offset, end = job
+        for piece in obstore.get(store, name, options={"range": (offset, end)}).stream(min_chunk_size=PIECE):
+            view = memoryview(piece)
+            while view:
+                written = os.pwrite(files[name], view, offset)
+                view, offset = view[written:], offset + written
+        return end - job[1]
+
+    cpu, begin = time.process_time(), time.perf_counter()
+    try:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            fetched = sum(pool.map(fetch, jobs))
+        return fetched / (time.perf_counter() - begin), time.process_time() - cpu
+    finally:
+        for fd in files.values():
+            os.close(fd)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+PIECE = 256 << 10
+"""The pieces a download writes at a time (as the daemon's fetches do)."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def fetched(server: Nginx, since: int, suffix: str = ".safetensors") -> tuple[int, int]:
     """(GETs, body bytes) of shard objects the server sent since request number `since`."""
     requests = [r for r in server.requests()[since:] if r[0] == "GET" and r[1].endswith(suffix)]
     return len(requests), sum(sent for _, _, sent in requests)
 
 
-def quiesce(used: Path | None = None) -> None:
-    """Remove a cache no longer wanted and flush what is dirty: the disk's writeback of one try's
-    gigabytes would otherwise take CPU from the next (it halved later tries' first reads)."""
+def quiesce(used: Path | None = None, served: list[Path] | None = None) -> None:
+    """Remove a cache no longer wanted, flush what is dirty (the disk's writeback of one try's
+    gigabytes would otherwise take CPU from the next: it halved later tries' first reads), and drop
+    the page cache where we may (the last try's pages would otherwise be reclaimed during this one);
+    the `served` files read in again, as a server's memory holds what it serves."""
     if used is not None:
         shutil.rmtree(used, ignore_errors=True)
-    os.sync()
+    if can_drop_caches():
+        drop_caches()
+        warm(served or [])
+    else:
+        os.sync()
 
 
 def run(config: Config, out: Callable[[str], None] = print) -> Report:
@@ -121,28 +190,42 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
     object_bytes = sum(size for _, size in objects)
 
     rates = [download(server.url, objects) for _ in range(config.repeat)]
-    report.add("download", f"obstore download, {CONCURRENCY} at once (baseline)", f"{median(rates) / 1e9:.2f} GB/s",
-               None, "", gbps=median(rates) / 1e9)  # fmt: skip
+    report.add("download", f"obstore download, {CONCURRENCY} at once, bytes dropped", f"{median(rates) / 1e9:.2f} GB/s",
+               None, "(reported)", gbps=median(rates) / 1e9)  # fmt: skip
 
     first, again, local, rss = [], [], [], []
+    saved, saved_cpu, daemon_cpu = [], [], []
     for i in range(config.repeat):
         cache = ["--cache-dir", str(work / f"cache{i}")]
-        quiesce(work / f"cache{i - 1}" if i else None)
+        quiesce(work / f"cache{i - 1}" if i else None, big_shards)
+        rate, cpu = download_into_files(server.url, objects, work / "download")
+        saved.append(rate)
+        saved_cpu.append(cpu)
+        quiesce(None, big_shards)
         with mounter.mounted(url, *cache) as (mnt, pid):
-            before = rss_anon_kib(pid)
+            before, cpu = rss_anon_kib(pid), cpu_seconds(pid)
             start = time.perf_counter()
             for name in big:
                 read_file(mnt / name)
             first.append(model_bytes / (time.perf_counter() - start))
+            daemon_cpu.append(cpu_seconds(pid) - cpu)
             rss.append((before, rss_anon_kib(pid)))
         with mounter.mounted(url, *cache) as (mnt, _):
             again.append(model_bytes / sum(read_file(mnt / name) for name in big))
         with mounter.mounted(model) as (mnt, _):
             local.append(model_bytes / sum(read_file(mnt / name) for name in big))
-    quiesce(work / f"cache{config.repeat - 1}")
+    quiesce(work / f"cache{config.repeat - 1}", big_shards)
+    gib = object_bytes / (1 << 30)
+    report.add("download_files", f"obstore download into files, {CONCURRENCY} at once, {CHUNK >> 20} MiB ranges",
+               f"{median(saved) / 1e9:.2f} GB/s", None, "", gbps=median(saved) / 1e9)  # fmt: skip
     report.add("remote_first_read", "first read of a remote model through the mount", f"{median(first) / 1e9:.2f} GB/s",
-               median(first) / median(rates), ">= 0.8x download", gbps=median(first) / 1e9,
-               object_bytes=object_bytes)  # fmt: skip
+               median(first) / median(saved), ">= 0.9x download into files", gbps=median(first) / 1e9,
+               object_bytes=object_bytes, at_least=0.9)  # fmt: skip
+    report.add("download_cpu", "  the downloader's CPU per GiB (baseline)", f"{median(saved_cpu) / gib:.2f} s",
+               None, "", seconds_per_gib=median(saved_cpu) / gib)  # fmt: skip
+    report.add("remote_cpu", "  the daemon's CPU per GiB", f"{median(daemon_cpu) / gib:.2f} s",
+               median(daemon_cpu) / median(saved_cpu), "<= 1.2x the downloader's",
+               seconds_per_gib=median(daemon_cpu) / gib, at_most=1.2)  # fmt: skip
     report.add("local_first_read", "first read of the local model (baseline)", f"{median(local) / 1e9:.2f} GB/s",
                None, "", gbps=median(local) / 1e9)  # fmt: skip
     report.add("remote_reread", "re-read from the cache (a new mount)", f"{median(again) / 1e9:.2f} GB/s",
@@ -169,8 +252,50 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
     report.add("one_tensor", "bytes fetched to read one 4 MiB tensor", f"{body / (1 << 20):.1f} MiB",
                None, "<= 4 MiB + 2 chunks (20 MiB)", bytes=body, header_bytes=headers, header_gets=gets)  # fmt: skip
 
+    _through_a_link(config, report, mounter, server, work, objects, big_shards, big, names, out)
     _latency(config, report, mounter, server, url, big_shards, big, small, work)
     _many_shards(config, report, mounter, server, work, out)
+
+
+def _through_a_link(config: Config, report: Report, mounter: Mounter, server: Nginx, work: Path,
+                    objects: list[tuple[str, int]], big_shards: list[Path], big: list[str], small_model: list[str],
+                    out: Callable[[str], None]) -> None:  # fmt: skip
+    """The first read and a cold small tensor's first byte through a distant link (link.py)."""
+    with SlowLink(("127.0.0.1", server.port)) as link:
+        out(f"through a link of {link.delay * 1e3:g} ms each way, {link.rate / 1e6:g} MB/s shared ...")
+        object_bytes = sum(size for _, size in objects)
+        url = f"{link.url()}/model/model.safetensors.index.json"
+        saved, first = [], []
+        for i in range(config.repeat):
+            quiesce(work / f"link{i - 1}" if i else None, big_shards)
+            saved.append(download_into_files(link.url(), objects, work / "download")[0])
+            quiesce(None, big_shards)
+            with mounter.mounted(url, "--cache-dir", str(work / f"link{i}")) as (mnt, _):
+                start = time.perf_counter()
+                for name in big:
+                    read_file(mnt / name)
+                first.append(object_bytes / (time.perf_counter() - start))
+        quiesce(work / f"link{config.repeat - 1}")
+        # A cold small tensor's first 4 KiB, tensors far apart (each its own chunk), the mount made.
+        firsts = []
+        with mounter.mounted(f"{link.url()}/one/model.safetensors.index.json", "--cache-dir",
+                             str(work / "link-one")) as (mnt, _):  # fmt: skip
+            for name in small_model[:: max(1, len(small_model) // 5)][:5]:
+                start = time.perf_counter()
+                with open(mnt / name, "rb", buffering=0) as f:
+                    f.read(4096)
+                firsts.append(time.perf_counter() - start)
+        quiesce(work / "link-one")
+        round_trip = link.round_trip
+    report.add("link_download_files", "through the link: obstore download into files (baseline)",
+               f"{median(saved) / 1e9:.3f} GB/s", None, "", gbps=median(saved) / 1e9)  # fmt: skip
+    report.add("link_first_read", "  ... first read through the mount", f"{median(first) / 1e9:.3f} GB/s",
+               median(first) / median(saved), ">= 0.9x download into files", gbps=median(first) / 1e9,
+               at_least=0.9)  # fmt: skip
+    report.add("link_first_byte", "  ... first 4 KiB of a cold small tensor: median / max",
+               f"{median(firsts) * 1e3:.0f} / {max(firsts) * 1e3:.0f} ms", max(firsts) / round_trip,
+               "<= 3 round trips", median_ms=median(firsts) * 1e3, max_ms=max(firsts) * 1e3,
+               round_trip_ms=round_trip * 1e3, at_most=3.0)  # fmt: skip
 
 
 def _latency(config: Config, report: Report, mounter: Mounter, server: Nginx, url: str, big_shards: list[Path],

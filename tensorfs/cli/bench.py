@@ -71,7 +71,9 @@ def bench(
     root for cold reads, and to install bindfs when missing). --gib 2, --shards 4, --repeat 3.
 
     remote (or --remote): a model served by nginx on loopback, read through the mount and its cache,
-    against obstore downloading it (needs nginx). --gib 2, --shards 4, --repeat 3.
+    against obstore downloading it into files, on loopback and through a distant link (25 ms each
+    way, 200 MB/s shared: a proxy in the benchmark); the daemon's CPU (needs nginx; root to drop the
+    page cache between sides). --gib 2, --shards 4, --repeat 3.
 
     open: tensorfs.open_model of a model of many tiny tensors against safetensors.safe_open().keys(),
     in this process. --tensors 100000, --shards 20, --repeat 9.
