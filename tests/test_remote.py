@@ -32,6 +32,7 @@ from helpers import (
     write_reference,
 )
 from servers import TOKEN, Nginx, SeaweedFS
+from tensorfs.bench.link import SlowLink
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.sources.store import RemoteOptions
 
@@ -273,6 +274,28 @@ def test_one_tensor_read_fetches_its_chunks_only(nginx: Nginx, tmp_path: Path) -
         assert bytes(model.raw("t37")) == tensors["t37"][2]
     fetched = sum(sent for _, path, sent in nginx.requests()[before:] if path.endswith("m.safetensors"))
     assert fetched <= 4 * MIB + 2 * 8 * MIB + 64 * 1024  # the tensor, at most two chunks more, the header
+
+
+def test_the_read_ahead_keeps_requests_in_flight_over_a_distant_link(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """Over a link of 50 ms round trips, a reader going through a tensor from its start must not wait
+    a round trip for each chunk: the chunks ahead of it are asked for together. With both windows
+    ahead taken out (the mount's, fs.py, and the remote source's, sources/remote.py) one request was
+    in flight at a time; with either, 3 or more."""
+    directory = nginx.root / "far"
+    directory.mkdir()
+    data = random_bytes(64 * MIB, 11)
+    write_reference(directory / "m.safetensors", {"t": ("U8", [64 * MIB], data)})
+    with SlowLink(("127.0.0.1", nginx.port)) as link:
+        mountpoint = mounts.mount(
+            f"{link.url()}/far/m.safetensors",  # type: ignore[arg-type]
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        )
+        before = len(link.spans)
+        assert (mountpoint / "t").read_bytes() == data
+        assert link.most_at_once(since=before) >= 3, link.spans[before:]
 
 
 def test_fetch_threads_yield_to_the_requests_thread(nginx: Nginx, tmp_path: Path) -> None:
