@@ -12,11 +12,11 @@ import struct
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 import safetensors
 
@@ -373,29 +373,30 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
     return tensors, nbytes, peak_kib
 
 
-# -- CRC-32 forging: what a store that means to deceive a CRC can do -----------------------------
+# -- CRC-32C forging: what a store that means to deceive a CRC can do ----------------------------
 
 _CRC_TABLE = []
 for _i in range(256):
     _c = _i
     for _ in range(8):
-        _c = (_c >> 1) ^ 0xEDB88320 if _c & 1 else _c >> 1
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1  # Castagnoli's polynomial, reflected
     _CRC_TABLE.append(_c)
 _CRC_TOP = {entry >> 24: index for index, entry in enumerate(_CRC_TABLE)}
 
 
-def same_crc32(original: bytes, changed: bytes) -> bytes:
-    """`changed` (as long as `original`) with its last 4 bytes set so that its CRC-32 is `original`'s.
+def same_crc32c(original: bytes, changed: bytes) -> bytes:
+    """`changed` (as long as `original`) with its last 4 bytes set so that its CRC-32C (the chunk
+    cache's checksum) is `original`'s.
 
-    CRC-32 is linear: the state the last four bytes must lead to is found by running the table
+    A CRC is linear: the state the last four bytes must lead to is found by running the table
     backwards from the wanted CRC, and those bytes follow from the state before them.
     """
     assert len(changed) == len(original) >= 4
-    before = zlib.crc32(changed[:-4]) ^ 0xFFFFFFFF
-    state = zlib.crc32(original) ^ 0xFFFFFFFF
+    before = crc32c.crc32c(changed[:-4]) ^ 0xFFFFFFFF
+    state = crc32c.crc32c(original) ^ 0xFFFFFFFF
     for _ in range(4):
         index = _CRC_TOP[state >> 24]
         state = (((state ^ _CRC_TABLE[index]) << 8) & 0xFFFFFFFF) | index
     forged = changed[:-4] + (state ^ before).to_bytes(4, "little")
-    assert zlib.crc32(forged) == zlib.crc32(original) and forged != original
+    assert crc32c.crc32c(forged) == crc32c.crc32c(original) and forged != original
     return forged

@@ -23,7 +23,7 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, wait_until
-from helpers import MIB, errno_of_reading, random_bytes, same_crc32, write_reference
+from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, write_reference
 from servers import HostileServer, Nginx
 from tensorfs.sources.chunkcache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
@@ -109,7 +109,7 @@ def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
     mounts: Mounts, hostile: HostileServer, tmp_path: Path
 ) -> None:
     """A verified tensor whose chunks were evicted, and that the store then serves otherwise under
-    the same ETag (its chunk's CRC-32 forged to match): never served (EIO), for the manifest is in
+    the same ETag (its chunk's CRC-32C forged to match): never served (EIO), for the manifest is in
     force; `cache ls` beside changes nothing."""
     expected = four_tensors(hostile.root / "m.safetensors")
     url = f"{hostile.url}/m.safetensors"
@@ -139,9 +139,9 @@ def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
     after = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
     assert (after["gets"], after["evicted_chunks"]) == (before["gets"], before["evicted_chunks"])
     served = (hostile.root / "m.safetensors").read_bytes()
-    chunk = served[: 8 * MIB]  # t0's first chunk: other bytes in it, with its CRC-32 kept (what a CRC cannot tell)
+    chunk = served[: 8 * MIB]  # t0's first chunk: other bytes in it, with its CRC-32C kept (what a CRC cannot tell)
     changed = chunk[:MIB] + bytes(b ^ 0xFF for b in chunk[MIB : 2 * MIB]) + chunk[2 * MIB :]
-    hostile.replaced["m.safetensors"] = same_crc32(chunk, changed) + served[8 * MIB :]  # the same ETag
+    hostile.replaced["m.safetensors"] = same_crc32c(chunk, changed) + served[8 * MIB :]  # the same ETag
     Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the kernel's copy of t0 too: it is read again
     assert errno_of_reading(mountpoint / "t0") == errno.EIO  # never the other bytes
     assert "are not those the same version (ETag" in mounts.log()

@@ -15,12 +15,13 @@ import os
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import crc32c
 
 from ..errors import printable
 from ..syscalls import fallocate, punch_hole
@@ -98,15 +99,15 @@ def holders(path: Path) -> list[int]:
 
 @dataclass(frozen=True)
 class ChunkSum:
-    """What a chunk's bytes summed to when they first came: a CRC-32 always, a SHA-256 where a
+    """What a chunk's bytes summed to when they first came: a CRC-32C always, a SHA-256 where a
     manifest is in force (see the module's docstring)."""
 
-    crc32: int
+    crc32c: int
     sha256: bytes | None = None
 
     def agrees(self, other: ChunkSum) -> bool:
-        """Whether `other` sums the same bytes: the CRC-32s equal, and the SHA-256s where both have one."""
-        if self.crc32 != other.crc32:
+        """Whether `other` sums the same bytes: the CRC-32Cs equal, and the SHA-256s where both have one."""
+        if self.crc32c != other.crc32c:
             return False
         return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
 
@@ -119,7 +120,7 @@ class _Summing:
         self._sha = hashlib.sha256() if strong else None
 
     def update(self, piece: bytes | memoryview) -> None:
-        self._crc = zlib.crc32(piece, self._crc)
+        self._crc = crc32c.crc32c(piece, self._crc)
         if self._sha is not None:
             self._sha.update(piece)
 
@@ -414,7 +415,7 @@ class CachedObject:
         if digest.agrees(found):
             if found.sha256 is not None and digest.sha256 is None:  # summed for a manifest now: kept
                 self.cache.strengthen(self.id, chunk, found)
-            self._digests[chunk] = ChunkSum(digest.crc32, digest.sha256 or found.sha256)
+            self._digests[chunk] = ChunkSum(digest.crc32c, digest.sha256 or found.sha256)
             COUNTERS.add(chunks_checked=1)
             return True
         COUNTERS.add(bad_chunks=1)

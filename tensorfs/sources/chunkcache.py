@@ -15,10 +15,10 @@ No byte is taken from the cache that is not the object's:
   bytes, so a chunk fetched again that sums otherwise is refused (a store that serves other bytes
   under one ETag), and so is a chunk whose file bytes no longer sum to them (the file changed on
   disk: a miss, fetched again, never data). A process checks every chunk it did not fetch itself
-  before it first uses it. The checksum is a CRC-32 (what changes by accident shows, at a small
-  cost), and a SHA-256 too where a manifest is in force: a store that means to send other bytes
-  under one ETag cannot forge that one, and the bytes that passed the manifest are the only ones
-  ever served again.
+  before it first uses it. The checksum is a CRC-32C (what changes by accident shows, at a small
+  cost: the processor's own instruction, three times zlib's CRC-32), and a SHA-256 too where a
+  manifest is in force: a store that means to send other bytes under one ETag cannot forge that
+  one, and the bytes that passed the manifest are the only ones ever served again.
 - A chunk counts as present only once its bytes are written and flushed to disk (fdatasync) and its
   row committed: a process killed mid-chunk leaves a chunk that is fetched again, never a hole
   taken for data.
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 DB_NAME = "objects.sqlite"
 OBJECTS_DIR = "objects"
 ROOM_LOCK = "room.lock"
-SCHEMA = 3
+SCHEMA = 4
 """The form of the database: a cache of an older form is emptied of its chunks (their checksums were
 not these, or there were none)."""
 _CHUNK_BYTES = "MIN(o.chunk_size, o.size - c.chunk * o.chunk_size)"  # a chunk's bytes (the last may be short)
@@ -165,7 +165,7 @@ class ChunkCache:
                 db.execute("CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used)")
                 db.execute(
                     "CREATE TABLE IF NOT EXISTS digests (object TEXT NOT NULL, chunk INTEGER NOT NULL,"
-                    " crc32 INTEGER NOT NULL, sha256 BLOB, PRIMARY KEY (object, chunk)) WITHOUT ROWID"
+                    " crc32c INTEGER NOT NULL, sha256 BLOB, PRIMARY KEY (object, chunk)) WITHOUT ROWID"
                 )
                 db.execute(
                     "CREATE TABLE IF NOT EXISTS models (source TEXT PRIMARY KEY, description TEXT NOT NULL,"
@@ -218,7 +218,7 @@ class ChunkCache:
                              time.time()),
                         )  # fmt: skip
                     present = [c for (c,) in db.execute("SELECT chunk FROM chunks WHERE object=?", (oid,))]
-                    sums = db.execute("SELECT chunk, crc32, sha256 FROM digests WHERE object=?", (oid,)).fetchall()
+                    sums = db.execute("SELECT chunk, crc32c, sha256 FROM digests WHERE object=?", (oid,)).fetchall()
             except BaseException:
                 cached.close()
                 raise
@@ -256,8 +256,8 @@ class ChunkCache:
                     self.db()
                     self._reader = sqlite3.connect(self.directory / DB_NAME, timeout=30.0, check_same_thread=False)
                 row = self._reader.execute(
-                    "SELECT d.crc32, d.sha256 FROM chunks c JOIN digests d ON d.object = c.object AND d.chunk = c.chunk"
-                    " WHERE c.object=? AND c.chunk=?",
+                    "SELECT d.crc32c, d.sha256 FROM chunks c JOIN digests d"
+                    " ON d.object = c.object AND d.chunk = c.chunk WHERE c.object=? AND c.chunk=?",
                     (oid, chunk),
                 ).fetchone()
             except sqlite3.Error as exc:
@@ -267,11 +267,11 @@ class ChunkCache:
     def sums_of(self, oid: str, chunk: int) -> ChunkSum | None:
         """The checksums the chunk had when it first came, if it ever came."""
         with self._transaction() as db:
-            row = db.execute("SELECT crc32, sha256 FROM digests WHERE object=? AND chunk=?", (oid, chunk)).fetchone()
+            row = db.execute("SELECT crc32c, sha256 FROM digests WHERE object=? AND chunk=?", (oid, chunk)).fetchone()
         return ChunkSum(row[0], row[1]) if row is not None else None
 
     def strengthen(self, oid: str, chunk: int, sums: ChunkSum) -> None:
-        """Keep the SHA-256 of a chunk that came before without one (its CRC-32 checked as the same)."""
+        """Keep the SHA-256 of a chunk that came before without one (its CRC-32C checked as the same)."""
         with contextlib.suppress(RemoteError), self._transaction() as db:
             db.execute(
                 "UPDATE digests SET sha256=? WHERE object=? AND chunk=? AND sha256 IS NULL", (sums.sha256, oid, chunk)
@@ -348,7 +348,7 @@ class ChunkCache:
                     "INSERT INTO digests VALUES (?, ?, ?, ?) ON CONFLICT (object, chunk)"
                     " DO UPDATE SET sha256 = COALESCE(digests.sha256, excluded.sha256)",
                     [
-                        (oid, chunk, s.crc32, s.sha256)
+                        (oid, chunk, s.crc32c, s.sha256)
                         for oid, chunks in pending.items()
                         for chunk, (_, s) in chunks.items()
                     ],
