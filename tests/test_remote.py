@@ -298,6 +298,29 @@ def test_the_read_ahead_keeps_requests_in_flight_over_a_distant_link(
         assert link.most_at_once(since=before) >= 3, link.spans[before:]
 
 
+def test_a_cold_read_is_answered_before_its_chunk_has_all_come(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """Over a slow link (4 MB/s) a read of a tensor's first 4 KiB is answered once its bytes have
+    come, not when the whole 8 MiB chunk has: when it returns, the link has carried less than half
+    the chunk (answering after the chunk, as before, it had carried all of it); then every byte."""
+    directory = nginx.root / "slow"
+    directory.mkdir()
+    data = random_bytes(8 * MIB, 12)
+    write_reference(directory / "m.safetensors", {"t": ("U8", [8 * MIB], data)})
+    with SlowLink(("127.0.0.1", nginx.port), delay=0.005, rate=4e6) as link:
+        mountpoint = mounts.mount(
+            f"{link.url()}/slow/m.safetensors",  # type: ignore[arg-type]
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        )
+        before = link.bytes_sent
+        with open(mountpoint / "t", "rb", buffering=0) as f:
+            assert os.pread(f.fileno(), 4096, 0) == data[:4096]
+            carried = link.bytes_sent - before
+            assert carried < 4 * MIB, carried
+            assert os.pread(f.fileno(), 4096, 5 * MIB) == data[5 * MIB : 5 * MIB + 4096]
+        assert (mountpoint / "t").read_bytes() == data
+
+
 def test_fetch_threads_yield_to_the_requests_thread(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "nice"
     directory.mkdir()

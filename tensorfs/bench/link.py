@@ -113,6 +113,8 @@ class SlowLink:
             tasks.add(task)
             try:
                 await self._connection(reader, writer, bucket)
+            except asyncio.CancelledError:
+                writer.close()  # the link is stopping
             finally:
                 tasks.discard(task)
 

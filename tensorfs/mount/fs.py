@@ -393,7 +393,8 @@ class TensorOperations(pyfuse3.Operations):
         return bytes(reply)
 
     async def _read_tensor(self, span: _OpenTensor, off: int, size: int) -> memoryview:
-        """A slice of the shard's mapping, its pages brought in off this thread first if need be.
+        """A slice of the shard's mapping, its pages brought in off this thread first if need be (or,
+        for a remote chunk still coming, a copy of the bytes asked for once they have come).
 
         The range is held (pinned) until the reply has gone: a remote shard's cached chunks are not
         evicted from under it (a hole would read as zeros). It is let go by the next read, or within
@@ -427,7 +428,7 @@ class TensorOperations(pyfuse3.Operations):
             _let_go(previous)
             waited = time.perf_counter()
             try:
-                await trio.to_thread.run_sync(span.data.ensure_pinned, low, high, limiter=self._demand)
+                copied = await trio.to_thread.run_sync(span.data.pinned_or_copied, low, high, limiter=self._demand)
             except TensorfsError as exc:  # gone from the file, or a remote shard's bytes not fetched
                 # The reader gets EIO and the daemon goes on. What was validated is never replaced
                 # by anything else.
@@ -435,6 +436,12 @@ class TensorOperations(pyfuse3.Operations):
                 raise _unreadable(span, low - span.start, high - span.start, why) from None
             self.stats.page_waits += 1
             self.stats.page_wait_seconds += time.perf_counter() - waited
+            if copied is not None:
+                # Bytes of a remote chunk still coming, copied as they came: answered now, nothing of
+                # the mapping held. No window ahead is waited for first: that kept a cold tensor's
+                # first bytes waiting for four more chunks sharing the link (docs/performance.md).
+                self.stats.touch(span.shard, low, high)
+                return memoryview(copied)
             until = min(span.end, high + self.prefetch)
             if until > high and not await self._ensure_ahead(span, high, until, self._demand):
                 until = high

@@ -148,6 +148,9 @@ class CachedObject:
         self._inflight: dict[int, Future[None]] = {}
         self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
         self._fetching: set[int] = set()  # chunks whose fetch lock this process holds until they are recorded
+        self._arrived: dict[int, int] = {}
+        """Chunks being fetched whose bytes may be answered as they come: how many have been written."""
+        self._progress = threading.Condition(self._lock)
         self.fd = open_held(path, version.size)
         try:
             self._mapping = mmap.mmap(self.fd, version.size, access=mmap.ACCESS_READ) if version.size else None
@@ -326,6 +329,11 @@ class CachedObject:
             waited.set_result(None)
 
     # -- fetching -------------------------------------------------------------------------
+    def coming(self, chunk: int) -> bool:
+        """Whether a fetch (or a check) of the chunk is under way in this process."""
+        with self._lock:
+            return chunk in self._inflight
+
     def fetching(
         self,
         chunk: int,
@@ -375,6 +383,7 @@ class CachedObject:
         finally:
             with self._lock:
                 self._inflight.pop(chunk, None)
+                self._progress.notify_all()
             self.cache.room_freed()
 
     def _take_fetch_lock(self, chunk: int) -> None:
@@ -431,11 +440,17 @@ class CachedObject:
         return False
 
     def _get(self, chunk: int, *, reserved: bool, room: bool) -> None:
-        """GET the chunk into its range of the file (nothing outside it), and check what came."""
+        """GET the chunk into its range of the file (nothing outside it), and check what came. A chunk
+        this object version never gave before has nothing to be checked against: its bytes may be
+        answered as they are written (copy_arriving)."""
         begin, end = self._range(chunk)
         if not reserved:
             self.cache.reserve(self, chunk, end - begin, wait=room)
         summing = _Summing(self.strong)
+        expected = self._digests.get(chunk) or self.cache.sums_of(self.id, chunk)
+        if expected is None:
+            with self._lock:
+                self._arrived[chunk] = 0
 
         def write(offset: int, piece: bytes) -> None:
             summing.update(piece)
@@ -443,11 +458,14 @@ class CachedObject:
             while view:
                 written = os.pwrite(self.fd, view, offset)
                 view, offset = view[written:], offset + written
+            if expected is None:
+                with self._lock:
+                    self._arrived[chunk] = offset - begin
+                    self._progress.notify_all()
 
         try:
             COUNTERS.add(gets=1)
             read_range(self.version, begin, end, write)
-            expected = self._digests.get(chunk) or self.cache.sums_of(self.id, chunk)
             digest = summing.sums()
             if expected is not None and not expected.agrees(digest):
                 COUNTERS.add(changed_chunks=1)
@@ -457,6 +475,8 @@ class CachedObject:
                 )
         except BaseException as exc:
             COUNTERS.add(fetch_failures=1)
+            with self._lock:  # no copy of its bytes from here on (copies are made under this lock)
+                self._arrived.pop(chunk, None)
             with contextlib.suppress(OSError):
                 punch_hole(self.fd, begin, end - begin)  # nothing half-written stays, nor its blocks
             if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
@@ -473,10 +493,37 @@ class CachedObject:
             self._present[chunk] = 1
             if digest is not None:
                 self._digests[chunk] = digest
+            self._arrived.pop(chunk, None)
+            self._progress.notify_all()
         if digest is not None:
             self.cache.record(self, chunk, self.chunk_bytes(chunk), digest)
         else:
             self.recorded([chunk])
+
+    def copy_arriving(self, chunk: int, start: int, end: int, until: float) -> bytes | None:
+        """A copy of [start, end) (in `chunk`) as soon as its bytes are written, while the chunk is
+        still coming; None when the chunk is here (answer from the mapping), when its bytes are held
+        to the checksums of an earlier fetch (checked only once all have come), when its fetch ended
+        without them, or at `until`. Copies are made under the object's lock, which a failed fetch
+        takes before it frees the chunk's blocks: no copy ever reads a hole."""
+        begin = chunk * self.chunk_size
+        with self._progress:
+            while not self._present[chunk]:
+                arrived = self._arrived.get(chunk)
+                if arrived is not None and begin + arrived >= end:
+                    return self._copy(start, end)
+                if arrived is None and chunk not in self._inflight:
+                    return None  # its fetch ended (a failure is met again the usual way)
+                left = until - time.monotonic()
+                if left <= 0:
+                    return None
+                self._progress.wait(left)
+        return None
+
+    def _copy(self, start: int, end: int) -> bytes:
+        copied = bytearray(end - start)
+        self.readinto(start, memoryview(copied))
+        return bytes(copied)
 
     def recorded(self, chunks: Iterable[int]) -> None:
         """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -108,7 +109,7 @@ class RemoteShard(ShardData):
         wait(waiting)
         return self.cached.pages.populate(start, end)
 
-    def ensure_pinned(self, start: int, end: int) -> None:
+    def ensure_pinned(self, start: int, end: int, *, ahead: bool = False) -> None:
         """Make [start, end) present and pin it: room for every chunk missing is claimed at once, and
         each is pinned before it is fetched (see ChunkCache.claim): readers sharing a small cache wait
         their turn instead of evicting what another is about to use."""
@@ -117,12 +118,36 @@ class RemoteShard(ShardData):
         first, last = self._chunks(start, end)
         self.cached.ensure_pinned(first, last, self._pool, offline=self.options.offline)
         try:
-            self._read_ahead(start, end, False)
+            self._read_ahead(start, end, ahead)
             if not self.cached.pages.populate(start, end):
                 raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
         except BaseException:
             self.cached.let_go(range(first, last + 1))
             raise
+
+    def pinned_or_copied(self, start: int, end: int) -> bytes | None:
+        """A read within one chunk that nothing is fetching yet is answered with a copy of its bytes as
+        soon as they have been written, not when the whole chunk has come: a cold tensor's first
+        bytes cost a round trip, not a chunk's transfer (see CachedObject.copy_arriving for which
+        chunks). A chunk fetched already, ahead of a reader that caught up with it, is waited for
+        whole, as it is mapped, and the reader's requests in a chunk still coming follow its run
+        without reading further ahead (the mount's window asks for that): a reader of one tensor
+        fetches only its tensor's chunks."""
+        first, last = self._chunks(start, end) if end > start else (0, -1)
+        coming = any(self.cached.coming(chunk) for chunk in range(first, last + 1))
+        if (
+            first == last
+            and not coming
+            and not self.options.offline
+            and self.cached.fetching(first, self._pool) is not None
+        ):
+            copied = self.cached.copy_arriving(first, start, end, time.monotonic() + self.options.timeout)
+            if copied is not None:
+                self._read_ahead(start, end, True)
+                return copied
+            coming = True
+        self.ensure_pinned(start, end, ahead=coming)
+        return None
 
     def pin(self, start: int, end: int) -> bool:
         return end <= start or self.cached.pin(*self._chunks(start, end))

@@ -149,6 +149,13 @@ class ShardData(ABC):
                 return
         raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) {EVICTED_AGAIN}")
 
+    def pinned_or_copied(self, start: int, end: int) -> bytes | None:
+        """[start, end) for a read's answer (blocking: a worker thread): made present and pinned (None:
+        answer from the mapping, then unpin), or a copy of its bytes, made as soon as they have come
+        where the rest of their chunk is still coming (a remote source)."""
+        self.ensure_pinned(start, end)
+        return None
+
     # -- the private mapping: what the in-process API's arrays and tensors are made on ----------
     _private: PrivateMapping | None = None
 
