@@ -7,7 +7,9 @@ goes on, and reads succeed again once the cause is gone. No byte that is not the
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import random
 import signal
@@ -161,6 +163,10 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
         if os.environ.get("CI"):
             pytest.fail("the full-disk test needs root on CI (it mounts a small tmpfs)")
         pytest.skip("needs root: it mounts a small tmpfs")
+    """A cache disk (a 20 MiB tmpfs, no --cache-size) that fills before any bound: 64 MiB of tensors
+    read through it, what nobody uses evicted to make room (chunks fetched ahead of the reader
+    among them), every byte exact; filled by a file not the cache's, a read gets EIO (what is
+    cached is served on, the daemon lives) until there is room again."""
     expected = big_model(nginx.root / "full", tensors=8)
     cache = tmp_path / "small-disk"
     cache.mkdir()
@@ -168,13 +174,31 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
     try:
         mountpoint = mounts.mount(f"{nginx.url}/full/m.safetensors", "--cache-dir", str(cache))  # type: ignore[arg-type]
         pid = mounts.daemon_pid(mountpoint)
+        for name, data in expected.items():
+            assert (mountpoint / name).read_bytes() == data, name
+
+        def pruned() -> bool:  # nothing cached (the chunks of the last reply are let go within a second)
+            mounts.run("cache", "prune", "--cache-dir", str(cache))
+            listed = mounts.run("cache", "ls", "--json", "--cache-dir", str(cache)).stdout.splitlines()
+            return all(json.loads(line)["cached"] == 0 for line in listed)
+
+        wait_until(pruned, what="the cache to be emptied")
+        filler = cache / "filler"
+        with open(filler, "wb") as f, contextlib.suppress(OSError):  # the disk, taken by somebody else
+            while True:
+                f.write(bytes(MIB))
+                f.flush()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the mount's files read again, not remembered
         outcomes = {name: errno_of_reading(mountpoint / name) for name in expected}
-        assert outcomes["t00"] is None and errno.EIO in outcomes.values()
+        assert errno.EIO in outcomes.values(), outcomes
         assert set(outcomes.values()) <= {None, errno.EIO}, outcomes  # served, or refused with EIO: nothing else
         for name, outcome in outcomes.items():
             if outcome is None:
                 assert (mountpoint / name).read_bytes() == expected[name]
         assert pid_alive(pid) and "the cache disk is full" in mounts.log()
+        filler.unlink()
+        for name, data in expected.items():
+            assert (mountpoint / name).read_bytes() == data, name
         assert mounts.run("umount", str(mountpoint)).returncode == 0
     finally:
         subprocess.run(["umount", "-l", str(cache)], check=False)

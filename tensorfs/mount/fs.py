@@ -442,7 +442,7 @@ class TensorOperations(pyfuse3.Operations):
                 # first bytes waiting for four more chunks sharing the link (docs/performance.md).
                 self.stats.touch(span.shard, low, high)
                 return memoryview(copied)
-            until = min(span.end, high + self.prefetch)
+            until = min(span.end, span.data.window_end(high, self.prefetch))
             if until > high and not await self._ensure_ahead(span, high, until, self._demand):
                 until = high
             span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)

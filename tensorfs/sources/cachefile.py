@@ -329,6 +329,11 @@ class CachedObject:
             waited.set_result(None)
 
     # -- fetching -------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether a fetch (or a check) of any of its chunks is under way in this process."""
+        with self._lock:
+            return bool(self._inflight)
+
     def coming(self, chunk: int) -> bool:
         """Whether a fetch (or a check) of the chunk is under way in this process."""
         with self._lock:

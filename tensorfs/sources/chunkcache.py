@@ -418,21 +418,46 @@ class ChunkCache:
         """Pin chunks first..last of an object, those present and those to fetch (the latter returned,
         their blocks taken): all at once, or nothing held while room is waited for (until `deadline`,
         then CacheFull). A reader that holds nothing while it waits never keeps another from the room
-        it waits for, and chunks pinned before they come are never evicted before they are used."""
+        it waits for, and chunks pinned before they come are never evicted before they are used.
+
+        A disk that fills before the bound (or with no bound) is made room on as the bound is:
+        chunks fetched ahead of readers must not keep a reader from its own. CacheFull at once when
+        nothing of this cache can go and none of this process's fetches is under way (the disk is
+        full of what is not the cache's, or of what is in use)."""
+        disk_full: CacheFull | None = None
         while True:
             with self._room_lock():  # no eviction anywhere meanwhile: what is present stays so
                 pinned, missing = requester.pin_present(first, last)
-                if self._fits(requester, sum(map(requester.chunk_bytes, missing))):
+                need = sum(map(requester.chunk_bytes, missing))
+                freed = self._evict(need) if disk_full is not None else 0
+                if self._fits(requester, need):
                     try:
                         for chunk in missing:
                             requester.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
+                    except CacheFull as exc:
+                        requester.let_go(pinned)
+                        if disk_full is not None and not freed and not self._fetching():
+                            raise
+                        disk_full = exc
+                        if freed:
+                            continue
                     except BaseException:
                         requester.let_go(pinned)
                         raise
-                    requester.pin_claimed(missing)
-                    return set(missing)
-                requester.let_go(pinned)
+                    else:
+                        requester.pin_claimed(missing)
+                        return set(missing)
+                else:
+                    requester.let_go(pinned)
+            if disk_full is not None and time.monotonic() > deadline:
+                raise disk_full
             self._await_room(requester, deadline)
+
+    def _fetching(self) -> bool:
+        """Whether a fetch of this process is under way (its chunk's blocks taken, soon evictable)."""
+        with self._lock:
+            objects = list(self._objects.values())
+        return any(cached.busy() for cached in objects)
 
     def _await_room(self, requester: CachedObject, deadline: float) -> None:
         """Wait a moment for room (chunks let go, or this process's new chunks saved, which makes them

@@ -125,6 +125,13 @@ class RemoteShard(ShardData):
             self.cached.let_go(range(first, last + 1))
             raise
 
+    def window_end(self, end: int, prefetch: int) -> int:
+        """The end of the chunk the read ends in: what is beyond is the source's read-ahead's to
+        fetch, and a reader that waited for a window of chunks before its next read left a distant
+        link idle meanwhile (docs/performance.md)."""
+        size = self.cached.chunk_size
+        return max(end, -(-end // size) * size)
+
     def pinned_or_copied(self, start: int, end: int) -> bytes | None:
         """A read within one chunk that nothing is fetching yet is answered with a copy of its bytes as
         soon as they have been written, not when the whole chunk has come: a cold tensor's first

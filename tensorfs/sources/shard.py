@@ -149,6 +149,10 @@ class ShardData(ABC):
                 return
         raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) {EVICTED_AGAIN}")
 
+    def window_end(self, end: int, prefetch: int) -> int:
+        """Where the window brought in after a read that ends at `end` ends: `prefetch` bytes on."""
+        return end + prefetch
+
     def pinned_or_copied(self, start: int, end: int) -> bytes | None:
         """[start, end) for a read's answer (blocking: a worker thread): made present and pinned (None:
         answer from the mapping, then unpin), or a copy of its bytes, made as soon as they have come
