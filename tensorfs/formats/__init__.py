@@ -43,6 +43,7 @@ __all__ = [
     "ShardHeader",
     "TensorInfo",
     "across_files",
+    "checkpoint_index_applies",
     "choose_files",
     "detect",
     "file_metadata",
@@ -100,6 +101,12 @@ def choose_files(names: list[str]) -> tuple[list[str], str | None]:
     (see pytorch.choose for which of several checkpoints)."""
     others = [name for name in names if not name.endswith(pytorch.SUFFIXES)]
     return (others, None) if others else pytorch.choose(names)
+
+
+def checkpoint_index_applies(chosen: list[str]) -> bool:
+    """Whether a directory whose weight files choose_files chose (none, or checkpoints) is its
+    checkpoint index's model (pytorch_model.bin.index.json), if it has one."""
+    return not chosen or chosen[0].endswith(pytorch.SUFFIXES)
 
 
 FORMAT_NAMED = {format_.NAME: format_ for format_ in FORMATS}

@@ -339,6 +339,12 @@ def load(data: bytes) -> Any:
             raise Refused("an opcode works on an item the stack does not have")
         return stack[-1]
 
+    def top_list() -> list[Any]:
+        target = top()
+        if not isinstance(target, list) or isinstance(target, Pairs):
+            raise Refused(f"appends to {_what(target)}, which is not a list")
+        return target
+
     def put(index: Any) -> None:
         if type(index) is not int or not 0 <= index < MAX_MEMO_INDEX:
             raise Refused(f"a memo index of {index!r}")
@@ -391,16 +397,10 @@ def load(data: bytes) -> Any:
             stack.append(pairs)
         elif name == "APPEND":
             item = pop()
-            target = top()
-            if not isinstance(target, list) or isinstance(target, Pairs):
-                raise Refused(f"appends to {_what(target)}, which is not a list")
-            target.append(item)
+            top_list().append(item)
         elif name in ("APPENDS", "ADDITEMS"):
             items = pop_mark()
-            target = top()
-            if not isinstance(target, list) or isinstance(target, Pairs):
-                raise Refused(f"appends to {_what(target)}, which is not a list")
-            target.extend(items)
+            top_list().extend(items)
         elif name == "SETITEM":
             value, key = pop(), pop()
             set_items(top(), [key, value])

@@ -404,12 +404,16 @@ def choose(names: list[str]) -> tuple[list[str], str | None]:
         if not missing and names == expected:
             return names, None
         if missing:
-            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-            return [], f"holds parts of a sharded checkpoint of {int(count)} files, of which {shown} cannot be found"
+            why = f"holds parts of a sharded checkpoint of {int(count)} files, of which {_some(missing)}"
+            return [], f"{why} cannot be found"
     if len(names) <= 1:
         return names, None
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return [], f"holds several PyTorch checkpoints ({shown}): name the one to open, or give it an index ({INDEX_NAME})"
+    why = f"holds several PyTorch checkpoints ({_some(names)}): name the one to open"
+    return [], f"{why}, or give it an index ({INDEX_NAME})"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def fits(begins: list[int], ends: list[int], data_start: int, size: int, layout: Any) -> bool:

@@ -505,7 +505,7 @@ class CachedObject:
         else:
             self.recorded([chunk])
 
-    def copy_arriving(self, chunk: int, start: int, end: int, until: float) -> bytes | None:
+    def copy_arriving(self, chunk: int, start: int, end: int, until: float) -> bytearray | None:
         """A copy of [start, end) (in `chunk`) as soon as its bytes are written, while the chunk is
         still coming; None when the chunk is here (answer from the mapping), when its bytes are held
         to the checksums of an earlier fetch (checked only once all have come), when its fetch ended
@@ -525,10 +525,10 @@ class CachedObject:
                 self._progress.wait(left)
         return None
 
-    def _copy(self, start: int, end: int) -> bytes:
+    def _copy(self, start: int, end: int) -> bytearray:
         copied = bytearray(end - start)
         self.readinto(start, memoryview(copied))
-        return bytes(copied)
+        return copied
 
     def recorded(self, chunks: Iterable[int]) -> None:
         """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""

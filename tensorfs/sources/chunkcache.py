@@ -436,7 +436,7 @@ class ChunkCache:
                             requester.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
                     except CacheFull as exc:
                         requester.let_go(pinned)
-                        if disk_full is not None and not freed and not self._fetching():
+                        if disk_full is not None and not freed and not self._fetches_under_way():
                             raise
                         disk_full = exc
                         if freed:
@@ -453,7 +453,7 @@ class ChunkCache:
                 raise disk_full
             self._await_room(requester, deadline)
 
-    def _fetching(self) -> bool:
+    def _fetches_under_way(self) -> bool:
         """Whether a fetch of this process is under way (its chunk's blocks taken, soon evictable)."""
         with self._lock:
             objects = list(self._objects.values())

@@ -72,8 +72,7 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
             log.warning("%s: skipped: another file system is mounted there", printable(str(source / name)))
             names.remove(name)
         names, ambiguous = formats.choose_files(names)
-        checkpoints = not names or names[0].endswith(pytorch.SUFFIXES)
-        if checkpoints and os.path.lexists(source / pytorch.INDEX_NAME):
+        if formats.checkpoint_index_applies(names) and os.path.lexists(source / pytorch.INDEX_NAME):
             return _shards_from_index(directory, source / pytorch.INDEX_NAME, problems, cache)
         if ambiguous is not None:
             problems.append(Problem(str(source), ambiguous))

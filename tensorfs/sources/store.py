@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from ..errors import Problem, TensorfsError, printable
-from ..formats import WEIGHT_FILES, choose_files, is_weights_name, pytorch
+from ..formats import WEIGHT_FILES, checkpoint_index_applies, choose_files, is_weights_name, pytorch
 from ..units import human_size
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 
@@ -325,31 +325,20 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
         return Located([ObjectRef(spec, key)])
     if key.endswith(".index.json"):
         return _from_index(ObjectRef(spec, key), problems)
-    # A directory: its index if it has one, else every *.safetensors in it (s3), or model.safetensors (hf).
+    # A directory: its index if it has one, else the weight files a listing shows chosen as a local
+    # directory's are (s3), a checkpoint's index, or model.safetensors (HTTP and the Hub: no listing).
     prefix = f"{key}/" if key else ""
-    index = ObjectRef(spec, prefix + INDEX_NAME)
-    try:
-        data = _index(index)
-    except FileNotFoundError:
-        data = None
-    except RemoteError as exc:
-        problems.append(Problem(index.url, reason_of(exc, index.url)))
-        return Located([])
-    if data is not None:
-        return _from_index(index, problems, data)
-    shards = _list_shards(spec, prefix, problems) if spec.kind != "http" else []  # the Hub: no listing either
+    found = _by_index(ObjectRef(spec, prefix + INDEX_NAME), problems)
+    if found is not None:
+        return found
+    shards = _list_shards(spec, prefix, problems) if spec.kind != "http" else []
     if shards is None:
         return Located([])
     names, ambiguous = choose_files([ref.key[len(prefix) :] for ref in shards])
-    if not names or names[0].endswith(pytorch.SUFFIXES):  # checkpoints, or nothing: a checkpoint's index?
-        checkpoint_index = ObjectRef(spec, prefix + pytorch.INDEX_NAME)
-        try:
-            return _from_index(checkpoint_index, problems, _index(checkpoint_index))
-        except FileNotFoundError:
-            pass
-        except RemoteError as exc:
-            problems.append(Problem(checkpoint_index.url, reason_of(exc, checkpoint_index.url)))
-            return Located([])
+    if checkpoint_index_applies(names):
+        found = _by_index(ObjectRef(spec, prefix + pytorch.INDEX_NAME), problems)
+        if found is not None:
+            return found
     if spec.kind == "http":
         return Located([ObjectRef(spec, prefix + "model.safetensors")])
     if ambiguous is not None:
@@ -357,6 +346,18 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
     elif not names:
         problems.append(Problem(spec.url(key) + "/", f"no {WEIGHT_FILES} objects under this prefix"))
     return Located([ObjectRef(spec, prefix + name) for name in names])
+
+
+def _by_index(index: ObjectRef, problems: list[Problem]) -> Located | None:
+    """The shards `index` names; None when there is no such object (a failure to read it is a problem)."""
+    try:
+        data = _index(index)
+    except FileNotFoundError:
+        return None
+    except RemoteError as exc:
+        problems.append(Problem(index.url, reason_of(exc, index.url)))
+        return Located([])
+    return _from_index(index, problems, data)
 
 
 def _index(index: ObjectRef) -> bytes:
