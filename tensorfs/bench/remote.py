@@ -34,6 +34,7 @@ from .common import (
     Mounter,
     Report,
     can_drop_caches,
+    cpu_seconds,
     drop_caches,
     median,
     probe_while,
@@ -70,42 +71,29 @@ def build(directory: Path, gib: float, shards: int, tensor: int, small: int = 0)
     return sorted(name for shard in layout for name in shard if name.startswith("big."))
 
 
-def download(url: str, objects: list[tuple[str, int]]) -> float:
-    """Bytes/s of obstore fetching every object whole, in CHUNK ranges, CONCURRENCY at once (the bytes dropped)."""
+def download(url: str, objects: list[tuple[str, int]], into: Path | None = None) -> tuple[float, float]:
+    """(bytes/s, CPU seconds of this process) of obstore fetching every object whole, in CHUNK
+    ranges, CONCURRENCY at once: the bytes dropped, or (`into`, a directory made and removed after)
+    each object written to a file of its own, each range's pieces where they belong as they come,
+    what a user has after a download."""
     import obstore
     from obstore.store import HTTPStore
 
     store = HTTPStore.from_url(url, client_options={"allow_http": True, "timeout": "600s"})
     jobs = [(name, start, min(size, start + CHUNK)) for name, size in objects for start in range(0, size, CHUNK)]
-
-    def fetch(job: tuple[str, int, int]) -> int:
-        name, start, end = job
-        return len(obstore.get(store, name, options={"range": (start, end)}).bytes())
-
-    begin = time.perf_counter()
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        fetched = sum(pool.map(fetch, jobs))
-    return fetched / (time.perf_counter() - begin)
-
-
-def download_into_files(url: str, objects: list[tuple[str, int]], directory: Path) -> tuple[float, float]:
-    """(bytes/s, CPU seconds) of obstore fetching every object into a file of its own, in CHUNK
-    ranges, CONCURRENCY at once, each range's pieces written where they belong as they come: what a
-    user has after a download (the files removed after)."""
-    import obstore
-    from obstore.store import HTTPStore
-
-    store = HTTPStore.from_url(url, client_options={"allow_http": True, "timeout": "600s"})
-    directory.mkdir()
-    files = {}
-    for name, size in objects:
-        files[name] = os.open(directory / name.replace("/", "_"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(files[name], size)
-    jobs = [(name, start, min(size, start + CHUNK)) for name, size in objects for start in range(0, size, CHUNK)]
+    files: dict[str, int] = {}
+    if into is not None:
+        into.mkdir()
+        for name, size in objects:
+            files[name] = os.open(into / name.replace("/", "_"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(files[name], size)
 
     def fetch(job: tuple[str, int, int]) -> int:
         name, offset, end = job
-        for piece in obstore.get(store, name, options={"range": (offset, end)}).stream(min_chunk_size=PIECE):
+        got = obstore.get(store, name, options={"range": (offset, end)})
+        if into is None:
+            return len(got.bytes())
+        for piece in got.stream(min_chunk_size=PIECE):
             view = memoryview(piece)
             while view:
                 written = os.pwrite(files[name], view, offset)
@@ -120,17 +108,26 @@ def download_into_files(url: str, objects: list[tuple[str, int]], directory: Pat
     finally:
         for fd in files.values():
             os.close(fd)
-        shutil.rmtree(directory, ignore_errors=True)
+        if into is not None:
+            shutil.rmtree(into, ignore_errors=True)
 
 
 PIECE = 256 << 10
-"""The pieces a download writes at a time (as the daemon's fetches do)."""
+"""The pieces a download into files writes at a time (as the daemon's fetches do)."""
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a process so far, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def first_read(
+    mounter: Mounter, url: str, cache: Path, names: list[str], nbytes: int
+) -> tuple[float, float, tuple[int, int]]:
+    """Reading `names` (`nbytes` in all) through a fresh mount of `url` with the cache `cache`:
+    bytes/s, the daemon's CPU seconds, and its RssAnon (KiB) before and after."""
+    with mounter.mounted(url, "--cache-dir", str(cache)) as (mnt, pid):
+        before, cpu = rss_anon_kib(pid), cpu_seconds(pid)
+        start = time.perf_counter()
+        for name in names:
+            read_file(mnt / name)
+        rate = nbytes / (time.perf_counter() - start)
+        return rate, cpu_seconds(pid) - cpu, (before, rss_anon_kib(pid))
 
 
 def fetched(server: Nginx, since: int, suffix: str = ".safetensors") -> tuple[int, int]:
@@ -189,7 +186,7 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
     objects = [(f"model/{path.name}", path.stat().st_size) for path in big_shards]
     object_bytes = sum(size for _, size in objects)
 
-    rates = [download(server.url, objects) for _ in range(config.repeat)]
+    rates = [download(server.url, objects)[0] for _ in range(config.repeat)]
     report.add("download", f"obstore download, {CONCURRENCY} at once, bytes dropped", f"{median(rates) / 1e9:.2f} GB/s",
                None, "(reported)", gbps=median(rates) / 1e9)  # fmt: skip
 
@@ -198,18 +195,14 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
     for i in range(config.repeat):
         cache = ["--cache-dir", str(work / f"cache{i}")]
         quiesce(work / f"cache{i - 1}" if i else None, big_shards)
-        rate, cpu = download_into_files(server.url, objects, work / "download")
+        rate, cpu = download(server.url, objects, work / "download")
         saved.append(rate)
         saved_cpu.append(cpu)
         quiesce(None, big_shards)
-        with mounter.mounted(url, *cache) as (mnt, pid):
-            before, cpu = rss_anon_kib(pid), cpu_seconds(pid)
-            start = time.perf_counter()
-            for name in big:
-                read_file(mnt / name)
-            first.append(model_bytes / (time.perf_counter() - start))
-            daemon_cpu.append(cpu_seconds(pid) - cpu)
-            rss.append((before, rss_anon_kib(pid)))
+        rate, cpu, memory = first_read(mounter, url, work / f"cache{i}", big, model_bytes)
+        first.append(rate)
+        daemon_cpu.append(cpu)
+        rss.append(memory)
         with mounter.mounted(url, *cache) as (mnt, _):
             again.append(model_bytes / sum(read_file(mnt / name) for name in big))
         with mounter.mounted(model) as (mnt, _):
@@ -252,29 +245,24 @@ def _measure(config: Config, report: Report, work: Path, server: Nginx, model: P
     report.add("one_tensor", "bytes fetched to read one 4 MiB tensor", f"{body / (1 << 20):.1f} MiB",
                None, "<= 4 MiB + 2 chunks (20 MiB)", bytes=body, header_bytes=headers, header_gets=gets)  # fmt: skip
 
-    _through_a_link(config, report, mounter, server, work, objects, big_shards, big, names, out)
+    _through_a_link(config, report, mounter, server, work, objects, big_shards, big, model_bytes, names, out)
     _latency(config, report, mounter, server, url, big_shards, big, small, work)
     _many_shards(config, report, mounter, server, work, out)
 
 
 def _through_a_link(config: Config, report: Report, mounter: Mounter, server: Nginx, work: Path,
-                    objects: list[tuple[str, int]], big_shards: list[Path], big: list[str], small_model: list[str],
-                    out: Callable[[str], None]) -> None:  # fmt: skip
+                    objects: list[tuple[str, int]], big_shards: list[Path], big: list[str], model_bytes: int,
+                    small_model: list[str], out: Callable[[str], None]) -> None:  # fmt: skip
     """The first read and a cold small tensor's first byte through a distant link (link.py)."""
     with SlowLink(("127.0.0.1", server.port)) as link:
         out(f"through a link of {link.delay * 1e3:g} ms each way, {link.rate / 1e6:g} MB/s shared ...")
-        object_bytes = sum(size for _, size in objects)
         url = f"{link.url()}/model/model.safetensors.index.json"
         saved, first = [], []
         for i in range(config.repeat):
             quiesce(work / f"link{i - 1}" if i else None, big_shards)
-            saved.append(download_into_files(link.url(), objects, work / "download")[0])
+            saved.append(download(link.url(), objects, work / "download")[0])
             quiesce(None, big_shards)
-            with mounter.mounted(url, "--cache-dir", str(work / f"link{i}")) as (mnt, _):
-                start = time.perf_counter()
-                for name in big:
-                    read_file(mnt / name)
-                first.append(object_bytes / (time.perf_counter() - start))
+            first.append(first_read(mounter, url, work / f"link{i}", big, model_bytes)[0])
         quiesce(work / f"link{config.repeat - 1}")
         # A cold small tensor's first 4 KiB, tensors far apart (each its own chunk), the mount made.
         firsts = []
