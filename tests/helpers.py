@@ -12,14 +12,16 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import crc32c
 import numpy as np
+import pytest
 import safetensors
 
+from tensorfs.errors import InvalidModelError
 from tensorfs.formats import ShardHeader
 from tensorfs.model import INDEX_NAME
 
@@ -218,6 +220,20 @@ def sharded_every_dtype(directory: Path) -> dict[str, bytes]:
             weight_map[name] = shard.name
     write_index(directory, weight_map)
     return expected
+
+
+def refused_in_one_line(path: Path, expected: str, opening: Callable[[Path], object]) -> None:
+    """`opening(path)` raises an InvalidModelError of one line that names the file and says
+    `expected`; `tensorfs validate` says the same in one line on stderr, exits 1, no traceback."""
+    with pytest.raises(InvalidModelError) as raised:
+        opening(path)
+    message = str(raised.value)
+    assert expected in message and message.count("\n") == 0 and message.startswith(str(path)), message
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "validate", "--no-cache", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def errno_of_reading(path: Path) -> int | None:
