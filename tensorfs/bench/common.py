@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import statistics
 import subprocess
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..mount.mounttable import daemon_pid, pid_alive
 from ..sources import shard
+from ..sources.pages import Pages
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
@@ -225,10 +227,18 @@ class Mounter:
 
     @contextlib.contextmanager
     def mounted(
-        self, source: Path | str, *extra: str, at: Path | None = None, cache: Path | None = None
+        self,
+        source: Path | str,
+        *extra: str,
+        at: Path | None = None,
+        cache: Path | None = None,
+        warm_first: list[Path] | None = None,
     ) -> Iterator[tuple[Path, int]]:
         """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid).
-        Without the caches of headers and hashes unless `cache` says where they are."""
+        Without the caches of headers and hashes unless `cache` says where they are. `warm_first`:
+        files read into the page cache before mounting, for a measure of reads of a warm source (a
+        mount lets its source's pages go as it serves them: each try then starts as the first did)."""
+        warm(warm_first or [])
         mountpoint = self.fresh_mountpoint() if at is None else at
         mountpoint.mkdir()
         caching = ["--no-cache"] if cache is None else ["--cache-dir", str(cache)]
@@ -275,6 +285,23 @@ def probe_while(streams: list[subprocess.Popen[bytes]], mnt: Path, small: list[s
     for stream in streams:
         stream.wait()
     return stats, opens
+
+
+def resident_bytes(paths: list[Path]) -> int:
+    """Bytes of `paths` in the page cache (mincore over a mapping of each: nothing is read)."""
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if not size:
+                continue
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapping:
+                view = memoryview(mapping)
+                try:
+                    total += Pages(view, advise=False).resident_bytes()
+                finally:
+                    view.release()
+    return total
 
 
 def rss_anon_kib(pid: int) -> int:

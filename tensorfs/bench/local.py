@@ -40,6 +40,7 @@ from .common import (
     probe_while,
     read_file,
     read_range,
+    resident_bytes,
     rss_anon_kib,
     touch_fresh_memory,
     wait_until_settled,
@@ -101,7 +102,7 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
 
         first, again = [], []
         for _ in range(config.repeat):
-            with mounter.mounted(model_dir) as (mnt, _):
+            with mounter.mounted(model_dir, warm_first=shards) as (mnt, _):
                 for name in big:
                     first.append(tensors[name][2] / read_file(mnt / name))
                 for name in big:
@@ -127,7 +128,7 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
         # fresh mount (every page a request to the daemon) and again (pages in the kernel's cache).
         direct_sum, mount_sum, cached_sum = [], [], []
         for _ in range(config.repeat):
-            with mounter.mounted(model_dir) as (mnt, _):
+            with mounter.mounted(model_dir, warm_first=shards) as (mnt, _):
                 for name in big[: max(1, len(big) // 2)]:
                     shard, offset, nbytes = tensors[name]
                     start = time.perf_counter()
@@ -163,8 +164,9 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
         four_bytes = sum(tensors[n][2] for n in four)
         direct_four, mount_four = [], []
         for _ in range(config.repeat):
+            warm(shards)
             direct_four.append(four_bytes / concurrently([functools.partial(read_range, *tensors[n]) for n in four]))
-            with mounter.mounted(model_dir) as (mnt, _):
+            with mounter.mounted(model_dir, warm_first=shards) as (mnt, _):
                 mount_four.append(four_bytes / concurrently([functools.partial(read_file, mnt / n) for n in four]))
         report.add(
             "four_readers",
@@ -188,6 +190,7 @@ def _run(config: Config, out: Callable[[str], None]) -> Report:
         views_section(config, report, mounter, model_dir, tensors, big)
         metrics_section(config, report, mounter, model_dir, tensors, big)
         cold_section(config, report, mounter, model_dir, tensors, big, small, shards, out)
+        page_cache_section(report, mounter, model_dir, tensors, big, model_bytes, shards)
         memory_section(report, mounter, model_dir, tensors, big, model_bytes)
         tiny_section(config, report, mounter, work)
     return report
@@ -225,9 +228,11 @@ def peers_section(
     in_force: dict[str, dict[str, int | None]] = {}
     for attempt in range(config.repeat):
         for side in sides[attempt % len(sides) :] + sides[: attempt % len(sides)]:  # each first in turn
+            warm([shard])  # tensorfs lets the shard's pages go as it serves them: each side starts warm
             with side.mounted(mounter.fresh_mountpoint(), knobs) as (locate, knobs_in_force):
                 rates[side.key] += [tensors[name][2] / read_range(*locate(name)) for name in names]
             in_force[side.key] = knobs_in_force
+            warm([shard])
             with side.mounted(mounter.fresh_mountpoint(), knobs) as (locate, _):
                 for name in names:
                     path, offset, nbytes = locate(name)
@@ -362,11 +367,12 @@ def views_section(
     """The synthesized file of .tensorfs/model/, read whole, against reading the per-tensor files of
     the same selection (its file is selected.safetensors): each on a fresh mount, taken in turns."""
     nbytes = sum(tensors[name][2] for name in big)
+    shards = sorted({tensors[name][0] for name in big})
     per_tensor, synthesized = [], []
     for _ in range(config.repeat):
-        with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
+        with mounter.mounted(model_dir, "--include", "big.*", warm_first=shards) as (mnt, _):
             per_tensor.append(nbytes / read_files(mnt, big))
-        with mounter.mounted(model_dir, "--include", "big.*") as (mnt, _):
+        with mounter.mounted(model_dir, "--include", "big.*", warm_first=shards) as (mnt, _):
             synthesized.append(nbytes / read_file(mnt / ".tensorfs" / "model" / "selected.safetensors"))
     report.add(
         "view_read",
@@ -390,14 +396,15 @@ def metrics_section(
     """First reads with the Prometheus endpoint on and scraped ten times a second, against without
     it; each on a fresh mount, in turns. (The counting itself is always on.)"""
     nbytes = sum(tensors[name][2] for name in big)
+    shards = sorted({tensors[name][0] for name in big})
     plain, scraped = [], []
     for _ in range(config.repeat):
-        with mounter.mounted(model_dir) as (mnt, _):
+        with mounter.mounted(model_dir, warm_first=shards) as (mnt, _):
             plain.append(nbytes / read_files(mnt, big))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        with mounter.mounted(model_dir, "--metrics", f"127.0.0.1:{port}") as (mnt, _):
+        with mounter.mounted(model_dir, "--metrics", f"127.0.0.1:{port}", warm_first=shards) as (mnt, _):
             done = threading.Event()
             scraper = threading.Thread(target=_scrape, args=(f"http://127.0.0.1:{port}/metrics", done), daemon=True)
             scraper.start()
@@ -420,6 +427,36 @@ def metrics_section(
 def _scrape(url: str, done: threading.Event) -> None:
     while not done.wait(0.1):
         urllib.request.urlopen(url, timeout=10).read()
+
+
+def page_cache_section(report: Report, mounter: Mounter, model_dir: Path, tensors: dict[str, tuple[Path, int, int]],
+                       big: list[str], model_bytes: int, shards: list[Path]) -> None:  # fmt: skip
+    """How much of the page cache a model read through a mount takes (the shards' pages and the mounted
+    files' own), by default and with --keep-source-pages, and re-reads through the same mount after."""
+    if not can_drop_caches():
+        report.notes.append("the page cache's copies skipped: cannot drop the page cache (needs root)")
+        return
+    held, rereads = {}, {}
+    for keep in (False, True):
+        drop_caches()
+        with mounter.mounted(model_dir, *(["--keep-source-pages"] if keep else [])) as (mnt, _):
+            files = [mnt / name for name in big]
+            for path in files:
+                read_file(path)
+            time.sleep(1.5)  # the ranges of the last replies are let go of within a second
+            held[keep] = resident_bytes(shards), resident_bytes(files)
+            rereads[keep] = model_bytes / sum(read_file(path) for path in files)
+    for keep, key, what, bar in (
+        (False, "page_cache", "page cache held for a model read through a mount", "<= 1.1x the model's bytes"),
+        (True, "page_cache_kept", "  ... with --keep-source-pages", "(reported)"),
+    ):
+        source, mounted = held[keep]
+        report.add(key, f"{what}: shards + mounted files", f"{source / 2**20:.0f} + {mounted / 2**20:.0f} MiB",
+                   (source + mounted) / model_bytes, bar, source_bytes=source, mounted_bytes=mounted,
+                   model_bytes=model_bytes)  # fmt: skip
+    report.add("page_cache_reread", "re-read through that mount, one copy held", f"{rereads[False] / 1e9:.2f} GB/s",
+               rereads[False] / rereads[True], ">= 0.9x with both copies held", gbps=rereads[False] / 1e9,
+               both_gbps=rereads[True] / 1e9)  # fmt: skip
 
 
 def memory_section(report: Report, mounter: Mounter, model_dir: Path,

@@ -88,6 +88,13 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "keeps lookups quick while data streams.",
 )
 @click.option(
+    "--keep-source-pages",
+    is_flag=True,
+    help="Keep the shards' own pages (a remote model's: its cache files') in memory after the kernel has the "
+    "mounted files' copy: twice the memory for what is read, for a remount that finds it there. By default "
+    "each byte read is held once.",
+)
+@click.option(
     "--manifest",
     "manifest_path",
     type=ModelLocation(),
@@ -130,6 +137,7 @@ def mount(
     readahead_kb: int,
     prefetch_mb: int,
     max_background: int,
+    keep_source_pages: bool,
     manifest_path: Path | str | None,
     verify: str | None,
     view_shards: int,
@@ -162,6 +170,7 @@ def mount(
         readahead_kb=readahead_kb,
         prefetch_mb=prefetch_mb,
         max_background=max_background,
+        keep_source_pages=keep_source_pages,
         quiet=quiet,
         remote=model.settings(),
         metrics=metrics,

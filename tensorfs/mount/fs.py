@@ -156,11 +156,14 @@ class TensorOperations(pyfuse3.Operations):
         prefetch: int = DEFAULT_PREFETCH,
         invalidate: Invalidate | None = None,
         trace: bool = False,
+        keep_source_pages: bool = False,
         counters: Mapping[str, Callable[[], dict[str, int | float]]] | None = None,
     ) -> None:
         """`prefetch`: bytes brought into memory ahead of a sequential reader; `invalidate`: how the
         kernel is told to drop what it caches (see Verifier); `trace`: log every request (--debug);
-        `counters`: more counters for stats.json and the metrics, by the name of what counts."""
+        `counters`: more counters for stats.json and the metrics, by the name of what counts;
+        `keep_source_pages`: leave the sources' pages in memory once the kernel holds what was read
+        of them in the mounted files' pages (two copies of each byte read)."""
         super().__init__()
         self.tree = tree
         self.stats = Stats(tree.model.nbytes)
@@ -168,12 +171,13 @@ class TensorOperations(pyfuse3.Operations):
         self.verifier = Verifier(tree, integrity, self.stats, watch, invalidate)
         self.prefetch = prefetch
         self.trace = trace
+        self.hand_over = not keep_source_pages
         self._spans: dict[int, _OpenTensor] = {}  # open tensor files by inode
         # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
         self._demand = trio.CapacityLimiter(8)
         self._prefetchers = trio.CapacityLimiter(2)
         self._nursery: trio.Nursery | None = None
-        self._replied: list[_Held] = []  # ranges held until their replies have gone
+        self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
         self.files = self.tree.inode_count
         self._snapshots: dict[int, bytes] = {}  # open stats.json files: each its own snapshot
         self._next_fh = 1 << 48  # handles of those opens, above every inode
@@ -389,6 +393,8 @@ class TensorOperations(pyfuse3.Operations):
                 first = piece.shard_offset - span.start
                 raise _unreadable(span, first, first + len(buffer), str(exc)) from None
             self.stats.touch(span.shard, piece.shard_offset, piece.shard_offset + len(buffer))
+            if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
+                span.data.served(piece.shard_offset, piece.shard_offset + len(buffer))
             reply += buffer
         return bytes(reply)
 
@@ -402,18 +408,19 @@ class TensorOperations(pyfuse3.Operations):
         sent the reply (it replies before it awaits anything). A read answered at once lets go of
         the ranges held before only once it holds its own (a reader going through a chunk keeps it,
         and its lock, from one read to the next); one that has to wait lets go of them first, so
-        that no read ever waits while it holds what another may be waiting for.
+        that no read ever waits while it holds what another may be waiting for. Once let go, a range
+        is the kernel's to keep (in the mounted file's pages): the source's pages of it may go.
         """
         previous, self._replied = self._replied, []
         try:
             return await self._answer_tensor(span, off, size, previous)
         finally:
-            _let_go(previous)
+            self._let_go(previous)
 
     async def _answer_tensor(self, span: _OpenTensor, off: int, size: int, previous: list[_Held]) -> memoryview:
         self.verifier.check(span.shard, span.name)
         if self.verifier.needs_verifying(span.name):
-            _let_go(previous)
+            self._let_go(previous)
             await self.verifier.verify(span.name)  # the shard changed since this file was opened
         low = min(span.start + off, span.end)
         high = min(low + size, span.end)
@@ -425,7 +432,7 @@ class TensorOperations(pyfuse3.Operations):
             ready = span.data.resident(low, high)
         if not (ready and span.data.pin(low, high)):
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
-            _let_go(previous)
+            self._let_go(previous)
             waited = time.perf_counter()
             try:
                 copied = await trio.to_thread.run_sync(span.data.pinned_or_copied, low, high, limiter=self._demand)
@@ -441,6 +448,8 @@ class TensorOperations(pyfuse3.Operations):
                 # the mapping held. No window ahead is waited for first: that kept a cold tensor's
                 # first bytes waiting for four more chunks sharing the link (docs/performance.md).
                 self.stats.touch(span.shard, low, high)
+                if self.hand_over:
+                    span.data.served(low, high)
                 return memoryview(copied)
             until = min(span.end, span.data.window_end(high, self.prefetch))
             if until > high and not await self._ensure_ahead(span, high, until, self._demand):
@@ -449,7 +458,7 @@ class TensorOperations(pyfuse3.Operations):
         elif self.nursery is not None and not small and self._window_running_out(span, high):
             span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
             self.nursery.start_soon(self._prefetch, span)
-        if span.data.needs_ensure:
+        if span.data.needs_ensure or self.hand_over:
             self._replied.append((span.data, low, high))  # nothing awaited from here to the reply
         self.stats.touch(span.shard, low, high)
         return span.view[low:high]
@@ -457,7 +466,17 @@ class TensorOperations(pyfuse3.Operations):
     def release_replied(self) -> None:
         """Let go of the ranges held for replies: call only from another task than a read's (trio's thread)."""
         replied, self._replied = self._replied, []
-        _let_go(replied)
+        self._let_go(replied)
+
+    def _let_go(self, held: list[_Held]) -> None:
+        """Unpin the ranges held for replies that have gone, hand them over to the kernel's pages, and
+        forget them (so that letting go twice is once)."""
+        for data, low, high in held:
+            if data.needs_ensure:
+                data.unpin(low, high)
+            if self.hand_over:
+                data.served(low, high)
+        held.clear()
 
     async def _ensure_ahead(
         self, span: _OpenTensor, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
@@ -538,14 +557,7 @@ class _OpenTensor:
 
 
 _Held = tuple[ShardData, int, int]
-"""A range held (pinned) for a reply: the shard, [start, end)."""
-
-
-def _let_go(held: list[_Held]) -> None:
-    """Unpin the ranges held, and forget them (so that letting go twice is once)."""
-    for data, low, high in held:
-        data.unpin(low, high)
-    held.clear()
+"""A range a reply was made from (pinned, for a remote shard): the shard, [start, end)."""
 
 
 def _unreadable(span: _OpenTensor, begin: int, end: int, why: str) -> ShardChangedError:

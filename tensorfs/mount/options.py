@@ -39,6 +39,8 @@ class MountOptions:
     readahead_kb: int = 1024
     prefetch_mb: int = 32
     max_background: int = 4
+    keep_source_pages: bool = False
+    """Leave the shards' (or cache files') pages in memory once the kernel holds the mounted files' own."""
     quiet: bool = False
     remote: dict[str, object] | None = None
     """A remote model's settings (cache, chunks, GETs, timeout, offline), for the daemon's record."""

@@ -84,6 +84,7 @@ def serve(
         invalidate=_invalidate,
         trace=options.debug,
         counters=counters,
+        keep_source_pages=options.keep_source_pages,
     )
     fuse_options = set(pyfuse3.default_options) | {f"fsname={fsname(model.source)}", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)
@@ -168,6 +169,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "readahead_kb": options.readahead_kb,
             "prefetch_mb": options.prefetch_mb,
             "max_background": options.max_background,
+            "keep_source_pages": options.keep_source_pages,
             "debug": options.debug,
             "manifest": integrity.expected is not None,
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,

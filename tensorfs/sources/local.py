@@ -18,7 +18,7 @@ from ..formats import ShardHeader, gguf, pytorch
 from ..headercache import WORTH_CACHING
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
-from .pages import Pages
+from .pages import Handover, Pages
 from .shard import Identity, ShardData
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,8 @@ class LocalShard(ShardData):
         self._mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         self.view = memoryview(self._mapping)
         self._pages: Pages | None = None
+        self._handover: Handover | None = None
+        self._closed = False
 
     @classmethod
     def open(
@@ -317,15 +319,25 @@ class LocalShard(ShardData):
             raise
         return header, shard
 
-    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+    @property
+    def pages(self) -> Pages:
         if self._pages is None:
             self._pages = Pages(self.view)
-        return self._pages.populate(start, end)
+        return self._pages
+
+    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+        return self.pages.populate(start, end)
 
     def resident(self, start: int, end: int) -> bool:
-        if self._pages is None:
-            self._pages = Pages(self.view)
-        return self._pages.resident(start, end)
+        return self.pages.resident(start, end)
+
+    def served(self, start: int, end: int) -> None:
+        if self._closed:
+            return  # its address may be another mapping's now
+        if self._handover is None:
+            self._handover = Handover(len(self.view))
+        for first, last in self._handover.served(start, end):
+            self.pages.let_go(self._fd, first, last)
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Read the file, not the mapping: a mapped page whose bytes were cut from the file kills the
@@ -362,6 +374,7 @@ class LocalShard(ShardData):
         return self._fd, self._validated.st_size
 
     def close(self) -> None:
+        self._closed = True
         self.close_private(lambda: None)  # a file's mapping needs nothing kept open: it goes with its last view
         with contextlib.suppress(OSError):
             os.close(self._fd)

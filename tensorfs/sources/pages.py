@@ -9,6 +9,7 @@ which lets it go.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -20,6 +21,7 @@ from ..syscalls import libc
 log = logging.getLogger(__name__)
 
 MADV_WILLNEED = 3
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux 5.14+
 PAGE = mmap.PAGESIZE
@@ -29,6 +31,11 @@ _populate_supported = True
 _mincore = libc.mincore
 RESIDENT_CHECK_MAX = 1 << 20
 """Ranges up to this size are asked about (mincore) before a worker thread is sent to read them in."""
+_LOW_BIT = bytes(byte & 1 for byte in range(256))  # mincore's bit of a page in memory; the others are reserved
+HANDOVER_UNIT = 2 << 20
+"""The pages a mount has served are let go 2 MiB at a time, aligned: the page cache holds a file's bytes
+in folios of up to 2 MiB here (huge-page advice, large folios), and a folio only partly in a range
+that is dropped stays (docs/performance.md)."""
 
 
 class _PyBuffer(ctypes.Structure):
@@ -67,11 +74,11 @@ def _buffer_address(view: memoryview) -> int:
 class Pages:
     """The pages of one mapping (a shard file, or an object's cache file)."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, *, advise: bool = True) -> None:
         self.size = len(view)
         # The address only: no buffer export is kept, the model owns the mapping for the mount's life.
         self._address = _buffer_address(view) if self.size else 0
-        if self.size:
+        if self.size and advise:
             # Huge pages where the page cache has large folios: fewer pages for the kernel to pin
             # and copy from per reply (docs/performance.md). Advice only.
             _madvise(self._address, self.size, MADV_HUGEPAGE)
@@ -93,6 +100,28 @@ class Pages:
             return False
         return all(byte & 1 for byte in vector.raw)
 
+    def let_go(self, fd: int, start: int, end: int) -> None:
+        """Drop [start, end) of the mapped file (`fd`) from memory: unmapped here (MADV_DONTNEED), then out
+        of the page cache where nobody else maps it and it is clean (POSIX_FADV_DONTNEED: dirty pages
+        stay, to be written back). The file keeps the bytes; a later read brings them in again."""
+        start = max(0, start - start % PAGE)
+        end = min(end, self.size)
+        if end <= start:
+            return
+        _madvise(self._address + start, end - start, MADV_DONTNEED)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+    def resident_bytes(self) -> int:
+        """How many bytes of the whole mapping are in the page cache (mincore, whole pages)."""
+        if not self.size:
+            return 0
+        vector = ctypes.create_string_buffer(-(-self.size // PAGE))
+        if _mincore(self._address, self.size, vector) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+        return vector.raw.translate(_LOW_BIT).count(1) * PAGE
+
     def populate(self, start: int, end: int) -> bool:
         """Read [start, end) of the shard into memory and map it; False if that failed (e.g. truncated)."""
         global _populate_supported
@@ -110,3 +139,28 @@ class Pages:
             return self.populate(start, end)
         log.debug("madvise(%d, %d) of a shard failed: %s", start, end - start, os.strerror(code))
         return False
+
+
+class Handover:
+    """What of a mapping a mount has served, by aligned unit: once every byte of a unit has gone to the
+    kernel (which keeps it in the mounted file's own pages), the source's copy of it is let go, so the
+    page cache holds each byte once. Bytes served twice (the same range through a tensor's file and
+    the synthesized model) count twice: a unit let go early costs a read from disk, never a wrong byte."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._served: dict[int, int] = {}  # unit -> bytes served of it since it was last let go
+
+    def served(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Count [start, end) served; the ranges of the units it completed, to let go of."""
+        whole = []
+        unit = HANDOVER_UNIT
+        for first in range(start - start % unit, min(end, self.size), unit):
+            last = min(first + unit, self.size)
+            count = self._served.get(first, 0) + min(end, last) - max(start, first)
+            if count >= last - first:
+                self._served.pop(first, None)
+                whole.append((first, last))
+            else:
+                self._served[first] = count
+        return whole

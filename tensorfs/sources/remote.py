@@ -24,6 +24,7 @@ from .cachefile import CachedObject
 from .chunkcache import ChunkCache, default_cache_dir
 from .fetching import Fetcher, wait
 from .index import first_tensor
+from .pages import Handover
 from .shard import Identity, ShardData, settled
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class RemoteShard(ShardData):
         self._lock = threading.Lock()
         self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
         self._window = 0  # chunks fetched ahead of a sequential reader
+        self._handover = Handover(cached.version.size)
+        self._served: list[tuple[int, int]] = []  # units served whole, let go once flushed (clean)
         # Never so far ahead that the window evicts what the reader is on (two chunks: a read may span two).
         room = None if cached.cache.limit is None else cached.cache.limit // cached.chunk_size - 2
         self._most_ahead = options.concurrency if room is None else min(options.concurrency, room)
@@ -241,8 +244,22 @@ class RemoteShard(ShardData):
     def hold_to_manifest(self) -> None:
         self.cached.strong = True
 
+    def served(self, start: int, end: int) -> None:
+        whole = self._handover.served(start, end)
+        if whole:
+            with self._lock:
+                self._served += whole
+
     def flush(self) -> None:
-        self.cached.cache.save()
+        """Record what was fetched; then let go of the pages served whole before: written back by then
+        (a dirty page cannot be dropped)."""
+        with self._lock:
+            served, self._served = self._served, []
+        self.cached.cache.save(wait=bool(served))
+        for first, last in served:
+            if self.cached.fd < 0:
+                return  # closed: its address may be another mapping's now
+            self.cached.pages.let_go(self.cached.fd, first, last)
 
     def describe(self) -> RemoteDescription:
         return RemoteDescription(self.cached.version, self.options)

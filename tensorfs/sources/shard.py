@@ -149,6 +149,10 @@ class ShardData(ABC):
                 return
         raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) {EVICTED_AGAIN}")
 
+    def served(self, start: int, end: int) -> None:  # noqa: B027 - a source may keep its pages
+        """A mount's reply of [start, end) has gone: the kernel keeps those bytes in the mounted file's
+        own pages, and the source's copy of them may go (pages.Handover). On the mount's thread."""
+
     def window_end(self, end: int, prefetch: int) -> int:
         """Where the window brought in after a read that ends at `end` ends: `prefetch` bytes on."""
         return end + prefetch

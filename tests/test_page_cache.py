@@ -1,0 +1,112 @@
+"""The page cache holds each byte a mount serves once: in the mounted file's own pages (the kernel
+keeps them, keep_cache), not also in the shard's (or the remote cache file's) pages under the
+daemon's mapping. Measured with mincore, after the page cache was dropped (root)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import Mounts, wait_until
+from helpers import random_bytes, write_reference
+from servers import Nginx
+from tensorfs.bench.common import resident_bytes
+from tensorfs.sources.pages import HANDOVER_UNIT, Handover
+
+MIB = 1 << 20
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+@pytest.fixture
+def drop_page_cache() -> None:
+    """These tests start with nothing of their models in memory (written, then written back and
+    dropped: a dirty page cannot be let go): on CI a page cache that cannot be dropped fails them,
+    elsewhere it skips them."""
+    if os.geteuid() != 0 or not os.access(DROP_CACHES, os.W_OK):
+        if os.environ.get("CI"):
+            pytest.fail("dropping the page cache is required on CI (root, a writable /proc/sys/vm/drop_caches)")
+        pytest.skip("cannot drop the page cache (needs root and a writable /proc/sys/vm/drop_caches)")
+
+
+def _model(directory: Path, tensors: int = 4, size: int = 8 * MIB) -> dict[str, bytes]:
+    """A model of tensors whose bytes are not aligned to the units let go of, its pages out of memory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {f"t{i}": random_bytes(size + 4096 * i, 100 + i) for i in range(tensors)}
+    write_reference(directory / "model.safetensors", {name: ("U8", [len(b)], b) for name, b in data.items()})
+    os.sync()
+    DROP_CACHES.write_text("3\n")
+    return data
+
+
+def _pages(size: int) -> int:
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def test_a_unit_is_let_go_once_all_of_it_was_served() -> None:
+    unit = HANDOVER_UNIT
+    served = Handover(3 * unit + 100)
+    assert served.served(0, unit // 2) == []
+    assert served.served(unit // 2, unit + 10) == [(0, unit)]  # the first unit whole; 10 bytes of the second
+    assert served.served(unit + 10, 2 * unit - 1) == []
+    assert served.served(2 * unit - 1, 2 * unit) == [(unit, 2 * unit)]
+    assert served.served(3 * unit, 3 * unit + 100) == [(3 * unit, 3 * unit + 100)]  # the short last one
+    assert served.served(0, 4 * unit) == [(0, unit), (unit, 2 * unit), (2 * unit, 3 * unit), (3 * unit, 3 * unit + 100)]
+    assert served.served(0, unit) == [(0, unit)]  # served again (the kernel let its pages go): let go again
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["once", "kept"])
+def test_a_model_read_through_a_mount_is_held_once(
+    mounts: Mounts, tmp_path: Path, drop_page_cache: None, keep: bool
+) -> None:
+    """Every tensor read through the mount (read(), then np.memmap): the mounted files hold every byte,
+    the shard at most its header's unit; with --keep-source-pages the shard holds them all too."""
+    data = _model(tmp_path / "model")
+    shard = tmp_path / "model" / "model.safetensors"
+    mountpoint = mounts.mount(tmp_path / "model", *(["--keep-source-pages"] if keep else []))
+    files = [mountpoint / name for name in data]
+    for path, expected in zip(files, data.values(), strict=True):
+        assert path.read_bytes() == expected
+    nbytes = sum(map(len, data.values()))
+    assert resident_bytes(files) == nbytes
+    if keep:
+        assert resident_bytes([shard]) >= nbytes
+    else:  # the last replies are let go of by the next request, or within a second
+        wait_until(lambda: resident_bytes([shard]) <= HANDOVER_UNIT, what="the shard's pages to be let go")
+    for path, expected in zip(files, data.values(), strict=True):  # what the kernel kept is right
+        assert np.memmap(path, dtype=np.uint8, mode="r").tobytes() == expected
+
+
+def test_the_synthesized_model_is_held_once(mounts: Mounts, tmp_path: Path, drop_page_cache: None) -> None:
+    """Read whole, .tensorfs/model/model.safetensors (replies within a tensor, and across tensors and
+    the header) leaves the shard's pages to go: the file holds them."""
+    from safetensors.numpy import load
+
+    data = _model(tmp_path / "model")
+    shard = tmp_path / "model" / "model.safetensors"
+    mountpoint = mounts.mount(tmp_path / "model")
+    view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
+    assert {name: array.tobytes() for name, array in load(view.read_bytes()).items()} == data
+    assert resident_bytes([view]) == _pages(view.stat().st_size)
+    wait_until(lambda: resident_bytes([shard]) <= HANDOVER_UNIT, what="the shard's pages to be let go")
+
+
+def test_a_remote_model_is_held_once(mounts: Mounts, nginx: Nginx, tmp_path: Path, drop_page_cache: None) -> None:
+    """Through a remote mount the cache file's pages go once their chunks are recorded (flushed: a
+    dirty page cannot be dropped); a new mount reads them again from disk, exact."""
+    data = _model(nginx.root / "held-once")
+    cache = tmp_path / "cache"
+    url = f"{nginx.url}/held-once/model.safetensors"
+    mountpoint = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
+    files = [mountpoint / name for name in data]
+    for path, expected in zip(files, data.values(), strict=True):
+        assert path.read_bytes() == expected
+    assert resident_bytes(files) == sum(map(len, data.values()))
+    (cached,) = (cache / "objects").iterdir()
+    wait_until(lambda: resident_bytes([cached]) <= HANDOVER_UNIT, what="the cache file's pages to be let go")
+    again = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
+    for name, expected in data.items():
+        assert (again / name).read_bytes() == expected
