@@ -9,8 +9,9 @@ bytes, never copied (frameworks.py); prefetching is the model's (prefetch.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from . import model as models
 from .dtypes import DTYPE_NAMED
 from .errors import InvalidModelError
+from .fallback import UNREADABLE
 from .frameworks import check_device, framework_of
 from .hashcache import HashCache
 from .integrity import Hasher, Integrity
@@ -41,6 +43,7 @@ def open_model(
     layers: tuple[int, int] | str | int | None = None,
     cache: bool | str | os.PathLike[str] = True,
     verify: bool | str | os.PathLike[str] | None = None,
+    fallback: Sequence[str | os.PathLike[str]] = (),
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
@@ -62,9 +65,21 @@ def open_model(
     for tensors.sha256 beside the model (under a remote model's prefix); an error if there is none.
     Then no view of a tensor is handed out before its bytes hash to the manifest's value
     (IntegrityError, naming the tensor, if not); the hash cache spares unchanged files the hashing.
+
+    `fallback`: other copies of the model (paths or URLs), tried in order for a tensor whose own
+    shard cannot give its bytes (or gives bytes that fail the manifest), and for a shard missing or
+    invalid; a fallback's copy is taken only when its dtype and shape agree, and under `verify` only
+    when its bytes match the manifest (see tensorfs.fallback).
     """
     opened = models.open_model(
-        path, layout=layout, remote=remote, include=include, exclude=exclude, layers=layers, cache=cache
+        path,
+        layout=layout,
+        remote=remote,
+        include=include,
+        exclude=exclude,
+        layers=layers,
+        cache=cache,
+        fallback=fallback,
     )
     if verify is None or verify is False:
         return opened
@@ -97,7 +112,7 @@ def _cache_dir(cache: bool | str | os.PathLike[str], remote: RemoteOptions | Non
 
 def safe_open(path: str | os.PathLike[str], framework: str = "np", device: Any = "cpu", **options: Any) -> SafeOpen:
     """`safetensors.safe_open`, over anything open_model opens, with its options (verify=, include=,
-    exclude=, layers=, remote=, cache=). `framework`: "np"/"numpy" or "pt"/"torch"."""
+    exclude=, layers=, remote=, cache=, fallback=). `framework`: "np"/"numpy" or "pt"/"torch"."""
     kind = framework_of(framework)
     check_device(kind, device)
     return SafeOpen(open_model(path, **options), kind, device)
@@ -200,8 +215,10 @@ def load_file(
     with open_model(path, **options) as model:
         opened = SafeOpen(model, kind, device)
         names = opened.offset_keys()
-        if model.integrity is not None:
-            model.integrity.check_many(names)
-        if any(model.shard_data(shard).needs_ensure for shard in model.shards):
-            model.prefetch(names).wait()
+        # With fallbacks, a tensor that fails here is taken from one by tensor() below.
+        with contextlib.suppress(*UNREADABLE) if model.fallbacks is not None else contextlib.nullcontext():
+            if model.integrity is not None:
+                model.integrity.check_many(names)
+            if any(model.shard_data(shard).needs_ensure for shard in model.shards):
+                model.prefetch(names).wait()
         return {name: model.tensor(name, kind, device) for name in names}

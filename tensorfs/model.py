@@ -9,8 +9,10 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from . import formats
-from .errors import InvalidModelError, ModelClosedError, Problem, ShardChangedError, TensorNotFound
+from .errors import (
+    IntegrityError,
+    InvalidModelError,
+    ModelClosedError,
+    Problem,
+    ShardChangedError,
+    TensorNotFound,
+    printable,
+)
+from .fallback import RETRY_AFTER, UNREADABLE, Copy, Fallbacks, FallbackSpec
 from .formats import NAME, Entry, ShardHeader, TensorInfo
 from .frameworks import check_device, framework_of, make_tensor
 from .gcpause import gc_paused
@@ -44,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["INDEX_NAME", "Model", "ModelSnapshot", "open_model", "reopen", "snapshot"]
 
+log = logging.getLogger(__name__)
 _begin = itemgetter(0)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
 _BRINGERS = 4  # threads bringing tensors in ahead of use: one reads in order (prefetch.Lane), the others hash
@@ -53,6 +65,8 @@ _BRINGERS = 4  # threads bringing tensors in ahead of use: one reads in order (p
 class _Shard:
     header: ShardHeader
     data: ShardData
+    lent: bool = False
+    """A fallback's shard, standing in for one missing or invalid: the fallback's to close."""
 
     @property
     def label(self) -> str:
@@ -96,6 +110,13 @@ class Model:
         """With a manifest (open_model's verify=): no view of a tensor is handed out before it matches."""
         self._pool: ThreadPoolExecutor | None = None  # the threads that bring tensors in (made when asked)
         self._pool_made = threading.Lock()
+        self.fallbacks: Fallbacks | None = parent.fallbacks if parent is not None else None
+        """Other copies of the model, tried in order when a tensor's own shard cannot give its bytes."""
+        self._copies: dict[str, Copy] = parent._copies if parent is not None else {}
+        self._switching: threading.Lock = parent._switching if parent is not None else threading.Lock()
+        self._failed_at: dict[ShardKey, float] = parent._failed_at if parent is not None else {}
+        self.stand_ins: list[str] = []
+        """What its fallbacks stand in for since it was opened (shards missing or invalid), one line each."""
 
     # -- the set of tensors --------------------------------------------------------------
     @cached_property
@@ -216,16 +237,86 @@ class Model:
         """The tensor's bytes: a read-only view on the shard's mapping, no copy.
 
         For a remote model the tensor's chunks are fetched first (TensorfsError if they cannot be),
-        and kept in the cache while the model is open. Verified first when the model is.
+        and kept in the cache while the model is open. Verified first when the model is. When its
+        shard cannot give them and the model has fallbacks, a fallback's copy (see fallback.py).
         """
+        data, start, end = self._bytes(name)
+        return data.view[start:end]
+
+    def _bytes(self, name: str) -> tuple[ShardData, int, int]:
+        """Where the tensor's bytes are had: its shard's, verified and present (fetched, and held until
+        the model is closed: never evicted under a view), or a fallback's copy when its shard fails."""
         self._check_open()
         shard = self._shard_of(name)
-        self._verify(name)
-        begin, end, _, _, _ = shard.by_name[name]
-        start = shard.header.data_start
-        if shard.data.needs_ensure:  # fetched, and held until the model is closed: never evicted under a view
-            shard.data.ensure_pinned(start + begin, start + end)
-        return shard.data.view[start + begin : start + end]
+        copy = self._copies.get(name)
+        if copy is None:
+            failing = self.failing(shard.header.path)
+            if failing is not None:
+                copy = self.switch(name, failing)
+            else:
+                try:
+                    self._verify(name)
+                    begin, end, _, _, _ = shard.by_name[name]
+                    start = shard.header.data_start
+                    if shard.data.needs_ensure:
+                        shard.data.ensure_pinned(start + begin, start + end)
+                    return shard.data, start + begin, start + end
+                except UNREADABLE as exc:
+                    if not isinstance(exc, IntegrityError):
+                        self.failed(shard.header.path)
+                    copy = self.switch(name, exc)
+        while True:
+            try:
+                if copy.data.needs_ensure:
+                    copy.data.ensure_pinned(copy.start, copy.end)
+                return copy.data, copy.start, copy.end
+            except UNREADABLE as exc:
+                copy = self.switch(name, exc, after=copy)
+
+    def failed(self, shard: ShardKey) -> None:
+        """A read of the shard's bytes failed: with fallbacks, its other tensors go to theirs for a while
+        (a store down would otherwise cost each of them its own timeout)."""
+        if self.fallbacks is not None:
+            self._failed_at[shard] = time.monotonic()
+
+    def failing(self, shard: ShardKey) -> ShardChangedError | None:
+        """Why the shard's tensors go to their fallbacks without asking it, while a read of it failed
+        less than RETRY_AFTER seconds ago (None: ask it)."""
+        since = self._failed_at.get(shard)
+        if since is None or self.fallbacks is None:
+            return None
+        ago = time.monotonic() - since
+        if ago >= RETRY_AFTER:
+            del self._failed_at[shard]
+            return None
+        return ShardChangedError(f"{self._shards[shard].label}: a read of it failed {ago:.0f} s ago")
+
+    def copy(self, name: str) -> Copy | None:
+        """The fallback's copy a tensor is served from, if it is (see switch)."""
+        return self._copies.get(name)
+
+    def switch(self, name: str, why: BaseException, after: Copy | None = None, expected: str | None = None) -> Copy:
+        """Serve tensor `name` from its next fallback from now on (blocking: a fallback may have to be
+        opened, its copy fetched and hashed): the first after `after` whose copy agrees with this
+        model's table, and with the manifest where there is one (`expected`, else the model's own
+        integrity's); `why` raised again if none does."""
+        if self.fallbacks is None:
+            raise why
+        with self._switching:
+            current = self._copies.get(name)
+            if current is not None and current is not after:
+                return current  # another thread switched it meanwhile
+            info = self.info(name)
+            if expected is None and self.integrity is not None and self.integrity.expected is not None:
+                expected = self.integrity.expected.get(name)
+            copy = self.fallbacks.copy_of(name, (info.dtype, list(info.shape)), expected, after.index if after else -1)
+            if copy is None:
+                log.error("tensor '%s': %s; no fallback can give it", printable(name), printable(str(why)))
+                raise why
+            self._copies[name] = copy
+            shown = printable(str(why))
+            log.warning("tensor '%s': served from fallback %s from now on (%s)", printable(name), copy.source, shown)
+            return copy
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as a read-only numpy array on the shard's mmap, no copy.
@@ -252,14 +343,9 @@ class Model:
         """
         kind = framework_of(framework)
         check_device(kind, device)
-        self._check_open()
-        shard = self._shard_of(name)
-        self._verify(name)
-        begin, end, _, dtype, shape = shard.by_name[name]
-        start = shard.header.data_start
-        if shard.data.needs_ensure:
-            shard.data.ensure_pinned(start + begin, start + end)
-        return make_tensor(shard.data.private_view()[start + begin : start + end], dtype, shape, kind, device)
+        data, start, end = self._bytes(name)
+        _, _, _, dtype, shape = self._shard_of(name).by_name[name]
+        return make_tensor(data.private_view()[start:end], dtype, shape, kind, device)
 
     # -- ahead of use ----------------------------------------------------------------------
     def prefetch(self, names: Iterable[str] | None = None) -> Prefetch:
@@ -378,8 +464,11 @@ class Model:
             self.integrity.hasher.cache.close()
         for shard in self._shards.values():
             # A view handed out may still be alive: then the mapping goes when it does.
-            with contextlib.suppress(BufferError):
-                shard.data.close()
+            if not shard.lent:
+                with contextlib.suppress(BufferError):
+                    shard.data.close()
+        if self.fallbacks is not None:
+            self.fallbacks.close()
 
     def __enter__(self) -> Model:
         return self
@@ -411,6 +500,8 @@ class ModelSnapshot:
     selection: Selection
     header_cache: Path | None = None
     """Where the headers left out of `shards` are."""
+    fallback: FallbackSpec | None = None
+    """The model's fallbacks (opened again, when needed, where it is reopened)."""
 
 
 def snapshot(model: Model) -> ModelSnapshot:
@@ -435,8 +526,9 @@ def snapshot(model: Model) -> ModelSnapshot:
             for begin, end, name, dtype, shape in header.entries
         ]
         shards.append(ShardSnapshot(dataclasses.replace(header, entries=entries), description))
+    fallback = model.fallbacks.spec if model.fallbacks is not None else None
     return ModelSnapshot(
-        model.source, model.layout, shards, model.selection, model._header_cache if by_reference else None
+        model.source, model.layout, shards, model.selection, model._header_cache if by_reference else None, fallback
     )
 
 
@@ -459,7 +551,10 @@ def reopen(saved: ModelSnapshot) -> Model:
     finally:
         cache.close()
     source = saved.source if isinstance(saved.source, str) else Path(os.path.abspath(saved.source))
-    return Model(source, opened, _owners(opened), saved.layout, saved.selection)
+    model = Model(source, opened, _owners(opened), saved.layout, saved.selection)
+    if saved.fallback is not None:
+        model.fallbacks = Fallbacks(saved.fallback)
+    return model
 
 
 def _reopen_data(description: object) -> ShardData:
@@ -479,6 +574,7 @@ def open_model(
     exclude: Iterable[str] | str = (),
     layers: tuple[int, int] | str | int | None = None,
     cache: bool | str | os.PathLike[str] = True,
+    fallback: Sequence[str | os.PathLike[str]] = (),
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
@@ -495,11 +591,22 @@ def open_model(
     `cache`: where validated headers are remembered, so that files unchanged since (same device,
     inode, size, mtime and ctime) are not parsed and checked again: True for the default directory
     ($XDG_CACHE_HOME/tensorfs), a directory, or False for none (validate from scratch).
+
+    `fallback`: other copies of the model (paths or URLs, as `path`), in order: a tensor whose own
+    shard cannot give its bytes is read from the first that holds the same tensor, and a shard
+    missing or invalid is taken from the first that has a file of its name (with a warning). Each
+    is opened when first needed, and validated as this model is (see fallback.py).
     """
     selection = Selection(include, exclude, layers)  # type: ignore[arg-type]  # it takes one glob too
     problems: list[Problem] = []
+    failed: dict[str, list[Problem]] = {}  # shards that could not be opened, by file name
     headers = _header_cache(cache)
     found: FoundShards | None = None  # a local model's files
+    fallbacks = None
+    if fallback:
+        spec = FallbackSpec.of(fallback, layout=layout, remote=remote or RemoteOptions(), selection=selection,
+                               cache=cache)  # fmt: skip
+        fallbacks = Fallbacks(spec)
     with gc_paused(), contextlib.closing(headers):
         # Every problem is collected, of every shard and across shards, before any is reported.
         why = unsupported_scheme(path)
@@ -517,7 +624,7 @@ def open_model(
             opener.cache.db()  # the objects' cache must be usable (RemoteError if not), before the headers'
             opener.headers = headers if headers.enabled else None
             located = opener.located
-            opened = _open_shards(opener.shards, opener.open, problems)
+            opened = _open_shards(opener.shards, opener.open, problems, failed)
             weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
         else:
             source = Path(path)
@@ -525,10 +632,14 @@ def open_model(
             weight_map, index_label = found.weight_map, found.index_label
             open_local = functools.partial(LocalShard.open, cache=headers, directory=found.directory)
             try:
-                opened = _open_shards([(path, str(path)) for path in found.paths], open_local, problems)
+                opened = _open_shards([(path, str(path)) for path in found.paths], open_local, problems, failed)
             finally:
                 found.close()
+            failed.update({name: [problem] for name, problem in found.missing.items()})
             done = None
+        stand_ins: list[str] = []
+        if fallbacks is not None and failed:
+            opened += _lent_by(fallbacks, failed, problems, stand_ins)
         try:
             checks = None
             if (
@@ -552,18 +663,24 @@ def open_model(
                 done()
             if selection.everything:
                 model = Model(source, opened, owner, layout)
-                if headers.enabled and found is not None:
+                if headers.enabled and found is not None and not failed:
                     model._header_cache = headers.directory
-                return model
-            kept, owner = _restricted(opened, selection, str(path))
-            paths = {shard.header.path for shard in kept}
-            for shard in opened:
-                if shard.header.path not in paths:
-                    shard.data.close()  # nothing selected in it: neither mapped nor read any further
-            return Model(source, kept, owner, layout, selection)
+            else:
+                kept, owner = _restricted(opened, selection, str(path))
+                paths = {shard.header.path for shard in kept}
+                for shard in opened:
+                    if shard.header.path not in paths and not shard.lent:
+                        shard.data.close()  # nothing selected in it: neither mapped nor read any further
+                model = Model(source, kept, owner, layout, selection)
+            model.fallbacks = fallbacks
+            model.stand_ins = stand_ins
+            return model
         except BaseException:
             for shard in opened:
-                shard.data.close()
+                if not shard.lent:
+                    shard.data.close()
+            if fallbacks is not None:
+                fallbacks.close()
             raise
 
 
@@ -606,7 +723,7 @@ def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple
         if not chosen:
             continue
         entries = [entry for entry in shard.header.entries if entry[NAME] in chosen]
-        restricted = _Shard(dataclasses.replace(shard.header, entries=entries), shard.data)
+        restricted = _Shard(dataclasses.replace(shard.header, entries=entries), shard.data, shard.lent)
         kept.append(restricted)
         owner.update(dict.fromkeys(chosen, restricted))
     if not owner:
@@ -620,8 +737,11 @@ def _restricted(shards: list[_Shard], selection: Selection, label: str) -> tuple
     return kept, owner
 
 
-def _open_shards(shards: list[tuple[Any, str]], open_one: Any, problems: list[Problem]) -> list[_Shard]:
-    """Read, validate and map every shard, in parallel; problems of all shards are collected.
+def _open_shards(
+    shards: list[tuple[Any, str]], open_one: Any, problems: list[Problem], failed: dict[str, list[Problem]]
+) -> list[_Shard]:
+    """Read, validate and map every shard, in parallel; problems of all shards are collected (and
+    those of each shard that failed in `failed`, by its file name).
 
     `open_one(where, label)` returns (header, ShardData) or raises InvalidModelError.
     """
@@ -639,12 +759,32 @@ def _open_shards(shards: list[tuple[Any, str]], open_one: Any, problems: list[Pr
         with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(shards))) as pool:
             results = list(pool.map(attempt, shards))
     opened: list[_Shard] = []
-    for result in results:
+    for (_, label), result in zip(shards, results, strict=True):
         if isinstance(result, InvalidModelError):
             problems.extend(result.problems)
+            failed[shard_name(label)] = list(result.problems)
         else:
             opened.append(result)
     return opened
+
+
+def _lent_by(
+    fallbacks: Fallbacks, failed: dict[str, list[Problem]], problems: list[Problem], said: list[str]
+) -> list[_Shard]:
+    """The fallbacks' shards that stand in for those that failed (each of the same file name), their
+    problems taken back and said as warnings (also in `said`); a shard no fallback has keeps its problems."""
+    lent: list[_Shard] = []
+    for name, its_problems in failed.items():
+        found = fallbacks.shard_named(name)
+        if found is None:
+            continue
+        index, header, data = found
+        lent.append(_Shard(header, data, lent=True))
+        for problem in its_problems:
+            problems.remove(problem)
+        said.append(f"{printable(str(its_problems[0]))}; its tensors are served from fallback {fallbacks.shown(index)}")
+        log.warning("%s", said[-1])
+    return lent
 
 
 def _index_agrees(shards: list[_Shard], weight_map: dict[str, str], tensors: int) -> bool:

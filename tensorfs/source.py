@@ -57,6 +57,8 @@ class Source:
     """How stores are reached, and where the caches are (cache_dir)."""
     caches: bool = True
     """Whether validated headers and tensors' hashes are remembered (False: --no-cache)."""
+    fallback: tuple[Path | str, ...] = ()
+    """Other copies of the model (--fallback), in order: see fallback.py."""
 
     @classmethod
     def named(
@@ -106,6 +108,7 @@ class Source:
             exclude=selection.exclude,
             layers=selection.layers,
             cache=self.cache_dir if self.caches else False,
+            fallback=self.fallback,
         )
 
     def hash_cache(self) -> HashCache:

@@ -88,6 +88,16 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "keeps lookups quick while data streams.",
 )
 @click.option(
+    "--fallback",
+    type=ModelLocation(),
+    multiple=True,
+    metavar="MODEL",
+    help="Another copy of the model (a path or a URL; repeatable, tried in order): a tensor whose own shard "
+    "cannot give its bytes (a read error, a store down, a shard changed, bytes that fail the manifest), or a "
+    "shard missing or invalid, is served from the first fallback whose copy agrees (dtype and shape, and the "
+    "manifest's hash when there is one). Opened when first needed.",
+)
+@click.option(
     "--keep-source-pages",
     is_flag=True,
     help="Keep the shards' own pages (a remote model's: its cache files') in memory after the kernel has the "
@@ -137,6 +147,7 @@ def mount(
     readahead_kb: int,
     prefetch_mb: int,
     max_background: int,
+    fallback: tuple[Path | str, ...],
     keep_source_pages: bool,
     manifest_path: Path | str | None,
     verify: str | None,
@@ -158,7 +169,7 @@ def mount(
     from ..mount.daemon import mount as mount_model
     from ..mount.options import MountOptions, split_fuse_options
 
-    model = source_of(path, remote, no_cache)
+    model = source_of(path, remote, no_cache, fallback)
     passed, ownership = split_fuse_options(fuse_options)
     options = MountOptions(
         layout=layout,

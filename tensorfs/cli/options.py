@@ -227,6 +227,8 @@ def view_files_option(name: str, what: str) -> Callable[[Callable[..., Any]], Ca
     )
 
 
-def source_of(path: Path | str, remote: RemoteOptions, no_cache: bool = False) -> Source:
-    """The Source a command's MODEL, remote options and --no-cache name."""
-    return Source(path, remote, caches=not no_cache)
+def source_of(
+    path: Path | str, remote: RemoteOptions, no_cache: bool = False, fallback: tuple[Path | str, ...] = ()
+) -> Source:
+    """The Source a command's MODEL, remote options, --no-cache and --fallback name."""
+    return Source(path, remote, caches=not no_cache, fallback=fallback)

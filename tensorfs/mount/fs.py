@@ -28,9 +28,11 @@ import pyfuse3
 import trio
 
 from ..errors import IntegrityError, ShardChangedError, TensorfsError, printable
+from ..fallback import Copy
 from ..integrity import Integrity
 from ..names import STATS_NAME
 from ..sources.shard import ShardData, ShardKey
+from ..sources.store import RemoteError
 from ..views import Companion, Piece, SynthesizedFile
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
@@ -176,6 +178,7 @@ class TensorOperations(pyfuse3.Operations):
         # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
         self._demand = trio.CapacityLimiter(8)
         self._prefetchers = trio.CapacityLimiter(2)
+        self._switchers = trio.CapacityLimiter(2)  # switches to fallbacks (one at a time, in the model)
         self._nursery: trio.Nursery | None = None
         self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
         self.files = self.tree.inode_count
@@ -311,10 +314,7 @@ class TensorOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
-            shard = self.tree.model.locate(node.tensor)[0]
-            self.verifier.check(shard, node.tensor)
-            await self.verifier.verify(node.tensor)
-            self._span_of(node.tensor, inode)
+            await self._checked(self._span_of(node.tensor, inode))
             self.stats.opened_tensors.add(node.tensor)
         self.stats.open_files += 1
         # keep_cache: pages the kernel holds stay valid across opens; when a shard changes, the
@@ -366,8 +366,48 @@ class TensorOperations(pyfuse3.Operations):
         if span is None:
             shard, offset, nbytes = self.tree.model.locate(name)
             data = self.tree.model.shard_data(shard)
-            span = self._spans[inode] = _OpenTensor(name, shard, data, data.view, offset, offset + nbytes)
+            span = self._spans[inode] = _OpenTensor(name, shard, data, data.view, offset, offset + nbytes, offset)
         return span
+
+    # -- fallbacks ----------------------------------------------------------------------------
+    async def _checked(self, span: _OpenTensor) -> None:
+        """What must hold before a tensor's bytes are served: its shard not changed in place (without
+        a manifest), its bytes verified (with one); else its fallback's copy, checked so."""
+        model = self.tree.model
+        while span.copy is None:
+            try:
+                failing = model.failing(span.shard)
+                if failing is not None:
+                    raise failing  # to its fallback at once
+                self.verifier.check(span.shard, span.name)
+                await self.verifier.verify(span.name)
+                return
+            except (TensorfsError, pyfuse3.FUSEError) as exc:
+                if isinstance(exc, RemoteError | ShardChangedError):  # its bytes could not be read to hash
+                    model.failed(span.shard)
+                if not await self._fall_back(span, exc):
+                    raise
+
+    async def _fall_back(self, span: _OpenTensor, why: BaseException) -> bool:
+        """Serve the tensor from its next fallback from now on, if it has one that gives its bytes (see
+        Model.switch: on a worker thread, a fallback may be opened, and its copy fetched and hashed)."""
+        model = self.tree.model
+        if model.fallbacks is None or not _unreadable_error(why):
+            return False
+        expected = self.verifier.integrity.expected
+        switch = functools.partial(
+            model.switch, span.name, why, span.copy, expected.get(span.name) if expected is not None else None
+        )
+        try:
+            copy = await trio.to_thread.run_sync(switch, limiter=self._switchers)
+        except BaseException as exc:
+            if exc is why or isinstance(exc, TensorfsError | OSError):
+                return False  # no fallback gives it: the reader gets the primary's error
+            raise
+        span.copy, span.data, span.view, span.start, span.end = copy, copy.data, copy.data.view, copy.start, copy.end
+        span.ready_from = span.ready_to = 0
+        self.stats.fallback_tensors[span.name] = copy.source
+        return True
 
     async def _read_synthesized(self, file: SynthesizedFile, off: int, size: int) -> bytes | memoryview:
         """Bytes of a synthesized safetensors file: within one tensor, read as that tensor's file is
@@ -377,26 +417,34 @@ class TensorOperations(pyfuse3.Operations):
         if len(pieces) == 1 and isinstance(pieces[0], Piece):
             only = pieces[0]
             span = self._span_of(only.tensor)
-            return await self._read_tensor(span, only.shard_offset - span.start, only.end - only.start)
+            return await self._read_tensor(span, only.shard_offset - span.origin, only.end - only.start)
         reply = bytearray()
         for piece in pieces:
             if isinstance(piece, bytes):
                 reply += piece
-                continue
-            span = self._span_of(piece.tensor)
-            self.verifier.check(span.shard, span.name)
-            await self.verifier.verify(span.name)
-            buffer = bytearray(piece.end - piece.start)
-            try:
-                await trio.to_thread.run_sync(span.data.readinto, piece.shard_offset, memoryview(buffer))
-            except TensorfsError as exc:
-                first = piece.shard_offset - span.start
-                raise _unreadable(span, first, first + len(buffer), str(exc)) from None
-            self.stats.touch(span.shard, piece.shard_offset, piece.shard_offset + len(buffer))
-            if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
-                span.data.served(piece.shard_offset, piece.shard_offset + len(buffer))
-            reply += buffer
+            else:
+                reply += await self._copied(self._span_of(piece.tensor), piece)
         return bytes(reply)
+
+    async def _copied(self, span: _OpenTensor, piece: Piece) -> bytearray:
+        """A piece of a tensor's bytes, read from its file (never the mapping), checked first; from its
+        fallback when its own shard cannot give them."""
+        first = piece.shard_offset - span.origin  # where in the tensor
+        buffer = bytearray(piece.end - piece.start)
+        while True:
+            await self._checked(span)
+            data, low = span.data, span.start + first
+            try:
+                await trio.to_thread.run_sync(data.readinto, low, memoryview(buffer))
+                break
+            except (TensorfsError, OSError) as exc:
+                error = _unreadable(span, first, first + len(buffer), str(exc))
+                if not await self._fall_back(span, error):
+                    raise error from None
+        self._touch(span, low, low + len(buffer))
+        if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
+            data.served(low, low + len(buffer))
+        return buffer
 
     async def _read_tensor(self, span: _OpenTensor, off: int, size: int) -> memoryview:
         """A slice of the shard's mapping, its pages brought in off this thread first if need be (or,
@@ -413,55 +461,77 @@ class TensorOperations(pyfuse3.Operations):
         """
         previous, self._replied = self._replied, []
         try:
-            return await self._answer_tensor(span, off, size, previous)
+            while True:
+                try:
+                    return await self._answer_tensor(span, off, size, previous)
+                except (TensorfsError, pyfuse3.FUSEError) as exc:
+                    self._let_go(previous)
+                    if not await self._fall_back(span, exc):
+                        raise
         finally:
             self._let_go(previous)
 
     async def _answer_tensor(self, span: _OpenTensor, off: int, size: int, previous: list[_Held]) -> memoryview:
-        self.verifier.check(span.shard, span.name)
-        if self.verifier.needs_verifying(span.name):
-            self._let_go(previous)
-            await self.verifier.verify(span.name)  # the shard changed since this file was opened
-        low = min(span.start + off, span.end)
-        high = min(low + size, span.end)
+        if span.copy is None:
+            failing = self.tree.model.failing(span.shard)
+            if failing is not None:
+                raise failing  # to its fallback at once
+            self.verifier.check(span.shard, span.name)
+            if self.verifier.needs_verifying(span.name):
+                self._let_go(previous)
+                await self.verifier.verify(span.name)  # the shard changed since this file was opened
+        # Where the bytes are had, as of now: a switch to a fallback meanwhile (another reader's)
+        # changes the span, never what this read answers from.
+        data, start, end = span.data, span.start, span.end
+        low = min(start + off, end)
+        high = min(low + size, end)
         ready = span.ready_from <= low < high <= span.ready_to
-        small = span.end - span.start <= SMALL_TENSOR
+        small = end - start <= SMALL_TENSOR
         if not ready and small:
             # A small tensor already in memory (mincore) is answered at once: for many small files
             # the hop to a worker thread and back would cost more than the whole rest of the read.
-            ready = span.data.resident(low, high)
-        if not (ready and span.data.pin(low, high)):
+            ready = data.resident(low, high)
+        if not (ready and data.pin(low, high)):
             # Not known to be in memory: bring in this request, then a window ahead, off this thread.
             self._let_go(previous)
             waited = time.perf_counter()
             try:
-                copied = await trio.to_thread.run_sync(span.data.pinned_or_copied, low, high, limiter=self._demand)
+                copied = await trio.to_thread.run_sync(data.pinned_or_copied, low, high, limiter=self._demand)
             except TensorfsError as exc:  # gone from the file, or a remote shard's bytes not fetched
-                # The reader gets EIO and the daemon goes on. What was validated is never replaced
-                # by anything else.
-                why = str(exc) if span.data.needs_ensure else "the shard shrank under the mount"
-                raise _unreadable(span, low - span.start, high - span.start, why) from None
+                # The reader gets EIO (or its fallback's copy) and the daemon goes on. What was
+                # validated is never replaced by anything else.
+                why = str(exc) if data.needs_ensure else "the shard shrank under the mount"
+                if span.copy is None:
+                    self.tree.model.failed(span.shard)
+                raise _unreadable(span, low - start, high - start, why) from None
             self.stats.page_waits += 1
             self.stats.page_wait_seconds += time.perf_counter() - waited
             if copied is not None:
                 # Bytes of a remote chunk still coming, copied as they came: answered now, nothing of
                 # the mapping held. No window ahead is waited for first: that kept a cold tensor's
                 # first bytes waiting for four more chunks sharing the link (docs/performance.md).
-                self.stats.touch(span.shard, low, high)
+                self._touch(span, low, high)
                 if self.hand_over:
-                    span.data.served(low, high)
+                    data.served(low, high)
                 return memoryview(copied)
-            until = min(span.end, span.data.window_end(high, self.prefetch))
-            if until > high and not await self._ensure_ahead(span, high, until, self._demand):
+            until = min(end, data.window_end(high, self.prefetch))
+            if until > high and not await self._ensure_ahead(span, data, high, until, self._demand):
                 until = high
-            span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
+            if span.data is data:
+                span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
         elif self.nursery is not None and not small and self._window_running_out(span, high):
             span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
             self.nursery.start_soon(self._prefetch, span)
-        if span.data.needs_ensure or self.hand_over:
-            self._replied.append((span.data, low, high))  # nothing awaited from here to the reply
-        self.stats.touch(span.shard, low, high)
-        return span.view[low:high]
+        if data.needs_ensure or self.hand_over:
+            self._replied.append((data, low, high))  # nothing awaited from here to the reply
+        self._touch(span, low, high)
+        return data.view[low:high]
+
+    def _touch(self, span: _OpenTensor, low: int, high: int) -> None:
+        """Count [low, high) of the span's source served (by the tensor's place in its own shard)."""
+        self.stats.touch(span.shard, span.in_shard(low), span.in_shard(high))
+        if span.copy is not None:
+            self.stats.from_fallback(span.copy.source, high - low)
 
     def release_replied(self) -> None:
         """Let go of the ranges held for replies: call only from another task than a read's (trio's thread)."""
@@ -479,28 +549,35 @@ class TensorOperations(pyfuse3.Operations):
         held.clear()
 
     async def _ensure_ahead(
-        self, span: _OpenTensor, begin: int, until: int, limiter: trio.CapacityLimiter, *, ahead: bool = True
+        self,
+        span: _OpenTensor,
+        data: ShardData,
+        begin: int,
+        until: int,
+        limiter: trio.CapacityLimiter,
+        *,
+        ahead: bool = True,
     ) -> bool:
         """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
-        self.stats.prefetched(span.shard, begin, until)
+        self.stats.prefetched(span.shard, span.in_shard(begin), span.in_shard(until))
         try:
             return bool(
                 await trio.to_thread.run_sync(
-                    functools.partial(span.data.ensure, begin, until, ahead=ahead), limiter=limiter
+                    functools.partial(data.ensure, begin, until, ahead=ahead), limiter=limiter
                 )
             )
-        except TensorfsError:
+        except (TensorfsError, OSError):
             return False
 
     def _window_running_out(self, span: _OpenTensor, high: int) -> bool:
         return span.ready_to < span.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
 
     async def _prefetch(self, span: _OpenTensor) -> None:
-        begin, until = span.ready_to, min(span.end, span.ready_to + self.prefetch)
+        data, begin, until = span.data, span.ready_to, min(span.end, span.ready_to + self.prefetch)
         try:
             # A reader that consumed its window: its source may read further ahead (ahead=False).
-            done = await self._ensure_ahead(span, begin, until, self._prefetchers, ahead=False)
-            if done and span.ready_from <= begin <= span.ready_to:  # still contiguous with what is ready
+            done = await self._ensure_ahead(span, data, begin, until, self._prefetchers, ahead=False)
+            if done and span.data is data and span.ready_from <= begin <= span.ready_to:  # still contiguous
                 span.ready_to = max(span.ready_to, until)
         finally:
             span.prefetching = False
@@ -543,17 +620,28 @@ class TensorOperations(pyfuse3.Operations):
 
 @dataclass(eq=False)
 class _OpenTensor:
-    """An open tensor file: where its bytes are, and which of them are known to be in memory."""
+    """An open tensor file: where its bytes are (its shard's, or a fallback's copy), and which of them
+    are known to be in memory."""
 
     name: str
     shard: ShardKey
+    """Its own shard (the model's)."""
     data: ShardData
     view: memoryview
     start: int
     end: int
+    """Where its bytes are had: [start, end) of `data` (its shard's, or its fallback copy's)."""
+    origin: int
+    """Where its bytes start in its own shard."""
+    copy: Copy | None = None
+    """The fallback's copy it is served from, once it is (for the mount's life)."""
     ready_from: int = 0
     ready_to: int = 0
     prefetching: bool = False
+
+    def in_shard(self, offset: int) -> int:
+        """An offset of `data` as the offset of the same byte of the tensor in its own shard."""
+        return self.origin + offset - self.start
 
 
 _Held = tuple[ShardData, int, int]
@@ -562,11 +650,20 @@ _Held = tuple[ShardData, int, int]
 
 def _unreadable(span: _OpenTensor, begin: int, end: int, why: str) -> ShardChangedError:
     """The error of a read of bytes [begin, end) of a tensor that cannot be read (its log line's fields too)."""
+    where = span.shard if span.copy is None else f"{span.data.label} (fallback {span.copy.source})"
     error = ShardChangedError(
-        f"{span.shard}: tensor '{printable(span.name)}': bytes [{begin}, {end}) of the tensor cannot be read: {why}"
+        f"{where}: tensor '{printable(span.name)}': bytes [{begin}, {end}) of the tensor cannot be read: {why}"
     )
     error.fields = {"tensor": span.name, "shard": str(span.shard)}  # type: ignore[attr-defined]
     return error
+
+
+def _unreadable_error(error: BaseException) -> bool:
+    """Whether a fallback may stand in for what raised `error`: the tensor's own bytes cannot be had
+    (gone, changed, not fetched, refused by the manifest), not a request that is wrong."""
+    if isinstance(error, pyfuse3.FUSEError):
+        return error.errno == errno.EIO
+    return isinstance(error, Refused | IntegrityError | ShardChangedError | RemoteError)
 
 
 def _decode(name: bytes) -> str:

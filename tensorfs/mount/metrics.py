@@ -107,6 +107,16 @@ class _Collector:
         yield counter("tensorfs_tensors_verified", "Tensors whose hash matched the manifest.", integrity["verified"])
         failures = integrity["verify_failures"]
         yield counter("tensorfs_verification_failures", "Tensors refused: not the manifest's hash.", failures)
+        fallback = snapshot["fallback"]
+        by_source = [*where, "source"]
+        reads_from = CounterMetricFamily("tensorfs_fallback_reads", "Reads served from a fallback.", labels=by_source)
+        bytes_from = CounterMetricFamily("tensorfs_fallback_bytes", "Bytes served from a fallback.", labels=by_source)
+        for source, count in sorted(fallback["reads"].items()):
+            reads_from.add_metric([mnt, source], count)
+            bytes_from.add_metric([mnt, source], fallback["bytes"][source])
+        yield reads_from
+        yield bytes_from
+        yield gauge("tensorfs_fallback_tensors", "Tensors served from a fallback now.", len(fallback["tensors"]))
         yield gauge("tensorfs_open_files", "Files open now.", snapshot["open_files"])
         yield counter("tensorfs_tensors_opened", "Distinct tensors opened.", snapshot["tensors_opened"])
         yield gauge("tensorfs_touched_bytes", "Distinct bytes of the model served (by MiB).", snapshot["touched_bytes"])

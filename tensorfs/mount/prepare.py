@@ -38,6 +38,8 @@ def prepare(
     companion files left out are said through `warn`."""
     # The model first: its errors name it, not the manifest looked for beside it.
     model = source.open(selection, layout)
+    for stand_in in model.stand_ins:
+        warn(stand_in)
     try:
         integrity = _integrity(source, model, selection, manifest, verify)
         view = source.view_spec(view_shards, model.shards)

@@ -174,6 +174,9 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: In
             "manifest": integrity.expected is not None,
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
             "remote": options.remote,
+            "fallback": []
+            if model.fallbacks is None
+            else [model.fallbacks.shown(i) for i in range(len(model.fallbacks))],
             "selection": None if model.selection.everything else model.selection.as_json(),
             "metrics": None if options.metrics is None else describe_address(options.metrics),
         },

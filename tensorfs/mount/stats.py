@@ -58,6 +58,11 @@ class Stats:
         """Of those, the MiB a reader then read: the hit ratio is hit / ahead."""
         self.changed: set[object] = set()
         """Shards changed in place under the mount (refused without a manifest, verified again with one)."""
+        self.fallback_tensors: dict[str, str] = {}
+        """Tensors served from a fallback: by name, which one (--fallback, as given)."""
+        self.fallback_reads: dict[str, int] = {}
+        self.fallback_bytes: dict[str, int] = {}
+        """Reads, and bytes, a fallback served: by fallback."""
         self._last_io_error: float | None = None
         self.sources: dict[str, Callable[[], dict[str, int | float]]] = {}
 
@@ -75,6 +80,10 @@ class Stats:
         self.read_bytes[kind] += nbytes
         self.latency[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.latency_sum += seconds
+
+    def from_fallback(self, source: str, nbytes: int) -> None:
+        self.fallback_reads[source] = self.fallback_reads.get(source, 0) + 1
+        self.fallback_bytes[source] = self.fallback_bytes.get(source, 0) + nbytes
 
     def touch(self, shard: object, start: int, end: int) -> None:
         """Bytes [start, end) of a shard were served: count each MiB of it once."""
@@ -134,6 +143,11 @@ class Stats:
             "prefetch_hit_bytes": self.prefetch_hit_bytes,
             "integrity": {"verified": self.verified, "verify_failures": self.verify_failures},
             "changed_shards": len(self.changed),
+            "fallback": {
+                "tensors": dict(self.fallback_tensors),
+                "reads": dict(self.fallback_reads),
+                "bytes": dict(self.fallback_bytes),
+            },
             "seconds_since_io_error": None if last is None else round(time.monotonic() - last, 3),
             "open_files": self.open_files,
             "tensors_opened": len(self.opened_tensors),
@@ -170,6 +184,9 @@ def degraded(snapshot: dict[str, Any]) -> str | None:
         why.append(f"{snapshot['integrity']['verify_failures']} tensor(s) failed verification")
     if snapshot["changed_shards"]:
         why.append(f"{snapshot['changed_shards']} shard(s) changed under it")
+    served_otherwise = snapshot.get("fallback", {}).get("tensors", {})
+    if served_otherwise:
+        why.append(f"{len(served_otherwise)} tensor(s) served from a fallback")
     since = snapshot["seconds_since_io_error"]
     if since is not None and since < 60:
         why.append(f"an EIO answered {since:.0f} s ago")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno as errnos
 from typing import Any
 
+from ..errors import printable
 from ..units import human_size
 from .stats import quantile
 
@@ -65,6 +66,7 @@ def render(mountpoint: str, now: dict[str, Any], before: dict[str, Any] | None) 
         f"{now['prefetch_windows']} windows read ahead ({human_size(now['prefetch_bytes'])}; by MiB "
         f"{human_size(now['prefetch_hit_bytes'])} of {human_size(now['prefetch_ahead_bytes'])} read since)",
         f"integrity  {integrity['verified']} tensors verified, {integrity['verify_failures']} refused",
+        *_fallback_lines(now.get("fallback")),
         f"files      {now['open_files']} open; {now['tensors_opened']} tensors opened; "
         f"{human_size(touched)} of {human_size(total)} touched ({100 * touched / total if total else 0:.0f}%)",
         f"memory     RSS {human_size(process['rss_bytes'])} (anonymous {human_size(process['rss_anon_bytes'])}), "
@@ -76,3 +78,19 @@ def render(mountpoint: str, now: dict[str, Any], before: dict[str, Any] | None) 
             f"{source:<10} " + ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in values.items())
         )
     return "\n".join(lines)
+
+
+def _fallback_lines(fallback: dict[str, Any] | None) -> list[str]:
+    """Which tensors a fallback serves, and what each fallback served: nothing while none does."""
+    if not fallback or not fallback["tensors"]:
+        return []
+    tensors: dict[str, str] = fallback["tensors"]
+    lines = []
+    for source in sorted(set(tensors.values()) | set(fallback["reads"])):
+        names = sorted(name for name, used in tensors.items() if used == source)
+        shown = ", ".join(printable(name) for name in names[:5]) + (f", ... ({len(names)})" if len(names) > 5 else "")
+        lines.append(
+            f"fallback   {source}: {len(names)} tensors ({shown}), {fallback['reads'].get(source, 0)} reads, "
+            f"{human_size(fallback['bytes'].get(source, 0))}"
+        )
+    return lines

@@ -8,7 +8,7 @@ import logging
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,8 @@ class FoundShards:
     directory: ModelDirectory | None = None
     """The directory the shards were found in, opened once: they are opened beneath it (None: the
     one shard was named itself)."""
+    missing: dict[str, Problem] = field(default_factory=dict)
+    """Shards the index names that are not there, by file name: what was said of each."""
 
     def close(self) -> None:
         if self.directory is not None:
@@ -149,20 +151,22 @@ def _shards_from_index(
     names = shard_names(weight_map, label, problems)
     if cache is not None and key is not None and len(problems) == known:
         cache.put("index", key, names)
-    return FoundShards(_existing(index, names, weight_map, label, problems), label, weight_map, key, directory)
+    missing: dict[str, Problem] = {}
+    existing = _existing(index, names, weight_map, label, missing)
+    problems.extend(missing.values())
+    return FoundShards(existing, label, weight_map, key, directory, missing)
 
 
 def _existing(
-    index: Path, names: list[str], weight_map: dict[str, str], label: str, problems: list[Problem]
+    index: Path, names: list[str], weight_map: dict[str, str], label: str, missing: dict[str, Problem]
 ) -> list[Path]:
     shards = []
     for name in names:
         if os.path.lexists(index.parent / name):
             shards.append(index.parent / name)
         else:
-            problems.append(
-                Problem(label, f"weight_map names shard '{name}', which does not exist", first_tensor(weight_map, name))
-            )
+            reason = f"weight_map names shard '{name}', which does not exist"
+            missing[name] = Problem(label, reason, first_tensor(weight_map, name))
     return sorted(shards)
 
 
