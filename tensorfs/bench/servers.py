@@ -167,10 +167,14 @@ def weed_root(directory: Path) -> str:
     return "/mnt" if weed_private() else str(directory.resolve())
 
 
-# In the private namespace: the state directory at /mnt, the binary bound onto /mnt/.bin/weed
-# before /tmp is covered (it may live there, in a checkout under /tmp; and so named, `pgrep weed`
-# finds it), then the private /tmp.
+# In the private namespace, first the FUSE mounts it copied from ours are let go (lazily, there
+# only): a copy keeps the mount alive after it is unmounted here, and its daemon waits for ever.
+# Then the state directory at /mnt, the binary bound onto /mnt/.bin/weed before /tmp is covered
+# (it may live there, in a checkout under /tmp; and so named, `pgrep weed` finds it), and the
+# private /tmp.
 _PRIVATE_TMP = (
+    "fuse=$(awk '$3 ~ /^fuse($|blk$|[.])/ && !seen[$3]++ { printf \"%s%s\", sep, $3; sep = \",\" }' /proc/self/mounts)"
+    ' && { [ -z "$fuse" ] || umount -a -i -l -t "$fuse"; } && '
     'mount --bind "$1" /mnt && mount --bind "$2" /mnt/.bin/weed && mount --bind "$3" /tmp && cd /mnt && '
     'shift 3 && exec /mnt/.bin/weed "$@"'
 )
