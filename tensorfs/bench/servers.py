@@ -173,8 +173,8 @@ def weed_root(directory: Path) -> str:
 # (it may live there, in a checkout under /tmp; and so named, `pgrep weed` finds it), and the
 # private /tmp.
 _PRIVATE_TMP = (
-    "fuse=$(awk '$3 ~ /^fuse($|blk$|[.])/ && !seen[$3]++ { printf \"%s%s\", sep, $3; sep = \",\" }' /proc/self/mounts)"
-    ' && { [ -z "$fuse" ] || umount -a -i -l -t "$fuse"; } && '
+    "fuse=$(awk '$3 ~ /^fuse($|blk$|[.])/ { print $3 }' /proc/self/mounts | sort -u | paste -sd, -) && "
+    '{ [ -z "$fuse" ] || umount -a -i -l -t "$fuse"; } && '
     'mount --bind "$1" /mnt && mount --bind "$2" /mnt/.bin/weed && mount --bind "$3" /tmp && cd /mnt && '
     'shift 3 && exec /mnt/.bin/weed "$@"'
 )
