@@ -328,7 +328,7 @@ def test_with_the_store_down_a_mount_starts_and_reads_from_what_the_tier_holds(
         window = tier.log()[before:]
         assert {r.cache for r in window} <= {"HIT", "STALE"}  # the store was asked, and did not answer
     finally:
-        cluster.start_s3()
+        cluster.start_s3()  # with the mounts there: their daemons still exit when unmounted (see start_weed)
 
 
 def test_nodes_mount_the_model_through_the_tier_and_the_store_sends_it_once(
