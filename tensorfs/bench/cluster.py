@@ -98,6 +98,8 @@ class SeaweedCluster(SeaweedFS):
         self.replication = replication
         self.roles = ("master", *(f"volume{i}" for i in range(self.VOLUMES)), "filer", "s3")
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._killed: set[str] = set()
+        """Roles a test stopped: their exit is no failure of the cluster."""
         self.ports: dict[str, tuple[int, int]] = {}
         """Each process's (HTTP, gRPC) ports."""
         self.metrics_port = 0
@@ -132,10 +134,15 @@ class SeaweedCluster(SeaweedFS):
         d = self.directory
         (d / role).mkdir(parents=True, exist_ok=True)
         self.processes[role] = start_weed(d, self._arguments(role), tmp=d / "tmp" / role, log=d / role / "stdout.log")
+        self._killed.discard(role)
+
+    def _kill(self, role: str) -> None:
+        self._killed.add(role)
+        stop(self.processes[role])
 
     def _dead(self) -> str | None:
         for role, process in self.processes.items():
-            if process.poll() is not None:
+            if role not in self._killed and process.poll() is not None:
                 return f"SeaweedFS's {role} (status {process.returncode}, see {self.directory / role})"
         return None
 
@@ -189,7 +196,7 @@ class SeaweedCluster(SeaweedFS):
 
     def kill_volume(self, index: int) -> None:
         """SIGKILL volume server `index`, and wait until the master has dropped it."""
-        stop(self.processes[f"volume{index}"])
+        self._kill(f"volume{index}")
         _until(lambda: index not in self.registered(), f"the master to drop volume server {index}", 60, self._dead)
 
     def start_volume(self, index: int) -> None:
@@ -201,7 +208,7 @@ class SeaweedCluster(SeaweedFS):
 
     def kill_s3(self) -> None:
         """SIGKILL the S3 gateway: the store is down to its clients (the rest of the cluster runs)."""
-        stop(self.processes["s3"])
+        self._kill("s3")
 
     def start_s3(self) -> None:
         if self.processes["s3"].poll() is None:
@@ -215,20 +222,20 @@ class SeaweedCluster(SeaweedFS):
         if not self._private:
             remove_weed_sockets(self._grpc)
 
-    def holders(self, bucket: str, key: str, offset: int) -> list[int]:
-        """The volume servers (by index) that hold the byte at `offset` of an object."""
+    def chunks(self, bucket: str, key: str) -> list[tuple[int, int, list[int]]]:
+        """An object's chunks as the filer keeps them: (start, end, the volume servers holding it by index)."""
         meta = _get_json(f"http://127.0.0.1:{self.ports['filer'][0]}/buckets/{bucket}/{key}?metadata=true")
+        by_port = {self.ports[f"volume{i}"][0]: i for i in range(self.VOLUMES)}
+        found = []
         for chunk in meta["chunks"]:  # type: ignore[index]
             if chunk.get("is_chunk_manifest"):
                 raise ValueError(f"{bucket}/{key}: its chunks are listed in a manifest chunk: not read here")
+            volume = chunk["file_id"].partition(",")[0]
+            where = _get_json(f"http://127.0.0.1:{self.ports['master'][0]}/dir/lookup?volumeId={volume}")
+            holders = sorted(by_port[int(at["url"].rpartition(":")[2])] for at in where["locations"])  # type: ignore[index]
             start = int(chunk.get("offset", 0))
-            if start <= offset < start + int(chunk["size"]):
-                volume = chunk["file_id"].partition(",")[0]
-                master = self.ports["master"][0]
-                found = _get_json(f"http://127.0.0.1:{master}/dir/lookup?volumeId={volume}")
-                by_port = {self.ports[f"volume{i}"][0]: i for i in range(self.VOLUMES)}
-                return sorted(by_port[int(where["url"].rpartition(":")[2])] for where in found["locations"])  # type: ignore[index]
-        raise ValueError(f"{bucket}/{key}: no chunk holds offset {offset}")
+            found.append((start, start + int(chunk["size"]), holders))
+        return sorted(found)
 
     def _metric(self, name: str, *labels: str) -> int:
         """A counter of the S3 gateway (since it started), summed over the series that have `labels`."""
