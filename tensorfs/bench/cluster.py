@@ -6,8 +6,9 @@ caching tier in front of it, and nodes that reach both over a network interface 
   state in one directory. The master's default replication is 001 (each volume on two servers):
   any one volume server can die, even under a GET streaming from it, and every object still reads.
   Each process runs as servers.py's SeaweedFS does (a mount namespace of its own, its /tmp a
-  directory of ours). It runs beside the tests' one-process SeaweedFS: what once kept a second
-  SeaweedFS from answering was the S3 gateway's fixed Iceberg and Lance ports, both turned off.
+  directory of ours: no two processes share gRPC sockets, they talk over TCP as on several
+  machines). It runs beside the tests' one-process SeaweedFS: a second SeaweedFS whose S3 gateway
+  keeps its fixed default Iceberg and Lance ports (8181, 9101) exits at once; both are turned off.
 
 - CachingTier: nginx in front of the store (proxy_cache, slices of 8 MiB), its configuration
   rendered from contrib/nginx-tier.conf, the file operators use (one source of truth: what is
@@ -386,7 +387,8 @@ class CachingTier:
             self.process = None
 
     def kill(self) -> None:
-        """SIGKILL the tier, its workers too (its cache stays on disk for the next start)."""
+        """SIGKILL the tier, its workers too. Its cache stays on disk for the next start(), which
+        knows of it as nginx's cache loader reads it (a request just after may miss)."""
         if self.process is not None:
             stop(self.process)
             self.process = None
