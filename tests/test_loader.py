@@ -4,6 +4,7 @@ tensors over the shards' bytes, verification in-process, prefetching, and nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import os
@@ -473,10 +474,8 @@ def open_descriptors() -> int:
     clients' keep-alive) close when their servers time them out, in the middle of any later test."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed since
             count += not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except FileNotFoundError:  # the listing's own descriptor, closed since
-            pass
     return count
 
 
