@@ -4,6 +4,8 @@
   distributed object store with an S3 API, and static files over HTTP with ranges, ETags and
   If-Match, for http(s):// models and the Hub's resolve layout.
 - DroppingProxy: a loopback TCP proxy that cuts every connection after so many bytes.
+- StallingProxy: a loopback TCP proxy that, told to, holds what the server sends after so many more
+  bytes (a GET held mid-body) until it is let go.
 - HostileServer: an HTTP store that lies on purpose (more bytes than asked, encodings, other bytes
   under one ETag, endless bodies).
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from tensorfs.bench.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "SeaweedFS", "free_ports", "stop",
+    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "StallingProxy", "Nginx", "SeaweedFS", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -101,6 +103,117 @@ class DroppingProxy:
     def close(self) -> None:
         self._closed = True
         self._listener.close()
+
+
+class StallingProxy:
+    """Forwards 127.0.0.1:port to a server's port; `stall_after(n)` holds whatever the server sends
+    once n more bytes have gone to the clients (all connections together), until `release()`: a GET
+    held mid-body for as long as a test likes, the connection open and nothing lost. A server that
+    refuses the proxy's connection has the client's closed at once."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.sent = 0
+        """Bytes sent toward clients (the servers' answers)."""
+        self.requests = 0
+        """Requests the clients sent (pieces that begin with an HTTP method)."""
+        self.holding = threading.Event()
+        """Set once the bytes allowed have all gone: from then on a connection that has more is held."""
+        self._limit: int | None = None
+        self._go = threading.Event()
+        self._go.set()
+        self._lock = threading.Lock()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
+
+    def stall_after(self, nbytes: int) -> None:
+        """Let `nbytes` more bytes go to the clients, then hold the rest (until release())."""
+        with self._lock:
+            self._limit = self.sent + nbytes
+            self.holding.clear()
+            self._go.clear()
+
+    def release(self) -> None:
+        with self._lock:
+            self._limit = None
+            self._go.set()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the server is down: so is the connection
+                client.close()
+                continue
+            with self._lock:
+                self._open += [client, server]
+            threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
+
+    def _requests(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if data.startswith((b"GET ", b"HEAD ")):
+                    with self._lock:
+                        self.requests += 1
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            self._end(source, sink)
+
+    def _answers(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while not self._closed:
+                with self._lock:
+                    allowed = 65536 if self._limit is None else min(65536, self._limit - self.sent)
+                if allowed <= 0:
+                    self.holding.set()
+                    self._go.wait(0.05)
+                    continue
+                data = source.recv(allowed)
+                if not data:
+                    break
+                sink.sendall(data)
+                with self._lock:
+                    self.sent += len(data)
+        except OSError:
+            pass
+        finally:
+            self._end(source, sink)
+
+    @staticmethod
+    def _end(*ends: socket.socket) -> None:
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+    def cut(self) -> None:
+        """Close every connection open now."""
+        with self._lock:
+            ends, self._open = self._open, []
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.release()
+        self.cut()
 
 
 class HostileServer:
