@@ -322,3 +322,168 @@ def test_a_daemon_killed_mid_fetch_leaves_no_hole(mounts: Mounts, nginx: Nginx, 
     again = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
     for name, data in expected.items():
         assert (again / name).read_bytes() == data, name
+
+
+# -- faults in the middle of a GET's body ---------------------------------------------------------
+
+
+def direct_read(path: Path, offset: int, size: int = 64 << 10) -> tuple[bytes | int, float]:
+    """One read of a mounted file that is one request to the daemon (O_DIRECT: no readahead, and no
+    read again by the kernel after a failure): (its bytes, or the errno it failed with; seconds it took)."""
+    buffer = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    began = time.monotonic()
+    try:
+        count = os.preadv(fd, [buffer], offset)
+        return buffer[:count], time.monotonic() - began
+    except OSError as exc:
+        return exc.errno or 0, time.monotonic() - began
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
+def remote_stats(mountpoint: Path) -> dict[str, int]:
+    stats: dict[str, int] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    return stats
+
+
+TIMEOUT = 3
+"""--remote-timeout of the tests below, in seconds."""
+
+
+def test_a_get_held_mid_body_is_eio_within_the_remote_timeout(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """A chunk's GET that stops mid-body (the server's bytes held by a proxy, the connection open): the
+    read waiting on it gets EIO within --remote-timeout (a loose bound, not a timing), the daemon
+    goes on, and the same reads get the model's bytes once they flow again."""
+    expected = big_model(nginx.root / "held", tensors=3)
+    proxy = StallingProxy(nginx.port)
+    try:
+        url = proxy.url("held/m.safetensors")
+        options = ["--cache-dir", str(tmp_path / "cache"), "--remote-timeout", str(TIMEOUT)]
+        mountpoint = mounts.mount(url, *options, "--remote-concurrency", "1")  # type: ignore[arg-type]
+        pid = mounts.daemon_pid(mountpoint)
+        gets = remote_stats(mountpoint)["gets"]
+        proxy.stall_after(MIB)  # t01's chunk: its first MiB comes, then nothing more
+        outcome, seconds = direct_read(mountpoint / "t01", 2 * MIB)
+        assert proxy.holding.is_set() and remote_stats(mountpoint)["gets"] > gets  # held mid-body, not refused
+        assert outcome == errno.EIO and seconds < 2 * TIMEOUT + 5, (outcome, seconds)
+        # A buffered reader: the kernel asks again after a failed readahead (a request, a page), each
+        # request bounded so; the error is the reader's all the same.
+        began = time.monotonic()
+        assert errno_of_reading(mountpoint / "t02") == errno.EIO
+        assert time.monotonic() - began < 4 * TIMEOUT + 10
+        assert pid_alive(pid) and f"tensor 't01': bytes [{2 * MIB}, " in mounts.log()
+        proxy.release()
+        assert direct_read(mountpoint / "t01", 2 * MIB)[0] == expected["t01"][2 * MIB : 2 * MIB + (64 << 10)]
+        for name in ("t01", "t02"):
+            assert (mountpoint / name).read_bytes() == expected[name], name
+    finally:
+        proxy.close()
+
+
+def test_a_server_that_stops_mid_body(mounts: Mounts, own_nginx: Nginx, tmp_path: Path) -> None:
+    """The server goes while a chunk's body is coming (the proxy held it mid-way), and the connection
+    with it; every attempt after it is refused: the read gets EIO within --remote-timeout of it, and
+    reads the model's bytes once the server is back."""
+    expected = big_model(own_nginx.root / "m", tensors=3)
+    proxy = StallingProxy(own_nginx.port)
+    try:
+        options = ["--cache-dir", str(tmp_path / "cache"), "--remote-timeout", str(TIMEOUT)]
+        mountpoint = mounts.mount(proxy.url("m/m.safetensors"), *options, "--remote-concurrency", "1")  # type: ignore[arg-type]
+        pid = mounts.daemon_pid(mountpoint)
+        proxy.stall_after(MIB)
+        outcome: list[tuple[bytes | int, float]] = []
+        reader = threading.Thread(target=lambda: outcome.append(direct_read(mountpoint / "t01", 2 * MIB)))
+        reader.start()
+        try:
+            assert proxy.holding.wait(30), "the GET never came"
+            stopped = time.monotonic()
+            own_nginx.stop()
+            proxy.cut()  # what the server had sent on (socket buffers hold megabytes) is lost with it
+            proxy.release()
+        finally:
+            reader.join(60)
+        assert outcome and outcome[0][0] == errno.EIO, outcome
+        assert time.monotonic() - stopped < 2 * TIMEOUT + 5
+        assert pid_alive(pid)
+        back = Nginx(own_nginx.directory, own_nginx.port)
+        back.start()
+        try:
+            assert (mountpoint / "t01").read_bytes() == expected["t01"]
+        finally:
+            back.stop()
+    finally:
+        proxy.close()
+
+
+def test_a_daemon_killed_while_a_chunk_is_half_written(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """SIGKILL while a chunk's GET has written part of it into the cache file (the proxy holds the rest):
+    the chunk is not recorded, its blocks are freed when the cache file is next opened, and a new
+    mount fetches it again whole and reads byte-exact."""
+    expected = big_model(nginx.root / "halfway", tensors=2)
+    shard = (nginx.root / "halfway" / "m.safetensors").read_bytes()
+    cache = tmp_path / "cache"
+    proxy = StallingProxy(nginx.port)
+    try:
+        url = proxy.url("halfway/m.safetensors")
+        options = ["--cache-dir", str(cache), "--remote-concurrency", "1"]
+        mountpoint = mounts.mount(url, *options)  # type: ignore[arg-type]
+        pid = mounts.daemon_pid(mountpoint)
+        with sqlite3.connect(cache / "objects.sqlite") as db:
+            oid, chunk_size = db.execute("SELECT id, chunk_size FROM objects WHERE url=?", (url,)).fetchone()
+        path = cache / OBJECTS_DIR / oid
+        chunk = 1  # t01 begins in it
+        begin = chunk * chunk_size
+        proxy.stall_after(3 * MIB)
+        reader = subprocess.Popen(["cat", str(mountpoint / "t01")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+
+            def written(offset: int, count: int) -> bytes:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    return f.read(count)
+
+            wait_until(
+                lambda: written(begin, 2 * MIB) == shard[begin : begin + 2 * MIB],
+                what="the chunk's first 2 MiB to be written",
+                timeout=30,
+            )
+            assert written(begin + 3 * MIB, chunk_size - 3 * MIB) == bytes(chunk_size - 3 * MIB)  # never came
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(pid), what="the daemon to die")
+            _, stderr = reader.communicate(timeout=30)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+        said = stderr.decode()  # cat's: the connection went with the daemon
+        assert reader.returncode == 1 and ("connection abort" in said or "endpoint is not connected" in said), said
+
+        def rows(table: str) -> list[tuple[object, ...]]:
+            with sqlite3.connect(cache / "objects.sqlite") as db:
+                found: list[tuple[object, ...]] = db.execute(
+                    f"SELECT * FROM {table} WHERE object=? AND chunk=?", (oid, chunk)
+                ).fetchall()
+            return found
+
+        assert rows("chunks") == [] and rows("digests") == []  # neither present nor summed: it never came
+        assert mounts.run("umount", "--lazy", str(mountpoint)).returncode == 0
+        proxy.release()
+        again = mounts.mount(url, *options)  # type: ignore[arg-type]
+        # the half-written chunk's blocks were freed when the new daemon opened the cache file
+        with open(path, "rb") as f:
+            try:
+                data_at = os.lseek(f.fileno(), begin, os.SEEK_DATA)
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO  # no data from there on
+                data_at = os.fstat(f.fileno()).st_size
+        assert data_at >= begin + chunk_size, data_at
+        fetched = remote_stats(again)["fetched_bytes"]
+        assert (again / "t01").read_bytes() == expected["t01"]
+        assert remote_stats(again)["fetched_bytes"] - fetched >= chunk_size  # fetched again, whole
+        assert written(begin, chunk_size) == shard[begin : begin + chunk_size]
+        # recorded, now that it came whole (a daemon records what it fetched each second)
+        wait_until(lambda: rows("chunks") != [], what="the chunk to be recorded")
+    finally:
+        proxy.close()
