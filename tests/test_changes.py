@@ -413,3 +413,73 @@ def test_hasher_counts_and_reads_through_the_file(model_dir: Path) -> None:
         digests = hasher.hash_all()
     assert digests == {name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}
     assert (hasher.tensors_hashed, hasher.bytes_hashed) == (12, sum(map(len, expected.values())))
+
+
+# -- a truncation the daemon is never told of --------------------------------------------------------
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache() -> None:
+    """Every clean page out of the page cache (the mounted files' too): what is read next is asked of
+    the file systems again. As root: on CI a page cache that cannot be dropped fails the test,
+    elsewhere it skips it."""
+    if os.geteuid() != 0 or not os.access(DROP_CACHES, os.W_OK):
+        if os.environ.get("CI"):
+            pytest.fail("dropping the page cache is required on CI (root, a writable /proc/sys/vm/drop_caches)")
+        pytest.skip("cannot drop the page cache (needs root and a writable /proc/sys/vm/drop_caches)")
+    DROP_CACHES.write_text("3\n")
+
+
+# `tensorfs mount` whose daemon never learns that a shard changed: its watch drains inotify's events
+# and reports none, and the shards' sizes and times tell it nothing.
+MOUNT_BLIND = """
+import sys
+import tensorfs.cli
+from tensorfs.mount.watch import ShardWatch
+drain = ShardWatch.changes
+def changes(self):
+    drain(self)
+    return []
+ShardWatch.changes = changes
+ShardWatch.check = lambda self, path, strict=False: []
+sys.exit(tensorfs.cli.main(["mount", *sys.argv[1:]]))
+"""
+
+
+def read_errors(mountpoint: Path) -> int:
+    """The reads the daemon itself answered with EIO."""
+    errors = stats_of(mountpoint)["errors"]
+    return sum(e["count"] for e in errors if e["op"] == "read" and e["errno"] == errno.EIO)
+
+
+def test_a_truncation_is_eio_without_change_detection(mounts: Mounts, model_dir: Path) -> None:
+    # The EIO does not come from noticing the change: the daemon is never told of it. A tensor whose
+    # range was served whole is answered from the mapping at once (its pages not brought in again),
+    # and the kernel, copying the reply out of pages cut from the file, fails the request with EIO;
+    # one never served fails to bring its pages in. The daemon never touches a mapped byte: no SIGBUS.
+    expected = model_bytes(model_dir)
+    mountpoint, daemon = mounts.mount_adopted(model_dir, command=(sys.executable, "-c", MOUNT_BLIND))
+    pid = mounts.daemon_pid(mountpoint)
+    with open(mountpoint / "t1.3", "rb", buffering=0) as served:
+        assert served.read() == expected["t1.3"]  # its range is the daemon's, ready
+        page = os.sysconf("SC_PAGE_SIZE")
+        cut = -(-(offset_of(model_dir, "t1.2") + MIB) // page) * page  # t1.2 keeps its first MiB or so
+        os.truncate(model_dir / "s1.safetensors", cut)
+        drop_page_cache()  # the mounted files' pages too: the kernel asks the daemon again
+        waits, errors = stats_of(mountpoint)["page_waits"], read_errors(mountpoint)
+        with pytest.raises(OSError) as raised:
+            os.pread(served.fileno(), MIB, MIB)
+        assert raised.value.errno == errno.EIO
+        # answered from the mapping, no pages brought in, no error of its own: the kernel's EIO
+        assert stats_of(mountpoint)["page_waits"] == waits and read_errors(mountpoint) == errors
+    assert errno_of_reading(mountpoint / "t1.3") == errno.EIO
+    assert errno_of_reading(mountpoint / "t1.2") == errno.EIO  # never served: its pages cannot be brought in
+    assert read_errors(mountpoint) > errors
+    assert pid_alive(pid)
+    for kept in ("t1.0", "t1.1", "t0.3", "t2.1"):  # before the cut, and other shards: the validated bytes
+        assert (mountpoint / kept).read_bytes() == expected[kept], kept
+    log = mounts.log()
+    assert "changed in place" not in log and "the shard shrank under the mount" in log  # never told
+    assert mounts.run("umount", str(mountpoint)).returncode == 0
+    assert daemon.exit_status() == (pid, 0)  # never SIGBUS (-7)
