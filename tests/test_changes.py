@@ -483,3 +483,119 @@ def test_a_truncation_is_eio_without_change_detection(mounts: Mounts, model_dir:
     assert "changed in place" not in log and "the shard shrank under the mount" in log  # never told
     assert mounts.run("umount", str(mountpoint)).returncode == 0
     assert daemon.exit_status() == (pid, 0)  # never SIGBUS (-7)
+
+
+# -- changes inotify does not report: sizes and times must tell ----------------------------------
+
+WRITE_THROUGH_A_MAPPING = """
+import mmap, os, sys
+path, offset, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fd = os.open(path, os.O_RDWR)
+mapping = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+mapping[offset : offset + count] = bytes(0xFF ^ b for b in mapping[offset : offset + count])
+mapping.close()
+os.close(fd)
+"""
+
+
+def never_new(reader: BinaryIO, validated: bytes, offset: int) -> bool:
+    """`refused_uncached`: the daemon answers; until it refuses, only the validated bytes (else AssertionError)."""
+    return refused_uncached(reader, validated, offset)
+
+
+def test_a_write_through_another_process_s_shared_mapping(mounts: Mounts, model_dir: Path) -> None:
+    # inotify says nothing of writes through a mapping; the kernel moves the file's mtime at the
+    # first write to a clean page, and the daemon's look at sizes and times sees it.
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    shard = model_dir / "s2.safetensors"
+    where = offset_of(model_dir, "t2.1") + MIB
+    with open(mountpoint / "t2.1", "rb", buffering=0) as reader:
+        assert reader.read() == expected["t2.1"]  # served whole: the daemon answers it from the mapping at once
+        subprocess.run([sys.executable, "-c", WRITE_THROUGH_A_MAPPING, str(shard), str(where), "4096"], check=True)
+        assert shard.read_bytes()[where : where + 4096] != expected["t2.1"][MIB : MIB + 4096]  # the shard changed
+        # The daemon's own mapping of the shard holds the new bytes now: it must refuse, not serve them.
+        wait_until(lambda: never_new(reader, expected["t2.1"], MIB), what="the changed tensor to be refused")
+    for name in ("t2.0", "t2.3"):  # the rest of the shard, never read: refused too
+        assert errno_of_reading(mountpoint / name) == errno.EIO, name
+    assert (mountpoint / "t1.1").read_bytes() == expected["t1.1"] and pid_alive(pid)
+    assert f"shard {shard} was changed in place under the mount" in mounts.log()
+
+
+def test_a_change_whose_event_is_lost_when_inotify_s_queue_overflows(mounts: Mounts, tmp_path: Path) -> None:
+    # The daemon stopped, its inotify queue filled with attribute changes of two shards (events of one
+    # file in a row would be merged into one), then a third shard written in place with its mtime set
+    # back (rsync -t): that write's event is lost to the overflow, and the new ctime alone tells of it.
+    model_dir = mib_sharded_model(tmp_path / "model", 4)
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    queue = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    fillers = [model_dir / "s0.safetensors", model_dir / "s1.safetensors"]
+    shard = model_dir / "s2.safetensors"
+    where = offset_of(model_dir, "t2.1") + MIB
+    with open(mountpoint / "t2.1", "rb", buffering=0) as reader:
+        assert reader.read() == expected["t2.1"]  # served whole: the daemon answers it from the mapping at once
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for i in range(queue + 100):  # each an event of its own: more than the queue holds
+                fillers[i % 2].chmod(0o600 if i % 4 < 2 else 0o400)
+            before = shard.stat()
+            with open(shard, "r+b") as f:  # not dd: a child forked now would close the open reader, whose
+                f.seek(where)  # FLUSH waits for the stopped daemon
+                f.write(b"\xff" * 64)
+            os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+            assert shard.stat().st_size == before.st_size and shard.stat().st_ctime_ns != before.st_ctime_ns
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: never_new(reader, expected["t2.1"], MIB), what="the changed tensor to be refused")
+    assert errno_of_reading(mountpoint / "t2.0") == errno.EIO
+    assert (mountpoint / "t3.2").read_bytes() == expected["t3.2"] and pid_alive(pid)  # untouched: served
+    log = mounts.log()
+    assert "inotify's queue overflowed" in log
+    assert f"shard {shard} was changed in place under the mount" in log
+
+
+NP_MEMMAP_READER = """
+import hashlib, sys
+import numpy as np
+path, validated = sys.argv[1], sys.argv[2]
+array = np.memmap(path, dtype=np.uint8, mode="r")
+print(hashlib.sha256(array).hexdigest(), flush=True)  # every page touched: mapped, from the daemon
+sys.stdin.readline()
+while True:  # each look copies every byte out of the mapping again: validated bytes, or a fault
+    if hashlib.sha256(array).hexdigest() != validated:
+        print("other bytes", flush=True)
+        sys.exit(3)
+"""
+
+
+def test_an_np_memmap_reader_of_a_changed_shard_sees_the_validated_bytes_or_a_fault(
+    mounts: Mounts, model_dir: Path
+) -> None:
+    # Its mapped pages are dropped when the daemon learns of the change, and touched again they are
+    # asked of the daemon, which refuses them: SIGBUS in the reader, as for any mapped file that fails.
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    validated = hashlib.sha256(expected["t1.2"]).hexdigest()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", NP_MEMMAP_READER, str(mountpoint / "t1.2"), validated],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().decode().strip() == validated
+        overwrite_in_place(model_dir / "s1.safetensors", offset_of(model_dir, "t1.2") + MIB, b"\xff" * 64)
+        reader.stdin.write(b"go\n")
+        reader.stdin.flush()
+        said = reader.communicate(timeout=30)[0].decode()
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+        reader.wait()
+    assert reader.returncode == -signal.SIGBUS and said == "", (reader.returncode, said)
+    assert errno_of_reading(mountpoint / "t1.2") == errno.EIO
+    assert (mountpoint / "t0.2").read_bytes() == expected["t0.2"] and pid_alive(pid)

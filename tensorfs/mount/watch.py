@@ -132,6 +132,10 @@ class ShardWatch:
                 wd, mask, _, length = _EVENT.unpack_from(data, position)
                 position += _EVENT.size + length
                 if mask & IN_Q_OVERFLOW:  # events were lost: what the sizes and times tell must do
+                    log.warning(
+                        "inotify's queue overflowed (fs.inotify.max_queued_events): changes to the shards "
+                        "since are looked for by their sizes and times"
+                    )
                     found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))
                     continue
                 for path in self._shards.get(wd, ()):
