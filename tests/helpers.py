@@ -353,6 +353,68 @@ class HandshakeReader:
                     pipe.close()
 
 
+ONE_READ = """
+import hashlib, mmap, os, sys
+path, offset, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+buffer = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+try:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+except OSError as exc:
+    print("error", exc.errno, flush=True)
+    sys.exit(1)
+print("open", flush=True)
+sys.stdin.readline()
+try:
+    count = os.preadv(fd, [buffer], offset)
+except OSError as exc:
+    print("error", exc.errno, flush=True)
+    sys.exit(1)
+print("ok", hashlib.sha256(buffer[:count]).hexdigest(), flush=True)
+"""
+
+
+class OneRead:
+    """A reader in its own process that makes one read of a mounted file, and one request of the daemon
+    (O_DIRECT: no readahead, no read again after a failure): it says "open" once it holds the file
+    open, then (told to go) reads `size` bytes at `offset` and says "ok <sha256>" or "error <errno>"."""
+
+    def __init__(self, path: Path, offset: int, size: int = 64 << 10) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ONE_READ, str(path), str(offset), str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._pending = bytearray()
+
+    def said(self, timeout: float = 30) -> str:
+        assert self.process.stdout is not None
+        return read_line(self.process.stdout.fileno(), timeout, self._pending)
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        """Kill it if it still runs, and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def reads_in_handlers(mountpoint: Path) -> int:
+    """Reads a daemon has begun to answer and not answered yet (its counters: begun, less answered or
+    failed): requests inside its running handlers, not waiting in the kernel's queue."""
+    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    failed = sum(e["count"] for e in stats["errors"] if e["op"] == "read")
+    begun: int = stats["requests"].get("read", 0)
+    return begun - sum(stats["reads"].values()) - failed
+
+
 def thread_read_bytes(pid: int) -> dict[int, int]:
     """Bytes each thread of a process has read with read(2) and its kind (rchar), by thread id."""
     found = {}

@@ -15,9 +15,22 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, wait_until
-from helpers import MIB, HandshakeReader, blocked_in_pread, entry, mib_sharded_model, model_bytes, raw_shard
-from tensorfs.mount.mounttable import FSTYPE, pid_alive
+from helpers import (
+    MIB,
+    HandshakeReader,
+    OneRead,
+    blocked_in_pread,
+    entry,
+    mib_sharded_model,
+    model_bytes,
+    random_bytes,
+    raw_shard,
+    reads_in_handlers,
+    zeros_sha256,
+)
+from tensorfs.mount.mounttable import FSTYPE, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
+from tensorfs.mount.runtime import record_path
 from tensorfs.sample_models import many_tiny_tensors
 
 
@@ -259,3 +272,116 @@ def test_security_of_the_mount(mounts: Mounts, model_dir: Path) -> None:
             wanted = 0o444 if name in ("daemon.json", "stats.json") else 0o400
             assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == wanted, name
         assert all(not os.path.islink(Path(directory) / d) for d in subdirs)
+
+
+# -- requests inside a running handler -------------------------------------------------------------
+#
+# The mount under test ("upper") serves a shard that is a file of another tensorfs mount ("lower"):
+# with the lower daemon stopped, a cold read of the upper mount is held inside the upper daemon's
+# handler (its worker thread bringing the pages in waits on the lower mount), as long as the test likes.
+
+BIG = 1 << 30
+
+
+def stacked_source(mounts: Mounts, tmp_path: Path) -> tuple[Path, int, bytes]:
+    """(the lower mount's file to mount, the lower daemon's pid, the bytes of 'small'): a shard of a
+    1 GiB tensor 'big' (zeros, in a hole) and a 1 MiB 'small', served by the lower mount's view."""
+    source = tmp_path / "source"
+    source.mkdir()
+    small = random_bytes(MIB, 11)
+    shard = source / "a.safetensors"
+    shard.write_bytes(raw_shard({"big": entry("U8", [BIG], 0, BIG), "small": entry("U8", [MIB], BIG, BIG + MIB)}))
+    os.truncate(shard, shard.stat().st_size + BIG)
+    with open(shard, "ab") as f:
+        f.write(small)
+    lower = mounts.mount(source, "--no-cache")
+    return lower / ".tensorfs" / "model" / "model.safetensors", mounts.daemon_pid(lower), small
+
+
+def hold_in_a_handler(mountpoint: Path, lower_pid: int, reader: OneRead) -> None:
+    """Stop the lower daemon and have `reader` (holding its file open) read: its request is then inside
+    the upper daemon's handler. The caller sends SIGCONT to the lower daemon."""
+    assert reader.said() == "open"
+    os.kill(lower_pid, signal.SIGSTOP)
+    reader.go()
+    wait_until(lambda: reads_in_handlers(mountpoint) == 1, what="the read to be inside the daemon's handler")
+
+
+def test_sigterm_with_a_read_held_inside_a_handler(mounts: Mounts, tmp_path: Path) -> None:
+    # SIGTERM comes while a handler runs: the daemon takes it at once, finishes the request it has
+    # begun (its source answers once the lower daemon goes on), answers it with the right bytes,
+    # then unmounts and exits 0.
+    view, lower_pid, _ = stacked_source(mounts, tmp_path)
+    upper, daemon = mounts.mount_adopted(view, "--no-cache")
+    mounts.mountpoints.reverse()  # the upper mount holds the lower one's file: it goes first
+    pid = mounts.daemon_pid(upper)
+    reader = OneRead(upper / "big", 8 * MIB)
+    try:
+        try:
+            hold_in_a_handler(upper, lower_pid, reader)
+            os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: "SIGTERM: unmounting" in mounts.log(), what="the daemon to take SIGTERM")
+        finally:
+            os.kill(lower_pid, signal.SIGCONT)
+        assert reader.said() == f"ok {zeros_sha256(64 << 10)}"  # the request begun is answered, exactly
+        assert reader.process.wait(30) == 0
+    finally:
+        reader.stop()
+    assert daemon.exit_status() == (pid, 0)
+    assert not os.path.ismount(upper) and mount_at(upper) is None
+    assert not record_path(upper).exists()
+
+
+def file_mappings(pid: int) -> list[str]:
+    """The files a process has mapped, a line for each mapping."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted(line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6)
+
+
+def threads_of(pid: int) -> list[str]:
+    """What each thread of a process waits in (its wchan)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.append(task.joinpath("wchan").read_text())
+    return found
+
+
+def test_readers_killed_while_their_reads_are_held_inside_a_handler(mounts: Mounts, tmp_path: Path) -> None:
+    # Each round a reader's request is held inside the daemon's handler, the reader is killed (SIGKILL),
+    # then the source goes on: the answer goes to a reader that is gone. Over the rounds the daemon's
+    # descriptors, mappings and threads do not grow, and it serves on.
+    view, lower_pid, small = stacked_source(mounts, tmp_path)
+    upper = mounts.mount(view, "--no-cache")
+    mounts.mountpoints.reverse()  # the upper mount holds the lower one's file: it goes first
+    pid = mounts.daemon_pid(upper)
+    step = 48 * MIB  # past the window a read brings in ahead: each round's read is of pages not in memory
+
+    def one_round(i: int) -> None:
+        reader = OneRead(upper / "big", i * step)
+        try:
+            try:
+                hold_in_a_handler(upper, lower_pid, reader)
+                reader.process.kill()
+            finally:
+                os.kill(lower_pid, signal.SIGCONT)
+            assert reader.process.wait(30) == -signal.SIGKILL
+        finally:
+            reader.stop()
+        assert (upper / "small").read_bytes() == small
+
+    one_round(0)  # the first sets up what every read shares
+    before = daemon_resources(pid), file_mappings(pid)
+    threads = len(threads_of(pid))
+    for i in range(1, BIG // step):
+        one_round(i)
+    assert reads_in_handlers(upper) == 0
+    # Worker threads idle a while in trio's cache before they go: those of the rounds go as the first
+    # round's did; none is left waiting in a request.
+    wait_until(lambda: len(threads_of(pid)) <= threads, what="the rounds' worker threads to go", timeout=30)
+    assert "request_wait_answer" not in threads_of(pid)
+    (fds, maps), files = daemon_resources(pid), file_mappings(pid)
+    # pyfuse3 gives each of its request tasks a receive buffer of a MiB (mapped by malloc), and runs as
+    # many tasks as requests come at once: one more or less at rest is no leak.
+    assert fds == before[0][0] and maps <= before[0][1] + 1 and files == before[1], (before, (fds, maps), files)
+    assert pid_alive(pid)
