@@ -415,6 +415,33 @@ def reads_in_handlers(mountpoint: Path) -> int:
     return begun - sum(stats["reads"].values()) - failed
 
 
+def daemon_resources(pid: int) -> tuple[int, int]:
+    """(open file descriptors, memory mappings but its threads' stacks) of a process.
+
+    Worker threads come and go with the load (trio keeps idle ones a while), each with a stack
+    and its guard page: two mappings that are no leak.
+    """
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    maps = len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return len(os.listdir(f"/proc/{pid}/fd")), maps - 2 * (threads - 1)
+
+
+def file_mappings(pid: int) -> list[str]:
+    """The files a process has mapped, a line for each mapping."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted(line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6)
+
+
+def threads_of(pid: int) -> list[str]:
+    """What each thread of a process waits in (its wchan)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.append(task.joinpath("wchan").read_text())
+    return found
+
+
 def thread_read_bytes(pid: int) -> dict[int, int]:
     """Bytes each thread of a process has read with read(2) and its kind (rchar), by thread id."""
     found = {}

@@ -20,12 +20,15 @@ from helpers import (
     HandshakeReader,
     OneRead,
     blocked_in_pread,
+    daemon_resources,
     entry,
+    file_mappings,
     mib_sharded_model,
     model_bytes,
     random_bytes,
     raw_shard,
     reads_in_handlers,
+    threads_of,
     zeros_sha256,
 )
 from tensorfs.mount.mounttable import FSTYPE, mount_at, pid_alive
@@ -38,18 +41,6 @@ from tensorfs.sample_models import many_tiny_tensors
 def model_dir(tmp_path: Path) -> Path:
     """Four shards of four 1-4 MiB tensors, with an index."""
     return mib_sharded_model(tmp_path / "model", 4)
-
-
-def daemon_resources(pid: int) -> tuple[int, int]:
-    """(open file descriptors, memory mappings but its threads' stacks) of a process.
-
-    Worker threads come and go with the load (trio keeps idle ones a while), each with a stack
-    and its guard page: two mappings that are no leak.
-    """
-    status = Path(f"/proc/{pid}/status").read_text()
-    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
-    maps = len(Path(f"/proc/{pid}/maps").read_text().splitlines())
-    return len(os.listdir(f"/proc/{pid}/fd")), maps - 2 * (threads - 1)
 
 
 def test_a_shard_replaced_or_unlinked_keeps_serving_what_was_validated(mounts: Mounts, model_dir: Path) -> None:
@@ -330,21 +321,6 @@ def test_sigterm_with_a_read_held_inside_a_handler(mounts: Mounts, tmp_path: Pat
     assert daemon.exit_status() == (pid, 0)
     assert not os.path.ismount(upper) and mount_at(upper) is None
     assert not record_path(upper).exists()
-
-
-def file_mappings(pid: int) -> list[str]:
-    """The files a process has mapped, a line for each mapping."""
-    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return sorted(line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6)
-
-
-def threads_of(pid: int) -> list[str]:
-    """What each thread of a process waits in (its wchan)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found.append(task.joinpath("wchan").read_text())
-    return found
 
 
 def test_readers_killed_while_their_reads_are_held_inside_a_handler(mounts: Mounts, tmp_path: Path) -> None:
