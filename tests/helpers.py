@@ -415,6 +415,12 @@ def reads_in_handlers(mountpoint: Path) -> int:
     return begun - sum(stats["reads"].values()) - failed
 
 
+def daemon_process(mountpoint: Path) -> dict[str, int]:
+    """What a daemon says of its own process (stats.json): descriptors, threads, memory."""
+    process: dict[str, int] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["process"]
+    return process
+
+
 def daemon_resources(pid: int) -> tuple[int, int]:
     """(open file descriptors, memory mappings but its threads' stacks) of a process.
 

@@ -20,6 +20,7 @@ from helpers import (
     HandshakeReader,
     OneRead,
     blocked_in_pread,
+    daemon_process,
     daemon_resources,
     entry,
     file_mappings,
@@ -349,6 +350,7 @@ def test_readers_killed_while_their_reads_are_held_inside_a_handler(mounts: Moun
     one_round(0)  # the first sets up what every read shares
     before = daemon_resources(pid), file_mappings(pid)
     threads = len(threads_of(pid))
+    said = daemon_process(upper)
     for i in range(1, BIG // step):
         one_round(i)
     assert reads_in_handlers(upper) == 0
@@ -357,6 +359,8 @@ def test_readers_killed_while_their_reads_are_held_inside_a_handler(mounts: Moun
     wait_until(lambda: len(threads_of(pid)) <= threads, what="the rounds' worker threads to go", timeout=30)
     assert "request_wait_answer" not in threads_of(pid)
     (fds, maps), files = daemon_resources(pid), file_mappings(pid)
+    now = daemon_process(upper)  # and as the daemon counts itself
+    assert now["fds"] == said["fds"] and now["threads"] <= said["threads"], (said, now)
     # pyfuse3 gives each of its request tasks a receive buffer of a MiB (mapped by malloc), and runs as
     # many tasks as requests come at once: one more or less at rest is no leak.
     assert fds == before[0][0] and maps <= before[0][1] + 1 and files == before[1], (before, (fds, maps), files)

@@ -29,6 +29,7 @@ from conftest import Mounts, wait_until
 from helpers import (
     MIB,
     OneRead,
+    daemon_process,
     daemon_resources,
     errno_of_reading,
     file_mappings,
@@ -567,12 +568,15 @@ def test_readers_killed_while_their_reads_wait_on_a_held_get(mounts: Mounts, ngi
         one_round(0)  # the first sets up what every read shares
         wait_until(at_rest, what="the first reply's chunks to be let go")
         before = daemon_resources(pid), file_mappings(pid), len(threads_of(pid))
+        said = daemon_process(mountpoint)
         for i in range(1, len(expected)):
             one_round(i)
         assert reads_in_handlers(mountpoint) == 0
         wait_until(at_rest, what="every chunk to be let go")  # replies' ranges: within a second
         wait_until(lambda: len(threads_of(pid)) <= before[2], what="the rounds' worker threads to go", timeout=30)
         (fds, maps), files = daemon_resources(pid), file_mappings(pid)
+        now = daemon_process(mountpoint)  # and as the daemon counts itself
+        assert now["fds"] == said["fds"] and now["threads"] <= said["threads"], (said, now)
         # (one of pyfuse3's receive buffers more or less is no leak: see test_faults.py's rounds)
         assert fds == before[0][0] and maps <= before[0][1] + 1 and files == before[1], (before, (fds, maps), files)
         assert pid_alive(pid) and remote_stats(mountpoint)["gets"] >= 2 * len(expected)
