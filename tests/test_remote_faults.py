@@ -289,10 +289,17 @@ def test_eviction_under_eight_readers(mounts: Mounts, nginx: Nginx, tmp_path: Pa
     assert 0 < peak[0] <= 40 * MIB + 4096, peak[0]
     with sqlite3.connect(cache / "objects.sqlite") as db:
         (chunk_size,) = db.execute("SELECT chunk_size FROM objects").fetchone()  # as the cache cut them
-        (recorded,) = db.execute(
-            "SELECT SUM(MIN(o.chunk_size, o.size - c.chunk * o.chunk_size)) FROM chunks c JOIN objects o ON c.object = o.id"
-        ).fetchone()
-    assert 0 < recorded <= blocks_on_disk(cache) <= 40 * MIB + 4096
+
+    def recorded() -> int:  # bytes of the chunks recorded present
+        with sqlite3.connect(cache / "objects.sqlite") as db:
+            (found,) = db.execute(
+                "SELECT COALESCE(SUM(MIN(o.chunk_size, o.size - c.chunk * o.chunk_size)), 0)"
+                " FROM chunks c JOIN objects o ON c.object = o.id"
+            ).fetchone()
+        return int(found)
+
+    wait_until(lambda: recorded() > 0, what="the last chunks fetched to be recorded")  # (each second)
+    assert recorded() <= blocks_on_disk(cache) <= 40 * MIB + 4096
     stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
     assert stats["evicted_chunks"] > 0 and stats["fetched_bytes"] > 40 * MIB + 2 * chunk_size, stats
 
