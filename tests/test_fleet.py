@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import errno
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -21,14 +22,24 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import obstore
 import pytest
 
 from conftest import MOUNT_COMMAND, Mounts, _server_missing
-from helpers import MIB, errno_of_reading, mib_sharded_model, model_bytes, random_bytes, upload, write_reference
+from helpers import (
+    MIB,
+    errno_of_reading,
+    mib_sharded_model,
+    model_bytes,
+    random_bytes,
+    upload,
+    write_index,
+    write_reference,
+)
 from tensorfs.bench.cluster import (
     TIER_TEMPLATE,
     CachingTier,
@@ -408,3 +419,282 @@ def test_a_node_reaches_the_store_through_the_relay_with_its_credentials(
                "--cache-dir", str(tmp_path / "cache"), f"s3://{BUCKET}/relayed/m.safetensors"]  # fmt: skip
     listed = run_in(node, command, env={**os.environ, **cluster.env()})  # signed for the relay's address
     assert listed.returncode == 0 and "relayed.weight" in listed.stdout, listed.stderr
+
+
+# -- a fleet: each node its stage of one model, through the tier, the store as its fallback ---------
+
+EMBEDDINGS, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+SHARED = (EMBEDDINGS, NORM, HEAD)
+"""In no numbered layer: every stage (--layers A-B) has them."""
+STAGES = ((0, 1), (2, 3), (4, 5))
+"""Node k's layers."""
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """A model pipeline stages share parts of, and its tensors' bytes: embeddings and a head of 16 MiB
+    (each two slices and more) and a final norm, which every stage has, and six numbered layers of
+    3 MiB, in two shards with an index (the first: the embeddings and layers 0-2)."""
+    directory = tmp_path_factory.mktemp("staged") / "model"
+    directory.mkdir()
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
+    for layer in range(6):
+        at = f"model.layers.{layer}"
+        tensors[f"{at}.input_layernorm.weight"] = ("BF16", [1024], random_bytes(2048, 100 + layer))
+        tensors[f"{at}.self_attn.q_proj.weight"] = ("BF16", [512, 1024], random_bytes(MIB, 110 + layer))
+        tensors[f"{at}.mlp.down_proj.weight"] = ("BF16", [1024, 1024], random_bytes(2 * MIB, 120 + layer))
+    tensors[EMBEDDINGS] = ("BF16", [2048, 4096], random_bytes(16 * MIB, 131))
+    tensors[NORM] = ("BF16", [1024], random_bytes(2048, 132))
+    tensors[HEAD] = ("BF16", [2048, 4096], random_bytes(16 * MIB, 133))
+    first = {EMBEDDINGS} | {name for name in tensors if name.startswith(tuple(f"model.layers.{n}." for n in range(3)))}
+    shards = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": set(tensors) - first}
+    for shard, names in shards.items():
+        write_reference(directory / shard, {name: tensors[name] for name in sorted(names)})
+    write_index(directory, {name: shard for shard, names in shards.items() for name in names})
+    return directory, {name: data for name, (_, _, data) in tensors.items()}
+
+
+def stage_of(expected: dict[str, bytes], layers: tuple[int, int]) -> dict[str, bytes]:
+    """What a node mounting layers A-B must have: the shared tensors and those of its layers."""
+    own = tuple(f"model.layers.{n}." for n in range(layers[0], layers[1] + 1))
+    return {name: data for name, data in expected.items() if name in SHARED or name.startswith(own)}
+
+
+def mount_stages(
+    mounts: Mounts,
+    tier: CachingTier,
+    relay: Relay,
+    nodes: list[Node],
+    prefix: str,
+    tmp_path: Path,
+    *,
+    fallback: bool = True,
+) -> list[Path]:
+    """Each node mounts its stage of the model under `prefix` through the tier (its own address of
+    it), with the store as its fallback (through the relay, the node's credentials), a small
+    --remote-timeout (failing over quickly), and no read-ahead past the MiB read (so that what a
+    node has not read yet is not in its cache: a fault between two reads of a file lands mid-file)."""
+    mountpoints = []
+    for node, (first, last) in zip(nodes, STAGES, strict=True):
+        url = f"{tier.url_at(node.host_address)}/{BUCKET}/{prefix}/model.safetensors.index.json"
+        options = ["--layers", f"{first}-{last}", "--cache-dir", str(tmp_path / f"cache-{node.index}"),
+                   "--remote-timeout", "2", "--prefetch-mb", "1"]  # fmt: skip
+        if fallback:
+            store = f"s3://{BUCKET}/{prefix}/model.safetensors.index.json"
+            options += ["--fallback", store, "--endpoint-url", relay.url_at(node.host_address)]
+        mountpoint, _ = mounts.mount_adopted(url, *options, command=node.command(MOUNT_COMMAND))  # type: ignore[arg-type]
+        mountpoints.append(mountpoint)
+    return mountpoints
+
+
+def read_stages(mountpoints: list[Path], expected: dict[str, bytes], between: Callable[[], None]) -> list[str]:
+    """Every node reads its stage, all at once: the first MiB of the embeddings, then (all of them
+    there) `between()` is called, then the rest of the embeddings from the same open file, then every
+    other tensor. What was not exact, or failed (with its errno), one line each."""
+    failures: list[str] = []
+    barrier = threading.Barrier(len(mountpoints) + 1, timeout=120)
+
+    def read(mountpoint: Path, stage: dict[str, bytes]) -> None:
+        names = [path.name for path in mountpoint.iterdir() if not path.name.endswith((".meta.json", ".sha256"))]
+        if sorted(names) != sorted([*stage, ".tensorfs"]):
+            failures.append(f"{mountpoint}: {sorted(names)}")
+        try:
+            with open(mountpoint / EMBEDDINGS, "rb") as file:
+                head = file.read(MIB)
+                barrier.wait()
+                barrier.wait()
+                if head + file.read() != stage[EMBEDDINGS]:
+                    failures.append(f"{mountpoint}/{EMBEDDINGS}")
+        except (OSError, threading.BrokenBarrierError) as exc:
+            failures.append(f"{mountpoint}/{EMBEDDINGS}: {exc!r}")
+            barrier.abort()
+            return
+        for name in sorted(stage.keys() - {EMBEDDINGS}):
+            try:
+                if (mountpoint / name).read_bytes() != stage[name]:
+                    failures.append(f"{mountpoint}/{name}")
+            except OSError as exc:
+                failures.append(f"{mountpoint}/{name}: {errno.errorcode.get(exc.errno or 0, exc.errno)}")
+
+    readers = [threading.Thread(target=read, args=(mountpoint, stage_of(expected, layers)))
+               for mountpoint, layers in zip(mountpoints, STAGES, strict=True)]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    try:
+        barrier.wait()  # every node has read the first MiB
+        between()
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass  # a reader failed: it said why
+    finally:
+        for reader in readers:
+            reader.join()
+    return failures
+
+
+def stats_of(mountpoint: Path) -> dict[str, Any]:
+    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    return stats
+
+
+def test_nodes_read_their_stages_exact_and_the_store_sends_one_model(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three nodes read the shared tensors (embeddings, norm, head) three times over: the store
+    sends each slice once, about one model; nothing comes from the fallback."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "stages", directory)
+    for key, value in cluster.env().items():  # the nodes' credentials, for the store
+        monkeypatch.setenv(key, value)
+    before, sent = len(tier.log()), cluster.sent(BUCKET)
+    mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "stages", tmp_path)
+    assert read_stages(mountpoints, expected, lambda: None) == []
+    for mountpoint in mountpoints:
+        assert stats_of(mountpoint)["fallback"]["tensors"] == {}
+    log = tier.log()[before:]
+    assert {r.client for r in log} == {node.address for node in fleet_nodes}
+    assert set(slices_fetched(log).values()) == {1}  # each slice from the store once
+    model = sum(path.stat().st_size for path in directory.iterdir())
+    shared = sum(len(expected[name]) for name in SHARED)
+    read = sum(r.sent for r in log if r.if_match and not r.slice)
+    assert read >= model + 2 * shared  # the nodes read more than twice it ...
+    unpinned = sum(r.origin_bytes for r in log if r.from_origin and not r.if_match)
+    assert model <= sent_since(cluster, sent, model) <= model + unpinned  # ... the store sent it once
+
+
+def credentials(cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes' credentials for the store (their fallback), in the environment they are started with."""
+    for key, value in cluster.env().items():
+        monkeypatch.setenv(key, value)
+
+
+def test_a_volume_server_killed_mid_read_changes_nothing_a_node_sees(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed once the nodes are reading, before the master knows: the slices still to come are
+    fetched from the store with it dead (chunks it held among them), and every node reads exact
+    bytes, nothing from its fallback, no error."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "volume-killed", directory)
+    credentials(cluster, monkeypatch)
+    shards = [path.name for path in directory.glob("*.safetensors")]
+    chunks = {shard: cluster.chunks(BUCKET, f"volume-killed/{shard}") for shard in shards}
+    held = collections.Counter(v for listed in chunks.values() for _, _, holders in listed for v in holders)
+    victim = held.most_common(1)[0][0]  # the server holding the most chunks
+    mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "volume-killed", tmp_path)
+    killed_at: list[int] = []
+
+    def kill() -> None:
+        killed_at.append(len(tier.log()))
+        cluster.kill_volume(victim, wait=False)
+
+    try:
+        assert read_stages(mountpoints, expected, kill) == []
+    finally:
+        cluster.start_volume(victim)
+    for mountpoint in mountpoints:
+        stats = stats_of(mountpoint)
+        assert stats["fallback"]["tensors"] == {} and stats["errors"] == [], stats
+    # The store sent slices with the server dead, and some of them had chunks only it and one other held.
+    after = [r for r in tier.log()[killed_at[0] :] if r.if_match and r.from_origin]
+    spans = [(r.path.rpartition("/")[2], r.origin_range.split()[1].split("/")[0]) for r in after]
+    fetched = [(shard, int(span.split("-")[0]), int(span.split("-")[1])) for shard, span in spans]
+    assert any(victim in holders and start <= last and first < end
+               for shard, first, last in fetched for start, end, holders in chunks[shard]), (victim, fetched)  # fmt: skip
+
+
+@pytest.fixture
+def own_tier(cluster: SeaweedCluster, fleet_nodes: list[Node], tmp_path: Path) -> Iterator[CachingTier]:
+    """A tier of the test's own (it kills it), at the nodes' host ends."""
+    started = CachingTier(tmp_path / "own-tier", f"127.0.0.1:{cluster.s3_port}",
+                          addresses=["127.0.0.1", *(node.host_address for node in fleet_nodes)])  # fmt: skip
+    try:
+        started.start()
+        yield started
+    finally:
+        started.stop()
+
+
+def test_the_tier_killed_mid_read_the_nodes_go_on_from_the_store(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    own_tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every node has a file open half read when the tier dies: what the node has not cached comes from
+    its fallback, the store, after --remote-timeout (the embeddings' file finished from there), exact;
+    stats.json, `tensorfs stats` and `tensorfs status` say so."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "tier-killed", directory)
+    credentials(cluster, monkeypatch)
+    mountpoints = mount_stages(mounts, own_tier, relay, fleet_nodes, "tier-killed", tmp_path)
+    assert read_stages(mountpoints, expected, own_tier.kill) == []
+    store = f"s3://{BUCKET}/tier-killed/model.safetensors.index.json"
+    for mountpoint, layers in zip(mountpoints, STAGES, strict=True):
+        stats = stats_of(mountpoint)
+        served = stats["fallback"]["tensors"]
+        assert EMBEDDINGS in served and set(served.values()) == {store}, served
+        assert set(served) <= set(stage_of(expected, layers))
+        assert stats["fallback"]["bytes"][store] >= len(expected[EMBEDDINGS]) - 8 * MIB
+        shown = mounts.run("stats", str(mountpoint))
+        assert f"fallback   {store}: {len(served)} tensors" in shown.stdout, shown.stdout + shown.stderr
+        status = mounts.run("status", str(mountpoint))
+        assert status.returncode == 1 and "degraded" in status.stdout and "served from a fallback" in status.stdout
+    assert mounts.log().count(f"served from fallback {store} from now on") >= len(fleet_nodes)
+
+
+def test_the_store_killed_mid_read_the_nodes_go_on_from_the_tier(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tier holds the model (another node read it: here, a pinned GET of each shard); the store's
+    S3 gateway dies with every node mid-file: all they have not cached comes from the tier, exact,
+    nothing from the fallback (the store, down too), no error."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "store-killed", directory)
+    credentials(cluster, monkeypatch)
+    for shard in sorted(directory.glob("*.safetensors")):
+        url = f"{tier.url}/{BUCKET}/store-killed/{shard.name}"
+        _, _, etag = get(url, start=0, end=100)
+        status, body, _ = get(url, start=0, end=shard.stat().st_size, etag=etag)
+        assert (status, hashlib.sha256(body).digest()) == (206, hashlib.sha256(shard.read_bytes()).digest())
+    mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "store-killed", tmp_path)
+    killed_at: list[int] = []
+
+    def kill() -> None:
+        cluster.kill_s3()
+        killed_at.append(len(tier.log()))
+
+    try:
+        assert read_stages(mountpoints, expected, kill) == []
+        after = [r for r in tier.log()[killed_at[0] :] if r.if_match]
+        assert after and {r.cache for r in after} == {"HIT"}  # the rest of the model, from the tier alone
+        for mountpoint in mountpoints:
+            stats = stats_of(mountpoint)
+            assert stats["fallback"]["tensors"] == {} and stats["errors"] == [], stats
+    finally:
+        cluster.start_s3()

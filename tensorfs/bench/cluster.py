@@ -195,15 +195,22 @@ class SeaweedCluster(SeaweedFS):
                         found.add(by_port[port])
         return found
 
-    def kill_volume(self, index: int) -> None:
-        """SIGKILL volume server `index`, and wait until the master has dropped it."""
+    def kill_volume(self, index: int, *, wait: bool = True) -> None:
+        """SIGKILL volume server `index`, and wait until the master has dropped it (unless not `wait`:
+        then the cluster may still send requests to it, as it does to a server that has just died)."""
         self._kill(f"volume{index}")
+        if wait:
+            self._wait_dropped(index)
+
+    def _wait_dropped(self, index: int) -> None:
         _until(lambda: index not in self.registered(), f"the master to drop volume server {index}", 60, self._dead)
 
     def start_volume(self, index: int) -> None:
-        """Start volume server `index` again (its volumes as they were), and wait until it is registered."""
+        """Start volume server `index` again (its volumes as they were), once the master has dropped
+        it, and wait until it is registered."""
         if self.processes[f"volume{index}"].poll() is None:
             return
+        self._wait_dropped(index)  # else its old registration would pass for the new one
         self._start(f"volume{index}")
         _until(lambda: index in self.registered(), f"volume server {index} to register", 60, self._dead)
 
