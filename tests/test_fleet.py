@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -698,3 +699,109 @@ def test_the_store_killed_mid_read_the_nodes_go_on_from_the_tier(
             assert stats["fallback"]["tensors"] == {} and stats["errors"] == [], stats
     finally:
         cluster.start_s3()
+
+
+# -- the Kubernetes example -----------------------------------------------------------------------
+
+KUBERNETES = Path(__file__).resolve().parents[1] / "contrib" / "kubernetes.yaml"
+
+
+def _expanded(words: list[str], env: dict[str, str]) -> list[str]:
+    """A container's command or args as Kubernetes runs them: $(NAME) replaced by the container's
+    variable NAME where it defines one, $$ as $."""
+    pattern = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+    def one(m: re.Match[str]) -> str:
+        return "$" if m[0] == "$$" else env.get(m[1], m[0])
+
+    return [pattern.sub(one, word) for word in words]
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+
+
+def test_the_kubernetes_example_is_what_it_says(tmp_path: Path) -> None:
+    """contrib/kubernetes.yaml: the tier (Service, Deployment rendering contrib/nginx-tier.conf),
+    tensorfs as a DaemonSet (privileged, its mounts shared Bidirectional, a command line that
+    `tensorfs mount` takes, run by a shell that makes the mountpoint and execs it), a pod reading the
+    mount (HostToContainer), each naming the same things."""
+    import click
+    import yaml
+
+    from tensorfs.cli import cli
+
+    documents = [d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d is not None]
+    assert [d["kind"] for d in documents] == ["Service", "Deployment", "DaemonSet", "Pod"]
+    service, tier_deployment, daemonset, pod = documents
+    assert {d["metadata"]["namespace"] for d in documents} == {"tensorfs"}
+
+    # The tier: every placeholder of the configuration it renders defined; its port the Service's.
+    tier = tier_deployment["spec"]["template"]["spec"]
+    (nginx,) = tier["containers"]
+    tier_env = _env(nginx)
+    placeholders = set(re.findall(r"\$\{(TIER_[A-Z_]+)\}", TIER_TEMPLATE.read_text()))
+    assert placeholders and placeholders <= tier_env.keys(), placeholders - tier_env.keys()
+    assert tier_env.get("NGINX_ENVSUBST_OUTPUT_DIR") == "/etc/nginx"  # the template becomes nginx.conf
+    assert "--from-file=nginx.conf.template=contrib/nginx-tier.conf" in KUBERNETES.read_text()
+    mounted = {m["name"]: m["mountPath"] for m in nginx["volumeMounts"]}
+    volumes = {v["name"]: v for v in tier["volumes"]}
+    assert volumes[next(n for n, at in mounted.items() if at == "/etc/nginx/templates")]["configMap"]
+    assert tier_env["TIER_DIR"] in mounted.values()
+    assert any(f"{tier_env['TIER_DIR']}/tmp" in " ".join(c["command"]) for c in tier.get("initContainers", []))
+    port = int(tier_env["TIER_LISTEN"].rpartition(":")[2])
+    assert [p["port"] for p in service["spec"]["ports"]] == [port]
+    assert [p["containerPort"] for p in nginx["ports"]] == [port]
+    assert service["spec"]["selector"] == tier_deployment["spec"]["template"]["metadata"]["labels"]
+
+    # tensorfs on every node.
+    node = daemonset["spec"]["template"]["spec"]
+    (container,) = node["containers"]
+    assert container["securityContext"]["privileged"] is True
+    (shared,) = [m for m in container["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
+    env = _env(container)
+    command = _expanded(container["command"] + container.get("args", []), env)
+    assert command[:2] == ["sh", "-c"] and 'exec tensorfs mount "$@"' in command[2]
+    arguments = command[4:]
+    context = cli.commands["mount"].make_context("mount", list(arguments))
+    parameters = context.params
+    mountpoint = Path(parameters["mountpoint"])
+    assert parameters["foreground"] and mountpoint == Path(env["MOUNTPOINT"])
+    assert mountpoint.is_relative_to(shared["mountPath"]) and mountpoint != Path(shared["mountPath"])
+    tier_url = f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}/"
+    assert str(parameters["path"]).startswith(tier_url)
+    (fallback,) = parameters["fallback"]
+    # The tier's path is the store's, path-style: /BUCKET/PREFIX/...
+    assert str(parameters["path"]).removeprefix(tier_url).startswith(str(fallback).removeprefix("s3://"))
+    assert parameters["endpoint_url"] == f"http://{tier_env['TIER_ORIGIN']}"  # the store the tier reads
+    slice_mb = re.search(r"^\s*slice (\d+)m;", TIER_TEMPLATE.read_text(), re.MULTILINE)
+    assert slice_mb is not None and parameters["chunk_mb"] == int(slice_mb[1])  # a chunk fetched is one slice
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert probe[:2] == ["tensorfs", "status"] and [Path(p) for p in probe[2:]] == [mountpoint]
+    cli.commands["status"].make_context("status", probe[2:])
+    with pytest.raises(click.UsageError):  # make_context does refuse what mount does not take
+        cli.commands["mount"].make_context("mount", [*arguments, "--no-such-option"])
+
+    # The shell around it, run with a tensorfs that tells what it was asked: the mountpoint's dead
+    # mount taken away, the mountpoint made, then `tensorfs mount ARGS` in the shell's own process.
+    fake = tmp_path / "bin" / "tensorfs"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$$ $*" >> "$CALLS"\n[ "$1" = mount ]\n')
+    fake.chmod(0o755)
+    calls, where = tmp_path / "calls", tmp_path / "host" / "mnt" / "model"
+    shell_env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "CALLS": str(calls), "MOUNTPOINT": str(where)}
+    shell = subprocess.Popen([*command[:4], *arguments[:-1], str(where)], env=shell_env)
+    assert shell.wait(30) == 0
+    umount, mount = calls.read_text().splitlines()
+    assert umount.split()[1:] == ["umount", str(where)] and where.is_dir()
+    assert mount.split() == [str(shell.pid), "mount", *arguments[:-1], str(where)]  # exec'd: SIGTERM reaches it
+
+    # The pod reading the mount, from the same host directory, seeing mounts made after it started.
+    reader = pod["spec"]
+    (reading,) = reader["containers"]
+    (view,) = reading["volumeMounts"]
+    assert view["mountPropagation"] == "HostToContainer" and view.get("readOnly") is True
+    host = {v["name"]: v["hostPath"]["path"] for v in [*node["volumes"], *reader["volumes"]] if "hostPath" in v}
+    assert host[view["name"]] == host[shared["name"]]
+    root = Path(view["mountPath"]) / mountpoint.relative_to(shared["mountPath"])
+    assert f'root = "{root}"' in reading["command"][-1]
