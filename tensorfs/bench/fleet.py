@@ -172,17 +172,18 @@ def _measure(
     baseline, baseline_egress = rate(one), max(sent for _, _, sent in one) / model_bytes
     for (kind, count), tries_of in results.items():
         aggregate, read = rate(tries_of), tries_of[0][1]
+        each = [round(nbytes / seconds / 1e9, 3) for seconds, nbytes, _ in tries_of]
         sent = max(sent for _, _, sent in tries_of)
         per_node = sent / model_bytes / count
         key = f"fleet_{kind}_{count}"
         if count == 1:
             report.add(key, "1 node, the whole model, fresh caches (baseline)", f"{aggregate / 1e9:.3f} GB/s",
-                       None, "", gbps=aggregate / 1e9, nodes=1, read_bytes=read)  # fmt: skip
+                       None, "", gbps=aggregate / 1e9, tries_gbps=each, nodes=1, read_bytes=read)  # fmt: skip
         else:
             what = "the whole model each" if kind == "whole" else "a stage each (--layers)"
             report.add(key, f"{count} nodes, {what}: aggregate", f"{aggregate / 1e9:.3f} GB/s",
-                       aggregate / baseline, "(reported: the cores bound it)", gbps=aggregate / 1e9, nodes=count,
-                       read_bytes=read)  # fmt: skip
+                       aggregate / baseline, "(reported: the cores bound it)", gbps=aggregate / 1e9,
+                       tries_gbps=each, nodes=count, read_bytes=read)  # fmt: skip
         report.add(f"{key}_egress", f"  ... the store's egress per node ({human_size(sent)} sent)",
                    f"{per_node:.3f} of the model", per_node / baseline_egress if count > 1 else None,
                    f"about 1/{count}x one node's: the model once" if count > 1 else "",
