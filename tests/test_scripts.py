@@ -119,6 +119,10 @@ def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> N
     from tensorfs.cli import main
 
     assert command.SUITES == bench.SUITES == tuple(command.FIELDS)
+    makefile = (ROOT / "Makefile").read_text()
+    assert (
+        tuple(re.findall(r"^\t\$\(PY\) -m tensorfs\.cli bench --suite (\w+)$", makefile, re.MULTILINE)) == bench.SUITES
+    )
     # Refused before anything is built (--quick all the same: were one run, it would be short).
     for args, words in (
         (
