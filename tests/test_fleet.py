@@ -660,6 +660,10 @@ def test_the_tier_killed_mid_read_the_nodes_go_on_from_the_store(
         status = mounts.run("status", str(mountpoint))
         assert status.returncode == 1 and "degraded" in status.stdout and "served from a fallback" in status.stdout
     assert mounts.log().count(f"served from fallback {store} from now on") >= len(fleet_nodes)
+    # The store reached by each node over its own interface, through the relay, with its credentials.
+    relayed = [r for r in relay.log() if f" /{BUCKET}/tier-killed/" in r[1]]
+    assert {client for client, _, _, _ in relayed} == {node.address for node in fleet_nodes}
+    assert all(signed and status in (200, 206) for _, _, status, signed in relayed), relayed
 
 
 def test_the_store_killed_mid_read_the_nodes_go_on_from_the_tier(

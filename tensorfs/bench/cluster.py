@@ -445,7 +445,9 @@ class Relay:
         config = (
             f"{user} worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log info;\n"
             "events { worker_connections 1024; }\n"
-            f"http {{ access_log {d}/access.log; {nginx_temp_paths(d)}\n"
+            # Whether a request was signed (S3's X-Amz-Date: never the signature itself).
+            "http { log_format relay '$remote_addr \"$request\" $status amz_date=$http_x_amz_date';\n"
+            f"  access_log {d}/access.log relay; {nginx_temp_paths(d)}\n"
             f"  upstream target {{ server {self.target}; keepalive 16; }}\n"
             f"  server {{ {listen}\n"
             "    client_max_body_size 0; proxy_request_buffering off; proxy_buffering off;\n"
@@ -461,6 +463,17 @@ class Relay:
         if self.process is not None:
             stop(self.process, signal.SIGTERM)
             self.process = None
+
+    def log(self) -> list[tuple[str, str, int, bool]]:
+        """(client, request line, status, signed) of every request so far, from the access log."""
+        path = self.directory / "access.log"
+        found = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            m = re.fullmatch(r'(\S+) "([^"]*)" (\d+) amz_date=(\S+)', line)
+            if m is None:
+                raise ValueError(f"the relay's log has a line it should not: {line}")
+            found.append((m[1], m[2], int(m[3]), m[4] != "-"))
+        return found
 
 
 # -- nodes -----------------------------------------------------------------------------------------
