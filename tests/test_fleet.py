@@ -529,10 +529,19 @@ def read_stages(mountpoints: list[Path], expected: dict[str, bytes], between: Ca
         barrier.wait()
     except threading.BrokenBarrierError:
         pass  # a reader failed: it said why
+    except BaseException:
+        barrier.abort()  # `between` failed: the readers wait no more
+        raise
     finally:
         for reader in readers:
             reader.join()
     return failures
+
+
+def credentials(cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes' credentials for the store (their fallback), in the environment they are started with."""
+    for key, value in cluster.env().items():
+        monkeypatch.setenv(key, value)
 
 
 def stats_of(mountpoint: Path) -> dict[str, Any]:
@@ -554,8 +563,7 @@ def test_nodes_read_their_stages_exact_and_the_store_sends_one_model(
     sends each slice once, about one model; nothing comes from the fallback."""
     directory, expected = staged
     upload(cluster.store(BUCKET), "stages", directory)
-    for key, value in cluster.env().items():  # the nodes' credentials, for the store
-        monkeypatch.setenv(key, value)
+    credentials(cluster, monkeypatch)
     before, sent = len(tier.log()), cluster.sent(BUCKET)
     mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "stages", tmp_path)
     assert read_stages(mountpoints, expected, lambda: None) == []
@@ -570,12 +578,6 @@ def test_nodes_read_their_stages_exact_and_the_store_sends_one_model(
     assert read >= model + 2 * shared  # the nodes read more than twice it ...
     unpinned = sum(r.origin_bytes for r in log if r.from_origin and not r.if_match)
     assert model <= sent_since(cluster, sent, model) <= model + unpinned  # ... the store sent it once
-
-
-def credentials(cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The nodes' credentials for the store (their fallback), in the environment they are started with."""
-    for key, value in cluster.env().items():
-        monkeypatch.setenv(key, value)
 
 
 def test_a_volume_server_killed_mid_read_changes_nothing_a_node_sees(
