@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light bindfs
+SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light bindfs iproute2
 DEMO_DIR ?= demo
 
 .PHONY: install system-packages test lint demo bench fuzz soak clean
@@ -17,7 +17,8 @@ $(TEST_FILES)/.fetched: scripts/fetch_test_files.py | $(VENV)/.installed
 	$(PY) scripts/fetch_test_files.py $(TEST_FILES)
 	touch $@
 
-# pyfuse3 builds against libfuse 3, mounting needs fusermount3, the tests and benchmark of http(s):// models nginx.
+# pyfuse3 builds against libfuse 3, mounting needs fusermount3, the tests and benchmark of http(s):// models nginx,
+# the fleet's nodes (network namespaces) ip.
 system-packages:
 	@missing=""; \
 	for pkg in $(SYSTEM_PACKAGES); do \
@@ -67,6 +68,7 @@ bench: install
 	$(PY) -m tensorfs.cli bench --suite small
 	$(PY) -m tensorfs.cli bench --suite load
 	$(PY) -m tensorfs.cli bench --suite formats
+	$(PY) -m tensorfs.cli bench --suite fleet
 
 # Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:

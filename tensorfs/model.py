@@ -250,14 +250,14 @@ class Model:
         shard = self._shard_of(name)
         copy = self._copies.get(name)
         if copy is None:
-            failing = self.failing(shard.header.path)
+            begin, end, _, _, _ = shard.by_name[name]
+            start = shard.header.data_start
+            failing = self.failing(shard.header.path, start + begin, start + end)
             if failing is not None:
                 copy = self.switch(name, failing)
             else:
                 try:
                     self._verify(name)
-                    begin, end, _, _, _ = shard.by_name[name]
-                    start = shard.header.data_start
                     if shard.data.needs_ensure:
                         shard.data.ensure_pinned(start + begin, start + end)
                     return shard.data, start + begin, start + end
@@ -279,15 +279,18 @@ class Model:
         if self.fallbacks is not None:
             self._failed_at[shard] = time.monotonic()
 
-    def failing(self, shard: ShardKey) -> ShardChangedError | None:
+    def failing(self, shard: ShardKey, start: int = 0, end: int = 0) -> ShardChangedError | None:
         """Why the shard's tensors go to their fallbacks without asking it, while a read of it failed
-        less than RETRY_AFTER seconds ago (None: ask it)."""
+        less than RETRY_AFTER seconds ago (None: ask it). Not bytes [start, end) of it that it holds
+        without asking where it comes from (a remote shard's cached chunks): they wait for nothing."""
         since = self._failed_at.get(shard)
         if since is None or self.fallbacks is None:
             return None
         ago = time.monotonic() - since
         if ago >= RETRY_AFTER:
             del self._failed_at[shard]
+            return None
+        if end > start and self._shards[shard].data.held(start, end):
             return None
         return ShardChangedError(f"{self._shards[shard].label}: a read of it failed {ago:.0f} s ago")
 

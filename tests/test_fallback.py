@@ -19,7 +19,7 @@ from test_stats import free_port, scrape
 from conftest import Mounts, wait_until
 from helpers import MIB, errno_of_reading, random_bytes, upload, write_index, write_reference
 from servers import Nginx, SeaweedFS
-from tensorfs import fallback, load_file, open_model
+from tensorfs import RemoteOptions, fallback, load_file, open_model
 from tensorfs.errors import IntegrityError, InvalidModelError
 
 
@@ -255,6 +255,52 @@ def test_a_store_down_past_its_timeout_is_read_from_the_fallback(
     stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
     assert "s0.t0" not in stats["fallback"]["tensors"] and "s2.t2" in stats["fallback"]["tensors"]
     assert mounts.log().count("a read of it failed") >= 1  # the shard's other tensors went at once
+
+
+@pytest.fixture
+def far_apart(own_nginx: Nginx, tmp_path: Path) -> tuple[str, Path, dict[str, bytes]]:
+    """One shard served by nginx (its URL), a local copy of it, and its tensors' bytes: "a", then 16
+    MiB, then "c", so far on that reading "a" fetches none of "c" ahead (at most 8 chunks of 1 MiB)."""
+    data = {"a": random_bytes(MIB, 1), "b": random_bytes(16 * MIB, 2), "c": random_bytes(MIB, 3)}
+    (tmp_path / "copy").mkdir()
+    write_reference(tmp_path / "copy" / "m.safetensors", {name: ("U8", [len(b)], b) for name, b in data.items()})
+    shutil.copytree(tmp_path / "copy", own_nginx.root / "m")
+    return f"{own_nginx.url}/m/m.safetensors", tmp_path / "copy", data
+
+
+def test_with_the_store_down_a_tensor_in_the_cache_is_served_from_it_not_the_fallback(
+    mounts: Mounts, own_nginx: Nginx, far_apart: tuple[str, Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """A shard whose read failed sends its other tensors to their fallbacks at once, so that none
+    waits for the timeout: not those whose bytes the mount's cache holds, which wait for nothing.
+    Opened again, read with the kernel's copy dropped, they come from the cache."""
+    url, copy, data = far_apart
+    common = ["--remote-timeout", "2", "--cache-dir", str(tmp_path / "cache"), "--chunk-mb", "1"]
+    mountpoint = mounts.mount(url, *common, "--prefetch-mb", "1", "--fallback", str(copy))  # type: ignore[arg-type]
+    assert (mountpoint / "a").read_bytes() == data["a"]  # its chunks now in the cache
+    own_nginx.stop()
+    assert (mountpoint / "c").read_bytes() == data["c"]  # from the fallback, after the timeout
+    with open(mountpoint / "a", "rb") as f:  # within the 30 s its shard's tensors go to the fallback at once
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel's copy dropped: read again
+        assert f.read() == data["a"]
+    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    assert stats["fallback"]["tensors"] == {"c": str(copy)}
+    assert "a read of it failed" not in mounts.log()  # "a" did not go
+
+
+def test_in_process_a_tensor_in_the_cache_is_served_from_it_not_the_fallback(
+    own_nginx: Nginx, far_apart: tuple[str, Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """As the mount: with the store down, a tensor whose chunks are cached is not sent to the fallback."""
+    url, copy, data = far_apart
+    remote = RemoteOptions(cache_dir=tmp_path / "cache", chunk_size=MIB, timeout=2)
+    with open_model(url, remote=remote, cache=False, fallback=[copy]) as model:
+        assert model.raw("a").tobytes() == data["a"]
+        own_nginx.stop()
+        assert model.raw("c").tobytes() == data["c"]  # from the fallback, after the timeout
+        assert model.copy("c") is not None
+        assert model.raw("a").tobytes() == data["a"]  # its shard failing: from the cache all the same
+        assert model.copy("a") is None
 
 
 def test_a_local_copy_heals_from_the_store(

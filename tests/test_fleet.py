@@ -13,7 +13,9 @@ from __future__ import annotations
 import collections
 import errno
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,14 +23,24 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import obstore
 import pytest
 
 from conftest import MOUNT_COMMAND, Mounts, _server_missing
-from helpers import MIB, errno_of_reading, mib_sharded_model, model_bytes, random_bytes, upload, write_reference
+from helpers import (
+    MIB,
+    errno_of_reading,
+    mib_sharded_model,
+    model_bytes,
+    random_bytes,
+    upload,
+    write_index,
+    write_reference,
+)
 from tensorfs.bench.cluster import (
     TIER_TEMPLATE,
     CachingTier,
@@ -205,9 +217,11 @@ def test_the_tier_fetches_each_slice_from_the_store_once(cluster: SeaweedCluster
     data = random_bytes(5 * SLICE + 12345, 3)  # six slices, the last one short
     obstore.put(cluster.store(BUCKET), "slices/object", data)
     url = f"{tier.url}/{BUCKET}/slices/object"
+    counted = cluster.sent(BUCKET)
     status, first, etag = get(url, start=0, end=64 << 10)  # as tensorfs reads a header: not pinned
     assert status == 206 and first == data[: 64 << 10] and etag
-    before, sent = len(tier.log()), cluster.sent(BUCKET)
+    # The store's count from here on: once it has counted that GET (which may be just after it ended).
+    before, sent = len(tier.log()), counted + sent_since(cluster, counted, 64 << 10)
     spans = [(0, len(data))]  # whole
     spans += [(at, min(at + SLICE, len(data))) for at in range(0, len(data), SLICE)]  # tensorfs's chunks
     spans += [(at, at + MIB) for at in range(SLICE - MIB // 2, len(data) - MIB, 3 * MIB + 7)]  # across slices
@@ -408,3 +422,394 @@ def test_a_node_reaches_the_store_through_the_relay_with_its_credentials(
                "--cache-dir", str(tmp_path / "cache"), f"s3://{BUCKET}/relayed/m.safetensors"]  # fmt: skip
     listed = run_in(node, command, env={**os.environ, **cluster.env()})  # signed for the relay's address
     assert listed.returncode == 0 and "relayed.weight" in listed.stdout, listed.stderr
+
+
+# -- a fleet: each node its stage of one model, through the tier, the store as its fallback ---------
+
+EMBEDDINGS, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+SHARED = (EMBEDDINGS, NORM, HEAD)
+"""In no numbered layer: every stage (--layers A-B) has them."""
+STAGES = ((0, 1), (2, 3), (4, 5))
+"""Node k's layers."""
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """A model pipeline stages share parts of, and its tensors' bytes: embeddings and a head of 16 MiB
+    (each two slices and more) and a final norm, which every stage has, and six numbered layers of
+    3 MiB, in two shards with an index (the first: the embeddings and layers 0-2)."""
+    directory = tmp_path_factory.mktemp("staged") / "model"
+    directory.mkdir()
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
+    for layer in range(6):
+        at = f"model.layers.{layer}"
+        tensors[f"{at}.input_layernorm.weight"] = ("BF16", [1024], random_bytes(2048, 100 + layer))
+        tensors[f"{at}.self_attn.q_proj.weight"] = ("BF16", [512, 1024], random_bytes(MIB, 110 + layer))
+        tensors[f"{at}.mlp.down_proj.weight"] = ("BF16", [1024, 1024], random_bytes(2 * MIB, 120 + layer))
+    tensors[EMBEDDINGS] = ("BF16", [2048, 4096], random_bytes(16 * MIB, 131))
+    tensors[NORM] = ("BF16", [1024], random_bytes(2048, 132))
+    tensors[HEAD] = ("BF16", [2048, 4096], random_bytes(16 * MIB, 133))
+    first = {EMBEDDINGS} | {name for name in tensors if name.startswith(tuple(f"model.layers.{n}." for n in range(3)))}
+    shards = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": set(tensors) - first}
+    for shard, names in shards.items():
+        write_reference(directory / shard, {name: tensors[name] for name in sorted(names)})
+    write_index(directory, {name: shard for shard, names in shards.items() for name in names})
+    return directory, {name: data for name, (_, _, data) in tensors.items()}
+
+
+def stage_of(expected: dict[str, bytes], layers: tuple[int, int]) -> dict[str, bytes]:
+    """What a node mounting layers A-B must have: the shared tensors and those of its layers."""
+    own = tuple(f"model.layers.{n}." for n in range(layers[0], layers[1] + 1))
+    return {name: data for name, data in expected.items() if name in SHARED or name.startswith(own)}
+
+
+def mount_stages(
+    mounts: Mounts,
+    tier: CachingTier,
+    relay: Relay,
+    nodes: list[Node],
+    prefix: str,
+    tmp_path: Path,
+    *,
+    fallback: bool = True,
+) -> list[Path]:
+    """Each node mounts its stage of the model under `prefix` through the tier (its own address of
+    it), with the store as its fallback (through the relay, the node's credentials), a small
+    --remote-timeout (failing over quickly), and no read-ahead past the MiB read (so that what a
+    node has not read yet is not in its cache: a fault between two reads of a file lands mid-file)."""
+    mountpoints = []
+    for node, (first, last) in zip(nodes, STAGES, strict=True):
+        url = f"{tier.url_at(node.host_address)}/{BUCKET}/{prefix}/model.safetensors.index.json"
+        options = ["--layers", f"{first}-{last}", "--cache-dir", str(tmp_path / f"cache-{node.index}"),
+                   "--remote-timeout", "2", "--prefetch-mb", "1"]  # fmt: skip
+        if fallback:
+            store = f"s3://{BUCKET}/{prefix}/model.safetensors.index.json"
+            options += ["--fallback", store, "--endpoint-url", relay.url_at(node.host_address)]
+        mountpoint, _ = mounts.mount_adopted(url, *options, command=node.command(MOUNT_COMMAND))  # type: ignore[arg-type]
+        mountpoints.append(mountpoint)
+    return mountpoints
+
+
+def read_stages(mountpoints: list[Path], expected: dict[str, bytes], between: Callable[[], None]) -> list[str]:
+    """Every node reads its stage, all at once: the first MiB of the embeddings, then (all of them
+    there) `between()` is called, then the rest of the embeddings from the same open file, then every
+    other tensor. What was not exact, or failed (with its errno), one line each."""
+    failures: list[str] = []
+    barrier = threading.Barrier(len(mountpoints) + 1, timeout=120)
+
+    def read(mountpoint: Path, stage: dict[str, bytes]) -> None:
+        names = [path.name for path in mountpoint.iterdir() if not path.name.endswith((".meta.json", ".sha256"))]
+        if sorted(names) != sorted([*stage, ".tensorfs"]):
+            failures.append(f"{mountpoint}: {sorted(names)}")
+        try:
+            with open(mountpoint / EMBEDDINGS, "rb") as file:
+                head = file.read(MIB)
+                barrier.wait()
+                barrier.wait()
+                if head + file.read() != stage[EMBEDDINGS]:
+                    failures.append(f"{mountpoint}/{EMBEDDINGS}")
+        except (OSError, threading.BrokenBarrierError) as exc:
+            failures.append(f"{mountpoint}/{EMBEDDINGS}: {exc!r}")
+            barrier.abort()
+            return
+        for name in sorted(stage.keys() - {EMBEDDINGS}):
+            try:
+                if (mountpoint / name).read_bytes() != stage[name]:
+                    failures.append(f"{mountpoint}/{name}")
+            except OSError as exc:
+                failures.append(f"{mountpoint}/{name}: {errno.errorcode.get(exc.errno or 0, exc.errno)}")
+
+    readers = [threading.Thread(target=read, args=(mountpoint, stage_of(expected, layers)))
+               for mountpoint, layers in zip(mountpoints, STAGES, strict=True)]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    try:
+        barrier.wait()  # every node has read the first MiB
+        between()
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass  # a reader failed: it said why
+    except BaseException:
+        barrier.abort()  # `between` failed: the readers wait no more
+        raise
+    finally:
+        for reader in readers:
+            reader.join()
+    return failures
+
+
+def credentials(cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes' credentials for the store (their fallback), in the environment they are started with."""
+    for key, value in cluster.env().items():
+        monkeypatch.setenv(key, value)
+
+
+def stats_of(mountpoint: Path) -> dict[str, Any]:
+    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    return stats
+
+
+def test_nodes_read_their_stages_exact_and_the_store_sends_one_model(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three nodes read the shared tensors (embeddings, norm, head) three times over: the store
+    sends each slice once, about one model; nothing comes from the fallback."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "stages", directory)
+    credentials(cluster, monkeypatch)
+    before, sent = len(tier.log()), cluster.sent(BUCKET)
+    mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "stages", tmp_path)
+    assert read_stages(mountpoints, expected, lambda: None) == []
+    for mountpoint in mountpoints:
+        assert stats_of(mountpoint)["fallback"]["tensors"] == {}
+    log = tier.log()[before:]
+    assert {r.client for r in log} == {node.address for node in fleet_nodes}
+    assert set(slices_fetched(log).values()) == {1}  # each slice from the store once
+    model = sum(path.stat().st_size for path in directory.iterdir())
+    shared = sum(len(expected[name]) for name in SHARED)
+    read = sum(r.sent for r in log if r.if_match and not r.slice)
+    assert read >= model + 2 * shared  # the nodes read more than twice it ...
+    unpinned = sum(r.origin_bytes for r in log if r.from_origin and not r.if_match)
+    assert model <= sent_since(cluster, sent, model) <= model + unpinned  # ... the store sent it once
+
+
+def test_a_volume_server_killed_mid_read_changes_nothing_a_node_sees(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed once the nodes are reading, before the master knows: the slices still to come are
+    fetched from the store with it dead (chunks it held among them), and every node reads exact
+    bytes, nothing from its fallback, no error."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "volume-killed", directory)
+    credentials(cluster, monkeypatch)
+    shards = [path.name for path in directory.glob("*.safetensors")]
+    chunks = {shard: cluster.chunks(BUCKET, f"volume-killed/{shard}") for shard in shards}
+    held = collections.Counter(v for listed in chunks.values() for _, _, holders in listed for v in holders)
+    victim = held.most_common(1)[0][0]  # the server holding the most chunks
+    mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "volume-killed", tmp_path)
+    killed_at: list[int] = []
+
+    def kill() -> None:
+        killed_at.append(len(tier.log()))
+        cluster.kill_volume(victim, wait=False)
+
+    try:
+        assert read_stages(mountpoints, expected, kill) == []
+    finally:
+        cluster.start_volume(victim)
+    for mountpoint in mountpoints:
+        stats = stats_of(mountpoint)
+        assert stats["fallback"]["tensors"] == {} and stats["errors"] == [], stats
+    # The store sent slices with the server dead, and some of them had chunks only it and one other held.
+    after = [r for r in tier.log()[killed_at[0] :] if r.if_match and r.from_origin]
+    spans = [(r.path.rpartition("/")[2], r.origin_range.split()[1].split("/")[0]) for r in after]
+    fetched = [(shard, int(span.split("-")[0]), int(span.split("-")[1])) for shard, span in spans]
+    assert any(victim in holders and start <= last and first < end
+               for shard, first, last in fetched for start, end, holders in chunks[shard]), (victim, fetched)  # fmt: skip
+
+
+@pytest.fixture
+def own_tier(cluster: SeaweedCluster, fleet_nodes: list[Node], tmp_path: Path) -> Iterator[CachingTier]:
+    """A tier of the test's own (it kills it), at the nodes' host ends."""
+    started = CachingTier(tmp_path / "own-tier", f"127.0.0.1:{cluster.s3_port}",
+                          addresses=["127.0.0.1", *(node.host_address for node in fleet_nodes)])  # fmt: skip
+    try:
+        started.start()
+        yield started
+    finally:
+        started.stop()
+
+
+def test_the_tier_killed_mid_read_the_nodes_go_on_from_the_store(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    own_tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every node has a file open half read when the tier dies: what the node has not cached comes from
+    its fallback, the store, after --remote-timeout (the embeddings' file finished from there), exact;
+    stats.json, `tensorfs stats` and `tensorfs status` say so."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "tier-killed", directory)
+    credentials(cluster, monkeypatch)
+    mountpoints = mount_stages(mounts, own_tier, relay, fleet_nodes, "tier-killed", tmp_path)
+    assert read_stages(mountpoints, expected, own_tier.kill) == []
+    store = f"s3://{BUCKET}/tier-killed/model.safetensors.index.json"
+    for mountpoint, layers in zip(mountpoints, STAGES, strict=True):
+        stats = stats_of(mountpoint)
+        served = stats["fallback"]["tensors"]
+        assert EMBEDDINGS in served and set(served.values()) == {store}, served
+        assert set(served) <= set(stage_of(expected, layers))
+        assert stats["fallback"]["bytes"][store] >= len(expected[EMBEDDINGS]) - 8 * MIB
+        shown = mounts.run("stats", str(mountpoint))
+        assert f"fallback   {store}: {len(served)} tensors" in shown.stdout, shown.stdout + shown.stderr
+        status = mounts.run("status", str(mountpoint))
+        assert status.returncode == 1 and "degraded" in status.stdout and "served from a fallback" in status.stdout
+    assert mounts.log().count(f"served from fallback {store} from now on") >= len(fleet_nodes)
+    # The store reached by each node over its own interface, through the relay, with its credentials.
+    relayed = [r for r in relay.log() if f" /{BUCKET}/tier-killed/" in r[1]]
+    assert {client for client, _, _, _ in relayed} == {node.address for node in fleet_nodes}
+    assert all(signed and status in (200, 206) for _, _, status, signed in relayed), relayed
+
+
+def test_the_store_killed_mid_read_the_nodes_go_on_from_the_tier(
+    mounts: Mounts,
+    cluster: SeaweedCluster,
+    tier: CachingTier,
+    relay: Relay,
+    fleet_nodes: list[Node],
+    staged: tuple[Path, dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tier holds the model (another node read it: here, a pinned GET of each shard); the store's
+    S3 gateway dies with every node mid-file: all they have not cached comes from the tier, exact,
+    nothing from the fallback (the store, down too), no error."""
+    directory, expected = staged
+    upload(cluster.store(BUCKET), "store-killed", directory)
+    credentials(cluster, monkeypatch)
+    for shard in sorted(directory.glob("*.safetensors")):
+        url = f"{tier.url}/{BUCKET}/store-killed/{shard.name}"
+        _, _, etag = get(url, start=0, end=100)
+        status, body, _ = get(url, start=0, end=shard.stat().st_size, etag=etag)
+        assert (status, hashlib.sha256(body).digest()) == (206, hashlib.sha256(shard.read_bytes()).digest())
+    mountpoints = mount_stages(mounts, tier, relay, fleet_nodes, "store-killed", tmp_path)
+    killed_at: list[int] = []
+
+    def kill() -> None:
+        cluster.kill_s3()
+        killed_at.append(len(tier.log()))
+
+    try:
+        assert read_stages(mountpoints, expected, kill) == []
+        after = [r for r in tier.log()[killed_at[0] :] if r.if_match]
+        assert after and {r.cache for r in after} == {"HIT"}  # the rest of the model, from the tier alone
+        for mountpoint in mountpoints:
+            stats = stats_of(mountpoint)
+            assert stats["fallback"]["tensors"] == {} and stats["errors"] == [], stats
+    finally:
+        cluster.start_s3()
+
+
+# -- the Kubernetes example -----------------------------------------------------------------------
+
+KUBERNETES = Path(__file__).resolve().parents[1] / "contrib" / "kubernetes.yaml"
+
+
+def _expanded(words: list[str], env: dict[str, str]) -> list[str]:
+    """A container's command or args as Kubernetes runs them: $(NAME) replaced by the container's
+    variable NAME where it defines one, $$ as $."""
+    pattern = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+    def one(m: re.Match[str]) -> str:
+        return "$" if m[0] == "$$" else env.get(m[1], m[0])
+
+    return [pattern.sub(one, word) for word in words]
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+
+
+def test_the_kubernetes_example_is_what_it_says(tmp_path: Path) -> None:
+    """contrib/kubernetes.yaml: the tier (Service, Deployment rendering contrib/nginx-tier.conf),
+    tensorfs as a DaemonSet (privileged, its mounts shared Bidirectional, a command line that
+    `tensorfs mount` takes, run by a shell that makes the mountpoint and execs it), a pod reading the
+    mount (HostToContainer), each naming the same things."""
+    import click
+    import yaml
+
+    from tensorfs.cli import cli
+
+    documents = [d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d is not None]
+    assert [d["kind"] for d in documents] == ["Service", "Deployment", "DaemonSet", "Pod"]
+    service, tier_deployment, daemonset, pod = documents
+    assert {d["metadata"]["namespace"] for d in documents} == {"tensorfs"}
+
+    # The tier: every placeholder of the configuration it renders defined; its port the Service's.
+    tier = tier_deployment["spec"]["template"]["spec"]
+    (nginx,) = tier["containers"]
+    tier_env = _env(nginx)
+    placeholders = set(re.findall(r"\$\{(TIER_[A-Z_]+)\}", TIER_TEMPLATE.read_text()))
+    assert placeholders and placeholders <= tier_env.keys(), placeholders - tier_env.keys()
+    assert tier_env.get("NGINX_ENVSUBST_OUTPUT_DIR") == "/etc/nginx"  # the template becomes nginx.conf
+    assert "--from-file=nginx.conf.template=contrib/nginx-tier.conf" in KUBERNETES.read_text()
+    mounted = {m["name"]: m["mountPath"] for m in nginx["volumeMounts"]}
+    volumes = {v["name"]: v for v in tier["volumes"]}
+    assert volumes[next(n for n, at in mounted.items() if at == "/etc/nginx/templates")]["configMap"]
+    assert tier_env["TIER_DIR"] in mounted.values()
+    assert any(f"{tier_env['TIER_DIR']}/tmp" in " ".join(c["command"]) for c in tier.get("initContainers", []))
+    port = int(tier_env["TIER_LISTEN"].rpartition(":")[2])
+    assert [p["port"] for p in service["spec"]["ports"]] == [port]
+    assert [p["containerPort"] for p in nginx["ports"]] == [port]
+    assert service["spec"]["selector"] == tier_deployment["spec"]["template"]["metadata"]["labels"]
+
+    # tensorfs on every node.
+    node = daemonset["spec"]["template"]["spec"]
+    (container,) = node["containers"]
+    assert container["securityContext"]["privileged"] is True
+    (shared,) = [m for m in container["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
+    env = _env(container)
+    command = _expanded(container["command"] + container.get("args", []), env)
+    assert command[:2] == ["sh", "-c"] and 'exec tensorfs mount "$@"' in command[2]
+    arguments = command[4:]
+    context = cli.commands["mount"].make_context("mount", list(arguments))
+    parameters = context.params
+    mountpoint = Path(parameters["mountpoint"])
+    assert parameters["foreground"] and mountpoint == Path(env["MOUNTPOINT"])
+    assert mountpoint.is_relative_to(shared["mountPath"]) and mountpoint != Path(shared["mountPath"])
+    tier_url = f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}/"
+    assert str(parameters["path"]).startswith(tier_url)
+    (fallback,) = parameters["fallback"]
+    # The tier's path is the store's, path-style: /BUCKET/PREFIX/...
+    assert str(parameters["path"]).removeprefix(tier_url).startswith(str(fallback).removeprefix("s3://"))
+    assert parameters["endpoint_url"] == f"http://{tier_env['TIER_ORIGIN']}"  # the store the tier reads
+    slice_mb = re.search(r"^\s*slice (\d+)m;", TIER_TEMPLATE.read_text(), re.MULTILINE)
+    assert slice_mb is not None and parameters["chunk_mb"] == int(slice_mb[1])  # a chunk fetched is one slice
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert probe[:2] == ["tensorfs", "status"] and [Path(p) for p in probe[2:]] == [mountpoint]
+    cli.commands["status"].make_context("status", probe[2:])
+    with pytest.raises(click.UsageError):  # make_context does refuse what mount does not take
+        cli.commands["mount"].make_context("mount", [*arguments, "--no-such-option"])
+
+    # The shell around it, run with a tensorfs that tells what it was asked: the mountpoint's dead
+    # mount taken away, the mountpoint made, then `tensorfs mount ARGS` in the shell's own process.
+    fake = tmp_path / "bin" / "tensorfs"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$$ $*" >> "$CALLS"\n[ "$1" = mount ]\n')
+    fake.chmod(0o755)
+    calls, where = tmp_path / "calls", tmp_path / "host" / "mnt" / "model"
+    shell_env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "CALLS": str(calls), "MOUNTPOINT": str(where)}
+    shell = subprocess.Popen([*command[:4], *arguments[:-1], str(where)], env=shell_env)
+    assert shell.wait(30) == 0
+    umount, mount = calls.read_text().splitlines()
+    assert umount.split()[1:] == ["umount", str(where)] and where.is_dir()
+    assert mount.split() == [str(shell.pid), "mount", *arguments[:-1], str(where)]  # exec'd: SIGTERM reaches it
+
+    # The pod reading the mount, from the same host directory, seeing mounts made after it started.
+    reader = pod["spec"]
+    (reading,) = reader["containers"]
+    (view,) = reading["volumeMounts"]
+    assert view["mountPropagation"] == "HostToContainer" and view.get("readOnly") is True
+    host = {v["name"]: v["hostPath"]["path"] for v in [*node["volumes"], *reader["volumes"]] if "hostPath" in v}
+    assert host[view["name"]] == host[shared["name"]]
+    root = Path(view["mountPath"]) / mountpoint.relative_to(shared["mountPath"])
+    assert f'root = "{root}"' in reading["command"][-1]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Mounts
+from conftest import Mounts, _server_missing
 from helpers import MIB
 from servers import Nginx
 from tensorfs.integrity import HASH_WORKERS
@@ -81,17 +81,62 @@ def test_bench_formats_runs(fuse: None, tmp_path: Path) -> None:
     assert report["formats_mount_gguf"]["ratio"] > 0 and report["formats_read_gguf"]["ratio"] > 0
 
 
+def test_bench_fleet_runs(fuse: None, tmp_path: Path) -> None:
+    """--quick: 1/16 GiB in 2 shards, one try of 1 node and of 2 (the whole model each, and a stage
+    each); its own SeaweedFS cluster, tier and nodes (root: network namespaces). Nothing left behind."""
+    from tensorfs.bench.fleet import unusable
+
+    why = unusable()
+    if why is not None:
+        _server_missing("the fleet's parts", why)
+    report = bench_quick("fleet", tmp_path, timeout=600)
+    assert report["notes"] == []  # nothing skipped
+    for key in ("fleet_whole_1", "fleet_whole_2", "fleet_stages_2"):
+        assert report[key]["gbps"] > 0, key
+        assert report[key]["read_bytes"] > 0, key
+    assert report["fleet_whole_2"]["ratio"] > 0 and report["fleet_stages_2"]["ratio"] > 0
+    assert report["fleet_whole_2"]["read_bytes"] == 2 * report["fleet_whole_1"]["read_bytes"]
+    for key in ("fleet_whole_1_egress", "fleet_whole_2_egress", "fleet_stages_2_egress"):
+        # Bytes, not time: the store sends the model once (and the headers the tier passes on)
+        # however many nodes read it.
+        assert 1.0 <= report[key]["model_copies"] <= 1.05, (key, report[key])
+    assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # its directory removed
+    assert _nodes_of_dead_processes() == []  # its nodes too
+
+
+def _nodes_of_dead_processes() -> list[str]:
+    """Network namespaces of fleet nodes (tfs-PID-node-K) whose process is gone: left behind."""
+    from tensorfs.mount.mounttable import pid_alive
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    return [name for name in names if (m := re.fullmatch(r"tfs-(\d+)-node-\d+", name)) and not pid_alive(int(m[1]))]
+
+
 def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> None:
     from tensorfs import bench
     from tensorfs.cli import bench as command
     from tensorfs.cli import main
 
     assert command.SUITES == bench.SUITES == tuple(command.FIELDS)
+    makefile = (ROOT / "Makefile").read_text()
+    assert (
+        tuple(re.findall(r"^\t\$\(PY\) -m tensorfs\.cli bench --suite (\w+)$", makefile, re.MULTILINE)) == bench.SUITES
+    )
     # Refused before anything is built (--quick all the same: were one run, it would be short).
     for args, words in (
-        (["--suite", "open", "--gib", "1"], "--gib is for the suites read, remote, hash, load, formats, not open"),
-        (["--suite", "small", "--shards", "2"], "--shards is for the suites read, remote, open, hash, not small"),
+        (
+            ["--suite", "open", "--gib", "1"],
+            "--gib is for the suites read, remote, hash, load, formats, fleet, not open",
+        ),
+        (
+            ["--suite", "small", "--shards", "2"],
+            "--shards is for the suites read, remote, open, hash, fleet, not small",
+        ),
         (["--tensors", "10"], "--tensors is for the suites open, hash, small, not read"),
+        (["--nodes", "2"], "--nodes is for the suites fleet, not read"),
+        (["--suite", "fleet", "--nodes", "0,2"], "each count of nodes is from 1 to 32"),
+        (["--suite", "fleet", "--nodes", "two"], "is not a list of node counts like 1,2,4"),
         (["--suite", "open", "--tensors", "0"], "--tensors 0 only skips hash's model of tiny tensors"),
         (["--remote", "--suite", "hash"], "--remote is --suite remote: not --suite hash"),
     ):

@@ -8,7 +8,9 @@
 - small: small.py, small files and metadata commands over a mount against a local copy, and the
   pyfuse3 floor's;
 - load: loading.py, the in-process loader against safetensors and the Run:ai Model Streamer;
-- formats: formats.py, GGUF against safetensors (mount, reads) and against modelvet (validating).
+- formats: formats.py, GGUF against safetensors (mount, reads) and against modelvet (validating);
+- fleet: fleet.py, N nodes (network namespaces) reading one model through a caching tier (nginx) from
+  a SeaweedFS cluster (cluster.py), against one node: the aggregate rate and the store's egress.
 
 Why one home: one command that anyone with the package can run on their own machine, no checkout
 needed; one report format, each figure a ratio to its baseline measured in the same run (these
@@ -26,7 +28,7 @@ from .common import Config, Report
 
 __all__ = ["SUITES", "Config", "Report", "main"]
 
-SUITES = ("read", "remote", "open", "hash", "small", "load", "formats")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet")
 
 
 def main(config: Config, json_path: Path | None = None, *, suite: str = "read") -> int:
@@ -45,6 +47,8 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
         from .loading import run
     elif suite == "formats":
         from .formats import run
+    elif suite == "fleet":
+        from .fleet import run
     else:
         raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
     report = run(config)

@@ -195,15 +195,22 @@ class SeaweedCluster(SeaweedFS):
                         found.add(by_port[port])
         return found
 
-    def kill_volume(self, index: int) -> None:
-        """SIGKILL volume server `index`, and wait until the master has dropped it."""
+    def kill_volume(self, index: int, *, wait: bool = True) -> None:
+        """SIGKILL volume server `index`, and wait until the master has dropped it (unless not `wait`:
+        then the cluster may still send requests to it, as it does to a server that has just died)."""
         self._kill(f"volume{index}")
+        if wait:
+            self._wait_dropped(index)
+
+    def _wait_dropped(self, index: int) -> None:
         _until(lambda: index not in self.registered(), f"the master to drop volume server {index}", 60, self._dead)
 
     def start_volume(self, index: int) -> None:
-        """Start volume server `index` again (its volumes as they were), and wait until it is registered."""
+        """Start volume server `index` again (its volumes as they were), once the master has dropped
+        it, and wait until it is registered."""
         if self.processes[f"volume{index}"].poll() is None:
             return
+        self._wait_dropped(index)  # else its old registration would pass for the new one
         self._start(f"volume{index}")
         _until(lambda: index in self.registered(), f"volume server {index} to register", 60, self._dead)
 
@@ -438,7 +445,9 @@ class Relay:
         config = (
             f"{user} worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log info;\n"
             "events { worker_connections 1024; }\n"
-            f"http {{ access_log {d}/access.log; {nginx_temp_paths(d)}\n"
+            # Whether a request was signed (S3's X-Amz-Date: never the signature itself).
+            "http { log_format relay '$remote_addr \"$request\" $status amz_date=$http_x_amz_date';\n"
+            f"  access_log {d}/access.log relay; {nginx_temp_paths(d)}\n"
             f"  upstream target {{ server {self.target}; keepalive 16; }}\n"
             f"  server {{ {listen}\n"
             "    client_max_body_size 0; proxy_request_buffering off; proxy_buffering off;\n"
@@ -454,6 +463,17 @@ class Relay:
         if self.process is not None:
             stop(self.process, signal.SIGTERM)
             self.process = None
+
+    def log(self) -> list[tuple[str, str, int, bool]]:
+        """(client, request line, status, signed) of every request so far, from the access log."""
+        path = self.directory / "access.log"
+        found = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            m = re.fullmatch(r'(\S+) "([^"]*)" (\d+) amz_date=(\S+)', line)
+            if m is None:
+                raise ValueError(f"the relay's log has a line it should not: {line}")
+            found.append((m[1], m[2], int(m[3]), m[4] != "-"))
+        return found
 
 
 # -- nodes -----------------------------------------------------------------------------------------

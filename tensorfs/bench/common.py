@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,14 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 READ_SIZE = 1 << 20
 
 
-OWN_FIELDS = {"open": "open_", "hash": "hash_", "small": "small_files_", "load": "load_", "formats": "formats_"}
+OWN_FIELDS = {
+    "open": "open_",
+    "hash": "hash_",
+    "small": "small_files_",
+    "load": "load_",
+    "formats": "formats_",
+    "fleet": "fleet_",
+}
 """The prefix of the Config fields of each suite whose defaults differ from the read suite's."""
 
 
@@ -76,6 +83,14 @@ class Config:
     """... median of this many tries (five times as many for validating) ..."""
     formats_tokens: int = 262_144
     """... and a GGUF of a vocabulary this long to validate (gemma's)."""
+    fleet_gib: float = 1.0
+    """The fleet suite (fleet.py): a model this big ..."""
+    fleet_shards: int = 4
+    """... in this many shards ..."""
+    fleet_repeat: int = 3
+    """... median of this many tries ..."""
+    fleet_nodes: tuple[int, ...] = (1, 2, 4)
+    """... of each count of nodes reading it at once."""
 
     def settings(self, suite: str) -> dict[str, str]:
         """The fields `suite` reads, as text (the JSON report's "config"): the open, hash and small
@@ -114,6 +129,10 @@ class Config:
             formats_gib=1 / 16,
             formats_repeat=1,
             formats_tokens=16_384,
+            fleet_gib=1 / 16,
+            fleet_shards=2,
+            fleet_repeat=1,
+            fleet_nodes=(1, 2),
         )
 
 
@@ -233,11 +252,13 @@ class Mounter:
         at: Path | None = None,
         cache: Path | None = None,
         warm_first: list[Path] | None = None,
+        prefix: Sequence[str] = (),
     ) -> Iterator[tuple[Path, int]]:
         """A fresh mount (so nothing of it is in the kernel's cache); yields (mountpoint, daemon pid).
         Without the caches of headers and hashes unless `cache` says where they are. `warm_first`:
         files read into the page cache before mounting, for a measure of reads of a warm source (a
-        mount lets its source's pages go as it serves them: each try then starts as the first did)."""
+        mount lets its source's pages go as it serves them: each try then starts as the first did).
+        `prefix`: what `tensorfs mount` is run by (a node's nsenter: cluster.Node.command)."""
         warm(warm_first or [])
         mountpoint = self.fresh_mountpoint() if at is None else at
         mountpoint.mkdir()
@@ -245,7 +266,8 @@ class Mounter:
         options = [f"--readahead-kb={self.config.readahead_kb}", *caching, *self.config.mount_options, *extra]
         log = str(self.workdir / "daemon.log")
         subprocess.run(
-            self.command("mount", "-q", "--log-file", log, *options, str(source), str(mountpoint)), check=True
+            [*prefix, *self.command("mount", "-q", "--log-file", log, *options, str(source), str(mountpoint))],
+            check=True,
         )
         pid = daemon_pid(mountpoint)
         assert pid is not None, f"no daemon record for {mountpoint}"

@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 
 from .group import cli
-from .options import READAHEAD_KB, Finite
+from .options import READAHEAD_KB, Finite, ParsedText
 
-SUITES = ("read", "remote", "open", "hash", "small", "load", "formats")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet")
 """tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
 
 FIELDS: dict[str, dict[str, str]] = {
@@ -20,8 +20,20 @@ FIELDS: dict[str, dict[str, str]] = {
     "small": {"tensors": "small_files_tensors", "repeat": "small_files_repeat"},
     "load": {"gib": "load_gib", "repeat": "load_repeat"},
     "formats": {"gib": "formats_gib", "repeat": "formats_repeat"},
+    "fleet": {"gib": "fleet_gib", "shards": "fleet_shards", "repeat": "fleet_repeat", "nodes": "fleet_nodes"},
 }
 """The Config field each option sets, by suite; an option a suite has no field for is refused."""
+
+
+def _node_counts(text: str) -> tuple[int, ...]:
+    """--nodes 1,2,4: counts of nodes, each from 1 to 32."""
+    try:
+        counts = tuple(int(word) for word in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a list of node counts like 1,2,4") from None
+    if not all(1 <= count <= 32 for count in counts):
+        raise ValueError(f"{text!r}: each count of nodes is from 1 to 32")
+    return counts
 
 
 @cli.command()
@@ -47,6 +59,11 @@ FIELDS: dict[str, dict[str, str]] = {
     help="Tiny tensors in the model of open (default 100000), of small (60000), of hash's second (60000; 0: none).",
 )
 @click.option(
+    "--nodes",
+    type=ParsedText("N[,N...]", _node_counts),
+    help="The counts of nodes fleet measures, each against one (default 1,2,4).",
+)
+@click.option(
     "--remote",
     is_flag=True,
     help="Measure remote models instead: served by nginx, through the cache. The same as --suite remote.",
@@ -61,6 +78,7 @@ def bench(
     json_path: Path | None,
     suite: str | None,
     tensors: int | None,
+    nodes: tuple[int, ...] | None,
     remote: bool,
 ) -> int:
     """Measure tensorfs against baselines and peers measured in the same run, one suite at a time
@@ -91,6 +109,11 @@ def bench(
     formats: GGUF and PyTorch checkpoints against safetensors (mounting, reads through the mount,
     opening 3,000 tensors) and GGUF against modelvet (validating a 262k-token vocabulary); needs
     FUSE. --gib 1, --repeat 3.
+
+    fleet: N nodes, each in a network namespace of its own, reading one model (the whole of it, and a
+    stage of it each) through a caching tier (nginx, contrib/nginx-tier.conf) from a SeaweedFS
+    cluster, against one node: the aggregate rate, and the store's egress (needs FUSE, root, nginx,
+    weed). --gib 1, --shards 4, --repeat 3, --nodes 1,2,4.
     """
     from .. import bench as benchmark
 
@@ -101,7 +124,8 @@ def bench(
     suite = suite or "read"
     fields = FIELDS[suite]
     config = benchmark.Config.quick() if quick else benchmark.Config()
-    given = {"gib": gib, "shards": shards, "repeat": repeat, "readahead_kb": readahead_kb, "tensors": tensors}
+    given = {"gib": gib, "shards": shards, "repeat": repeat, "readahead_kb": readahead_kb, "tensors": tensors,
+             "nodes": nodes}  # fmt: skip
     for option, value in given.items():
         if value is None:
             continue

@@ -376,7 +376,7 @@ class TensorOperations(pyfuse3.Operations):
         model = self.tree.model
         while span.copy is None:
             try:
-                failing = model.failing(span.shard)
+                failing = model.failing(span.shard, span.start, span.end)
                 if failing is not None:
                     raise failing  # to its fallback at once
                 self.verifier.check(span.shard, span.name)
@@ -473,7 +473,7 @@ class TensorOperations(pyfuse3.Operations):
 
     async def _answer_tensor(self, span: _OpenTensor, off: int, size: int, previous: list[_Held]) -> memoryview:
         if span.copy is None:
-            failing = self.tree.model.failing(span.shard)
+            failing = self.tree.model.failing(span.shard, span.start + off, min(span.start + off + size, span.end))
             if failing is not None:
                 raise failing  # to its fallback at once
             self.verifier.check(span.shard, span.name)

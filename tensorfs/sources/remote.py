@@ -159,6 +159,9 @@ class RemoteShard(ShardData):
         self.ensure_pinned(start, end, ahead=coming)
         return None
 
+    def held(self, start: int, end: int) -> bool:
+        return self.missing(self.chunks_of([(start, end)])) == 0
+
     def pin(self, start: int, end: int) -> bool:
         return end <= start or self.cached.pin(*self._chunks(start, end))
 

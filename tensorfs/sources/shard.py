@@ -132,6 +132,11 @@ class ShardData(ABC):
         """Whether [start, end) is in memory already, asked without blocking (False: don't know)."""
         return False
 
+    def held(self, start: int, end: int) -> bool:
+        """Whether [start, end) can be had without asking where the shard comes from (a remote
+        shard's chunks all in its cache); False for a file, which is where its bytes come from."""
+        return False
+
     def pin(self, start: int, end: int) -> bool:
         """Hold [start, end) present until unpin(): True if it is (a file's bytes always are)."""
         return True
