@@ -155,6 +155,79 @@ def _numpy_for(dtype: str) -> Any:
     return found if found is not None else np.uint8
 
 
+# -- the in-process loader against the reference's safe_open -----------------------------------
+
+
+def as_bytes(tensor: Any) -> bytes:
+    """A tensor's raw bytes, whatever it is (a numpy array or a torch tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tensor, torch.Tensor):
+        if tensor.element_size() == 1:  # as bytes before any copy: a copy makes a bool's byte 0 or 1
+            tensor = tensor.view(torch.uint8)
+        flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.reshape(-1))  # stride 1, whatever it was
+        return bytes(flat.view(torch.uint8).numpy().tobytes())
+    return bytes(np.ascontiguousarray(tensor).tobytes())
+
+
+def same_tensor(ours: Any, theirs: Any) -> None:
+    assert type(ours) is type(theirs)
+    assert ours.dtype == theirs.dtype
+    assert tuple(ours.shape) == tuple(theirs.shape)
+    assert as_bytes(ours) == as_bytes(theirs)
+
+
+SLICES: list[Callable[[int], Any]] = [
+    lambda ndim: slice(None),
+    lambda ndim: 0,
+    lambda ndim: slice(1, None),
+    lambda ndim: (Ellipsis, slice(None, 1)),
+    lambda ndim: (slice(None), slice(None, None, 2)),
+    lambda ndim: (slice(0, 1), Ellipsis),
+    lambda ndim: (0,) * ndim,  # an element (of a 0-d tensor too): a 0-d array in numpy, not a scalar
+]
+
+
+def in_byte_order(names: list[str], opened: Any) -> list[str]:
+    """`names` by shard and offset; empty tensors at one offset by name (the reference's order of
+    those follows its hash map, not the file)."""
+    shards = opened.model.shards
+    return sorted(names, key=lambda n: (shards.index(opened.model.locate(n)[0]), opened.model.locate(n)[1:], n))
+
+
+def compare_safe_open(path: Path, framework: str, **options: Any) -> None:
+    """Everything tensorfs.safe_open shows of the file `path` against the reference's safe_open: keys
+    in both orders, metadata, each tensor's dtype, shape and bytes (the reference's raw bytes where
+    it cannot make the tensor itself), and slices of it."""
+    import tensorfs
+
+    raw = {name: bytes(t["data"]) for name, t in safetensors.deserialize(path.read_bytes())}
+    with tensorfs.safe_open(path, framework, **options) as ours, safetensors.safe_open(str(path), framework) as theirs:
+        assert ours.keys() == theirs.keys()
+        assert ours.offset_keys() == in_byte_order(theirs.offset_keys(), ours)
+        assert ours.metadata() == theirs.metadata()
+        for name in theirs.offset_keys():
+            reference = theirs.get_slice(name)
+            mine = ours.get_slice(name)
+            assert mine.get_dtype() == reference.get_dtype()
+            assert mine.get_shape() == reference.get_shape()
+            assert as_bytes(ours.get_tensor(name)) == raw[name]
+            try:
+                whole = theirs.get_tensor(name)
+            except Exception:
+                continue  # a dtype the reference has no tensor of in this framework (fp8 in numpy, F6)
+            same_tensor(ours.get_tensor(name), whole)
+            if reference.get_dtype() == "F4":
+                continue  # the reference slices F4 by its values, but gives tensors of two values an element
+            shape = reference.get_shape()
+            for make in SLICES:
+                key = make(len(shape))
+                try:
+                    expected = reference[key]
+                except Exception:
+                    continue
+                same_tensor(mine[key], expected)
+
+
 def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int = 0) -> None:
     document = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
     (directory / INDEX_NAME).write_text(json.dumps(document))
