@@ -206,6 +206,7 @@ def malformed() -> dict[str, tuple[bytes, str]]:
         "name twice": (raw_gguf([], [info("w", [8], 0, 0), info("w", [8], 0, 32)], data * 2), "appears twice"),
         "five dimensions": (raw_gguf([], [info("w", [1, 1, 1, 1, 8], 0, 0)], data), "5 dimensions"),
         "overflow": (raw_gguf([], [info("w", [1 << 32, 1 << 32], 0, 0)], data), "more than 9223372036854775807"),
+        "0 after the first dimension": (raw_gguf([], [info("w", [8, 1, 0], 0, 0)], b""), "one after the first is 0"),
         "unknown type": (raw_gguf([], [info("w", [8], 4, 0)], data), "unknown ggml type 4"),
         "partial block": (raw_gguf([], q4, bytes(64)), "not a multiple of Q4_0's block size 32"),
         "misaligned": (
