@@ -16,10 +16,25 @@ from typing import Any
 
 import pytest
 
-from helpers import raw_shard, read_line
+from helpers import FUZZ_RANDOM, FUZZ_REPLAY, raw_shard, read_line
 from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
+
+
+def _say_the_fuzz_seed(config: pytest.Config) -> None:
+    """A random fuzz (make fuzz) says how to replay it, even under -q (which hides the report header)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if FUZZ_RANDOM and reporter is not None:
+        reporter.write_line(f"fuzz from a fresh seed: {FUZZ_REPLAY} replays it")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _say_the_fuzz_seed(session.config)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    _say_the_fuzz_seed(config)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,7 +18,7 @@ import safetensors
 import safetensors.torch
 import torch
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorfs
@@ -29,6 +29,7 @@ from helpers import (
     as_bytes,
     compare_safe_open,
     every_dtype_tensors,
+    fuzzing,
     in_byte_order,
     random_bytes,
     same_tensor,
@@ -61,7 +62,7 @@ def models(draw: st.DrawFn) -> tuple[dict[str, tuple[str, list[int], bytes]], di
     return tensors, metadata
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@fuzzing(60)
 @given(models())
 def test_safe_open_is_the_reference_on_generated_files(tmp_path: Path, model: Any) -> None:
     tensors, metadata = model
