@@ -548,7 +548,8 @@ for line in sys.stdin.buffer:
             warnings.simplefilter("ignore")
             answer = ("read", read(line[:-1].decode()))
     except Exception as exc:
-        answer = ("refused", f"{type(exc).__name__}: {str(exc)[:200]}")
+        why = str(exc) if len(str(exc)) < 500 else str(exc)[:200] + " ... " + str(exc)[-250:]
+        answer = ("refused", f"{type(exc).__name__}: {why}")
     finally:
         signal.alarm(0)
     data = pickle.dumps(answer)
