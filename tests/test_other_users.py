@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Mounts, OtherUser
+from conftest import Mounts, OtherUser, drop_caches
 from helpers import MIB, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
 from tensorfs.headercache import WORTH_CACHING
@@ -123,12 +123,12 @@ def test_a_companion_changed_after_the_mount_is_refused_not_followed(
     (model / "config.json").unlink()
     (model / "config.json").symlink_to(secret)
     other_user.owns(model / "config.json")
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_caches()
     read = other_user.run("cat", str(config), timeout=30)
     assert read.returncode != 0 and "Input/output error" in read.stderr and "only root" not in read.stdout
     (model / "config.json").unlink()
     os.mkfifo(model / "config.json")
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_caches()
     read = other_user.run("cat", str(config), timeout=30)  # no hang
     assert read.returncode != 0 and "Input/output error" in read.stderr
 
