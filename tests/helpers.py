@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import platform
+import re
 import secrets
 import select
 import struct
@@ -85,6 +86,35 @@ def raw_shard(header: bytes | Mapping[str, Any], data: bytes = b"", *, length: i
 
 def entry(dtype: str, shape: Sequence[int], begin: int, end: int) -> dict[str, Any]:
     return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+
+
+def _reference_dtypes() -> dict[str, int]:
+    """The reference reader's dtypes and the bits of each, from the reference itself: safetensors
+    exposes no table of them (safetensors.torch's holds torch's alone), so the names are those its
+    refusal of an unknown one lists, and each one's width the size it takes for 8 elements."""
+    try:
+        safetensors.deserialize(raw_shard({"a": entry("NO SUCH DTYPE", [1], 0, 1)}, b"x"))
+    except Exception as exc:
+        listed = str(exc).partition("expected one of")[2]
+    else:
+        raise AssertionError("the reference took a dtype it has not")
+    names = re.findall(r"`([^`]+)`", listed.partition(" at line")[0])
+    assert names, f"no dtype names in the reference's refusal: {listed!r}"
+    bits = {}
+    for name in names:
+        for size in range(1, 129):
+            try:
+                safetensors.deserialize(raw_shard({"a": entry(name, [8], 0, size)}, bytes(size)))
+            except Exception:
+                continue
+            bits[name] = size  # 8 elements of `size` bytes: `size` bits each
+            break
+    assert set(bits) == set(names), f"no width found for {set(names) - set(bits)}"
+    return bits
+
+
+REFERENCE_DTYPES = _reference_dtypes()
+"""Every dtype name the reference reader knows, and its bits."""
 
 
 def reference_accepts(path: Path) -> bool:
@@ -190,12 +220,12 @@ NAME_RULES = (
 (names.py, docs/guarantees.md)."""
 
 
-def fuzz_split(split: Counter[str], ways: Sequence[str]) -> str:
+def fuzz_split(split: Counter[str], ways: Sequence[str], note: str = "") -> str:
     """How the cases of a differential fuzz went, as one line (printed, and in assertions)."""
     cases = split.total()
     shares = ", ".join(f"{way} {split[way]} ({split[way] / max(cases, 1):.1%})" for way in ways)
     replay = f"; replay: {FUZZ_REPLAY}" if FUZZ_RANDOM else ""
-    line = f"{cases} cases: {shares}{replay}"
+    line = f"{cases} cases: {shares}{note}{replay}"
     print(line)
     return line
 

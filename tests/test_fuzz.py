@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import tensorfs
 from helpers import (
     NAME_RULES,
+    REFERENCE_DTYPES,
     Row,
     Table,
     compare_safe_open,
@@ -33,10 +34,18 @@ from helpers import (
     reference_table,
 )
 from tensorfs import InvalidModelError, TensorfsError
-from tensorfs.dtypes import DTYPES
+from tensorfs.errors import Problem
+from tensorfs.formats.safetensors import _careful_parse, _fast_parse
 
 # What tensorfs refuses on purpose though the reference accepts it (docs/guarantees.md, "What is checked").
-STRICTER = ("appears more than once", "repeats the", *NAME_RULES)
+# Not "not valid Unicode": the reference refuses a lone surrogate itself (escaped, invalid JSON to it;
+# raw, invalid UTF-8), so tensorfs refusing one is never stricter.
+STRICTER = ("appears more than once", "repeats the", *(rule for rule in NAME_RULES if rule != "not valid Unicode"))
+
+# The reference's own dtype names (helpers.REFERENCE_DTYPES, from the reference), and names it does
+# not have: another case, a GGML type (tensorfs knows those, for GGUF), torch's and numpy's spellings.
+BOGUS_DTYPES = ["F128", "u8", "f32", "Bf16", "", "Q4_0", "Q8_K", "F8_E4M3FN", "float32", "I4", "F32 "]
+ONE_IN_EIGHTY = st.sampled_from([False] * 79 + [True])
 
 
 # Names both readers take, and names that break a rule of one of them (or of tensorfs's tree).
@@ -44,10 +53,13 @@ GOOD_NAMES = st.one_of(
     st.sampled_from(["w", "model.layers.0.weight", "a/b", "a", "a/b/c", "x", "é/名", 'q"uote', "back\\slash"]),
     st.text(alphabet=st.characters(exclude_characters="/\0", exclude_categories=["Cs"]), min_size=1, max_size=12),
 )
+# Lone surrogates (and pairs of them, which are one character): JSON escapes them, or a raw one is not UTF-8.
+SURROGATES = st.text(st.one_of(st.characters(categories=["Cs"]), st.sampled_from("ab.")), min_size=1, max_size=4)
 ODD_NAMES = st.one_of(
-    st.sampled_from(["x.sha256", "x.meta.json", ".tensorfs/x", "..", "", "a//b", "/abs"]),
+    st.sampled_from(["x.sha256", "x.meta.json", ".tensorfs/x", "..", "", "a//b", "/abs", "\ud83d\ude00"]),
     st.text(min_size=0, max_size=12),
     st.text(alphabet='ab./\\\0\n"', min_size=1, max_size=6),
+    st.one_of(SURROGATES, st.text(min_size=0, max_size=12)),
 )
 SHAPES = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=3)
 # The weights below keep at least a third of the cases acceptable to both readers, so that most reach
@@ -58,6 +70,12 @@ MUTATION_COUNT = st.sampled_from([0, 0, 0, 1, 2])
 METADATA = st.one_of(
     st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
     st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    st.one_of(  # a value, or a key, with a surrogate
+        st.dictionaries(st.text(max_size=4), SURROGATES, min_size=1, max_size=1),
+        st.dictionaries(SURROGATES, st.text(max_size=4), min_size=1, max_size=1),
+    ),
     st.none(),
     st.integers(),
     st.dictionaries(st.text(max_size=2), st.integers(), min_size=1, max_size=2),
@@ -73,14 +91,15 @@ def headers(draw: st.DrawFn) -> tuple[bytes, bytes]:
     for _ in range(draw(st.integers(min_value=0, max_value=5))):
         # One odd name in ten, so that most headers stay acceptable to both.
         name = draw(ODD_NAMES if draw(st.integers(min_value=0, max_value=9)) == 9 else GOOD_NAMES)
-        dtype = draw(st.sampled_from(sorted(DTYPES)))
+        dtype = draw(st.sampled_from(BOGUS_DTYPES if draw(ONE_IN_EIGHTY) else sorted(REFERENCE_DTYPES)))
+        bits = REFERENCE_DTYPES.get(dtype, 8)
         shape = draw(SHAPES)
         count = 1
         for dim in shape:
             count *= dim
-        if count * DTYPES[dtype].bits % 8 and draw(st.sampled_from([True, True, False])):
+        if count * bits % 8 and draw(st.sampled_from([True, True, False])):
             shape, count = [*shape, 4], count * 4  # F4 and F6 fill whole bytes in fours
-        nbytes = count * DTYPES[dtype].bits // 8
+        nbytes = count * bits // 8
         if name in tensors:
             continue  # (a name written twice is the repeated-key case below)
         tensors[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
@@ -214,13 +233,30 @@ def test_tensorfs_agrees_with_the_reference(tmp_path: Path, record_property: Any
         way, table = verdicts(path, content, opened_table)
         if way == "both accept":
             assert table == reference_table(path), f"tensorfs parses differently from the reference: {content[:300]!r}"
+            fast[fast_path_agrees(content)] += 1
         split[way] += 1
 
+    fast: Counter[bool] = Counter()
     case()
-    shares = fuzz_split(split, WAYS)
+    shares = fuzz_split(split, WAYS, f"; of those both accept, the fast path took {fast[True]}")
     record_property("fuzz_split", dict(split))
     # At least a third of the cases must reach the comparison of tables, not stop at a rejection.
     assert split["both accept"] * 3 >= split.total() and split["both reject"], shares
+    assert fast[True] * 4 >= split["both accept"], shares  # the fast path is compared with the careful one
+
+
+def fast_path_agrees(content: bytes) -> bool:
+    """The header of a shard both readers accept, parsed by the careful path (every rule, no problem
+    found) and by the fast one, which may decline: whether it took it (and then, agreeing)."""
+    raw = content[8 : 8 + int.from_bytes(content[:8], "little")]
+    problems: list[Problem] = []
+    careful = _careful_parse(raw, "case", problems)
+    assert problems == [], problems
+    fast = _fast_parse(raw)
+    if fast is None:
+        return False
+    assert sorted(fast[0]) == sorted(careful[0]) and fast[1] == careful[1], f"the paths differ on {raw!r}"
+    return True
 
 
 @pytest.mark.fuzz
