@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -29,8 +30,49 @@ def _say_the_fuzz_seed(config: pytest.Config) -> None:
         reporter.write_line(f"fuzz from a fresh seed: {FUZZ_REPLAY} replays it")
 
 
+# -- nothing left behind ------------------------------------------------------------------------
+
+TMP = Path("/tmp")
+SESSION_TAG = f"{os.getpid()}-"
+"""In the name of every file the tests themselves make in /tmp (tensorfs-test-PID-..., ...): the
+session-end check tells them from other sessions' files by it."""
+LEFT_IN_TMP = ("tensorfs-[0-9]*", "torchinductor_*", "seaweedfs-*")
+"""What else of a run could be left in /tmp: tensorfs's runtime directory by default (tensorfs-UID),
+torch's compile cache and SeaweedFS's sockets (both in the temporary directory, which a session
+points into its own: found in /tmp, something went round that)."""
+_before = pytest.StashKey[set[str]]()
+_hypothesis_home = pytest.StashKey[Path]()
+
+
+def left_in_tmp() -> set[str]:
+    """The names in /tmp that a run of this suite (this session) may have made."""
+    patterns = (*LEFT_IN_TMP, f"tensorfs-*-{SESSION_TAG}*")
+    return {path.name for pattern in patterns for path in TMP.glob(pattern)}
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _say_the_fuzz_seed(session.config)
+    session.config.stash[_before] = left_in_tmp()
+    # Hypothesis keeps caches in ./.hypothesis (the working tree) from the collection on, whatever the
+    # settings' database: in a directory of the session's, removed at its end.
+    import hypothesis.configuration
+
+    home = Path(tempfile.mkdtemp(prefix=f"tensorfs-hypothesis-{SESSION_TAG}"))
+    hypothesis.configuration.set_hypothesis_home_dir(home)
+    session.config.stash[_hypothesis_home] = home
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that leaves anything of its own in /tmp fails, saying what (see left_in_tmp())."""
+    home = session.config.stash.get(_hypothesis_home, None)
+    if home is not None:
+        shutil.rmtree(home)
+    left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"left in {TMP} by this run: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -45,6 +87,7 @@ def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "XDG_STATE_HOME",
         "XDG_CACHE_HOME",
         "TENSORFS_RUNTIME_DIR",
+        "TMPDIR",
         "AWS_METADATA_ENDPOINT",
         "AWS_EC2_METADATA_DISABLED",
     )
@@ -52,6 +95,10 @@ def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["TENSORFS_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("run"))
+    # What this process and its children keep in "the temporary directory" (torch's compile cache
+    # that transformers makes, a command's own temporary files): in the session's.
+    saved_tempdir = tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
     # An S3 client without credentials asks the instance metadata service (169.254.169.254) for some:
     # never from a test. Port 9 of loopback: nothing listens there.
     os.environ["AWS_METADATA_ENDPOINT"] = "http://127.0.0.1:9"
@@ -59,6 +106,7 @@ def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         yield
     finally:
+        tempfile.tempdir = saved_tempdir
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -347,10 +395,8 @@ def other_user() -> OtherUser:
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A directory under /tmp that every user can reach (tmp_path is root's alone); removed at the
-    end, what is mounted in it unmounted first."""
-    import tempfile
-
-    directory = Path(tempfile.mkdtemp(prefix="tensorfs-test-", dir="/tmp"))
+    end, what is mounted in it unmounted first, or the test fails saying what is left."""
+    directory = Path(tempfile.mkdtemp(prefix=f"tensorfs-test-{SESSION_TAG}", dir=TMP))
     directory.chmod(0o755)
     try:
         yield directory
@@ -358,4 +404,6 @@ def shared_dir() -> Iterator[Path]:
         inside = [entry.mountpoint for entry in mount_table() if entry.mountpoint.is_relative_to(directory)]
         for mountpoint in sorted(inside, reverse=True):
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
-        shutil.rmtree(directory, ignore_errors=True)
+        failures: list[str] = []
+        shutil.rmtree(directory, onerror=lambda _, path, error: failures.append(f"{path}: {error[1]}"))
+        assert not directory.exists(), f"{directory} is left: {failures}"
