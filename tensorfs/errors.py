@@ -38,7 +38,7 @@ class Problem:
         where = printable(self.file)
         if self.tensor is not None:
             where += f": tensor '{printable(self.tensor)}'"
-        return f"{where}: {self.reason}"
+        return f"{where}: {printable(self.reason)}"  # a reason may quote what the file holds
 
 
 class TensorfsError(Exception):

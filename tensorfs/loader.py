@@ -196,6 +196,11 @@ class TensorSlice:
     def __getitem__(self, key: Any) -> Any:
         whole = self._opened.model.tensor(self._name, self._opened.framework)  # a view: nothing read yet
         part = whole[key]
+        if self._opened.framework == "np":
+            import numpy as np
+
+            if isinstance(part, np.generic):  # an element: a 0-d array of its bytes, as the reference gives
+                part = whole[(*key, ...) if isinstance(key, tuple) else (key, ...)]
         device = self._opened.device
         return part if str(device) == "cpu" else part.to(device)
 

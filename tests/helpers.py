@@ -6,20 +6,25 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import platform
+import re
+import secrets
 import select
 import struct
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c
 import numpy as np
 import pytest
 import safetensors
+from hypothesis import HealthCheck, seed, settings
 
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import ShardHeader
@@ -83,6 +88,35 @@ def entry(dtype: str, shape: Sequence[int], begin: int, end: int) -> dict[str, A
     return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
 
 
+def _reference_dtypes() -> dict[str, int]:
+    """The reference reader's dtypes and the bits of each, from the reference itself: safetensors
+    exposes no table of them (safetensors.torch's holds torch's alone), so the names are those its
+    refusal of an unknown one lists, and each one's width the size it takes for 8 elements."""
+    try:
+        safetensors.deserialize(raw_shard({"a": entry("NO SUCH DTYPE", [1], 0, 1)}, b"x"))
+    except Exception as exc:
+        listed = str(exc).partition("expected one of")[2]
+    else:
+        raise AssertionError("the reference took a dtype it has not")
+    names = re.findall(r"`([^`]+)`", listed.partition(" at line")[0])
+    assert names, f"no dtype names in the reference's refusal: {listed!r}"
+    bits = {}
+    for name in names:
+        for size in range(1, 129):
+            try:
+                safetensors.deserialize(raw_shard({"a": entry(name, [8], 0, size)}, bytes(size)))
+            except Exception:
+                continue
+            bits[name] = size  # 8 elements of `size` bytes: `size` bits each
+            break
+    assert set(bits) == set(names), f"no width found for {set(names) - set(bits)}"
+    return bits
+
+
+REFERENCE_DTYPES = _reference_dtypes()
+"""Every dtype name the reference reader knows, and its bits."""
+
+
 def reference_accepts(path: Path) -> bool:
     try:
         with safetensors.safe_open(str(path), framework="np") as f:
@@ -134,6 +168,68 @@ def header_table(header: ShardHeader, content: bytes) -> Table:
     return tensors, header.metadata
 
 
+# -- differential fuzzing: the suite's cases fixed, make fuzz's many more and fresh -------------
+
+FUZZ_RANDOM = os.environ.get("TENSORFS_FUZZ_RANDOM") is not None
+"""`make fuzz`: fresh cases each run, from FUZZ_SEED (TENSORFS_FUZZ_SEED replays a run)."""
+FUZZ_SEED = int(os.environ.get("TENSORFS_FUZZ_SEED") or secrets.randbits(64)) if FUZZ_RANDOM else None
+FUZZ_TIMES = int(os.environ.get("TENSORFS_FUZZ_TIMES", "1"))
+"""How many times its suite's count of cases each differential fuzz runs (`make fuzz`: FUZZ_TIMES)."""
+FUZZ_REPLAY = f"TENSORFS_FUZZ_RANDOM=1 TENSORFS_FUZZ_SEED={FUZZ_SEED} TENSORFS_FUZZ_TIMES={FUZZ_TIMES}"
+"""What replays this run's fuzz (the conftest says it at the start and the end of a random run)."""
+
+_Test = TypeVar("_Test", bound=Callable[..., Any])
+
+
+def fuzzing(examples: int) -> Callable[[_Test], _Test]:
+    """Hypothesis's settings for a differential fuzz of `examples` cases (FUZZ_TIMES as many).
+
+    In the suite the cases are derandomized: the same ones each run, so a failure is one of them.
+    Under `make fuzz` (TENSORFS_FUZZ_RANDOM) they are drawn from FUZZ_SEED, fresh each run and
+    said, so that a failure can be replayed. Only then a @seed: one would override derandomize.
+    No example database: nothing is written into the working directory.
+    """
+
+    def apply(test: _Test) -> _Test:
+        chosen: _Test = settings(
+            max_examples=examples * FUZZ_TIMES,
+            deadline=None,
+            database=None,
+            derandomize=not FUZZ_RANDOM,
+            suppress_health_check=list(HealthCheck),
+        )(test)
+        return seed(FUZZ_SEED)(chosen) if FUZZ_SEED is not None else chosen
+
+    return apply
+
+
+NAME_RULES = (
+    "name is empty",
+    "NUL",
+    "absolute path",
+    "path component",
+    "reserved for tensorfs",
+    "not valid Unicode",
+    "bytes;",
+    "over 255 bytes",
+    "sidecar",
+    "as a directory",
+    "maps to the same path",
+)
+"""What tensorfs refuses of names that any format's reader takes: each must stay a safe path in a mount
+(names.py, docs/guarantees.md)."""
+
+
+def fuzz_split(split: Counter[str], ways: Sequence[str], note: str = "") -> str:
+    """How the cases of a differential fuzz went, as one line (printed, and in assertions)."""
+    cases = split.total()
+    shares = ", ".join(f"{way} {split[way]} ({split[way] / max(cases, 1):.1%})" for way in ways)
+    replay = f"; replay: {FUZZ_REPLAY}" if FUZZ_RANDOM else ""
+    line = f"{cases} cases: {shares}{note}{replay}"
+    print(line)
+    return line
+
+
 def every_dtype_tensors(seed: int = 0) -> dict[str, Tensor]:
     """One tensor of each dtype the reference writer knows, plus a 0-d and an empty one."""
     tensors: dict[str, Tensor] = {}
@@ -153,6 +249,79 @@ def _numpy_for(dtype: str) -> Any:
 
     found = DTYPES[dtype].numpy
     return found if found is not None else np.uint8
+
+
+# -- the in-process loader against the reference's safe_open -----------------------------------
+
+
+def as_bytes(tensor: Any) -> bytes:
+    """A tensor's raw bytes, whatever it is (a numpy array or a torch tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tensor, torch.Tensor):
+        if tensor.element_size() == 1:  # as bytes before any copy: a copy makes a bool's byte 0 or 1
+            tensor = tensor.view(torch.uint8)
+        flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.reshape(-1))  # stride 1, whatever it was
+        return bytes(flat.view(torch.uint8).numpy().tobytes())
+    return bytes(np.ascontiguousarray(tensor).tobytes())
+
+
+def same_tensor(ours: Any, theirs: Any) -> None:
+    assert type(ours) is type(theirs)
+    assert ours.dtype == theirs.dtype
+    assert tuple(ours.shape) == tuple(theirs.shape)
+    assert as_bytes(ours) == as_bytes(theirs)
+
+
+SLICES: list[Callable[[int], Any]] = [
+    lambda ndim: slice(None),
+    lambda ndim: 0,
+    lambda ndim: slice(1, None),
+    lambda ndim: (Ellipsis, slice(None, 1)),
+    lambda ndim: (slice(None), slice(None, None, 2)),
+    lambda ndim: (slice(0, 1), Ellipsis),
+    lambda ndim: (0,) * ndim,  # an element (of a 0-d tensor too): a 0-d array in numpy, not a scalar
+]
+
+
+def in_byte_order(names: list[str], opened: Any) -> list[str]:
+    """`names` by shard and offset; empty tensors at one offset by name (the reference's order of
+    those follows its hash map, not the file)."""
+    shards = opened.model.shards
+    return sorted(names, key=lambda n: (shards.index(opened.model.locate(n)[0]), opened.model.locate(n)[1:], n))
+
+
+def compare_safe_open(path: Path, framework: str, **options: Any) -> None:
+    """Everything tensorfs.safe_open shows of the file `path` against the reference's safe_open: keys
+    in both orders, metadata, each tensor's dtype, shape and bytes (the reference's raw bytes where
+    it cannot make the tensor itself), and slices of it."""
+    import tensorfs
+
+    raw = {name: bytes(t["data"]) for name, t in safetensors.deserialize(path.read_bytes())}
+    with tensorfs.safe_open(path, framework, **options) as ours, safetensors.safe_open(str(path), framework) as theirs:
+        assert ours.keys() == theirs.keys()
+        assert ours.offset_keys() == in_byte_order(theirs.offset_keys(), ours)
+        assert ours.metadata() == theirs.metadata()
+        for name in theirs.offset_keys():
+            reference = theirs.get_slice(name)
+            mine = ours.get_slice(name)
+            assert mine.get_dtype() == reference.get_dtype()
+            assert mine.get_shape() == reference.get_shape()
+            assert as_bytes(ours.get_tensor(name)) == raw[name]
+            try:
+                whole = theirs.get_tensor(name)
+            except Exception:
+                continue  # a dtype the reference has no tensor of in this framework (fp8 in numpy, F6)
+            same_tensor(ours.get_tensor(name), whole)
+            if reference.get_dtype() == "F4":
+                continue  # the reference slices F4 by its values, but gives tensors of two values an element
+            shape = reference.get_shape()
+            for make in SLICES:
+                key = make(len(shape))
+                try:
+                    expected = reference[key]
+                except Exception:
+                    continue
+                same_tensor(mine[key], expected)
 
 
 def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int = 0) -> None:
@@ -482,6 +651,100 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
     )
     tensors, nbytes, peak_kib = map(int, result.stdout.split())
     return tensors, nbytes, peak_kib
+
+
+# -- a reference reader bounded in memory and time ----------------------------------------------
+
+_BOUNDED = """
+import importlib, pickle, resource, signal, struct, sys, warnings
+sys.path.insert(0, sys.argv[3])
+module, _, function = sys.argv[4].partition(":")
+read = getattr(importlib.import_module(module), function)
+status = open("/proc/self/status").read()
+size = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + int(sys.argv[1]), size + int(sys.argv[1])))
+def late(*_):
+    raise TimeoutError("did not finish in time")
+signal.signal(signal.SIGALRM, late)
+for line in sys.stdin.buffer:
+    signal.alarm(int(sys.argv[2]))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            answer = ("read", read(line[:-1].decode()))
+    except Exception as exc:
+        why = str(exc) if len(str(exc)) < 500 else str(exc)[:200] + " ... " + str(exc)[-250:]
+        answer = ("refused", f"{type(exc).__name__}: {why}")
+    finally:
+        signal.alarm(0)
+    data = pickle.dumps(answer)
+    sys.stdout.buffer.write(struct.pack("<Q", len(data)) + data)
+    sys.stdout.buffer.flush()
+"""
+
+
+class BoundedReference:
+    """A reference reader in a process of its own, with `memory` bytes more than it started with
+    (its imports done) and `seconds` a file: what it cannot read within them it has not read. A
+    reader that believes the counts a damaged file gives would otherwise take the machine's memory.
+
+    `reader` names a function of a module of the tests ("module:function") that reads a file: read()
+    returns its value (picklable) as ("read", value); a reader that raises, or dies, refused:
+    ("refused", why).
+    """
+
+    def __init__(self, reader: str, memory: int = 512 << 20, seconds: int = 20) -> None:
+        self._arguments = [str(memory), str(seconds), str(Path(__file__).parent), reader]
+        self._seconds = seconds
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._process is None or self._process.poll() is not None:
+            threads = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # no memory reserved for more
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOUNDED, *self._arguments],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env={**os.environ, **threads},
+            )
+        return self._process
+
+    def read(self, path: Path) -> tuple[str, Any]:
+        process = self._started()
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(str(path).encode() + b"\n")
+        process.stdin.flush()
+        deadline = time.monotonic() + self._seconds + 60  # its imports, the first time
+        length = _read_exactly(process.stdout.fileno(), 8, deadline)
+        if length is None:  # it died: that is no reading either (the next file has a new one)
+            process.wait()
+            return ("refused", f"the reader died ({process.returncode})")
+        data = _read_exactly(process.stdout.fileno(), struct.unpack("<Q", length)[0], deadline)
+        assert data is not None, "the bounded reader died mid-answer"
+        answer: tuple[str, Any] = pickle.loads(data)
+        return answer
+
+    def close(self) -> None:
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.kill()
+            self._process.wait()
+            for pipe in (self._process.stdin, self._process.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
+def _read_exactly(fd: int, count: int, deadline: float) -> bytes | None:
+    """`count` bytes from the pipe `fd`; None if it closes first; AssertionError at the deadline."""
+    found = bytearray()
+    while len(found) < count:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        assert ready, "the bounded reader answered nothing in time"
+        chunk = os.read(fd, count - len(found))
+        if not chunk:
+            return None
+        found += chunk
+    return bytes(found)
 
 
 # -- CRC-32C forging: what a store that means to deceive a CRC can do ----------------------------

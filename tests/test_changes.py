@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import pytest
 
 import tensorfs
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
     entry,
@@ -417,20 +417,6 @@ def test_hasher_counts_and_reads_through_the_file(model_dir: Path) -> None:
 
 # -- a truncation the daemon is never told of --------------------------------------------------------
 
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-
-
-def drop_page_cache() -> None:
-    """Every clean page out of the page cache (the mounted files' too): what is read next is asked of
-    the file systems again. As root: on CI a page cache that cannot be dropped fails the test,
-    elsewhere it skips it."""
-    if os.geteuid() != 0 or not os.access(DROP_CACHES, os.W_OK):
-        if os.environ.get("CI"):
-            pytest.fail("dropping the page cache is required on CI (root, a writable /proc/sys/vm/drop_caches)")
-        pytest.skip("cannot drop the page cache (needs root and a writable /proc/sys/vm/drop_caches)")
-    DROP_CACHES.write_text("3\n")
-
-
 # `tensorfs mount` whose daemon never learns that a shard changed: its watch drains inotify's events
 # and reports none, and the shards' sizes and times tell it nothing.
 MOUNT_BLIND = """
@@ -466,7 +452,7 @@ def test_a_truncation_is_eio_without_change_detection(mounts: Mounts, model_dir:
         page = os.sysconf("SC_PAGE_SIZE")
         cut = -(-(offset_of(model_dir, "t1.2") + MIB) // page) * page  # t1.2 keeps its first MiB or so
         os.truncate(model_dir / "s1.safetensors", cut)
-        drop_page_cache()  # the mounted files' pages too: the kernel asks the daemon again
+        drop_caches()  # the mounted files' pages too: the kernel asks the daemon again
         waits, errors = stats_of(mountpoint)["page_waits"], read_errors(mountpoint)
         with pytest.raises(OSError) as raised:
             os.pread(served.fileno(), MIB, MIB)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
     HandshakeReader,
@@ -138,8 +138,7 @@ def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, mo
             f.read(4096)
         if i % 2000 == 0:
             kill_mid_read(pid, HandshakeReader(mountpoint / "t3.3", forever=True))
-    if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # a forget storm: the kernel drops every dentry
-        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    drop_caches(2)  # a forget storm: the kernel drops every dentry
     assert (mountpoint / "t2.2").read_bytes() == expected["t2.2"]  # still serving, after forgets
     fds, maps = daemon_resources(pid)
     assert fds == before[0]

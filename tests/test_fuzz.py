@@ -3,55 +3,63 @@ what it accepts unless one of tensorfs's documented stricter rules applies, and 
 accept into the same table (names, dtypes, shapes, offsets, bytes, `__metadata__`).
 
 The normal suite runs a fixed number of deterministic cases; `make fuzz` runs many more
-(TENSORFS_FUZZ_EXAMPLES) with a random seed.
+(TENSORFS_FUZZ_TIMES as many) from a fresh seed, which it says (helpers.fuzzing).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import struct
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorfs
-from helpers import Row, Table, peak_of_opening, reference_accepts, reference_table
-from tensorfs import InvalidModelError, TensorfsError
-from tensorfs.dtypes import DTYPES
-
-EXAMPLES = int(os.environ.get("TENSORFS_FUZZ_EXAMPLES", "5000"))
-# What tensorfs refuses on purpose though the reference accepts it (docs/guarantees.md, "What is checked").
-STRICTER = (
-    "appears more than once",
-    "repeats the",
-    "name is empty",
-    "NUL",
-    "absolute path",
-    "path component",
-    "reserved for tensorfs",
-    "not valid Unicode",
-    "bytes;",
-    "over 255 bytes",
-    "sidecar",
-    "as a directory",
-    "maps to the same path",
+from helpers import (
+    NAME_RULES,
+    REFERENCE_DTYPES,
+    Row,
+    Table,
+    compare_safe_open,
+    fuzz_split,
+    fuzzing,
+    peak_of_opening,
+    reference_accepts,
+    reference_table,
 )
+from tensorfs import InvalidModelError, TensorfsError
+from tensorfs.errors import Problem
+from tensorfs.formats.safetensors import _careful_parse, _fast_parse
+
+# What tensorfs refuses on purpose though the reference accepts it (docs/guarantees.md, "What is checked").
+# Not "not valid Unicode": the reference refuses a lone surrogate itself (escaped, invalid JSON to it;
+# raw, invalid UTF-8), so tensorfs refusing one is never stricter.
+STRICTER = ("appears more than once", "repeats the", *(rule for rule in NAME_RULES if rule != "not valid Unicode"))
+
+# The reference's own dtype names (helpers.REFERENCE_DTYPES, from the reference), and names it does
+# not have: another case, a GGML type (tensorfs knows those, for GGUF), torch's and numpy's spellings.
+BOGUS_DTYPES = ["F128", "u8", "f32", "Bf16", "", "Q4_0", "Q8_K", "F8_E4M3FN", "float32", "I4", "F32 "]
+ONE_IN_EIGHTY = st.sampled_from([False] * 79 + [True])
+
 
 # Names both readers take, and names that break a rule of one of them (or of tensorfs's tree).
 GOOD_NAMES = st.one_of(
     st.sampled_from(["w", "model.layers.0.weight", "a/b", "a", "a/b/c", "x", "é/名", 'q"uote', "back\\slash"]),
     st.text(alphabet=st.characters(exclude_characters="/\0", exclude_categories=["Cs"]), min_size=1, max_size=12),
 )
+# Lone surrogates (and pairs of them, which are one character): JSON escapes them, or a raw one is not UTF-8.
+SURROGATES = st.text(st.one_of(st.characters(categories=["Cs"]), st.sampled_from("ab.")), min_size=1, max_size=4)
 ODD_NAMES = st.one_of(
-    st.sampled_from(["x.sha256", "x.meta.json", ".tensorfs/x", "..", "", "a//b", "/abs"]),
+    st.sampled_from(["x.sha256", "x.meta.json", ".tensorfs/x", "..", "", "a//b", "/abs", "\ud83d\ude00"]),
     st.text(min_size=0, max_size=12),
     st.text(alphabet='ab./\\\0\n"', min_size=1, max_size=6),
+    st.one_of(SURROGATES, st.text(min_size=0, max_size=12)),
 )
 SHAPES = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=3)
 # The weights below keep at least a third of the cases acceptable to both readers, so that most reach
@@ -62,6 +70,12 @@ MUTATION_COUNT = st.sampled_from([0, 0, 0, 1, 2])
 METADATA = st.one_of(
     st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
     st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    st.one_of(  # a value, or a key, with a surrogate
+        st.dictionaries(st.text(max_size=4), SURROGATES, min_size=1, max_size=1),
+        st.dictionaries(SURROGATES, st.text(max_size=4), min_size=1, max_size=1),
+    ),
     st.none(),
     st.integers(),
     st.dictionaries(st.text(max_size=2), st.integers(), min_size=1, max_size=2),
@@ -77,14 +91,15 @@ def headers(draw: st.DrawFn) -> tuple[bytes, bytes]:
     for _ in range(draw(st.integers(min_value=0, max_value=5))):
         # One odd name in ten, so that most headers stay acceptable to both.
         name = draw(ODD_NAMES if draw(st.integers(min_value=0, max_value=9)) == 9 else GOOD_NAMES)
-        dtype = draw(st.sampled_from(sorted(DTYPES)))
+        dtype = draw(st.sampled_from(BOGUS_DTYPES if draw(ONE_IN_EIGHTY) else sorted(REFERENCE_DTYPES)))
+        bits = REFERENCE_DTYPES.get(dtype, 8)
         shape = draw(SHAPES)
         count = 1
         for dim in shape:
             count *= dim
-        if count * DTYPES[dtype].bits % 8 and draw(st.sampled_from([True, True, False])):
+        if count * bits % 8 and draw(st.sampled_from([True, True, False])):
             shape, count = [*shape, 4], count * 4  # F4 and F6 fill whole bytes in fours
-        nbytes = count * DTYPES[dtype].bits // 8
+        nbytes = count * bits // 8
         if name in tensors:
             continue  # (a name written twice is the repeated-key case below)
         tensors[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
@@ -176,53 +191,94 @@ def model_table(model: tensorfs.Model) -> Table:
     return tensors, model.shard_header(shard).metadata
 
 
-def compare_with_reference(path: Path, content: bytes) -> str:
-    """Check tensorfs against the reference on one shard's `content`; say which way the case went."""
+WAYS = ("both accept", "both reject", "tensorfs stricter", "reference stricter")
+"""How a case can go ("reference stricter" never shows: any such case has failed the test already)."""
+
+
+def verdicts(path: Path, content: bytes, opening: Callable[[Path], Any]) -> tuple[str, Any]:
+    """Write one shard's `content` to `path`, and have it opened by the reference and by tensorfs
+    (`opening`, which raises InvalidModelError when tensorfs refuses): which way the case went, and
+    what `opening` gave. What the reference refuses tensorfs refuses; what tensorfs alone refuses
+    breaks one of its documented stricter rules."""
     path.write_bytes(content)
     reference = reference_accepts(path)
     try:
-        with tensorfs.open_model(path) as model:
-            ours, problems, table = True, [], model_table(model)
+        opened = opening(path)
     except InvalidModelError as exc:
-        ours, problems = False, [p.reason for p in exc.problems]
+        if not reference:
+            return "both reject", None
+        unexplained = [p.reason for p in exc.problems if not any(rule in p.reason for rule in STRICTER)]
+        assert not unexplained, f"rejected without a stricter rule: {unexplained} for {content[:200]!r}"
+        return "tensorfs stricter", None
     except TensorfsError as exc:  # pragma: no cover - would be a bug in the error types
         raise AssertionError(f"an error other than InvalidModelError: {exc!r}") from exc
-    if not reference:
-        assert not ours, f"tensorfs accepts what the reference rejects: {content[:200]!r}"
-        return "both reject"
-    if not ours:
-        unexplained = [reason for reason in problems if not any(rule in reason for rule in STRICTER)]
-        assert not unexplained, f"rejected without a stricter rule: {unexplained} for {content[:200]!r}"
-        return "tensorfs stricter"
-    assert table == reference_table(path), f"tensorfs parses differently from the reference: {content[:300]!r}"
-    return "both accept"
+    assert reference, f"tensorfs accepts what the reference rejects: {content[:200]!r}"
+    return "both accept", opened
 
 
+def opened_table(path: Path) -> Table:
+    with tensorfs.open_model(path) as model:
+        return model_table(model)
+
+
+@pytest.mark.fuzz
 def test_tensorfs_agrees_with_the_reference(tmp_path: Path, record_property: Any) -> None:
+    """open_model's table of each fuzzed shard against the reference reader's."""
     split: Counter[str] = Counter()
     path = tmp_path / "case.safetensors"
 
-    @seed(20261129)
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        database=None,
-        derandomize=os.environ.get("TENSORFS_FUZZ_RANDOM") is None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzzing(5000)
     @given(shard_files())
     def case(content: bytes) -> None:
-        split[compare_with_reference(path, content)] += 1
+        way, table = verdicts(path, content, opened_table)
+        if way == "both accept":
+            assert table == reference_table(path), f"tensorfs parses differently from the reference: {content[:300]!r}"
+            fast[fast_path_agrees(content)] += 1
+        split[way] += 1
 
+    fast: Counter[bool] = Counter()
     case()
-    cases = split.total()
-    # "reference stricter" is always 0 here: any such case has failed the test already.
-    ways = ("both accept", "both reject", "tensorfs stricter", "reference stricter")
-    shares = ", ".join(f"{way} {split[way]} ({split[way] / cases:.1%})" for way in ways)
-    print(f"{cases} cases: {shares}")
+    shares = fuzz_split(split, WAYS, f"; of those both accept, the fast path took {fast[True]}")
     record_property("fuzz_split", dict(split))
     # At least a third of the cases must reach the comparison of tables, not stop at a rejection.
-    assert split["both accept"] * 3 >= cases, shares
+    assert split["both accept"] * 3 >= split.total() and split["both reject"], shares
+    assert fast[True] * 4 >= split["both accept"], shares  # the fast path is compared with the careful one
+
+
+def fast_path_agrees(content: bytes) -> bool:
+    """The header of a shard both readers accept, parsed by the careful path (every rule, no problem
+    found) and by the fast one, which may decline: whether it took it (and then, agreeing)."""
+    raw = content[8 : 8 + int.from_bytes(content[:8], "little")]
+    problems: list[Problem] = []
+    careful = _careful_parse(raw, "case", problems)
+    assert problems == [], problems
+    fast = _fast_parse(raw)
+    if fast is None:
+        return False
+    assert sorted(fast[0]) == sorted(careful[0]) and fast[1] == careful[1], f"the paths differ on {raw!r}"
+    return True
+
+
+@pytest.mark.fuzz
+def test_safe_open_agrees_with_the_reference(tmp_path: Path, record_property: Any) -> None:
+    """tensorfs.safe_open against the reference's safe_open on the same fuzzed shards, in a framework
+    drawn: refused alike, and what both open the same in every way compare_safe_open looks."""
+    split: Counter[str] = Counter()
+    path = tmp_path / "case.safetensors"
+
+    @fuzzing(300)
+    @given(shard_files(), st.sampled_from(["np", "pt"]))
+    def case(content: bytes, framework: str) -> None:
+        way, _ = verdicts(path, content, lambda path: tensorfs.safe_open(path, framework, cache=False).close())
+        if way == "both accept":
+            compare_safe_open(path, framework, cache=False)
+        split[way] += 1
+
+    case()
+    shares = fuzz_split(split, WAYS)
+    record_property("fuzz_split", dict(split))
+    # A quarter at least reach the comparison (fewer cases than above: the share varies more).
+    assert split["both accept"] * 4 >= split.total() and split["both reject"], shares
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import entry, header_table, reference_accepts, reference_table
+from helpers import REFERENCE_DTYPES, entry, header_table, reference_accepts, reference_table
 from tensorfs import InvalidModelError
 from tensorfs.dtypes import DTYPES
 from tensorfs.formats.safetensors import MAX_HEADER_BYTES, _careful_parse, _fast_parse
@@ -103,6 +103,43 @@ REJECTED = [
         None,
         "not valid Unicode",
     ),
+    (
+        "rule5-name-lone-surrogate",
+        b'{"a\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+        b"x",
+        None,
+        "not valid Unicode (it holds a lone surrogate)",
+    ),
+    (
+        "rule5-name-lone-low-surrogate",
+        b'{"\\udc00a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+        b"x",
+        None,
+        "not valid Unicode",
+    ),
+    (
+        "rule5-name-reversed-pair",
+        b'{"\\ude00\\ud83d":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+        b"x",
+        None,
+        "not valid Unicode",
+    ),
+    (
+        "rule5-metadata-value-lone-surrogate",
+        b'{"__metadata__":{"k":"v\\udc00"}}',
+        b"",
+        None,
+        "__metadata__ entry 'k' is not valid Unicode",
+    ),
+    ("rule5-metadata-key-lone-surrogate", b'{"__metadata__":{"k\\ud800":"v"}}', b"", None, "is not valid Unicode"),
+    (
+        "rule4-raw-surrogate-in-a-name",
+        '{"a\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'.encode("utf-8", "surrogatepass"),
+        b"x",
+        None,
+        "not valid UTF-8",
+    ),
+    ("rule5-ggml-dtype", {"a": entry("Q4_0", [32], 0, 18)}, bytes(18), None, 'unknown dtype "Q4_0"'),
     ("rule6-gap-at-start", {"a": entry("U8", [1], 1, 2)}, b"xy", None, "leave a gap after the start of the data"),
     (
         "rule6-gap-between",
@@ -272,20 +309,24 @@ def test_names_with_control_characters_stay_on_one_line(shard_file) -> None:  # 
 
 
 @pytest.mark.parametrize(
-    "header",
+    ("header", "fast_takes_it"),
     [
-        {"b": entry("BF16", [2, 3], 0, 12), "a": entry("F4", [4], 12, 14), "__metadata__": {"k": "v"}},
-        {"x": entry("U8", [0], 0, 0), "y": entry("U8", [3], 0, 3)},
-        {},
+        ({"b": entry("BF16", [2, 3], 0, 12), "a": entry("F4", [4], 12, 14), "__metadata__": {"k": "v"}}, True),
+        ({"x": entry("U8", [0], 0, 0), "y": entry("U8", [3], 0, 3)}, False),  # a 0: the careful path's
+        ({}, True),
+        ({"é/名": entry("F32", [], 0, 4), "__metadata__": {"\ud83d\ude00": "ü"}}, True),
     ],
 )
-def test_fast_and_careful_paths_agree_on_valid_headers(header) -> None:  # type: ignore[no-untyped-def]
+def test_fast_and_careful_paths_agree_on_valid_headers(header, fast_takes_it: bool) -> None:  # type: ignore[no-untyped-def]
+    """The fast path takes the plain headers (the fuzz compares it on thousands), declines what it
+    cannot prove, and agrees with the careful path where it answers."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     problems: list[object] = []
     careful = _careful_parse(raw, "x", problems)  # type: ignore[arg-type]
     assert problems == []
     fast = _fast_parse(raw)
-    if fast is not None:  # the fast path may decline (zero dims); when it answers, it agrees
+    assert (fast is not None) == fast_takes_it
+    if fast is not None:
         assert sorted(fast[0], key=lambda e: e[2]) == sorted(careful[0], key=lambda e: e[2])
         assert fast[1] == careful[1]
 
@@ -303,6 +344,7 @@ def test_fast_path_declines_what_it_cannot_prove() -> None:
 
 
 def test_dtype_table_is_complete() -> None:
+    assert {name: dtype.bits for name, dtype in DTYPES.items()} == REFERENCE_DTYPES  # the reference's, as it says
     assert len(DTYPES) == 22
     bits = {
         "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,

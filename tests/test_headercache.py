@@ -3,6 +3,7 @@ trouble with it means a validation from scratch, never a stale or foreign answer
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
@@ -33,7 +34,7 @@ from helpers import (
 from tensorfs import headercache
 from tensorfs.errors import InvalidModelError
 from tensorfs.headercache import HeaderCache
-from tensorfs.sources.shard import SETTLED_NS  # the real window (the fixture below shuts it in this process)
+from tensorfs.sources.shard import SETTLED_NS, Identity  # SETTLED_NS: the real window (shut below, in this process)
 
 
 @pytest.fixture(autouse=True)
@@ -288,19 +289,57 @@ def test_no_cache_and_the_commands(tmp_path: Path) -> None:
     assert done.returncode == 1 and "model-00002-of-00002.safetensors" in done.stderr, done.stderr
 
 
-def test_a_remount_sees_a_shard_changed_in_between(mounts: Mounts, tmp_path: Path) -> None:
-    """The daemon is handed cached headers by reference: it must get the new ones, never the old."""
+def test_a_remount_sees_a_shard_rewritten_under_its_cached_header(mounts: Mounts, tmp_path: Path) -> None:
+    """The mount's processes have the real settle window and size threshold: the first mount, of a
+    settled shard with a long header, fills the cache (and its daemon is handed the header by
+    reference). The shard is then rewritten in place at the same size, its old mtime put back, so
+    that only its ctime tells; the remount must serve the new tensors, never the row of the old."""
     model = tmp_path / "model.safetensors"
-    write_reference(model, {"a": ("U8", [4], b"abcd"), "b": ("U8", [4], b"efgh")})
-    mountpoint = mounts.mount(model)
-    assert (mountpoint / "a").read_bytes() == b"abcd"
+    cache = tmp_path / "cache"
+    count = headercache.WORTH_CACHING // 32  # a header of over 50 bytes a tensor: worth caching
+
+    def tensors(prefix: str, seed: int) -> dict[str, tuple[str, list[int], bytes]]:
+        return {f"{prefix}.{i:04d}": ("U8", [4], random_bytes(4, seed + i)) for i in range(count)}
+
+    old, new = tensors("old", 0), tensors("new", count)
+    write_reference(model, old)
+    replacement = tmp_path / "replacement.safetensors"
+    write_reference(replacement, new)
+    rewritten = replacement.read_bytes()
+    replacement.unlink()
+    assert len(rewritten) == model.stat().st_size  # names of the same length: the same layout
+    assert int.from_bytes(rewritten[:8], "little") >= headercache.WORTH_CACHING
+
+    newest = max(model.stat().st_mtime_ns, model.stat().st_ctime_ns)
+    wait_until(lambda: time.time_ns() - newest > SETTLED_NS, what="the shard to settle", timeout=SETTLED_NS / 1e9 + 30)
+    mountpoint = mounts.mount(model, "--cache-dir", str(cache))
+    assert (mountpoint / "old.0007").read_bytes() == old["old.0007"][2]
+    assert not (mountpoint / "new.0007").exists()
     done = mounts.run("umount", str(mountpoint))
     assert done.returncode == 0, done.stderr
-    write_reference(model, {"b": ("U8", [4], b"efgh"), "c": ("U8", [4], b"ijkl")})
-    mountpoint = mounts.mount(model)
-    assert sorted(p.name for p in mountpoint.iterdir() if not p.name.endswith((".json", ".sha256"))) == [
-        ".tensorfs",
-        "b",
-        "c",
-    ]
-    assert (mountpoint / "c").read_bytes() == b"ijkl"
+    first = model.stat()
+    kind = f"shard/{headercache.SCHEMA}"
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:
+        rows = [key for (key,) in db.execute("SELECT key FROM rows WHERE kind=?", (kind,))]
+    assert rows == [Identity.of(first).key()]  # the old table, kept by the old identity
+
+    with open(model, "r+b") as f:  # in place: the same inode, the same size
+        f.write(rewritten)
+    os.utime(model, ns=(first.st_atime_ns, first.st_mtime_ns))
+    second = model.stat()
+    assert (second.st_dev, second.st_ino, second.st_size, second.st_mtime_ns) == (
+        first.st_dev,
+        first.st_ino,
+        first.st_size,
+        first.st_mtime_ns,
+    )
+    assert second.st_ctime_ns != first.st_ctime_ns  # the one number that tells
+
+    mountpoint = mounts.mount(model, "--cache-dir", str(cache))
+    served = sorted(p.name for p in mountpoint.iterdir() if not p.name.endswith((".json", ".sha256")))
+    assert served == [".tensorfs", *sorted(new)]
+    for name in ("new.0000", "new.0007", f"new.{count - 1:04d}"):
+        assert (mountpoint / name).read_bytes() == new[name][2]
+    assert {json.loads((mountpoint / "new.0007.meta.json").read_text())["name"]} == {"new.0007"}
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:  # the old row was there to be (wrongly) taken
+        assert db.execute("SELECT COUNT(*) FROM rows WHERE kind=? AND key=?", (kind, rows[0])).fetchone() == (1,)

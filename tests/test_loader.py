@@ -10,7 +10,6 @@ import hashlib
 import os
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import safetensors
 import safetensors.torch
 import torch
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorfs
@@ -28,82 +27,19 @@ from conftest import wait_until
 from helpers import (
     MIB,
     REFERENCE_WRITER_DTYPES,
+    as_bytes,
+    compare_safe_open,
     every_dtype_tensors,
+    fuzzing,
+    in_byte_order,
     random_bytes,
+    same_tensor,
     sharded_every_dtype,
     upload,
     write_reference,
 )
 from servers import Nginx, SeaweedFS
 from tensorfs.manifest import DEFAULT_MANIFEST, format_manifest
-
-
-def as_bytes(tensor: Any) -> bytes:
-    """A tensor's raw bytes, whatever it is."""
-    if isinstance(tensor, torch.Tensor):
-        if tensor.element_size() == 1:  # as bytes before any copy: a copy makes a bool's byte 0 or 1
-            tensor = tensor.view(torch.uint8)
-        flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.reshape(-1))  # stride 1, whatever it was
-        return bytes(flat.view(torch.uint8).numpy().tobytes())
-    return bytes(np.ascontiguousarray(tensor).tobytes())
-
-
-def same_tensor(ours: Any, theirs: Any) -> None:
-    assert type(ours) is type(theirs)
-    assert ours.dtype == theirs.dtype
-    assert tuple(ours.shape) == tuple(theirs.shape)
-    assert as_bytes(ours) == as_bytes(theirs)
-
-
-SLICES: list[Callable[[int], Any]] = [
-    lambda ndim: slice(None),
-    lambda ndim: 0,
-    lambda ndim: slice(1, None),
-    lambda ndim: (Ellipsis, slice(None, 1)),
-    lambda ndim: (slice(None), slice(None, None, 2)),
-    lambda ndim: (slice(0, 1), Ellipsis),
-]
-
-
-def in_byte_order(names: list[str], opened: tensorfs.SafeOpen) -> list[str]:
-    """`names` by shard and offset; empty tensors at one offset by name (the reference's order of
-    those follows its hash map, not the file)."""
-    shards = opened.model.shards
-    return sorted(names, key=lambda n: (shards.index(opened.model.locate(n)[0]), opened.model.locate(n)[1:], n))
-
-
-def compare_with_reference(path: Path, framework: str, **options: Any) -> None:
-    """Everything safe_open shows of `path`, ours against the reference's."""
-    with tensorfs.safe_open(path, framework, **options) as ours, safetensors.safe_open(str(path), framework) as theirs:
-        assert ours.keys() == theirs.keys()
-        assert ours.offset_keys() == in_byte_order(theirs.offset_keys(), ours)
-        assert ours.metadata() == theirs.metadata()
-        for name in theirs.offset_keys():
-            reference = theirs.get_slice(name)
-            mine = ours.get_slice(name)
-            assert mine.get_dtype() == reference.get_dtype()
-            assert mine.get_shape() == reference.get_shape()
-            try:
-                whole = theirs.get_tensor(name)
-            except Exception:
-                continue
-            same_tensor(ours.get_tensor(name), whole)
-            if reference.get_dtype() == "F4":
-                continue  # the reference slices F4 by its values, but gives tensors of two values an element
-            shape = reference.get_shape()
-            for make in SLICES:
-                key = make(len(shape))
-                try:
-                    expected = reference[key]
-                except Exception:
-                    continue
-                got = mine[key]
-                if framework == "pt":
-                    same_tensor(got, expected)
-                else:
-                    assert np.asarray(got).dtype == np.asarray(expected).dtype
-                    assert as_bytes(got) == as_bytes(expected)
-
 
 names = st.text(st.sampled_from("abcxyz019._/é名"), min_size=1, max_size=12).filter(
     lambda n: not n.startswith(("/", ".")) and "//" not in n and not n.endswith("/") and "/." not in n
@@ -122,15 +58,12 @@ def models(draw: st.DrawFn) -> tuple[dict[str, tuple[str, list[int], bytes]], di
         if dtype == "F4":  # two values a byte: the writer wants an even last dimension
             shape = [*shape[:-1], 2 * shape[-1]] if shape else [2]
         count = int(np.prod(shape)) if shape else 1
-        data = random_bytes(count * DTYPES[dtype].bits // 8, i)
-        if dtype == "BOOL":  # 0 or 1, as a bool is: numpy makes any other byte 1 in a scalar
-            data = bytes(byte & 1 for byte in data)
-        tensors[name] = (dtype, shape, data)
+        tensors[name] = (dtype, shape, random_bytes(count * DTYPES[dtype].bits // 8, i))  # a BOOL's bytes too
     metadata = draw(st.none() | st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2))
     return tensors, metadata
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@fuzzing(60)
 @given(models())
 def test_safe_open_is_the_reference_on_generated_files(tmp_path: Path, model: Any) -> None:
     tensors, metadata = model
@@ -143,14 +76,14 @@ def test_safe_open_is_the_reference_on_generated_files(tmp_path: Path, model: An
         names_ok = False  # a name tensorfs refuses (it must stay a path in a mount): covered elsewhere
     if names_ok:
         for framework in ("pt", "np"):
-            compare_with_reference(path, framework, cache=False)
+            compare_safe_open(path, framework, cache=False)
 
 
 def test_safe_open_is_the_reference_for_every_dtype_and_on_shards(tmp_path: Path) -> None:
     one = tmp_path / "one.safetensors"
     write_reference(one, every_dtype_tensors(seed=7), {"format": "pt", "ünï": "cødé"})
     for framework in ("pt", "torch", "np", "numpy"):
-        compare_with_reference(one, {"torch": "pt", "numpy": "np"}.get(framework, framework))
+        compare_safe_open(one, {"torch": "pt", "numpy": "np"}.get(framework, framework))
     directory = tmp_path / "sharded"
     expected = sharded_every_dtype(directory)
     shards = sorted(directory.glob("*.safetensors"))
@@ -185,6 +118,26 @@ def test_beyond_the_reference(tmp_path: Path) -> None:
             assert array.dtype == dtype and array.shape == (3, 4) and as_bytes(array) == tensors[name][2]
         f4 = ours.get_tensor("t.f4")
         assert f4.dtype == np.uint8 and as_bytes(f4) == tensors["t.f4"][2]
+
+
+def test_an_element_in_numpy_is_a_0d_array_of_its_bytes_as_the_references(tmp_path: Path) -> None:
+    """get_slice(name)[i, j] with numpy: the reference gives a 0-d array of the element's bytes. A numpy
+    scalar would be another type, and would make a bool's byte 0 or 1."""
+    path = tmp_path / "m.safetensors"
+    tensors = {
+        "b": ("BOOL", [3], b"\x00\x01\xd8"),
+        "f": ("F32", [2, 2], random_bytes(16, 1)),
+        "s": ("I16", [], b"4\x12"),
+    }
+    write_reference(path, tensors)
+    keys = [("b", 2), ("b", (2,)), ("f", (1, 0)), ("f", (Ellipsis, 1, 1)), ("s", ()), ("s", Ellipsis)]
+    with tensorfs.safe_open(path, "np") as ours, safetensors.safe_open(str(path), "np") as theirs:
+        for name, key in keys:
+            got, expected = ours.get_slice(name)[key], theirs.get_slice(name)[key]
+            assert type(got) is type(expected) is np.ndarray, (name, key, got)
+            assert got.shape == expected.shape == () and got.dtype == expected.dtype
+            assert got.tobytes() == expected.tobytes()
+        assert ours.get_slice("b")[2].tobytes() == b"\xd8"
 
 
 def private_mappings_of(path: Path) -> list[tuple[int, int, str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Mounts, OtherUser, wait_until
+from conftest import Mounts, OtherUser, missing_root, require, wait_until
 from helpers import MIB, entry, random_bytes, raw_shard, reference_tensors, write_reference
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
@@ -209,19 +209,12 @@ def test_the_values_in_force_are_read_back(mounts: Mounts, model_dir: Path) -> N
         assert readahead == 2048
 
 
-def needs_root(why: str) -> None:
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"root is needed on CI: {why}")
-        pytest.skip(f"needs root: {why}")
-
-
 @pytest.mark.parametrize(
     ("option", "kib"),
     [((), 1024), (("--readahead-kb", "256"), 256), (("--readahead-kb", "0"), 128)],  # 0: FUSE's own, 128 KiB
 )
 def test_the_readahead_is_in_effect(mounts: Mounts, tmp_path: Path, option: tuple[str, ...], kib: int) -> None:
-    needs_root("only root may set a mount's readahead")
+    require("root (only root may set a mount's readahead)", missing_root())
     write_reference(tmp_path / "m.safetensors", {"w": ("U8", [8 * MIB], random_bytes(8 * MIB, 3))})
     mountpoint = mounts.mount(tmp_path / "m.safetensors", "--debug", *option)
     device = os.stat(mountpoint).st_dev
@@ -281,7 +274,7 @@ print(json.dumps(found))
 
 
 def test_fusectl_is_mounted_when_missing(model_dir: Path, tmp_path: Path, fuse: None) -> None:
-    needs_root("only root mounts fusectl and tunes a connection")
+    require("root (only root mounts fusectl and tunes a connection)", missing_root())
     mountpoint, log = tmp_path / "mnt", tmp_path / "daemon.log"
     mountpoint.mkdir()
     result = subprocess.run(
@@ -398,7 +391,7 @@ def test_umount_returns_when_a_daemon_it_cannot_find_holds_its_question(
 ) -> None:
     # The daemon takes umount's statfs and never answers: a request the daemon has taken is waited
     # for uninterruptibly, so umount cannot even exit unless something ends that request.
-    needs_root("only root may abort a FUSE connection (fusectl)")
+    require("root (only root may abort a FUSE connection (fusectl))", missing_root())
     mountpoint, _ = mounts.mount_adopted(model_dir, command=(sys.executable, "-c", MOUNT_A_DAEMON_THAT_WILL_HANG))
     elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "other-run")}
     output, errors = tmp_path / "umount.out", tmp_path / "umount.err"

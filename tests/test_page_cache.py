@@ -11,25 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, missing_root, require, wait_until
 from helpers import random_bytes, write_reference
 from servers import Nginx
 from tensorfs.bench.common import resident_bytes
 from tensorfs.sources.pages import HANDOVER_UNIT, Handover
 
 MIB = 1 << 20
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
 @pytest.fixture
 def drop_page_cache() -> None:
-    """These tests start with nothing of their models in memory (written, then written back and
-    dropped: a dirty page cannot be let go): on CI a page cache that cannot be dropped fails them,
-    elsewhere it skips them."""
-    if os.geteuid() != 0 or not os.access(DROP_CACHES, os.W_OK):
-        if os.environ.get("CI"):
-            pytest.fail("dropping the page cache is required on CI (root, a writable /proc/sys/vm/drop_caches)")
-        pytest.skip("cannot drop the page cache (needs root and a writable /proc/sys/vm/drop_caches)")
+    """These tests start with nothing of their models in memory (see _model): they need to drop it."""
+    require("root", missing_root())
+    drop_caches()
 
 
 def _model(directory: Path, tensors: int = 4, size: int = 8 * MIB) -> dict[str, bytes]:
@@ -37,8 +32,8 @@ def _model(directory: Path, tensors: int = 4, size: int = 8 * MIB) -> dict[str, 
     directory.mkdir(parents=True, exist_ok=True)
     data = {f"t{i}": random_bytes(size + 4096 * i, 100 + i) for i in range(tensors)}
     write_reference(directory / "model.safetensors", {name: ("U8", [len(b)], b) for name, b in data.items()})
-    os.sync()
-    DROP_CACHES.write_text("3\n")
+    os.sync()  # written back first: a dirty page cannot be let go
+    drop_caches()
     return data
 
 

@@ -20,7 +20,7 @@ import obstore
 import pytest
 
 import tensorfs
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
     entry,
@@ -461,8 +461,7 @@ def test_cache_prune_takes_what_no_reader_uses_and_the_mount_reads_on(
     wait_until(lambda: listed()[0]["cached"] == 8 * MIB, what="the first chunk to be recorded")  # t1 is in it
     assert listed()[0]["in_use"] is True
     assert cli("cache", "prune", *cache).stdout == "freed 8.0 MiB; 0 B cached\n"  # nobody answers from it
-    if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # no page cache to hide a hole
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_caches()  # no page cache to hide a hole
     for name, (_, _, data) in tensors.items():
         assert (mountpoint / name).read_bytes() == data, name
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import obstore
 import pytest
 
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, missing_root, require, wait_until
 from helpers import (
     MIB,
     OneRead,
@@ -179,14 +179,11 @@ def test_an_object_replaced_on_a_server_without_etags(mounts: Mounts, nginx: Ngi
 
 
 def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the full-disk test needs root on CI (it mounts a small tmpfs)")
-        pytest.skip("needs root: it mounts a small tmpfs")
     """A cache disk (a 20 MiB tmpfs, no --cache-size) that fills before any bound: 64 MiB of tensors
     read through it, what nobody uses evicted to make room (chunks fetched ahead of the reader
     among them), every byte exact; filled by a file not the cache's, a read gets EIO (what is
     cached is served on, the daemon lives) until there is room again."""
+    require("root (it mounts a small tmpfs)", missing_root())
     expected = big_model(nginx.root / "full", tensors=8)
     cache = tmp_path / "small-disk"
     cache.mkdir()
@@ -208,7 +205,7 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
             while True:
                 f.write(bytes(MIB))
                 f.flush()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the mount's files read again, not remembered
+        drop_caches()  # the mount's files read again, not remembered
         outcomes = {name: errno_of_reading(mountpoint / name) for name in expected}
         assert errno.EIO in outcomes.values(), outcomes
         assert set(outcomes.values()) <= {None, errno.EIO}, outcomes  # served, or refused with EIO: nothing else

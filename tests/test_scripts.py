@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Mounts, _server_missing
+from conftest import Mounts, require
 from helpers import MIB
 from servers import Nginx
 from tensorfs.integrity import HASH_WORKERS
@@ -86,9 +86,7 @@ def test_bench_fleet_runs(fuse: None, tmp_path: Path) -> None:
     each); its own SeaweedFS cluster, tier and nodes (root: network namespaces). Nothing left behind."""
     from tensorfs.bench.fleet import unusable
 
-    why = unusable()
-    if why is not None:
-        _server_missing("the fleet's parts", why)
+    require("the fleet's parts", unusable())
     report = bench_quick("fleet", tmp_path, timeout=600)
     assert report["notes"] == []  # nothing skipped
     for key in ("fleet_whole_1", "fleet_whole_2", "fleet_stages_2"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import tensorfs
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, wait_until
 from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, write_reference
 from servers import HostileServer, Nginx
 from tensorfs.sources.chunkcache import OBJECTS_DIR
@@ -142,7 +142,7 @@ def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
     chunk = served[: 8 * MIB]  # t0's first chunk: other bytes in it, with its CRC-32C kept (what a CRC cannot tell)
     changed = chunk[:MIB] + bytes(b ^ 0xFF for b in chunk[MIB : 2 * MIB]) + chunk[2 * MIB :]
     hostile.replaced["m.safetensors"] = same_crc32c(chunk, changed) + served[8 * MIB :]  # the same ETag
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the kernel's copy of t0 too: it is read again
+    drop_caches()  # the kernel's copy of t0 too: it is read again
     assert errno_of_reading(mountpoint / "t0") == errno.EIO  # never the other bytes
     assert "are not those the same version (ETag" in mounts.log()
     assert (mountpoint / "t3").read_bytes() == expected["t3"]  # what is cached is served on

@@ -4,10 +4,11 @@ The rules are those llama.cpp's own reader (ggml/src/gguf.cpp) enforces, the aut
 `gguf` package checks less: the magic, version 2 or 3, counts and string lengths the file can hold,
 known value types, arrays of scalars or strings (not of arrays), no key twice, `general.alignment` a
 u32 power of two, strings and arrays of at most 2^30 bytes or elements, keys not empty, tensor names
-under 64 bytes and unique, at most 4 dimensions whose product fits in 63 bits, a known ggml type
-(removed ones refused) whose block size divides the first dimension, and each tensor's offset
-exactly where the previous one's data ends, padded to the alignment (so aligned, in order, never
-overlapping); the data section, its last tensor padded too, inside the file. tensorfs adds: keys
+under 64 bytes and unique, at most 4 dimensions whose product fits in 63 bits (none of them 0 but the
+first: llama.cpp divides by the others), a known ggml type (removed ones refused) whose block size
+divides the first dimension, and each tensor's offset exactly where the previous one's data ends,
+padded to the alignment (so aligned, in order, never overlapping); the data section, its last tensor
+padded too, inside the file. tensorfs adds: keys
 and names are UTF-8 without NUL (names become file names), and every string is UTF-8 (as GGUF's
 specification says, and as modelvet checks). Bytes after the data are allowed, as
 llama.cpp allows them. The type table is ggml's (dtypes.GGML_TYPES).
@@ -345,7 +346,9 @@ def _tensor_infos(cursor: _Cursor, count: int) -> list[_Info]:
         if any(dim > _INT64_MAX for dim in dims):
             raise _Fault(f"a dimension of {dims} is negative (as int64)", name)
         ne = [*dims, 1, 1, 1, 1][:MAX_DIMS]
-        if all(ne) and (  # llama.cpp's checks, as it makes them (integer division, <=)
+        if 0 in ne[1:]:  # llama.cpp's reader divides by them: a crash (SIGFPE), not a tensor
+            raise _Fault(f"dimensions {dims}: one after the first is 0, which llama.cpp's reader divides by", name)
+        if (  # llama.cpp's checks, as it makes them (integer division, <=)
             _INT64_MAX // ne[1] <= ne[0]
             or _INT64_MAX // ne[2] <= ne[0] * ne[1]
             or _INT64_MAX // ne[3] <= ne[0] * ne[1] * ne[2]

@@ -14,6 +14,7 @@ nothing of a pickle ever runs, memory stays in proportion to its length, and tim
 from __future__ import annotations
 
 import _compat_pickle
+import io
 import math
 import pickletools
 from collections.abc import Callable, Iterator
@@ -149,25 +150,70 @@ def _tensor(storage: Any, offset: Any, shape: Any, stride: Any, dtype: DType | N
     return Tensor(storage, dtype, offset, shape, stride)
 
 
-def _rebuild_v2(storage: Any, offset: Any, shape: Any, stride: Any, *_: Any) -> Tensor:
-    """torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, hooks[, metadata])."""
+def _rebuild_v1(storage: Any, offset: Any, shape: Any, stride: Any) -> Tensor:
+    """torch._utils._rebuild_tensor(storage, storage_offset, size, stride)."""
     return _tensor(storage, offset, shape, stride)
 
 
-def _rebuild_v3(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> Tensor:
+def _rebuild_v2(
+    storage: Any, offset: Any, shape: Any, stride: Any, requires_grad: Any, _hooks: Any, metadata: Any = None
+) -> Tensor:
+    """torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, hooks[, metadata])."""
+    _as_torch_sets(requires_grad, metadata)
+    return _tensor(storage, offset, shape, stride)
+
+
+def _rebuild_v3(
+    storage: Any,
+    offset: Any,
+    shape: Any,
+    stride: Any,
+    requires_grad: Any,
+    _hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> Tensor:
     """torch._utils._rebuild_tensor_v3(..., requires_grad, hooks, dtype[, metadata]): an UntypedStorage's."""
-    dtype = rest[2] if len(rest) >= 3 else None
     if not isinstance(dtype, _TorchDType):
         raise Refused("a tensor's dtype is not a torch dtype")
+    _as_torch_sets(requires_grad, metadata)
     safetensors_name = dtype.dtype.name if dtype.dtype else None
     return _tensor(storage, offset, shape, stride, _dtype(safetensors_name, f"torch.{dtype.name}"))
 
 
-def _parameter(data: Any, *_: Any) -> Tensor:
-    """A Parameter is its tensor (requires_grad and hooks mean nothing to bytes)."""
+def _as_torch_sets(requires_grad: Any, metadata: Any) -> None:
+    """What torch refuses of a rebuilt tensor's requires_grad (a bool) and metadata (a dict, if any);
+    and a conjugate or negative bit, which makes its values other than its bytes."""
+    if type(requires_grad) is not bool:
+        raise Refused("a tensor's requires_grad is not a bool")
+    if not metadata:
+        return
+    if not isinstance(metadata, Pairs) or not all(type(key) is str and type(bit) is bool for key, bit in metadata):
+        raise Refused("a tensor's metadata is not a dict of names and bools")
+    if any(bit and key in ("conj", "neg") for key, bit in metadata):
+        raise Refused(
+            "a tensor saved as a lazy conjugate or negative view: its values are not its bytes; "
+            "save tensor.resolve_conj().resolve_neg() instead"
+        )
+
+
+def _parameter(data: Any, requires_grad: Any = True, _hooks: Any = None) -> Tensor:
+    """A Parameter is its tensor (requires_grad and hooks mean nothing to bytes, but torch wants a bool)."""
     if not isinstance(data, Tensor):
         raise Refused("a parameter is rebuilt from something other than a tensor")
+    if type(requires_grad) is not bool:
+        raise Refused("a parameter's requires_grad is not a bool")
     return data
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Tensor:
+    """torch._utils._rebuild_parameter(data, requires_grad, backward_hooks)."""
+    return _parameter(data, requires_grad, hooks)
+
+
+def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, _state: Any) -> Tensor:
+    """torch._utils._rebuild_parameter_with_state(data, requires_grad, backward_hooks, state)."""
+    return _parameter(data, requires_grad, hooks)
 
 
 def _from_type(function: Any, new_type: Any, args: Any, _state: Any) -> Any:
@@ -224,11 +270,11 @@ def _as_bytes(value: Any = b"", *_: Any) -> bytes:
 
 CALLABLE: dict[str, Callable[..., Any]] = {
     "collections.OrderedDict": _ordered_dict,
-    "torch._utils._rebuild_tensor": _rebuild_v2,
+    "torch._utils._rebuild_tensor": _rebuild_v1,
     "torch._utils._rebuild_tensor_v2": _rebuild_v2,
     "torch._utils._rebuild_tensor_v3": _rebuild_v3,
-    "torch._utils._rebuild_parameter": _parameter,
-    "torch._utils._rebuild_parameter_with_state": _parameter,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter_with_state,
     "torch.nn.parameter.Parameter": _parameter,
     "torch._tensor._rebuild_from_type_v2": _from_type,
     "torch.Size": _as_tuple,
@@ -239,7 +285,7 @@ CALLABLE: dict[str, Callable[..., Any]] = {
     "builtins.bytearray": _as_bytes,
 }
 """The globals a state dict's pickle calls (those torch.load(weights_only=True) accepts for one),
-each as what it makes here."""
+each as what it makes here, taking the arguments torch's function takes."""
 NAMED_ONLY = {"torch.Tensor"}
 """Globals that may be named (as _rebuild_from_type_v2's type) but not called."""
 
@@ -353,6 +399,8 @@ def load(data: bytes) -> Any:
     def set_items(target: Any, items: list[Any]) -> None:
         if not isinstance(target, Pairs) or len(items) % 2:
             raise Refused(f"sets items of {_what(target)}, which is not a dict")
+        if not all(map(_hashable, items[::2])):
+            raise Refused("a dict's key is a list or a dict, which no dict can have (torch refuses it)")
         target.extend(zip(items[::2], items[1::2], strict=True))
 
     def persisted(pid: Any) -> Storage:
@@ -362,13 +410,18 @@ def load(data: bytes) -> Any:
             raise Refused(f"storage {storage.key} is named twice, as different storages")
         return seen
 
+    unread = None  # an opcode torch does not read: refused at the end, for a global named is the better reason
     for opcode, arg, _ in _opcodes(data):
         name = opcode.name
+        if unread is None and name not in TORCH_OPCODES:
+            unread = name
         if name in ("PROTO", "FRAME"):
             continue
         if name == "STOP":
             if len(stack) != 1 or marks:
                 raise Refused("the pickle ends with other than one object on its stack")
+            if unread is not None:
+                raise Refused(f"uses the opcode {unread}, which torch.load(weights_only=True) does not read")
             return stack[0]
         if name == "MARK":
             marks.append(len(stack))
@@ -451,6 +504,23 @@ def load(data: bytes) -> Any:
     raise Refused("the pickle has no STOP: truncated")
 
 
+def _hashable(key: Any) -> bool:
+    """Whether Python could make `key` a dict's key (a list or a dict cannot be one, nor a tuple of them)."""
+    if isinstance(key, list):  # Pairs (a dict) too
+        return False
+    return all(map(_hashable, key)) if isinstance(key, tuple) else True
+
+
+TORCH_OPCODES = frozenset({
+    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "BINPERSID", "MARK", "APPEND", "APPENDS",
+    "SETITEM", "SETITEMS", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE",
+    "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "LONG1",
+    "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT",
+})  # fmt: skip
+"""The opcodes torch.load(weights_only=True) reads (torch/_weights_only_unpickler.py, torch 2.13): a
+pickle with another (protocol 4's FRAME and MEMOIZE, protocol 0's text ones) is one it refuses."""
+
+
 def _text(arg: str) -> str:
     """A protocol 0-2 byte string as torch.load has it: UTF-8 decoded (pickletools gives it as latin-1)."""
     try:
@@ -467,10 +537,51 @@ _ARGUMENT_VALUES = {
 }  # fmt: skip
 
 
+_OPCODES = {opcode.code: opcode for opcode in pickletools.opcodes}
+
+
+def _line(stream: io.BytesIO) -> str:
+    """A line of text, as an unpickler reads a global's module and name (escapes are not undone)."""
+    data = stream.readline()
+    if not data.endswith(b"\n"):
+        raise ValueError("no newline found when trying to read a line")
+    return data[:-1].decode("utf-8")
+
+
+def _quoted(stream: io.BytesIO) -> str:
+    """A STRING's text between its quotes, as it is written: torch does not read the opcode (such a
+    pickle is refused anyway), and undoing its escapes warns of each unknown one."""
+    raw = pickletools.read_stringnl(stream, decode=False)
+    return raw.decode("latin-1") if isinstance(raw, bytes) else raw
+
+
+_TEXT_READERS: dict[str, Callable[[io.BytesIO], str]] = {
+    "stringnl": _quoted,
+    "stringnl_noescape": _line,
+    "stringnl_noescape_pair": lambda stream: f"{_line(stream)} {_line(stream)}",
+}
+"""Readers of the arguments pickletools decodes with Python's string escapes (a DeprecationWarning for
+each it does not know: an exception where warnings are errors), which an unpickler never undoes in a
+global's names."""
+
+
 def _opcodes(data: bytes) -> Iterator[tuple[Any, Any, int | None]]:
-    """The pickle's opcodes and their arguments, decoded (never run); Refused where they cannot be."""
+    """The pickle's opcodes and their arguments, decoded (never run); Refused where they cannot be.
+    pickletools.genops's loop, with _TEXT_READERS for text arguments."""
+    stream = io.BytesIO(data)
     try:
-        yield from pickletools.genops(data)
+        while True:
+            position = stream.tell()
+            code = stream.read(1)
+            opcode = _OPCODES.get(code.decode("latin-1"))
+            if opcode is None:
+                why = "pickle exhausted before seeing STOP" if not code else f"opcode {code!r} unknown"
+                raise Refused(f"not a pickle torch could read: at position {position}, {why}")
+            argument = opcode.arg
+            reader = None if argument is None else _TEXT_READERS.get(argument.name, argument.reader)
+            yield opcode, None if reader is None else reader(stream), position
+            if code == b".":
+                return
     except (ValueError, UnicodeDecodeError, OverflowError) as exc:
         raise Refused(f"not a pickle torch could read: {exc}") from None
 

@@ -312,8 +312,8 @@ def _data_starts(read: Reader, size: int, used: list[_Record], directory_start: 
         if len(header) < _LOCAL.size:
             raise _Fault(f"{record.name}'s local header runs past the end of the file")
         signature, _, _, _, _, _, _, _, _, name_length, extra_length = _LOCAL.unpack_from(header)
-        if len(header) < _LOCAL.size + name_length:
-            header = _exactly(read, record.header_offset, _LOCAL.size + name_length)
+        if len(header) < _LOCAL.size + name_length:  # a long name: no further than the file goes
+            header = _exactly(read, record.header_offset, min(_LOCAL.size + name_length, size - record.header_offset))
         if signature != _LOCAL_SIG or header[_LOCAL.size : _LOCAL.size + name_length] != record.name.encode():
             raise _Fault(f"{record.name}'s local header is not where the central directory says")
         start = record.header_offset + _LOCAL.size + name_length + extra_length

@@ -336,6 +336,8 @@ def _check_entry(name: str, entry: Any, label: str, problems: list[Problem]) -> 
         return None
     fields = dict(entry)
     ok = True
+    if not _is_utf8(name):  # an escaped lone surrogate: JSON to Python, not to the reference (serde_json)
+        problems.append(Problem(label, "name is not valid Unicode (it holds a lone surrogate)", name))
     if len(fields) != len(entry):
         problems.append(Problem(label, f"repeats the field(s) {', '.join(_repeated_keys(entry))}", name))
         ok = False

@@ -1,0 +1,84 @@
+"""Nothing of a run is left behind: the temporary directory of the tests' processes is the session's
+own, hypothesis keeps nothing in the working tree, and a run that leaves a file of its own in /tmp
+fails saying which (conftest.pytest_sessionfinish). Each made to happen in a pytest of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import missing_root, require
+
+INNER = """
+import os, subprocess, sys, tempfile
+from pathlib import Path
+from hypothesis import given, strategies as st
+
+def test_a_file_left_in_tmp():
+    if os.environ.get("LEAVE"):
+        Path(f"/tmp/tensorfs-left-{os.getpid()}-behind").write_text("left")
+
+def test_the_temporary_directory_is_the_sessions(tmp_path_factory):
+    Path(tempfile.mkdtemp(prefix="torchinductor_")).joinpath("cache").write_text("in-process")
+    code = "import tempfile; print(tempfile.mkdtemp(prefix='torchinductor_'))"
+    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert Path(made.strip()).is_relative_to(tmp_path_factory.getbasetemp())
+
+@given(st.text())
+def test_hypothesis(text):
+    pass
+
+def test_a_shared_directory_that_cannot_be_removed(shared_dir):
+    if os.environ.get("STUCK"):  # immutable: not even root removes it
+        (shared_dir / "stuck").write_text("stuck")
+        subprocess.run(["chattr", "+i", str(shared_dir / "stuck")], check=True)
+"""
+
+
+def inner_pytest(tmp_path: Path, **environment: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_inner.py").write_text(INNER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]), **environment}
+    command = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q"]
+    command += ["--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), str(tmp_path / "test_inner.py")]
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False)
+
+
+def test_a_clean_run_passes_and_keeps_its_files_in_its_own_directories(tmp_path: Path) -> None:
+    before = set(os.listdir("/tmp"))
+    done = inner_pytest(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 passed" in done.stdout and "left in /tmp" not in done.stdout, done.stdout
+    assert not (tmp_path / ".hypothesis").exists()  # the working directory: nothing of hypothesis
+    made_here = {name for name in set(os.listdir("/tmp")) - before if name.startswith(("torchinductor_", "tensorfs-"))}
+    assert not made_here, made_here
+
+
+def test_a_run_that_leaves_a_file_of_its_own_in_tmp_fails_naming_it(tmp_path: Path) -> None:
+    done = inner_pytest(tmp_path, LEAVE="1")
+    left = sorted(Path("/tmp").glob("tensorfs-left-*-behind"))
+    try:
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "4 passed" in done.stdout, done.stdout  # every test passed: the run fails all the same
+        assert len(left) == 1 and f"left in /tmp by this run: {left[0].name}" in done.stdout, done.stdout
+    finally:
+        for path in left:
+            path.unlink()
+
+
+def test_a_shared_directory_left_behind_fails_its_test_and_the_run(tmp_path: Path) -> None:
+    """The shared_dir fixture removes its directory under /tmp or fails the test saying what is left
+    (it once ignored every error: /tmp/tensorfs-shared-* stayed behind), and the run fails too."""
+    require("root (it makes a file immutable)", missing_root())
+    done = inner_pytest(tmp_path, STUCK="1")
+    stuck = sorted(Path("/tmp").glob("tensorfs-test-*/stuck"))
+    try:
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "1 error" in done.stdout and "is left: [" in done.stdout, done.stdout
+        assert len(stuck) == 1 and f"left in /tmp by this run: {stuck[0].parent.name}" in done.stdout, done.stdout
+    finally:
+        for path in stuck:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+            path.unlink()
+            path.parent.rmdir()
