@@ -422,8 +422,8 @@ class ChunkCache:
 
         A disk that fills before the bound (or with no bound) is made room on as the bound is:
         chunks fetched ahead of readers must not keep a reader from its own. CacheFull at once when
-        nothing of this cache can go and none of this process's fetches is under way (the disk is
-        full of what is not the cache's, or of what is in use)."""
+        nothing of this cache can go, none of this process's fetches is under way and none of its
+        chunks waits to be recorded (the disk is full of what is not the cache's, or of what is in use)."""
         disk_full: CacheFull | None = None
         while True:
             with self._room_lock():  # no eviction anywhere meanwhile: what is present stays so
@@ -436,7 +436,7 @@ class ChunkCache:
                             requester.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
                     except CacheFull as exc:
                         requester.let_go(pinned)
-                        if disk_full is not None and not freed and not self._fetches_under_way():
+                        if disk_full is not None and not freed and not self._soon_evictable():
                             raise
                         disk_full = exc
                         if freed:
@@ -453,10 +453,14 @@ class ChunkCache:
                 raise disk_full
             self._await_room(requester, deadline)
 
-    def _fetches_under_way(self) -> bool:
-        """Whether a fetch of this process is under way (its chunk's blocks taken, soon evictable)."""
+    def _soon_evictable(self) -> bool:
+        """Whether chunks of this process will soon be evictable: a fetch under way (its chunk's blocks
+        taken), or chunks fetched and not yet recorded (evictable once saved, which waiting for room
+        does)."""
         with self._lock:
             objects = list(self._objects.values())
+            if self._pending:
+                return True
         return any(cached.busy() for cached in objects)
 
     def _await_room(self, requester: CachedObject, deadline: float) -> None:
