@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,8 +79,9 @@ class Copy:
 class Fallbacks:
     """The fallbacks of one model: opened lazily, asked for copies of tensors (blocking: worker threads)."""
 
-    def __init__(self, spec: FallbackSpec) -> None:
+    def __init__(self, spec: FallbackSpec, opener: Callable[..., Model]) -> None:
         self.spec = spec
+        self._open = opener  # open_model, given by the model, which builds on this module
         self._models: list[Model | None] = [None] * len(spec.locations)
         self._failed_at: list[float | None] = [None] * len(spec.locations)
         self._locks = [threading.Lock() for _ in spec.locations]
@@ -104,12 +105,10 @@ class Fallbacks:
             failed = self._failed_at[index]
             if failed is not None and time.monotonic() - failed < RETRY_AFTER:
                 return None
-            from .model import open_model  # the model builds on this module
-
             spec = self.spec
             selection = spec.selection
             try:
-                found = open_model(
+                found = self._open(
                     spec.locations[index],
                     layout=spec.layout,
                     remote=spec.remote,

@@ -556,7 +556,7 @@ def reopen(saved: ModelSnapshot) -> Model:
     source = saved.source if isinstance(saved.source, str) else Path(os.path.abspath(saved.source))
     model = Model(source, opened, _owners(opened), saved.layout, saved.selection)
     if saved.fallback is not None:
-        model.fallbacks = Fallbacks(saved.fallback)
+        model.fallbacks = Fallbacks(saved.fallback, open_model)
     return model
 
 
@@ -609,7 +609,7 @@ def open_model(
     if fallback:
         spec = FallbackSpec.of(fallback, layout=layout, remote=remote or RemoteOptions(), selection=selection,
                                cache=cache)  # fmt: skip
-        fallbacks = Fallbacks(spec)
+        fallbacks = Fallbacks(spec, open_model)
     with gc_paused(), contextlib.closing(headers):
         # Every problem is collected, of every shard and across shards, before any is reported.
         why = unsupported_scheme(path)
