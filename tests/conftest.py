@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -33,7 +34,10 @@ def _say_the_fuzz_seed(config: pytest.Config) -> None:
 # -- nothing left behind ------------------------------------------------------------------------
 
 TMP = Path("/tmp")
-SESSION_TAG = f"{os.getpid()}-"
+# The pid of the run's first process: pytest-xdist's workers, started after this module is imported
+# by the controller, inherit it, so that the whole run tags its files alike.
+os.environ.setdefault("TENSORFS_TEST_SESSION", str(os.getpid()))
+SESSION_TAG = f"{os.environ['TENSORFS_TEST_SESSION']}-"
 """In the name of every file the tests themselves make in /tmp (tensorfs-test-PID-..., ...): the
 session-end check tells them from other sessions' files by it."""
 LEFT_IN_TMP = ("tensorfs-[0-9]*", "torchinductor_*", "seaweedfs-*")
@@ -50,9 +54,16 @@ def left_in_tmp() -> set[str]:
     return {path.name for pattern in patterns for path in TMP.glob(pattern)}
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """A pytest-xdist worker: what the run leaves is checked once, by the controller, when every
+    worker is done (a worker's check would see the others' files while they still run)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _say_the_fuzz_seed(session.config)
-    session.config.stash[_before] = left_in_tmp()
+    if not _is_worker(session.config):
+        session.config.stash[_before] = left_in_tmp()
     # Hypothesis keeps caches in ./.hypothesis (the working tree) from the collection on, whatever the
     # settings' database: in a directory of the session's, removed at its end.
     import hypothesis.configuration
@@ -67,6 +78,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     home = session.config.stash.get(_hypothesis_home, None)
     if home is not None:
         shutil.rmtree(home)
+    if _is_worker(session.config):
+        return
     left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -165,11 +178,43 @@ def _drop_caches_unusable() -> str | None:
     return None
 
 
+_machine_lock: int | None = None
+_machine_holds = 0
+
+
+@contextlib.contextmanager
+def machine_lock() -> Iterator[None]:
+    """Held while a test changes or depends on what the whole machine shares: the page cache (dropped,
+    or measured), the names in /tmp. Tests of one run (pytest-xdist's workers) or of two runs take
+    turns; nested holds in one process are one. An flock of this file: nothing to make or remove."""
+    global _machine_lock, _machine_holds
+    if _machine_holds == 0:
+        _machine_lock = os.open(__file__, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(_machine_lock, fcntl.LOCK_EX)
+    _machine_holds += 1
+    try:
+        yield
+    finally:
+        _machine_holds -= 1
+        if _machine_holds == 0 and _machine_lock is not None:
+            os.close(_machine_lock)  # the lock goes with its last descriptor
+            _machine_lock = None
+
+
+@pytest.fixture
+def machine_held() -> Iterator[None]:
+    """The test holds the machine's lock (see machine_lock()) from its start to its end."""
+    with machine_lock():
+        yield
+
+
 def drop_caches(what: int = 3) -> None:
     """Have the kernel drop its caches (1 the page cache, 2 dentries and inodes, 3 both), which a
-    test needs (see require()): what it cached is asked of the daemon again."""
+    test needs (see require()): what it cached is asked of the daemon again. Under the machine's
+    lock: a test measuring the page cache meanwhile (its own, holding the lock) sees its pages."""
     require(f"writing {DROP_CACHES}", _drop_caches_unusable())
-    DROP_CACHES.write_text(f"{what}\n")
+    with machine_lock():
+        DROP_CACHES.write_text(f"{what}\n")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import missing_root, require
+from conftest import SESSION_TAG, machine_lock, missing_root, require
 
 INNER = """
 import os, subprocess, sys, tempfile
@@ -39,19 +39,32 @@ def test_a_shared_directory_that_cannot_be_removed(shared_dir):
 
 def inner_pytest(tmp_path: Path, **environment: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_inner.py").write_text(INNER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]), **environment}
+    # A session of its own: not this run's tag, nor a pytest-xdist worker's settings.
+    outer = {
+        key: value
+        for key, value in os.environ.items()
+        if key != "TENSORFS_TEST_SESSION" and not key.startswith("PYTEST_")
+    }
+    env = {**outer, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]), **environment}
     command = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q"]
     command += ["--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), str(tmp_path / "test_inner.py")]
     return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False)
 
 
 def test_a_clean_run_passes_and_keeps_its_files_in_its_own_directories(tmp_path: Path) -> None:
-    before = set(os.listdir("/tmp"))
-    done = inner_pytest(tmp_path)
+    with machine_lock():  # no test beside it makes a name in /tmp (but this run's own shared directories)
+        before = set(os.listdir("/tmp"))
+        done = inner_pytest(tmp_path)
+        after = set(os.listdir("/tmp"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 passed" in done.stdout and "left in /tmp" not in done.stdout, done.stdout
     assert not (tmp_path / ".hypothesis").exists()  # the working directory: nothing of hypothesis
-    made_here = {name for name in set(os.listdir("/tmp")) - before if name.startswith(("torchinductor_", "tensorfs-"))}
+    ours = f"tensorfs-test-{SESSION_TAG}"
+    made_here = {
+        name
+        for name in after - before
+        if name.startswith(("torchinductor_", "tensorfs-")) and not name.startswith(ours)
+    }
     assert not made_here, made_here
 
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import Mounts, OtherUser, drop_caches
 from helpers import MIB, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
@@ -192,6 +194,7 @@ def test_a_cache_directory_another_user_can_write_is_refused(
     assert sorted(os.listdir(everyone)) == ["objects"]  # nothing written there
 
 
+@pytest.mark.usefixtures("machine_held")  # it makes a name in /tmp for a while (see test_leftovers)
 def test_a_record_forged_by_another_user_never_gets_a_process_signalled(
     mounts: Mounts, other_user: OtherUser, tmp_path: Path
 ) -> None:

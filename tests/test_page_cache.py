@@ -18,6 +18,7 @@ from tensorfs.bench.common import resident_bytes
 from tensorfs.sources.pages import HANDOVER_UNIT, Handover
 
 MIB = 1 << 20
+pytestmark = pytest.mark.usefixtures("machine_held")  # what they measure, no other test drops meanwhile
 
 
 @pytest.fixture
