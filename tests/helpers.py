@@ -483,24 +483,11 @@ while True:
 """
 
 
-class HandshakeReader:
-    """A reader in its own process that says what it has done: "served" once it holds the file open
-    and has read from it, then (told to go) "reading" just before it reads the whole file again from
-    the daemon (once, or with forever=True again and again until killed), then "ok <sha256>" or
-    "error <errno>"."""
+class _TalkingChild:
+    """A process of a script that says lines on its stdout and waits for "go" on its stdin."""
 
-    def __init__(self, path: Path, *, forever: bool = False) -> None:
-        self.path = path
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", HANDSHAKE_READER, str(path), "forever" if forever else "once"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        self._pending = bytearray()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+    process: subprocess.Popen[bytes]
+    _pending: bytearray
 
     def said(self, timeout: float = 30) -> str:
         assert self.process.stdout is not None
@@ -520,6 +507,26 @@ class HandshakeReader:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
+
+
+class HandshakeReader(_TalkingChild):
+    """A reader in its own process that says what it has done: "served" once it holds the file open
+    and has read from it, then (told to go) "reading" just before it reads the whole file again from
+    the daemon (once, or with forever=True again and again until killed), then "ok <sha256>" or
+    "error <errno>"."""
+
+    def __init__(self, path: Path, *, forever: bool = False) -> None:
+        self.path = path
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HANDSHAKE_READER, str(path), "forever" if forever else "once"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._pending = bytearray()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
 
 ONE_READ = """
@@ -542,7 +549,7 @@ print("ok", hashlib.sha256(buffer[:count]).hexdigest(), flush=True)
 """
 
 
-class OneRead:
+class OneRead(_TalkingChild):
     """A reader in its own process that makes one read of a mounted file, and one request of the daemon
     (O_DIRECT: no readahead, no read again after a failure): it says "open" once it holds the file
     open, then (told to go) reads `size` bytes at `offset` and says "ok <sha256>" or "error <errno>"."""
@@ -554,25 +561,6 @@ class OneRead:
             stdout=subprocess.PIPE,
         )
         self._pending = bytearray()
-
-    def said(self, timeout: float = 30) -> str:
-        assert self.process.stdout is not None
-        return read_line(self.process.stdout.fileno(), timeout, self._pending)
-
-    def go(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(b"go\n")
-        self.process.stdin.flush()
-
-    def stop(self) -> None:
-        """Kill it if it still runs, and reap it."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
 
 
 def reads_in_handlers(mountpoint: Path) -> int:
