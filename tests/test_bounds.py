@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,56 @@ def test_a_hung_mount_inside_the_model_directory_is_never_entered(mounts: Mounts
         assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
     finally:
         os.kill(hung, signal.SIGCONT)
+
+
+def _header_of_repeats(size: int) -> bytes:
+    """Tensor names each given twice (a million such pairs fit in the largest header)."""
+    return ("{" + ",".join(f'"k{i}":0,"k{i}":0' for i in range(size // 24)) + "}").encode()
+
+
+def _metadata_of_repeats(size: int) -> bytes:
+    pairs = ",".join(f'"k{i}":"","k{i}":""' for i in range(size // 24))
+    return ('{"__metadata__":{' + pairs + '},"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}').encode()
+
+
+def _fields_of_repeats(size: int) -> bytes:
+    fields = ",".join(f'"f{i}":0,"f{i}":0' for i in range(size // 24))
+    return ('{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],' + fields + "}}").encode()
+
+
+def _wide_and_deep(size: int) -> bytes:
+    """An ignored field holding an array of zeros 124 arrays deep: as deep as the reference parses."""
+    nested = "[" * 124 + ",".join(["0"] * (size // 2)) + "]" * 124
+    return ('{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + nested + "}}").encode()
+
+
+@pytest.mark.parametrize(
+    ("build", "verdict"),
+    [
+        (_header_of_repeats, "tensor 'k0': appears more than once in the header"),
+        (_metadata_of_repeats, "__metadata__ repeats the key 'k0'"),
+        (_fields_of_repeats, "tensor 'w': repeats the field(s) f0, f1, f2"),
+        (_wide_and_deep, None),
+    ],
+    ids=["repeated-names", "repeated-metadata-keys", "repeated-fields", "wide-and-deep"],
+)
+def test_hostile_headers_are_told_in_bounded_time(
+    tmp_path: Path, build: Callable[[int], bytes], verdict: str | None
+) -> None:
+    """Headers of a few MB made to be slow to check (every key repeated: a check that looks each one
+    up in a list of the repeats is quadratic, a minute for 2 MB and days for the largest header),
+    validated by the CLI in a process of its own: told within the timeout (a loose bound, which only
+    a hang or a quadratic check misses), every line an error line, no traceback."""
+    header = build(3_000_000)
+    path = tmp_path / "hostile.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"x")
+    result = cli("validate", "--no-cache", str(path), timeout=60)
+    if verdict is None:
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr[-2000:]
+        return
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"error: {path}: {verdict}"), lines[0][:300]
+    assert all(line.startswith(f"error: {path}: ") for line in lines), [
+        line for line in lines if not line.startswith("error: ")
+    ][:5]
