@@ -6,7 +6,11 @@ model directory with a hung mount inside it is scanned without ever touching tha
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
+import re
+import shlex
 import signal
 import struct
 import subprocess
@@ -17,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, write_index, write_reference
+from helpers import MIB, errno_of_reading, random_bytes, write_index, write_reference
 from servers import HostileServer
+from tensorfs.mount.mounttable import daemon_pid
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -153,3 +158,41 @@ def test_hostile_headers_are_told_in_bounded_time(
     assert all(line.startswith(f"error: {path}: ") for line in lines), [
         line for line in lines if not line.startswith("error: ")
     ][:5]
+
+
+def mount_with_a_piped_manifest(
+    mounts: Mounts, model: Path, mountpoint: Path, producer: str
+) -> subprocess.CompletedProcess[str]:
+    """`tensorfs mount --manifest <(PRODUCER) MODEL MOUNTPOINT`, as a shell runs it (a pipe, /dev/fd/N)."""
+    mounts.watch(mountpoint)
+    command = f'exec "$0" -m tensorfs.cli mount --log-file "$1" --manifest <({producer}) "$2" "$3"'
+    return subprocess.run(
+        ["bash", "-c", command, sys.executable, str(mounts.log_file), str(model), str(mountpoint)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_a_manifest_through_a_pipe_is_used_and_one_past_the_limit_is_refused(mounts: Mounts, tmp_path: Path) -> None:
+    """`--manifest <(...)` (a pipe): its hashes are in force (the tensor it says otherwise of is EIO);
+    a pipe of 256 MiB and one byte is refused in one line, exit 1, nothing mounted, no daemon left."""
+    model = tmp_path / "model"
+    model.mkdir()
+    tensors = {"good": random_bytes(4096, 1), "bad": random_bytes(4096, 2)}
+    write_reference(model / "m.safetensors", {name: ("U8", [4096], data) for name, data in tensors.items()})
+    listed = cli("manifest", "--no-cache", str(model)).stdout
+    manifest = tmp_path / "hashes.sha256"
+    manifest.write_text(listed.replace(hashlib.sha256(tensors["bad"]).hexdigest(), "0" * 64))
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mount_with_a_piped_manifest(mounts, model, mountpoint, f"cat {shlex.quote(str(manifest))}")
+    assert result.returncode == 0, result.stderr + mounts.log()
+    assert (mountpoint / "good").read_bytes() == tensors["good"]
+    assert errno_of_reading(mountpoint / "bad") == errno.EIO  # the piped manifest's word
+    assert cli("umount", str(mountpoint)).returncode == 0
+    too_large = mount_with_a_piped_manifest(mounts, model, mountpoint, f"head -c {(256 << 20) + 1} /dev/zero")
+    assert too_large.returncode == 1
+    assert re.fullmatch(r"error: /dev/fd/\d+: over 256 MiB, too large to be a manifest\n", too_large.stderr), (
+        too_large.stderr
+    )
+    assert not os.path.ismount(mountpoint) and os.listdir(mountpoint) == []
+    assert daemon_pid(mountpoint) is None  # no record: no daemon
