@@ -226,6 +226,8 @@ class HostileServer:
       an object in place would).
     - `announced[name] = n`: a GET of that file says it holds n bytes and streams zeros until the
       client stops reading (what was sent is counted in `sent`).
+    - `ignores_if_match`: If-Match is not looked at (as some servers and proxies do): whatever the
+      file holds now is served under its ETag now (`etags[name]`, which a test sets when it changes it).
     """
 
     def __init__(self, root: Path) -> None:
@@ -240,6 +242,9 @@ class HostileServer:
         self.sent: dict[str, int] = {}
         self.requests: list[tuple[str, str, str, str]] = []
         """(method, file, Range, Accept-Encoding) of every request."""
+        self.headers: list[dict[str, str]] = []
+        """Every request's headers (names in lower case), in the order the requests came."""
+        self.ignores_if_match = False
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -257,6 +262,7 @@ class HostileServer:
             def _answer(self, *, body: bool) -> None:
                 name = self.path.lstrip("/").split("?")[0]
                 headers = self.headers
+                server.headers.append({key.lower(): value for key, value in headers.items()})
                 server.requests.append(
                     (self.command, name, headers.get("Range", ""), headers.get("Accept-Encoding", ""))
                 )
@@ -269,7 +275,7 @@ class HostileServer:
                 original = path.read_bytes()
                 etag = server.etags.setdefault(name, f'"{hashlib.md5(original).hexdigest()}"')
                 data = server.replaced.get(name, original)
-                if self.headers.get("If-Match") not in (None, etag):
+                if self.headers.get("If-Match") not in (None, etag) and not server.ignores_if_match:
                     self.send_response(412)
                     self.send_header("Content-Length", "0")
                     self.end_headers()

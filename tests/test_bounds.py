@@ -6,18 +6,24 @@ model directory with a hung mount inside it is scanned without ever touching tha
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
+import re
+import shlex
 import signal
+import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, write_index, write_reference
+from helpers import MIB, errno_of_reading, random_bytes, write_index, write_reference
 from servers import HostileServer
+from tensorfs.mount.mounttable import daemon_pid
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -99,3 +105,94 @@ def test_a_hung_mount_inside_the_model_directory_is_never_entered(mounts: Mounts
         assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
     finally:
         os.kill(hung, signal.SIGCONT)
+
+
+def _header_of_repeats(size: int) -> bytes:
+    """Tensor names each given twice (a million such pairs fit in the largest header)."""
+    return ("{" + ",".join(f'"k{i}":0,"k{i}":0' for i in range(size // 24)) + "}").encode()
+
+
+def _metadata_of_repeats(size: int) -> bytes:
+    pairs = ",".join(f'"k{i}":"","k{i}":""' for i in range(size // 24))
+    return ('{"__metadata__":{' + pairs + '},"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}').encode()
+
+
+def _fields_of_repeats(size: int) -> bytes:
+    fields = ",".join(f'"f{i}":0,"f{i}":0' for i in range(size // 24))
+    return ('{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],' + fields + "}}").encode()
+
+
+def _wide_and_deep(size: int) -> bytes:
+    """An ignored field holding an array of zeros 124 arrays deep: as deep as the reference parses."""
+    nested = "[" * 124 + ",".join(["0"] * (size // 2)) + "]" * 124
+    return ('{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + nested + "}}").encode()
+
+
+@pytest.mark.parametrize(
+    ("build", "verdict"),
+    [
+        (_header_of_repeats, "tensor 'k0': appears more than once in the header"),
+        (_metadata_of_repeats, "__metadata__ repeats the key 'k0'"),
+        (_fields_of_repeats, "tensor 'w': repeats the field(s) f0, f1, f2"),
+        (_wide_and_deep, None),
+    ],
+    ids=["repeated-names", "repeated-metadata-keys", "repeated-fields", "wide-and-deep"],
+)
+def test_hostile_headers_are_told_in_bounded_time(
+    tmp_path: Path, build: Callable[[int], bytes], verdict: str | None
+) -> None:
+    """Headers of a few MB made to be slow to check (every key repeated: a check that looks each one
+    up in a list of the repeats is quadratic, a minute for 2 MB and days for the largest header),
+    validated by the CLI in a process of its own: told within the timeout (a loose bound, which only
+    a hang or a quadratic check misses), every line an error line, no traceback."""
+    header = build(3_000_000)
+    path = tmp_path / "hostile.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"x")
+    result = cli("validate", "--no-cache", str(path), timeout=60)
+    if verdict is None:
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr[-2000:]
+        return
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"error: {path}: {verdict}"), lines[0][:300]
+    assert all(line.startswith(f"error: {path}: ") for line in lines), [
+        line for line in lines if not line.startswith("error: ")
+    ][:5]
+
+
+def mount_with_a_piped_manifest(
+    mounts: Mounts, model: Path, mountpoint: Path, producer: str
+) -> subprocess.CompletedProcess[str]:
+    """`tensorfs mount --manifest <(PRODUCER) MODEL MOUNTPOINT`, as a shell runs it (a pipe, /dev/fd/N)."""
+    mounts.watch(mountpoint)
+    command = f'exec "$0" -m tensorfs.cli mount --log-file "$1" --manifest <({producer}) "$2" "$3"'
+    return subprocess.run(
+        ["bash", "-c", command, sys.executable, str(mounts.log_file), str(model), str(mountpoint)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_a_manifest_through_a_pipe_is_used_and_one_past_the_limit_is_refused(mounts: Mounts, tmp_path: Path) -> None:
+    """`--manifest <(...)` (a pipe): its hashes are in force (the tensor it says otherwise of is EIO);
+    a pipe of 256 MiB and one byte is refused in one line, exit 1, nothing mounted, no daemon left."""
+    model = tmp_path / "model"
+    model.mkdir()
+    tensors = {"good": random_bytes(4096, 1), "bad": random_bytes(4096, 2)}
+    write_reference(model / "m.safetensors", {name: ("U8", [4096], data) for name, data in tensors.items()})
+    listed = cli("manifest", "--no-cache", str(model)).stdout
+    manifest = tmp_path / "hashes.sha256"
+    manifest.write_text(listed.replace(hashlib.sha256(tensors["bad"]).hexdigest(), "0" * 64))
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mount_with_a_piped_manifest(mounts, model, mountpoint, f"cat {shlex.quote(str(manifest))}")
+    assert result.returncode == 0, result.stderr + mounts.log()
+    assert (mountpoint / "good").read_bytes() == tensors["good"]
+    assert errno_of_reading(mountpoint / "bad") == errno.EIO  # the piped manifest's word
+    assert cli("umount", str(mountpoint)).returncode == 0
+    too_large = mount_with_a_piped_manifest(mounts, model, mountpoint, f"head -c {(256 << 20) + 1} /dev/zero")
+    assert too_large.returncode == 1
+    assert re.fullmatch(r"error: /dev/fd/\d+: over 256 MiB, too large to be a manifest\n", too_large.stderr), (
+        too_large.stderr
+    )
+    assert not os.path.ismount(mountpoint) and os.listdir(mountpoint) == []
+    assert daemon_pid(mountpoint) is None  # no record: no daemon

@@ -162,6 +162,37 @@ def test_nothing_is_kept_of_files_changed_too_lately_to_tell(
         assert db.execute("SELECT COUNT(*) FROM rows").fetchone() == (0,)
 
 
+def test_rows_unused_for_30_days_are_dropped(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows last used 31 days ago (their time set so in the database) are gone once another model
+    is validated with the cache, and the model they were of is validated afresh; a row of 29 days stays."""
+    cache = tmp_path / "cache"
+    tensorfs.open_model(model, cache=cache).close()
+    database = cache / HeaderCache.FILE_NAME
+    day = 24 * 3600
+    with sqlite3.connect(database) as db:
+        rows = sorted(db.execute("SELECT kind, key FROM rows").fetchall())
+        assert len(rows) == 4  # two shards, the index, the model's checks
+        kept, *aged = rows  # the index's ('index/2' sorts first) stays: the shards' and the checks' go
+        assert kept[0].startswith("index/")
+        db.execute("UPDATE rows SET used=?", (time.time() - 31 * day,))
+        db.execute("UPDATE rows SET used=? WHERE kind=? AND key=?", (time.time() - 29 * day, *kept))
+    db.close()
+    other = tmp_path / "other"
+    other.mkdir()
+    write_reference(other / "o.safetensors", {"x": ("U8", [4], b"abcd")})
+    tensorfs.open_model(other, cache=cache).close()  # a write: the rows unused too long go
+    with sqlite3.connect(database) as db:
+        left = set(db.execute("SELECT kind, key FROM rows").fetchall())
+    db.close()
+    assert kept in left and not left & set(aged), left
+    assert len(left) == 1 + 2  # the row of 29 days, and the other model's shard and checks
+    headers, index, checks = parsed(monkeypatch)
+    with tensorfs.open_model(model, cache=cache) as again:
+        assert {name: bytes(again.raw(name)) for name in again} == model_bytes(model)
+    # The shards and the checks afresh (the index too: the checks need its weight map, which its row does not hold).
+    assert (headers.count, index.count, checks.count) == (2, 1, 1)
+
+
 def test_a_row_that_does_not_check_out_is_a_warning_and_a_full_validation(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

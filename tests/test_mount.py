@@ -273,12 +273,52 @@ def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
 
 
 def test_busy_mount_needs_lazy_umount(mounts: Mounts, model_dir: Path) -> None:
-    mountpoint = mounts.mount(model_dir)
-    with open(mountpoint / "scalar", "rb"):
+    """A mount with a file open is refused a plain umount; --lazy detaches it at once, the daemon
+    serves the open file on (its first read comes after the detach), and exits (0, unmounted) once
+    the file is closed."""
+    mountpoint, daemon = mounts.mount_adopted(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    expected = reference_tensors(model_dir / "model-00002-of-00003.safetensors")["layers/0/w"][2]
+    with open(mountpoint / "layers" / "0" / "w", "rb") as held:
         result = mounts.run("umount", str(mountpoint))
         assert result.returncode == 1 and "--lazy" in result.stderr
-        assert mounts.run("umount", "--lazy", str(mountpoint)).returncode == 0
-    wait_until(lambda: not os.path.ismount(mountpoint), what="the lazy unmount")
+        lazy = mounts.run("umount", "--lazy", str(mountpoint))
+        assert lazy.returncode == 0, lazy.stderr
+        assert not os.path.ismount(mountpoint) and mountpoint not in tensorfs_mounts()  # detached now
+        assert pid_alive(pid)
+        assert os.pread(held.fileno(), 1024, 0) == expected  # asked of the daemon, after the detach
+        assert pid_alive(pid)
+    assert daemon.exit_status(timeout=10) == (pid, 0)  # the last file closed: it ends
+    assert f"unmounted {mountpoint}" in mounts.log()
+
+
+def test_mount_with_a_full_output_stays_mounted_and_says_so(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    """`tensorfs mount ... > /dev/full`: the mount is made and stands (whole: served, its daemon and
+    record there), the line that says so cannot be written: one line, exit 1. With -q nothing is
+    written: exit 0."""
+    for quiet in ((), ("-q",)):
+        mountpoint = mounts.watch(tmp_path / f"full{len(quiet)}")
+        mountpoint.mkdir()
+        with open("/dev/full", "w") as full:
+            result = subprocess.run(
+                [sys.executable, "-m", "tensorfs.cli", "mount", *quiet, "--log-file", str(mounts.log_file),
+                 str(model_dir), str(mountpoint)],
+                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+            )  # fmt: skip
+        if quiet:
+            assert (result.returncode, result.stderr) == (0, "")
+        else:
+            assert (result.returncode, result.stderr) == (
+                1,
+                f"error: mounted {mountpoint}, but cannot write to standard output: No space left on device\n",
+            )
+        assert os.path.ismount(mountpoint)
+        pid = mounts.daemon_pid(mountpoint)
+        assert pid_alive(pid)
+        assert (mountpoint / "layers" / "0" / "w").stat().st_size == 256
+        assert mounts.run("status", str(mountpoint)).returncode == 0  # ok: nothing half-made
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+        assert not pid_alive(pid)
 
 
 def test_umount_after_sigkill_and_mount_again(mounts: Mounts, model_dir: Path) -> None:

@@ -38,7 +38,7 @@ from helpers import (
     threads_of,
     write_reference,
 )
-from servers import DroppingProxy, Nginx, SeaweedFS, StallingProxy
+from servers import DroppingProxy, HostileServer, Nginx, SeaweedFS, StallingProxy
 from tensorfs.model import open_model
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.sources.chunkcache import OBJECTS_DIR
@@ -176,6 +176,37 @@ def test_an_object_replaced_on_a_server_without_etags(mounts: Mounts, nginx: Ngi
         assert errno_of_reading(mountpoint / name) == errno.EIO
     assert (mountpoint / "t00").read_bytes() == expected["t00"]  # the version validated, as it is cached
     assert f"{url}: changed since it was validated" in mounts.log()
+
+
+def test_an_answer_of_another_etag_is_refused_from_a_server_that_ignores_if_match(
+    mounts: Mounts, tmp_path: Path
+) -> None:
+    """The object changes (a new ETag, the same size) and the server serves the new bytes whatever
+    If-Match says: tensorfs sees the answer's ETag is not the one it validated, and gives EIO, never
+    a byte of the new version."""
+    expected = big_model(tmp_path / "served", tensors=4, size=MIB)
+    server = HostileServer(tmp_path / "served")
+    try:
+        url = f"{server.url}/m.safetensors"
+        # One GET at once: the read-ahead after t00 takes a chunk at most, never t02's or t03's.
+        options = ["--cache-dir", str(tmp_path / "cache"), "--chunk-mb", "1", "--remote-concurrency", "1"]
+        mountpoint = mounts.mount(url, *options)  # type: ignore[arg-type]
+        assert (mountpoint / "t00").read_bytes() == expected["t00"]
+        validated = server.etags["m.safetensors"]
+        path = tmp_path / "served" / "m.safetensors"
+        shard = path.read_bytes()
+        path.write_bytes(shard[: -2 * MIB] + bytes(b ^ 0xFF for b in shard[-2 * MIB :]))  # t02 and t03 changed
+        server.etags["m.safetensors"] = '"a-new-version"'
+        server.ignores_if_match = True
+        before = len(server.headers)
+        for name in ("t02", "t03"):
+            assert errno_of_reading(mountpoint / name) == errno.EIO, name  # never the new bytes
+        asked = [h.get("if-match") for h in server.headers[before:]]
+        assert asked and set(asked) == {validated}  # each GET pinned to the version validated, and served all the same
+        assert (mountpoint / "t00").read_bytes() == expected["t00"]  # what is cached is that version's
+        assert f"{url}: changed since it was validated" in mounts.log()
+    finally:
+        server.close()
 
 
 def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, write_reference
+from helpers import MIB, random_bytes, read_line, write_reference
 from tensorfs.mount.stats import Stats, quantile
 
 
@@ -186,3 +188,57 @@ def test_a_shard_changed_under_a_verifying_mount_is_degraded(mounts: Mounts, tmp
     wait_until(lambda: status_line().split()[1] == "degraded", what="the mount to say it is degraded")
     assert "1 shard(s) changed under it" in status_line()
     assert mounts.log().count("changed under the mount") == 1
+
+
+def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mounts: Mounts, tmp_path: Path) -> None:
+    """`stats --watch` piped: a block again every interval (a blank line between), the rates over the
+    last interval, what was read since in the next block; Ctrl-C ends it quietly (exit 0). With
+    --json, one object a line; the mount unmounted under it, it ends with one error line, exit 1."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    data = random_bytes(MIB, 3)
+    write_reference(directory / "m.safetensors", {"x": ("U8", [MIB], data)})
+    mountpoint = mounts.mount(directory)
+    command = [sys.executable, "-m", "tensorfs.cli", "stats", "--watch", "0.1"]
+    watcher = subprocess.Popen([*command, str(mountpoint)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert watcher.stdout is not None
+        pending = bytearray()
+        lines = [read_line(watcher.stdout.fileno(), 30, pending) for _ in range(2)]
+        assert lines[0].startswith(f"{mountpoint}  up ") and lines[1].startswith("served     0 B in 0 reads")
+        assert (mountpoint / "x").read_bytes() == data
+        seen: list[str] = []
+        while not (seen and seen[-1].startswith("served     1.0 MiB")):  # the read, in a later block
+            seen.append(read_line(watcher.stdout.fileno(), 30, pending))
+        rate = read_line(watcher.stdout.fileno(), 30, pending)
+        assert rate.startswith("rate ") and "over the last" in rate, rate
+        assert "" in seen and sum(line.startswith(f"{mountpoint}  up ") for line in seen) >= 1  # blocks, apart
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=30) == 0
+        assert watcher.stderr is not None and watcher.stderr.read() == b""  # no traceback, nothing
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        watcher.wait()
+        for pipe in (watcher.stdout, watcher.stderr):
+            if pipe is not None:
+                pipe.close()
+    watcher = subprocess.Popen(
+        [*command, "--json", str(mountpoint)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert watcher.stdout is not None and watcher.stderr is not None
+        pending = bytearray()
+        snapshots = [json.loads(read_line(watcher.stdout.fileno(), 30, pending)) for _ in range(2)]
+        assert snapshots[1]["uptime_seconds"] > snapshots[0]["uptime_seconds"]
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+        assert watcher.wait(timeout=30) == 1
+        error = watcher.stderr.read()
+        assert error == f"error: {mountpoint}: not mounted any more\n"
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        watcher.wait()
+        for pipe in (watcher.stdout, watcher.stderr):
+            if pipe is not None:
+                pipe.close()

@@ -254,6 +254,50 @@ def test_daemons_sharing_a_bounded_cache_keep_its_bound_and_go_on(mounts: Mounts
             assert (mountpoints[name] / tensor).read_bytes() == data
 
 
+def test_daemons_of_one_model_on_one_cache_fetch_each_chunk_once(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    """Two mounts of the same object on one cache directory, four readers in each at once, in
+    different orders: one cache file for both, written by both daemons. Every read is exact, each
+    chunk is fetched once by the two together (the other daemon waits for it and checks it), and
+    what the cache holds after is the object's bytes, read back with no request at all."""
+    tensors = {f"t{i}": random_bytes(2 * MIB, 400 + i) for i in range(6)}
+    write_reference(hostile.root / "m.safetensors", {k: ("U8", [2 * MIB], v) for k, v in tensors.items()})
+    size = (hostile.root / "m.safetensors").stat().st_size
+    url = f"{hostile.url}/m.safetensors"
+    cache = tmp_path / "cache"
+    common = ["--cache-dir", str(cache), "--chunk-mb", "1"]
+    both = [mounts.mount(url, *common) for _ in range(2)]  # type: ignore[arg-type]
+    failures: list[str] = []
+
+    def reader(mountpoint: Path, seed: int) -> None:
+        for name in sorted(tensors, key=lambda t: hash((t, seed))):
+            try:
+                if (mountpoint / name).read_bytes() != tensors[name]:
+                    failures.append(f"{mountpoint.name}/{name}: wrong bytes")
+            except OSError as exc:
+                failures.append(f"{mountpoint.name}/{name}: {exc}")
+
+    threads = [threading.Thread(target=reader, args=(m, seed)) for m in both for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    chunks = {f"bytes={start}-{min(start + MIB, size) - 1}" for start in range(0, size, MIB)}
+    fetched = [r for method, name, r, _ in hostile.requests if method == "GET" and name == "m.safetensors"]
+    counts = {r: fetched.count(r) for r in chunks}
+    assert counts == dict.fromkeys(chunks, 1), counts
+    for mountpoint in both:
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+    listed = [json.loads(line) for line in cli("cache", "ls", "--json", "--cache-dir", str(cache)).stdout.splitlines()]
+    assert [(o["url"], o["cached"], o["size"]) for o in listed] == [(url, size, size)]
+    asked = len(hostile.requests)
+    with tensorfs.open_model(url, remote=RemoteOptions(cache_dir=cache, chunk_size=MIB, offline=True)) as model:
+        assert {name: bytes(model.raw(name)) for name in model} == tensors
+    assert len(hostile.requests) == asked
+
+
 def test_a_chunk_another_process_answers_from_is_not_evicted(nginx: Nginx, tmp_path: Path) -> None:
     """Pins are per chunk and per process: `cache prune` takes every chunk but the one a reader of
     another process holds, and when the cache is full of held chunks the message says who holds them."""

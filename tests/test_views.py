@@ -23,6 +23,7 @@ from helpers import (
     MIB,
     every_dtype_tensors,
     random_bytes,
+    read_line,
     reference_tensors,
     sharded_every_dtype,
     write_index,
@@ -174,6 +175,58 @@ def test_a_signal_leaves_no_half_written_export(tmp_path: Path) -> None:
         write_view(build_view(model, ViewSpec()), tmp_path / "out", terminated)
     assert caught.value.code == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+# `tensorfs export` held in the middle of writing: once its first bytes are written it says so on
+# the pipe argv[1] and waits on its standard input, which only a signal ends.
+EXPORT_HELD_MID_WRITE = """
+import os, sys
+import tensorfs.cli, tensorfs.progress
+advance = tensorfs.progress.Progress.advance
+def held(self, nbytes):
+    advance(self, nbytes)
+    if not getattr(held, "said", False):
+        held.said = True
+        os.write(int(sys.argv[1]), b"writing\\n")
+        sys.stdin.readline()
+tensorfs.progress.Progress.advance = held
+sys.exit(tensorfs.cli.main(["export", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "dest", "code", "said"),
+    [(signal.SIGINT, "out.safetensors", 130, "\nAborted.\n"), (signal.SIGHUP, "out", 128 + signal.SIGHUP, "")],
+    ids=["sigint-one-file", "sighup-directory"],
+)
+def test_export_interrupted_by_a_signal_leaves_nothing(
+    tmp_path: Path, signum: int, dest: str, code: int, said: str
+) -> None:
+    """A real `tensorfs export` process, stopped mid-write by Ctrl-C (SIGINT) or a closed terminal
+    (SIGHUP): nothing of DEST is left, half-written or whole, and the exit says it was interrupted."""
+    source = tmp_path / "source"
+    source.mkdir()
+    write_reference(source / "a.safetensors", {f"t{i}": ("U8", [MIB], random_bytes(MIB, i)) for i in range(4)})
+    work = tmp_path / "work"
+    work.mkdir()
+    read_end, write_end = os.pipe()
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", EXPORT_HELD_MID_WRITE, str(write_end), str(source), str(work / dest)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(write_end,),
+    )  # fmt: skip
+    os.close(write_end)
+    try:
+        assert read_line(read_end, 60, bytearray()) == "writing"
+        assert os.listdir(work) != []  # mid-write: something of DEST is there
+        exporter.send_signal(signum)
+        stdout, stderr = exporter.communicate(timeout=60)
+        assert (exporter.returncode, stdout, stderr) == (code, "", said)  # click ends the ^C line first
+        assert os.listdir(work) == []
+    finally:
+        os.close(read_end)
+        if exporter.poll() is None:
+            exporter.kill()
+            exporter.communicate()
 
 
 def companion_model(directory: Path) -> dict[str, bytes]:

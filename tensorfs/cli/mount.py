@@ -320,7 +320,8 @@ def stats(mountpoint: Path, as_json: bool, watch: float | None, timeout: float) 
     """What the daemon of a mount has done: bytes served, rates, read latency, errors, memory.
 
     Read from MOUNTPOINT/.tensorfs/stats.json, with a deadline (a hung daemon is an error, never a
-    hang). With --watch the table is drawn again in place on a terminal, as lines when piped; Ctrl-C ends it.
+    hang). With --watch the table is drawn again in place on a terminal, as lines when piped; Ctrl-C ends it,
+    and so does the mount going away (an error).
     """
     from ..mount.mounttable import FSTYPE, mount_at, read_stats, resolve_mountpoint
     from ..mount.statsview import render
@@ -334,6 +335,9 @@ def stats(mountpoint: Path, as_json: bool, watch: float | None, timeout: float) 
     def snapshot() -> dict[str, Any]:
         found = read_stats(real, timeout)
         if isinstance(found, str):
+            now = mount_at(real)
+            if now is None or now.fstype != FSTYPE:  # unmounted since (a --watch outlives it)
+                raise TensorfsError(f"{shown}: not mounted any more")
             why = {"hung": f"its daemon did not answer within {timeout:g} s", "dead": "its daemon is gone"}
             raise TensorfsError(f"{shown}: {why.get(found, found)}; see tensorfs status")
         return found
