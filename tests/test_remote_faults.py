@@ -31,6 +31,7 @@ from helpers import (
     OneRead,
     daemon_process,
     daemon_resources,
+    descriptors_but_sockets,
     errno_of_reading,
     file_mappings,
     random_bytes,
@@ -603,17 +604,21 @@ def test_readers_killed_while_their_reads_wait_on_a_held_get(mounts: Mounts, ngi
         one_round(0)  # the first sets up what every read shares
         wait_until(at_rest, what="the first reply's chunks to be let go")
         before = daemon_resources(pid), file_mappings(pid), len(threads_of(pid))
+        files_open = descriptors_but_sockets(pid)
         said = daemon_process(mountpoint)
         for i in range(1, len(expected)):
             one_round(i)
         assert reads_in_handlers(mountpoint) == 0
         wait_until(at_rest, what="every chunk to be let go")  # replies' ranges: within a second
         wait_until(lambda: len(threads_of(pid)) <= before[2], what="the rounds' worker threads to go", timeout=30)
-        (fds, maps), files = daemon_resources(pid), file_mappings(pid)
+        (_, maps), files = daemon_resources(pid), file_mappings(pid)
         now = daemon_process(mountpoint)  # and as the daemon counts itself
-        assert now["fds"] == said["fds"] and now["threads"] <= said["threads"], (said, now)
+        # Its HTTP pool's connections come and go (a stalled one closed, another opened: 26 -> 27 in
+        # one CI run); a descriptor leaked a round would be 15 more.
+        assert now["fds"] <= said["fds"] + 2 and now["threads"] <= said["threads"], (said, now)
+        assert descriptors_but_sockets(pid) == files_open
         # (one of pyfuse3's receive buffers more or less is no leak: see test_faults.py's rounds)
-        assert fds == before[0][0] and maps <= before[0][1] + 1 and files == before[1], (before, (fds, maps), files)
+        assert maps <= before[0][1] + 1 and files == before[1], (before, maps, files)
         assert pid_alive(pid) and remote_stats(mountpoint)["gets"] >= 2 * len(expected)
         for name, data in expected.items():
             assert (mountpoint / name).read_bytes() == data, name
