@@ -483,6 +483,17 @@ while True:
 """
 
 
+def reap(process: subprocess.Popen[Any]) -> None:
+    """Kill a child if it still runs, wait for it, and close its pipes."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
 class _TalkingChild:
     """A process of a script that says lines on its stdout and waits for "go" on its stdin."""
 
@@ -500,13 +511,7 @@ class _TalkingChild:
 
     def stop(self) -> None:
         """Kill it if it still runs, and reap it."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+        reap(self.process)
 
 
 class HandshakeReader(_TalkingChild):

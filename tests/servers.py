@@ -42,86 +42,12 @@ HUB_API = "location /api/ { default_type application/json; try_files $uri.json =
 """The Hub's listing API (/api/models/ORG/NAME/tree/REV[/PATH]), answered from ....json files."""
 
 
-class DroppingProxy:
-    """Forwards 127.0.0.1:port to a server's port, cutting each connection after `limit` bytes back;
-    the next `refuse` connections (when set) are closed at once, as by a store that is down."""
-
-    def __init__(self, target: int, limit: int) -> None:
-        self.target = target
-        self.limit = limit
-        self.refuse = 0
-        self.connections = 0
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(16)
-        self.port = self._listener.getsockname()[1]
-        self._closed = False
-        self._open: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            if self.refuse > 0:
-                self.refuse -= 1
-                client.close()
-                continue
-            server = socket.create_connection(("127.0.0.1", self.target))
-            self._open += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.limit), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, limit: int | None) -> None:
-        sent = 0
-        try:
-            while limit is None or sent < limit:
-                data = source.recv(min(65536, limit - sent) if limit is not None else 65536)
-                if not data:
-                    break
-                sink.sendall(data)
-                sent += len(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                with contextlib.suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
-                end.close()
-
-    def cut(self) -> None:
-        """Close every connection open now (a client's next request needs a new one)."""
-        for end in self._open:
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
-        self._open.clear()
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-
-
-class StallingProxy:
-    """Forwards 127.0.0.1:port to a server's port; `stall_after(n)` holds whatever the server sends
-    once n more bytes have gone to the clients (all connections together), until `release()`: a GET
-    held mid-body for as long as a test likes, the connection open and nothing lost. A server that
-    refuses the proxy's connection has the client's closed at once."""
+class _LoopbackProxy:
+    """Forwards 127.0.0.1:port to a server's port on loopback; what each connection does is the
+    subclass's (`_take`)."""
 
     def __init__(self, target: int) -> None:
         self.target = target
-        self.sent = 0
-        """Bytes sent toward clients (the servers' answers)."""
-        self.requests = 0
-        """Requests the clients sent (pieces that begin with an HTTP method)."""
-        self.holding = threading.Event()
-        """Set once the bytes allowed have all gone: from then on a connection that has more is held."""
-        self._limit: int | None = None
-        self._go = threading.Event()
-        self._go.set()
         self._lock = threading.Lock()
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
@@ -133,6 +59,97 @@ class StallingProxy:
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self._take(client)
+
+    def _take(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _connect(self, client: socket.socket) -> socket.socket:
+        """The server's end of a client's connection, both kept for cut()."""
+        server = socket.create_connection(("127.0.0.1", self.target))
+        with self._lock:
+            self._open += [client, server]
+        return server
+
+    @staticmethod
+    def _end(*ends: socket.socket) -> None:
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+    def cut(self) -> None:
+        """Close every connection open now (a client's next request needs a new one)."""
+        with self._lock:
+            ends, self._open = self._open, []
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+
+class DroppingProxy(_LoopbackProxy):
+    """Forwards 127.0.0.1:port to a server's port, cutting each connection after `limit` bytes back;
+    the next `refuse` connections (when set) are closed at once, as by a store that is down."""
+
+    def __init__(self, target: int, limit: int) -> None:
+        self.limit = limit
+        self.refuse = 0
+        self.connections = 0
+        super().__init__(target)
+
+    def _take(self, client: socket.socket) -> None:
+        self.connections += 1
+        if self.refuse > 0:
+            self.refuse -= 1
+            client.close()
+            return
+        server = self._connect(client)
+        threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, client, self.limit), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while limit is None or sent < limit:
+                data = source.recv(min(65536, limit - sent) if limit is not None else 65536)
+                if not data:
+                    break
+                sink.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            self._end(source, sink)
+
+
+class StallingProxy(_LoopbackProxy):
+    """Forwards 127.0.0.1:port to a server's port; `stall_after(n)` holds whatever the server sends
+    once n more bytes have gone to the clients (all connections together), until `release()`: a GET
+    held mid-body for as long as a test likes, the connection open and nothing lost. A server that
+    refuses the proxy's connection has the client's closed at once."""
+
+    def __init__(self, target: int) -> None:
+        self.sent = 0
+        """Bytes sent toward clients (the servers' answers)."""
+        self.requests = 0
+        """Requests the clients sent (pieces that begin with an HTTP method)."""
+        self.holding = threading.Event()
+        """Set once the bytes allowed have all gone: from then on a connection that has more is held."""
+        self._limit: int | None = None
+        self._go = threading.Event()
+        self._go.set()
+        super().__init__(target)
 
     def stall_after(self, nbytes: int) -> None:
         """Let `nbytes` more bytes go to the clients, then hold the rest (until release())."""
@@ -146,21 +163,14 @@ class StallingProxy:
             self._limit = None
             self._go.set()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:  # the server is down: so is the connection
-                client.close()
-                continue
-            with self._lock:
-                self._open += [client, server]
-            threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
+    def _take(self, client: socket.socket) -> None:
+        try:
+            server = self._connect(client)
+        except OSError:  # the server is down: so is the connection
+            client.close()
+            return
+        threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
+        threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
 
     def _requests(self, source: socket.socket, sink: socket.socket) -> None:
         try:
@@ -194,24 +204,8 @@ class StallingProxy:
         finally:
             self._end(source, sink)
 
-    @staticmethod
-    def _end(*ends: socket.socket) -> None:
-        for end in ends:
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
-            end.close()
-
-    def cut(self) -> None:
-        """Close every connection open now."""
-        with self._lock:
-            ends, self._open = self._open, []
-        for end in ends:
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
-
     def close(self) -> None:
-        self._closed = True
-        self._listener.close()
+        super().close()
         self.release()
         self.cut()
 

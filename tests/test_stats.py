@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, read_line, write_reference
+from helpers import MIB, random_bytes, read_line, reap, write_reference
 from tensorfs.mount.stats import Stats, quantile
 
 
@@ -217,12 +217,7 @@ def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mount
         assert watcher.wait(timeout=30) == 0
         assert watcher.stderr is not None and watcher.stderr.read() == b""  # no traceback, nothing
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-        watcher.wait()
-        for pipe in (watcher.stdout, watcher.stderr):
-            if pipe is not None:
-                pipe.close()
+        reap(watcher)
     watcher = subprocess.Popen(
         [*command, "--json", str(mountpoint)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -236,9 +231,4 @@ def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mount
         error = watcher.stderr.read()
         assert error == f"error: {mountpoint}: not mounted any more\n"
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-        watcher.wait()
-        for pipe in (watcher.stdout, watcher.stderr):
-            if pipe is not None:
-                pipe.close()
+        reap(watcher)
