@@ -93,3 +93,23 @@ class ShardChangedError(TensorfsError):
         super().__init__(message)
         self.lost_from = lost_from
         """Where in the shard the bytes ran out, when that is what happened."""
+
+
+class RemoteError(TensorfsError):
+    """An object could not be read from its store (after the retries the error allows)."""
+
+
+class AccessDenied(RemoteError):
+    """The store refused the request (401, 403)."""
+
+
+class ObjectChanged(RemoteError):
+    """An object was replaced in its store since it was validated: its other bytes are not to be mixed in."""
+
+
+class TooLarge(RemoteError):
+    """An object over the size asked for: its body was not read (or not past the limit)."""
+
+
+class Unexpected(RemoteError):
+    """An answer that is not what was asked for: more bytes than the range, or an encoding."""

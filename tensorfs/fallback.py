@@ -5,42 +5,39 @@ or truncated, bytes that fail the manifest, a shard missing or invalid when the 
 A fallback is a model of its own, opened when first needed (a fallback down is a warning, tried
 again later, never a failure of the model) and validated as strictly as any model. It gives a
 tensor only when its table agrees with the primary's for that tensor (dtype and shape, so size),
-and, where a manifest is in force, only bytes that hash to the manifest's value: hashed here,
-before anything is served from it. A fallback that holds other bytes is passed over: the answer is
-then the primary's error, never wrong bytes.
+and, where a manifest is in force, only bytes that hash to the manifest's value (the gate hashes a
+copy before anything is served from it, and again when its file changes). A fallback that holds
+other bytes is passed over: the answer is then the primary's error, never wrong bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import IntegrityError, ShardChangedError, TensorfsError, printable
-from .sources.shard import ShardData, shard_name
-from .sources.store import RemoteError, RemoteOptions, is_remote, redact
+from .errors import TensorfsError, printable
+from .identity import shard_name
+from .sources.shard import ShardData
+from .sources.store import RemoteOptions, is_remote, redact
 
 if TYPE_CHECKING:
     from .formats import ShardHeader
-    from .model import Model
     from .names import Layout
     from .selection import Selection
+    from .tables import Tables
 
 log = logging.getLogger(__name__)
 
-UNREADABLE = (ShardChangedError, RemoteError, IntegrityError, OSError)
-"""What a fallback stands in for: bytes gone or changed, a store that cannot give them, bytes that
-fail the manifest, a read error of the disk."""
 RETRY_AFTER = 30.0
-"""Seconds before a fallback that could not be opened is tried again."""
-_HASH_PIECE = 8 << 20
+"""Seconds before a fallback that could not be opened is tried again (and a shard whose read failed
+is asked again: see gate.py)."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +76,10 @@ class Copy:
 class Fallbacks:
     """The fallbacks of one model: opened lazily, asked for copies of tensors (blocking: worker threads)."""
 
-    def __init__(self, spec: FallbackSpec, opener: Callable[..., Model]) -> None:
+    def __init__(self, spec: FallbackSpec, opener: Callable[..., Tables]) -> None:
         self.spec = spec
         self._open = opener  # open_model, given by the model, which builds on this module
-        self._models: list[Model | None] = [None] * len(spec.locations)
+        self._models: list[Tables | None] = [None] * len(spec.locations)
         self._failed_at: list[float | None] = [None] * len(spec.locations)
         self._locks = [threading.Lock() for _ in spec.locations]
         self._said: set[tuple[int, str]] = set()
@@ -94,7 +91,7 @@ class Fallbacks:
     def shown(self, index: int) -> str:
         return printable(redact(str(self.spec.locations[index])))
 
-    def model(self, index: int) -> Model | None:
+    def model(self, index: int) -> Tables | None:
         """The fallback opened (now, if it was not yet); None while it cannot be (said once a try)."""
         with self._locks[index]:
             if self._closed:
@@ -143,36 +140,27 @@ class Fallbacks:
                     return index, model.shard_header(shard), model.shard_data(shard)
         return None
 
-    def copy_of(self, name: str, header: tuple[str, list[int]], expected: str | None, after: int = -1) -> Copy | None:
-        """A fallback's copy of tensor `name` whose dtype and shape are `header`'s (and, with
-        `expected`, whose bytes hash to it), from the first fallback after `after` that has one."""
+    def copies_of(self, name: str, table: tuple[str, list[int]], after: int = -1) -> Iterator[Copy]:
+        """The copies of tensor `name` whose dtype and shape are `table`'s, from the fallbacks after
+        `after`, in order (each opened when first needed; those without it, or with another shape, said
+        once and passed over). Whether a copy's bytes may be served is the gate's to say."""
         for index in range(after + 1, len(self)):
             model = self.model(index)
-            if model is None or name not in model:
-                if model is not None:
-                    self._say_once(index, name, "does not hold it")
+            if model is None:
+                continue
+            if name not in model:
+                self.say_once(index, name, "does not hold it")
                 continue
             info = model.info(name)
-            if (info.dtype, list(info.shape)) != (header[0], list(header[1])):
+            if (info.dtype, list(info.shape)) != (table[0], list(table[1])):
                 found = f"{info.dtype} {list(info.shape)}"
-                self._say_once(index, name, f"holds it as {found}, not {header[0]} {list(header[1])}: not served")
+                self.say_once(index, name, f"holds it as {found}, not {table[0]} {list(table[1])}: not served")
                 continue
             shard, offset, nbytes = model.locate(name)
-            data = model.shard_data(shard)
-            copy = Copy(self.shown(index), index, data, offset, offset + nbytes)
-            if expected is not None:
-                try:
-                    actual = _sha256(copy)
-                except UNREADABLE as exc:
-                    self._say_once(index, name, f"cannot be read: {printable(str(exc))}")
-                    continue
-                if actual != expected:
-                    self._say_once(index, name, f"does not match the manifest (sha256 {actual}): not served")
-                    continue
-            return copy
-        return None
+            yield Copy(self.shown(index), index, model.shard_data(shard), offset, offset + nbytes)
 
-    def _say_once(self, index: int, name: str, what: str) -> None:
+    def say_once(self, index: int, name: str, what: str) -> None:
+        """Warn of a fallback's copy of a tensor, once."""
         if (index, name) not in self._said:
             self._said.add((index, name))
             log.warning("fallback %s: tensor '%s' %s", self.shown(index), printable(name), what)
@@ -185,14 +173,3 @@ class Fallbacks:
             if model is not None:
                 with contextlib.suppress(BufferError):
                     model.close()
-
-
-def _sha256(copy: Copy) -> str:
-    """The SHA-256 of a copy's bytes, read from its file (a remote one's chunks fetched first)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(min(_HASH_PIECE, copy.end - copy.start))
-    for start in range(copy.start, copy.end, _HASH_PIECE):
-        piece = memoryview(buffer)[: min(_HASH_PIECE, copy.end - start)]
-        copy.data.readinto(start, piece)
-        digest.update(piece)
-    return digest.hexdigest()

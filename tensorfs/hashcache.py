@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Mapping
 
-from .sources.shard import Identity
+from .identity import Identity
 from .sqlitecache import SqliteCache
 
 _FEW_SPANS = 64  # up to this many ranges, the cache is asked range by range

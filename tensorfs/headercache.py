@@ -21,7 +21,7 @@ import orjson
 
 from .dtypes import DTYPE_NAMED
 from .formats import BEGIN, END, NAME, Entry, ShardHeader, fits_file
-from .sources.shard import ShardKey
+from .identity import ShardKey
 from .sqlitecache import SqliteCache
 
 log = logging.getLogger(__name__)

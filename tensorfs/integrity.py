@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 from .errors import IntegrityError, ShardChangedError, printable
 from .formats import BEGIN, END, NAME, Entry
 from .hashcache import HashCache
-from .sources.shard import Identity, ShardKey
+from .identity import Identity, ShardKey
+from .sources.shard import ShardData
 
 if TYPE_CHECKING:
-    from .model import Model
+    from .tables import Tables
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Hasher:
     just comes up short (ShardChangedError, naming the tensor).
     """
 
-    def __init__(self, model: Model, cache: HashCache | None = None) -> None:
+    def __init__(self, model: Tables, cache: HashCache | None = None) -> None:
         self.model = model
         self.cache = cache or HashCache(None)
         self._buffers = threading.local()
@@ -268,3 +269,14 @@ class Integrity:
                 expected,
                 actual[name],
             )
+
+
+def sha256_of(data: ShardData, start: int, end: int) -> str:
+    """The SHA-256 of bytes [start, end) of a source, read from its file (a remote one's chunks fetched first)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(min(_CHUNK, max(1, end - start)))
+    for offset in range(start, end, _CHUNK):
+        piece = memoryview(buffer)[: min(_CHUNK, end - offset)]
+        data.readinto(offset, piece)
+        digest.update(piece)
+    return digest.hexdigest()

@@ -11,103 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from . import model as models
 from .dtypes import DTYPE_NAMED
-from .errors import InvalidModelError
-from .fallback import UNREADABLE
 from .frameworks import check_device, framework_of
-from .hashcache import HashCache
-from .integrity import Hasher, Integrity
-from .manifest import DEFAULT_MANIFEST, ManifestError
+from .gate import UNREADABLE
 from .model import Model
-from .names import Layout
-from .source import Source
-from .sources.chunkcache import default_cache_dir
-from .sources.store import RemoteOptions
+from .opener import open_model
 
 __all__ = ["SafeOpen", "TensorSlice", "load_file", "open_model", "safe_open"]
-
-
-def open_model(
-    path: str | os.PathLike[str],
-    *,
-    layout: Layout = "slash",
-    remote: RemoteOptions | None = None,
-    include: Iterable[str] | str = (),
-    exclude: Iterable[str] | str = (),
-    layers: tuple[int, int] | str | int | None = None,
-    cache: bool | str | os.PathLike[str] = True,
-    verify: bool | str | os.PathLike[str] | None = None,
-    fallback: Sequence[str | os.PathLike[str]] = (),
-) -> Model:
-    """Validate every header of the model at `path` and map its shards.
-
-    `path` is a .safetensors file, a directory of shards (with or without
-    model.safetensors.index.json), or an index file; or such a model in a store: s3://BUCKET/PREFIX,
-    http(s)://.../NAME.safetensors or .../model.safetensors.index.json, hf://ORG/NAME[@REVISION],
-    read through a local cache (`remote` says how). Raises InvalidModelError naming every
-    problem found; no tensor data is read.
-
-    `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` ((A, B), "A-B" or N: the N in
-    `*.layers.N.*`) select a subset: every header is still validated, but only the selected
-    tensors are in the model, and shards without any are not kept mapped (see Selection).
-
-    `cache`: where validated headers and tensors' hashes are remembered, so that files unchanged since
-    (same device, inode, size, mtime and ctime) are not parsed, checked or hashed again: True for the
-    default directory ($XDG_CACHE_HOME/tensorfs), a directory, or False for none.
-
-    `verify`: a manifest the tensors must match, as the mount's --manifest: a file or a URL, or True
-    for tensors.sha256 beside the model (under a remote model's prefix); an error if there is none.
-    Then no view of a tensor is handed out before its bytes hash to the manifest's value
-    (IntegrityError, naming the tensor, if not); the hash cache spares unchanged files the hashing.
-
-    `fallback`: other copies of the model (paths or URLs), tried in order for a tensor whose own
-    shard cannot give its bytes (or gives bytes that fail the manifest), and for a shard missing or
-    invalid; a fallback's copy is taken only when its dtype and shape agree, and under `verify` only
-    when its bytes match the manifest (see tensorfs.fallback).
-    """
-    opened = models.open_model(
-        path,
-        layout=layout,
-        remote=remote,
-        include=include,
-        exclude=exclude,
-        layers=layers,
-        cache=cache,
-        fallback=fallback,
-    )
-    if verify is None or verify is False:
-        return opened
-    try:
-        source = Source.named(path, remote)
-        given = None if verify is True else (verify if isinstance(verify, str) else Path(verify))
-        manifest = source.manifest(given, opened.selection)
-        if manifest is None:
-            raise ManifestError(f"{source.shown}: verify=True needs a manifest, and there is no {DEFAULT_MANIFEST}")
-        problems = manifest.coverage(opened)
-        if problems:
-            raise InvalidModelError(problems)
-        for shard in opened.shards:  # remote bytes fetched again must be the bytes that passed
-            opened.shard_data(shard).hold_to_manifest()
-        hashes = HashCache(_cache_dir(cache, remote))
-        opened.integrity = Integrity(Hasher(opened, hashes), dict(manifest.digests), label=manifest.label)
-    except BaseException:
-        opened.close()
-        raise
-    return opened
-
-
-def _cache_dir(cache: bool | str | os.PathLike[str], remote: RemoteOptions | None) -> Path | None:
-    if cache is False:
-        return None
-    if cache is True:
-        return ((remote.cache_dir if remote is not None else None) or default_cache_dir()).absolute()
-    return Path(cache).absolute()
 
 
 def safe_open(path: str | os.PathLike[str], framework: str = "np", device: Any = "cpu", **options: Any) -> SafeOpen:
@@ -156,7 +69,8 @@ class SafeOpen:
 
     def get_slice(self, name: str) -> TensorSlice:
         """The tensor to slice: only the bytes a slice takes are read (verified whole first, when verifying)."""
-        self.model._verify(name)
+        self.model._check_open()
+        self.model.gate.check(name)
         return TensorSlice(self, name)
 
     def get_tensors(self) -> dict[str, Any]:
@@ -222,8 +136,7 @@ def load_file(
         names = opened.offset_keys()
         # With fallbacks, a tensor that fails here is taken from one by tensor() below.
         with contextlib.suppress(*UNREADABLE) if model.fallbacks is not None else contextlib.nullcontext():
-            if model.integrity is not None:
-                model.integrity.check_many(names)
+            model.gate.verify_many(names)
             if any(model.shard_data(shard).needs_ensure for shard in model.shards):
                 model.prefetch(names).wait()
         return {name: model.tensor(name, kind, device) for name in names}

@@ -1,12 +1,25 @@
-"""The manifest format: a tensor's SHA-256 by name, as `sha256sum` writes it (GNU's escaping of
-names) or as JSON. Only the text: where a manifest is found and read is the source's business."""
+"""Manifests: a tensor's SHA-256 by name, as `sha256sum` writes it (GNU's escaping of names) or as
+JSON; read from a file, a pipe or a URL (bounded, and never through a link out of a model's
+directory), and what one says of a model (coverage, mismatches). Where a model's own is found is
+the opener's business."""
 
 from __future__ import annotations
 
+import errno
 import json
-from collections.abc import Mapping
+import os
+import stat
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import TensorfsError, printable
+from .errors import Problem, RemoteError, TensorfsError, TooLarge, printable
+from .safefiles import ModelDirectory, NotRegular, read_bounded
+from .sources.store import RemoteOptions, is_remote, read_url, redact
+
+if TYPE_CHECKING:
+    from .tables import Tables
 
 DEFAULT_MANIFEST = "tensors.sha256"
 """The manifest looked for beside a model's shards."""
@@ -81,3 +94,82 @@ def _is_hex_digest(text: str) -> bool:
 
 MAX_MANIFEST_BYTES = 256 << 20
 """A manifest of a million tensors is about 100 MB: one past this is not a manifest (or never ends)."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The SHA-256 a model's tensors must hash to, by name."""
+
+    label: str
+    """Where it was read from, as given."""
+    digests: Mapping[str, str]
+    lists_more: bool = False
+    """It may list tensors the model does not hold (the model is one shard, or a selection)."""
+
+    def coverage(self, model: Tables) -> list[Problem]:
+        """What keeps it from being the model's: tensors it lists that the model does not hold (unless it
+        may list more), and tensors the model holds that it does not list."""
+        problems = [
+            Problem(self.label, "is in the manifest but not in the model", name)
+            for name in ([] if self.lists_more else self.digests)
+            if name not in model
+        ]
+        problems += [
+            Problem(self.label, "is in the model but not in the manifest", name)
+            for name in model.names()
+            if name not in self.digests
+        ]
+        return problems
+
+    def mismatches(self, model: Tables, actual: Mapping[str, str], reason: Callable[[str], str]) -> list[Problem]:
+        """The tensors whose hash (`actual`) differs from the manifest's, each said with `reason(tensor)`."""
+        return [
+            Problem(str(model.info(name).shard), reason(name), name)
+            for name in sorted(actual)
+            if name in self.digests and self.digests[name] != actual[name]
+        ]
+
+
+def read_manifest(path: Path | str, remote: RemoteOptions | None = None, *, in_model: bool = False) -> dict[str, str]:
+    """The manifest in `path` (a file, a pipe such as <(...), or a URL), at most MAX_MANIFEST_BYTES.
+
+    `in_model`: the manifest found in a model's directory, which someone else may control: a
+    regular file beneath it, opened once, never blocking.
+    """
+    if is_remote(path):
+        assert isinstance(path, str)
+        try:
+            data = read_url(path, remote or RemoteOptions(), MAX_MANIFEST_BYTES)
+        except TooLarge:
+            raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest") from None
+        except (RemoteError, FileNotFoundError) as exc:
+            shown = redact(path)
+            raise ManifestError(str(exc) if str(exc).startswith(shown) else f"{shown}: {exc}") from None
+    else:
+        path = Path(path)
+        try:
+            if in_model:
+                with ModelDirectory(path.parent) as directory:
+                    fd, _ = directory.open_regular(path.name)
+            else:  # named by whoever runs the command: a pipe is fine, and waited for
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+                kind = os.fstat(fd).st_mode
+                if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+                    os.close(fd)
+                    raise ManifestError(f"{path}: not a regular file or a pipe")
+            try:
+                data = read_bounded(fd, MAX_MANIFEST_BYTES)
+            finally:
+                os.close(fd)
+        except NotRegular:
+            raise ManifestError(f"{path}: not a regular file") from None
+        except OSError as exc:
+            why = "a symlink out of the model's directory" if exc.errno == errno.EXDEV else exc.strerror
+            raise ManifestError(f"{path}: cannot read: {why}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
+    return parse_manifest(text, str(path))

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .model import Model
+    from .gate import Gate
 
 RUN_BYTES = 16 << 20
 """Neighbouring tensors are brought in together up to this many bytes (one request, one job)."""
@@ -79,9 +79,9 @@ class _Bringing:
     verified, hashed on the pool, so that hashing takes the other cores while the lane reads on."""
 
     def __init__(
-        self, model: Model, names: list[str], lane: Lane, pool: ThreadPoolExecutor, then: Callable[[], None]
+        self, gate: Gate, names: list[str], lane: Lane, pool: ThreadPoolExecutor, then: Callable[[], None]
     ) -> None:
-        self._model = model
+        self._gate = gate
         self._names = names
         self._pool = pool
         self._then = then
@@ -89,19 +89,20 @@ class _Bringing:
         self._read = lane.submit(self._read_in)
 
     def _read_in(self) -> None:
-        self._model._read_in(self._names)
-        if self._model.integrity is None:
+        self._gate.check_open()
+        self._gate.bring_in(self._names)
+        if self._gate.expected is None:
             self._then()
             return
         try:
             self._verified = self._pool.submit(self._verify)
         except RuntimeError:  # the pool is shut down
-            self._model._check_open()
+            self._gate.check_open()
             raise
 
     def _verify(self) -> None:
         for name in self._names:
-            self._model._verify(name)
+            self._gate.check(name)
         self._then()
 
     def done(self) -> bool:
@@ -121,7 +122,7 @@ class _Bringing:
         except TimeoutError:
             return False
         except concurrent.futures.CancelledError:
-            self._model._check_open()  # cancelled by the model's close: say so
+            self._gate.check_open()  # cancelled by the model's close: say so
             return True  # cancelled on purpose
         return True
 
@@ -134,17 +135,16 @@ class _Bringing:
 class Prefetch:
     """Tensors being brought in (see Model.prefetch): done(), wait(), cancel(), and bytes done of total."""
 
-    def __init__(self, model: Model, names: Sequence[str], pool: ThreadPoolExecutor) -> None:
+    def __init__(self, gate: Gate, names: Sequence[str], pool: ThreadPoolExecutor) -> None:
         self._lock = threading.Lock()
-        self.bytes_total = sum(model.locate(name)[2] for name in names)
+        locate = gate.tables.locate
+        self.bytes_total = sum(locate(name)[2] for name in names)
         """Bytes of the tensors to bring in."""
         self._bytes_done = 0
         lane = Lane(pool)
         self._runs = [
-            _Bringing(
-                model, run, lane, pool, functools.partial(self._count, sum(model.locate(name)[2] for name in run))
-            )
-            for run in _runs(model, names)
+            _Bringing(gate, run, lane, pool, functools.partial(self._count, sum(locate(name)[2] for name in run)))
+            for run in _runs(gate, names)
         ]
 
     @property
@@ -179,13 +179,13 @@ class Prefetch:
         return f"<Prefetch {self.bytes_done} of {self.bytes_total} bytes{', done' if self.done() else ''}>"
 
 
-def _runs(model: Model, names: Iterable[str]) -> list[list[str]]:
+def _runs(gate: Gate, names: Iterable[str]) -> list[list[str]]:
     """`names` in runs of neighbours of one shard (up to RUN_BYTES), in the order given."""
     runs: list[list[str]] = []
     last: tuple[object, int] | None = None  # (shard, end) of the run being made
     size = 0
     for name in names:
-        shard, offset, nbytes = model.locate(name)
+        shard, offset, nbytes = gate.tables.locate(name)
         if runs and last == (shard, offset) and size + nbytes <= RUN_BYTES:
             runs[-1].append(name)
             size += nbytes
@@ -203,14 +203,14 @@ class Window:
 
     def __init__(
         self,
-        model: Model,
+        gate: Gate,
         names: Sequence[str],
         pool: ThreadPoolExecutor,
         make: Any,
         ahead: int,
         ahead_bytes: int,
     ) -> None:
-        self._model = model
+        self._gate = gate
         self._names = names
         self._pool = pool
         self._lane = Lane(pool)
@@ -225,10 +225,10 @@ class Window:
         in_window = sum(nbytes for _, nbytes, _ in self._pending)
         while self._next < len(self._names) and len(self._pending) <= self._ahead:
             name = self._names[self._next]
-            nbytes = self._model.locate(name)[2]
+            nbytes = self._gate.tables.locate(name)[2]
             if self._pending and in_window + nbytes > self._ahead_bytes:
                 break
-            self._pending.append((name, nbytes, _Bringing(self._model, [name], self._lane, self._pool, _nothing)))
+            self._pending.append((name, nbytes, _Bringing(self._gate, [name], self._lane, self._pool, _nothing)))
             in_window += nbytes
             self._next += 1
 

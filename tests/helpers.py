@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, seed, settings
 
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import ShardHeader
-from tensorfs.model import INDEX_NAME
+from tensorfs.sources.index import INDEX_NAME
 
 # safetensors dtype -> the name safetensors.serialize takes; the F6 types it cannot write.
 REFERENCE_WRITER_DTYPES = {

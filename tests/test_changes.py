@@ -374,13 +374,13 @@ def test_hashing_a_shard_that_shrank_is_an_error_not_a_crash(model_dir: Path) ->
 
 MANIFEST_OF_A_SHRINKING_SHARD = """
 import os, sys
-import tensorfs.cli, tensorfs.source
-real = tensorfs.source.open_model
-def open_then_shrink(path, **kwargs):
-    model = real(path, **kwargs)
+import tensorfs.cli, tensorfs.opener
+real = tensorfs.opener._open
+def open_then_shrink(*args, **kwargs):
+    model = real(*args, **kwargs)
     os.truncate(sys.argv[2], int(sys.argv[3]))
     return model
-tensorfs.source.open_model = open_then_shrink
+tensorfs.opener._open = open_then_shrink
 sys.exit(tensorfs.cli.main(["manifest", "--no-cache", sys.argv[1]]))
 """
 
@@ -422,7 +422,7 @@ def test_hasher_counts_and_reads_through_the_file(model_dir: Path) -> None:
 MOUNT_BLIND = """
 import sys
 import tensorfs.cli
-from tensorfs.mount.watch import ShardWatch
+from tensorfs.sources.watch import ShardWatch
 drain = ShardWatch.changes
 def changes(self):
     drain(self)
@@ -466,7 +466,7 @@ def test_a_truncation_is_eio_without_change_detection(mounts: Mounts, model_dir:
     for kept in ("t1.0", "t1.1", "t0.3", "t2.1"):  # before the cut, and other shards: the validated bytes
         assert (mountpoint / kept).read_bytes() == expected[kept], kept
     log = mounts.log()
-    assert "changed in place" not in log and "the shard shrank under the mount" in log  # never told
+    assert "changed in place" not in log and "the shard shrank after it was validated" in log  # never told
     assert mounts.run("umount", str(mountpoint)).returncode == 0
     assert daemon.exit_status() == (pid, 0)  # never SIGBUS (-7)
 

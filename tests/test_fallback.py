@@ -75,7 +75,7 @@ def test_the_loader_takes_a_damaged_tensor_from_its_fallback(copies: tuple[Path,
     assert {name: array.tobytes() for name, array in loaded.items()} == data
     with open_model(primary, verify=True, cache=False, fallback=[copy]) as model:
         assert model.raw("s1.t1").tobytes() == data["s1.t1"]
-        assert model.copy("s1.t1") is not None and model.copy("s0.t0") is None
+        assert model.gate.copy("s1.t1") is not None and model.gate.copy("s0.t0") is None
 
 
 def test_a_fallback_with_other_bytes_is_never_served(copies: tuple[Path, Path, dict[str, bytes]]) -> None:
@@ -85,7 +85,7 @@ def test_a_fallback_with_other_bytes_is_never_served(copies: tuple[Path, Path, d
     with open_model(primary, verify=True, cache=False, fallback=[copy]) as model:
         with pytest.raises(IntegrityError, match=r"s1\.t1"):
             model.raw("s1.t1")
-        assert model.copy("s1.t1") is None
+        assert model.gate.copy("s1.t1") is None
 
 
 def test_a_fallback_whose_table_disagrees_is_passed_over(tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ def test_a_fallback_down_is_a_warning_then_tried_again(
             model.raw("s0.t2")
         assert "fallback" in caplog.text and "cannot be opened now" in caplog.text
         shutil.copytree(copy, later)  # it comes up ...
-        assert model.copy("s0.t2") is None
+        assert model.gate.copy("s0.t2") is None
         with pytest.raises(IntegrityError):
             model.raw("s0.t2")  # ... not tried again before its wait is over
         monkeypatch.setattr(fallback, "RETRY_AFTER", 0.0)
@@ -298,9 +298,9 @@ def test_in_process_a_tensor_in_the_cache_is_served_from_it_not_the_fallback(
         assert model.raw("a").tobytes() == data["a"]
         own_nginx.stop()
         assert model.raw("c").tobytes() == data["c"]  # from the fallback, after the timeout
-        assert model.copy("c") is not None
+        assert model.gate.copy("c") is not None
         assert model.raw("a").tobytes() == data["a"]  # its shard failing: from the cache all the same
-        assert model.copy("a") is None
+        assert model.gate.copy("a") is None
 
 
 def test_a_local_copy_heals_from_the_store(

@@ -20,7 +20,6 @@ from helpers import random_bytes, write_reference
 from tensorfs.integrity import Hasher, Integrity
 from tensorfs.mount.fs import TensorOperations
 from tensorfs.mount.tree import ROOT_INODE, Tree, index_json
-from tensorfs.mount.watch import ShardWatch
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
 
@@ -32,7 +31,7 @@ def ops(tmp_path: Path) -> Iterator[TensorOperations]:
     write_reference(tmp_path / "m.safetensors", tensors)
     with tensorfs.open_model(tmp_path / "m.safetensors") as model:
         tree = Tree(model, "slash", {"index.json": lambda: index_json(model)})
-        yield TensorOperations(tree, Integrity(Hasher(model)))
+        yield TensorOperations(tree)
 
 
 def run(fn: Any, *args: Any) -> Any:
@@ -93,7 +92,7 @@ def test_concurrent_readers_share_one_hashing(ops: TensorOperations) -> None:
                 nursery.start_soon(lambda: _append(results, ops.read(inode, 0, 4096)))
 
     run(readers)
-    assert ops.verifier.integrity.hasher.tensors_hashed == 1
+    assert ops.gate.integrity.hasher.tensors_hashed == 1
     assert len(set(results)) == 1 and results[0].startswith(hashlib.sha256(DATA).hexdigest().encode())
 
 
@@ -182,12 +181,10 @@ def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> Non
     for manifest in (False, True):
         with tensorfs.open_model(shard) as model:
             expected = {"big": hashlib.sha256(DATA).hexdigest(), "other": hashlib.sha256(b"abcd").hexdigest()}
-            integrity = Integrity(Hasher(model), expected if manifest else None)
+            model.gate.set_integrity(Integrity(Hasher(model), expected if manifest else None))
             dropped: list[tuple[list[int], bool]] = []
             ops = TensorOperations(
                 Tree(model, "slash", {}),
-                integrity,
-                ShardWatch([(shard, *model.shard_data(shard).watched())]),
                 invalidate=lambda inodes, attr_only, dropped=dropped: dropped.append((sorted(inodes), attr_only)),
             )
             everything = sorted([*ops.tree.inodes_of(shard), ops.tree.sums_inode])
@@ -216,10 +213,8 @@ def test_a_sidecar_hashed_while_its_shard_changes_is_refused(tmp_path: Path, mon
     write_reference(tmp_path / "m.safetensors", {"big": ("U8", [len(DATA)], DATA)})
     shard = tmp_path / "m.safetensors"
     with tensorfs.open_model(shard) as model:
-        integrity = Integrity(Hasher(model))
-        ops = TensorOperations(
-            Tree(model, "slash", {}), integrity, ShardWatch([(shard, *model.shard_data(shard).watched())])
-        )
+        integrity = model.gate.integrity
+        ops = TensorOperations(Tree(model, "slash", {}))
         real = integrity.digest
 
         def digest_while_written(name: str) -> str:
@@ -250,7 +245,7 @@ def test_a_synthesized_layout_is_made_off_the_request_thread(tmp_path: Path, mon
     monkeypatch.setattr(SynthesizedFile, "build", recorded)
     with tensorfs.open_model(tmp_path / "m.safetensors") as model:
         view = build_view(model, ViewSpec(shards=2))
-        ops = TensorOperations(Tree(model, "slash", {}, view=view), Integrity(Hasher(model)))
+        ops = TensorOperations(Tree(model, "slash", {}, view=view))
         control = run(ops.lookup, ROOT_INODE, b".tensorfs", None).st_ino
         directory = run(ops.lookup, control, b"model", None).st_ino
         assert built_on == []  # nothing asked of the files yet

@@ -39,7 +39,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorfs
-import tensorfs.sources.shard
+import tensorfs.identity
 from conftest import Mounts, require
 from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, random_bytes, refused_in_one_line
 from servers import Nginx, SeaweedFS
@@ -639,7 +639,7 @@ def test_small_gguf_tables_skip_the_header_cache_and_long_ones_use_it(
     cache = tmp_path / "cache"
     tensorfs.open_model(small, cache=cache).close()
     assert not cache.exists()  # cheaper validated again than looked up
-    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)  # files just written are kept too
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files just written are kept too
     tensorfs.open_model(long, cache=cache).close()
     with sqlite3.connect(cache / "headers.sqlite") as db:
         assert db.execute("SELECT COUNT(*) FROM rows WHERE kind LIKE 'shard/%'").fetchone() == (1,)

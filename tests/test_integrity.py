@@ -17,8 +17,8 @@ import pytest
 import trio
 
 import tensorfs
+import tensorfs.identity
 import tensorfs.integrity
-import tensorfs.sources.shard
 from conftest import Mounts, wait_until
 from helpers import (
     MIB,
@@ -162,7 +162,7 @@ def big_model(directory: Path) -> Path:
 
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let files just written be cached (in this process); the racy window has a test of its own."""
-    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)
 
 
 def test_cache_serves_unchanged_shards_and_never_changed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,7 +228,8 @@ def test_concurrent_openers_of_one_unverified_tensor_share_one_hashing(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with tensorfs.open_model(model_dir) as model:
-        ops = TensorOperations(Tree(model, "slash", {}), Integrity(Hasher(model), expected_digests(model_dir)))
+        model.gate.set_integrity(Integrity(Hasher(model), expected_digests(model_dir)))
+        ops = TensorOperations(Tree(model, "slash", {}))
         inode = ops.tree.tensor_inode("w1")
         opened: list[Any] = []
 
@@ -238,8 +239,8 @@ def test_concurrent_openers_of_one_unverified_tensor_share_one_hashing(
                     nursery.start_soon(lambda: _open(ops, inode, opened))
 
         trio.run(open_many)
-        assert len(opened) == 6 and ops.verifier.integrity.hasher.tensors_hashed == 1
-        assert "w1" in ops.verifier.integrity.verified
+        assert len(opened) == 6 and ops.gate.integrity.hasher.tensors_hashed == 1
+        assert "w1" in ops.gate.integrity.verified
 
 
 async def _open(ops: TensorOperations, inode: int, opened: list[Any]) -> None:
@@ -250,7 +251,8 @@ def test_a_mismatch_refuses_that_tensor_only(model_dir: Path, caplog: pytest.Log
     expected = expected_digests(model_dir)
     flip_byte_in_place(model_dir / "a.safetensors", "w1")
     with tensorfs.open_model(model_dir) as model:
-        ops = TensorOperations(Tree(model, "slash", {}), Integrity(Hasher(model), expected))
+        model.gate.set_integrity(Integrity(Hasher(model), expected))
+        ops = TensorOperations(Tree(model, "slash", {}))
         with caplog.at_level(logging.ERROR), pytest.raises(tensorfs.mount.fs.pyfuse3.FUSEError) as caught:
             trio.run(ops.open, ops.tree.tensor_inode("w1"), os.O_RDONLY, None)
         assert caught.value.errno == errno.EIO
@@ -424,7 +426,7 @@ def test_hashes_of_files_changed_too_lately_to_tell_are_not_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With second-grained timestamps a rewrite in the same second keeps the identity (and the hash).
-    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 3600 * 10**9)
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 3600 * 10**9)
     model_dir = big_model(tmp_path / "model")
     for _ in range(2):
         with tensorfs.open_model(model_dir) as model:

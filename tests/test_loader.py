@@ -337,7 +337,7 @@ def test_tensors_come_in_order_and_leaving_stops_what_is_ahead(
     release = threading.Event()
     brought: list[str] = []
     with tensorfs.open_model(path) as model:
-        read_in = model._read_in
+        read_in = model.gate.bring_in
 
         def held(names: list[str]) -> None:
             brought.extend(names)
@@ -345,7 +345,7 @@ def test_tensors_come_in_order_and_leaving_stops_what_is_ahead(
                 release.wait(30)
             read_in(names)
 
-        monkeypatch.setattr(model, "_read_in", held)
+        monkeypatch.setattr(model.gate, "bring_in", held)
         for name, _ in model.tensors(ahead=8):  # t01 is being read (held), t02-t08 wait their turn
             assert name == "t00"
             wait_until(lambda: len(brought) >= 2, what="the tensor after t00 is being read")
@@ -364,7 +364,7 @@ def test_prefetch_reads_in_order_and_hashes_beside_the_reads(
     events: list[tuple[str, str]] = []
     hashing = threading.Event()
     with tensorfs.open_model(path, verify=True, cache=False) as model:
-        read_in, verify = model._read_in, model._verify
+        read_in, verify = model.gate.bring_in, model.gate.check
         names = list(reversed(model.names()))  # one tensor a run: neighbours join only forwards
 
         def reading(run: list[str]) -> None:
@@ -379,8 +379,8 @@ def test_prefetch_reads_in_order_and_hashes_beside_the_reads(
             verify(name)
             events.append(("verified", name))
 
-        monkeypatch.setattr(model, "_read_in", reading)
-        monkeypatch.setattr(model, "_verify", verifying)
+        monkeypatch.setattr(model.gate, "bring_in", reading)
+        monkeypatch.setattr(model.gate, "check", verifying)
         handle = model.prefetch(names)
         assert handle.wait(60)
     assert [name for what, name in events if what == "read"] == names

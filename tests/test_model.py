@@ -24,7 +24,8 @@ from helpers import (
     write_reference,
 )
 from tensorfs import InvalidModelError
-from tensorfs.model import INDEX_NAME, reopen, snapshot
+from tensorfs.handover import reopen, snapshot
+from tensorfs.sources.index import INDEX_NAME
 
 
 def assert_matches_reference(model: tensorfs.Model, shards: list[Path]) -> None:

@@ -555,10 +555,10 @@ def test_headers_of_objects_are_cached_by_url_etag_and_size(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import tensorfs.identity
     import tensorfs.sources.remote as objects
-    import tensorfs.sources.shard
 
-    monkeypatch.setattr(tensorfs.sources.shard, "SETTLED_NS", 0)  # objects just written may be cached here
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # objects just written may be cached here
     parses = 0
     real = objects._validated
 

@@ -40,8 +40,8 @@ from helpers import (
     write_reference,
 )
 from servers import DroppingProxy, HostileServer, Nginx, SeaweedFS, StallingProxy
-from tensorfs.model import open_model
 from tensorfs.mount.mounttable import pid_alive
+from tensorfs.opener import open_model
 from tensorfs.sources.chunkcache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 

@@ -42,7 +42,11 @@ def assemble(model: tensorfs.Model, synthesized: SynthesizedFile, start: int, en
     for piece in synthesized.pieces(start, end):
         if isinstance(piece, Piece):
             parts.append(
-                bytes(model.shard_view(piece.shard)[piece.shard_offset : piece.shard_offset + piece.end - piece.start])
+                bytes(
+                    model.shard_data(piece.shard).view[
+                        piece.shard_offset : piece.shard_offset + piece.end - piece.start
+                    ]
+                )
             )
         else:
             parts.append(piece)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorfs.mount.watch import Change, ShardWatch
+from tensorfs.sources.watch import Change, ShardWatch
 
 
 @pytest.fixture

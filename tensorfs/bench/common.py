@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import identity
 from ..mount.mounttable import daemon_pid, pid_alive
-from ..sources import shard
 from ..sources.pages import Pages
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -335,9 +335,9 @@ def rss_anon_kib(pid: int) -> int:
 
 def wait_until_settled(paths: list[Path]) -> None:
     """Wait until files just written are old enough for the caches to keep what is read of them
-    (tensorfs.sources.shard.SETTLED_NS): a benchmark of the caches must not measure files they refuse."""
+    (tensorfs.identity.SETTLED_NS): a benchmark of the caches must not measure files they refuse."""
     newest = max((path.stat().st_ctime_ns for path in paths), default=0)
-    while (left := newest + shard.SETTLED_NS - time.time_ns()) > 0:
+    while (left := newest + identity.SETTLED_NS - time.time_ns()) > 0:
         time.sleep(left / 1e9)
 
 

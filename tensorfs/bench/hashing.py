@@ -31,7 +31,7 @@ from pathlib import Path
 from ..hashcache import HashCache
 from ..integrity import HASH_WORKERS, Hasher
 from ..manifest import format_manifest
-from ..model import open_model
+from ..opener import open_model
 from ..sample_models import many_tiny_tensors, write_sharded
 from .common import Config, Report, gbps, wait_until_settled, warm
 

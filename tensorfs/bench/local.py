@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model import INDEX_NAME
 from ..mount.options import MountOptions
 from ..mount.runtime import read_record
 from ..sample_models import Tensor, many_tiny_tensors, write_sharded
+from ..sources.index import INDEX_NAME
 from ..units import human_size
 from .common import (
     Config,

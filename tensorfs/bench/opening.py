@@ -18,7 +18,7 @@ from pathlib import Path
 
 import safetensors
 
-from ..model import open_model
+from ..opener import open_model
 from ..sample_models import many_tiny_tensors
 from .common import Config, Report, wait_until_settled
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model import open_model
+from ..opener import open_model
 from ..sample_models import Tensor, many_tiny_tensors, write_sharded
 from ..units import human_size
 from .common import (

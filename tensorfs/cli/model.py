@@ -10,13 +10,13 @@ import click
 
 from ..errors import InvalidModelError, TensorfsError, printable
 from ..formats import shape_text
+from ..identity import shard_name
 from ..manifest import DEFAULT_MANIFEST, format_manifest
 from ..model import Model
-from ..mount.prepare import hash_with_progress
 from ..names import Layout
+from ..opener import hash_all
 from ..progress import Progress
 from ..selection import Selection
-from ..sources.shard import shard_name
 from ..sources.store import RemoteOptions
 from ..units import human_size, plural
 from .group import cli
@@ -116,7 +116,7 @@ def manifest(
     """
     source = source_of(path, remote, no_cache)
     with source.open(selection) as model:
-        text = format_manifest(hash_with_progress(model, source.hash_cache()), as_json=as_json)
+        text = format_manifest(hash_all(model, model.gate.integrity.hasher, progress=True), as_json=as_json)
     if output is None:
         sys.stdout.write(text)
     else:
@@ -167,7 +167,7 @@ def export(
             view = build_view(model, spec)
             try:
                 with Progress(view_bytes(view), "writing") as progress:
-                    write_view(view, dest, progress.advance)
+                    write_view(view, dest, model.gate.copy_into, progress.advance)
             finally:
                 view.close()
             done = f"wrote {shown}/: {tensors}, {plural(len(view.files), 'file')}"
@@ -209,7 +209,7 @@ def verify(
         found = source.manifest(manifest_path, selection)
         if found is None:
             raise TensorfsError(f"{source.directory}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
-        actual = hash_with_progress(model, source.hash_cache())
+        actual = hash_all(model, model.gate.integrity.hasher, progress=True)
         problems = found.mismatches(model, actual, lambda name: f"does not match {found.label} (sha256 {actual[name]})")
         problems += found.coverage(model)
         if problems:

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -189,6 +189,7 @@ def mount(
     )
 
     from ..mount.prepare import prepare
+    from ..opener import Verify
 
     def warn(warning: str) -> None:
         click.echo(f"warning: {warning}", err=True)
@@ -202,7 +203,7 @@ def mount(
             raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     # The model is validated after the daemon is forked: obstore (a remote model) cannot cross a fork.
-    ready = partial(prepare, model, selection, layout, manifest_path, verify, view_shards, warn)
+    ready = partial(prepare, model, selection, layout, manifest_path, cast(Verify | None, verify), view_shards, warn)
     return mount_model(ready, mountpoint, options, announce)
 
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import click
 
 from ..names import LAYOUTS
+from ..opener import Source
 from ..selection import Selection, parse_layers
-from ..source import Source
 from ..sources.store import RemoteOptions, is_remote, unsupported_scheme
 
 READAHEAD_LIMIT_KB = 1 << 20

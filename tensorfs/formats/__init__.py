@@ -20,13 +20,12 @@ it reads the first bytes a store gave (as many as table_bytes said), past their 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import Problem
-from ..sources.shard import ShardKey
+from ..identity import ShardKey
 from . import gguf, pytorch, safetensors
-from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_text
+from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, Reader, ShardHeader, TensorInfo, shape_text
 
 __all__ = [
     "BEGIN",
@@ -54,7 +53,6 @@ __all__ = [
     "table_bytes",
 ]  # fmt: skip
 
-Reader = Callable[[int, int], bytes]
 """(offset, count) -> those bytes of a file (InvalidModelError, or OSError, if they cannot be had;
 fewer past the end of the first bytes a store gave, see the module's docstring)."""
 

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..dtypes import GGML_ID, GGML_TYPES, DType
 from ..errors import InvalidModelError, Problem, printable
-from ..sources.shard import ShardKey
+from ..identity import ShardKey
 from .table import Entry, ShardHeader
 
 if TYPE_CHECKING:
-    from . import Reader
+    from .table import Reader
 
 NAME = "gguf"
 SUFFIXES: tuple[str, ...] = (".gguf",)

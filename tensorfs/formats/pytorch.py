@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidModelError, Problem
-from ..sources.shard import ShardKey
+from ..identity import ShardKey
 from . import pickled
 from .table import Entry, ShardHeader
 
 if TYPE_CHECKING:
-    from . import Reader
+    from .table import Reader
 
 NAME = "pytorch"
 SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth")

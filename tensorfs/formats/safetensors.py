@@ -21,11 +21,11 @@ import orjson
 from ..dtypes import DTYPES, DType
 from ..errors import InvalidModelError, Problem, printable
 from ..gcpause import gc_paused
-from ..sources.shard import ShardKey
+from ..identity import ShardKey
 from .table import BEGIN, END, SHAPE, Entry, ShardHeader, shape_text
 
 if TYPE_CHECKING:
-    from . import Reader
+    from .table import Reader
 
 MAX_HEADER_BYTES = 100_000_000
 """The reference reader's limit on the JSON header's length (rule 2)."""

@@ -7,15 +7,18 @@ alone: nothing past formats/ knows which format a file is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ..dtypes import DTYPE_NAMED, DType
-from ..sources.shard import ShardKey, shard_name
+from ..identity import ShardKey, shard_name
 
 if TYPE_CHECKING:
     import numpy as np
+
+Reader = Callable[[int, int], bytes]
+"""Bytes of a file: read(offset, count), wherever the file is (a descriptor, a store's ranges)."""
 
 
 def shape_text(shape: Sequence[int]) -> str:

@@ -26,9 +26,8 @@ from pathlib import Path
 
 from ..errors import MountError, TensorfsError, printable
 from ..gcpause import gc_paused
-from ..hashcache import HashCache
-from ..integrity import Hasher, Integrity
-from ..model import Model, reopen, snapshot
+from ..handover import reopen, snapshot
+from ..model import Model
 from ..units import human_size, plural
 from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
@@ -75,9 +74,9 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mountpoint {mountpoint} is not empty")
 
 
-Prepare = Callable[[], tuple[Model, Integrity, ViewSpec]]
+Prepare = Callable[[], tuple[Model, ViewSpec]]
 """Validates the model (and verifies it, if asked), after the daemon is forked: what `mount` serves,
-what checks it, and what its model directory view holds besides its tensors."""
+held to its manifest, and what its model directory view holds besides its tensors."""
 
 Announce = Callable[[str], None]
 """Says one line to the user (the CLI's output)."""
@@ -105,7 +104,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             return _mount_in_background(prepare, mountpoint, options, lock, announce)
         from .serve import serve
 
-        model, integrity, view = prepare()
+        model, view = prepare()
 
         def notify(message: str) -> None:
             if message == READY:
@@ -116,7 +115,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             else:
                 print(f"error: {message}", file=sys.stderr, flush=True)
 
-        return serve(model, mountpoint, options, integrity, view, notify)
+        return serve(model, mountpoint, options, view, notify)
     finally:
         locked.close()
 
@@ -138,15 +137,14 @@ def _mount_in_background(
     os.close(model_read)
     os.close(status_write)
     try:
-        model, integrity, view = prepare()
+        model, view = prepare()
     except BaseException:
         os.close(model_write)  # the daemon reads nothing, and leaves
         os.close(status_read)
         os.waitpid(pid, 0)
         raise
     with model, gc_paused():  # 100k entries: pausing the GC halves the time this takes
-        cache_dir = integrity.hasher.cache.directory
-        handover = pickle.dumps((snapshot(model), integrity.expected, integrity.verified, cache_dir, view), protocol=5)
+        handover = pickle.dumps((snapshot(model), view), protocol=5)
         tensors, nbytes = len(model), model.nbytes
     try:
         with os.fdopen(model_write, "wb") as pipe:
@@ -201,13 +199,12 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
         if not handover:
             return 0  # the model was refused: the command says why
         with gc_paused():
-            saved, expected, verified, cache_dir, view = pickle.loads(handover)
+            saved, view = pickle.loads(handover)
             del handover
             model = reopen(saved)
         os.chdir("/")  # hold no directory busy: the one `tensorfs mount` ran in may be unmounted later
         gc.freeze()  # what the daemon holds lives as long as it does: no collection need look at it again
-        integrity = Integrity(Hasher(model, HashCache(cache_dir)), expected, verified)
-        return serve(model, mountpoint, options, integrity, view, notify)
+        return serve(model, mountpoint, options, view, notify)
     except TensorfsError as exc:
         log.error("%s", exc)
         notify(str(exc).splitlines()[0])

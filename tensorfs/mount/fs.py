@@ -1,14 +1,13 @@
 """pyfuse3 Operations for a Tree: FUSE requests in, bytes out. The only place errors become errnos.
 
-Every handler runs on pyfuse3's one trio thread. Tensor reads answer with a memoryview slice of
-the shard's mmap, never a copy: the kernel copies straight from the mapping, and a shard truncated
-under the mount costs the reader an EIO instead of killing the daemon with SIGBUS. The daemon
-itself touches no mapped byte: hashing reads the files (see Hasher).
-
-Shards are watched (watch.py). Before a tensor's bytes are served, every change seen so far is
-applied: without a manifest a shard changed in place is no longer the validated file, and its
-tensors answer EIO until remounted; with one, its tensors are verified again before another of
-their bytes is served. Either way the kernel is told to drop what it cached of them.
+Every handler runs on pyfuse3's one trio thread. Whether a tensor's bytes may go out, and where
+from, is the model's gate's to say (gate.py): a read is one of its plans, driven here with its
+blocking steps on worker threads (hashing, fetching, opening a fallback) while other requests are
+answered. What this module adds is how a mount answers: a memoryview slice of the shard's mmap,
+never a copy (the kernel copies straight from the mapping, and a shard truncated under the mount
+costs the reader an EIO instead of killing the daemon with SIGBUS), pages brought in off this
+thread and ahead of a sequential reader, ranges held until their reply has gone. The daemon itself
+touches no mapped byte: hashing reads the files (see Hasher).
 """
 
 from __future__ import annotations
@@ -27,17 +26,16 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from ..errors import IntegrityError, ShardChangedError, TensorfsError, printable
-from ..fallback import Copy
-from ..integrity import Integrity
+from ..errors import IntegrityError, TensorfsError, printable
+from ..gate import Place, Plan, Refused, Step
+from ..identity import ShardKey
+from ..integrity import HASH_WORKERS
 from ..names import STATS_NAME
-from ..sources.shard import ShardData, ShardKey
-from ..sources.store import RemoteError
+from ..sources.shard import ShardData
 from ..views import Companion, Piece, SynthesizedFile
+from .checks import Invalidate, MountReporter, Sums
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
-from .verifier import Invalidate, Refused, Verifier
-from .watch import ShardWatch
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +141,7 @@ def _read_only(op: str) -> Callable[..., Coroutine[Any, Any, Any]]:
 
 
 class TensorOperations(pyfuse3.Operations):
-    """Serves one Tree, read-only."""
+    """Serves one Tree, read-only, its bytes through its model's gate."""
 
     supports_dot_lookup = True
     enable_writeback_cache = False
@@ -152,8 +150,6 @@ class TensorOperations(pyfuse3.Operations):
     def __init__(
         self,
         tree: Tree,
-        integrity: Integrity,
-        watch: ShardWatch | None = None,
         *,
         prefetch: int = DEFAULT_PREFETCH,
         invalidate: Invalidate | None = None,
@@ -162,23 +158,33 @@ class TensorOperations(pyfuse3.Operations):
         counters: Mapping[str, Callable[[], dict[str, int | float]]] | None = None,
     ) -> None:
         """`prefetch`: bytes brought into memory ahead of a sequential reader; `invalidate`: how the
-        kernel is told to drop what it caches (see Verifier); `trace`: log every request (--debug);
-        `counters`: more counters for stats.json and the metrics, by the name of what counts;
-        `keep_source_pages`: leave the sources' pages in memory once the kernel holds what was read
-        of them in the mounted files' pages (two copies of each byte read)."""
+        kernel is told to drop what it caches (see MountReporter); `trace`: log every request
+        (--debug); `counters`: more counters for stats.json and the metrics, by the name of what
+        counts; `keep_source_pages`: leave the sources' pages in memory once the kernel holds what
+        was read of them in the mounted files' pages (two copies of each byte read)."""
         super().__init__()
         self.tree = tree
+        self.gate = tree.model.gate
         self.stats = Stats(tree.model.nbytes)
         self.stats.sources.update(counters or {})
-        self.verifier = Verifier(tree, integrity, self.stats, watch, invalidate)
+        self.reporter = MountReporter(tree, self.stats, invalidate)
+        self.gate.reporter = self.reporter
+        self.sums = Sums(tree, self.gate, self._drive)
+        self.reporter.on_change = self.sums.forget
         self.prefetch = prefetch
         self.trace = trace
         self.hand_over = not keep_source_pages
         self._spans: dict[int, _OpenTensor] = {}  # open tensor files by inode
-        # Threads populating pages: for readers waiting on their bytes, and for windows ahead.
-        self._demand = trio.CapacityLimiter(8)
+        # Threads for each kind of blocking step of the gate's plans: readers waiting on their bytes
+        # (and the window ahead of them), hashing, switching to fallbacks; and windows ahead of readers.
+        self._limiters = {
+            "present": trio.CapacityLimiter(8),
+            "read": trio.CapacityLimiter(8),
+            "ahead": trio.CapacityLimiter(8),
+            "verify": trio.CapacityLimiter(HASH_WORKERS),
+            "switch": trio.CapacityLimiter(2),
+        }
         self._prefetchers = trio.CapacityLimiter(2)
-        self._switchers = trio.CapacityLimiter(2)  # switches to fallbacks (one at a time, in the model)
         self._nursery: trio.Nursery | None = None
         self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
         self.files = self.tree.inode_count
@@ -192,7 +198,39 @@ class TensorOperations(pyfuse3.Operations):
 
     @nursery.setter
     def nursery(self, nursery: trio.Nursery | None) -> None:
-        self._nursery = self.verifier.nursery = nursery
+        self._nursery = self.reporter.nursery = nursery
+
+    async def watch_changes(self) -> None:
+        """Apply changes to the files as they happen, between requests too (run in the nursery)."""
+        self.gate.notice_changes()  # what happened since validation is told at once, not at the first read
+        fd = self.gate.watch_fd()
+        if fd < 0:
+            return
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            self.gate.notice_changes()
+
+    async def _drive(self, plan: Plan[R], held: list[_Held] | None = None) -> R:
+        """Run one of the gate's plans: its quick steps here, its blocking ones on worker threads (each
+        kind on its own bounded threads), letting go of `held` before any of them: no request waits
+        while it holds what another may be waiting for."""
+        sent: Any = None
+        thrown: BaseException | None = None
+        try:
+            while True:
+                try:
+                    step: Step = plan.throw(thrown) if thrown is not None else plan.send(sent)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                if held:
+                    self._let_go(held)
+                kind, call = step
+                try:
+                    sent, thrown = await trio.to_thread.run_sync(call, limiter=self._limiters[kind]), None
+                except Exception as exc:  # the plan decides (a fallback, or raised again)
+                    sent, thrown = None, exc
+        finally:
+            plan.close()
 
     # -- names and attributes ---------------------------------------------------------------
     def _entry(self, attributes: Attributes) -> pyfuse3.EntryAttributes:
@@ -314,7 +352,8 @@ class TensorOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
-            await self._checked(self._span_of(node.tensor, inode))
+            self._span_of(node.tensor, inode)
+            await self._drive(self.gate.admit(node.tensor))  # refused (EIO) at open, if it is to be
             self.stats.opened_tensors.add(node.tensor)
         self.stats.open_files += 1
         # keep_cache: pages the kernel holds stay valid across opens; when a shard changes, the
@@ -341,7 +380,7 @@ class TensorOperations(pyfuse3.Operations):
         kind = "control"
         if node.kind is Kind.SHA256:
             assert node.tensor is not None
-            content = self.tree.sha256_file(fh, await self.verifier.sidecar_digest(node.tensor))
+            content = self.tree.sha256_file(fh, await self.sums.sidecar_digest(node.tensor))
             kind = "sidecar"
         elif node.kind is Kind.VIEW:
             found = self.tree.view_file(fh)
@@ -349,11 +388,11 @@ class TensorOperations(pyfuse3.Operations):
                 return "view", await self._read_synthesized(found, off, size)
             if isinstance(found, Companion):  # read from its file (or through the cache), off this thread
                 assert self.tree.view is not None
-                read = self.tree.view.companions.read
-                return "view", await trio.to_thread.run_sync(read, found.path, off, size, limiter=self._demand)
+                read = functools.partial(self.tree.view.companions.read, found.path, off, size)
+                return "view", await trio.to_thread.run_sync(read, limiter=self._limiters["read"])
             content, kind = found, "view"
         elif node.kind is Kind.SUMS:
-            content = await self.verifier.sha256sums()
+            content = await self.sums.sha256sums()
         else:
             content = self.tree.small_file(fh)
             kind = "sidecar" if node.kind is Kind.META else "control"
@@ -364,55 +403,14 @@ class TensorOperations(pyfuse3.Operations):
         inode = self.tree.tensor_inode(name) if inode is None else inode
         span = self._spans.get(inode)
         if span is None:
-            shard, offset, nbytes = self.tree.model.locate(name)
-            data = self.tree.model.shard_data(shard)
-            span = self._spans[inode] = _OpenTensor(name, shard, data, data.view, offset, offset + nbytes, offset)
+            shard, offset, _ = self.tree.model.locate(name)
+            span = self._spans[inode] = _OpenTensor(name, shard, offset)
         return span
-
-    # -- fallbacks ----------------------------------------------------------------------------
-    async def _checked(self, span: _OpenTensor) -> None:
-        """What must hold before a tensor's bytes are served: its shard not changed in place (without
-        a manifest), its bytes verified (with one); else its fallback's copy, checked so."""
-        model = self.tree.model
-        while span.copy is None:
-            try:
-                failing = model.failing(span.shard, span.start, span.end)
-                if failing is not None:
-                    raise failing  # to its fallback at once
-                self.verifier.check(span.shard, span.name)
-                await self.verifier.verify(span.name)
-                return
-            except (TensorfsError, pyfuse3.FUSEError) as exc:
-                if isinstance(exc, RemoteError | ShardChangedError):  # its bytes could not be read to hash
-                    model.failed(span.shard)
-                if not await self._fall_back(span, exc):
-                    raise
-
-    async def _fall_back(self, span: _OpenTensor, why: BaseException) -> bool:
-        """Serve the tensor from its next fallback from now on, if it has one that gives its bytes (see
-        Model.switch: on a worker thread, a fallback may be opened, and its copy fetched and hashed)."""
-        model = self.tree.model
-        if model.fallbacks is None or not _unreadable_error(why):
-            return False
-        expected = self.verifier.integrity.expected
-        switch = functools.partial(
-            model.switch, span.name, why, span.copy, expected.get(span.name) if expected is not None else None
-        )
-        try:
-            copy = await trio.to_thread.run_sync(switch, limiter=self._switchers)
-        except BaseException as exc:
-            if exc is why or isinstance(exc, TensorfsError | OSError):
-                return False  # no fallback gives it: the reader gets the primary's error
-            raise
-        span.copy, span.data, span.view, span.start, span.end = copy, copy.data, copy.data.view, copy.start, copy.end
-        span.ready_from = span.ready_to = 0
-        self.stats.fallback_tensors[span.name] = copy.source
-        return True
 
     async def _read_synthesized(self, file: SynthesizedFile, off: int, size: int) -> bytes | memoryview:
         """Bytes of a synthesized safetensors file: within one tensor, read as that tensor's file is
         (a slice of the mapping, no copy); across tensors or the header, assembled from reads of the
-        shard files (never of the mappings)."""
+        shard files (never of the mappings), each through the gate."""
         pieces = list(file.pieces(off, off + size))
         if len(pieces) == 1 and isinstance(pieces[0], Piece):
             only = pieces[0]
@@ -427,23 +425,14 @@ class TensorOperations(pyfuse3.Operations):
         return bytes(reply)
 
     async def _copied(self, span: _OpenTensor, piece: Piece) -> bytearray:
-        """A piece of a tensor's bytes, read from its file (never the mapping), checked first; from its
-        fallback when its own shard cannot give them."""
-        first = piece.shard_offset - span.origin  # where in the tensor
+        """A piece of a tensor's bytes, read from its file (never the mapping), through the gate."""
         buffer = bytearray(piece.end - piece.start)
-        while True:
-            await self._checked(span)
-            data, low = span.data, span.start + first
-            try:
-                await trio.to_thread.run_sync(data.readinto, low, memoryview(buffer))
-                break
-            except (TensorfsError, OSError) as exc:
-                error = _unreadable(span, first, first + len(buffer), str(exc))
-                if not await self._fall_back(span, error):
-                    raise error from None
-        self._touch(span, low, low + len(buffer))
+        begin = piece.shard_offset - span.origin  # where in the tensor
+        place = await self._drive(self.gate.read_into(span.name, begin, memoryview(buffer)))
+        low = place.start + begin
+        self._touch(span, place, low, low + len(buffer))
         if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
-            data.served(low, low + len(buffer))
+            place.data.served(low, low + len(buffer))
         return buffer
 
     async def _read_tensor(self, span: _OpenTensor, off: int, size: int) -> memoryview:
@@ -461,77 +450,63 @@ class TensorOperations(pyfuse3.Operations):
         """
         previous, self._replied = self._replied, []
         try:
-            while True:
-                try:
-                    return await self._answer_tensor(span, off, size, previous)
-                except (TensorfsError, pyfuse3.FUSEError) as exc:
-                    self._let_go(previous)
-                    if not await self._fall_back(span, exc):
-                        raise
+            present = functools.partial(self._present, span)
+            grant = await self._drive(self.gate.read(span.name, off, off + size, present), previous)
         finally:
             self._let_go(previous)
+        place, low, high = grant.place, grant.low, grant.high
+        self._touch(span, place, low, high)
+        if grant.copied is not None:  # bytes of a remote chunk still coming, copied as they came
+            if self.hand_over:
+                place.data.served(low, high)
+            return memoryview(grant.copied)
+        if place.data.needs_ensure or self.hand_over:
+            self._replied.append((place.data, low, high))  # nothing awaited from here to the reply
+        return place.data.view[low:high]
 
-    async def _answer_tensor(self, span: _OpenTensor, off: int, size: int, previous: list[_Held]) -> memoryview:
-        if span.copy is None:
-            failing = self.tree.model.failing(span.shard, span.start + off, min(span.start + off + size, span.end))
-            if failing is not None:
-                raise failing  # to its fallback at once
-            self.verifier.check(span.shard, span.name)
-            if self.verifier.needs_verifying(span.name):
-                self._let_go(previous)
-                await self.verifier.verify(span.name)  # the shard changed since this file was opened
-        # Where the bytes are had, as of now: a switch to a fallback meanwhile (another reader's)
-        # changes the span, never what this read answers from.
-        data, start, end = span.data, span.start, span.end
-        low = min(start + off, end)
-        high = min(low + size, end)
+    def _present(self, span: _OpenTensor, place: Place, low: int, high: int) -> Plan[bytearray | None]:
+        """The mount's way to have [low, high) of a place present and pinned: at once when it is known
+        to be in memory (the window brought in before, or a small tensor's pages resident); else
+        brought in off this thread, with a window ahead of the reader."""
+        data = place.data
+        if span.window is not data:  # switched to a fallback: what was known of its pages is not
+            span.window, span.ready_from, span.ready_to = data, 0, 0
         ready = span.ready_from <= low < high <= span.ready_to
-        small = end - start <= SMALL_TENSOR
+        small = place.nbytes <= SMALL_TENSOR
         if not ready and small:
             # A small tensor already in memory (mincore) is answered at once: for many small files
             # the hop to a worker thread and back would cost more than the whole rest of the read.
             ready = data.resident(low, high)
-        if not (ready and data.pin(low, high)):
-            # Not known to be in memory: bring in this request, then a window ahead, off this thread.
-            self._let_go(previous)
-            waited = time.perf_counter()
-            try:
-                copied = await trio.to_thread.run_sync(data.pinned_or_copied, low, high, limiter=self._demand)
-            except TensorfsError as exc:  # gone from the file, or a remote shard's bytes not fetched
-                # The reader gets EIO (or its fallback's copy) and the daemon goes on. What was
-                # validated is never replaced by anything else.
-                why = str(exc) if data.needs_ensure else "the shard shrank under the mount"
-                if span.copy is None:
-                    self.tree.model.failed(span.shard)
-                raise _unreadable(span, low - start, high - start, why) from None
-            self.stats.page_waits += 1
-            self.stats.page_wait_seconds += time.perf_counter() - waited
-            if copied is not None:
-                # Bytes of a remote chunk still coming, copied as they came: answered now, nothing of
-                # the mapping held. No window ahead is waited for first: that kept a cold tensor's
-                # first bytes waiting for four more chunks sharing the link (docs/performance.md).
-                self._touch(span, low, high)
-                if self.hand_over:
-                    data.served(low, high)
-                return memoryview(copied)
-            until = min(end, data.window_end(high, self.prefetch))
-            if until > high and not await self._ensure_ahead(span, data, high, until, self._demand):
+        if ready and data.pin(low, high):
+            if self.nursery is not None and not small and self._window_running_out(span, place, high):
+                span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
+                self.nursery.start_soon(self._prefetch, span, place)
+            return None
+        # Not known to be in memory: bring in this request, then a window ahead, off this thread.
+        waited = time.perf_counter()
+        copied: bytearray | None = yield "present", functools.partial(data.pinned_or_copied, low, high)
+        self.stats.page_waits += 1
+        self.stats.page_wait_seconds += time.perf_counter() - waited
+        if copied is not None:
+            # No window ahead is waited for first: that kept a cold tensor's first bytes waiting for
+            # four more chunks sharing the link (docs/performance.md).
+            return copied
+        until = min(place.end, data.window_end(high, self.prefetch))
+        if until > high:
+            self.stats.prefetched(span.shard, span.in_shard(place, high), span.in_shard(place, until))
+            try:  # a window ahead of a reader: its failure is no reader's failure (yet)
+                if not (yield "ahead", functools.partial(data.ensure, high, until, ahead=True)):
+                    until = high
+            except (TensorfsError, OSError):
                 until = high
-            if span.data is data:
-                span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
-        elif self.nursery is not None and not small and self._window_running_out(span, high):
-            span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
-            self.nursery.start_soon(self._prefetch, span)
-        if data.needs_ensure or self.hand_over:
-            self._replied.append((data, low, high))  # nothing awaited from here to the reply
-        self._touch(span, low, high)
-        return data.view[low:high]
+        span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
+        return None
 
-    def _touch(self, span: _OpenTensor, low: int, high: int) -> None:
-        """Count [low, high) of the span's source served (by the tensor's place in its own shard)."""
-        self.stats.touch(span.shard, span.in_shard(low), span.in_shard(high))
-        if span.copy is not None:
-            self.stats.from_fallback(span.copy.source, high - low)
+    def _touch(self, span: _OpenTensor, place: Place, low: int, high: int) -> None:
+        """Count [low, high) of the place served (by the tensor's place in its own shard)."""
+        self.stats.touch(span.shard, span.in_shard(place, low), span.in_shard(place, high))
+        if place.copy is not None:
+            self.stats.from_fallback(place.copy.source, high - low)
 
     def release_replied(self) -> None:
         """Let go of the ranges held for replies: call only from another task than a read's (trio's thread)."""
@@ -548,36 +523,21 @@ class TensorOperations(pyfuse3.Operations):
                 data.served(low, high)
         held.clear()
 
-    async def _ensure_ahead(
-        self,
-        span: _OpenTensor,
-        data: ShardData,
-        begin: int,
-        until: int,
-        limiter: trio.CapacityLimiter,
-        *,
-        ahead: bool = True,
-    ) -> bool:
-        """Bring in a window ahead of a reader; a failure there is no reader's failure (yet)."""
-        self.stats.prefetched(span.shard, span.in_shard(begin), span.in_shard(until))
-        try:
-            return bool(
-                await trio.to_thread.run_sync(
-                    functools.partial(data.ensure, begin, until, ahead=ahead), limiter=limiter
-                )
-            )
-        except (TensorfsError, OSError):
-            return False
+    def _window_running_out(self, span: _OpenTensor, place: Place, high: int) -> bool:
+        return span.ready_to < place.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
 
-    def _window_running_out(self, span: _OpenTensor, high: int) -> bool:
-        return span.ready_to < span.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
-
-    async def _prefetch(self, span: _OpenTensor) -> None:
-        data, begin, until = span.data, span.ready_to, min(span.end, span.ready_to + self.prefetch)
+    async def _prefetch(self, span: _OpenTensor, place: Place) -> None:
+        data, begin, until = place.data, span.ready_to, min(place.end, span.ready_to + self.prefetch)
         try:
             # A reader that consumed its window: its source may read further ahead (ahead=False).
-            done = await self._ensure_ahead(span, data, begin, until, self._prefetchers, ahead=False)
-            if done and span.data is data and span.ready_from <= begin <= span.ready_to:  # still contiguous
+            self.stats.prefetched(span.shard, span.in_shard(place, begin), span.in_shard(place, until))
+            try:
+                done = await trio.to_thread.run_sync(
+                    functools.partial(data.ensure, begin, until, ahead=False), limiter=self._prefetchers
+                )
+            except (TensorfsError, OSError):
+                done = False
+            if done and span.window is data and span.ready_from <= begin <= span.ready_to:  # still contiguous
                 span.ready_to = max(span.ready_to, until)
         finally:
             span.prefetching = False
@@ -620,50 +580,26 @@ class TensorOperations(pyfuse3.Operations):
 
 @dataclass(eq=False)
 class _OpenTensor:
-    """An open tensor file: where its bytes are (its shard's, or a fallback's copy), and which of them
-    are known to be in memory."""
+    """An open tensor file: which of its bytes are known to be in memory where they are had."""
 
     name: str
     shard: ShardKey
     """Its own shard (the model's)."""
-    data: ShardData
-    view: memoryview
-    start: int
-    end: int
-    """Where its bytes are had: [start, end) of `data` (its shard's, or its fallback copy's)."""
     origin: int
     """Where its bytes start in its own shard."""
-    copy: Copy | None = None
-    """The fallback's copy it is served from, once it is (for the mount's life)."""
+    window: ShardData | None = None
+    """The source the window below is of (its own shard's, or its fallback copy's)."""
     ready_from: int = 0
     ready_to: int = 0
     prefetching: bool = False
 
-    def in_shard(self, offset: int) -> int:
-        """An offset of `data` as the offset of the same byte of the tensor in its own shard."""
-        return self.origin + offset - self.start
+    def in_shard(self, place: Place, offset: int) -> int:
+        """An offset of the place's data as the offset of the same byte of the tensor in its own shard."""
+        return self.origin + offset - place.start
 
 
 _Held = tuple[ShardData, int, int]
 """A range a reply was made from (pinned, for a remote shard): the shard, [start, end)."""
-
-
-def _unreadable(span: _OpenTensor, begin: int, end: int, why: str) -> ShardChangedError:
-    """The error of a read of bytes [begin, end) of a tensor that cannot be read (its log line's fields too)."""
-    where = span.shard if span.copy is None else f"{span.data.label} (fallback {span.copy.source})"
-    error = ShardChangedError(
-        f"{where}: tensor '{printable(span.name)}': bytes [{begin}, {end}) of the tensor cannot be read: {why}"
-    )
-    error.fields = {"tensor": span.name, "shard": str(span.shard)}  # type: ignore[attr-defined]
-    return error
-
-
-def _unreadable_error(error: BaseException) -> bool:
-    """Whether a fallback may stand in for what raised `error`: the tensor's own bytes cannot be had
-    (gone, changed, not fetched, refused by the manifest), not a request that is wrong."""
-    if isinstance(error, pyfuse3.FUSEError):
-        return error.errno == errno.EIO
-    return isinstance(error, Refused | IntegrityError | ShardChangedError | RemoteError)
 
 
 def _decode(name: bytes) -> str:

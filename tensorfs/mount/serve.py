@@ -20,10 +20,9 @@ import trio
 
 from .. import __version__
 from ..errors import TensorfsError
-from ..integrity import Integrity
+from ..identity import ShardKey
 from ..model import Model
 from ..names import STATS_NAME
-from ..sources.shard import ShardKey
 from ..syscalls import libc
 from ..units import plural
 from ..views import ViewSpec, build_view
@@ -34,22 +33,14 @@ from .metrics import serve_metrics
 from .options import READY, MountOptions
 from .runtime import process_start, remove_record, write_record
 from .tree import Tree, index_json, metadata_json
-from .watch import ShardWatch
 
 log = logging.getLogger("tensorfs")
 
 
-def serve(
-    model: Model,
-    mountpoint: Path,
-    options: MountOptions,
-    integrity: Integrity,
-    view: ViewSpec,
-    notify: Callable[[str], None],
-) -> int:
+def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec, notify: Callable[[str], None]) -> int:
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     _return_big_buffers()
-    record = _record(model, mountpoint, options, integrity)
+    record = _record(model, mountpoint, options)
     control = {
         "index.json": lambda: index_json(model),
         "metadata.json": lambda: metadata_json(model),
@@ -59,12 +50,7 @@ def serve(
     for warning in view.warnings:
         log.warning("%s", warning)
     tree = Tree(model, options.layout, control, options.ownership, build_view(model, view))
-    if integrity.expected is not None:  # bytes fetched again must be those that passed it
-        for shard in model.shards:
-            model.shard_data(shard).hold_to_manifest()
-    watched = {shard: model.shard_data(shard).watched() for shard in model.shards}
-    watch = ShardWatch([(shard, *files) for shard, files in watched.items() if files is not None])
-    hasher = integrity.hasher
+    hasher = model.gate.integrity.hasher
     counters: dict[str, Callable[[], dict[str, int | float]]] = {
         "hashes": lambda: {
             "tensors_hashed": hasher.tensors_hashed,  # each one not found in the hash cache (a miss)
@@ -78,8 +64,6 @@ def serve(
         counters["remote"] = COUNTERS.snapshot
     operations = TensorOperations(
         tree,
-        integrity,
-        watch,
         prefetch=options.prefetch_mb << 20,
         invalidate=_invalidate,
         trace=options.debug,
@@ -149,8 +133,9 @@ def _return_big_buffers() -> None:
 _M_ARENA_MAX = -8
 
 
-def _record(model: Model, mountpoint: Path, options: MountOptions, integrity: Integrity) -> dict[str, Any]:
+def _record(model: Model, mountpoint: Path, options: MountOptions) -> dict[str, Any]:
     """What the daemon says of itself: in its runtime record and in .tensorfs/daemon.json."""
+    integrity = model.gate.integrity
     return {
         "pid": os.getpid(),
         "process_start": process_start(os.getpid()),
@@ -231,7 +216,7 @@ async def _run(
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(_handle_signals)
-        nursery.start_soon(operations.verifier.watch_changes)
+        nursery.start_soon(operations.watch_changes)
         nursery.start_soon(_flush_caches, operations)
         nursery.start_soon(_report_ready, mountpoint, options, record, notify)
         await pyfuse3.main()

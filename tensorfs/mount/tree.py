@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 from ..errors import TensorfsError
 from ..formats import BEGIN, END, NAME, Entry
+from ..identity import ShardKey, shard_name
 from ..manifest import sha256sum_line
 from ..names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..sources.index import index_document
-from ..sources.shard import ShardKey, shard_name
 from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
 
 if TYPE_CHECKING:

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 import crc32c
 
-from ..errors import printable
+from ..errors import ObjectChanged, RemoteError, printable
 from ..syscalls import fallocate, punch_hole
 from ..units import human_size
 from .fetching import COUNTERS, failed_future, wait
 from .pages import Pages
-from .store import ObjectChanged, ObjectVersion, RemoteError, read_range
+from .store import ObjectVersion, read_range
 
 if TYPE_CHECKING:
     from .chunkcache import ChunkCache

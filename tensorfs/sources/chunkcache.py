@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import RemoteError
 from ..safefiles import UnsafeLocation, check_private_file, make_private_file, private_directory
 from ..syscalls import punch_hole
 from ..units import human_size
@@ -67,7 +68,7 @@ from .cachefile import (
     presence_byte,
 )
 from .fetching import COUNTERS
-from .store import ObjectVersion, RemoteError
+from .store import ObjectVersion
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ClassVar
 
-from ..errors import TensorfsError
-from .store import ObjectChanged, RemoteError
+from ..errors import ObjectChanged, RemoteError, TensorfsError
 
 
 def _yield_to_requests() -> None:

@@ -16,10 +16,11 @@ from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..formats import ShardHeader, gguf, pytorch
 from ..headercache import WORTH_CACHING
+from ..identity import Identity
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
 from .pages import Handover, Pages
-from .shard import Identity, ShardData
+from .shard import ShardData
 
 log = logging.getLogger(__name__)
 

@@ -20,21 +20,22 @@ from typing import TYPE_CHECKING, Any
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..formats import ShardHeader
+from ..identity import Identity, settled
 from .cachefile import CachedObject
 from .chunkcache import ChunkCache, default_cache_dir
 from .fetching import Fetcher, wait
 from .index import first_tensor
 from .pages import Handover
-from .shard import Identity, ShardData, settled
+from .shard import ShardData
 
 if TYPE_CHECKING:
     from ..headercache import HeaderCache
-    from ..model import Model
+    from ..tables import Tables
+from ..errors import RemoteError
 from .store import (
     Located,
     ObjectRef,
     ObjectVersion,
-    RemoteError,
     RemoteOptions,
     locate,
     model_key,
@@ -274,7 +275,7 @@ class RemoteShard(ShardData):
         self.close_private(self.cached.close)
 
 
-def fetch_plan(model: Model, *, whole: bool) -> dict[RemoteShard, list[int]]:
+def fetch_plan(model: Tables, *, whole: bool) -> dict[RemoteShard, list[int]]:
     """The chunks to fetch to hold `model` in the cache, by remote shard: every chunk of its objects
     (`whole`), or only those of its tensors' bytes (a selection). Empty for a local model."""
     wanted: dict[RemoteShard, list[int]] = {}

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import orjson
 
-from ..errors import Problem, TensorfsError, printable
+from ..errors import AccessDenied, ObjectChanged, Problem, RemoteError, TensorfsError, TooLarge, Unexpected, printable
 from ..formats import WEIGHT_FILES, checkpoint_index_applies, choose_files, is_weights_name, pytorch
 from ..units import human_size
 from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
@@ -79,18 +79,6 @@ def model_key(source: str, options: RemoteOptions) -> str:
     """One name for one model however its URL is written: hf://ORG/NAME is hf://ORG/NAME@main."""
     spec, key = store_spec(source, options)
     return spec.url(key)
-
-
-class RemoteError(TensorfsError):
-    """An object could not be read from its store (after the retries the error allows)."""
-
-
-class AccessDenied(RemoteError):
-    """The store refused the request (401, 403)."""
-
-
-class ObjectChanged(RemoteError):
-    """An object was replaced in its store since it was validated: its other bytes are not to be mixed in."""
 
 
 @dataclass(frozen=True)
@@ -616,14 +604,6 @@ def _raise(ref: ObjectRef, exc: BaseException) -> None:
     if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or ACCESS_HINT in message:
         raise AccessDenied(message) from None
     raise RemoteError(message) from None
-
-
-class TooLarge(RemoteError):
-    """An object over the size asked for: its body was not read (or not past the limit)."""
-
-
-class Unexpected(RemoteError):
-    """An answer that is not what was asked for: more bytes than the range, or an encoding."""
 
 
 def _plain(ref: ObjectRef, result: Any) -> None:

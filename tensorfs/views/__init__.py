@@ -17,7 +17,7 @@ from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
-    from ..model import Model
+    from ..tables import Tables
 
 __all__ = [
     "VIEW_DIR", "Companion", "ModelView", "Piece", "SynthesizedFile", "ViewFile", "ViewSpec", "build_view", "split",
@@ -80,7 +80,7 @@ whole model (model.safetensors, or its index) finds none, and fails, rather than
 selection as the whole model with the rest made up."""
 
 
-def build_view(model: Model, spec: ViewSpec) -> ModelView:
+def build_view(model: Tables, spec: ViewSpec) -> ModelView:
     names = model.sorted_names
     count = spec.shards or _auto_count(model.nbytes)
     metadata = shared_metadata(model)
@@ -101,7 +101,7 @@ def build_view(model: Model, spec: ViewSpec) -> ModelView:
     return ModelView(files, spec.directories)
 
 
-def shared_metadata(model: Model) -> dict[str, str] | None:
+def shared_metadata(model: Tables) -> dict[str, str] | None:
     """The shards' `__metadata__` when they all have the same (none when they differ)."""
     found = list(model.metadata.values())
     if not found or any(metadata != found[0] for metadata in found):

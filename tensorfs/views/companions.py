@@ -25,17 +25,15 @@ from typing import Any
 
 import orjson
 
-from ..errors import TensorfsError, printable
+from ..errors import RemoteError, TensorfsError, TooLarge, printable
 from ..formats import is_weights_name, pytorch
+from ..identity import Identity, ShardKey
 from ..manifest import DEFAULT_MANIFEST
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
-from ..sources.shard import Identity, ShardKey
 from ..sources.store import (
     ObjectRef,
     ObjectVersion,
-    RemoteError,
     RemoteOptions,
-    TooLarge,
     beside,
     get_whole,
     head,

@@ -1,7 +1,8 @@
 """Writing a view to disk: the synthesized safetensors file(s) of a model (or a selection), streamed.
 
 Written whole or not at all: into a temporary name beside the destination, renamed at the end.
-Bytes are read from the shard files (preadv; for a remote model through its cache), never the mappings.
+Bytes are read through the model's gate (checked, verified, from a fallback where need be), from the
+shard files (preadv; for a remote model through its cache), never the mappings.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from ..files import partial_of, umasked, write_whole
 from . import Companion, ModelView, SynthesizedFile, shared_metadata
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
-    from ..model import Model
+    from ..tables import Tables
 
 _BLOCK = 1 << 20
 
+Read = Callable[[str, int, memoryview], None]
+"""How a tensor's bytes are had: fill the buffer from an offset in the tensor (the gate's copy_into)."""
 
-def write_safetensors(model: Model, path: Path, progress: Callable[[int], None] | None = None) -> None:
+
+def write_safetensors(model: Tables, path: Path, read: Read, progress: Callable[[int], None] | None = None) -> None:
     """One safetensors file holding every tensor of `model`, at `path` (a regular file there is
     replaced whole; through a symlink, its target is). Never one of the model's own shards."""
     shown = printable(str(path))
@@ -40,12 +44,12 @@ def write_safetensors(model: Model, path: Path, progress: Callable[[int], None] 
         raise TensorfsError(f"cannot write {shown}: it is a shard of the model being written")
     synthesized = SynthesizedFile(model, model.sorted_names, shared_metadata(model))
     try:
-        write_whole(target, lambda out: _stream(synthesized, out, progress), mode=_mode_of(model), sync=True)
+        write_whole(target, lambda out: _stream(synthesized, out, read, progress), mode=_mode_of(model), sync=True)
     except OSError as exc:
         raise TensorfsError(f"cannot write {shown}: {exc.strerror or exc}") from None
 
 
-def write_view(view: ModelView, directory: Path, progress: Callable[[int], None] | None = None) -> None:
+def write_view(view: ModelView, directory: Path, read: Read, progress: Callable[[int], None] | None = None) -> None:
     """A model directory (what .tensorfs/model/ of a mount holds) at `directory`, which must not exist."""
     if directory.exists() or directory.is_symlink():
         raise TensorfsError(f"{printable(str(directory))}: already exists; name a new directory")
@@ -53,7 +57,7 @@ def write_view(view: ModelView, directory: Path, progress: Callable[[int], None]
     try:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-        _write_files(view, partial, progress)
+        _write_files(view, partial, read, progress)
         partial.rename(directory)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
@@ -67,7 +71,7 @@ def view_bytes(view: ModelView) -> int:
     return sum(view.size(path) for path in view.files)
 
 
-def _write_files(view: ModelView, directory: Path, progress: Callable[[int], None] | None) -> None:
+def _write_files(view: ModelView, directory: Path, read: Read, progress: Callable[[int], None] | None) -> None:
     for sub in view.directories:
         (directory / sub).mkdir()
         source = view.directory_status.get(sub)
@@ -78,7 +82,7 @@ def _write_files(view: ModelView, directory: Path, progress: Callable[[int], Non
         if isinstance(content, SynthesizedFile):
             mode = _mode_of(content.model)
             with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as out:
-                _stream(content, out, progress)
+                _stream(content, out, read, progress)
                 out.flush()
                 os.fsync(out.fileno())
         elif isinstance(content, Companion):
@@ -106,7 +110,7 @@ def _same_file(st: os.stat_result, shard: object) -> bool:
     return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
 
 
-def _mode_of(model: Model) -> int:
+def _mode_of(model: Tables) -> int:
     """The permissions of a file made of the model's tensors: no more readable than its shard files."""
     mode = 0o666
     for shard in model.shards:  # as opened and validated, never looked up by its path again
@@ -114,9 +118,9 @@ def _mode_of(model: Model) -> int:
     return umasked(mode) | 0o600
 
 
-def _stream(synthesized: SynthesizedFile, out: BinaryIO, progress: Callable[[int], None] | None) -> None:
-    """Write the synthesized file's bytes to `out`, a block at a time, read from the shards."""
-    model: Model = synthesized.model
+def _stream(synthesized: SynthesizedFile, out: BinaryIO, read: Read, progress: Callable[[int], None] | None) -> None:
+    """Write the synthesized file's bytes to `out`, a block at a time, read from the shards by `read`."""
+    model: Tables = synthesized.model
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
     for start in range(0, synthesized.size, _BLOCK):
@@ -128,7 +132,8 @@ def _stream(synthesized: SynthesizedFile, out: BinaryIO, progress: Callable[[int
                 filled += len(piece)
                 continue
             length = piece.end - piece.start
-            model.readinto(piece.shard, piece.shard_offset, view[filled : filled + length])
+            begin = piece.shard_offset - model.locate(piece.tensor)[1]  # where in the tensor
+            read(piece.tensor, begin, view[filled : filled + length])
             filled += length
         out.write(view[:filled])
         if progress is not None:

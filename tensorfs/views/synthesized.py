@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 from ..dtypes import DTYPES
 from ..formats import BEGIN, DTYPE, END, SHAPE, gguf
-from ..sources.shard import ShardKey
+from ..identity import ShardKey
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
-    from ..model import Model
+    from ..tables import Tables
 
 _RANK = {name: rank for rank, name in enumerate(DTYPES)}  # the reference's dtype order, narrowest first
 
@@ -51,7 +51,7 @@ class SynthesizedFile:
     arrays: for 100k tensors, the header's bytes and a few MiB.
     """
 
-    def __init__(self, model: Model, names: list[str], metadata: Mapping[str, str] | None) -> None:
+    def __init__(self, model: Tables, names: list[str], metadata: Mapping[str, str] | None) -> None:
         self.model = model
         self.format = model.format
         """The file's format: the model's ("safetensors", "gguf")."""
@@ -142,7 +142,7 @@ _Layout = tuple[bytes, list[int], list[int], list[int], int]
 """(header, file order -> index in names, each name's start and end from where the data starts, data bytes)."""
 
 
-def _safetensors_layout(model: Model, names: list[str], metadata: Mapping[str, str] | None) -> _Layout:
+def _safetensors_layout(model: Tables, names: list[str], metadata: Mapping[str, str] | None) -> _Layout:
     entries = [model.entry(name)[2] for name in names]
     order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][DTYPE].name], names[i]))
     offset = 0
@@ -164,7 +164,7 @@ def _safetensors_layout(model: Model, names: list[str], metadata: Mapping[str, s
     return len(text).to_bytes(8, "little") + text, order, starts, ends, offset
 
 
-def _gguf_layout(model: Model, names: list[str]) -> _Layout:
+def _gguf_layout(model: Tables, names: list[str]) -> _Layout:
     """The source's order (shard by shard, by offset), its key/value pairs (the first shard's, as a
     multi-file GGUF keeps them; its split.* ones dropped) and its alignment."""
     shards = {shard: k for k, shard in enumerate(model.shards)}

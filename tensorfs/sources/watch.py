@@ -1,9 +1,10 @@
-"""Watching the shard files under a mount for changes (inotify through ctypes, and fstat).
+"""Watching the files a model's bytes come from for changes (inotify through ctypes, and fstat): its
+shards, and the fallback copies it serves from.
 
 Each shard is watched through its open descriptor (/proc/self/fd/N), so the watch is on the very
 file that was validated and mapped, even if its path was replaced in between. Events are read
-without blocking: the daemon drains them before it answers a tensor read, so a change that
-finished before a request reached the daemon is known when that request is answered.
+without blocking: the gate drains them before it hands out a tensor's bytes, so a change that
+finished before a request reached the daemon (or a call the library) is known when it is answered.
 
 inotify does not see writes through another process's shared mapping of a shard; the kernel
 does update the file's mtime at the first such write to each clean page, so check() also compares
@@ -20,9 +21,9 @@ import os
 import select
 import struct
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Hashable, Iterable
 
-from ..sources.shard import ShardKey
 from ..syscalls import libc
 
 log = logging.getLogger(__name__)
@@ -50,43 +51,60 @@ class Change(enum.Enum):
 
 
 class ShardWatch:
-    """inotify watches on open shard files; changes() drains what happened, never blocking."""
+    """inotify watches on open files, each known by a key of the caller's; changes() drains what
+    happened, never blocking."""
 
-    def __init__(self, shards: Iterable[tuple[ShardKey, int, os.stat_result]]) -> None:
-        """`shards` is (path, open descriptor, status when validated) for every shard file.
+    def __init__(self, files: Iterable[tuple[Hashable, int, os.stat_result]] = ()) -> None:
+        """`files` is (key, open descriptor, status when validated) for every file to watch (add() more).
 
         What happened between the validation and the watch is found by the first changes(),
-        which compares every shard with its status when validated. Without inotify (none left,
-        say: fs.inotify.max_user_watches), changes are still seen by the shards' sizes and times,
+        which compares every file with its status when validated. Without inotify (none left,
+        say: fs.inotify.max_user_watches), changes are still seen by the files' sizes and times,
         checked before each read; a warning says so.
         """
-        self._shards: dict[int, list[ShardKey]] = {}  # watch descriptor -> the shards it watches
-        self._fds = {path: fd for path, fd, _ in shards}
-        self.paths = list(self._fds)
-        self._seen = {path: _times_of(st) for path, _, st in shards}  # size, mtime_ns, ctime_ns
-        self._unchecked = True  # since validation: compared at the first changes()
-        self._fd: int = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        self._shards: dict[int, list[Hashable]] = {}  # watch descriptor -> the files it watches
+        self._fds: dict[Hashable, int] = {}
+        self.paths: list[Hashable] = []
+        self._seen: dict[Hashable, tuple[int, int, int]] = {}  # size, mtime_ns, ctime_ns
+        self._unchecked: list[Hashable] = []  # since validation: compared at the next changes()
+        self._checked_at: dict[Hashable, float] = {}
+        self._fd = -1
+        self._inotify = True  # until it fails: then sizes and times only
+        self._ready = select.poll()  # asked before every tensor read: cheaper than a read that fails
+        self._closer: weakref.finalize | None = None  # type: ignore[type-arg]
+        for key, fd, st in files:
+            self.add(key, fd, st)
+
+    def add(self, key: Hashable, fd: int, validated: os.stat_result) -> None:
+        """Watch one more open file (its status when validated: a change since is told by changes())."""
+        self._fds[key] = fd
+        self.paths.append(key)
+        self._seen[key] = _times_of(validated)
+        self._unchecked.append(key)
+        self._checked_at[key] = 0.0
+        if not self._inotify:
+            return
         try:
             if self._fd < 0:
-                raise _os_error("inotify_init1")
-            for path, fd in self._fds.items():
-                wd = libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _MASK)
-                if wd < 0:
-                    raise _os_error(f"inotify_add_watch on {path}")
-                self._shards.setdefault(wd, []).append(path)
+                self._fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+                if self._fd < 0:
+                    raise _os_error("inotify_init1")
+                self._ready.register(self._fd, select.POLLIN)
+                self._closer = weakref.finalize(self, os.close, self._fd)  # a model nobody closed
+            wd = libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _MASK)
+            if wd < 0:
+                raise _os_error(f"inotify_add_watch on {key}")
+            self._shards.setdefault(wd, []).append(key)
         except OSError as exc:
             log.warning("cannot watch the shards with inotify (%s): changes are seen by size and times only", exc)
             self.close()
-        self._ready = select.poll()  # asked before every tensor read: cheaper than a read that fails
-        if self._fd >= 0:
-            self._ready.register(self._fd, select.POLLIN)
-        self._checked_at = dict.fromkeys(self.paths, 0.0)
+            self._inotify = False
 
     def fileno(self) -> int:
         """The inotify descriptor to wait on; -1 when there is none."""
         return self._fd
 
-    def check(self, path: ShardKey, *, strict: bool = False) -> list[Change]:
+    def check(self, path: Hashable, *, strict: bool = False) -> list[Change]:
         """What changed in shard `path` since it was last seen (by its size and times).
 
         A new mtime or size is a change of the bytes. A new ctime alone is one too when `strict`,
@@ -112,12 +130,12 @@ class ShardWatch:
             return [Change.CONTENT]
         return [Change.ATTRIBUTES]
 
-    def changes(self) -> list[tuple[ShardKey, Change]]:
+    def changes(self) -> list[tuple[Hashable, Change]]:
         """Every change reported since the last call, in order; [] at once when there is none."""
-        found: list[tuple[ShardKey, Change]] = []
+        found: list[tuple[Hashable, Change]] = []
         if self._unchecked:  # between validation and the watch, nothing reported it: compare strictly
-            self._unchecked = False
-            found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))
+            unchecked, self._unchecked = self._unchecked, []
+            found.extend((path, change) for path in unchecked for change in self.check(path, strict=True))
         while self._fd >= 0 and self._ready.poll(0):
             try:
                 data = os.read(self._fd, 64 << 10)
@@ -148,6 +166,9 @@ class ShardWatch:
 
     def close(self) -> None:
         if self._fd >= 0:
+            self._ready.unregister(self._fd)
+            if self._closer is not None:
+                self._closer.detach()
             os.close(self._fd)
             self._fd = -1
 

@@ -1,0 +1,71 @@
+"""The files a gate's bytes come from, watched: its model's shards and the fallback copies it serves
+from, and what the gate has seen of each since it was opened (how many changes, refused or not)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..identity import ShardKey
+from ..sources.shard import ShardData
+from ..sources.watch import Change, ShardWatch
+from ..tables import Tables
+
+__all__ = ["Seen", "WatchedFiles"]
+
+
+@dataclass(eq=False)
+class Seen:
+    """What the gate has seen of one shard's file (or one fallback copy's) since it was opened."""
+
+    shard: ShardKey
+    """The model's shard it is, or that of the first tensor served from it (a fallback's)."""
+    copy: bool = False
+    generation: int = 0
+    """Bumped at every change of its bytes: a hash made before a change is no answer after it."""
+    changed: bool = False
+    """Changed in place with no manifest to check it against: refused until opened again."""
+    refused: set[str] = field(default_factory=set)
+    """Tensors whose refusal was reported already."""
+
+
+class WatchedFiles:
+    """The sources of a model's bytes, each with what was seen of it; their files watched for changes
+    (a remote object has none: its version is pinned)."""
+
+    def __init__(self, tables: Tables) -> None:
+        self._seen: dict[ShardData, Seen] = {}
+        self._watch = ShardWatch()
+        for shard in tables.opened_shards():
+            self._add(shard.data, Seen(shard.header.path))
+
+    def add_copy(self, data: ShardData, shard: ShardKey) -> None:
+        """Watch a fallback's shard too, from now on (once)."""
+        if data not in self._seen:
+            self._add(data, Seen(shard, copy=True))
+
+    def _add(self, data: ShardData, seen: Seen) -> None:
+        self._seen[data] = seen
+        files = data.watched()
+        if files is not None:
+            self._watch.add(data, *files)
+
+    def seen(self, data: ShardData) -> Seen | None:
+        return self._seen.get(data)
+
+    def changes(self, data: ShardData | None = None) -> list[tuple[ShardData, Seen, Change]]:
+        """Every change reported so far, and those `data`'s file's size and times show; never blocking."""
+        found = self._watch.changes()
+        if data is not None and data in self._seen:
+            found += [(data, change) for change in self._watch.check(data)]
+        return [(key, self._seen[key], change) for key, change in found if isinstance(key, ShardData)]
+
+    def changed_shards(self) -> list[ShardKey]:
+        """The model's shards changed in place with no manifest: refused until opened again."""
+        return [seen.shard for seen in self._seen.values() if seen.changed and not seen.copy]
+
+    def fileno(self) -> int:
+        """The descriptor that becomes readable when a watched file changes (-1: none to wait on)."""
+        return self._watch.fileno()
+
+    def close(self) -> None:
+        self._watch.close()

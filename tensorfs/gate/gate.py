@@ -1,0 +1,568 @@
+"""The Gate: one per opened model, the only code that turns "tensor, byte range" into bytes that may
+be handed out (see the package's docstring for the order in which it decides)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+
+from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
+from ..fallback import RETRY_AFTER, Copy, Fallbacks
+from ..identity import ShardKey
+from ..integrity import Hasher, Integrity, sha256_of
+from ..sources.shard import ShardData
+from ..sources.watch import Change
+from ..tables import Tables
+from .files import Seen, WatchedFiles
+from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, run
+from .reporter import Reporter
+
+__all__ = ["Gate"]
+
+log = logging.getLogger("tensorfs.gate")
+
+
+class _Failing(ShardChangedError):
+    """A shard whose read failed a moment ago: its tensors go to their fallbacks without asking it."""
+
+
+class Gate:
+    """One opened model's policy for its bytes (see the module's docstring). Thread-safe."""
+
+    def __init__(self, tables: Tables, fallbacks: Fallbacks | None = None) -> None:
+        self.tables = tables
+        self.integrity = Integrity(Hasher(tables))
+        """The manifest in force (none until set_integrity()), what is verified, and the hasher."""
+        self.fallbacks = fallbacks
+        """Other copies of the model, tried in order when a tensor's own shard cannot give its bytes."""
+        self.reporter = Reporter()
+        self._lock = threading.RLock()
+        self._copies: dict[str, Copy] = {}
+        self._copy_verified: set[str] = set()  # tensors whose copy matched the manifest since it last changed
+        self._failed_at: dict[ShardKey, float] = {}
+        self._bad: dict[str, tuple[int, TensorfsError]] = {}
+        """Tensors found not to match (or not to be readable), by their shard's generation then: refused
+        without hashing them again until their shard changes (a reader's retries cost nothing)."""
+        self._digests: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
+        self._hashing: dict[tuple[str, int], Future[str]] = {}  # hashes under way, shared by whoever waits
+        self._files = WatchedFiles(tables)
+        self.closed = False
+
+    # -- the manifest --------------------------------------------------------------------------
+    def set_integrity(self, integrity: Integrity) -> None:
+        """Prove bytes with `integrity` from now on: its hasher (and hash cache), and its manifest if it
+        has one. Then no byte of a tensor goes out before it matches the manifest, and remote bytes
+        that come again must be the bytes that passed (their chunks held to SHA-256s)."""
+        with self._lock:
+            self.integrity = integrity
+            self._copy_verified.clear()
+            self._bad.clear()
+        if integrity.expected is not None:
+            for shard in self.tables.opened_shards():
+                shard.data.hold_to_manifest()
+
+    @property
+    def expected(self) -> Mapping[str, str] | None:
+        """The manifest's values by tensor (None: no manifest in force)."""
+        return self.integrity.expected
+
+    # -- where the bytes are -------------------------------------------------------------------
+    def place(self, name: str) -> Place:
+        """Where the tensor's bytes are had now (its own shard, or the fallback copy it was switched to)."""
+        shard = self.tables.shard_of(name)  # TensorNotFound for a name not in the model
+        copy = self._copies.get(name)
+        begin, end = shard.by_name[name][:2]
+        start = shard.header.data_start
+        if copy is not None:
+            return Place(name, shard.header.path, copy.data, copy.start, copy.end, copy)
+        return Place(name, shard.header.path, shard.data, start + begin, start + end)
+
+    # -- the plans -----------------------------------------------------------------------------
+    def read(self, name: str, begin: int, end: int, present: Present | None = None) -> Plan[Grant]:
+        """The bytes [begin, end) of a tensor (offsets in the tensor, clipped to it) that may go out,
+        made present by `present` (default: fetched and pinned where the source needs it, for as long
+        as the model is open)."""
+        present = present or self._present
+        place = self.place(name)
+        while True:
+            try:
+                low = min(place.start + begin, place.end)
+                high = min(place.start + max(begin, end), place.end)
+                yield from self._admitted(place, low, high)
+                if self._moved(place):
+                    place = self.place(name)
+                    continue
+                try:
+                    copied = yield from present(place, low, high)
+                except TensorfsError as exc:  # the source's words, said of the tensor
+                    raise self._unreadable(place, low, high, exc) from None
+                return Grant(place, low, high, copied)
+            except UNREADABLE as exc:
+                place = yield from self._switched(place, exc)
+
+    def admit(self, name: str) -> Plan[Place]:
+        """Whether the tensor's bytes may go out at all (its place checked, and verified): its place."""
+        place = self.place(name)
+        while True:
+            try:
+                yield from self._admitted(place, place.start, place.end)
+                if self._moved(place):
+                    place = self.place(name)
+                    continue
+                return place
+            except UNREADABLE as exc:
+                place = yield from self._switched(place, exc)
+
+    def read_into(self, name: str, begin: int, buffer: memoryview) -> Plan[Place]:
+        """Fill `buffer` with the tensor's bytes from `begin` (in the tensor), read from the file (or
+        through the cache), never the mapping: for answers assembled from several tensors. Its place."""
+        place = self.place(name)
+        while True:
+            try:
+                low = place.start + begin
+                high = low + len(buffer)
+                if high > place.end:
+                    raise ValueError(f"bytes [{begin}, {begin + len(buffer)}) are not all in tensor {name!r}")
+                yield from self._admitted(place, low, high)
+                if self._moved(place):
+                    place = self.place(name)
+                    continue
+                generation = self._generation(place)
+                try:
+                    yield "read", functools.partial(place.data.readinto, low, buffer)
+                except TensorfsError as exc:
+                    raise self._unreadable(place, low, high, exc) from None
+                if self._generation(place) == generation:
+                    return place
+                # Written while it was read: not its bytes. Checked again (refused, or verified again).
+            except UNREADABLE as exc:
+                place = yield from self._switched(place, exc)
+
+    # -- the library's ways in (blocking) -----------------------------------------------------
+    def held(self, name: str) -> Grant:
+        """The tensor's bytes, made present and held (a remote shard's chunks kept in the cache while
+        the model is open): the library's arrays and tensors are made over them."""
+        return run(self.read(name, 0, 1 << 62))
+
+    def check(self, name: str) -> None:
+        """Whether the tensor's bytes may go out (verified first, where a manifest is in force)."""
+        run(self.admit(name))
+
+    def copy_into(self, name: str, begin: int, buffer: memoryview) -> None:
+        """read_into(), blocking."""
+        run(self.read_into(name, begin, buffer))
+
+    def verify_many(self, names: Iterable[str], progress: Callable[[int], None] | None = None) -> None:
+        """Verify these tensors, hashing several at once (those in their own shards, not yet verified):
+        IntegrityError for the first, by name, that does not match (every matching one is verified).
+        A tensor served from a fallback is verified as any, when it is asked for."""
+        with self._lock:
+            expected = self.integrity.expected
+            if expected is None:
+                return
+            todo = [n for n in names if n not in self._copies and n not in self.integrity.verified]
+            generations = {name: self._state_of(name).generation for name in todo}
+        if not todo:
+            return
+        actual = self.integrity.hasher.hash_all(todo, progress)
+        with self._lock:
+            self._notice()
+            bad = []
+            for name, digest in actual.items():
+                if self._state_of(name).generation != generations[name]:
+                    continue  # changed while hashed: verified when asked for
+                if digest == expected[name]:
+                    self._pass(name)
+                else:
+                    bad.append(name)
+            errors = {
+                name: self._mismatch(name, self.tables.locate(name)[0], actual[name], expected[name]) for name in bad
+            }
+            for name, error in errors.items():
+                self._bad[name] = (generations[name], error)
+        if bad:
+            raise errors[min(bad)]
+
+    def bring_in(self, names: list[str]) -> None:
+        """Bring in the pages of these neighbouring tensors of one shard (their chunks fetched, for a
+        remote one), mapped in the private mapping the library's tensors are made on. Those served
+        from a fallback, or whose shard cannot give them, each through read() (switching them)."""
+        if not names:
+            return
+        places = [self.place(name) for name in names]
+        data = places[0].data
+        if all(p.copy is None and p.data is data for p in places) and self._failing(places[0].shard) is None:
+            low, high = places[0].start, places[-1].end
+            with contextlib.suppress(*UNREADABLE):
+                if data.ensure_private(low, high):
+                    return
+            if self.fallbacks is None:
+                raise ShardChangedError(f"{data.label}: bytes [{low}, {high}) cannot be read")
+        for name in names:
+            run(self.read(name, 0, 1 << 62, present=self._present_private))
+
+    # -- hashes of the bytes (the mount's .sha256 sidecars and SHA256SUMS) ----------------------
+    def digest(self, name: str) -> Plan[str]:
+        """The SHA-256 of the tensor's bytes in its own shard, as they are now (found, or hashed once
+        however many ask). Refused when its shard changed in place without a manifest."""
+        state = self._state_of(name)
+        while True:
+            with self._lock:
+                self._notice()
+                self._refuse_if_changed(name, state)
+                generation = state.generation
+                found = self._digests.get(name)
+                if found is not None and found[0] == generation:
+                    return found[1]
+            digest: str = yield "verify", functools.partial(self._shared_digest, name, generation)
+            with self._lock:
+                self._notice()
+                if state.generation == generation:  # else changed while it was hashed: hashed again
+                    self._digests[name] = (generation, digest)
+                    return digest
+
+    def digest_all(self, names: list[str]) -> Plan[dict[str, str]]:
+        """Every tensor's SHA-256 (those not known hashed together, on the hasher's threads); Refused
+        when a shard changed in place without a manifest, before or while they were hashed."""
+        with self._lock:
+            self._notice()
+            for name in names:
+                self._refuse_if_changed(name, self._state_of(name))
+            generations = {name: self._state_of(name).generation for name in names}
+            todo = [name for name in names if self._digests.get(name, (-1, ""))[0] != generations[name]]
+        if todo:
+            found: dict[str, str] = yield "verify", functools.partial(self.integrity.hasher.hash_all, todo)
+            with self._lock:
+                for name, digest in found.items():
+                    self._digests[name] = (generations[name], digest)
+        with self._lock:
+            self._notice()
+            for name in names:
+                self._refuse_if_changed(name, self._state_of(name))
+            if any(self._state_of(name).generation != generations[name] for name in names):
+                raise Refused()  # written while hashed, under a manifest: the sums are the manifest's anyway
+            return {name: self._digests[name][1] for name in names}
+
+    # -- changes to the files --------------------------------------------------------------------
+    def watch_fd(self) -> int:
+        """The descriptor that becomes readable when a watched file changes (-1: none to wait on)."""
+        return self._files.fileno()
+
+    def notice_changes(self) -> None:
+        """Apply every change to the files reported so far (a mount does it between requests too)."""
+        with self._lock:
+            self._notice()
+
+    def changed_shards(self) -> list[ShardKey]:
+        """The model's shards changed in place with no manifest: refused until opened again."""
+        with self._lock:
+            return self._files.changed_shards()
+
+    # -- the fallbacks ---------------------------------------------------------------------------
+    def copy(self, name: str) -> Copy | None:
+        """The fallback's copy a tensor is served from, if it is."""
+        return self._copies.get(name)
+
+    def failed(self, shard: ShardKey) -> None:
+        """A read of the shard's bytes failed: with fallbacks, its other tensors go to theirs for a while
+        (a store down would otherwise cost each of them its own timeout)."""
+        if self.fallbacks is not None:
+            with self._lock:
+                self._failed_at[shard] = time.monotonic()
+
+    def check_open(self) -> None:
+        """ModelClosedError once the model is closed."""
+        if self.closed:
+            raise ModelClosedError(f"model {self.tables.source} is closed: its tensors can no longer be read")
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._files.close()
+        if self.fallbacks is not None:
+            self.fallbacks.close()
+
+    # -- inside the plans --------------------------------------------------------------------------
+    def _admitted(self, place: Place, low: int, high: int) -> Plan[None]:
+        """Raise what keeps the place from giving bytes [low, high) now; verify it first if need be."""
+        while True:
+            with self._lock:
+                self._notice(place.data)
+                state = self._files.seen(place.data)
+                if place.copy is None:
+                    failing = self._failing(place.shard, low, high)
+                    if failing is not None:
+                        raise failing  # to its fallback at once
+                    assert state is not None
+                    self._refuse_if_changed(place.name, state)
+                    proven = self.integrity.verified
+                elif state is not None and state.changed:
+                    raise ShardChangedError(
+                        f"{place.data.label} (fallback {place.copy.source}): changed in place since it was "
+                        f"opened, and no manifest can tell its bytes: tensor '{printable(place.name)}' is not "
+                        "served from it"
+                    )
+                else:
+                    proven = self._copy_verified
+                expected = self.integrity.expected
+                if expected is None or place.name in proven:
+                    return
+                generation = state.generation if state is not None else 0
+                known = self._bad.get(place.name) if place.copy is None else None
+                if known is not None and known[0] == generation:
+                    raise known[1]
+            actual = yield from self._hash_of(place, generation)
+            with self._lock:
+                self._notice(place.data)
+                if state is not None and state.generation != generation:
+                    continue  # changed while it was hashed: hashed again
+                if self._moved(place):
+                    return  # switched meanwhile: the caller starts again from its new place
+                if actual == expected[place.name]:
+                    if place.copy is None:
+                        self._pass(place.name)
+                    else:
+                        self._copy_verified.add(place.name)
+                    return
+                if place.copy is not None:
+                    raise IntegrityError(
+                        f"{place.data.label} (fallback {place.copy.source}): tensor '{printable(place.name)}': "
+                        f"its bytes hash to {actual}, not to {expected[place.name]} as {self.integrity.label} says",
+                        place.name,
+                        expected[place.name],
+                        actual,
+                    )
+                error = self._mismatch(place.name, place.shard, actual, expected[place.name])
+                self._bad[place.name] = (generation, error)
+                raise error
+
+    def _hash_of(self, place: Place, generation: int) -> Plan[str]:
+        """The SHA-256 of the place's bytes (a tensor in its own shard: the hash cache first, and one
+        hashing however many readers wait for it)."""
+        if place.copy is None:
+            try:
+                digest: str = yield "verify", functools.partial(self._shared_digest, place.name, generation)
+                return digest
+            except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
+                with self._lock:
+                    refused = Refused(str(exc))
+                    if self._bad.get(place.name, (-1,))[0] != generation:
+                        self._bad[place.name] = (generation, refused)
+                        self.reporter.unverifiable(place.name, place.shard, str(exc))
+                raise refused from None
+        copied: str = yield "verify", functools.partial(sha256_of, place.data, place.start, place.end)
+        return copied
+
+    def _present(self, place: Place, low: int, high: int) -> Plan[bytearray | None]:
+        """The library's presence: a range of a source that needs it fetched and pinned (held until closed)."""
+        if place.data.needs_ensure:
+            yield "present", functools.partial(place.data.ensure_pinned, low, high)
+        return None
+
+    def _present_private(self, place: Place, low: int, high: int) -> Plan[bytearray | None]:
+        """Bring the range into the private mapping too (the library's tensors are made on it)."""
+        if not (yield "present", functools.partial(place.data.ensure_private, low, high)):
+            raise ShardChangedError(f"{place.data.label}: bytes [{low}, {high}) cannot be read")
+        return None
+
+    def _switched(self, place: Place, why: BaseException) -> Plan[Place]:
+        """Where the tensor is served from after `why`: its next fallback whose copy agrees (opened,
+        and hashed under a manifest, on a worker thread); `why` raised again if there is none."""
+        if (
+            isinstance(why, RemoteError | ShardChangedError)
+            and place.copy is None
+            and not isinstance(why, Refused | _Failing)
+        ):
+            self.failed(place.shard)
+        if self.fallbacks is None:
+            raise why
+        with self._lock:
+            current = self._copies.get(place.name)
+            if current is not place.copy:
+                return self.place(place.name)  # another reader switched it meanwhile
+            info = self.tables.info(place.name)
+            expected = None if self.integrity.expected is None else self.integrity.expected.get(place.name)
+        after = place.copy.index if place.copy is not None else -1
+        found = functools.partial(self._next_copy, place.name, (info.dtype, list(info.shape)), expected, after)
+        copy: Copy | None = yield "switch", found
+        with self._lock:
+            current = self._copies.get(place.name)
+            if current is not place.copy:
+                return self.place(place.name)
+            if copy is None:
+                log.error("tensor '%s': %s; no fallback can give it", printable(place.name), printable(str(why)))
+                raise why
+            self._copies[place.name] = copy
+            if expected is not None:
+                self._copy_verified.add(place.name)
+            self._files.add_copy(copy.data, place.shard)
+            shown = printable(str(why))
+            log.warning(
+                "tensor '%s': served from fallback %s from now on (%s)", printable(place.name), copy.source, shown
+            )
+            self.reporter.fell_back(place.name, copy.source)
+            return self.place(place.name)
+
+    def _next_copy(self, name: str, table: tuple[str, list[int]], expected: str | None, after: int) -> Copy | None:
+        """The first copy after fallback `after` that agrees with the tensor's table and, with `expected`,
+        whose bytes hash to it, not changed since it was opened (blocking)."""
+        assert self.fallbacks is not None
+        for copy in self.fallbacks.copies_of(name, table, after):
+            state = self._files.seen(copy.data)
+            if state is not None and state.changed:
+                self.fallbacks.say_once(copy.index, name, "changed in place since it was opened: not served")
+                continue
+            if expected is not None:
+                try:
+                    actual = sha256_of(copy.data, copy.start, copy.end)
+                except UNREADABLE as exc:
+                    self.fallbacks.say_once(copy.index, name, f"cannot be read: {printable(str(exc))}")
+                    continue
+                if actual != expected:
+                    self.fallbacks.say_once(
+                        copy.index, name, f"does not match the manifest (sha256 {actual}): not served"
+                    )
+                    continue
+            return copy
+        return None
+
+    def _moved(self, place: Place) -> bool:
+        """Whether the tensor is served from elsewhere now than `place` (another reader switched it)."""
+        return self._copies.get(place.name) is not place.copy
+
+    def _generation(self, place: Place) -> int:
+        """How many changes of the place's file were seen so far (every change reported applied first)."""
+        with self._lock:
+            self._notice(place.data)
+            state = self._files.seen(place.data)
+            return state.generation if state is not None else 0
+
+    def _failing(self, shard: ShardKey, start: int = 0, end: int = 0) -> _Failing | None:
+        """Why the shard's tensors go to their fallbacks without asking it, while a read of it failed
+        less than RETRY_AFTER seconds ago (None: ask it). Not bytes [start, end) of it that it holds
+        without asking where it comes from (a remote shard's cached chunks): they wait for nothing."""
+        since = self._failed_at.get(shard)
+        if since is None or self.fallbacks is None:
+            return None
+        ago = time.monotonic() - since
+        if ago >= RETRY_AFTER:
+            del self._failed_at[shard]
+            return None
+        data = self.tables.shard_data(shard)
+        if end > start and data.held(start, end):
+            return None
+        return _Failing(f"{data.label}: a read of it failed {ago:.0f} s ago")
+
+    def _state_of(self, name: str) -> Seen:
+        seen = self._files.seen(self.tables.shard_of(name).data)
+        assert seen is not None
+        return seen
+
+    def _refuse_if_changed(self, name: str, state: Seen) -> None:
+        if state.changed:
+            if name not in state.refused:
+                state.refused.add(name)
+                self.reporter.refused(name, state.shard)
+            raise Refused(f"{printable(str(state.shard))}: changed in place: tensor '{printable(name)}' is refused")
+
+    def _pass(self, name: str) -> None:
+        self.integrity.verified.add(name)
+        self.reporter.verified(name)
+
+    def _mismatch(self, name: str, shard: ShardKey, actual: str, expected: str) -> IntegrityError:
+        if name not in self._bad:
+            self.reporter.mismatch(name, shard, actual, expected)
+        return IntegrityError(
+            f"{printable(str(shard))}: tensor '{printable(name)}': its bytes hash to {actual}, not to "
+            f"{expected} as {printable(self.integrity.label)} says",
+            name,
+            expected,
+            actual,
+        )
+
+    def _unreadable(self, place: Place, low: int, high: int, exc: TensorfsError) -> TensorfsError:
+        """A source's error, said of the tensor: which bytes of it cannot be read, and why."""
+        if isinstance(exc, IntegrityError | Refused):
+            return exc
+        where = place.shard if place.copy is None else f"{place.data.label} (fallback {place.copy.source})"
+        shrank = not place.data.needs_ensure and isinstance(exc, ShardChangedError)
+        why = "the shard shrank after it was validated" if shrank else str(exc)
+        error = ShardChangedError(
+            f"{printable(str(where))}: tensor '{printable(place.name)}': bytes [{low - place.start}, "
+            f"{high - place.start}) of the tensor cannot be read: {why}"
+        )
+        error.fields = {"tensor": place.name, "shard": str(place.shard)}  # type: ignore[attr-defined]
+        return error
+
+    def _shared_digest(self, name: str, generation: int) -> str:
+        """The tensor's SHA-256 (blocking): hashed here, or by the thread already hashing it."""
+        key = (name, generation)
+        with self._lock:
+            running = self._hashing.get(key)
+            mine = running is None
+            if running is None:
+                running = self._hashing[key] = Future()
+        if mine:  # the answer stays for whoever asks later, until the shard changes (see _apply)
+            try:
+                running.set_result(self.integrity.digest(name))
+            except BaseException as exc:
+                running.set_exception(exc)
+                with self._lock:
+                    self._hashing.pop(key, None)  # asked again, tried again
+        return running.result()
+
+    def _notice(self, data: ShardData | None = None) -> None:
+        """Apply the changes reported so far, and those `data`'s file's size and times show (the lock held)."""
+        for key, seen, change in self._files.changes(data):
+            self._apply(key, seen, change)
+
+    def _apply(self, data: ShardData, state: Seen, change: Change) -> None:
+        if state.copy:
+            self._apply_to_copy(data, state, change)
+            return
+        shard = state.shard
+        if change is Change.ATTRIBUTES:
+            self.reporter.attributes(shard)
+            return
+        if change in (Change.MOVED, Change.DELETED):
+            self.reporter.moved(shard, change)
+            return
+        state.generation += 1
+        if state.changed:
+            return  # refused already
+        names = [entry[2] for entry in self.tables.shard_header(shard).entries]
+        for name in names:
+            self._digests.pop(name, None)
+            self._hashing.pop((name, state.generation - 1), None)
+        manifest = self.integrity.expected is not None
+        had_verified = not self.integrity.verified.isdisjoint(names)
+        if not manifest:
+            state.changed = True
+        else:
+            self.integrity.verified.difference_update(names)
+            for name in names:
+                self._bad.pop(name, None)
+        self.reporter.changed(shard, names, manifest=manifest, had_verified=had_verified)
+
+    def _apply_to_copy(self, data: ShardData, state: Seen, change: Change) -> None:
+        if change is not Change.CONTENT:
+            return
+        state.generation += 1
+        served = [name for name, copy in self._copies.items() if copy.data is data]
+        if self.integrity.expected is None:
+            if not state.changed:
+                log.error(
+                    "fallback %s was changed in place: it is no longer the file that was validated, and %s "
+                    "served from it are not any more",
+                    printable(data.label),
+                    f"the {len(served)} tensors" if len(served) != 1 else "the tensor",
+                )
+            state.changed = True
+        else:
+            log.warning("fallback %s changed: what is served from it is verified again", printable(data.label))
+            self._copy_verified.difference_update(served)

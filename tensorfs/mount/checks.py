@@ -1,0 +1,200 @@
+"""What a mount makes of its gate's checks: the log lines and counters of what the gate reports (a
+shard changed, a tensor refused or verified), the kernel told to drop what it caches of a changed
+shard, and the hashes the mount shows (the .sha256 sidecars, SHA256SUMS). Whether bytes may go out
+is the gate's alone (gate.py); nothing here decides it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+
+from ..errors import printable
+from ..gate import Gate, Plan, Refused, Reporter
+from ..identity import ShardKey
+from ..sources.watch import Change
+from ..units import plural
+from .stats import Stats
+from .tree import Tree
+
+log = logging.getLogger("tensorfs.mount.fs")  # the log lines of the request handlers they answer for
+
+Invalidate = Callable[[Sequence[int], bool], None]
+"""Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
+
+Drive = Callable[[Plan[Any]], Awaitable[Any]]
+"""How the mount drives one of the gate's plans (its blocking steps on worker threads)."""
+
+
+class MountReporter(Reporter):
+    """The gate's reports as a mount's log lines and counters; a changed shard's files dropped from
+    the kernel's caches (queued in the nursery while the daemon serves, at once before)."""
+
+    def __init__(self, tree: Tree, stats: Stats, invalidate: Invalidate | None = None) -> None:
+        self.tree = tree
+        self.stats = stats
+        self.invalidate = invalidate
+        self.nursery: trio.Nursery | None = None
+        """Where invalidations are queued while the daemon serves (None: done at once)."""
+        self.on_change: Callable[[], None] = _nothing
+        """Called when a shard's bytes change (what was made of them is made again)."""
+        self._invalidations: dict[ShardKey, bool] = {}  # shard -> attributes only? (still to be done)
+        self._invalidating: set[ShardKey] = set()
+
+    def verified(self, name: str) -> None:
+        self.stats.verified += 1
+
+    def mismatch(self, name: str, shard: ShardKey, actual: str, expected: str) -> None:
+        self.stats.verify_failures += 1
+        log.error(
+            "tensor '%s' in shard %s does not match the manifest (sha256 %s, expected %s): refused (EIO)",
+            printable(name),
+            _shown(shard),
+            actual,
+            expected,
+            extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
+        )
+
+    def unverifiable(self, name: str, shard: ShardKey, why: str) -> None:
+        log.error(
+            "tensor '%s' cannot be verified (refused, EIO): %s",
+            printable(name),
+            printable(why),
+            extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
+        )
+
+    def changed(self, shard: ShardKey, names: list[str], *, manifest: bool, had_verified: bool) -> None:
+        if not manifest:
+            log.error(
+                "shard %s was changed in place under the mount: it is no longer the file that was "
+                "validated, and its %s answer EIO until it is mounted again",
+                _shown(shard),
+                plural(len(names), "tensor"),
+                extra={"fields": {"shard": str(shard), "errno": "EIO"}},
+            )
+        elif shard not in self.stats.changed or had_verified:  # once per burst of writes
+            log.warning(
+                "shard %s changed under the mount: its %s verified again before any more of their bytes are served",
+                _shown(shard),
+                plural(len(names), "tensor") + (" are" if len(names) != 1 else " is"),
+                extra={"fields": {"shard": str(shard)}},
+            )
+        self.stats.changed.add(shard)
+        self.on_change()
+        self.tree.refresh_shard(shard)
+        self._invalidate(shard, attr_only=False)
+
+    def attributes(self, shard: ShardKey) -> None:
+        if self.tree.refresh_shard(shard):  # owner, permissions or mtime: the kernel must ask again
+            self._invalidate(shard, attr_only=True)
+
+    def moved(self, shard: ShardKey, change: Change) -> None:
+        what = "moved or renamed" if change is Change.MOVED else "deleted"
+        log.info("shard %s was %s: the mount goes on serving the file it validated", _shown(shard), what)
+
+    def refused(self, name: str, shard: ShardKey) -> None:
+        log.error(
+            "tensor '%s': refused (EIO): its shard %s was changed under the mount; mount it again",
+            printable(name),
+            _shown(shard),
+            extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
+        )
+
+    def fell_back(self, name: str, source: str) -> None:
+        self.stats.fallback_tensors[name] = source
+
+    def _invalidate(self, shard: ShardKey, *, attr_only: bool) -> None:
+        """Have the kernel drop what it cached of the shard's files (or their attributes only).
+
+        In a worker thread: dropping a page waits for a read of it in flight, which the daemon's
+        thread may be the one to answer. A burst of changes costs at most one more round than one.
+        """
+        if self.invalidate is None:
+            return
+        queued = self._invalidations.get(shard)
+        self._invalidations[shard] = attr_only if queued is None else queued and attr_only
+        if self.nursery is None:  # not serving (tests): at once
+            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], self._invalidations.pop(shard))
+        elif shard not in self._invalidating:
+            self._invalidating.add(shard)
+            self.nursery.start_soon(self._invalidate_queued, shard)
+
+    async def _invalidate_queued(self, shard: ShardKey) -> None:
+        assert self.invalidate is not None
+        try:
+            while shard in self._invalidations:
+                attr_only = self._invalidations.pop(shard)
+                inodes = [*self.tree.inodes_of(shard), self.tree.sums_inode]
+                await trio.to_thread.run_sync(self.invalidate, inodes, attr_only)
+        finally:
+            self._invalidating.discard(shard)
+
+
+class Sums:
+    """The hashes a mount shows: each .sha256 sidecar, and SHA256SUMS (the manifest's values when one
+    is in force, else the bytes' own, hashed once and shared by whoever asks meanwhile)."""
+
+    def __init__(self, tree: Tree, gate: Gate, drive: Drive) -> None:
+        self.tree = tree
+        self.gate = gate
+        self._drive = drive
+        self._sums: bytes | None = None
+        self._summing: trio.Event | None = None  # SHA256SUMS being made: later readers wait for it
+        self._refused = False  # and said so in the log
+
+    def forget(self) -> None:
+        """A shard changed: SHA256SUMS is made again when next read."""
+        self._sums = None
+
+    async def sidecar_digest(self, name: str) -> str:
+        """What a .sha256 sidecar says: the manifest's value when there is one, else the bytes' hash."""
+        expected = self.gate.expected
+        if expected is not None:
+            return expected[name]
+        digest: str = await self._drive(self.gate.digest(name))
+        return digest
+
+    async def sha256sums(self) -> bytes:
+        """SHA256SUMS: the manifest's values, or every tensor's hash (hashing what is not known)."""
+        self.gate.notice_changes()
+        expected = self.gate.expected
+        if expected is not None:
+            if self._sums is None:
+                self._sums = self.tree.sha256sums(expected)
+            return self._sums
+        changed = self.gate.changed_shards()
+        if changed:
+            self._refuse(changed[0])
+        if self._sums is None:
+            if self._summing is not None:  # being made for another reader: share it
+                await self._summing.wait()
+                return await self.sha256sums()
+            self._summing = trio.Event()
+            try:
+                digests = await self._drive(self.gate.digest_all(self.tree.names))
+                self._sums = self.tree.sha256sums(digests)
+            except Refused:
+                self._refuse(next(iter(self.gate.changed_shards()), "?"))
+            finally:
+                self._summing.set()
+                self._summing = None
+        assert self._sums is not None
+        return self._sums
+
+    def _refuse(self, shard: ShardKey) -> None:
+        if not self._refused:
+            self._refused = True
+            log.error("SHA256SUMS: refused (EIO): shard %s was changed under the mount; mount it again", _shown(shard))
+        raise Refused()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _shown(path: ShardKey) -> str:
+    """A path in a log line: one line, whatever it holds."""
+    return printable(str(path))

@@ -1,0 +1,521 @@
+"""Opening a model, one way for the CLI, the mount and the library: a model as a user names it (a path
+or a URL), its caches, its shards found, read, validated together and mapped, its fallbacks, its
+manifest put in force, and what comes with it (its companion files).
+
+Every command, the mount and the in-process API start from a Source (open_model makes one), and go
+down through Source.open: nothing above this module knows how a model's parts are found, and where
+tensorfs's caches are is decided here alone (Caches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
+
+from .assembly import check_model
+from .errors import AccessDenied, InvalidModelError, Problem, RemoteError, printable
+from .fallback import Fallbacks, FallbackSpec
+from .formats import is_weights_name
+from .gcpause import gc_paused
+from .hashcache import HashCache
+from .headercache import WORTH_CACHING, HeaderCache
+from .identity import ShardKey, shard_name
+from .integrity import Hasher, Integrity
+from .manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_manifest
+from .model import Model
+from .names import Layout
+from .progress import Progress
+from .selection import Selection
+from .sources.chunkcache import default_cache_dir
+from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
+from .sources.remote import RemoteOpener
+from .sources.store import CREDENTIALS_HINT, RemoteOptions, beside, exists, is_remote, redact, unsupported_scheme
+from .tables import Shard, owners, restricted
+
+if TYPE_CHECKING:
+    from .views import ViewSpec
+
+__all__ = ["Beside", "Caches", "Source", "Verify", "hash_all", "open_model"]
+
+log = logging.getLogger(__name__)
+_MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
+
+Verify = Literal["open", "all", "off"]
+"""When a manifest's hashes are checked: each tensor before its first byte goes out, every tensor
+before the model is handed out, or not at all."""
+
+
+class Beside(enum.Enum):
+    """The manifest found beside the model (tensors.sha256 in its directory, or under its prefix)."""
+
+    REQUIRED = "required"
+    """It must be there (an error if not)."""
+    IF_ANY = "if any"
+    """It is held to it if it is there."""
+
+
+@dataclass(frozen=True)
+class Caches:
+    """Where tensorfs's caches are, for one model: validated headers, tensors' hashes and remote
+    objects' chunks, all in one directory (--cache-dir, `cache=`, else $XDG_CACHE_HOME/tensorfs)."""
+
+    directory: Path
+    remember: bool = True
+    """Whether headers and hashes are remembered (False: --no-cache, `cache=False`). A remote model's
+    chunks are read through the directory's cache whatever this says."""
+
+    @classmethod
+    def of(cls, cache: bool | str | os.PathLike[str], remote: RemoteOptions | None) -> Caches:
+        """`cache` as open_model takes it (True, False or a directory), with a remote model's options."""
+        if cache is not True and cache is not False:
+            return cls(Path(cache).absolute())
+        where = remote.cache_dir if remote is not None and remote.cache_dir is not None else default_cache_dir()
+        return cls(where.absolute(), bool(cache))
+
+    def remote(self, options: RemoteOptions) -> RemoteOptions:
+        """`options` reading through this directory's chunk cache."""
+        if options.cache_dir == self.directory:
+            return options
+        import dataclasses
+
+        return dataclasses.replace(options, cache_dir=self.directory)
+
+    def headers(self) -> HeaderCache:
+        return HeaderCache(self.directory if self.remember else None)
+
+    def hashes(self) -> HashCache:
+        return HashCache(self.directory if self.remember else None)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A model: a .safetensors file (or GGUF, or checkpoint), a directory of shards (with or without an
+    index), an index file; or such a model in a store (s3://, http(s)://, hf://), read through the
+    chunk cache."""
+
+    location: Path | str
+    """A local path, or a URL."""
+    remote: RemoteOptions = field(default_factory=RemoteOptions)
+    """How stores are reached (its cache_dir: where every cache is)."""
+    caches: bool = True
+    """Whether validated headers and tensors' hashes are remembered (False: --no-cache)."""
+    fallback: tuple[Path | str, ...] = ()
+    """Other copies of the model (--fallback), in order: see fallback.py."""
+
+    @classmethod
+    def named(
+        cls,
+        location: str | os.PathLike[str],
+        remote: RemoteOptions | None = None,
+        *,
+        caches: bool = True,
+        fallback: Sequence[str | os.PathLike[str]] = (),
+    ) -> Source:
+        """The source a user names: a URL of a scheme tensorfs reads stays a URL, anything else is a path
+        (InvalidModelError for a URL of a scheme tensorfs does not read)."""
+        why = unsupported_scheme(location)
+        if why is not None:
+            raise InvalidModelError([Problem(str(location), why)])
+        where: Path | str = location if isinstance(location, str) and is_remote(location) else Path(location)
+        places = tuple(place if isinstance(place, str) and is_remote(place) else Path(place) for place in fallback)
+        return cls(where, remote or RemoteOptions(), caches, places)
+
+    @property
+    def is_remote(self) -> bool:
+        return isinstance(self.location, str)
+
+    @property
+    def shown(self) -> str:
+        """How messages name it (one line, no secret)."""
+        return printable(redact(str(self.location)))
+
+    @property
+    def cache(self) -> Caches:
+        """Where its caches are: --cache-dir, else $XDG_CACHE_HOME/tensorfs."""
+        return Caches.of(self.caches, self.remote)
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.cache.directory
+
+    @property
+    def is_one_shard(self) -> bool:
+        """Whether it is one weights file: maybe one shard of the model its manifest lists."""
+        if isinstance(self.location, str):
+            return is_weights_name(self.location.rstrip("/"))
+        return not self.location.is_dir() and not self.location.name.endswith(".index.json")
+
+    @property
+    def directory(self) -> Path | str:
+        """The model's directory (a local one's own, or that of its file), or its URL: for messages."""
+        if isinstance(self.location, str) or self.location.is_dir():
+            return self.location
+        return self.location.parent
+
+    # -- opening ----------------------------------------------------------------------------------
+    def open(
+        self,
+        selection: Selection | None = None,
+        layout: Layout = "slash",
+        *,
+        manifest: Path | str | Beside | None = None,
+        verify: Verify | None = None,
+        progress: bool = False,
+    ) -> Model:
+        """Validate every header and map the shards (see open_model): the selection's tensors.
+
+        `manifest`: the one to hold the model to: a file, a pipe or a URL, or the one beside the
+        model (Beside); None for none. `verify` ("open" by default): "all" hashes every tensor
+        before the model is returned (InvalidModelError naming every mismatch), "off" puts no
+        manifest in force; "open" or "all" said explicitly needs a manifest. `progress`: a progress
+        line on a terminal while hashing.
+        """
+        selection = selection or Selection()
+        model = self._open_tables(selection, layout)
+        try:
+            found = None
+            if verify != "off" and manifest is not None:
+                given = None if isinstance(manifest, Beside) else manifest
+                found = self.manifest(given, selection)
+            if found is None and (manifest is Beside.REQUIRED or verify in ("open", "all")):
+                raise ManifestError(
+                    f"{self.shown}: verifying needs a manifest: name one (--manifest FILE, verify=PATH), or put "
+                    f"{DEFAULT_MANIFEST} in the model's directory"
+                )
+            hasher = Hasher(model, self.cache.hashes())
+            verified: set[str] = set()
+            if found is not None:
+                problems = found.coverage(model)
+                if problems:
+                    raise InvalidModelError(problems)
+                if verify == "all":
+                    actual = hash_all(model, hasher, progress=progress)
+                    bad = found.mismatches(model, actual, lambda _: f"does not match {found.label}; nothing mounted")
+                    if bad:
+                        raise InvalidModelError(bad)
+                    verified = set(actual)
+            model.gate.set_integrity(
+                Integrity(
+                    hasher, dict(found.digests) if found is not None else None, verified, found.label if found else ""
+                )
+            )
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    def _open_tables(self, selection: Selection, layout: Layout) -> Model:
+        caches = self.cache
+        fallbacks = None
+        if self.fallback:
+            spec = FallbackSpec.of(
+                self.fallback, layout=layout, remote=self.remote, selection=selection, cache=self._cache_argument()
+            )
+            fallbacks = Fallbacks(spec, _open_fallback)
+        try:
+            return _open(self.location, layout, caches.remote(self.remote), selection, caches, fallbacks)
+        except BaseException:
+            if fallbacks is not None:
+                fallbacks.close()
+            raise
+
+    def _cache_argument(self) -> bool | Path:
+        return self.cache.directory if self.caches else False
+
+    def hash_cache(self) -> HashCache:
+        """The persistent cache of tensors' hashes (off with --no-cache)."""
+        return self.cache.hashes()
+
+    # -- the manifest -------------------------------------------------------------------------------
+    def default_manifest(self) -> Path | str | None:
+        """tensors.sha256 in the model's directory (beside its file), or beside its objects in the
+        store (asked with a HEAD; none with --offline), if there is one."""
+        if isinstance(self.location, str):
+            if self.remote.offline:
+                return None
+            ref = beside(self.location, DEFAULT_MANIFEST, self.remote)
+            try:
+                return ref.url if exists(ref) else None
+            except AccessDenied as exc:  # S3 answers 403 for a missing key to whoever may not list the bucket
+                log.warning("%s; taken as no manifest", exc)
+                return None
+            except RemoteError as exc:
+                raise ManifestError(str(exc)) from None
+        candidate = Path(self.directory) / DEFAULT_MANIFEST
+        return candidate if os.path.lexists(candidate) else None
+
+    def manifest(self, given: Path | str | None = None, selection: Selection | None = None) -> Manifest | None:
+        """The manifest `given` (a file, a pipe, a URL), else the one beside the model if there is one.
+
+        It may list other tensors too when the source is one shard of a model, or a selection of it.
+        """
+        found = given if given is not None else self.default_manifest()
+        if found is None:
+            return None
+        digests = read_manifest(found, self.remote, in_model=given is None)
+        lists_more = self.is_one_shard or not (selection or Selection()).everything
+        return Manifest(str(found), digests, lists_more)
+
+    # -- what comes with it ---------------------------------------------------------------------------
+    def view_spec(self, shards: int = 0, weights: Collection[ShardKey] = ()) -> ViewSpec:
+        """What a view of the model holds besides its tensors: its companion files (those left out
+        are the spec's warnings; `weights`, the model's own files, never one), and how many
+        synthesized files (`shards`: 0 chooses)."""
+        from .views import ViewSpec
+        from .views.companions import find_companions, find_remote_companions
+
+        warnings: list[str] = []
+        directories: dict[str, os.stat_result] = {}
+        if isinstance(self.location, str):
+            companions = find_remote_companions(self.location, self.remote, warnings, weights)
+        else:
+            companions = find_companions(self.location, warnings, directories, weights)
+        return ViewSpec(companions, shards, warnings, directories)
+
+    def settings(self) -> dict[str, Any] | None:
+        """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""
+        if not self.is_remote:
+            return None
+        remote = self.remote
+        return {
+            "cache_dir": str(self.cache_dir),
+            "cache_size": remote.cache_size,
+            "chunk_size": remote.chunk_size,
+            "concurrency": remote.concurrency,
+            "timeout": remote.timeout,
+            "offline": remote.offline,
+        }
+
+
+def open_model(
+    path: str | os.PathLike[str],
+    *,
+    layout: Layout = "slash",
+    remote: RemoteOptions | None = None,
+    include: Iterable[str] | str = (),
+    exclude: Iterable[str] | str = (),
+    layers: tuple[int, int] | str | int | None = None,
+    cache: bool | str | os.PathLike[str] = True,
+    verify: bool | str | os.PathLike[str] | None = None,
+    fallback: Sequence[str | os.PathLike[str]] = (),
+) -> Model:
+    """Validate every header of the model at `path` and map its shards.
+
+    `path` is a .safetensors file, a directory of shards (with or without
+    model.safetensors.index.json), or an index file; a GGUF or a PyTorch checkpoint; or such a model
+    in a store: s3://BUCKET/PREFIX, http(s)://.../NAME.safetensors or .../model.safetensors.index.json,
+    hf://ORG/NAME[@REVISION], read through a local cache (`remote` says how). Raises
+    InvalidModelError naming every problem found; no tensor data is read.
+
+    `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` ((A, B), "A-B" or N: the N in
+    `*.layers.N.*`) select a subset: every header is still validated, but only the selected
+    tensors are in the model, and shards without any are not kept mapped (see Selection).
+
+    `cache`: where tensorfs's caches are (validated headers, tensors' hashes, and a remote model's
+    chunks): True for $XDG_CACHE_HOME/tensorfs (or `remote`'s cache_dir), a directory, or False to
+    remember no header or hash (validate and hash from scratch). Files unchanged since (same device,
+    inode, size, mtime and ctime) are not parsed, checked or hashed again.
+
+    `verify`: a manifest the tensors must match, as the mount's --manifest: a file or a URL, or True
+    for tensors.sha256 beside the model (under a remote model's prefix); an error if there is none.
+    Then no view of a tensor is handed out before its bytes hash to the manifest's value
+    (IntegrityError, naming the tensor, if not); the hash cache spares unchanged files the hashing.
+
+    `fallback`: other copies of the model (paths or URLs), tried in order for a tensor whose own
+    shard cannot give its bytes (or gives bytes that fail the manifest), and for a shard missing or
+    invalid; a fallback's copy is taken only when its dtype and shape agree, and under `verify` only
+    when its bytes match the manifest (see tensorfs.fallback).
+    """
+    manifest: Path | str | Beside | None = None
+    if verify is True:
+        manifest = Beside.REQUIRED
+    elif verify is not None and verify is not False:
+        manifest = verify if isinstance(verify, str) else Path(verify)
+    caches = cache if cache is True or cache is False else Path(cache)
+    remote = remote or RemoteOptions()
+    if caches is not True and caches is not False:
+        import dataclasses
+
+        remote = dataclasses.replace(remote, cache_dir=Path(caches).absolute())
+    source = Source.named(path, remote, caches=caches is not False, fallback=fallback)
+    selection = Selection(include, exclude, layers)  # type: ignore[arg-type]  # it takes one glob too
+    return source.open(selection, layout, manifest=manifest)
+
+
+def hash_all(model: Model, hasher: Hasher, *, progress: bool = False) -> dict[str, str]:
+    """Every tensor's SHA-256 (the cache's first), with a progress line on a terminal when asked."""
+    if not progress:
+        return hasher.hash_all()
+    with Progress(model.nbytes, "hashing") as line:
+        return hasher.hash_all(progress=line.advance)
+
+
+def _open_fallback(location: str | Path, **how: Any) -> Model:
+    """A fallback, opened as any model (its own fallbacks none)."""
+    return open_model(location, **how)
+
+
+# -- finding, reading, validating and mapping the shards --------------------------------------------
+
+
+def _open(
+    path: Path | str,
+    layout: Layout,
+    remote: RemoteOptions,
+    selection: Selection,
+    caches: Caches,
+    fallbacks: Fallbacks | None,
+) -> Model:
+    """The model at `path`: every shard found, read, validated and mapped, the rules across shards
+    checked; the selection's tensors. InvalidModelError naming every problem found."""
+    problems: list[Problem] = []
+    failed: dict[str, list[Problem]] = {}  # shards that could not be opened, by file name
+    headers = caches.headers()
+    found: FoundShards | None = None  # a local model's files
+    with gc_paused(), contextlib.closing(headers):
+        # Every problem is collected, of every shard and across shards, before any is reported.
+        why = unsupported_scheme(path)
+        if why is not None:
+            raise InvalidModelError([Problem(str(path), why)])
+        if isinstance(path, str) and is_remote(path):
+            if "@" in urlsplit(path).netloc:  # never shown, never sent
+                raise InvalidModelError([Problem(redact(path), CREDENTIALS_HINT)])
+            try:
+                opener = RemoteOpener(path, remote, problems)
+            except RemoteError as exc:
+                raise InvalidModelError([Problem(path, str(exc).removeprefix(f"{path}: "))]) from None
+            source: ShardKey = path
+            opener.cache.db()  # the objects' cache must be usable (RemoteError if not), before the headers'
+            opener.headers = headers if headers.enabled else None
+            located = opener.located
+            opened = _open_shards(opener.shards, opener.open, problems, failed)
+            weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
+        else:
+            source = Path(path)
+            found = find_shards(source, problems, headers)
+            weight_map, index_label = found.weight_map, found.index_label
+            open_local = functools.partial(LocalShard.open, cache=headers, directory=found.directory)
+            try:
+                opened = _open_shards([(p, str(p)) for p in found.paths], open_local, problems, failed)
+            finally:
+                found.close()
+            failed.update({name: [problem] for name, problem in found.missing.items()})
+            done = None
+        stand_ins: list[str] = []
+        if fallbacks is not None and failed:
+            opened += _lent_by(fallbacks, failed, problems, stand_ins)
+        try:
+            checks = None
+            if headers.enabled and found is not None and sum(s.header.data_start for s in opened) >= WORTH_CACHING:
+                checks = _checks_key(source, found, opened, layout)
+            owner = owners(opened) if checks is not None and headers.get("model", checks) == len(opened) else None
+            if owner is None:
+                if weight_map is None and index_label is not None:  # the index was known, the model not
+                    again = find_shards(Path(source), [])  # (its own problems are known: none)
+                    again.close()
+                    weight_map = again.weight_map
+                owner = check_model(opened, weight_map, index_label, layout, problems)
+                if checks is not None and not problems:
+                    headers.put("model", checks, len(opened))
+            if problems:
+                raise InvalidModelError(problems)
+            if done is not None:
+                done()
+            if selection.everything:
+                model = Model(source, opened, owner, layout, fallbacks=fallbacks)
+                if headers.enabled and found is not None and not failed:
+                    model.header_cache = headers.directory
+            else:
+                kept, owner = restricted(opened, selection, str(path))
+                paths = {shard.header.path for shard in kept}
+                for shard in opened:
+                    if shard.header.path not in paths and not shard.lent:
+                        shard.data.close()  # nothing selected in it: neither mapped nor read any further
+                model = Model(source, kept, owner, layout, selection, fallbacks=fallbacks)
+            model.stand_ins = stand_ins
+            return model
+        except BaseException:
+            for shard in opened:
+                if not shard.lent:
+                    shard.data.close()
+            raise
+
+
+def _checks_key(source: ShardKey, found: FoundShards, opened: list[Shard], layout: Layout) -> str | None:
+    """What names a local model's checks across shards: its files' identities, the layout; None
+    when some file has no identity known (then the model is checked whole)."""
+    if found.index_label is not None and found.index_key is None:
+        return None
+    files: list[str] = []
+    for shard in opened:
+        description = shard.data.describe()
+        if not isinstance(description, LocalDescription):
+            return None
+        if not description.identity.settled():
+            return None
+        files += [os.path.abspath(description.path), description.identity.key()]
+    text = "\0".join([os.path.abspath(str(source)), layout, found.index_key or "", *files])
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _open_shards(
+    shards: list[tuple[Any, str]],
+    open_one: Callable[..., Any],
+    problems: list[Problem],
+    failed: dict[str, list[Problem]],
+) -> list[Shard]:
+    """Read, validate and map every shard, in parallel; problems of all shards are collected (and
+    those of each shard that failed in `failed`, by its file name).
+
+    `open_one(where, label)` returns (header, ShardData) or raises InvalidModelError.
+    """
+
+    def attempt(shard: tuple[Any, str]) -> Shard | InvalidModelError:
+        try:
+            header, data = open_one(*shard)
+        except InvalidModelError as exc:
+            return exc
+        return Shard(header, data)
+
+    if len(shards) <= 1:
+        results = [attempt(shard) for shard in shards]
+    else:
+        with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(shards))) as pool:
+            results = list(pool.map(attempt, shards))
+    opened: list[Shard] = []
+    for (_, label), result in zip(shards, results, strict=True):
+        if isinstance(result, InvalidModelError):
+            problems.extend(result.problems)
+            failed[shard_name(label)] = list(result.problems)
+        else:
+            opened.append(result)
+    return opened
+
+
+def _lent_by(
+    fallbacks: Fallbacks, failed: dict[str, list[Problem]], problems: list[Problem], said: list[str]
+) -> list[Shard]:
+    """The fallbacks' shards that stand in for those that failed (each of the same file name), their
+    problems taken back and said as warnings (also in `said`); a shard no fallback has keeps its problems."""
+    lent: list[Shard] = []
+    for name, its_problems in failed.items():
+        found = fallbacks.shard_named(name)
+        if found is None:
+            continue
+        index, header, data = found
+        lent.append(Shard(header, data, lent=True))
+        for problem in its_problems:
+            problems.remove(problem)
+        said.append(f"{printable(str(its_problems[0]))}; its tensors are served from fallback {fallbacks.shown(index)}")
+        log.warning("%s", said[-1])
+    return lent
