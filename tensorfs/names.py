@@ -21,23 +21,45 @@ def tensor_path(name: str, layout: Layout = "slash") -> str:
     return name.replace(".", "/") if layout == "dotted" else name
 
 
-def name_problem(name: str, layout: Layout = "slash") -> str | None:
-    """Why `name` cannot become a file in the tree under `layout`, or None when it can."""
-    if not name:
-        return "name is empty"
-    if "\0" in name:
-        return "name contains a NUL character"
+MAX_PATH_DEPTH = 16
+"""The most parts a path from outside may have (a listed file, an archive's entry)."""
+
+
+def path_problem(path: str, max_depth: int = MAX_PATH_DEPTH, max_part: int | None = MAX_NAME_BYTES) -> str | None:
+    """Why a name that a server, a listing, an archive or a file supplies is not a plain relative path
+    that may become a file here (None when it is one): not empty, no NUL, valid Unicode, not absolute,
+    no empty, '.' or '..' part, at most `max_depth` parts of at most 255 bytes each.
+
+    The one gate every such name passes (tensor names pass name_problem(), stricter still)."""
+    if not path:
+        return "is empty"
+    if "\0" in path:
+        return "contains a NUL character"
     try:
-        encoded = name.encode("utf-8")
+        path.encode("utf-8")
     except UnicodeEncodeError:
-        return "name is not valid Unicode (it holds a lone surrogate)"
-    if name.startswith("/"):
-        return "name is an absolute path"
-    parts = name.split("/")
+        return "is not valid Unicode (it holds a lone surrogate)"
+    if path.startswith("/"):
+        return "is an absolute path"
+    parts = path.split("/")
     for part in parts:
         if part in ("", ".", ".."):
-            shown = "an empty" if not part else f"a '{part}'"
-            return f"name has {shown} path component"
+            return f"has {'an empty' if not part else f'a {part!r}'} path component"
+        if max_part is not None and len(part.encode("utf-8")) > max_part:
+            return f"has a path component over {max_part} bytes"
+    if len(parts) > max_depth:
+        return f"is {len(parts)} levels deep, over {max_depth}"
+    return None
+
+
+def name_problem(name: str, layout: Layout = "slash") -> str | None:
+    """Why `name` cannot become a file in the tree under `layout`, or None when it can: a plain
+    relative path (path_problem(), any depth), and more (see docs/guarantees.md)."""
+    why = path_problem(name, max_depth=len(name) + 1, max_part=None)  # bytes of each part: said below
+    if why is not None:
+        return f"name {why}"
+    encoded = name.encode("utf-8")
+    parts = name.split("/")
     if layout == "dotted":
         for part in parts:  # '.' separates components too: a leading, trailing or doubled '.' makes an empty one
             if part.startswith(".") or part.endswith(".") or ".." in part:

@@ -111,7 +111,7 @@ def test_no_import_cycles() -> None:
 def test_the_mount_tree_and_the_formats_stay_light() -> None:
     """The tree and a format's parser are pure: no hashing, no SQLite, no remote client, no CLI."""
     graph = import_graph()
-    heavy = {"tensorfs.integrity", "tensorfs.sources.chunkcache", "tensorfs.sources.store", "tensorfs.headercache"}
+    heavy = {"tensorfs.integrity", "tensorfs.sources.cache", "tensorfs.sources.store", "tensorfs.headercache"}
     heavy |= {module for module in graph if module.startswith("tensorfs.cli")}
     assert not (graph["tensorfs.mount.tree"] & heavy)
     for module in graph:

@@ -42,7 +42,7 @@ from helpers import (
 from servers import DroppingProxy, HostileServer, Nginx, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.opener import open_model
-from tensorfs.sources.chunkcache import OBJECTS_DIR
+from tensorfs.sources.cache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
 

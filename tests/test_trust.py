@@ -25,7 +25,7 @@ import tensorfs
 from conftest import Mounts, drop_caches, wait_until
 from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, write_reference
 from servers import HostileServer, Nginx
-from tensorfs.sources.chunkcache import OBJECTS_DIR
+from tensorfs.sources.cache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
 

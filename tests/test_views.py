@@ -176,7 +176,7 @@ def test_a_signal_leaves_no_half_written_export(tmp_path: Path) -> None:
         pytest.raises(SystemExit) as caught,
         _ended_by_signals(),
     ):
-        write_view(build_view(model, ViewSpec()), tmp_path / "out", terminated)
+        write_view(build_view(model, ViewSpec()), tmp_path / "out", model.gate.copy_into, terminated)
     assert caught.value.code == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
 

@@ -12,7 +12,7 @@ import click
 from ..errors import TensorfsError, printable
 from ..progress import Progress
 from ..selection import Selection
-from ..sources.chunkcache import default_cache_dir
+from ..sources.cache import default_cache_dir
 from ..sources.store import RemoteOptions
 from ..units import human_size
 from .group import cli
@@ -62,7 +62,7 @@ cache_dir_option = click.option(
 
 
 def _object_cache(cache_dir: Path | None) -> Any:
-    from ..sources.chunkcache import ChunkCache
+    from ..sources.cache import ChunkCache
 
     directory = (cache_dir or default_cache_dir()).absolute()
     if not (directory / "objects.sqlite").exists():

@@ -459,11 +459,6 @@ def pairs(read: Reader, layout: dict[str, int]) -> list[tuple[str, bytes]]:
     return found
 
 
-def alignment_pair(alignment: int) -> bytes:
-    """The key/value pair that sets the alignment (for a GGUF whose source had none: the default)."""
-    return _string(ALIGNMENT_KEY) + struct.pack("<II", _UINT32, alignment)
-
-
 def table(version: int, pairs: list[bytes], infos: list[tuple[str, list[int], DType, int]], alignment: int) -> bytes:
     """A GGUF's first bytes: magic, version, counts, the pairs (each as its bytes), the tensor infos
     (name, dimensions as stored, type, offset from the data's start), padded to `alignment` when

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import orjson
 
 from ..errors import Problem
+from ..names import path_problem
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000
@@ -46,7 +47,7 @@ def shard_names(weight_map: dict[str, str], label: str, problems: list[Problem])
     """The shard file names the index names, each once in its order; those that are not plain names are problems."""
     names = []
     for shard in dict.fromkeys(weight_map.values()):
-        if not shard or "/" in shard or "\\" in shard or shard in (".", "..") or "\0" in shard:
+        if path_problem(shard, max_depth=1) is not None or "\\" in shard:
             problems.append(
                 Problem(
                     label,
@@ -57,6 +58,13 @@ def shard_names(weight_map: dict[str, str], label: str, problems: list[Problem])
         else:
             names.append(shard)
     return names
+
+
+def missing_shard(index_label: str, weight_map: dict[str, str], shard: str) -> Problem:
+    """What is said of a shard the index names that is not there: the index's problem, told of the
+    first tensor it maps there (wherever the index was read from)."""
+    reason = f"weight_map names shard '{shard}', which does not exist"
+    return Problem(index_label, reason, first_tensor(weight_map, shard))
 
 
 def first_tensor(weight_map: dict[str, str], shard: str) -> str:

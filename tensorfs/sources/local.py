@@ -18,7 +18,7 @@ from ..formats import ShardHeader, gguf, pytorch
 from ..headercache import WORTH_CACHING
 from ..identity import Identity
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
-from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
+from .index import INDEX_NAME, MAX_INDEX_BYTES, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
 from .shard import ShardData
 
@@ -166,8 +166,7 @@ def _existing(
         if os.path.lexists(index.parent / name):
             shards.append(index.parent / name)
         else:
-            reason = f"weight_map names shard '{name}', which does not exist"
-            missing[name] = Problem(label, reason, first_tensor(weight_map, name))
+            missing[name] = missing_shard(label, weight_map, name)
     return sorted(shards)
 
 

@@ -10,6 +10,7 @@ reads.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -21,10 +22,9 @@ from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..formats import ShardHeader
 from ..identity import Identity, settled
-from .cachefile import CachedObject
-from .chunkcache import ChunkCache, default_cache_dir
+from .cache import CachedObject, ChunkCache, default_cache_dir
 from .fetching import Fetcher, wait
-from .index import first_tensor
+from .index import missing_shard
 from .pages import Handover
 from .shard import ShardData
 
@@ -32,12 +32,11 @@ if TYPE_CHECKING:
     from ..headercache import HeaderCache
     from ..tables import Tables
 from ..errors import RemoteError
+from .finding import Located, locate
 from .store import (
-    Located,
     ObjectRef,
     ObjectVersion,
     RemoteOptions,
-    locate,
     model_key,
     read_first_bytes,
     read_range,
@@ -98,9 +97,15 @@ class RemoteShard(ShardData):
         )
 
     @classmethod
+    def of(cls, version: ObjectVersion, options: RemoteOptions, header: bytes | None = None) -> RemoteShard:
+        """An object version read through the cache `options` name (`header`: its first bytes, kept
+        with a new object for --offline)."""
+        fetch = functools.partial(read_range, version)  # the cache's way to its bytes: exactly this version
+        return cls(shared_cache(options).open_object(version, header, options.chunk_size, fetch), options)
+
+    @classmethod
     def reopen(cls, saved: RemoteDescription) -> RemoteShard:
-        cache = shared_cache(saved.options)
-        return cls(cache.open_object(saved.version, None, saved.options.chunk_size), saved.options)
+        return cls.of(saved.version, saved.options)
 
     def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
         """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map
@@ -334,7 +339,7 @@ class RemoteOpener:
                 self.headers.put_shard(identity, header)
         with self._lock:
             self._opened[ref.url] = (version, raw)
-        return header, RemoteShard(self.cache.open_object(version, raw, self.options.chunk_size), self.options)
+        return header, RemoteShard.of(version, self.options, raw)
 
     def _read(self, ref: ObjectRef, label: str) -> tuple[ObjectVersion, bytes]:
         located = self.located
@@ -342,9 +347,7 @@ class RemoteOpener:
             return read_first_bytes(ref, formats.table_bytes)
         except FileNotFoundError:
             if located.weight_map is not None and located.index_label is not None:
-                reason = f"weight_map names shard '{ref.name}', which does not exist"
-                tensor = first_tensor(located.weight_map, ref.name)
-                raise InvalidModelError([Problem(located.index_label, reason, tensor)]) from None
+                raise InvalidModelError([missing_shard(located.index_label, located.weight_map, ref.name)]) from None
             raise InvalidModelError([Problem(label, "not found (404)")]) from None
         except RemoteError as exc:
             raise InvalidModelError([Problem(label, str(exc).removeprefix(f"{label}: "))]) from None

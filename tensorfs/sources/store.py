@@ -25,18 +25,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
-import orjson
-
-from ..errors import AccessDenied, ObjectChanged, Problem, RemoteError, TensorfsError, TooLarge, Unexpected, printable
-from ..formats import WEIGHT_FILES, checkpoint_index_applies, choose_files, is_weights_name, pytorch
+from ..errors import AccessDenied, ObjectChanged, RemoteError, TensorfsError, TooLarge, Unexpected, printable
+from ..formats import WEIGHT_FILES, is_weights_name
 from ..units import human_size
-from .index import INDEX_NAME, MAX_INDEX_BYTES, first_tensor, parse_weight_map, shard_names
+from .index import INDEX_NAME
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
 
 REMOTE_SCHEMES = ("s3://", "http://", "https://", "hf://")
 FIRST_READ = 64 << 10
+MAX_OBJECT_BYTES = 1 << 44
+"""The largest object read (16 TiB: the largest file ext4 holds, and far past any model's shard): a
+size a server announces is checked against it before anything is made of it."""
 """The first GET of a shard: its header, almost always whole (a second GET reads the rest)."""
 HF_ENDPOINT = "https://huggingface.co"
 
@@ -261,15 +262,6 @@ class ObjectVersion:
         return self.ref.url
 
 
-@dataclass
-class Located:
-    """A remote model's shards, and the index's weight map when there is one."""
-
-    shards: list[ObjectRef]
-    weight_map: dict[str, str] | None = None
-    index_label: str | None = None
-
-
 def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
     """(the store, the key or prefix within it) of a model's URL."""
     check_url(source)
@@ -306,73 +298,6 @@ def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
     return StoreSpec("http", base, base, timeout=options.timeout), name
 
 
-def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
-    """The shards of the remote model at `source` (same rules as a local model's), problems said."""
-    spec, key = store_spec(source, options)
-    if is_weights_name(key):
-        return Located([ObjectRef(spec, key)])
-    if key.endswith(".index.json"):
-        return _from_index(ObjectRef(spec, key), problems)
-    # A directory: its index if it has one, else the weight files a listing shows chosen as a local
-    # directory's are (s3), a checkpoint's index, or model.safetensors (HTTP and the Hub: no listing).
-    prefix = f"{key}/" if key else ""
-    found = _by_index(ObjectRef(spec, prefix + INDEX_NAME), problems)
-    if found is not None:
-        return found
-    shards = _list_shards(spec, prefix, problems) if spec.kind != "http" else []
-    if shards is None:
-        return Located([])
-    names, ambiguous = choose_files([ref.key[len(prefix) :] for ref in shards])
-    if checkpoint_index_applies(names):
-        found = _by_index(ObjectRef(spec, prefix + pytorch.INDEX_NAME), problems)
-        if found is not None:
-            return found
-    if spec.kind == "http":
-        return Located([ObjectRef(spec, prefix + "model.safetensors")])
-    if ambiguous is not None:
-        problems.append(Problem(spec.url(key) + "/", ambiguous))
-    elif not names:
-        problems.append(Problem(spec.url(key) + "/", f"no {WEIGHT_FILES} objects under this prefix"))
-    return Located([ObjectRef(spec, prefix + name) for name in names])
-
-
-def _by_index(index: ObjectRef, problems: list[Problem]) -> Located | None:
-    """The shards `index` names; None when there is no such object (a failure to read it is a problem)."""
-    try:
-        data = _index(index)
-    except FileNotFoundError:
-        return None
-    except RemoteError as exc:
-        problems.append(Problem(index.url, reason_of(exc, index.url)))
-        return Located([])
-    return _from_index(index, problems, data)
-
-
-def _index(index: ObjectRef) -> bytes:
-    """An index whole: TooLarge (its body unread) past MAX_INDEX_BYTES, in the words the local one gets."""
-    try:
-        return get_whole(index, MAX_INDEX_BYTES)
-    except TooLarge:
-        raise TooLarge(f"{index.url}: over {MAX_INDEX_BYTES:,} bytes: too large to be an index") from None
-
-
-def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = None) -> Located:
-    label = index.url
-    if data is None:
-        try:
-            data = _index(index)
-        except FileNotFoundError:
-            problems.append(Problem(label, "not found"))
-            return Located([], index_label=label)
-        except RemoteError as exc:
-            problems.append(Problem(label, reason_of(exc, label)))
-            return Located([], index_label=label)
-    weight_map = parse_weight_map(data, label, problems)
-    if weight_map is None:
-        return Located([], index_label=label)
-    return Located([index.sibling(name) for name in shard_names(weight_map, label, problems)], weight_map, label)
-
-
 MAX_LISTED = 100_000
 """Objects a listing goes through at most (a prefix holding more is not one model's)."""
 
@@ -400,99 +325,6 @@ def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
     return found, False
 
 
-def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
-    where = spec.url(prefix.rstrip("/")) + "/"
-    try:
-        listed, more = list_objects(spec, prefix)
-    except RemoteError as exc:
-        problems.append(Problem(where, reason_of(exc, where)))
-        return None
-    if more:
-        problems.append(Problem(where, f"over {MAX_LISTED} objects under this prefix: name the model's index"))
-        return None
-    keys = sorted(key for meta in listed if is_weights_name(key := str(meta["path"])) and "/" not in key[len(prefix) :])
-    return [ObjectRef(spec, key) for key in keys]
-
-
-def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
-    """The object named `name` in the remote model's directory (its prefix, or its file's directory)."""
-    spec, key = store_spec(source, options)
-    if is_weights_name(key) or key.endswith(".index.json"):
-        return ObjectRef(spec, key).sibling(name)
-    return ObjectRef(spec, f"{key}/{name}" if key else name)
-
-
-Listed = list[tuple[str, int, float, str | None]]
-"""Objects of a model's directory: (path in it, size, mtime, ETag if known)."""
-
-
-def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
-    """The objects in a remote model's directory, and those of its first `subdirectories`
-    subdirectories (not hidden) one level down, for a store that lists (S3); None for one that does
-    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left out."""
-    spec, _ = store_spec(source, options)
-    if spec.kind != "s3":
-        return None
-    directory = beside(source, "x", options).key.rpartition("/")[0]
-    top = f"{directory}/" if directory else ""
-    listed, _ = list_objects(spec, top)
-    found: Listed = []
-    inner: set[str] = set()
-    for meta in listed:
-        path = str(meta["path"]).removeprefix(top)
-        parts = path.split("/")
-        if len(parts) > 2:
-            continue
-        if len(parts) == 2:
-            if parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories):
-                continue
-            inner.add(parts[0])
-        found.append((path, int(meta["size"]), _mtime(meta), str(meta.get("e_tag") or "") or None))
-    return found
-
-
-MAX_HUB_LISTING = 16 << 20
-"""The most one answer of the Hub's listing API may hold."""
-
-
-def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
-    """The files of a Hub model's directory (and of its first `subdirectories` subdirectories), as
-    its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH); None for a source
-    that is not on the Hub. RemoteError when the listing fails."""
-    if not source.startswith("hf://"):
-        return None
-    spec, key = store_spec(source, options)
-    repo, _, revision = spec.scheme_root.removeprefix("hf://").partition("@")
-    endpoint = spec.root.removesuffix(f"/{repo}/resolve/{revision}")
-    api = StoreSpec("http", f"{endpoint}/api/models/{repo}/tree", f"{endpoint}/api/models/{repo}/tree",
-                    headers=spec.headers, timeout=spec.timeout)  # fmt: skip
-    directory = key.rpartition("/")[0] if is_weights_name(key) or key.endswith(".index.json") else key
-
-    def listed(path: str) -> list[dict[str, Any]]:
-        where = ObjectRef(api, f"{revision}/{path}" if path else revision)
-        try:
-            document = orjson.loads(get_whole(where, MAX_HUB_LISTING))
-        except FileNotFoundError:
-            raise RemoteError(f"{where.url}: the Hub's listing of the model's files is not there (404)") from None
-        except orjson.JSONDecodeError as exc:
-            raise RemoteError(f"{where.url}: the Hub's listing is not JSON: {exc}") from None
-        if not isinstance(document, list):
-            raise RemoteError(f"{where.url}: the Hub's listing is not a list of files")
-        return [item for item in document if isinstance(item, dict) and isinstance(item.get("path"), str)]
-
-    top = listed(directory)
-    prefix = f"{directory}/" if directory else ""
-    found: Listed = []
-    folders = [item["path"] for item in top if item.get("type") == "directory"]
-    inner = [item for folder in sorted(folders)[:subdirectories] for item in listed(folder)]
-    for item in [*top, *inner]:
-        size = item.get("size")
-        if item.get("type") != "file" or not isinstance(size, int) or not item["path"].startswith(prefix):
-            continue
-        found.append((item["path"].removeprefix(prefix), size, 0.0, None))
-    return found
-
-
 def exists(ref: ObjectRef) -> bool:
     """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
     return head(ref) is not None
@@ -509,7 +341,7 @@ def head(ref: ObjectRef) -> ObjectVersion | None:
     except Exception as exc:
         _raise(ref, exc)
         raise  # unreachable: _raise always raises
-    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
+    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta))
 
 
 def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
@@ -518,16 +350,6 @@ def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
         raise RemoteError(f"{url}: URLs with a query or fragment (signed URLs) are not supported")
     base, _, name = url.rpartition("/")
     return StoreSpec("http", base, base, timeout=options.timeout), name
-
-
-def missing_shards(located: Located, found: set[str], problems: list[Problem]) -> None:
-    """An index's shard that is not in the store is the index's problem (the first tensor it maps there)."""
-    if located.weight_map is None or located.index_label is None:
-        return
-    for ref in located.shards:
-        if ref.name not in found:
-            reason = f"weight_map names shard '{ref.name}', which does not exist"
-            problems.append(Problem(located.index_label, reason, first_tensor(located.weight_map, ref.name)))
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -672,14 +494,19 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
     try:
         first = retried(ref.spec, lambda: obstore.get(client, ref.key, options={"range": (0, FIRST_READ)}))
         meta = first.meta
-        version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta))
+        version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta))
+        if version.size > MAX_OBJECT_BYTES:  # before anything is sized by it (a cache file, its chunks' table)
+            raise TooLarge(
+                f"{ref.url}: announced at {version.size:,} bytes, over the {human_size(MAX_OBJECT_BYTES)} an object "
+                "may be here"
+            )
         head = _body(ref, first, min(FIRST_READ, version.size), "range")
     except RemoteError:
         raise
     except Exception as exc:
         if "416" in str(exc):  # nothing at offset 0: an empty object
             meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
-            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), _mtime(meta)), b""
+            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta)), b""
         _raise(ref, exc)
         raise
     # A format that tells its table's length from its first bytes asks once more at most; one that
@@ -743,7 +570,7 @@ _PIECE = 256 << 10
 def _same_version(version: ObjectVersion, meta: Any) -> None:
     """ObjectChanged unless a response's object is the version validated (ETag, else size and Last-Modified)."""
     etag = str(meta.get("e_tag") or "")
-    mtime = _mtime(meta)
+    mtime = modified(meta)
     if (
         int(meta["size"]) != version.size
         or (etag and version.etag and etag != version.etag)
@@ -752,6 +579,7 @@ def _same_version(version: ObjectVersion, meta: Any) -> None:
         raise ObjectChanged(f"{version.url}: changed since it was validated")
 
 
-def _mtime(meta: Any) -> float:
+def modified(meta: Any) -> float:
+    """An object's Last-Modified, in seconds since the epoch (0: none said)."""
     modified = meta.get("last_modified")
     return float(modified.timestamp()) if modified is not None else 0.0

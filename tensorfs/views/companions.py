@@ -29,17 +29,10 @@ from ..errors import RemoteError, TensorfsError, TooLarge, printable
 from ..formats import is_weights_name, pytorch
 from ..identity import Identity, ShardKey
 from ..manifest import DEFAULT_MANIFEST
+from ..names import path_problem
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
-from ..sources.store import (
-    ObjectRef,
-    ObjectVersion,
-    RemoteOptions,
-    beside,
-    get_whole,
-    head,
-    hub_listing,
-    listing_beside,
-)
+from ..sources.finding import beside, hub_listing, listing_beside
+from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions, get_whole, head
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +146,7 @@ def _open(companion: Companion) -> Any:
             os.close(fd)
             raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
         return fd
-    from ..sources.remote import RemoteShard, shared_cache  # the remote machinery, only when needed
+    from ..sources.remote import RemoteShard  # the remote machinery, only when needed
 
     version = origin.version
     try:
@@ -163,10 +156,9 @@ def _open(companion: Companion) -> Any:
                 raise CompanionError(f"{origin.ref.url}: gone since it was mounted")
         if version.size != companion.size:
             raise CompanionError(f"{origin.ref.url}: {version.size} bytes now, not {companion.size}: it changed")
-        cached = shared_cache(origin.options).open_object(version, None, origin.options.chunk_size)
+        return RemoteShard.of(version, origin.options)
     except RemoteError as exc:
         raise CompanionError(str(exc)) from None
-    return RemoteShard(cached, origin.options)
 
 
 # -- local models ---------------------------------------------------------------------------
@@ -335,6 +327,8 @@ MODULE_FILES = ("config.json", "sentence_bert_config.json", *TOKENIZER_FILES)
 COMPANION_TIMEOUT = 10.0
 """Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
 MAX_SUBDIRECTORIES = 50
+MAX_SUBDIRECTORY_DEPTH = 2
+"""A companion's path: a file of the model's directory, or of a subdirectory of it (one level)."""
 
 
 def find_remote_companions(
@@ -377,7 +371,13 @@ def _listed(
 ) -> list[Companion]:
     found: list[Companion] = []
     total = 0
+    skipped = Skipped()
     for path, size, mtime, etag in sorted(listed):
+        why = path_problem(path, MAX_SUBDIRECTORY_DEPTH)  # the one gate of names from outside
+        if why is not None:
+            name = printable(path[:200])
+            skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
+            continue
         if any(part.startswith(".") for part in path.split("/")) or is_weights(path.rpartition("/")[2]):
             continue
         ref = beside(source, path, options)
@@ -385,17 +385,36 @@ def _listed(
             continue
         shown = printable(ref.url)
         if size > MAX_COMPANION_BYTES:
-            warnings.append(f"{shown}: skipped: {size} bytes, over 64 MiB")
+            skipped.add("over 64 MiB", f"{shown}: skipped: {size} bytes, over 64 MiB")
         elif total + size > MAX_COMPANIONS_TOTAL:
-            warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+            skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
         elif len(found) == MAX_COMPANIONS:
-            warnings.append(f"{shown}: skipped: over {MAX_COMPANIONS} companion files")
+            skipped.add("too many", f"{shown}: skipped: over {MAX_COMPANIONS} companion files")
         else:
             total += size
             version = ObjectVersion(ref, etag, size, mtime) if etag is not None else None
             mtime_ns = int((mtime or time.time()) * 1e9)
             found.append(Companion(path, size, mtime_ns, None, RemoteOrigin(ref, options, version)))
+    warnings.extend(skipped.said())
     return found
+
+
+class Skipped:
+    """Listed files left out, by reason: one warning a reason, however many (a lying listing may hold a
+    million), saying the first as it is and counting the others."""
+
+    def __init__(self) -> None:
+        self._by_reason: dict[str, tuple[str, int]] = {}  # reason -> (what is said of the first, how many)
+
+    def add(self, reason: str, said: str) -> None:
+        first, count = self._by_reason.get(reason, (said, 0))
+        self._by_reason[reason] = (first, count + 1)
+
+    def said(self) -> list[str]:
+        return [
+            first + (f" (and {count - 1} more files skipped: {reason})" if count > 1 else "")
+            for reason, (first, count) in self._by_reason.items()
+        ]
 
 
 def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, warnings: list[str]) -> list[Companion]:

@@ -1,37 +1,33 @@
-"""One object version's file in the chunk cache, as one process uses it: mapped, held, its chunks
-known present or not, fetched into it and checked (CachedObject); the lock bytes every process
-takes in it, and the checksums its chunks are kept with. How the cache as a whole keeps its bound
-and its promises: chunkcache.py."""
+"""One object version's file in the chunk cache, as one process uses it: mapped, held, its chunks known
+present or not, fetched into their own range (by the `fetch` the object was opened with) and checked
+against the strongest checksums any process kept of them, pinned while answered from. How the cache
+as a whole keeps its bound: chunks.py; the locks: locks.py."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import hashlib
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import crc32c
-
-from ..errors import ObjectChanged, RemoteError, printable
-from ..syscalls import fallocate, punch_hole
-from ..units import human_size
-from .fetching import COUNTERS, failed_future, wait
-from .pages import Pages
-from .store import ObjectVersion, read_range
+from ...errors import ObjectChanged, RemoteError, printable
+from ...syscalls import fallocate, punch_hole
+from ..fetching import COUNTERS, failed_future, wait
+from ..pages import Pages
+from .locks import hold_chunk, let_go_chunk, let_go_fetch, open_held, take_fetch
+from .records import ChunkSum, Records, Summing, new_token
 
 if TYPE_CHECKING:
-    from .chunkcache import ChunkCache
+    from ..store import ObjectVersion
+
+__all__ = ["CacheFull", "CachedObject", "Fetch", "NoRoomNow"]
 
 log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cache's messages
 
@@ -39,6 +35,10 @@ ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before 
 SAVE_AT_LEAST_EVERY = 1.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
 _FETCH_WAIT = 0.01  # seconds between looks at a chunk another process is fetching
 _CHECK_PIECE = 1 << 20  # a chunk is read back in pieces this large to be checked
+
+Fetch = Callable[[int, int, Callable[[int, bytes], object]], None]
+"""Bytes [start, end) of exactly this version of an object, handed to write(offset, piece) as they
+come (ObjectChanged if the store has another version now, RemoteError if it cannot give them)."""
 
 
 class CacheFull(RemoteError):
@@ -53,86 +53,33 @@ class BadChunk(RemoteError):
     """A chunk whose bytes are not those the object version gave before (the store's, or the file's)."""
 
 
-# -- locks ------------------------------------------------------------------------------------
+class Cache(Protocol):
+    """What an object's file asks of the cache it is in (chunks.ChunkCache): its records, room for its
+    chunks, and the saving of what it fetched."""
 
-IN_USE = 0  # byte 0: held shared by every process with the file open
+    directory: Path
+    limit: int | None
+    records: Records
 
-
-def presence_byte(chunk: int) -> int:
-    return 1 + 2 * chunk
-
-
-def fetch_byte(chunk: int) -> int:
-    return 2 + 2 * chunk
-
-
-def lock_byte(fd: int, kind: int, start: int, *, wait: bool = False) -> bool:
-    """Lock one byte of a cache file (F_RDLCK, F_WRLCK, or F_UNLCK); whether it was had.
-
-    Open file description locks (F_OFD_SETLK): a POSIX lock would be dropped when this process
-    closes any other descriptor of the file, and another process would then evict chunks from
-    under our mapping (holes read as zeros).
-    """
-    flock = struct.pack("hhqqi4x", kind, os.SEEK_SET, start, 1, 0)  # type, whence, start, length, pid (0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, flock)
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def holders(path: Path) -> list[int]:
-    """The processes (of those this one may look at) that have `path` open: for messages."""
-    found = []
-    for process in Path("/proc").iterdir():
-        if not process.name.isdigit() or int(process.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in (process / "fd").iterdir():
-                if os.readlink(fd) == str(path):
-                    found.append(int(process.name))
-                    break
-    return sorted(found)
-
-
-@dataclass(frozen=True)
-class ChunkSum:
-    """What a chunk's bytes summed to when they first came: a CRC-32C always, a SHA-256 where a
-    manifest is in force (see the module's docstring)."""
-
-    crc32c: int
-    sha256: bytes | None = None
-
-    def agrees(self, other: ChunkSum) -> bool:
-        """Whether `other` sums the same bytes: the CRC-32Cs equal, and the SHA-256s where both have one."""
-        if self.crc32c != other.crc32c:
-            return False
-        return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
-
-
-class _Summing:
-    """The checksums of bytes given a piece at a time (both functions let the GIL go for large pieces)."""
-
-    def __init__(self, strong: bool) -> None:
-        self._crc = 0
-        self._sha = hashlib.sha256() if strong else None
-
-    def update(self, piece: bytes | memoryview) -> None:
-        self._crc = crc32c.crc32c(piece, self._crc)
-        if self._sha is not None:
-            self._sha.update(piece)
-
-    def sums(self) -> ChunkSum:
-        return ChunkSum(self._crc, self._sha.digest() if self._sha is not None else None)
+    def claim(self, requester: CachedObject, first: int, last: int, deadline: float) -> set[int]: ...
+    def reserve(self, requester: CachedObject, chunk: int, nbytes: int, *, wait: bool = True) -> None: ...
+    def room_freed(self) -> None: ...
+    def what_holds(self, requester: CachedObject) -> str: ...
+    def record(self, cached: CachedObject, chunk: int, nbytes: int, digest: ChunkSum, token: int) -> None: ...
+    def pending(self, oid: str, chunk: int) -> bool: ...
+    def touch(self, cached: CachedObject, chunks: range) -> None: ...
+    def save(self, *, wait: bool = False) -> bool: ...
+    def let_go(self, cached: CachedObject) -> bool: ...
 
 
 class CachedObject:
     """One object version's cache file in this process: mapped, held, its chunks known present or not."""
 
-    def __init__(self, cache: ChunkCache, oid: str, version: ObjectVersion, path: Path, chunk_size: int) -> None:
+    def __init__(
+        self, cache: Cache, oid: str, version: ObjectVersion, path: Path, chunk_size: int, fetch: Fetch
+    ) -> None:
         self.cache = cache
+        self._fetch_range = fetch
         self.id = oid
         self.version = version
         self.path = path
@@ -142,6 +89,9 @@ class CachedObject:
         self._present = bytearray(self.chunks)
         """Chunks this process may answer from: fetched here, or recorded and checked against their checksums."""
         self._digests: dict[int, ChunkSum] = {}
+        self._tokens: dict[int, int] = {}
+        """The record (its token) of each chunk as this process fetched or checked it: a chunk recorded
+        anew since (evicted, and fetched again by another process) is checked again before it is used."""
         self.strong = False
         """Whether chunks are also summed with SHA-256 here (where a manifest is in force)."""
         self._lock = threading.Lock()
@@ -176,26 +126,21 @@ class CachedObject:
             except OSError:  # ENXIO: no data after offset (or no SEEK_DATA here)
                 return
             for chunk in range(start // self.chunk_size, -(-end // self.chunk_size)):
-                if chunk in recorded or not lock_byte(self.fd, fcntl.F_WRLCK, fetch_byte(chunk)):
+                if chunk in recorded or not take_fetch(self.fd, chunk):
                     continue
                 try:
-                    if self.cache.recorded(self.id, chunk) is None:
+                    if self.cache.records.recorded(self.id, chunk) is None:
                         begin, stop = self._range(chunk)
                         with contextlib.suppress(OSError):
                             punch_hole(self.fd, begin, stop - begin)
                 finally:
-                    lock_byte(self.fd, fcntl.F_UNLCK, fetch_byte(chunk))
+                    let_go_fetch(self.fd, chunk)
             offset = max(end, start + 1)
 
     # -- presence -------------------------------------------------------------------------
     def present(self, chunk: int) -> bool:
         """Whether the chunk can be had without a GET (here, or recorded by another process)."""
-        return bool(self._present[chunk]) or self.cache.recorded(self.id, chunk) is not None
-
-    def present_count(self) -> int:
-        """Chunks present (as this process knows)."""
-        with self._lock:
-            return sum(self._present)
+        return bool(self._present[chunk]) or self.cache.records.recorded(self.id, chunk) is not None
 
     def pinned_bytes(self) -> int:
         with self._lock:
@@ -240,7 +185,7 @@ class CachedObject:
         with self._lock:
             for chunk in chunks:
                 if not self._pins.get(chunk):
-                    lock_byte(self.fd, fcntl.F_RDLCK, presence_byte(chunk))
+                    hold_chunk(self.fd, chunk)
                 self._pins[chunk] = self._pins.get(chunk, 0) + 1
 
     def let_go(self, chunks: Iterable[int]) -> None:
@@ -279,18 +224,21 @@ class CachedObject:
 
     def _hold(self, chunk: int, *, checked: bool = True) -> bool:
         """Take the chunk's presence lock (the first pin of it here): False if another process evicts
-        it just now, or evicted it since this process last looked (then it is not present here)."""
-        if not lock_byte(self.fd, fcntl.F_RDLCK, presence_byte(chunk)):
+        it just now, or evicted it since this process last looked, or recorded it anew since (fetched
+        again by another process: its bytes are checked before they are used here). Then it is not
+        present here."""
+        if not hold_chunk(self.fd, chunk):
             self._present[chunk] = 0
             return False
         if not checked or chunk in self._fetching or self.cache.pending(self.id, chunk):
             return True  # being fetched, or written here and not yet recorded: nobody else can evict it
         try:
-            still = self.cache.recorded(self.id, chunk) is not None
+            found = self.cache.records.recorded(self.id, chunk)
         except RemoteError:
-            still = False
+            found = None
+        still = found is not None and found[1] == self._tokens.get(chunk)
         if not still:
-            lock_byte(self.fd, fcntl.F_UNLCK, presence_byte(chunk))
+            let_go_chunk(self.fd, chunk)
             self._present[chunk] = 0
         return still
 
@@ -300,8 +248,7 @@ class CachedObject:
             self._pins[chunk] = left
             return
         self._pins.pop(chunk, None)
-        with contextlib.suppress(OSError):
-            lock_byte(self.fd, fcntl.F_UNLCK, presence_byte(chunk))
+        let_go_chunk(self.fd, chunk)
 
     def unpin(self, first: int, last: int) -> None:
         with self._lock:
@@ -382,8 +329,7 @@ class CachedObject:
             except BaseException:
                 with self._lock:
                     self._fetching.discard(chunk)
-                    with contextlib.suppress(OSError):
-                        lock_byte(self.fd, fcntl.F_UNLCK, fetch_byte(chunk))
+                    let_go_fetch(self.fd, chunk)
                 raise
         finally:
             with self._lock:
@@ -395,7 +341,7 @@ class CachedObject:
         """Be the one process that fetches `chunk` (another that is at it is waited for: it records
         the chunk when done, or dies and lets go)."""
         deadline = time.monotonic() + max(60.0, 4 * SAVE_AT_LEAST_EVERY)
-        while not lock_byte(self.fd, fcntl.F_WRLCK, fetch_byte(chunk)):
+        while not take_fetch(self.fd, chunk):
             if time.monotonic() > deadline:
                 raise RemoteError(
                     f"{self.version.url}: chunk {chunk} is being fetched by another process that never ends"
@@ -406,16 +352,18 @@ class CachedObject:
 
     def _check(self, chunk: int) -> bool:
         """Whether a chunk recorded (by any process, any time) is present here: its bytes on disk
-        still sum to what they did when they came. A chunk that does not is a miss, never data:
-        its record is dropped and it is fetched again."""
-        if not lock_byte(self.fd, fcntl.F_RDLCK, presence_byte(chunk)):
+        still sum to what they did when they first came (a SHA-256 where any process kept one, else
+        the CRC-32C). A chunk that does not is a miss, never data: its record is dropped and it is
+        fetched again."""
+        if not hold_chunk(self.fd, chunk):
             return False  # being evicted just now
         try:
-            digest = self.cache.recorded(self.id, chunk)
-            if digest is None:
+            found = self.cache.records.recorded(self.id, chunk)
+            if found is None:
                 return False
+            digest, token = found
             begin, end = self._range(chunk)
-            actual = _Summing(self.strong)
+            actual = Summing(self.strong or digest.sha256 is not None)
             buffer = bytearray(min(_CHECK_PIECE, end - begin))
             for start in range(begin, end, _CHECK_PIECE):
                 piece = memoryview(buffer)[: min(_CHECK_PIECE, end - start)]
@@ -424,12 +372,13 @@ class CachedObject:
         finally:
             with self._lock:
                 if not self._pins.get(chunk):
-                    lock_byte(self.fd, fcntl.F_UNLCK, presence_byte(chunk))
-        found = actual.sums()
-        if digest.agrees(found):
-            if found.sha256 is not None and digest.sha256 is None:  # summed for a manifest now: kept
-                self.cache.strengthen(self.id, chunk, found)
-            self._digests[chunk] = ChunkSum(digest.crc32c, digest.sha256 or found.sha256)
+                    let_go_chunk(self.fd, chunk)
+        sums = actual.sums()
+        if digest.agrees(sums):
+            if sums.sha256 is not None and digest.sha256 is None:  # summed for a manifest now: kept
+                self.cache.records.strengthen(self.id, chunk, sums)
+            self._digests[chunk] = ChunkSum(digest.crc32c, digest.sha256 or sums.sha256)
+            self._tokens[chunk] = token
             COUNTERS.add(chunks_checked=1)
             return True
         COUNTERS.add(bad_chunks=1)
@@ -441,7 +390,7 @@ class CachedObject:
             self.path,
         )
         self._digests[chunk] = digest  # what the object's bytes are: the fetch again must give them
-        self.cache.forget_chunk(self.id, chunk)
+        self.cache.records.forget_chunk(self.id, chunk)
         return False
 
     def _get(self, chunk: int, *, reserved: bool, room: bool) -> None:
@@ -451,8 +400,9 @@ class CachedObject:
         begin, end = self._range(chunk)
         if not reserved:
             self.cache.reserve(self, chunk, end - begin, wait=room)
-        summing = _Summing(self.strong)
-        expected = self._digests.get(chunk) or self.cache.sums_of(self.id, chunk)
+        expected = self._digests.get(chunk) or self.cache.records.sums_of(self.id, chunk)
+        # Summed as strongly as anyone ever summed it: a SHA-256 kept by any process is the bar.
+        summing = Summing(self.strong or (expected is not None and expected.sha256 is not None))
         if expected is None:
             with self._lock:
                 self._arrived[chunk] = 0
@@ -470,7 +420,7 @@ class CachedObject:
 
         try:
             COUNTERS.add(gets=1)
-            read_range(self.version, begin, end, write)
+            self._fetch_range(begin, end, write)
             digest = summing.sums()
             if expected is not None and not expected.agrees(digest):
                 COUNTERS.add(changed_chunks=1)
@@ -501,7 +451,10 @@ class CachedObject:
             self._arrived.pop(chunk, None)
             self._progress.notify_all()
         if digest is not None:
-            self.cache.record(self, chunk, self.chunk_bytes(chunk), digest)
+            token = new_token()
+            with self._lock:
+                self._tokens[chunk] = token
+            self.cache.record(self, chunk, self.chunk_bytes(chunk), digest, token)
         else:
             self.recorded([chunk])
 
@@ -536,8 +489,7 @@ class CachedObject:
             for chunk in chunks:
                 if chunk in self._fetching:
                     self._fetching.discard(chunk)
-                    with contextlib.suppress(OSError):
-                        lock_byte(self.fd, fcntl.F_UNLCK, fetch_byte(chunk))
+                    let_go_fetch(self.fd, chunk)
 
     def allocate(self, offset: int, nbytes: int) -> None:
         """Take the blocks of [offset, offset + nbytes) now (CacheFull when the disk has none)."""
@@ -575,51 +527,3 @@ class CachedObject:
         with contextlib.suppress(OSError):
             os.close(self.fd)  # and with it every lock of this process on the file
         self.fd = -1
-
-
-def open_held(path: Path, size: int) -> int:
-    """Open (or make, sized `size`: sparse) a cache file and hold it (a shared lock on byte 0, while
-    mapped: nobody removes it).
-
-    A file removed by `cache prune` while we waited for the lock is left for a new one. RemoteError,
-    with nothing left behind, when the file cannot be made (a file system that cannot hold the size).
-    """
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            made = True
-        except FileExistsError:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            except OSError as exc:
-                raise RemoteError(f"cannot use the cache file {path}: {exc.strerror}") from None
-            made = False
-        except OSError as exc:
-            raise RemoteError(f"cannot make the cache file {path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise RemoteError(f"the cache file {path} is not this user's alone: remove it")
-            lock_byte(fd, fcntl.F_RDLCK, IN_USE, wait=True)
-            if os.stat(path, follow_symlinks=False).st_ino != st.st_ino:
-                os.close(fd)
-                continue
-            if st.st_size != size:
-                os.ftruncate(fd, size)  # sparse: nothing is allocated yet
-            return fd
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        except OSError as exc:
-            os.close(fd)
-            if made:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            raise RemoteError(
-                f"cannot make a cache file of {human_size(size)} in {path.parent}: {exc.strerror}"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise

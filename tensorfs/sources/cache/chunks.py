@@ -1,10 +1,13 @@
-"""The local cache of remote objects: one sparse file per object version, what is present in SQLite.
+"""The local cache of remote objects: one sparse file per object version, what is present recorded in
+SQLite; this process's view of it (ChunkCache), one object's file in it (objects.py), what is
+recorded (records.py), the locks every process takes in it (locks.py).
 
 Layout of a cache directory (this user's alone; shared safely by several processes):
 
     objects.sqlite   objects (URL, ETag, size, header, chunk size), chunks present, every chunk's
                      checksums as it first came, models resolved
     objects/ID       one sparse file per object version (ID: sha256 of URL, ETag and size)
+    room.lock        taken by whoever makes room, in any process
 
 No byte is taken from the cache that is not the object's:
 
@@ -14,11 +17,15 @@ No byte is taken from the cache that is not the object's:
   object is cached, also after the chunk is evicted: the same version must always give the same
   bytes, so a chunk fetched again that sums otherwise is refused (a store that serves other bytes
   under one ETag), and so is a chunk whose file bytes no longer sum to them (the file changed on
-  disk: a miss, fetched again, never data). A process checks every chunk it did not fetch itself
-  before it first uses it. The checksum is a CRC-32C (what changes by accident shows, at a small
-  cost: the processor's own instruction, three times zlib's CRC-32), and a SHA-256 too where a
-  manifest is in force: a store that means to send other bytes under one ETag cannot forge that
-  one, and the bytes that passed the manifest are the only ones ever served again.
+  disk: a miss, fetched again, never data). The checksum is a CRC-32C (what changes by accident
+  shows, at a small cost: the processor's own instruction, three times zlib's CRC-32), and a
+  SHA-256 too where a manifest is in force: a store that means to send other bytes under one ETag
+  cannot forge that one. Once any process kept a chunk's SHA-256, every process checks the chunk
+  against it, whether or not a manifest is in force there: bytes fetched again are the very bytes
+  that came first, which, under a manifest, are the bytes it verified.
+- A process checks every chunk it did not fetch itself before it first uses it, and again whenever
+  the chunk was recorded anew since (evicted and fetched again by another process): each record
+  carries a token of the fetch that made it.
 - A chunk counts as present only once its bytes are written and flushed to disk (fdatasync) and its
   row committed: a process killed mid-chunk leaves a chunk that is fetched again, never a hole
   taken for data.
@@ -27,58 +34,42 @@ The cache is bounded by the blocks its files hold on disk (least recently used c
 their bytes freed by punching holes). A chunk's blocks are allocated before it is fetched, under a
 lock that every process takes to make room, so several processes on one cache keep to one bound.
 A hole reads as zeros through a mapping, so a chunk is never evicted while anything may answer from
-it. Each chunk has two lock bytes in its file (open file description locks): a process holds the
-first shared while it answers from the chunk (and evicts only chunks whose first byte it can hold
-exclusively), and the second exclusively while it fetches the chunk, until the chunk is recorded
-(another process that wants it waits, then finds it). Byte 0 is held shared by every process that
-has the file open, and exclusively only to remove the file. A process that wants a chunk it
-thought present checks the database again whenever it takes the chunk's first lock byte anew.
+it (the lock protocol: locks.py).
+
+The cache knows nothing of stores: an object is opened with the way to fetch its bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import json
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import RemoteError
-from ..safefiles import UnsafeLocation, check_private_file, make_private_file, private_directory
-from ..syscalls import punch_hole
-from ..units import human_size
-from .cachefile import (
-    IN_USE,
-    ROOM_WAIT,
-    SAVE_AT_LEAST_EVERY,
-    CachedObject,
-    CacheFull,
-    ChunkSum,
-    NoRoomNow,
-    holders,
-    lock_byte,
-    presence_byte,
-)
-from .fetching import COUNTERS
-from .store import ObjectVersion
+from ...errors import RemoteError
+from ...safefiles import UnsafeLocation, check_private_file, make_private_file, private_directory
+from ...syscalls import punch_hole
+from ...units import human_size
+from ..fetching import COUNTERS
+from .locks import can_remove, holders, in_use_elsewhere, let_go_chunk, let_go_room, take_room, take_to_evict
+from .objects import ROOM_WAIT, SAVE_AT_LEAST_EVERY, CachedObject, CacheFull, Fetch, NoRoomNow
+from .records import DB_NAME, ChunkSum, Pending, Records
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ..store import ObjectVersion
 
-DB_NAME = "objects.sqlite"
+__all__ = ["OBJECTS_DIR", "CacheEntry", "ChunkCache", "default_cache_dir", "object_id"]
+
+log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cache's messages
+
 OBJECTS_DIR = "objects"
 ROOM_LOCK = "room.lock"
-SCHEMA = 4
-"""The form of the database: a cache of an older form is emptied of its chunks (their checksums were
-not these, or there were none)."""
-_CHUNK_BYTES = "MIN(o.chunk_size, o.size - c.chunk * o.chunk_size)"  # a chunk's bytes (the last may be short)
 _BLOCK = 4096  # the unit a file system allocates in
 
 
@@ -112,24 +103,21 @@ class ChunkCache:
     def __init__(self, directory: Path, limit: int | None = None) -> None:
         self.directory = directory
         self.limit = limit
-        self._lock = threading.RLock()  # the connection, the counters, eviction
-        self._db: sqlite3.Connection | None = None
-        self._pid = 0
+        self.records = Records(directory, self.check_directory)
+        self._lock = threading.RLock()  # the objects open here, what waits to be recorded, room
         self._checked_directory = False
         self._objects: dict[str, CachedObject] = {}  # open in this process, by id
-        self._pending: dict[str, dict[int, tuple[int, ChunkSum]]] = {}  # chunks written, not yet recorded
+        self._pending: Pending = {}  # chunks written, not yet recorded
         self._saving = threading.Lock()
         self._room = threading.Condition(self._lock)  # told when pinned chunks are let go, or rows saved
         self._waiting_for_room = 0
         self._touched: dict[str, set[int]] = {}  # chunks served, their use not yet committed
         self._saved_at = time.monotonic()
+        self._timer: threading.Timer | None = None  # a save to come, for chunks written meanwhile
         self._room_fd = -1  # the lock file every process takes to make room (a bounded cache)
         self._room_pid = 0
         self._room_mutex = threading.Lock()  # and its threads one at a time (a lock file's lock is the process's)
-        self._reader: sqlite3.Connection | None = None  # presence lookups: never behind a commit
-        self._reader_lock = threading.Lock()
 
-    # -- the database ----------------------------------------------------------------------
     def check_directory(self) -> None:
         """The directory must be this user's alone (UnsafeLocation, a RemoteError, if not): made if missing."""
         if self._checked_directory:
@@ -142,56 +130,14 @@ class ChunkCache:
             raise RemoteError(str(exc)) from None
         self._checked_directory = True
 
-    def db(self) -> sqlite3.Connection:
-        if self._db is not None and self._pid == os.getpid():
-            return self._db
-        self.check_directory()
-        try:
-            db = sqlite3.connect(self.directory / DB_NAME, timeout=30.0, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            with db:
-                db.execute("BEGIN IMMEDIATE")
-                if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA:
-                    db.execute("DROP TABLE IF EXISTS chunks")  # their checksums were not these: fetched again
-                    db.execute("DROP TABLE IF EXISTS digests")
-                db.execute(
-                    "CREATE TABLE IF NOT EXISTS objects (id TEXT PRIMARY KEY, url TEXT NOT NULL, etag TEXT NOT NULL,"
-                    " size INTEGER NOT NULL, mtime REAL NOT NULL, chunk_size INTEGER NOT NULL,"
-                    " header BLOB NOT NULL, used REAL NOT NULL)"
-                )
-                db.execute(
-                    "CREATE TABLE IF NOT EXISTS chunks (object TEXT NOT NULL, chunk INTEGER NOT NULL,"
-                    " used REAL NOT NULL, PRIMARY KEY (object, chunk)) WITHOUT ROWID"
-                )
-                db.execute("CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used)")
-                db.execute(
-                    "CREATE TABLE IF NOT EXISTS digests (object TEXT NOT NULL, chunk INTEGER NOT NULL,"
-                    " crc32c INTEGER NOT NULL, sha256 BLOB, PRIMARY KEY (object, chunk)) WITHOUT ROWID"
-                )
-                db.execute(
-                    "CREATE TABLE IF NOT EXISTS models (source TEXT PRIMARY KEY, description TEXT NOT NULL,"
-                    " used REAL NOT NULL)"
-                )
-                db.execute(f"PRAGMA user_version={SCHEMA}")
-        except (sqlite3.Error, OSError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise RemoteError(f"cannot use the cache {self.directory}: {reason}") from None
-        self._db, self._pid = db, os.getpid()
-        return db
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            db = self.db()
-            try:
-                with db:
-                    yield db
-            except sqlite3.Error as exc:
-                raise RemoteError(f"the cache {self.directory}: {exc}") from None
+    def db(self) -> Any:
+        """The database, opened (RemoteError when the cache cannot be used)."""
+        return self.records.db()
 
     # -- objects ---------------------------------------------------------------------------
-    def open_object(self, version: ObjectVersion, header: bytes | None, chunk_size: int) -> CachedObject:
-        """The cache file of `version`, made if new, mapped, and held (shared lock) until closed.
+    def open_object(self, version: ObjectVersion, header: bytes | None, chunk_size: int, fetch: Fetch) -> CachedObject:
+        """The cache file of `version`, made if new, mapped, and held (shared lock) until closed;
+        `fetch(start, end, write)` gets bytes of it from where it is stored.
 
         `header` (the object's first 8 + N bytes, for --offline) is recorded with a new object.
         RemoteError when the file cannot be made (nothing is left behind then).
@@ -202,89 +148,52 @@ class ChunkCache:
             if found is not None:
                 found.users += 1
                 return found
-            with self._transaction() as db:
-                row = db.execute("SELECT chunk_size FROM objects WHERE id=?", (oid,)).fetchone()
-                if row is not None:
-                    chunk_size = int(row[0])  # the object's chunks were cut so: keep to them
+            known = self.records.chunk_size_of(oid)
             path = self.directory / OBJECTS_DIR / oid
-            cached = CachedObject(self, oid, version, path, chunk_size)  # RemoteError: nothing made
+            cached = CachedObject(self, oid, version, path, known or chunk_size, fetch)  # RemoteError: nothing made
             try:
-                with self._transaction() as db:
-                    if row is not None:
-                        db.execute("UPDATE objects SET used=? WHERE id=?", (time.time(), oid))
-                    else:
-                        db.execute(
-                            "INSERT OR IGNORE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (oid, version.url, version.etag, version.size, version.mtime, chunk_size, header or b"",
-                             time.time()),
-                        )  # fmt: skip
-                    present = [c for (c,) in db.execute("SELECT chunk FROM chunks WHERE object=?", (oid,))]
-                    sums = db.execute("SELECT chunk, crc32c, sha256 FROM digests WHERE object=?", (oid,)).fetchall()
+                _, present, sums = self.records.object_opened(
+                    oid, version.url, version.etag, version.size, version.mtime, cached.chunk_size, header
+                )
             except BaseException:
                 cached.close()
                 raise
-            cached.known({chunk: ChunkSum(crc, sha) for chunk, crc, sha in sums})
+            cached.known(sums)
             cached.clear_orphans(set(present))
             self._objects[oid] = cached
             return cached
 
     def header_of(self, url: str, etag: str, size: int) -> tuple[bytes, float] | None:
         """The header cached of an object version, and its Last-Modified (for --offline)."""
-        with self._transaction() as db:
-            row = db.execute("SELECT header, mtime FROM objects WHERE id=?", (object_id(url, etag, size),)).fetchone()
-        return (bytes(row[0]), float(row[1])) if row is not None else None
+        return self.records.header_of(object_id(url, etag, size))
 
-    # -- models (what a source resolved to, for --offline) ----------------------------------
     def remember_model(self, source: str, description: dict[str, Any]) -> None:
-        with contextlib.suppress(RemoteError), self._transaction() as db:
-            db.execute("INSERT OR REPLACE INTO models VALUES (?, ?, ?)", (source, json.dumps(description), time.time()))
+        self.records.remember_model(source, description)
 
     def recall_model(self, source: str) -> dict[str, Any] | None:
-        with self._transaction() as db:
-            row = db.execute("SELECT description FROM models WHERE source=?", (source,)).fetchone()
-        found = json.loads(row[0]) if row is not None else None
-        return found if isinstance(found, dict) else None
+        return self.records.recall_model(source)
 
-    # -- presence ---------------------------------------------------------------------------
-    def recorded(self, oid: str, chunk: int) -> ChunkSum | None:
-        """The chunk's checksums if it is recorded present (its bytes on disk, by some process), else None.
-
-        On a connection of its own: a reader's lookup never waits for a commit of this process.
-        """
-        with self._reader_lock:
-            try:
-                if self._reader is None or self._pid != os.getpid():
-                    self.db()
-                    self._reader = sqlite3.connect(self.directory / DB_NAME, timeout=30.0, check_same_thread=False)
-                row = self._reader.execute(
-                    "SELECT d.crc32c, d.sha256 FROM chunks c JOIN digests d"
-                    " ON d.object = c.object AND d.chunk = c.chunk WHERE c.object=? AND c.chunk=?",
-                    (oid, chunk),
-                ).fetchone()
-            except sqlite3.Error as exc:
-                raise RemoteError(f"the cache {self.directory}: {exc}") from None
-        return ChunkSum(row[0], row[1]) if row is not None else None
-
-    def sums_of(self, oid: str, chunk: int) -> ChunkSum | None:
-        """The checksums the chunk had when it first came, if it ever came."""
-        with self._transaction() as db:
-            row = db.execute("SELECT crc32c, sha256 FROM digests WHERE object=? AND chunk=?", (oid, chunk)).fetchone()
-        return ChunkSum(row[0], row[1]) if row is not None else None
-
-    def strengthen(self, oid: str, chunk: int, sums: ChunkSum) -> None:
-        """Keep the SHA-256 of a chunk that came before without one (its CRC-32C checked as the same)."""
-        with contextlib.suppress(RemoteError), self._transaction() as db:
-            db.execute(
-                "UPDATE digests SET sha256=? WHERE object=? AND chunk=? AND sha256 IS NULL", (sums.sha256, oid, chunk)
-            )
-
-    def record(self, cached: CachedObject, chunk: int, nbytes: int, digest: ChunkSum) -> None:
-        """A chunk written: it is recorded (for other processes, and after a crash) at the next save()."""
+    # -- what is recorded --------------------------------------------------------------------
+    def record(self, cached: CachedObject, chunk: int, nbytes: int, digest: ChunkSum, token: int) -> None:
+        """A chunk written: it is recorded (for other processes, and after a crash) at the next save(),
+        within SAVE_AT_LEAST_EVERY seconds however this process goes on (another that wants the chunk
+        waits until it is recorded)."""
         with self._lock:
-            self._pending.setdefault(cached.id, {})[chunk] = (nbytes, digest)
+            self._pending.setdefault(cached.id, {})[chunk] = (nbytes, digest, token)
             due = time.monotonic() - self._saved_at > SAVE_AT_LEAST_EVERY
-        if due:  # nobody saved for a while (no daemon calls save() here): this thread does
+            if not due and self._timer is None:
+                self._timer = threading.Timer(SAVE_AT_LEAST_EVERY, self._save_in_time)
+                self._timer.name = "tensorfs-cache-save"
+                self._timer.daemon = True
+                self._timer.start()
+        if due:  # nobody saved for a while: this thread does
             self.save()
+
+    def _save_in_time(self) -> None:
+        """What a process that fetched and then went quiet (no daemon saves for it) left to record."""
+        with self._lock:
+            self._timer = None
+        self.save(wait=True)
 
     def pending(self, oid: str, chunk: int) -> bool:
         """Whether this process wrote the chunk and has not recorded it yet (it holds it: nobody evicts it)."""
@@ -326,9 +235,7 @@ class ChunkCache:
             self._saving.release()
         return True
 
-    def _commit(
-        self, pending: dict[str, dict[int, tuple[int, ChunkSum]]], touched: dict[str, set[int]], files: list[int]
-    ) -> None:
+    def _commit(self, pending: Pending, touched: dict[str, set[int]], files: list[int]) -> None:
         try:
             for fd in files:
                 os.fdatasync(fd)  # the bytes on disk before the rows that say they are
@@ -338,27 +245,8 @@ class ChunkCache:
         finally:
             for fd in files:
                 os.close(fd)
-        now = time.time()
         try:
-            with self._transaction() as db:
-                db.executemany(
-                    "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?)",
-                    [(oid, chunk, now) for oid, chunks in pending.items() for chunk in chunks],
-                )
-                db.executemany(  # a SHA-256 where there was none before is kept; nothing else changes
-                    "INSERT INTO digests VALUES (?, ?, ?, ?) ON CONFLICT (object, chunk)"
-                    " DO UPDATE SET sha256 = COALESCE(digests.sha256, excluded.sha256)",
-                    [
-                        (oid, chunk, s.crc32c, s.sha256)
-                        for oid, chunks in pending.items()
-                        for chunk, (_, s) in chunks.items()
-                    ],
-                )
-                db.executemany(
-                    "UPDATE chunks SET used=? WHERE object=? AND chunk=?",
-                    [(now, oid, chunk) for oid, chunks in touched.items() for chunk in chunks],
-                )
-                db.executemany("UPDATE objects SET used=? WHERE id=?", [(now, oid) for oid in {*pending, *touched}])
+            self.records.commit(pending, touched)
         except RemoteError as exc:
             log.warning("could not record chunks in the cache: %s (they will be fetched again)", exc)
 
@@ -366,7 +254,7 @@ class ChunkCache:
     @contextlib.contextmanager
     def _room_lock(self) -> Iterator[None]:
         """Held (by one thread of one process at a time) while room is made and a chunk's blocks taken."""
-        self.db()
+        self.records.db()
         with self._room_mutex:
             if self._room_fd < 0 or self._room_pid != os.getpid():
                 path = self.directory / ROOM_LOCK
@@ -378,11 +266,11 @@ class ChunkCache:
                     raise RemoteError(f"cannot use the cache {self.directory}: {why}") from None
                 self._room_pid = os.getpid()
             fd = self._room_fd
-            lock_byte(fd, fcntl.F_WRLCK, 0, wait=True)
+            take_room(fd)
             try:
                 yield
             finally:
-                lock_byte(fd, fcntl.F_UNLCK, 0)
+                let_go_room(fd)
 
     def _fits(self, requester: CachedObject, nbytes: int) -> bool:
         """Whether `nbytes` more fit under the bound, once least recently used chunks that nobody
@@ -506,8 +394,7 @@ class ChunkCache:
 
     def forget_chunk(self, oid: str, chunk: int) -> None:
         """Drop a chunk's row (its file's bytes are not those it was recorded with): fetched again."""
-        with contextlib.suppress(RemoteError), self._transaction() as db:
-            db.execute("DELETE FROM chunks WHERE object=? AND chunk=?", (oid, chunk))
+        self.records.forget_chunk(oid, chunk)
 
     def let_go(self, cached: CachedObject) -> bool:
         """One user of `cached` fewer: True when it was the last (its file is then closed by the caller)."""
@@ -543,24 +430,11 @@ class ChunkCache:
                     found.append(entry.name)
         return found
 
-    def _count(self) -> int:
-        """Bytes of the chunks recorded present."""
-        with self._transaction() as db:
-            row = db.execute(
-                f"SELECT COALESCE(SUM({_CHUNK_BYTES}), 0) FROM chunks c JOIN objects o ON c.object = o.id"
-            ).fetchone()
-        return int(row[0])
-
     def _evict(self, wanted: int) -> int:
         """Punch out least recently used chunks, `wanted` bytes' worth if there are; the bytes freed."""
         freed, kept = 0, 0  # kept: rows passed over (in use), which the next query skips by its offset
         while freed < wanted:
-            with self._transaction() as db:
-                rows = db.execute(
-                    f"SELECT c.object, c.chunk, o.chunk_size, {_CHUNK_BYTES} FROM chunks c"
-                    " JOIN objects o ON c.object = o.id ORDER BY c.used, c.object, c.chunk LIMIT 256 OFFSET ?",
-                    (kept,),
-                ).fetchall()
+            rows = self.records.least_used(kept)
             if not rows:
                 break
             by_object: dict[str, list[tuple[int, int, int]]] = {}
@@ -585,8 +459,7 @@ class ChunkCache:
             try:
                 fd, close = os.open(self.directory / OBJECTS_DIR / oid, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), True
             except FileNotFoundError:  # the file is gone: so are its chunks
-                with self._transaction() as db:
-                    db.execute("DELETE FROM chunks WHERE object=?", (oid,))
+                self.records.forget_chunks(oid)
                 return chunks
             except OSError as exc:
                 log.warning("could not evict from the cache file %s: %s", oid, exc.strerror)
@@ -598,17 +471,17 @@ class ChunkCache:
                     continue  # pinned, or being fetched, here
                 gone = False
                 try:
-                    if not lock_byte(fd, fcntl.F_WRLCK, presence_byte(chunk)):
+                    if not take_to_evict(fd, chunk):
                         continue  # another process answers from it now
                     try:
                         # Its record first, before the lock goes: whoever takes the lock next sees it gone (and a
                         # chunk not punched after all is only blocks left over, never a hole that is recorded).
-                        with self._transaction() as db:
+                        with self.records.transaction() as db:
                             db.execute("DELETE FROM chunks WHERE object=? AND chunk=?", (oid, chunk))
                         gone = True
                         punch_hole(fd, chunk * chunk_size, chunk_size)
                     finally:
-                        lock_byte(fd, fcntl.F_UNLCK, presence_byte(chunk))
+                        let_go_chunk(fd, chunk)
                 finally:
                     if ours is not None:
                         ours.taken(chunk, gone)
@@ -624,30 +497,15 @@ class ChunkCache:
 
     # -- what `tensorfs cache` shows and does -----------------------------------------------
     def entries(self) -> list[CacheEntry]:
-        with self._transaction() as db:
-            rows = db.execute(
-                f"SELECT o.id, o.url, o.etag, o.size, o.used, COALESCE(SUM({_CHUNK_BYTES}), 0)"
-                " FROM objects o LEFT JOIN chunks c ON c.object = o.id GROUP BY o.id ORDER BY o.url"
-            ).fetchall()
         return [
-            CacheEntry(oid, url, etag, size, int(cached), used, self._in_use(oid))
-            for oid, url, etag, size, used, cached in rows
+            CacheEntry(oid, url, etag, size, cached, used, self._in_use(oid))
+            for oid, url, etag, size, used, cached in self.records.objects()
         ]
 
     def _in_use(self, oid: str, *, others_only: bool = False) -> bool:
         if oid in self._objects and not others_only:
             return True
-        try:
-            fd = os.open(self.directory / OBJECTS_DIR / oid, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            if not lock_byte(fd, fcntl.F_WRLCK, IN_USE):
-                return True
-            lock_byte(fd, fcntl.F_UNLCK, IN_USE)
-            return False
-        finally:
-            os.close(fd)
+        return in_use_elsewhere(self.directory / OBJECTS_DIR / oid)
 
     def prune(self, max_size: int) -> int:
         """Evict least recently used chunks until the cache holds at most `max_size` bytes; bytes freed.
@@ -656,14 +514,10 @@ class ChunkCache:
         no process's use, are removed with their rows.
         """
         self.save(wait=True)
-        held = self._count()
+        held = self.records.count()
         with self._room_lock():
             freed = self._evict(held - max_size) if held > max_size else 0
-        with self._transaction() as db:
-            empty = [oid for (oid,) in db.execute(
-                "SELECT id FROM objects WHERE id NOT IN (SELECT DISTINCT object FROM chunks)"
-            )]  # fmt: skip
-        for oid in empty:
+        for oid in self.records.empty_objects():
             if oid not in self._objects:
                 self._remove_unused(oid)
         return freed
@@ -679,12 +533,10 @@ class ChunkCache:
             return
         try:
             if fd >= 0:
-                if not lock_byte(fd, fcntl.F_WRLCK, IN_USE):
+                if not can_remove(fd):
                     return  # in use
-                path.unlink()  # under the lock: whoever opens it next makes a new file (see CachedObject)
-            with self._transaction() as db:
-                db.execute("DELETE FROM objects WHERE id=?", (oid,))
-                db.execute("DELETE FROM digests WHERE object=?", (oid,))
+                path.unlink()  # under the lock: whoever opens it next makes a new file (see open_held)
+            self.records.forget_object(oid)
         except OSError:
             return
         finally:
@@ -692,17 +544,12 @@ class ChunkCache:
                 os.close(fd)
 
     def close(self) -> None:
-        self.save(wait=True)
         with self._lock:
-            if self._db is not None and self._pid == os.getpid():
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.close()
-            self._db = None
-            with self._reader_lock:
-                if self._reader is not None and self._pid == os.getpid():
-                    with contextlib.suppress(sqlite3.Error):
-                        self._reader.close()
-                self._reader = None
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self.save(wait=True)
+        self.records.close()
         with self._room_mutex:
             if self._room_fd >= 0 and self._room_pid == os.getpid():
                 with contextlib.suppress(OSError):

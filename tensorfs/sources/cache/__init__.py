@@ -1,0 +1,22 @@
+"""The local cache of remote objects (chunks.py says what it promises).
+
+chunks.py    ChunkCache: one cache directory as this process uses it; its bound, eviction, saving
+objects.py   CachedObject: one object version's file: presence, pins, fetches and their checks
+records.py   what is recorded in SQLite, and the checksums chunks are kept with
+locks.py     the lock protocol every process keeps in the cache's files
+"""
+
+from .chunks import OBJECTS_DIR, CacheEntry, ChunkCache, default_cache_dir, object_id
+from .objects import CachedObject, CacheFull, Fetch, NoRoomNow
+
+__all__ = [
+    "OBJECTS_DIR",
+    "CacheEntry",
+    "CacheFull",
+    "CachedObject",
+    "ChunkCache",
+    "Fetch",
+    "NoRoomNow",
+    "default_cache_dir",
+    "object_id",
+]

@@ -1,0 +1,329 @@
+"""The gate (tensorfs/gate): every byte handed out goes through one sequence, in-process and through a
+mount alike. Each promise is attacked both ways: bytes a store changed under one ETag and another
+process put back in the shared cache, a fallback's copy rewritten in place by another user, a
+fallback that lacks the tensor, the loader's bytes fetched again under a manifest, and S3's folder
+markers beside a model's files."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tensorfs
+from conftest import Mounts, drop_caches
+from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, upload, write_index, write_reference
+from servers import HostileServer, SeaweedFS
+from tensorfs.errors import TensorfsError
+from tensorfs.manifest import format_manifest
+from tensorfs.sources.store import RemoteOptions
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
+    """One shard of four tensors of `size` random bytes (every chunk differs from every other)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {f"t{i}": random_bytes(size, 300 + i) for i in range(4)}
+    write_reference(path, {name: ("U8", [size], blob) for name, blob in data.items()})
+    return data
+
+
+def manifest_of(data: dict[str, bytes], path: Path) -> Path:
+    path.write_text(format_manifest({name: hashlib.sha256(blob).hexdigest() for name, blob in data.items()}))
+    return path
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[HostileServer]:
+    (tmp_path / "served").mkdir()
+    server = HostileServer(tmp_path / "served")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+# -- a chunk another process fetched again ---------------------------------------------------------
+
+# Another process on the same cache, without a manifest, reads tensors (their chunks fetched if they
+# are not in the cache): t0's bytes, or its one-line error. With "weak", it keeps no SHA-256 of what it
+# fetches, as a process of an older tensorfs would: only the CRC-32C, which the store forged.
+OTHER_PROCESS = """
+import sys
+import tensorfs
+from tensorfs.sources.cache import records, objects
+if sys.argv[3] == "weak":
+    strong_as = records.Summing.__init__
+    objects.Summing.__init__ = lambda self, strong: strong_as(self, False)
+try:
+    options = tensorfs.RemoteOptions(cache_dir=sys.argv[2], cache_size=24 << 20)
+    for name in sys.argv[4:]:  # each by a model of its own, which holds it while open
+        with tensorfs.open_model(sys.argv[1], remote=options, cache=False) as model:
+            data = bytes(model.raw(name))
+    sys.stdout.buffer.write(data)
+except tensorfs.TensorfsError as exc:
+    print(f"refused: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def other_process_reads(url: str, cache: Path, weak: bool, *names: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, url, str(cache), "weak" if weak else "strong", *names],
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def forge_t0(hostile: HostileServer) -> None:
+    """The store serves other bytes in t0's first chunk under the same ETag, its CRC-32C forged."""
+    served = (hostile.root / "m.safetensors").read_bytes()
+    chunk = served[: 8 * MIB]
+    changed = chunk[:MIB] + bytes(b ^ 0xFF for b in chunk[MIB : 2 * MIB]) + chunk[2 * MIB :]
+    hostile.replaced["m.safetensors"] = same_crc32c(chunk, changed) + served[8 * MIB :]
+
+
+def evict_forge_and_fetch_again(hostile: HostileServer, url: str, cache: Path, expected: bytes, weak: bool) -> None:
+    """Another process evicts t0's chunks (24 MiB of other tensors through the 24 MiB cache), the store
+    changes t0 under the same ETag, and the other process reads t0 again: held to the SHA-256 kept of
+    its chunk, it refuses it (nothing recorded); keeping none ("weak"), it records the forged chunk."""
+    evicting = other_process_reads(url, cache, weak, "t1", "t2", "t3")
+    assert evicting.returncode == 0, evicting.stderr
+    forge_t0(hostile)
+    again = other_process_reads(url, cache, weak, "t0")
+    if weak:
+        assert again.returncode == 0 and again.stdout != expected
+    else:
+        assert again.returncode == 1 and b"are not those the same version" in again.stderr
+
+
+@pytest.mark.parametrize("other", ["strong", "weak"])
+def test_a_mount_never_uses_a_chunk_another_process_fetched_again_unverified(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, other: str
+) -> None:
+    """A mount under a manifest read t0; another process without one evicted its chunks, and read t0
+    again once the store had changed it under the same ETag (CRC-32C forged). Whether that process
+    keeps SHA-256s or not, the mount never serves the forged bytes: a chunk another process records
+    anew is checked again before this one uses it."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    manifest = manifest_of(expected, tmp_path / "tensors.sha256")
+    cache = tmp_path / "cache"
+    mountpoint = mounts.mount(url, "--manifest", str(manifest), "--cache-dir", str(cache), "--cache-size", "24M")
+    assert (mountpoint / "t0").read_bytes() == expected["t0"]  # verified, served
+    evict_forge_and_fetch_again(hostile, url, cache, expected["t0"], weak=other == "weak")
+    drop_caches()  # the kernel's copy of t0 too: the mount is asked again
+    assert errno_of_reading(mountpoint / "t0") == errno.EIO  # never the other bytes
+    log = mounts.log()
+    assert "ERROR" in log and "are not those the same version" in log
+
+
+@pytest.mark.parametrize("other", ["strong", "weak"])
+def test_the_loader_never_uses_a_chunk_another_process_fetched_again_unverified(
+    hostile: HostileServer, tmp_path: Path, other: str
+) -> None:
+    """The same attack on the in-process loader under verify=: the store's refusal, never the bytes."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    manifest = manifest_of(expected, tmp_path / "tensors.sha256")
+    cache = tmp_path / "cache"
+    options = RemoteOptions(cache_dir=cache, cache_size=24 * MIB)
+    with tensorfs.open_model(url, remote=options, verify=manifest, cache=False) as model:
+        model.gate.check("t0")  # verified: its chunks fetched, hashed, and let go (nothing handed out)
+        evict_forge_and_fetch_again(hostile, url, cache, expected["t0"], weak=other == "weak")
+        with pytest.raises(TensorfsError, match="are not those the same version"):
+            model.raw("t0")
+
+
+def test_the_loader_refuses_bytes_fetched_again_otherwise(hostile: HostileServer, tmp_path: Path) -> None:
+    """Under verify=, a tensor verified, its chunks evicted, then served otherwise under the same ETag
+    (CRC-32C forged) is refused when this process fetches it again: remote bytes fetched again must be
+    those that passed, a rule the opener sets for the library as for a mount."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    manifest = manifest_of(expected, tmp_path / "tensors.sha256")
+    options = RemoteOptions(cache_dir=tmp_path / "cache", cache_size=24 * MIB)
+    with tensorfs.open_model(url, remote=options, verify=manifest, cache=False) as model:
+        for name in ("t0", "t1", "t2", "t3"):  # verified in turn, the last ones evicting t0's chunks
+            model.gate.check(name)
+        forge_t0(hostile)
+        with pytest.raises(TensorfsError, match="are not those the same version"):
+            model.raw("t0")
+
+
+# -- fallbacks: watched like shards ----------------------------------------------------------------
+
+
+def _sharded(directory: Path) -> dict[str, bytes]:
+    directory.mkdir(parents=True)
+    data: dict[str, bytes] = {}
+    weight_map: dict[str, str] = {}
+    for s in range(2):
+        name = f"model-{s + 1:05d}-of-00002.safetensors"
+        part = {f"s{s}.t{t}": random_bytes(MIB, 40 + 10 * s + t) for t in range(2)}
+        write_reference(directory / name, {n: ("U8", [len(b)], b) for n, b in part.items()})
+        data.update(part)
+        weight_map.update(dict.fromkeys(part, name))
+    write_index(directory, weight_map)
+    return data
+
+
+def _flip(directory: Path, name: str) -> None:
+    """Flip a byte in the middle of tensor `name`, in place."""
+    with tensorfs.open_model(directory, cache=False) as model:
+        shard, offset, nbytes = model.locate(name)
+    with open(shard, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def damaged(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    """A primary whose tensor s1.t0 is damaged, and a whole copy of it (the fallback)."""
+    data = _sharded(tmp_path / "copy")
+    shutil.copytree(tmp_path / "copy", tmp_path / "primary")
+    _flip(tmp_path / "primary", "s1.t0")
+    return tmp_path / "primary", tmp_path / "copy", data
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
+    damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool
+) -> None:
+    primary, copy, data = damaged
+    verify = manifest_of(data, tmp_path / "m.sha256") if manifest else None
+    if not manifest:  # without a manifest, a shard changed in place is what sends s1.t0 to its fallback
+        _flip(primary, "s1.t1")
+    with tensorfs.open_model(primary, cache=False, verify=verify, fallback=[copy]) as model:
+        if not manifest:
+            _flip(primary, "s1.t0")  # after opening: the primary's shard changed in place
+        assert model.raw("s1.t0").tobytes() == data["s1.t0"]
+        assert model.gate.copy("s1.t0") is not None
+        _flip(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+        with pytest.raises(TensorfsError):
+            model.raw("s1.t0")
+        _flip(copy, "s1.t0")  # written back: the bytes it was
+        if manifest:  # verified again: served again
+            assert model.raw("s1.t0").tobytes() == data["s1.t0"]
+        else:  # nothing can tell its bytes: refused until opened again
+            with pytest.raises(TensorfsError):
+                model.raw("s1.t0")
+        assert model.raw("s0.t0").tobytes() == data["s0.t0"]  # the rest is served on
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mount(
+    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool
+) -> None:
+    primary, copy, data = damaged
+    options = ["--no-cache", "--fallback", str(copy)]
+    if manifest:
+        options += ["--manifest", str(manifest_of(data, tmp_path / "m.sha256"))]
+    else:
+        options += ["--verify", "off"]
+    mountpoint = mounts.mount(primary, *options)
+    if not manifest:
+        _flip(primary, "s1.t0")  # the primary's shard changed in place: its tensors go to the fallback
+    assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
+    _flip(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+    drop_caches()  # the kernel's pages of it too: the daemon is asked again
+    assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # never her bytes
+    _flip(copy, "s1.t0")
+    drop_caches()
+    if manifest:
+        assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]  # verified again
+    else:
+        assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO
+    assert (mountpoint / "s0.t0").read_bytes() == data["s0.t0"]
+    assert "fallback" in mounts.log() and "changed" in mounts.log()
+
+
+def _two_fallbacks(tmp_path: Path) -> tuple[Path, Path, Path, dict[str, bytes]]:
+    """A damaged primary; a first fallback that lacks the damaged tensor (another model with the rest);
+    a second that holds it."""
+    primary, whole, data = tmp_path / "primary", tmp_path / "whole", _sharded(tmp_path / "whole")
+    shutil.copytree(whole, primary)
+    _flip(primary, "s1.t0")
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    write_reference(lacking / "model.safetensors", {"s1.t1": ("U8", [MIB], data["s1.t1"])})
+    return primary, lacking, whole, data
+
+
+def test_a_fallback_without_the_tensor_is_passed_over_in_process(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    primary, lacking, whole, data = _two_fallbacks(tmp_path)
+    verify = manifest_of(data, tmp_path / "m.sha256")
+    with (
+        caplog.at_level(logging.WARNING),
+        tensorfs.open_model(primary, cache=False, verify=verify, fallback=[lacking, whole]) as model,
+    ):
+        assert model.raw("s1.t0").tobytes() == data["s1.t0"]
+        copy = model.gate.copy("s1.t0")
+        assert copy is not None and copy.index == 1  # the second: the first does not hold it
+    assert f"fallback {lacking}: tensor 's1.t0' does not hold it" in caplog.text
+
+
+def test_a_fallback_without_the_tensor_is_passed_over_through_a_mount(mounts: Mounts, tmp_path: Path) -> None:
+    primary, lacking, whole, data = _two_fallbacks(tmp_path)
+    verify = manifest_of(data, tmp_path / "m.sha256")
+    mountpoint = mounts.mount(
+        primary, "--no-cache", "--manifest", str(verify), "--fallback", str(lacking), "--fallback", str(whole)
+    )
+    assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
+    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    assert stats["fallback"]["tensors"] == {"s1.t0": str(whole)}
+    assert f"fallback {lacking}: tensor 's1.t0' does not hold it" in mounts.log()
+
+
+# -- S3 folder markers -------------------------------------------------------------------------------
+
+
+def test_s3_folder_markers_are_directories_not_files(
+    seaweedfs: SeaweedFS, bucket: str, mounts: Mounts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Zero-byte keys ending in '/' (the S3 console's and sync tools' folders: `m/`, `m/1_Pooling/`)
+    and a key that other keys are beneath: none of them a file of the view; 1_Pooling/ a directory
+    holding its config, in the mount's model directory and in the library's view."""
+    import obstore
+
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    model = tmp_path / "m"
+    model.mkdir()
+    blob = random_bytes(4096, 9)
+    write_reference(model / "model.safetensors", {"w": ("U8", [len(blob)], blob)})
+    (model / "config.json").write_text('{"model_type": "bert"}')
+    pooling = json.dumps({"word_embedding_dimension": 4, "pooling_mode_mean_tokens": True}).encode()
+    store = seaweedfs.store(bucket)
+    upload(store, "m", model)
+    obstore.put(store, "m/1_Pooling/config.json", pooling)
+    for marker in ("m/", "m/1_Pooling/"):
+        obstore.put(store, marker, b"")
+    obstore.put(store, "m/2_Dense", b"")  # a folder made as an object, with a key beneath it
+    obstore.put(store, "m/2_Dense/config.json", b"{}")
+    url = f"s3://{bucket}/m"
+    cache = tmp_path / "cache"
+    mountpoint = mounts.mount(url, "--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(cache))  # type: ignore[arg-type]
+    view = mountpoint / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["1_Pooling", "2_Dense", "config.json", "model.safetensors"]
+    assert (view / "1_Pooling").is_dir() and (view / "1_Pooling" / "config.json").read_bytes() == pooling
+    assert (view / "2_Dense").is_dir() and (view / "2_Dense" / "config.json").read_bytes() == b"{}"
+    remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=cache)
+    spec = tensorfs.opener.Source.named(url, remote).view_spec()
+    assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "2_Dense/config.json", "config.json"]
