@@ -568,6 +568,46 @@ class OneRead(_TalkingChild):
         self._pending = bytearray()
 
 
+HELD_COMMAND = """
+import importlib, sys
+import tensorfs.cli
+module_name, _, path = sys.argv[1].partition(":")
+owner_path, _, name = path.rpartition(".")
+owner = importlib.import_module(module_name)
+for part in filter(None, owner_path.split(".")):
+    owner = getattr(owner, part)
+real = getattr(owner, name)
+def held(*args, **kwargs):
+    if not held.said:
+        held.said = True
+        print("held", flush=True)
+        sys.stdin.readline()
+    return real(*args, **kwargs)
+held.said = False
+setattr(owner, name, held)
+sys.exit(tensorfs.cli.main(sys.argv[2:]))
+"""
+
+
+class HeldCommand(_TalkingChild):
+    """`tensorfs ARGS...` in its own process, held the first time it calls `point` (module:Class.name,
+    or module:name): it says "held" there and goes on once told to go; `ended()` waits for its end."""
+
+    def __init__(self, point: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HELD_COMMAND, point, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self._pending = bytearray()
+
+    def ended(self, timeout: float = 120) -> tuple[int, str]:
+        """(its exit status, what it wrote to standard error) once it has ended."""
+        _, stderr = self.process.communicate(timeout=timeout)
+        return self.process.returncode, stderr.decode()
+
+
 def reads_in_handlers(mountpoint: Path) -> int:
     """Reads a daemon has begun to answer and not answered yet (its counters: begun, less answered or
     failed): requests inside its running handlers, not waiting in the kernel's queue."""

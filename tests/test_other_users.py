@@ -1,8 +1,8 @@
 """Other local users gain nothing from tensorfs running as root on paths and servers they control.
 
 Each attack is made for real by another user (nobody): files swapped under a scan, a cache
-directory they can write, a daemon record they forge, credentials in a URL, and reading what
-root mounts with -o allow_other.
+directory they can write, a daemon record they forge, credentials in a URL, reading what root
+mounts with -o allow_other, and links, FIFOs and swapped directories where root writes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, OtherUser, drop_caches
-from helpers import MIB, random_bytes, write_reference
+from helpers import MIB, HeldCommand, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
 from tensorfs.headercache import WORTH_CACHING
 from tensorfs.mount.runtime import escape_path, process_start
@@ -342,3 +342,143 @@ def test_an_index_or_manifest_planted_in_a_model_directory_is_not_followed_nor_w
     result = cli("validate", "--no-cache", str(model), timeout=30)
     assert result.returncode == 1 and "only root" not in result.stderr
     assert result.stderr == f"error: {index}: cannot read: a symlink out of the model's directory\n"
+
+
+# -- writing where the user said: the one writer -------------------------------------------------
+
+
+def their_directory(shared_dir: Path, user: OtherUser) -> Path:
+    """A directory of the other user's, where root is asked to write (/tmp/theirs/...)."""
+    directory = shared_dir / "theirs"
+    directory.mkdir()
+    user.owns(directory)
+    return directory
+
+
+def root_only_file(tmp_path: Path) -> Path:
+    """Root's own file, 0600, in a 0700 directory: not to be touched."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    victim = private / "victim"
+    victim.write_bytes(b"root's own file\n")
+    victim.chmod(0o600)
+    return victim
+
+
+def as_user(user: OtherUser, code: str, *args: str) -> None:
+    """Python `code` run as the other user (with `args` as sys.argv[1:]); it must succeed."""
+    done = user.run(user.python, "-c", code, *args, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["tensorfs.model:Model.write_safetensors", "tensorfs.progress:Progress.advance"],
+    ids=["after-the-check", "mid-write"],
+)
+def test_an_export_never_writes_through_a_symlink_planted_after_its_check(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path, point: str
+) -> None:
+    """Root exports a model to a new file in the other user's directory; they plant a symlink to
+    root's 0600 file there once the command has checked that the name is free: after the check, or
+    in the middle of the write. Root's file is untouched, the link stays theirs, one line says why."""
+    victim = root_only_file(tmp_path)
+    write_reference(tmp_path / "m.safetensors", {"w": ("U8", [2 * MIB], random_bytes(2 * MIB, 6))})
+    dest = their_directory(shared_dir, other_user) / "out.safetensors"
+    export = HeldCommand(point, "export", str(tmp_path / "m.safetensors"), str(dest))
+    try:
+        assert export.said() == "held"
+        as_user(other_user, "import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(victim), str(dest))
+        export.go()
+        code, stderr = export.ended()
+    finally:
+        export.stop()
+    assert (code, stderr) == (1, f"error: {dest}: already exists; name a new file\n")
+    assert victim.read_bytes() == b"root's own file\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert os.readlink(dest) == str(victim) and os.listdir(dest.parent) == [dest.name]  # no partial left
+
+
+def test_an_export_directory_swapped_for_a_symlink_mid_write_writes_nothing_through_it(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path
+) -> None:
+    """Root exports the other user's model (its tokenizer.json a cron line) to a new directory in
+    the other user's directory; mid-write they move the partial directory away and put a symlink to
+    a root-only directory in its place. Nothing is written there: the export is refused in one line,
+    and what it had written is removed."""
+    cron = tmp_path / "cron.d"
+    cron.mkdir(mode=0o700)
+    model = shared_dir / "model"
+    users_model(model, other_user)
+    (model / "tokenizer.json").write_text("* * * * * root sh /tmp/theirs/payload\n")  # after model.safetensors
+    other_user.owns(model / "tokenizer.json")
+    drop = their_directory(shared_dir, other_user)
+    dest = drop / "out"
+    export = HeldCommand("tensorfs.progress:Progress.advance", "export", str(model), str(dest))
+    try:
+        assert export.said() == "held"  # config.json and the model's first bytes written
+        swap = """
+import os, sys
+drop, target = sys.argv[1], sys.argv[2]
+(partial,) = [name for name in os.listdir(drop) if name.startswith(".out.") and name.endswith(".partial")]
+os.rename(os.path.join(drop, partial), os.path.join(drop, "moved"))
+os.symlink(target, os.path.join(drop, partial))
+print(partial)
+"""
+        done = other_user.run(other_user.python, "-c", swap, str(drop), str(cron), timeout=30)
+        assert done.returncode == 0, done.stderr
+        partial = done.stdout.strip()
+        export.go()
+        code, stderr = export.ended()
+    finally:
+        export.stop()
+    assert os.listdir(cron) == []  # nothing written through the link
+    expected = f"error: cannot write {dest}: its partial directory {partial} was moved or replaced while it was written"
+    assert code == 1 and stderr.startswith(expected) and stderr.count("\n") == 1, stderr
+    assert not dest.exists() and not dest.is_symlink()
+    assert os.listdir(drop / "moved") == []  # what it wrote, emptied through its own descriptor
+    assert os.readlink(drop / partial) == str(cron)  # theirs, left as it is
+
+
+# The other user's reader of a FIFO: opened without waiting for a writer, it says "ready", and once
+# told to go prints whatever a writer put in the FIFO meanwhile.
+FIFO_READER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    print(os.read(fd, 1 << 20).decode(), end="", flush=True)
+except BlockingIOError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_manifest_output_never_goes_into_a_fifo(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path, planted: str
+) -> None:
+    """`manifest -o OUT` where the other user made OUT a FIFO they read, or a symlink to one: root
+    writes nothing into it (one line says why), and the FIFO gets nothing."""
+    model = tmp_path / "m.safetensors"
+    write_reference(model, {"w": ("U8", [16], bytes(16))})
+    drop = their_directory(shared_dir, other_user)
+    fifo, out = drop / "pipe", drop / "m.sha256"
+    if planted == "symlink":
+        as_user(other_user, "import os, sys; os.mkfifo(sys.argv[1]); os.symlink(*sys.argv[1:])", str(fifo), str(out))
+    else:
+        as_user(other_user, "import os, sys; os.mkfifo(sys.argv[1])", str(out))
+    reader = subprocess.Popen(
+        [other_user.python, "-c", FIFO_READER, str(out if planted == "fifo" else fifo)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=other_user.become,
+    )  # fmt: skip
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "ready\n"
+        result = cli("manifest", "--no-cache", "-o", str(out), str(model), timeout=60)
+        got, _ = reader.communicate("go\n", timeout=30)
+    finally:
+        reader.kill()
+        reader.wait()
+    why = "a symlink (tensorfs never writes through one" if planted == "symlink" else "not a regular file"
+    assert result.returncode == 1 and result.stderr.startswith(f"error: cannot write {out}: {why}"), result.stderr
+    assert result.stderr.count("\n") == 1 and got == ""
+    assert sorted(os.listdir(drop)) == sorted({fifo.name if planted == "symlink" else out.name, out.name})

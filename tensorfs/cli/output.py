@@ -82,13 +82,11 @@ def ended_by_signals() -> Iterator[None]:
 
 
 def write_file(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a regular file), or as it comes (a device, a pipe);
-    Ctrl-C, SIGTERM or SIGHUP meanwhile leave nothing half-written."""
-    try:
-        with ended_by_signals():
-            write_whole(path, lambda out: out.write(text.encode("utf-8")))
-    except OSError as exc:
-        raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
+    """Write `text` to `path` by the one writer (tensorfs.files): a new file, or a regular file there
+    replaced, whole or not at all; never through a symlink, never into a FIFO or a device. Ctrl-C,
+    SIGTERM or SIGHUP meanwhile leave nothing half-written."""
+    with ended_by_signals():
+        write_whole(path, lambda out: out.write(text.encode("utf-8")))
 
 
 def table(rows: Sequence[Sequence[str]], align: str) -> list[str]:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import MountError
+from ..files import open_append
 from .runtime import escape_path
 
 FORMAT = "%(asctime)s tensorfs[%(process)d] %(levelname)s %(message)s"
@@ -34,12 +35,12 @@ class ReopeningFileHandler(logging.FileHandler):
     """A log file that can be closed and opened again by name, after logrotate moved it away.
 
     Made readable by its owner alone: it names models, files and tensors (a log file that exists
-    keeps the mode it has).
+    keeps the mode it has). Opened by the one writer's rule for appending: never through a symlink
+    at its name, only a regular file (a FIFO or a device there is refused, never waited on).
     """
 
     def _open(self) -> io.TextIOWrapper:
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+        return open(open_append(Path(self.baseFilename)), "a", encoding=self.encoding, errors=self.errors)
 
     def reopen(self) -> None:
         """Open the file by its name again; OSError (and the old file kept) if it cannot be."""

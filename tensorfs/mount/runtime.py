@@ -78,8 +78,9 @@ def record_path(mountpoint: Path, directory: Path | None = None) -> Path:
 
 
 def write_record(mountpoint: Path, record: dict[str, Any]) -> None:
-    """Write (or replace) the record of the mount at `mountpoint`, whole or not at all; readable by
-    its owner alone (it names the model, the options and the log)."""
+    """Write (or replace) the record of the mount at `mountpoint`, whole or not at all, by the one
+    writer; readable by its owner alone (it names the model, the options and the log). WriteError if
+    it cannot be written."""
     text = json.dumps(record, indent=2) + "\n"
     write_whole(record_path(mountpoint, _private_dir()), lambda out: out.write(text.encode()), mode=0o600)
 
