@@ -482,3 +482,44 @@ def test_manifest_output_never_goes_into_a_fifo(
     assert result.returncode == 1 and result.stderr.startswith(f"error: cannot write {out}: {why}"), result.stderr
     assert result.stderr.count("\n") == 1 and got == ""
     assert sorted(os.listdir(drop)) == sorted({fifo.name if planted == "symlink" else out.name, out.name})
+
+
+# -- identities and secrets ---------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("machine_held")  # it makes a name in /tmp for a while (see test_leftovers)
+def test_status_never_shows_a_record_another_user_forged(mounts: Mounts, other_user: OtherUser, tmp_path: Path) -> None:
+    """Root's record of its mount is elsewhere (another TENSORFS_RUNTIME_DIR); the other user plants a
+    record of it in their own runtime directory, naming root's very daemon (its pid and start time,
+    which anyone may read) with another source and size. `tensorfs status` shows none of it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    write_reference(model / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    mountpoint = mounts.mount(model)
+    daemon = mounts.daemon_pid(mountpoint)
+    forged = Path(f"/tmp/tensorfs-{other_user.uid}")  # where that user's runtime directory is by default
+    made = not forged.exists()
+    planted = forged / f"{escape_path(mountpoint)}.json"
+    record = {
+        "pid": daemon, "process_start": process_start(daemon), "mountpoint": str(mountpoint),
+        "source": "/etc/shadow", "tensors": 999, "bytes": 999, "log_file": "/etc/shadow",
+    }  # fmt: skip
+    try:
+        forged.mkdir(mode=0o700, exist_ok=True)
+        if made:
+            other_user.owns(forged)
+        planted.write_text(json.dumps(record))
+        other_user.owns(planted)
+        elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "elsewhere")}
+        shown = cli("status", str(mountpoint), env=elsewhere)
+        as_json = cli("status", "--json", str(mountpoint), env=elsewhere)
+    finally:
+        planted.unlink(missing_ok=True)
+        if made:
+            forged.rmdir()
+    assert shown.returncode == 0 and as_json.returncode == 0, shown.stderr + as_json.stderr
+    assert "/etc/shadow" not in shown.stdout + as_json.stdout and "999" not in shown.stdout, shown.stdout
+    document = json.loads(as_json.stdout)
+    assert document["source"] == str(model) and document["state"] == "ok" and "tensors" not in document
+    mine = cli("status", "--json", str(mountpoint))  # root's own record, where root keeps it, is believed
+    assert json.loads(mine.stdout)["tensors"] == 1 and json.loads(mine.stdout)["pid"] == daemon

@@ -121,11 +121,13 @@ def _owner_of(directory: Path) -> int | None:
     return st.st_uid
 
 
-def find_record(mountpoint: Path) -> FoundRecord | None:
-    """The record of the daemon of the mount at `mountpoint` (see _record_dirs), if a trusted one is found."""
+def find_record(mountpoint: Path, user: int | None = None) -> FoundRecord | None:
+    """The record of the daemon of the mount at `mountpoint` (see _record_dirs), if a trusted one is
+    found; with `user` (who made the mount), only in a directory of that user's: another user's
+    record describes nothing of theirs."""
     for directory in _record_dirs():
         owner = _owner_of(directory)
-        if owner is None:
+        if owner is None or (user is not None and owner != user):
             continue
         path = record_path(mountpoint, directory)
         try:
