@@ -250,6 +250,56 @@ def test_credentials_in_a_url_are_refused_and_never_shown(mounts: Mounts, nginx:
     assert not os.path.ismount(mountpoint) and hidden not in Path("/proc/self/mountinfo").read_text()
 
 
+def test_a_urls_password_is_never_shown_in_an_error(tmp_path: Path) -> None:
+    """A URL with a password given where tensorfs does not refuse it first (mount(8)'s `-o fallback=`,
+    an option's bad value): whatever the error, the password is not in it."""
+    hidden = "hunter2-secret"
+    url = f"http://reader:{hidden}@127.0.0.1:1/m.safetensors"
+    model = tmp_path / "m.safetensors"
+    write_reference(model, {"w": ("U8", [4], b"abcd")})
+    missing = str(tmp_path / "not-a-mountpoint")  # nothing can be mounted
+    for args in (
+        [str(model), missing, "extra", "-o", f"fallback={url}"],  # mount(8)'s helper: a usage error
+        [str(model), missing, "-o", f"fallback=http://reader:{hidden[:4]},{hidden[4:]}@127.0.0.1:1/m.safetensors"],
+        [str(model), missing, "-o", f"fallback={url},cache_size={url}"],  # a bad value, quoted by the error
+        ["mount", "--layers", url, str(model), missing],
+        ["mount", "--metrics", url, str(model), missing],
+    ):
+        result = cli(*args, timeout=60)
+        assert result.returncode in (1, 2) and result.stderr, (args, result.stderr)
+        assert hidden[:4] not in result.stderr and hidden[4:] not in result.stderr, (args, result.stderr)
+
+
+# The daemon's log (text and JSON) and its record, of an error whose text holds a URL's password.
+LOGGED_AND_RECORDED = """
+import logging, sys
+from pathlib import Path
+from tensorfs.mount.logs import setup_logging
+from tensorfs.mount.runtime import write_record
+url, directory = sys.argv[1], Path(sys.argv[2])
+for form in ("text", "json"):
+    setup_logging(directory / f"{form}.log", debug=False, log_format=form)
+    logging.getLogger("tensorfs").error("fallback %s: unreachable", url)
+    logging.getLogger().handlers[0].flush()
+write_record(directory / "mnt", {"mountpoint": str(directory / "mnt"), "error": f"the daemon failed: {url!r}"})
+"""
+
+
+def test_a_urls_password_is_never_in_a_log_line_nor_a_record(tmp_path: Path) -> None:
+    hidden = "hunter2-secret"
+    env = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "run")}
+    url = f"https://reader:{hidden}@models.example/m.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-c", LOGGED_AND_RECORDED, url, str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    written = [tmp_path / "text.log", tmp_path / "json.log", *(tmp_path / "run").glob("*.json")]
+    assert len(written) == 3
+    for path in written:
+        text = path.read_text()
+        assert hidden not in text and "https://***@models.example/m.safetensors" in text, (path, text)
+
+
 def test_what_tensorfs_writes_is_its_owners_alone(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "modes"
     directory.mkdir()

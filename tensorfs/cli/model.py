@@ -31,7 +31,7 @@ from .options import (
     source_of,
     view_files_option,
 )
-from .output import OutputError, ended_by_signals, table, write_file
+from .output import OutputError, ended_by_signals, error_lines, table, write_file
 
 
 @cli.command()
@@ -164,8 +164,7 @@ def export(
             done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
             spec = source.view_spec(shards, model.shards)
-            for warning in spec.warnings:
-                click.echo(f"warning: {warning}", err=True)
+            error_lines(spec.warnings, prefix="warning: ")
             view = build_view(model, spec)
             try:
                 with Progress(view_bytes(view), "writing") as progress:

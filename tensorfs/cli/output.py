@@ -1,5 +1,6 @@
 """What the commands write: standard output guarded (an error writing it is one line, not a
-traceback), tables, a file written whole or not at all, and errors on standard error."""
+traceback), tables, a file written whole or not at all, and errors and warnings on standard error
+(no URL's user:password in them)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import click
 
 from ..errors import TensorfsError
 from ..files import write_whole
+from ..sources.store import redact
 
 
 class OutputError(TensorfsError):
@@ -102,9 +104,11 @@ def table(rows: Sequence[Sequence[str]], align: str) -> list[str]:
 
 
 def error_lines(lines: Sequence[str], prefix: str = "error: ") -> None:
+    """Each line on standard error, after `prefix`: every error and warning a command prints goes
+    through here, and never shows a URL's user:password."""
     with contextlib.suppress(OSError):  # a standard error that cannot be written either: the exit code says it
         for line in lines:
-            click.echo(f"{prefix}{line}", err=True)
+            click.echo(redact(f"{prefix}{line}"), err=True)
 
 
 def drop_output(stdout: TextIO | None) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import MountError
 from ..files import open_append
+from ..sources.store import redact
 from .runtime import escape_path
 
 FORMAT = "%(asctime)s tensorfs[%(process)d] %(levelname)s %(message)s"
@@ -57,7 +58,8 @@ class ReopeningFileHandler(logging.FileHandler):
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a line: time, level, pid, event (the message), and the record's `fields`
-    (tensor, shard, errno, ...) when it carries them; a traceback as one string."""
+    (tensor, shard, errno, ...) when it carries them; a traceback as one string. No line, in
+    either format, shows a URL's user:password."""
 
     def format(self, record: logging.LogRecord) -> str:
         document: dict[str, object] = {
@@ -71,7 +73,14 @@ class JsonFormatter(logging.Formatter):
             document["fields"] = fields
         if record.exc_info:
             document["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(document, ensure_ascii=False, default=str)
+        return redact(json.dumps(document, ensure_ascii=False, default=str))
+
+
+class TextFormatter(logging.Formatter):
+    """FORMAT's lines (a traceback after its line)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 LOG_FORMATS = ("text", "json")
@@ -92,7 +101,7 @@ def setup_logging(log_file: Path | None, *, debug: bool, log_format: str = "text
             raise MountError(f"cannot write the log file {log_file}: {exc.strerror}") from None
         assert handler.stream is not None
         faulthandler.enable(handler.stream)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import MountError
 from ..files import write_whole
 from ..safefiles import UnsafeLocation, private_directory, read_bounded
+from ..sources.store import redact
 
 SYSTEM_DIR = Path("/run/tensorfs")
 
@@ -79,9 +80,9 @@ def record_path(mountpoint: Path, directory: Path | None = None) -> Path:
 
 def write_record(mountpoint: Path, record: dict[str, Any]) -> None:
     """Write (or replace) the record of the mount at `mountpoint`, whole or not at all, by the one
-    writer; readable by its owner alone (it names the model, the options and the log). WriteError if
-    it cannot be written."""
-    text = json.dumps(record, indent=2) + "\n"
+    writer; readable by its owner alone (it names the model, the options and the log), and never
+    with a URL's user:password in it. WriteError if it cannot be written."""
+    text = redact(json.dumps(record, indent=2)) + "\n"
     write_whole(record_path(mountpoint, _private_dir()), lambda out: out.write(text.encode()), mode=0o600)
 
 
