@@ -568,6 +568,23 @@ class OneRead(_TalkingChild):
         self._pending = bytearray()
 
 
+def certificate_for_loopback(directory: Path) -> tuple[Path, Path, Path]:
+    """A certificate authority, and a certificate it signed for 127.0.0.1 with its key (PEM files,
+    made by openssl in `directory`): (the authority, the certificate, the key). A client trusts the
+    certificate with SSL_CERT_FILE set to the authority."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, request, extensions = (directory / name for name in ("cert.pem", "key.pem", "cert.csr", "ext.cnf"))
+    extensions.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    for command in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=tensorfs test CA"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", extensions],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *map(str, command)], capture_output=True, check=True)
+    return ca, cert, key
+
+
 HELD_COMMAND = """
 import importlib, sys
 import tensorfs.cli
