@@ -534,6 +534,27 @@ def test_manifest_output_never_goes_into_a_fifo(
     assert sorted(os.listdir(drop)) == sorted({fifo.name if planted == "symlink" else out.name, out.name})
 
 
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_log_file_is_never_written_through_a_symlink_nor_into_a_fifo(
+    mounts: Mounts, other_user: OtherUser, shared_dir: Path, tmp_path: Path, planted: str
+) -> None:
+    """`mount --log-file LOG` in the other user's directory, where they made LOG a symlink to root's
+    0600 file, or a FIFO: refused in one line before anything is mounted, root's file not extended."""
+    victim = root_only_file(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    write_reference(model / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    log = their_directory(shared_dir, other_user) / "daemon.log"
+    make = "os.symlink(sys.argv[1], sys.argv[2])" if planted == "symlink" else "os.mkfifo(sys.argv[2])"
+    as_user(other_user, f"import os, sys; {make}", str(victim), str(log))
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mounts.attempt(model, "--log-file", str(log), mountpoint=mountpoint)
+    why = "a symlink" if planted == "symlink" else "not a regular file"
+    assert (result.returncode, result.stderr) == (1, f"error: cannot write the log file {log}: {why}\n")
+    assert not os.path.ismount(mountpoint) and victim.read_bytes() == b"root's own file\n"
+
+
 # -- identities and secrets ---------------------------------------------------------------------
 
 
