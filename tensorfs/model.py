@@ -185,18 +185,22 @@ class Model(Tables):
             model = model._parent
         return model
 
-    def write_safetensors(self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> None:
+    def write_safetensors(
+        self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None, *, replace: bool = True
+    ) -> int:
         """Write the model's tensors (this selection's) as one safetensors file at `path` (a GGUF
-        model's: one GGUF file, its metadata and alignment the source's).
+        model's: one GGUF file, its metadata and alignment the source's); returns its size in bytes.
 
         Laid out as the reference writer lays them out, with the shards' `__metadata__` when they
         all agree on it; streamed from the shard files through the gate, written whole or not at
-        all. `progress`, if given, is called with each count of bytes written.
+        all. A regular file at `path` is replaced (`replace=False`: refused), never one of the
+        model's shards; a symlink or anything else there is refused. `progress`, if given, is called
+        with each count of bytes written.
         """
 
         self._check_open()
         self.gate.verify_many(self.sorted_names)
-        write_safetensors(self, Path(path), self.gate.copy_into, progress)
+        return write_safetensors(self, Path(path), self.gate.copy_into, progress, replace=replace)
 
     # -- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -34,9 +34,12 @@ libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_i
 libc.mmap.restype = ctypes.c_void_p
 libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 libc.munmap.restype = ctypes.c_int
+libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+libc.renameat2.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
+RENAME_NOREPLACE = 1
 
 _openat2_missing = False
 
@@ -58,6 +61,15 @@ def openat2(dir_fd: int, path: str | bytes, flags: int, resolve: int) -> int:
             _openat2_missing = True
         raise OSError(code, os.strerror(code), os.fsdecode(name))
     return int(fd)
+
+
+def renameat2(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str, flags: int) -> None:
+    """renameat2(2): `src` (in the directory `src_dir_fd`) renamed to `dst` (in `dst_dir_fd`), neither
+    name's symlink followed; with RENAME_NOREPLACE, EEXIST if `dst` exists. OSError as os.rename's
+    (EINVAL where the file system cannot honour `flags`)."""
+    if libc.renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), src, None, dst)
 
 
 def fallocate(fd: int, mode: int, offset: int, length: int) -> None:

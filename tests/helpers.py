@@ -568,6 +568,63 @@ class OneRead(_TalkingChild):
         self._pending = bytearray()
 
 
+def certificate_for_loopback(directory: Path) -> tuple[Path, Path, Path]:
+    """A certificate authority, and a certificate it signed for 127.0.0.1 with its key (PEM files,
+    made by openssl in `directory`): (the authority, the certificate, the key). A client trusts the
+    certificate with SSL_CERT_FILE set to the authority."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, request, extensions = (directory / name for name in ("cert.pem", "key.pem", "cert.csr", "ext.cnf"))
+    extensions.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    for command in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=tensorfs test CA"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", extensions],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *map(str, command)], capture_output=True, check=True)
+    return ca, cert, key
+
+
+HELD_COMMAND = """
+import importlib, sys
+import tensorfs.cli
+module_name, _, path = sys.argv[1].partition(":")
+owner_path, _, name = path.rpartition(".")
+owner = importlib.import_module(module_name)
+for part in filter(None, owner_path.split(".")):
+    owner = getattr(owner, part)
+real = getattr(owner, name)
+def held(*args, **kwargs):
+    if not held.said:
+        held.said = True
+        print("held", flush=True)
+        sys.stdin.readline()
+    return real(*args, **kwargs)
+held.said = False
+setattr(owner, name, held)
+sys.exit(tensorfs.cli.main(sys.argv[2:]))
+"""
+
+
+class HeldCommand(_TalkingChild):
+    """`tensorfs ARGS...` in its own process, held the first time it calls `point` (module:Class.name,
+    or module:name): it says "held" there and goes on once told to go; `ended()` waits for its end."""
+
+    def __init__(self, point: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HELD_COMMAND, point, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self._pending = bytearray()
+
+    def ended(self, timeout: float = 120) -> tuple[int, str]:
+        """(its exit status, what it wrote to standard error) once it has ended."""
+        _, stderr = self.process.communicate(timeout=timeout)
+        return self.process.returncode, stderr.decode()
+
+
 def reads_in_handlers(mountpoint: Path) -> int:
     """Reads a daemon has begun to answer and not answered yet (its counters: begun, less answered or
     failed): requests inside its running handlers, not waiting in the kernel's queue."""

@@ -222,10 +222,14 @@ class HostileServer:
       client stops reading (what was sent is counted in `sent`).
     - `ignores_if_match`: If-Match is not looked at (as some servers and proxies do): whatever the
       file holds now is served under its ETag now (`etags[name]`, which a test sets when it changes it).
+    - `redirects[name] = url`: every request of that name is answered 302 Found, to `url`.
+
+    With `certificate` (a certificate and its key, PEM files), it speaks HTTPS.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, certificate: tuple[Path, Path] | None = None) -> None:
         import http.server
+        import ssl
 
         self.root = root
         self.padding: dict[str, int] = {}
@@ -233,6 +237,7 @@ class HostileServer:
         self.replaced: dict[str, bytes] = {}
         self.announced: dict[str, int] = {}
         self.etags: dict[str, str] = {}
+        self.redirects: dict[str, str] = {}
         self.sent: dict[str, int] = {}
         self.requests: list[tuple[str, str, str, str]] = []
         """(method, file, Range, Accept-Encoding) of every request."""
@@ -260,6 +265,12 @@ class HostileServer:
                 server.requests.append(
                     (self.command, name, headers.get("Range", ""), headers.get("Accept-Encoding", ""))
                 )
+                if name in server.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", server.redirects[name])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 path = server.root / name
                 if not path.is_file():
                     self.send_response(404)
@@ -324,13 +335,19 @@ class HostileServer:
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        self.scheme = "http"
+        if certificate is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*certificate)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def close(self) -> None:
         self._server.shutdown()

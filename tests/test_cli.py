@@ -195,12 +195,21 @@ def test_a_long_manifest_piped_into_head(tmp_path: Path) -> None:
     assert result.returncode == 141  # one long text: its writes too must see the pipe close
 
 
-def test_manifest_to_a_device_or_a_file(model_dir: Path, tmp_path: Path) -> None:
-    result = run_cli(["manifest", "--no-cache", "-o", "/dev/full", str(model_dir)], subprocess.PIPE)
-    assert (result.returncode, result.stderr) == (1, "error: cannot write /dev/full: No space left on device\n")
-    assert not Path("/dev/.full.partial").exists()
-    assert main(["manifest", "--no-cache", "-o", "/dev/null", str(model_dir)]) == 0
-    assert main(["manifest", "--no-cache", "-o", str(tmp_path / "missing" / "m"), str(model_dir)]) == 1
+def test_manifest_is_written_to_a_file_never_a_device(model_dir: Path, tmp_path: Path) -> None:
+    """-o writes a regular file (the one writer writes no special file: standard output is there for
+    the rest); a device is refused with nothing written, and so is a directory that is not there."""
+    for device in ("/dev/full", "/dev/null"):
+        result = run_cli(["manifest", "--no-cache", "-o", device, str(model_dir)], subprocess.PIPE)
+        assert (result.returncode, result.stderr) == (1, f"error: cannot write {device}: not a regular file\n")
+    assert not [name for name in os.listdir("/dev") if name.endswith(".partial")]
+    result = run_cli(["manifest", "--no-cache", "-o", str(tmp_path / "missing" / "m"), str(model_dir)], subprocess.PIPE)
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"error: cannot write {tmp_path / 'missing' / 'm'}: No such file or directory\n",
+    )
+    assert main(["manifest", "--no-cache", "-o", str(tmp_path / "m"), str(model_dir)]) == 0
+    printed = run_cli(["manifest", "--no-cache", str(model_dir)], subprocess.PIPE)
+    assert printed.returncode == 0 and (tmp_path / "m").read_text() == printed.stdout
 
 
 # `tensorfs manifest` whose files may grow to 4 KiB at most (RLIMIT_FSIZE): the write of a longer

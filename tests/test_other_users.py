@@ -1,8 +1,8 @@
 """Other local users gain nothing from tensorfs running as root on paths and servers they control.
 
 Each attack is made for real by another user (nobody): files swapped under a scan, a cache
-directory they can write, a daemon record they forge, credentials in a URL, and reading what
-root mounts with -o allow_other.
+directory they can write, a daemon record they forge, credentials in a URL, reading what root
+mounts with -o allow_other, and links, FIFOs and swapped directories where root writes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, OtherUser, drop_caches
-from helpers import MIB, random_bytes, write_reference
+from helpers import MIB, HeldCommand, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
 from tensorfs.headercache import WORTH_CACHING
 from tensorfs.mount.runtime import escape_path, process_start
@@ -250,6 +250,56 @@ def test_credentials_in_a_url_are_refused_and_never_shown(mounts: Mounts, nginx:
     assert not os.path.ismount(mountpoint) and hidden not in Path("/proc/self/mountinfo").read_text()
 
 
+def test_a_urls_password_is_never_shown_in_an_error(tmp_path: Path) -> None:
+    """A URL with a password given where tensorfs does not refuse it first (mount(8)'s `-o fallback=`,
+    an option's bad value): whatever the error, the password is not in it."""
+    hidden = "hunter2-secret"
+    url = f"http://reader:{hidden}@127.0.0.1:1/m.safetensors"
+    model = tmp_path / "m.safetensors"
+    write_reference(model, {"w": ("U8", [4], b"abcd")})
+    missing = str(tmp_path / "not-a-mountpoint")  # nothing can be mounted
+    for args in (
+        [str(model), missing, "extra", "-o", f"fallback={url}"],  # mount(8)'s helper: a usage error
+        [str(model), missing, "-o", f"fallback=http://reader:{hidden[:4]},{hidden[4:]}@127.0.0.1:1/m.safetensors"],
+        [str(model), missing, "-o", f"fallback={url},cache_size={url}"],  # a bad value, quoted by the error
+        ["mount", "--layers", url, str(model), missing],
+        ["mount", "--metrics", url, str(model), missing],
+    ):
+        result = cli(*args, timeout=60)
+        assert result.returncode in (1, 2) and result.stderr, (args, result.stderr)
+        assert hidden[:4] not in result.stderr and hidden[4:] not in result.stderr, (args, result.stderr)
+
+
+# The daemon's log (text and JSON) and its record, of an error whose text holds a URL's password.
+LOGGED_AND_RECORDED = """
+import logging, sys
+from pathlib import Path
+from tensorfs.mount.logs import setup_logging
+from tensorfs.mount.runtime import write_record
+url, directory = sys.argv[1], Path(sys.argv[2])
+for form in ("text", "json"):
+    setup_logging(directory / f"{form}.log", debug=False, log_format=form)
+    logging.getLogger("tensorfs").error("fallback %s: unreachable", url)
+    logging.getLogger().handlers[0].flush()
+write_record(directory / "mnt", {"mountpoint": str(directory / "mnt"), "error": f"the daemon failed: {url!r}"})
+"""
+
+
+def test_a_urls_password_is_never_in_a_log_line_nor_a_record(tmp_path: Path) -> None:
+    hidden = "hunter2-secret"
+    env = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "run")}
+    url = f"https://reader:{hidden}@models.example/m.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-c", LOGGED_AND_RECORDED, url, str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    written = [tmp_path / "text.log", tmp_path / "json.log", *(tmp_path / "run").glob("*.json")]
+    assert len(written) == 3
+    for path in written:
+        text = path.read_text()
+        assert hidden not in text and "https://***@models.example/m.safetensors" in text, (path, text)
+
+
 def test_what_tensorfs_writes_is_its_owners_alone(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "modes"
     directory.mkdir()
@@ -342,3 +392,205 @@ def test_an_index_or_manifest_planted_in_a_model_directory_is_not_followed_nor_w
     result = cli("validate", "--no-cache", str(model), timeout=30)
     assert result.returncode == 1 and "only root" not in result.stderr
     assert result.stderr == f"error: {index}: cannot read: a symlink out of the model's directory\n"
+
+
+# -- writing where the user said: the one writer -------------------------------------------------
+
+
+def their_directory(shared_dir: Path, user: OtherUser) -> Path:
+    """A directory of the other user's, where root is asked to write (/tmp/theirs/...)."""
+    directory = shared_dir / "theirs"
+    directory.mkdir()
+    user.owns(directory)
+    return directory
+
+
+def root_only_file(tmp_path: Path) -> Path:
+    """Root's own file, 0600, in a 0700 directory: not to be touched."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    victim = private / "victim"
+    victim.write_bytes(b"root's own file\n")
+    victim.chmod(0o600)
+    return victim
+
+
+def as_user(user: OtherUser, code: str, *args: str) -> None:
+    """Python `code` run as the other user (with `args` as sys.argv[1:]); it must succeed."""
+    done = user.run(user.python, "-c", code, *args, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["tensorfs.model:Model.write_safetensors", "tensorfs.progress:Progress.advance"],
+    ids=["after-the-check", "mid-write"],
+)
+def test_an_export_never_writes_through_a_symlink_planted_after_its_check(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path, point: str
+) -> None:
+    """Root exports a model to a new file in the other user's directory; they plant a symlink to
+    root's 0600 file there once the command has checked that the name is free: after the check, or
+    in the middle of the write. Root's file is untouched, the link stays theirs, one line says why."""
+    victim = root_only_file(tmp_path)
+    write_reference(tmp_path / "m.safetensors", {"w": ("U8", [2 * MIB], random_bytes(2 * MIB, 6))})
+    dest = their_directory(shared_dir, other_user) / "out.safetensors"
+    export = HeldCommand(point, "export", str(tmp_path / "m.safetensors"), str(dest))
+    try:
+        assert export.said() == "held"
+        as_user(other_user, "import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(victim), str(dest))
+        export.go()
+        code, stderr = export.ended()
+    finally:
+        export.stop()
+    assert (code, stderr) == (1, f"error: {dest}: already exists; name a new file\n")
+    assert victim.read_bytes() == b"root's own file\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert os.readlink(dest) == str(victim) and os.listdir(dest.parent) == [dest.name]  # no partial left
+
+
+def test_an_export_directory_swapped_for_a_symlink_mid_write_writes_nothing_through_it(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path
+) -> None:
+    """Root exports the other user's model (its tokenizer.json a cron line) to a new directory in
+    the other user's directory; mid-write they move the partial directory away and put a symlink to
+    a root-only directory in its place. Nothing is written there: the export is refused in one line,
+    and what it had written is removed."""
+    cron = tmp_path / "cron.d"
+    cron.mkdir(mode=0o700)
+    model = shared_dir / "model"
+    users_model(model, other_user)
+    (model / "tokenizer.json").write_text("* * * * * root sh /tmp/theirs/payload\n")  # after model.safetensors
+    other_user.owns(model / "tokenizer.json")
+    drop = their_directory(shared_dir, other_user)
+    dest = drop / "out"
+    export = HeldCommand("tensorfs.progress:Progress.advance", "export", str(model), str(dest))
+    try:
+        assert export.said() == "held"  # config.json and the model's first bytes written
+        swap = """
+import os, sys
+drop, target = sys.argv[1], sys.argv[2]
+(partial,) = [name for name in os.listdir(drop) if name.startswith(".out.") and name.endswith(".partial")]
+os.rename(os.path.join(drop, partial), os.path.join(drop, "moved"))
+os.symlink(target, os.path.join(drop, partial))
+print(partial)
+"""
+        done = other_user.run(other_user.python, "-c", swap, str(drop), str(cron), timeout=30)
+        assert done.returncode == 0, done.stderr
+        partial = done.stdout.strip()
+        export.go()
+        code, stderr = export.ended()
+    finally:
+        export.stop()
+    assert os.listdir(cron) == []  # nothing written through the link
+    expected = f"error: cannot write {dest}: its partial directory {partial} was moved or replaced while it was written"
+    assert code == 1 and stderr.startswith(expected) and stderr.count("\n") == 1, stderr
+    assert not dest.exists() and not dest.is_symlink()
+    assert os.listdir(drop / "moved") == []  # what it wrote, emptied through its own descriptor
+    assert os.readlink(drop / partial) == str(cron)  # theirs, left as it is
+
+
+# The other user's reader of a FIFO: opened without waiting for a writer, it says "ready", and once
+# told to go prints whatever a writer put in the FIFO meanwhile.
+FIFO_READER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    print(os.read(fd, 1 << 20).decode(), end="", flush=True)
+except BlockingIOError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_manifest_output_never_goes_into_a_fifo(
+    other_user: OtherUser, shared_dir: Path, tmp_path: Path, planted: str
+) -> None:
+    """`manifest -o OUT` where the other user made OUT a FIFO they read, or a symlink to one: root
+    writes nothing into it (one line says why), and the FIFO gets nothing."""
+    model = tmp_path / "m.safetensors"
+    write_reference(model, {"w": ("U8", [16], bytes(16))})
+    drop = their_directory(shared_dir, other_user)
+    fifo, out = drop / "pipe", drop / "m.sha256"
+    if planted == "symlink":
+        as_user(other_user, "import os, sys; os.mkfifo(sys.argv[1]); os.symlink(*sys.argv[1:])", str(fifo), str(out))
+    else:
+        as_user(other_user, "import os, sys; os.mkfifo(sys.argv[1])", str(out))
+    reader = subprocess.Popen(
+        [other_user.python, "-c", FIFO_READER, str(out if planted == "fifo" else fifo)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=other_user.become,
+    )  # fmt: skip
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "ready\n"
+        result = cli("manifest", "--no-cache", "-o", str(out), str(model), timeout=60)
+        got, _ = reader.communicate("go\n", timeout=30)
+    finally:
+        reader.kill()
+        reader.wait()
+    why = "a symlink (tensorfs never writes through one" if planted == "symlink" else "not a regular file"
+    assert result.returncode == 1 and result.stderr.startswith(f"error: cannot write {out}: {why}"), result.stderr
+    assert result.stderr.count("\n") == 1 and got == ""
+    assert sorted(os.listdir(drop)) == sorted({fifo.name if planted == "symlink" else out.name, out.name})
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_log_file_is_never_written_through_a_symlink_nor_into_a_fifo(
+    mounts: Mounts, other_user: OtherUser, shared_dir: Path, tmp_path: Path, planted: str
+) -> None:
+    """`mount --log-file LOG` in the other user's directory, where they made LOG a symlink to root's
+    0600 file, or a FIFO: refused in one line before anything is mounted, root's file not extended."""
+    victim = root_only_file(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    write_reference(model / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    log = their_directory(shared_dir, other_user) / "daemon.log"
+    make = "os.symlink(sys.argv[1], sys.argv[2])" if planted == "symlink" else "os.mkfifo(sys.argv[2])"
+    as_user(other_user, f"import os, sys; {make}", str(victim), str(log))
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mounts.attempt(model, "--log-file", str(log), mountpoint=mountpoint)
+    why = "a symlink" if planted == "symlink" else "not a regular file"
+    assert (result.returncode, result.stderr) == (1, f"error: cannot write the log file {log}: {why}\n")
+    assert not os.path.ismount(mountpoint) and victim.read_bytes() == b"root's own file\n"
+
+
+# -- identities and secrets ---------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("machine_held")  # it makes a name in /tmp for a while (see test_leftovers)
+def test_status_never_shows_a_record_another_user_forged(mounts: Mounts, other_user: OtherUser, tmp_path: Path) -> None:
+    """Root's record of its mount is elsewhere (another TENSORFS_RUNTIME_DIR); the other user plants a
+    record of it in their own runtime directory, naming root's very daemon (its pid and start time,
+    which anyone may read) with another source and size. `tensorfs status` shows none of it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    write_reference(model / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    mountpoint = mounts.mount(model)
+    daemon = mounts.daemon_pid(mountpoint)
+    forged = Path(f"/tmp/tensorfs-{other_user.uid}")  # where that user's runtime directory is by default
+    made = not forged.exists()
+    planted = forged / f"{escape_path(mountpoint)}.json"
+    record = {
+        "pid": daemon, "process_start": process_start(daemon), "mountpoint": str(mountpoint),
+        "source": "/etc/shadow", "tensors": 999, "bytes": 999, "log_file": "/etc/shadow",
+    }  # fmt: skip
+    try:
+        forged.mkdir(mode=0o700, exist_ok=True)
+        if made:
+            other_user.owns(forged)
+        planted.write_text(json.dumps(record))
+        other_user.owns(planted)
+        elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "elsewhere")}
+        shown = cli("status", str(mountpoint), env=elsewhere)
+        as_json = cli("status", "--json", str(mountpoint), env=elsewhere)
+    finally:
+        planted.unlink(missing_ok=True)
+        if made:
+            forged.rmdir()
+    assert shown.returncode == 0 and as_json.returncode == 0, shown.stderr + as_json.stderr
+    assert "/etc/shadow" not in shown.stdout + as_json.stdout and "999" not in shown.stdout, shown.stdout
+    document = json.loads(as_json.stdout)
+    assert document["source"] == str(model) and document["state"] == "ok" and "tensors" not in document
+    mine = cli("status", "--json", str(mountpoint))  # root's own record, where root keeps it, is believed
+    assert json.loads(mine.stdout)["tensors"] == 1 and json.loads(mine.stdout)["pid"] == daemon

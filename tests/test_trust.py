@@ -1,8 +1,10 @@
-"""No wrong byte from the remote cache, whatever a server sends or a file on disk holds.
+"""No wrong byte from the remote cache, whatever a server sends or a file on disk holds; no request
+where a server should not send it.
 
 Each test makes the fault happen for real: a server that sends more than the range asked for, or
 compressed bytes, or other bytes under the same ETag; a cache file changed on disk; a file system
-that cannot hold an object; several daemons on one bounded cache.
+that cannot hold an object; several daemons on one bounded cache; a server that redirects to the
+cloud's metadata service, or from https:// down to http://.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -22,8 +25,8 @@ from pathlib import Path
 import pytest
 
 import tensorfs
-from conftest import Mounts, drop_caches, wait_until
-from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, write_reference
+from conftest import Mounts, drop_caches, missing_root, require, wait_until
+from helpers import MIB, certificate_for_loopback, errno_of_reading, random_bytes, same_crc32c, write_reference
 from servers import HostileServer, Nginx
 from tensorfs.sources.cache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
@@ -329,3 +332,95 @@ def test_a_chunk_another_process_answers_from_is_not_evicted(nginx: Nginx, tmp_p
         shard.unpin(offset, offset + MIB)
     done = cli("manifest", "--cache-dir", str(cache), "--cache-size", "6M", "--chunk-mb", "1", url)
     assert done.returncode == 0, done.stderr
+
+
+# -- where a server redirects -------------------------------------------------------------------
+
+# Inside a network namespace of its own (a loopback where 169.254.169.254 is an address too): a
+# metadata service there, and a store on 127.0.0.1 that redirects to it; then the tensorfs command
+# of argv[3:], URL in it standing for the store's. Prints {"code", "stderr", "asked"} as JSON.
+REDIRECTED_TO_METADATA = """
+import http.server, json, subprocess, sys, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from servers import HostileServer
+asked = []
+class Metadata(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        asked.append(self.path)
+        body = b'{"AccessKeyId": "ASIA-INSTANCE", "SecretAccessKey": "only-for-this-machine"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_HEAD = do_GET
+metadata = http.server.ThreadingHTTPServer(("169.254.169.254", 80), Metadata)
+threading.Thread(target=metadata.serve_forever, daemon=True).start()
+store = HostileServer(Path(sys.argv[2]))
+for name in ("m.safetensors", "tensors.sha256"):
+    store.redirects[name] = "http://169.254.169.254/latest/meta-data/iam/security-credentials/role"
+store.redirects["mapped.safetensors"] = "http://[::ffff:169.254.169.254]/latest/meta-data/"
+command = [word.replace("URL", store.url) for word in sys.argv[3:]]
+done = subprocess.run([sys.executable, "-m", "tensorfs.cli", *command], capture_output=True, text=True, timeout=120)
+print(json.dumps({"code": done.returncode, "stderr": done.stderr, "asked": asked}))
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["validate", "URL/m.safetensors"],
+        ["validate", "URL/mapped.safetensors"],
+        ["verify", "--manifest", "URL/tensors.sha256", "MODEL"],
+    ],
+    ids=["shard", "ipv4-in-ipv6", "manifest"],
+)
+def test_a_redirect_to_a_metadata_address_is_never_followed(tmp_path: Path, command: list[str]) -> None:
+    """A store that redirects a shard, or a manifest, to the cloud's metadata service (where an
+    instance's credentials are): the request is refused without reaching it, in one line."""
+    require("root (a network namespace of its own)", missing_root())
+    require("unshare and ip", None if shutil.which("unshare") and shutil.which("ip") else "not installed")
+    (tmp_path / "served").mkdir()
+    write_reference(tmp_path / "m.safetensors", {"w": ("U8", [4], b"abcd")})
+    words = [word.replace("MODEL", str(tmp_path / "m.safetensors")) for word in command]
+    script = [sys.executable, "-c", REDIRECTED_TO_METADATA, str(Path(__file__).parent), str(tmp_path / "served")]
+    isolated = 'ip link set lo up && ip addr add 169.254.169.254/32 dev lo && exec "$@"'
+    done = subprocess.run(
+        ["unshare", "--net", "sh", "-c", isolated, "sh", *script, *words[:1], "--remote-timeout", "2", *words[1:]],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    outcome = json.loads(done.stdout)
+    assert outcome["asked"] == [], outcome  # the metadata service was never reached
+    assert outcome["code"] == 1 and outcome["stderr"].count("\n") == 1, outcome
+    assert "refused: a link-local or cloud-metadata address" in outcome["stderr"], outcome
+    assert "only-for-this-machine" not in outcome["stderr"]
+
+
+def test_https_redirects_are_followed_to_https_only(tmp_path: Path) -> None:
+    """An https:// model's store redirects a shard to another https:// server (followed, as HTTP
+    does) and another to a plain http:// one (never followed: the bytes would come unprotected)."""
+    require("openssl", None if shutil.which("openssl") else "not installed")
+    authority, certificate, key = certificate_for_loopback(tmp_path / "tls")
+    for name in ("front", "back", "plain"):
+        (tmp_path / name).mkdir()
+    write_reference(tmp_path / "back" / "m.safetensors", {"w": ("U8", [4], b"abcd")})
+    write_reference(tmp_path / "plain" / "m.safetensors", {"w": ("U8", [4], b"abcd")})
+    front = HostileServer(tmp_path / "front", (certificate, key))
+    back = HostileServer(tmp_path / "back", (certificate, key))
+    plain = HostileServer(tmp_path / "plain")
+    try:
+        front.redirects["same.safetensors"] = f"{back.url}/m.safetensors"
+        front.redirects["down.safetensors"] = f"{plain.url}/m.safetensors"
+        env = {**os.environ, "SSL_CERT_FILE": str(authority)}
+        same = cli("validate", "--no-cache", "--remote-timeout", "5", f"{front.url}/same.safetensors", env=env)
+        assert same.returncode == 0 and same.stdout.startswith(f"{front.url}/same.safetensors: valid"), same.stderr
+        down = cli("validate", "--no-cache", "--remote-timeout", "5", f"{front.url}/down.safetensors", env=env)
+        assert down.returncode == 1 and down.stderr.count("\n") == 1, down.stderr
+        assert "a redirect not followed (https:// to http://, or more than 10 in a row)" in down.stderr
+        assert plain.requests == []  # never asked
+    finally:
+        for server in (front, back, plain):
+            server.close()

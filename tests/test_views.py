@@ -140,10 +140,15 @@ def test_writing_never_goes_over_what_is_not_a_model_file(mounts: Mounts, tmp_pa
             model.write_safetensors(tmp_path / "a.safetensors")
         (tmp_path / "link.safetensors").symlink_to(tmp_path / "old.safetensors")
         (tmp_path / "old.safetensors").write_bytes(b"old")
-        model.write_safetensors(tmp_path / "link.safetensors")  # through the link: its target is replaced
+        with pytest.raises(tensorfs.TensorfsError, match=r"link\.safetensors: a symlink \(tensorfs never writes"):
+            model.write_safetensors(tmp_path / "link.safetensors")  # never through a link
+        model.write_safetensors(tmp_path / "old.safetensors")  # a regular file: replaced whole
+        with pytest.raises(tensorfs.TensorfsError, match=r"old\.safetensors: already exists; name a new file"):
+            model.write_safetensors(tmp_path / "old.safetensors", replace=False)
     assert (tmp_path / "link.safetensors").is_symlink()
     assert reference_tensors(tmp_path / "old.safetensors") == {"x": ("U8", [2], b"xy")}
     assert reference_tensors(tmp_path / "a.safetensors")["y"] == ("U8", [1], b"z")  # the source is whole
+    assert sorted(os.listdir(tmp_path)) == ["a.safetensors", "fifo.safetensors", "link.safetensors", "old.safetensors"]
     model_file = str(tmp_path / "a.safetensors")
     for dest in (model_file, str(tmp_path / "old.safetensors")):
         result = mounts.run("export", "--include", "x", model_file, dest)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..files import write_whole
 from .common import Config, Report
 
 __all__ = ["SUITES", "Config", "Report", "main"]
@@ -55,5 +56,6 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
     print(report.table())
     if json_path is not None:
         document = {"config": {"suite": suite, **config.settings(suite)}, **report.data, "notes": report.notes}
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        text = json.dumps(document, indent=2) + "\n"
+        write_whole(json_path, lambda out: out.write(text.encode()))
     return 0

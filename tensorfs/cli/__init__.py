@@ -8,6 +8,7 @@ remote.py (prefetch, cache), bench.py; options.py and output.py are what they sh
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 import click
 
 from ..errors import TensorfsError
-from ..sources.store import is_remote
+from ..sources.store import is_remote, redact
 from . import bench, model, mount, remote  # noqa: F401 - each registers its commands with the group
 from .group import cli
 from .output import GuardedOutput, OutputError, drop_output, error_lines
@@ -54,8 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         error_lines(exc.lines())
         return exc.exit_code
     except click.ClickException as exc:
-        with contextlib.suppress(OSError):
-            exc.show()
+        shown = io.StringIO()
+        exc.show(file=shown)
+        with contextlib.suppress(OSError):  # a usage error may quote an option's value: a URL's too
+            sys.stderr.write(redact(shown.getvalue()))
+            sys.stderr.flush()
         return exc.exit_code
     except click.exceptions.Abort:
         error_lines(["Aborted."], prefix="")
@@ -74,7 +78,7 @@ def mount_helper(argv: Sequence[str] | None = None) -> int:
     try:
         arguments = mount_arguments(words, mount.mount)
     except TensorfsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        error_lines(exc.lines())
         return 1
     return main(["mount", *arguments])
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..errors import InvalidModelError, TensorfsError, printable
+from ..files import refuse_existing
 from ..formats import shape_text
 from ..identity import shard_name
 from ..manifest import DEFAULT_MANIFEST, format_manifest
@@ -30,7 +31,7 @@ from .options import (
     source_of,
     view_files_option,
 )
-from .output import OutputError, ended_by_signals, table, write_file
+from .output import OutputError, ended_by_signals, error_lines, table, write_file
 
 
 @cli.command()
@@ -148,8 +149,9 @@ def export(
     one_file = dest.name.endswith((".safetensors", ".gguf"))
     if one_file and shards:
         raise TensorfsError(f"{shown}: --shards needs a directory DEST (a {dest.suffix} DEST is one file)")
-    if dest.exists() or dest.is_symlink():  # never over anything, the source's own files least of all
-        raise TensorfsError(f"{shown}: already exists; name a new {'file' if one_file else 'directory'}")
+    # Never over anything, the source's own files least of all: said now, before the model is opened;
+    # the writer's own rename never replaces what comes meanwhile either.
+    refuse_existing(dest, "file" if one_file else "directory")
     source = source_of(path, remote)
     with source.open(selection) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
@@ -158,12 +160,11 @@ def export(
             raise TensorfsError(f"{shown}: {why}")
         if one_file:
             with Progress(model.nbytes, "writing") as progress:
-                model.write_safetensors(dest, progress.advance)
-            done = f"wrote {shown}: {tensors}, {human_size(dest.stat().st_size)}"
+                size = model.write_safetensors(dest, progress.advance, replace=False)
+            done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
             spec = source.view_spec(shards, model.shards)
-            for warning in spec.warnings:
-                click.echo(f"warning: {warning}", err=True)
+            error_lines(spec.warnings, prefix="warning: ")
             view = build_view(model, spec)
             try:
                 with Progress(view_bytes(view), "writing") as progress:

@@ -34,7 +34,7 @@ from .options import (
     source_of,
     view_files_option,
 )
-from .output import OutputError, table
+from .output import OutputError, error_lines, table
 
 
 def _metrics_address(text: str) -> tuple[str, int] | str:
@@ -192,7 +192,7 @@ def mount(
     from ..opener import Verify
 
     def warn(warning: str) -> None:
-        click.echo(f"warning: {warning}", err=True)
+        error_lines([warning], prefix="warning: ")
 
     def announce(line: str) -> None:
         if quiet:

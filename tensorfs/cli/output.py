@@ -1,5 +1,6 @@
 """What the commands write: standard output guarded (an error writing it is one line, not a
-traceback), tables, a file written whole or not at all, and errors on standard error."""
+traceback), tables, a file written whole or not at all, and errors and warnings on standard error
+(no URL's user:password in them)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import click
 
 from ..errors import TensorfsError
 from ..files import write_whole
+from ..sources.store import redact
 
 
 class OutputError(TensorfsError):
@@ -82,13 +84,11 @@ def ended_by_signals() -> Iterator[None]:
 
 
 def write_file(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a regular file), or as it comes (a device, a pipe);
-    Ctrl-C, SIGTERM or SIGHUP meanwhile leave nothing half-written."""
-    try:
-        with ended_by_signals():
-            write_whole(path, lambda out: out.write(text.encode("utf-8")))
-    except OSError as exc:
-        raise TensorfsError(f"cannot write {path}: {exc.strerror}") from None
+    """Write `text` to `path` by the one writer (tensorfs.files): a new file, or a regular file there
+    replaced, whole or not at all; never through a symlink, never into a FIFO or a device. Ctrl-C,
+    SIGTERM or SIGHUP meanwhile leave nothing half-written."""
+    with ended_by_signals():
+        write_whole(path, lambda out: out.write(text.encode("utf-8")))
 
 
 def table(rows: Sequence[Sequence[str]], align: str) -> list[str]:
@@ -104,9 +104,11 @@ def table(rows: Sequence[Sequence[str]], align: str) -> list[str]:
 
 
 def error_lines(lines: Sequence[str], prefix: str = "error: ") -> None:
+    """Each line on standard error, after `prefix`: every error and warning a command prints goes
+    through here, and never shows a URL's user:password."""
     with contextlib.suppress(OSError):  # a standard error that cannot be written either: the exit code says it
         for line in lines:
-            click.echo(f"{prefix}{line}", err=True)
+            click.echo(redact(f"{prefix}{line}"), err=True)
 
 
 def drop_output(stdout: TextIO | None) -> None:

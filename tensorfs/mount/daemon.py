@@ -28,6 +28,7 @@ from ..errors import MountError, TensorfsError, printable
 from ..gcpause import gc_paused
 from ..handover import reopen, snapshot
 from ..model import Model
+from ..sources.store import redact
 from ..units import human_size, plural
 from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
@@ -113,7 +114,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
                     shown = printable(str(mountpoint))
                     print(f"mounted {shown} (in the foreground; Ctrl-C unmounts)", file=sys.stderr, flush=True)
             else:
-                print(f"error: {message}", file=sys.stderr, flush=True)
+                print(f"error: {redact(message)}", file=sys.stderr, flush=True)
 
         return serve(model, mountpoint, options, view, notify)
     finally:

@@ -9,6 +9,7 @@ or ignored; anything else is a one-line error.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import click
@@ -47,7 +48,8 @@ def mount_arguments(argv: Sequence[str], command: click.Command) -> list[str]:
         else:
             positional.append(word)
     if len(positional) != 2:
-        raise TensorfsError(f"usage: mount.tensorfs SOURCE MOUNTPOINT [-o OPT[,OPT...]] (got {' '.join(argv)})")
+        # (The words besides the options: an option's value, a URL with a password maybe, is not quoted.)
+        raise TensorfsError(f"usage: mount.tensorfs SOURCE MOUNTPOINT [-o OPT[,OPT...]] (got {' '.join(positional)})")
     flags = _options_of(command)
     arguments = ["-q"]
     for option in options:
@@ -61,13 +63,19 @@ def mount_arguments(argv: Sequence[str], command: click.Command) -> list[str]:
             raise TensorfsError(f"option '{key}': refused: {REFUSED_OPTIONS[key]}")
         found = flags.get(key)
         if found is None or key in NOT_IN_FSTAB:
-            raise TensorfsError(f"option '{key}': not a tensorfs mount option (see tensorfs mount --help)")
+            raise TensorfsError(f"option '{_shown(key)}': not a tensorfs mount option (see tensorfs mount --help)")
         name, is_flag = found
         if is_flag != (not has_value):
             wanted = "takes no value" if is_flag else "needs a value: key=value"
             raise TensorfsError(f"option '{key}': {wanted}")
         arguments += [name] if is_flag else [f"{name}={value}"]
     return [*arguments, *positional]
+
+
+def _shown(key: str) -> str:
+    """An option's key as an error may quote it: only what could be one (a piece of a value cut at a
+    comma, a URL's password perhaps, is not shown)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", key) else "..."
 
 
 def _options_of(command: click.Command) -> dict[str, tuple[str, bool]]:

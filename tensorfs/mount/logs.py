@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from ..errors import MountError
+from ..files import open_append
+from ..sources.store import redact
 from .runtime import escape_path
 
 FORMAT = "%(asctime)s tensorfs[%(process)d] %(levelname)s %(message)s"
@@ -34,12 +36,12 @@ class ReopeningFileHandler(logging.FileHandler):
     """A log file that can be closed and opened again by name, after logrotate moved it away.
 
     Made readable by its owner alone: it names models, files and tensors (a log file that exists
-    keeps the mode it has).
+    keeps the mode it has). Opened by the one writer's rule for appending: never through a symlink
+    at its name, only a regular file (a FIFO or a device there is refused, never waited on).
     """
 
     def _open(self) -> io.TextIOWrapper:
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+        return open(open_append(Path(self.baseFilename)), "a", encoding=self.encoding, errors=self.errors)
 
     def reopen(self) -> None:
         """Open the file by its name again; OSError (and the old file kept) if it cannot be."""
@@ -56,7 +58,8 @@ class ReopeningFileHandler(logging.FileHandler):
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a line: time, level, pid, event (the message), and the record's `fields`
-    (tensor, shard, errno, ...) when it carries them; a traceback as one string."""
+    (tensor, shard, errno, ...) when it carries them; a traceback as one string. No line, in
+    either format, shows a URL's user:password."""
 
     def format(self, record: logging.LogRecord) -> str:
         document: dict[str, object] = {
@@ -70,7 +73,14 @@ class JsonFormatter(logging.Formatter):
             document["fields"] = fields
         if record.exc_info:
             document["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(document, ensure_ascii=False, default=str)
+        return redact(json.dumps(document, ensure_ascii=False, default=str))
+
+
+class TextFormatter(logging.Formatter):
+    """FORMAT's lines (a traceback after its line)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 LOG_FORMATS = ("text", "json")
@@ -91,7 +101,7 @@ def setup_logging(log_file: Path | None, *, debug: bool, log_format: str = "text
             raise MountError(f"cannot write the log file {log_file}: {exc.strerror}") from None
         assert handler.stream is not None
         faulthandler.enable(handler.stream)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 from ..errors import MountError
 from ..names import CONTROL_DIR, STATS_NAME
 from ..safefiles import unescape_mountinfo
-from .runtime import daemon_of, find_record, process_state, read_record, remove_record
+from .runtime import FoundRecord, daemon_of, find_record, process_state, read_record, remove_record
 
 FSTYPE = "fuse.tensorfs"
 
@@ -201,40 +202,55 @@ class Health:
 def health(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> Health:
     """How the tensorfs mount at `mountpoint` is: from its record, its daemon's process and a probe.
 
-    The daemon is known (and may be signalled) only when its record is provably about it (see daemon_of).
+    A record is believed only from a directory of the user who made the mount (its user_id) and,
+    while a daemon serves the mount, only when it is provably that daemon's (see daemon_of): the
+    daemon is known (and may be signalled) only then. Of a dead mount, the record of its user says
+    why it died.
     """
-    found = find_record(mountpoint)
-    record = found.record if found is not None else None
     entry = mount_at(mountpoint)
-    pid = daemon_of(found, entry.owner if entry is not None else None) if found is not None else None
+    user = entry.owner if entry is not None and entry.owner is not None else os.geteuid()
+    found = find_record(mountpoint, user)
+    pid = daemon_of(found, user) if found is not None else None
+    record = found.record if found is not None and pid is not None else None
     if pid is not None and process_state(pid) in ("T", "t"):
         return Health(mountpoint, "hung", f"its daemon {pid} is stopped (SIGSTOP?)", record, pid)
     answer = probe(mountpoint, timeout)
     if answer == "hung":
         return Health(mountpoint, "hung", f"its daemon did not answer within {timeout:g} s", record, pid)
-    if answer == "dead" or (answer == "no access" and record is not None and pid is None):
-        return Health(mountpoint, "dead", _why_dead(record), record, None)
+    if answer == "dead" or (answer == "no access" and found is not None and pid is None):
+        record = found.record if found is not None else None
+        return Health(mountpoint, "dead", _why_dead(found), record, None)
     return Health(mountpoint, "ok", "", record, pid)
 
 
-def _why_dead(record: dict[str, Any] | None) -> str:
-    if record is None:
+def _why_dead(found: FoundRecord | None) -> str:
+    if found is None:
         return "no daemon serves it"
-    pid = record.get("pid")
-    reason = record.get("error") or last_error(record.get("log_file"), pid)
+    pid = found.record.get("pid")
+    reason = found.record.get("error") or last_error(found.record.get("log_file"), pid, found.owner)
     return f"daemon {pid} is gone" + (f": {reason}" if reason else " (killed?)")
 
 
-def last_error(log_file: object, pid: object) -> str | None:
-    """The last ERROR (or fatal error) the daemon `pid` wrote to its log, if any."""
+def last_error(log_file: object, pid: object, owner: int) -> str | None:
+    """The last ERROR (or fatal error) the daemon `pid` wrote to its log, if any: a regular file of
+    `owner`'s (the record's user), opened without following a symlink or waiting on a FIFO."""
     if not isinstance(log_file, str):
         return None
     try:
-        with open(log_file, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - (256 << 10)))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+        fd = os.open(log_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
+            return None
+        with open(fd, "rb", closefd=False) as f:
+            f.seek(max(0, st.st_size - (256 << 10)))
+            lines = f.read(256 << 10).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     mark = f"tensorfs[{pid}] "
     found, last_writer_was_it = None, False
     for line in lines:

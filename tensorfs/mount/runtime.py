@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import MountError
 from ..files import write_whole
 from ..safefiles import UnsafeLocation, private_directory, read_bounded
+from ..sources.store import redact
 
 SYSTEM_DIR = Path("/run/tensorfs")
 
@@ -78,9 +79,10 @@ def record_path(mountpoint: Path, directory: Path | None = None) -> Path:
 
 
 def write_record(mountpoint: Path, record: dict[str, Any]) -> None:
-    """Write (or replace) the record of the mount at `mountpoint`, whole or not at all; readable by
-    its owner alone (it names the model, the options and the log)."""
-    text = json.dumps(record, indent=2) + "\n"
+    """Write (or replace) the record of the mount at `mountpoint`, whole or not at all, by the one
+    writer; readable by its owner alone (it names the model, the options and the log), and never
+    with a URL's user:password in it. WriteError if it cannot be written."""
+    text = redact(json.dumps(record, indent=2)) + "\n"
     write_whole(record_path(mountpoint, _private_dir()), lambda out: out.write(text.encode()), mode=0o600)
 
 
@@ -120,11 +122,13 @@ def _owner_of(directory: Path) -> int | None:
     return st.st_uid
 
 
-def find_record(mountpoint: Path) -> FoundRecord | None:
-    """The record of the daemon of the mount at `mountpoint` (see _record_dirs), if a trusted one is found."""
+def find_record(mountpoint: Path, user: int | None = None) -> FoundRecord | None:
+    """The record of the daemon of the mount at `mountpoint` (see _record_dirs), if a trusted one is
+    found; with `user` (who made the mount), only in a directory of that user's: another user's
+    record describes nothing of theirs."""
     for directory in _record_dirs():
         owner = _owner_of(directory)
-        if owner is None:
+        if owner is None or (user is not None and owner != user):
             continue
         path = record_path(mountpoint, directory)
         try:

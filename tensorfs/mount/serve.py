@@ -20,6 +20,7 @@ import trio
 
 from .. import __version__
 from ..errors import TensorfsError
+from ..files import WriteError
 from ..identity import ShardKey
 from ..model import Model
 from ..names import STATS_NAME
@@ -83,9 +84,9 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec,
             return 1
     try:
         write_record(mountpoint, record)
-    except OSError as exc:
+    except WriteError as exc:
         stop_metrics()
-        notify(f"cannot write the daemon's record in {exc.filename or 'the runtime directory'}: {exc.strerror}")
+        notify(f"the daemon's record: {exc}")
         return 1
     try:
         pyfuse3.init(operations, str(mountpoint), fuse_options)
@@ -106,7 +107,7 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec,
             raise
         record["error"] = f"the daemon failed: {exc!r}"
         record["exited"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(WriteError):
             write_record(mountpoint, record)  # kept, so that `tensorfs status` can say why it died
         raise
     systemd_notify(b"STOPPING=1")
@@ -257,8 +258,8 @@ async def _report_ready(
     record["ready"] = True
     try:
         write_record(mountpoint, record)
-    except OSError as exc:
-        log.warning("could not update the daemon's record: %s", exc.strerror)
+    except WriteError as exc:
+        log.warning("could not update the daemon's record: %s", exc)
     notify(READY)
     systemd_notify(b"READY=1")
 

@@ -14,6 +14,8 @@ every later GET is conditional on that ETag (If-Match), so versions are never mi
 from __future__ import annotations
 
 import configparser
+import functools
+import ipaddress
 import os
 import re
 import threading
@@ -168,7 +170,10 @@ def _make_client(spec: StoreSpec) -> ObjectStore:
     # The bytes as they are stored: a compressed answer is refused (see _plain), never taken for them.
     client["default_headers"] = {"Accept-Encoding": "identity", **dict(spec.headers)}
     if spec.kind == "http":
+        # An https:// model's requests (and the redirects they follow) are https:// only: allow_http
+        # off is reqwest's https_only, which refuses a redirect down to http://.
         client["allow_http"] = spec.root.startswith("http://")
+        _refuse_link_local(client)
         return HTTPStore.from_url(spec.root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
     config: dict[str, Any] = {}
     endpoint = spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
@@ -188,7 +193,65 @@ def _make_client(spec: StoreSpec) -> ObjectStore:
         config["secret_access_key"] = profile.get("aws_secret_access_key", "")
         if profile.get("aws_session_token"):
             config["token"] = profile["aws_session_token"]
+    if spec.no_sign or os.environ.get("AWS_ACCESS_KEY_ID") or "access_key_id" in config:
+        _refuse_link_local(client)  # (else the credentials may be the instance's: at a link-local address)
     return S3Store(spec.root, config=config, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+
+
+# -- redirects ----------------------------------------------------------------------------------
+#
+# obstore 0.12 (object_store 0.12) follows redirects itself, as reqwest does by default: at most 10,
+# to any address, and cannot be told otherwise (its client options have no redirect policy). What it
+# can be told is which addresses go through a proxy: every request for a link-local or cloud-metadata
+# address written as an IP (in a model's URL, or in a redirect's Location) is sent to a proxy that is
+# not there, and fails; every other request goes straight to its server, as before.
+
+REFUSED_NETWORKS = (
+    "169.254.0.0/16",  # IPv4 link-local: the metadata services of AWS, GCP, Azure, OpenStack, ECS
+    "fe80::/10",  # IPv6 link-local
+    "fd00:ec2::254/128",  # AWS's metadata service over IPv6
+    "100.100.100.200/32",  # Alibaba Cloud's metadata service
+)
+"""Addresses no request of tensorfs's goes to (nor is redirected to)."""
+
+NOWHERE = "127.0.169.254:1"
+"""The proxy those requests are sent to: a port only root may listen on, where nothing does."""
+
+PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _refuse_link_local(client: dict[str, Any]) -> None:
+    """Client options under which no request reaches a REFUSED_NETWORKS address written as an IP.
+
+    Not when a proxy is set in the environment: a proxy given to the client replaces those, and the
+    user's proxy is then what decides where requests go."""
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return
+    client["proxy_url"] = f"http://{NOWHERE}"
+    client["proxy_excludes"] = _direct()
+
+
+@functools.cache
+def _direct() -> str:
+    """reqwest's no-proxy list for every host name ("*") and every address but REFUSED_NETWORKS
+    (an IP is matched by address ranges only; IPv4 within IPv6 too: ::ffff:169.254.169.254)."""
+    refused = [ipaddress.ip_network(text) for text in REFUSED_NETWORKS]
+    refused += [
+        ipaddress.ip_network(f"::ffff:{n.network_address}/{96 + n.prefixlen}") for n in refused if n.version == 4
+    ]
+    allowed: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = [
+        ipaddress.ip_network("0.0.0.0/0"),
+        ipaddress.ip_network("::/0"),
+    ]
+    for network in refused:
+        kept: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for piece in allowed:
+            if piece.version == network.version and network.subnet_of(piece):  # type: ignore[arg-type]
+                kept.extend(piece.address_exclude(network))  # type: ignore[arg-type]
+            else:
+                kept.append(piece)
+        allowed = kept
+    return ",".join(["*", *(str(network) for network in allowed)])
 
 
 def _profile() -> dict[str, str]:
@@ -382,6 +445,10 @@ def describe_error(exc: BaseException) -> str:
         # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
         return f"no credentials found: {ACCESS_HINT}, or --no-sign-request for a public bucket"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "error following redirect" in text:  # reqwest's: https_only (allow_http off), or too many
+        return "a redirect not followed (https:// to http://, or more than 10 in a row)"
+    if re.search(rf"\b{re.escape(NOWHERE)}\b", text):  # sent to the proxy that is not there: see REFUSED_NETWORKS
+        return "refused: a link-local or cloud-metadata address (where the server redirected it?)"
     if status:  # not the body that came with it (an HTML page, an XML error)
         return f"the server answered {printable(status.group(1).strip())}"
     if "error sending request" in first or "ConnectError" in text:

@@ -1,6 +1,7 @@
 """Writing a view to disk: the synthesized safetensors file(s) of a model (or a selection), streamed.
 
-Written whole or not at all: into a temporary name beside the destination, renamed at the end.
+Written whole or not at all, by the one writer (tensorfs.files): made new beside the destination,
+through descriptors only, renamed to its name at the end; never through a symlink.
 Bytes are read through the model's gate (checked, verified, from a fallback where need be), from the
 shard files (preadv; for a remote model through its cache), never the mappings.
 """
@@ -8,14 +9,13 @@ shard files (preadv; for a remote model through its cache), never the mappings.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from ..errors import TensorfsError, printable
-from ..files import partial_of, umasked, write_whole
+from ..errors import printable
+from ..files import NewDirectory, WriteError, umasked, write_directory, write_whole
 from . import Companion, ModelView, SynthesizedFile, shared_metadata
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
@@ -27,75 +27,63 @@ Read = Callable[[str, int, memoryview], None]
 """How a tensor's bytes are had: fill the buffer from an offset in the tensor (the gate's copy_into)."""
 
 
-def write_safetensors(model: Tables, path: Path, read: Read, progress: Callable[[int], None] | None = None) -> None:
-    """One safetensors file holding every tensor of `model`, at `path` (a regular file there is
-    replaced whole; through a symlink, its target is). Never one of the model's own shards."""
-    shown = printable(str(path))
-    target = Path(os.path.realpath(path))
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise TensorfsError(f"cannot write {shown}: {exc.strerror}") from None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise TensorfsError(f"cannot write {shown}: not a regular file")
-    if st is not None and any(_same_file(st, shard) for shard in model.shards):
-        raise TensorfsError(f"cannot write {shown}: it is a shard of the model being written")
+def write_safetensors(
+    model: Tables, path: Path, read: Read, progress: Callable[[int], None] | None = None, *, replace: bool = True
+) -> int:
+    """One safetensors file holding every tensor of `model`, at `path`, by the one writer (tensorfs.files):
+    a regular file there is replaced whole when `replace` (never one of the model's own shards),
+    anything else refused, nothing written through a symlink. Returns its size in bytes."""
+
+    def not_a_shard(st: os.stat_result) -> None:
+        if any(_same_file(st, shard) for shard in model.shards):
+            raise WriteError(f"cannot write {printable(str(path))}: it is a shard of the model being written")
+
     synthesized = SynthesizedFile(model, model.sorted_names, shared_metadata(model))
-    try:
-        write_whole(target, lambda out: _stream(synthesized, out, read, progress), mode=_mode_of(model), sync=True)
-    except OSError as exc:
-        raise TensorfsError(f"cannot write {shown}: {exc.strerror or exc}") from None
+    write_whole(
+        path,
+        lambda out: _stream(synthesized, out, read, progress),
+        mode=_mode_of(model),
+        sync=True,
+        replace=replace,
+        existing=not_a_shard,
+    )
+    return synthesized.size
 
 
 def write_view(view: ModelView, directory: Path, read: Read, progress: Callable[[int], None] | None = None) -> None:
-    """A model directory (what .tensorfs/model/ of a mount holds) at `directory`, which must not exist."""
-    if directory.exists() or directory.is_symlink():
-        raise TensorfsError(f"{printable(str(directory))}: already exists; name a new directory")
-    partial = partial_of(directory)
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-        _write_files(view, partial, read, progress)
-        partial.rename(directory)
-    except OSError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise TensorfsError(f"cannot write {printable(str(directory))}: {exc.strerror or exc}") from None
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    """A model directory (what .tensorfs/model/ of a mount holds) at `directory`, which must not
+    exist, by the one writer (tensorfs.files): made whole, through descriptors only, or not at all."""
+    with write_directory(directory) as new:
+        _write_files(view, new, read, progress)
 
 
 def view_bytes(view: ModelView) -> int:
     return sum(view.size(path) for path in view.files)
 
 
-def _write_files(view: ModelView, directory: Path, read: Read, progress: Callable[[int], None] | None) -> None:
+def _write_files(view: ModelView, new: NewDirectory, read: Read, progress: Callable[[int], None] | None) -> None:
     for sub in view.directories:
-        (directory / sub).mkdir()
         source = view.directory_status.get(sub)
-        if source is not None:  # as closed as the source's
-            os.chmod(directory / sub, stat.S_IMODE(source.st_mode) | 0o700)
+        # As closed as the source's (and the owner's to fill); else as any new directory.
+        new.mkdir(sub, stat.S_IMODE(source.st_mode) | 0o700 if source is not None else umasked(0o777))
     for path, content in view.files.items():
-        target = directory / path
         if isinstance(content, SynthesizedFile):
-            mode = _mode_of(content.model)
-            with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as out:
+            with new.create(path, _mode_of(content.model)) as out:
                 _stream(content, out, read, progress)
                 out.flush()
                 os.fsync(out.fileno())
         elif isinstance(content, Companion):
             # No more readable than it was (the owner's bits at least, to be written).
             mode = stat.S_IMODE(content.status.st_mode) & 0o666 | 0o600 if content.status is not None else 0o600
-            with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as out:
+            with new.create(path, mode) as out:
                 for start in range(0, content.size, _BLOCK):
                     piece = view.companions.read(path, start, _BLOCK)
                     out.write(piece)
                     if progress is not None:
                         progress(len(piece))
         else:
-            target.write_bytes(content)
+            with new.create(path, 0o666) as out:
+                out.write(content)
             if progress is not None:
                 progress(len(content))
 
@@ -119,7 +107,7 @@ def _mode_of(model: Tables) -> int:
 
 
 def _stream(synthesized: SynthesizedFile, out: BinaryIO, read: Read, progress: Callable[[int], None] | None) -> None:
-    """Write the synthesized file's bytes to `out`, a block at a time, read from the shards by `read`."""
+    """Write the synthesized file's bytes to `out`, a block at a time, each tensor's read by `read`."""
     model: Tables = synthesized.model
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
