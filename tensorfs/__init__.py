@@ -12,8 +12,8 @@ from .errors import (
 )
 from .formats import ShardHeader, TensorInfo
 from .loader import SafeOpen, TensorSlice, load_file, open_model, safe_open
+from .memmaps import memmap
 from .model import Model
-from .mounted import memmap
 from .prefetch import Prefetch
 from .selection import Selection
 from .sources.store import RemoteOptions

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from .errors import Problem, RemoteError, TensorfsError, TooLarge, printable
 from .safefiles import ModelDirectory, NotRegular, read_bounded
-from .sources.store import RemoteOptions, is_remote, read_url, redact
+from .sources.client import read_url
+from .sources.store import RemoteOptions, is_remote, redact
 
 if TYPE_CHECKING:
     from .tables import Tables

@@ -37,10 +37,11 @@ from .names import Layout
 from .progress import Progress
 from .selection import Selection
 from .sources.cache import default_cache_dir
+from .sources.client import exists
 from .sources.finding import beside
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
 from .sources.remote import RemoteOpener
-from .sources.store import CREDENTIALS_HINT, RemoteOptions, exists, is_remote, redact, unsupported_scheme
+from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, redact, unsupported_scheme
 from .tables import Shard, owners, restricted
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Real servers for the tests of remote models, on 127.0.0.1 only, all their state in a temporary directory.
 
-- SeaweedFS and nginx, whose runners are the benchmark's (tensorfs/bench/servers.py): a real
+- SeaweedFS and nginx, whose runners are the benchmark's (tensorfs/testing/servers.py): a real
   distributed object store with an S3 API, and static files over HTTP with ranges, ETags and
   If-Match, for http(s):// models and the Hub's resolve layout.
 - DroppingProxy: a loopback TCP proxy that cuts every connection after so many bytes.
@@ -20,7 +20,7 @@ import socket
 import threading
 from pathlib import Path
 
-from tensorfs.bench.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
+from tensorfs.testing.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
 
 __all__ = [
     "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "SeaweedFS", "StallingProxy", "free_ports", "stop",

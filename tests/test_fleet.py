@@ -1,7 +1,7 @@
 """A fleet's infrastructure, on real parts: a SeaweedFS cluster (a master, three volume servers with
 replication 001, a filer, its S3 gateway), an nginx caching tier in front of it configured by
 contrib/nginx-tier.conf, and nodes in network namespaces of their own that mount a model through
-the tier (tensorfs/bench/cluster.py).
+the tier (tensorfs/testing/cluster.py and nodes.py).
 
 The cluster, the nodes and the tier are started once for this module; each test has objects of its
 own under a prefix of the one readable bucket. Root is needed for the nodes; with CI set, a missing
@@ -41,20 +41,9 @@ from helpers import (
     write_index,
     write_reference,
 )
-from tensorfs.bench.cluster import (
-    TIER_TEMPLATE,
-    CachingTier,
-    Node,
-    Relay,
-    SeaweedCluster,
-    TierRequest,
-    make_nodes,
-    nodes_unusable,
-    remove_nodes,
-    render_tier_config,
-    run_in,
-)
-from tensorfs.bench.servers import weed_binary
+from tensorfs.testing.cluster import TIER_TEMPLATE, CachingTier, SeaweedCluster, TierRequest, render_tier_config
+from tensorfs.testing.nodes import Node, Relay, make_nodes, nodes_unusable, remove_nodes, run_in
+from tensorfs.testing.servers import weed_binary
 
 BUCKET = "fleet"
 SLICE = 8 * MIB

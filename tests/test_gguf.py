@@ -441,7 +441,8 @@ def test_remote_models_with_long_tables(
 ) -> None:
     """A vocabulary longer than a store's first read: the table is asked for again, twice as long each
     time; tensors and the GGUF view come through the chunk cache as from a local file."""
-    from tensorfs.sources.store import FIRST_READ, RemoteOptions
+    from tensorfs.sources.client import FIRST_READ
+    from tensorfs.sources.store import RemoteOptions
 
     path = tmp_path / "vocab.gguf"
     words = [f"token-{i}" for i in range(FIRST_READ // 4)]

@@ -35,7 +35,7 @@ from tensorfs.cli import main
 from tensorfs.hashcache import HashCache
 from tensorfs.integrity import CACHE_MIN_BYTES, Hasher, Integrity
 from tensorfs.manifest import ManifestError, format_manifest, parse_manifest, sha256sum_line
-from tensorfs.mount.fs import TensorOperations
+from tensorfs.mount.operations import TensorOperations
 from tensorfs.mount.tree import Tree
 
 
@@ -253,7 +253,7 @@ def test_a_mismatch_refuses_that_tensor_only(model_dir: Path, caplog: pytest.Log
     with tensorfs.open_model(model_dir) as model:
         model.gate.set_integrity(Integrity(Hasher(model), expected))
         ops = TensorOperations(Tree(model, "slash", {}))
-        with caplog.at_level(logging.ERROR), pytest.raises(tensorfs.mount.fs.pyfuse3.FUSEError) as caught:
+        with caplog.at_level(logging.ERROR), pytest.raises(tensorfs.mount.operations.pyfuse3.FUSEError) as caught:
             trio.run(ops.open, ops.tree.tensor_inode("w1"), os.O_RDONLY, None)
         assert caught.value.errno == errno.EIO
         assert "tensor 'w1' in shard" in caplog.text and "does not match the manifest" in caplog.text

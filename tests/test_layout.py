@@ -1,7 +1,9 @@
-"""The package's shape: no import cycles, and the layers that must stay light import nothing heavy.
+"""The package's shape: no import cycles, the layers that must stay light import nothing heavy, each
+layer imports only those below it, and no module grows past what one reader takes in.
 
-Every import counts, in a function too (a lazy import hides a cycle, it does not remove it), except
-those under `if TYPE_CHECKING:`, which never run.
+Every import counts, in a function too (a lazy import hides a cycle, it does not remove it), and
+those under `if TYPE_CHECKING:` too for cycles (a type one module needs of another is a dependency
+all the same); the "stays light" rules are about what runs, so those leave them out.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Which of the package's modules each module imports."""
+def import_graph(*, types: bool = False) -> dict[str, set[str]]:
+    """Which of the package's modules each module imports (`types`: for type checking only too)."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, (path, is_package) in modules.items():
         tree = ast.parse(path.read_text())
-        skipped = _type_checking_only(tree)
+        skipped = set() if types else _type_checking_only(tree)
         here = name.split(".") if is_package else name.split(".")[:-1]
         for node in ast.walk(tree):
             if id(node) in skipped:
@@ -105,13 +107,60 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_no_import_cycles() -> None:
-    assert cycles(import_graph()) == []
+    assert cycles(import_graph(types=True)) == []
+
+
+MAX_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    over = {name: n for name, (path, _) in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert over == {}
+
+
+def test_each_layer_imports_only_those_below_it() -> None:
+    """formats/ (what a file's bytes mean) knows nothing of where bytes come from; sources/ nothing of
+    the model, the gate or the mount; the library nothing of the mount; nothing but the benchmarks
+    imports the test infrastructure (tensorfs.testing)."""
+    graph = import_graph(types=True)
+    upper = ("tensorfs.gate", "tensorfs.model", "tensorfs.mount", "tensorfs.views", "tensorfs.opener")
+    for module, imported in graph.items():
+        if module.startswith("tensorfs.formats"):
+            assert not {i for i in imported if not i.startswith(("tensorfs.formats", *LEAVES))}, module
+        if module.startswith("tensorfs.sources"):
+            assert not {
+                i
+                for i in imported
+                if i.startswith(
+                    ("tensorfs.gate", "tensorfs.model", "tensorfs.mount", "tensorfs.views", "tensorfs.opener")
+                )
+            }, module
+        if not module.startswith(("tensorfs.mount", "tensorfs.cli", "tensorfs.bench")):
+            assert not {i for i in imported if i.startswith("tensorfs.mount")}, module
+        if not module.startswith(("tensorfs.bench", "tensorfs.testing")):
+            assert not {i for i in imported if i.startswith("tensorfs.testing")}, module
+
+
+LEAVES = (
+    "tensorfs.errors",
+    "tensorfs.identity",
+    "tensorfs.dtypes",
+    "tensorfs.gcpause",
+    "tensorfs.units",
+    "tensorfs.names",
+)
 
 
 def test_the_mount_tree_and_the_formats_stay_light() -> None:
     """The tree and a format's parser are pure: no hashing, no SQLite, no remote client, no CLI."""
     graph = import_graph()
-    heavy = {"tensorfs.integrity", "tensorfs.sources.cache", "tensorfs.sources.store", "tensorfs.headercache"}
+    heavy = {
+        "tensorfs.integrity",
+        "tensorfs.sources.cache",
+        "tensorfs.sources.store",
+        "tensorfs.sources.client",
+        "tensorfs.headercache",
+    }
     heavy |= {module for module in graph if module.startswith("tensorfs.cli")}
     assert not (graph["tensorfs.mount.tree"] & heavy)
     for module in graph:

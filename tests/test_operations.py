@@ -85,7 +85,7 @@ def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_pat
 MOUNT_A_DAEMON_THAT_WILL_HANG = """
 import sys, time
 import tensorfs.cli
-from tensorfs.mount.fs import TensorOperations
+from tensorfs.mount.operations import TensorOperations
 async def statfs(self, ctx):
     time.sleep(3600)
 TensorOperations.statfs = statfs

@@ -33,9 +33,9 @@ from helpers import (
     write_reference,
 )
 from servers import TOKEN, HostileServer, Nginx, SeaweedFS
-from tensorfs.bench.link import SlowLink
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.sources.store import RemoteOptions
+from tensorfs.testing.link import SlowLink
 from tensorfs.units import human_size
 
 
@@ -283,7 +283,7 @@ def test_the_read_ahead_keeps_requests_in_flight_over_a_distant_link(
 ) -> None:
     """Over a link of 50 ms round trips, a reader going through a tensor from its start must not wait
     a round trip for each chunk: the chunks ahead of it are asked for together. With both windows
-    ahead taken out (the mount's, fs.py, and the remote source's, sources/remote.py) one request was
+    ahead taken out (the mount's, mount/operations.py, and the remote source's, sources/remote.py) one request was
     in flight at a time; with either, 3 or more."""
     directory = nginx.root / "far"
     directory.mkdir()

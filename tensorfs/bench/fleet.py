@@ -32,10 +32,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..sample_models import Tensor, write_sharded
+from ..testing.cluster import CachingTier, SeaweedCluster
+from ..testing.nodes import Node, make_nodes, nodes_unusable, remove_nodes
+from ..testing.servers import weed_binary
 from ..units import human_size
-from .cluster import CachingTier, Node, SeaweedCluster, make_nodes, nodes_unusable, remove_nodes
 from .common import Config, Mounter, Report, concurrently, median, read_file, touch_fresh_memory
-from .servers import weed_binary
 
 BUCKET = "fleet-bench"
 PREFIX = "model"

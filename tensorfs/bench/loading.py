@@ -39,8 +39,8 @@ from ..integrity import HASH_WORKERS, Hasher
 from ..loader import load_file, open_model, safe_open
 from ..manifest import DEFAULT_MANIFEST, format_manifest
 from ..sources.store import RemoteOptions
+from ..testing.servers import Nginx, SeaweedFS
 from .common import Config, Mounter, Report, can_drop_caches, drop_caches, touch_fresh_memory, wait_until_settled
-from .servers import Nginx, SeaweedFS
 
 BUCKET = "tensorfs-bench"
 LOCAL_BAR, VERIFIED_WARM_BAR, VERIFIED_SCRATCH_BAR, OVERLAP_BAR, REMOTE_BAR = 1.0, 1.15, 1.1, 1.15, 1.0

@@ -28,6 +28,8 @@ import numpy as np
 
 from ..opener import open_model
 from ..sample_models import Tensor, many_tiny_tensors, write_sharded
+from ..testing.link import SlowLink
+from ..testing.servers import Nginx
 from ..units import human_size
 from .common import (
     Config,
@@ -44,8 +46,6 @@ from .common import (
     touch_fresh_memory,
     warm,
 )
-from .link import SlowLink
-from .servers import Nginx
 
 CHUNK = 8 << 20
 CONCURRENCY = 8

@@ -20,7 +20,7 @@ from ..units import plural
 from .stats import Stats
 from .tree import Tree
 
-log = logging.getLogger("tensorfs.mount.fs")  # the log lines of the request handlers they answer for
+log = logging.getLogger("tensorfs.mount.operations")  # the log lines of the request handlers they answer for
 
 Invalidate = Callable[[Sequence[int], bool], None]
 """Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""

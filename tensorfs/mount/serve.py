@@ -27,10 +27,10 @@ from ..names import STATS_NAME
 from ..syscalls import libc
 from ..units import plural
 from ..views import ViewSpec, build_view
-from .fs import TensorOperations
 from .logs import reopen_logs
 from .metrics import describe as describe_address
 from .metrics import serve_metrics
+from .operations import TensorOperations
 from .options import READY, MountOptions
 from .runtime import process_start, remove_record, write_record
 from .tree import Tree, index_json, metadata_json

@@ -12,18 +12,9 @@ import orjson
 from ..errors import Problem, RemoteError, TooLarge
 from ..formats import WEIGHT_FILES, checkpoint_index_applies, choose_files, is_weights_name, pytorch
 from ..names import path_problem
+from .client import MAX_LISTED, get_whole, list_objects, modified, reason_of
 from .index import INDEX_NAME, MAX_INDEX_BYTES, parse_weight_map, shard_names
-from .store import (
-    MAX_LISTED,
-    ObjectRef,
-    RemoteOptions,
-    StoreSpec,
-    get_whole,
-    list_objects,
-    modified,
-    reason_of,
-    store_spec,
-)
+from .store import ObjectRef, RemoteOptions, StoreSpec, store_spec
 
 __all__ = ["Listed", "Located", "beside", "files_of", "hub_listing", "listing_beside", "locate"]
 

@@ -32,16 +32,9 @@ if TYPE_CHECKING:
     from ..headercache import HeaderCache
     from ..tables import Tables
 from ..errors import RemoteError
+from .client import read_first_bytes, read_range
 from .finding import Located, locate
-from .store import (
-    ObjectRef,
-    ObjectVersion,
-    RemoteOptions,
-    model_key,
-    read_first_bytes,
-    read_range,
-    store_spec,
-)
+from .store import ObjectRef, ObjectVersion, RemoteOptions, model_key, store_spec
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ from ..identity import Identity, ShardKey
 from ..manifest import DEFAULT_MANIFEST
 from ..names import path_problem
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
+from ..sources.client import get_whole, head
 from ..sources.finding import beside, hub_listing, listing_beside
-from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions, get_whole, head
+from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions
 
 log = logging.getLogger(__name__)
 

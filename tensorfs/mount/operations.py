@@ -14,30 +14,32 @@ from __future__ import annotations
 
 import errno
 import functools
-import inspect
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 
-from ..errors import IntegrityError, TensorfsError, printable
-from ..gate import Place, Plan, Refused, Step
+from ..errors import TensorfsError, printable
+from ..gate import Place, Plan, Step
 from ..identity import ShardKey
 from ..integrity import HASH_WORKERS
 from ..names import STATS_NAME
 from ..sources.shard import ShardData
 from ..views import Companion, Piece, SynthesizedFile
 from .checks import Invalidate, MountReporter, Sums
+from .handlers import handler, not_implemented, read_only
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The tree never changes while mounted: let the kernel cache names, attributes and pages for long
 # (when a shard does change, the daemon tells the kernel to drop what it holds of it).
@@ -53,91 +55,6 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 def stats_json(stats: Stats) -> bytes:
     return (json.dumps(stats.snapshot(), indent=1) + "\n").encode()
-
-
-# Domain errors -> errno. Anything not listed (a bug) is logged with its traceback and answered EIO.
-_ERRNO_OF: dict[type[TensorfsError], int] = {NoSuchEntry: errno.ENOENT, IntegrityError: errno.EIO, Refused: errno.EIO}
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """Turn what a handler raises into the errno FUSE answers; never let it end the daemon."""
-    describe = _describer(method)
-
-    op = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        if args[0].trace:  # type: ignore[attr-defined]  # (off, one test of a flag per request)
-            log.debug("%s", describe(args))
-        stats: Stats = args[0].stats  # type: ignore[attr-defined]
-        stats.request(op)
-        try:
-            return await method(*args, **kwargs)
-        except pyfuse3.FUSEError as exc:
-            stats.error(op, exc.errno)
-            raise
-        except TensorfsError as exc:
-            code = _ERRNO_OF.get(type(exc))
-            if code is None:
-                code = errno.EIO
-                fields = {"op": op, "errno": "EIO", **getattr(exc, "fields", {})}
-                log.error("%s: %s (EIO)", describe(args), exc, extra={"fields": fields})
-            stats.error(op, code)
-            raise pyfuse3.FUSEError(code) from None
-        except Exception:
-            log.exception("bug in %s; answered EIO", describe(args), extra={"fields": {"op": op, "errno": "EIO"}})
-            stats.error(op, errno.EIO)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-
-    return wrapper
-
-
-def _describer(method: Callable[..., Any]) -> Callable[[tuple[Any, ...]], str]:
-    """A function that shows a request as `read(fh=12 'w', off=0, size=131072)`: its fields, not reprs."""
-    names = list(inspect.signature(method).parameters)[1:]  # after self
-
-    def describe(args: tuple[Any, ...]) -> str:
-        operations, fields = args[0], []
-        for name, value in zip(names, args[1:], strict=False):
-            if isinstance(value, pyfuse3.RequestContext):
-                fields.append(f"uid={value.uid}, gid={value.gid}, pid={value.pid}")
-            elif isinstance(value, bytes):
-                fields.append(f"{name}={printable(value.decode('utf-8', 'backslashreplace'))!r}")
-            elif name in ("inode", "fh", "parent_inode") and isinstance(operations, TensorOperations):
-                fields.append(f"{name}={value}{operations.inode_label(value)}")
-            elif not isinstance(value, pyfuse3.ReaddirToken):
-                fields.append(f"{name}={value!r}")
-        return f"{method.__name__}({', '.join(fields)})"
-
-    return describe
-
-
-def _not_implemented(op: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """A request tensorfs has nothing to do for: ENOSYS, once, and the kernel stops sending it for
-    good (fc->no_flush, no_getxattr, ...), one round trip less per file. Counted as a request, not
-    as an error: it is no failure."""
-
-    async def decline(self: TensorOperations, *_: Any, **__: Any) -> Any:
-        self.stats.request(op)
-        raise pyfuse3.FUSEError(errno.ENOSYS)
-
-    decline.__name__ = op
-    return decline
-
-
-def _read_only(op: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """A request that would change the tree: refused with EROFS, and counted."""
-
-    async def refuse(self: TensorOperations, *_: Any, **__: Any) -> Any:
-        self.stats.request(op)
-        self.stats.error(op, errno.EROFS)
-        raise pyfuse3.FUSEError(errno.EROFS)
-
-    refuse.__name__ = op
-    return refuse
 
 
 class TensorOperations(pyfuse3.Operations):
@@ -210,7 +127,7 @@ class TensorOperations(pyfuse3.Operations):
             await trio.lowlevel.wait_readable(fd)
             self.gate.notice_changes()
 
-    async def _drive(self, plan: Plan[R], held: list[_Held] | None = None) -> R:
+    async def _drive(self, plan: Plan[T], held: list[_Held] | None = None) -> T:
         """Run one of the gate's plans: its quick steps here, its blocking ones on worker threads (each
         kind on its own bounded threads), letting go of `held` before any of them: no request waits
         while it holds what another may be waiting for."""
@@ -548,9 +465,9 @@ class TensorOperations(pyfuse3.Operations):
 
     # Nothing to write back on a close; and no extended attributes (the kernel then answers
     # EOPNOTSUPP itself: `ls -l` asks two of them per file, ACL and capabilities).
-    flush = _not_implemented("flush")
-    getxattr = _not_implemented("getxattr")
-    listxattr = _not_implemented("listxattr")
+    flush = not_implemented("flush")
+    getxattr = not_implemented("getxattr")
+    listxattr = not_implemented("listxattr")
 
     @handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -564,18 +481,18 @@ class TensorOperations(pyfuse3.Operations):
         return stats
 
     # -- everything that would change the tree: refused -------------------------------------
-    setattr = _read_only("setattr")
-    mknod = _read_only("mknod")
-    mkdir = _read_only("mkdir")
-    unlink = _read_only("unlink")
-    rmdir = _read_only("rmdir")
-    symlink = _read_only("symlink")
-    rename = _read_only("rename")
-    link = _read_only("link")
-    create = _read_only("create")
-    write = _read_only("write")
-    setxattr = _read_only("setxattr")
-    removexattr = _read_only("removexattr")
+    setattr = read_only("setattr")
+    mknod = read_only("mknod")
+    mkdir = read_only("mkdir")
+    unlink = read_only("unlink")
+    rmdir = read_only("rmdir")
+    symlink = read_only("symlink")
+    rename = read_only("rename")
+    link = read_only("link")
+    create = read_only("create")
+    write = read_only("write")
+    setxattr = read_only("setxattr")
+    removexattr = read_only("removexattr")
 
 
 @dataclass(eq=False)

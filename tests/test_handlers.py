@@ -18,7 +18,7 @@ import trio
 import tensorfs
 from helpers import random_bytes, write_reference
 from tensorfs.integrity import Hasher, Integrity
-from tensorfs.mount.fs import TensorOperations
+from tensorfs.mount.operations import TensorOperations
 from tensorfs.mount.tree import ROOT_INODE, Tree, index_json
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
@@ -170,7 +170,7 @@ def test_a_bug_in_a_handler_is_logged_and_answered_eio(
         raise ZeroDivisionError("boom")
 
     monkeypatch.setattr(ops.tree, "attributes", broken)
-    with caplog.at_level(logging.ERROR, logger="tensorfs.mount.fs"):
+    with caplog.at_level(logging.ERROR, logger="tensorfs.mount.operations"):
         assert errno_of(ops.getattr, ROOT_INODE, None) == errno.EIO
     assert "bug in getattr" in caplog.text and "ZeroDivisionError: boom" in caplog.text
 

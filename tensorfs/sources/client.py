@@ -1,0 +1,312 @@
+"""The requests tensorfs makes of a store (obstore's client): listings, HEADs, small objects whole,
+an object's first bytes, ranges of exactly one version; what a failure means, in one line. Every
+answer is read as it comes, never past what was asked for, and what a server announces is checked
+before anything is made of it."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from ..errors import AccessDenied, ObjectChanged, RemoteError, TooLarge, Unexpected, printable
+from ..units import human_size
+from .store import NOWHERE, ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, check_url, redact, store_spec
+
+FIRST_READ = 64 << 10
+"""The first GET of a shard: its header, almost always whole (a second GET reads the rest)."""
+MAX_OBJECT_BYTES = 1 << 44
+"""The largest object read (16 TiB: the largest file ext4 holds, and far past any model's shard): a
+size a server announces is checked against it before anything is made of it."""
+
+MAX_LISTED = 100_000
+"""Objects a listing goes through at most (a prefix holding more is not one model's)."""
+
+
+def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
+    """The objects under `prefix` (every level), as the store lists them a page at a time: at most
+    MAX_LISTED, within --remote-timeout in all; (them, whether there were more). RemoteError if the
+    listing fails."""
+    import obstore
+
+    deadline = time.monotonic() + spec.timeout
+    found: list[Any] = []
+    try:
+        pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1000))
+        for page in pages:
+            found += page
+            if len(found) > MAX_LISTED:
+                return found[:MAX_LISTED], True
+            if time.monotonic() > deadline:
+                raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: listing took over {spec.timeout:g} s")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
+    return found, False
+
+
+def exists(ref: ObjectRef) -> bool:
+    """Whether the object is there (a HEAD); RemoteError when the store cannot say."""
+    return head(ref) is not None
+
+
+def head(ref: ObjectRef) -> ObjectVersion | None:
+    """The object's version now (a HEAD), None when there is none; RemoteError when the store cannot say."""
+    import obstore
+
+    try:
+        meta = retried(ref.spec, lambda: obstore.head(ref.spec.client(), ref.key))
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        _raise(ref, exc)
+        raise  # unreachable: _raise always raises
+    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta))
+
+
+def _http_file(url: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
+    check_url(url)
+    if "?" in url or "#" in url:
+        raise RemoteError(f"{url}: URLs with a query or fragment (signed URLs) are not supported")
+    base, _, name = url.rpartition("/")
+    return StoreSpec("http", base, base, timeout=options.timeout), name
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def reason_of(exc: BaseException, url: str) -> str:
+    """An error's message without the URL it begins with (a Problem names the URL itself)."""
+    return str(exc).removeprefix(f"{url}: ")
+
+
+ACCESS_HINT = "check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line on why a request failed (no URL's secret in it)."""
+    from obstore import exceptions as errors
+
+    if isinstance(exc, FileNotFoundError):
+        return "not found (404)"
+    text = redact(str(exc))
+    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    code = status.group(1)[:3] if status else ""
+    if isinstance(exc, errors.PermissionDeniedError) or code == "403":
+        return f"access denied (403): {ACCESS_HINT}"
+    if isinstance(exc, errors.UnauthenticatedError) or code == "401":
+        return f"authentication required (401): {ACCESS_HINT}"
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in text:
+        return "changed since it was validated (its ETag differs): mount it again"
+    if "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower():
+        # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
+        return f"no credentials found: {ACCESS_HINT}, or --no-sign-request for a public bucket"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "error following redirect" in text:  # reqwest's: https_only (allow_http off), or too many
+        return "a redirect not followed (https:// to http://, or more than 10 in a row)"
+    if re.search(rf"\b{re.escape(NOWHERE)}\b", text):  # sent to the proxy that is not there: see REFUSED_NETWORKS
+        return "refused: a link-local or cloud-metadata address (where the server redirected it?)"
+    if status:  # not the body that came with it (an HTML page, an XML error)
+        return f"the server answered {printable(status.group(1).strip())}"
+    if "error sending request" in first or "ConnectError" in text:
+        # obstore's debug text ends with the cause: connection refused, a DNS failure, TLS
+        causes = re.findall(r'(?:message|error): "([^"]+)"', text) or re.findall(r'ConnectError\(\s*"([^"]+)"', text)
+        return f"unreachable ({printable(causes[-1])})" if causes else "unreachable"
+    reason = first.rsplit(" - ", 1)[-1]  # after "Error performing GET URL in 2s, after 3 retries, ... - "
+    return printable(reason[:300])
+
+
+Answer = TypeVar("Answer")
+
+
+def retried(spec: StoreSpec, call: Callable[[], Answer]) -> Answer:
+    """`call()` (a GET, HEAD or LIST: safe to repeat), asked again until --remote-timeout while
+    its request fails before any answer comes.
+
+    The client retries most such failures itself, but not a connection closed before the request
+    went out ("connection was not ready"), as by a store or balancer that accepts connections
+    and drops them while it restarts.
+    """
+    deadline = time.monotonic() + spec.timeout
+    pause = 0.1
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if "error sending request" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(5.0, 2 * pause)
+
+
+def _raise(ref: ObjectRef, exc: BaseException) -> None:
+    message = f"{ref.url}: {describe_error(exc)}"
+    if isinstance(exc, FileNotFoundError):
+        raise FileNotFoundError(message) from None
+    from obstore import exceptions as errors
+
+    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
+        raise ObjectChanged(message) from None
+    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or ACCESS_HINT in message:
+        raise AccessDenied(message) from None
+    raise RemoteError(message) from None
+
+
+def _plain(ref: ObjectRef, result: Any) -> None:
+    """Unexpected unless the answer holds the object's bytes as they are (asked for: Accept-Encoding: identity)."""
+    encoding = str(result.attributes.get("Content-Encoding") or "identity").strip()
+    if encoding.lower() != "identity":
+        raise Unexpected(
+            f"{ref.url}: the server sent it {printable(encoding)}-encoded (Content-Encoding), though asked for "
+            "its bytes as they are: refused (serve it without compression)"
+        )
+
+
+def _body(ref: ObjectRef, result: Any, limit: int, what: str) -> bytes:
+    """An answer's body, read as it comes and never past `limit` bytes (`what` says why that bound)."""
+    _plain(ref, result)
+    pieces: list[bytes] = []
+    held = 0
+    for piece in result.stream(min_chunk_size=_PIECE):
+        held += len(piece)
+        if held > limit:
+            raise (TooLarge if what == "size" else Unexpected)(
+                f"{ref.url}: over {human_size(limit)}" if what == "size"
+                else f"{ref.url}: the server sent more than the {limit} bytes asked for: refused"
+            )  # fmt: skip
+        pieces.append(bytes(piece))
+    return b"".join(pieces)
+
+
+def get_whole(ref: ObjectRef, limit: int) -> bytes:
+    """A small object whole (an index, a manifest, a companion file); FileNotFoundError when there is none.
+
+    TooLarge when it holds more than `limit` bytes: before its body is read when the store says so,
+    as soon as the body goes past it when the store said less.
+    """
+    import obstore
+
+    try:
+        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key))
+        size = int(result.meta["size"])
+        if size > limit:
+            raise TooLarge(f"{ref.url}: {size} bytes, over {human_size(limit)}")
+        return _body(ref, result, limit, "size")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        _raise(ref, exc)
+        raise  # unreachable: _raise always raises
+
+
+def read_url(url: str, options: RemoteOptions, limit: int) -> bytes:
+    """A small remote file whole (a manifest), named by its URL; TooLarge past `limit` bytes."""
+    spec, key = store_spec(url, options) if not url.startswith(("http://", "https://")) else _http_file(url, options)
+    return get_whole(ObjectRef(spec, key), limit)
+
+
+def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tuple[ObjectVersion, bytes]:
+    """The object's version and its first bytes, as many as `needed(first, size)` says its format's
+    table takes (told from the first FIRST_READ of them, then from all that came): one GET, two when
+    a safetensors header is longer, a few more for a long GGUF table (twice as many bytes each time).
+
+    RemoteError (or FileNotFoundError) when the store does not give them.
+    """
+    import obstore
+
+    client = ref.spec.client()
+    try:
+        first = retried(ref.spec, lambda: obstore.get(client, ref.key, options={"range": (0, FIRST_READ)}))
+        meta = first.meta
+        version = ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta))
+        if version.size > MAX_OBJECT_BYTES:  # before anything is sized by it (a cache file, its chunks' table)
+            raise TooLarge(
+                f"{ref.url}: announced at {version.size:,} bytes, over the {human_size(MAX_OBJECT_BYTES)} an object "
+                "may be here"
+            )
+        head = _body(ref, first, min(FIRST_READ, version.size), "range")
+    except RemoteError:
+        raise
+    except Exception as exc:
+        if "416" in str(exc):  # nothing at offset 0: an empty object
+            meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
+            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta)), b""
+        _raise(ref, exc)
+        raise
+    # A format that tells its table's length from its first bytes asks once more at most; one that
+    # can only tell how far it got (GGUF) asks for twice as much each time, up to its own bound.
+    buffer = bytearray(head)
+    while (end := min(needed(bytes(buffer), version.size), version.size)) > len(buffer):
+        read_range(version, len(buffer), end, lambda _, piece: buffer.extend(piece))
+    return version, bytes(buffer[:end])
+
+
+def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:
+    """Bytes [start, end) of exactly this version of the object (If-Match its ETag), handed to
+    `write(offset, piece)` as they come: memory stays small however large the range, and no piece
+    is handed on that would go past `end`.
+
+    ObjectChanged if the store has another version (or a short one) now; Unexpected if it sends
+    more than the range, or encoded; RemoteError if it cannot say; an OSError of `write` as it is.
+    """
+    import obstore
+
+    ref = version.ref
+    options: dict[str, Any] = {"range": (start, end)}
+    if version.etag:
+        options["if_match"] = version.etag
+    elif version.mtime:  # a server without ETags: its Last-Modified (to the second) stands for the version
+        options["if_unmodified_since"] = datetime.fromtimestamp(version.mtime, UTC)
+    offset = start
+    unwritten: OSError | None = None
+    try:
+        result = retried(ref.spec, lambda: obstore.get(ref.spec.client(), ref.key, options=options))  # type: ignore[arg-type]
+        _same_version(version, result.meta)  # a server may ignore the condition: the answer says
+        _plain(ref, result)
+        for piece in result.stream(min_chunk_size=_PIECE):
+            if offset + len(piece) > end:
+                raise Unexpected(
+                    f"{ref.url}: the server sent more than the {end - start} bytes of [{start}, {end}) "
+                    "asked for: refused"
+                )
+            try:
+                write(offset, piece)
+            except OSError as exc:  # the writer's, not the store's
+                unwritten = exc
+                break
+            offset += len(piece)
+    except RemoteError:
+        raise
+    except Exception as exc:
+        _raise(ref, exc)
+    if unwritten is not None:
+        raise unwritten
+    if offset != end:
+        came = offset - start
+        raise ObjectChanged(f"{ref.url}: {came} bytes came for [{start}, {end}): it changed since it was validated")
+
+
+# Pieces written to the cache as they arrive: big enough to keep syscalls few, small enough that
+# a fetch thread holds little memory (docs/performance.md).
+_PIECE = 256 << 10
+
+
+def _same_version(version: ObjectVersion, meta: Any) -> None:
+    """ObjectChanged unless a response's object is the version validated (ETag, else size and Last-Modified)."""
+    etag = str(meta.get("e_tag") or "")
+    mtime = modified(meta)
+    if (
+        int(meta["size"]) != version.size
+        or (etag and version.etag and etag != version.etag)
+        or (not version.etag and mtime and version.mtime and mtime != version.mtime)
+    ):
+        raise ObjectChanged(f"{version.url}: changed since it was validated")
+
+
+def modified(meta: Any) -> float:
+    """An object's Last-Modified, in seconds since the epoch (0: none said)."""
+    modified = meta.get("last_modified")
+    return float(modified.timestamp()) if modified is not None else 0.0
