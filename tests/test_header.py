@@ -89,6 +89,20 @@ REJECTED = [
         None,
         "nests deeper than 127 levels",
     ),
+    (  # as deep as json parses: deeper than a recursive walk of it takes (a RecursionError, once)
+        "rule5-extra-field-600-deep",
+        b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + b"[" * 600 + b"]" * 600 + b"}}",
+        b"x",
+        None,
+        "nests deeper than 127 levels",
+    ),
+    (
+        "rule5-extra-object-600-deep",
+        b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + b'[{"k":' * 300 + b"1" + b"}]" * 300 + b"}}",
+        b"x",
+        None,
+        "nests deeper than 127 levels",
+    ),
     (
         "rule5-extra-number-too-large",
         b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[1e400]}}',

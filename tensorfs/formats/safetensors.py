@@ -420,12 +420,20 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 
 def _depth(value: Any) -> int:
-    """How many containers deep a parsed JSON value goes (an object is a list of pairs here)."""
-    if type(value) is tuple:  # a (key, value) pair inside an object: no level of its own
-        return _depth(value[1])
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
+    """How many containers deep a parsed JSON value goes (an object is a list of pairs here).
+
+    With a stack, not recursion: json parses arrays nested several hundred deep, deeper than
+    Python's stack takes a recursive walk of them."""
+    deepest = 0
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if type(item) is tuple:  # a (key, value) pair inside an object: no level of its own
+            item = item[1]
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            pending += [(child, depth + 1) for child in item if isinstance(child, list | tuple)]
+    return deepest
 
 
 def _nbytes(shape: list[int], dtype: DType, name: str, label: str, problems: list[Problem]) -> int | None:
