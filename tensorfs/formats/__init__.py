@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..errors import Problem
+from ..errors import InvalidModelError, Problem
 from ..sources.shard import ShardKey
 from . import gguf, pytorch, safetensors
-from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_text
+from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, ShardHeader, TensorInfo, shape_problems, shape_text
 
 __all__ = [
     "BEGIN",
@@ -140,9 +140,14 @@ def detect(first: bytes, name: str) -> Format:
 
 def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader:
     """The validated table of the file at `path` (`size` bytes, shown as `label`), whatever its format;
-    InvalidModelError listing every problem found. Tensor data is never read."""
+    InvalidModelError listing every problem found. Tensor data is never read. Every format's table
+    passes here: each tensor's shape must be one numpy and torch can make an array of (table.py)."""
     first = read(0, min(size, SNIFF_BYTES)) if len(FORMATS) > 1 else b""
-    return detect(first, str(path)).read_table(read, size, path, label)
+    header = detect(first, str(path)).read_table(read, size, path, label)
+    problems = shape_problems(header, label)
+    if problems:
+        raise InvalidModelError(problems)
+    return header
 
 
 def table_bytes(first: bytes, size: int) -> int:

@@ -7,11 +7,13 @@ alone: nothing past formats/ knows which format a file is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ..dtypes import DTYPE_NAMED, DType
+from ..errors import Problem
 from ..sources.shard import ShardKey, shard_name
 
 if TYPE_CHECKING:
@@ -102,3 +104,44 @@ class ShardHeader:
         return TensorInfo(
             name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end), self.format
         )
+
+
+MAX_DIMS = 64
+"""The most dimensions a tensor may have: numpy's limit (NPY_MAXDIMS), and torch.load's."""
+MAX_BYTES = (1 << 63) - 1
+"""The most bytes numpy and torch let an array's dimensions span (its dimensions of 0 aside)."""
+DENSEST = 8
+"""The most elements of any dtype a byte holds (F4: 2; ggml's densest, IQ1_S: 5.12)."""
+
+
+def shape_problem(dtype: DType, shape: Sequence[int]) -> str | None:
+    """Why numpy or torch could not make an array of this shape and dtype over a tensor's bytes
+    (None when they can): more than MAX_DIMS dimensions, or dimensions that, those of 0 aside, span
+    more than MAX_BYTES (numpy counts them so, torch's strides too: [0, 2^63-1, 2^63-1] has no
+    element, and neither can make it)."""
+    if len(shape) > MAX_DIMS:
+        return f"{len(shape)} dimensions: numpy and torch make arrays of at most {MAX_DIMS}"
+    width = dtype.bits // 8 or 1  # the raw bytes of packed types: one each
+    if math.prod(dim for dim in shape if dim) * width > MAX_BYTES:
+        return (
+            f"shape {shape_text(shape)}: its dimensions other than 0 span more than 2^63-1 bytes of "
+            f"{dtype.name}, which numpy and torch cannot make an array of"
+        )
+    return None
+
+
+def shape_problems(header: ShardHeader, label: str) -> list[Problem]:
+    """shape_problem of each of a table's tensors: the rule every format's table passes (formats/).
+    A tensor with bytes, of at most MAX_DIMS dimensions, in a file of under MAX_BYTES / DENSEST
+    bytes keeps it (it spans at most DENSEST times its bytes): only the others are looked at."""
+    whole = header.file_size <= MAX_BYTES // DENSEST
+    looked_at = [  # indexing, not unpacking, the tuples: 100k tensors in a few milliseconds
+        entry
+        for entry in header.entries
+        if not (whole and entry[BEGIN] != entry[END] and len(entry[SHAPE]) <= MAX_DIMS)
+    ]
+    return [
+        Problem(label, why, entry[NAME])
+        for entry in looked_at
+        if (why := shape_problem(entry[DTYPE], entry[SHAPE])) is not None
+    ]
