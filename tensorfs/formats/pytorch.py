@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidModelError, Problem
 from ..sources.shard import ShardKey
 from . import pickled
-from .table import Entry, ShardHeader
+from .table import Described, Entry, ShardHeader
 
 if TYPE_CHECKING:
     from . import Reader
@@ -454,6 +454,11 @@ def table_bytes(first: bytes, size: int) -> int:
 def file_metadata(header: ShardHeader, read: Reader) -> dict[str, str] | None:
     """What the checkpoint says of itself, as its safetensors view says it: {"format": "pt"}."""
     return header.metadata
+
+
+def described_metadata(header: ShardHeader, read: Reader, into: Described) -> dict[str, Any] | None:
+    """{"format": "pt"}, as far as it fits `into`."""
+    return into.of(header.metadata)
 
 
 def across_files(shards: list[tuple[str, ShardHeader]]) -> list[Problem]:

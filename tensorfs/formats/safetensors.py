@@ -22,7 +22,7 @@ from ..dtypes import DTYPES, DType
 from ..errors import InvalidModelError, Problem, printable
 from ..gcpause import gc_paused
 from ..sources.shard import ShardKey
-from .table import BEGIN, END, SHAPE, Entry, ShardHeader, shape_text
+from .table import BEGIN, END, SHAPE, Described, Entry, ShardHeader, shape_text
 
 if TYPE_CHECKING:
     from . import Reader
@@ -68,6 +68,11 @@ def across_files(shards: list[tuple[str, ShardHeader]]) -> list[Problem]:
 def file_metadata(header: ShardHeader, read: Reader) -> dict[str, str] | None:
     """What the file says of itself: its header's `__metadata__` (None when it has none)."""
     return header.metadata
+
+
+def described_metadata(header: ShardHeader, read: Reader, into: Described) -> dict[str, Any] | None:
+    """The header's `__metadata__`, as far as it fits `into`."""
+    return into.of(header.metadata)
 
 
 def fits(begins: list[int], ends: list[int], data_start: int, size: int, layout: object) -> bool:

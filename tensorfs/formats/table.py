@@ -7,8 +7,9 @@ alone: nothing past formats/ knows which format a file is.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -145,3 +146,63 @@ def shape_problems(header: ShardHeader, label: str) -> list[Problem]:
         for entry in looked_at
         if (why := shape_problem(entry[DTYPE], entry[SHAPE])) is not None
     ]
+
+
+METADATA_JSON_BYTES = 16 << 20
+"""The most .tensorfs/metadata.json takes of what a model's files say of themselves (a 262k-token
+vocabulary with its merges, scores and types takes 13.7 MB of it)."""
+SUMMARY_ITEMS = 16
+"""The elements a summarized array shows."""
+SUMMARY_CHARACTERS = 256
+"""The characters a summarized string shows (and each string a summarized array shows)."""
+
+
+class Described:
+    """What a model's files say of themselves, as .tensorfs/metadata.json has it: each file's pairs
+    in order while their JSON fits in what is left of `limit` bytes. A string or an array that does
+    not fit is summarized instead (string_summary, array_summary: JSON objects, which no value of a
+    file's metadata is); once a pair does not fit even so, it and the file's pairs after it are left
+    out, counted in `left_out`. What it costs to make is in proportion to `limit`, not to the files."""
+
+    def __init__(self, limit: int = METADATA_JSON_BYTES) -> None:
+        self.left = limit
+        self.left_out = 0
+        """The pairs of the current file left out (its caller reads it, and sets it to 0, file by file)."""
+
+    def add(self, pairs: dict[str, Any], key: str, value: Any) -> bool:
+        """Put `key: value` in `pairs` when its JSON fits in what is left (and charge it); whether it did."""
+        size = _json_size(key) + 2 + _json_size(value) + 2  # ': ' and ', '
+        if size > self.left:
+            return False
+        self.left -= size
+        pairs[key] = value
+        return True
+
+    def of(self, metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """`metadata`, decoded already (a safetensors `__metadata__`), as far as it fits."""
+        if metadata is None:
+            return None
+        kept: dict[str, Any] = {}
+        for number, (key, value) in enumerate(metadata.items()):
+            if self.add(kept, key, value):
+                continue
+            if isinstance(value, str) and self.add(kept, key, string_summary(value, len(value.encode("utf-8")))):
+                continue
+            self.left_out += len(metadata) - number
+            break
+        return kept
+
+
+def string_summary(first: str, length: int) -> dict[str, Any]:
+    """What stands for a string left out: its type, its length in bytes and its first characters."""
+    return {"type": "STRING", "bytes": length, "first": first[:SUMMARY_CHARACTERS]}
+
+
+def array_summary(element_type: str, length: int, first: list[Any]) -> dict[str, Any]:
+    """What stands for an array left out: its element type, its length and its first elements."""
+    shown = [item[:SUMMARY_CHARACTERS] if isinstance(item, str) else item for item in first[:SUMMARY_ITEMS]]
+    return {"type": "ARRAY", "element_type": element_type, "length": length, "first": shown}
+
+
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False).encode("utf-8"))
