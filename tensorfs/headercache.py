@@ -32,7 +32,7 @@ and a model whose shards' headers all are is checked afresh: that costs less tha
 cache's database (docs/performance.md). Remote objects are cached whatever their size (their
 bytes come over a network anyway)."""
 
-SCHEMA = 2
+SCHEMA = 3
 """The form of the rows: rows of another form are never read (their kind says which), only dropped in time."""
 
 _KEEP_UNUSED = 30 * 24 * 3600.0  # a row nobody read for this long is dropped (at the next write)

@@ -118,6 +118,10 @@ class Tables:
         pairs (decoded; read again from the file: blocking)."""
         return formats.file_metadata(self.shard_header(shard), self.shard_data(shard).read)
 
+    def described_metadata(self, shard: ShardKey, into: formats.Described) -> dict[str, Any] | None:
+        """file_metadata, as much of it as fits `into` (.tensorfs/metadata.json's bound)."""
+        return formats.described_metadata(self.shard_header(shard), self.shard_data(shard).read, into)
+
     def entry(self, name: str) -> tuple[ShardKey, int, Entry]:
         """(shard, where its data starts, the header's entry): the raw form, for code that does 100k."""
         shard = self.shard_of(name)

@@ -45,8 +45,9 @@ from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, random_by
 from servers import Nginx, SeaweedFS
 from tensorfs.dtypes import GGML_TYPES
 from tensorfs.errors import InvalidModelError
-from tensorfs.formats import gguf
+from tensorfs.formats import Described, gguf
 from tensorfs.formats.table import ShardHeader
+from tensorfs.mount.tree import metadata_json
 
 EVERY_TYPE = sorted(GGML_TYPES.values(), key=lambda dtype: dtype.name)
 WRITTEN_RIGHT = [dtype for dtype in EVERY_TYPE if dtype.name != "Q8_1"]
@@ -377,6 +378,70 @@ def test_the_mount_serves_each_tensor_and_a_gguf_view(mounts: Mounts, tmp_path: 
         "format": "gguf",
         "shards": {"model.gguf": {"general.architecture": "llama", "general.name": "every type", "x.list": [1, 2, 3]}},
     }
+
+
+def _long_arrays(path: Path, numbers: int, count: int, long: int) -> Path:
+    """A GGUF whose pairs are a name, `numbers` numbers, `count` words, a string of `long` bytes, and two short ones."""
+    words = [f"w{i}".encode() for i in range(count)]
+    numbered = bytes(range(256)) * (numbers // 256) + bytes(numbers % 256)
+    pairs = [
+        pair("general.name", STRING, string("big")),
+        pair("nums", ARRAY, struct.pack("<IQ", U8, numbers) + numbered),
+        pair("words", ARRAY, struct.pack("<IQ", STRING, count) + b"".join(map(string, words))),
+        pair("long", STRING, string("é" * (long // 2))),
+        pair("after", U32, struct.pack("<I", 7)),
+        pair("fits", ARRAY, struct.pack("<IQ", U8, 3) + b"\x01\x02\x03"),
+    ]
+    path.write_bytes(raw_gguf(pairs, [info("w", [8], 0, 0)], bytes(32)))
+    return path
+
+
+def test_metadata_json_is_bounded_and_says_what_is_left_out(tmp_path: Path) -> None:
+    """.tensorfs/metadata.json holds a file's pairs while they fit its bound: a string or an array
+    that does not is a summary (an object: no value of a GGUF is one), and once not even that
+    fits, the pairs from there on are left out and counted. Within the bound, it is every pair whole."""
+    path = _long_arrays(tmp_path / "m.gguf", 1000, 1000, 5000)
+    with tensorfs.open_model(path, cache=False) as model:
+        data = path.read_bytes()
+        whole = gguf.metadata(_reader(data), model.shard_header(model.shards[0]).layout or {})
+        assert json.loads(metadata_json(model)) == {"format": "gguf", "shards": {"m.gguf": whole}}
+        bounded = metadata_json(model, Described(2000))
+        assert len(bounded) <= 2000 + 100  # the bound, and the document's own keys
+        assert json.loads(bounded) == {
+            "format": "gguf",
+            "shards": {
+                "m.gguf": {
+                    "general.name": "big",
+                    "nums": {"type": "ARRAY", "element_type": "UINT8", "length": 1000, "first": list(range(16))},
+                    "words": {"type": "ARRAY", "element_type": "STRING", "length": 1000,
+                              "first": [f"w{i}" for i in range(16)]},
+                    "long": {"type": "STRING", "bytes": 5000, "first": "é" * 256},
+                    "after": 7,
+                    "fits": [1, 2, 3],
+                }
+            },
+        }  # fmt: skip
+        cut = json.loads(metadata_json(model, Described(600)))  # "long"'s summary no longer fits
+        assert list(cut["shards"]["m.gguf"]) == ["general.name", "nums", "words"]
+        assert cut["left_out"] == {"m.gguf": 3}
+    summarized = Described(400).of({"a": "x" * 5000, "b": "y"})  # a safetensors __metadata__
+    assert summarized == {"a": {"type": "STRING", "bytes": 5000, "first": "x" * 256}, "b": "y"}
+
+
+def test_a_long_array_is_summarized_in_the_mounts_metadata_json(mounts: Mounts, tmp_path: Path) -> None:
+    """A GGUF whose pairs hold 24 million numbers, 2 million words and a string of 20 MiB (within the
+    table's bound): its metadata.json was 159 MB of JSON made on the daemon's request thread (the
+    daemon answered nothing else meanwhile), and kept; it is a summary of each, the short pairs whole."""
+    count = 24 << 20
+    path = _long_arrays(tmp_path / "big.gguf", count, 2_000_000, 20 << 20)
+    mountpoint = mounts.mount(path)
+    described = mountpoint / ".tensorfs" / "metadata.json"
+    assert described.stat().st_size < 4096
+    pairs = json.loads(described.read_bytes())["shards"]["big.gguf"]
+    assert pairs["nums"] == {"type": "ARRAY", "element_type": "UINT8", "length": count, "first": list(range(16))}
+    assert pairs["words"]["length"] == 2_000_000 and pairs["long"]["bytes"] == 20 << 20
+    assert (pairs["general.name"], pairs["after"], pairs["fits"]) == ("big", 7, [1, 2, 3])
+    assert (mountpoint / "w").read_bytes() == bytes(32)
 
 
 def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path: Path) -> None:

@@ -262,3 +262,40 @@ def test_a_synthesized_layout_is_made_off_the_request_thread(tmp_path: Path, mon
         assert threading.main_thread() not in built_on  # workers' threads, never the one answering requests
         data = run(ops.read, first.st_ino, 0, first.st_size)
         assert data[8 : 8 + int.from_bytes(data[:8], "little")].startswith(b'{"t0":')
+
+
+def test_control_files_are_made_off_the_request_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """index.json and metadata.json tell of every tensor, every key of a model (a GGUF's arrays took
+    26 s and 1.9 GB to make on the request thread, the daemon answering nothing else meanwhile):
+    a lookup, a getattr or a listing of .tensorfs/ has them made on a worker thread, once."""
+    import threading
+
+    write_reference(tmp_path / "m.safetensors", {"w": ("U8", [1], b"x")})
+    made_on: list[tuple[str, threading.Thread]] = []
+
+    def maker(name: str) -> Any:
+        def make() -> bytes:
+            made_on.append((name, threading.current_thread()))
+            return name.encode()
+
+        return make
+
+    with tensorfs.open_model(tmp_path / "m.safetensors") as model:
+        makers = {name: maker(name) for name in ("index.json", "metadata.json", "daemon.json")}
+        ops = TensorOperations(Tree(model, "slash", makers), Integrity(Hasher(model)))
+        control = run(ops.lookup, ROOT_INODE, b".tensorfs", None).st_ino
+        assert made_on == []  # nothing asked of the files yet
+        described = run(ops.lookup, control, b"metadata.json", None)
+        assert described.st_size == len(b"metadata.json") and [name for name, _ in made_on] == ["metadata.json"]
+        run(ops.getattr, described.st_ino, None)
+        listed: list[bytes] = []
+
+        async def listing() -> None:
+            await ops.readdir(control, 0, None)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, entry, offset: listed.append(name) or True)
+        run(listing)
+        assert b"index.json" in listed and sorted(name for name, _ in made_on) == sorted(makers)  # each once
+        assert threading.main_thread() not in [thread for _, thread in made_on]  # never the request thread
+        fh = run(ops.open, described.st_ino, os.O_RDONLY, None).fh
+        assert bytes(run(ops.read, fh, 0, 4096)) == b"metadata.json"

@@ -172,7 +172,7 @@ def test_rows_unused_for_30_days_are_dropped(model: Path, tmp_path: Path, monkey
     with sqlite3.connect(database) as db:
         rows = sorted(db.execute("SELECT kind, key FROM rows").fetchall())
         assert len(rows) == 4  # two shards, the index, the model's checks
-        kept, *aged = rows  # the index's ('index/2' sorts first) stays: the shards' and the checks' go
+        kept, *aged = rows  # the index's ('index/N' sorts first) stays: the shards' and the checks' go
         assert kept[0].startswith("index/")
         db.execute("UPDATE rows SET used=?", (time.time() - 31 * day,))
         db.execute("UPDATE rows SET used=? WHERE kind=? AND key=?", (time.time() - 29 * day, *kept))

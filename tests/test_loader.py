@@ -7,9 +7,13 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import json
 import os
+import struct
 import sys
 import threading
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ import safetensors
 import safetensors.torch
 import torch
 import trio
+from gguf_files import info, raw_gguf
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,12 +38,15 @@ from helpers import (
     fuzzing,
     in_byte_order,
     random_bytes,
+    refused_in_one_line,
     same_tensor,
     sharded_every_dtype,
     upload,
     write_reference,
 )
 from servers import Nginx, SeaweedFS
+from tensorfs.dtypes import DTYPE_NAMED
+from tensorfs.formats import shape_text, table
 from tensorfs.manifest import DEFAULT_MANIFEST, format_manifest
 
 names = st.text(st.sampled_from("abcxyz019._/é名"), min_size=1, max_size=12).filter(
@@ -396,6 +404,86 @@ def test_atensors_under_asyncio_and_trio(many: tuple[Path, dict[str, bytes]]) ->
     with tensorfs.open_model(path) as model:
         assert asyncio.run(collect(model)) == sorted(expected.items())
         assert trio.run(collect, model) == sorted(expected.items())
+
+
+def _safetensors_of(path: Path, header: dict[str, Any], data: bytes = b"") -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _checkpoint_of_shape(path: Path, shape: tuple[int, ...]) -> Path:
+    """A checkpoint of one F32 tensor of `shape` over an empty storage (no element, whatever its shape)."""
+
+    def long1(value: int) -> bytes:
+        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        return b"\x8a" + bytes([len(raw)]) + raw
+
+    storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x00tQ"
+    sizes = b"(" + b"".join(map(long1, shape)) + b"t"
+    strides = b"(" + b"".join(map(long1, [1] * len(shape))) + b"t"
+    rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00" + sizes + strides + b"\x89}tR"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02}X\x01\x00\x00\x00t" + rebuild + b"s.")
+        archive.writestr("archive/version", b"3\n")
+        archive.writestr(zipfile.ZipInfo("archive/data/0"), b"")
+    return path
+
+
+BIG = (1 << 63) - 1
+ABSURD_SHAPES: dict[str, tuple[Callable[[Path], Path], tuple[int, ...], str]] = {
+    "safetensors": (
+        lambda d: _safetensors_of(d / "a.safetensors", {"t": {"dtype": "U8", "shape": [0, 2**32, 2**32], "data_offsets": [0, 0]}}),
+        (0, 2**32, 2**32), "U8",
+    ),
+    "safetensors of 65 dimensions": (
+        lambda d: _safetensors_of(d / "d.safetensors", {"t": {"dtype": "U8", "shape": [1] * 65, "data_offsets": [0, 1]}}, b"x"),
+        (1,) * 65, "U8",
+    ),
+    "gguf": (
+        lambda d: write_bytes(d / "a.gguf", raw_gguf([], [info("t", [0, 2**62, 2**62], 0, 0)])),
+        (2**62, 2**62, 0), "F32",
+    ),
+    "pytorch": (lambda d: _checkpoint_of_shape(d / "a.bin", (0, BIG, BIG)), (0, BIG, BIG), "F32"),
+}  # fmt: skip
+"""Files each format's own rules accept (the reference readers read them: safetensors 0.8,
+llama.cpp's checks, torch.load) of a tensor numpy or torch cannot make an array of: its shape and dtype."""
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("case", list(ABSURD_SHAPES))
+def test_shapes_numpy_or_torch_cannot_make_are_refused_in_every_format(case: str, tmp_path: Path) -> None:
+    """Such a tensor has no element, or one byte: validated by its format's rules alone, load_file met
+    numpy's or torch's own error. Every format's table passes one rule (formats/table.py), which
+    refuses it, naming the file and the tensor, in one line."""
+    make, shape, dtype = ABSURD_SHAPES[case]
+    path = make(tmp_path)
+    numpy_dtype = DTYPE_NAMED[dtype].numpy
+    with pytest.raises(ValueError):  # the control: numpy cannot (nor torch, but beyond 64 dimensions)
+        np.frombuffer(b"", dtype=numpy_dtype).reshape(shape) if 0 in shape else np.empty(shape, numpy_dtype)
+    if 0 in shape:
+        with pytest.raises(RuntimeError, match="overflow"):
+            torch.empty(shape, dtype=torch.float32)
+    expected = f"tensor 't': {len(shape)} dimensions" if len(shape) > 64 else f"tensor 't': shape {shape_text(shape)}"
+    refused_in_one_line(path, expected, lambda path: tensorfs.load_file(path, cache=False))
+    if case == "safetensors":  # just within: both make it
+        within = _safetensors_of(
+            tmp_path / "w.safetensors", {"t": {"dtype": "U8", "shape": [0, 2**31, 2**31], "data_offsets": [0, 0]}}
+        )
+        assert tensorfs.load_file(within, "np")["t"].shape == tensorfs.load_file(within)["t"].shape == (0, 2**31, 2**31)
+
+
+def test_no_dtype_packs_more_elements_a_byte_than_the_shape_rule_counts() -> None:
+    """The shape rule looks only at empty tensors, tensors of many dimensions and files past
+    MAX_BYTES / DENSEST bytes (table.shape_problems): any other tensor spans at most DENSEST times its
+    bytes, if no dtype holds more elements a byte than that."""
+    for dtype in DTYPE_NAMED.values():
+        per_byte = dtype.block_size / dtype.type_size if dtype.block_size > 1 else 8 / dtype.bits
+        assert per_byte <= table.DENSEST, dtype.name
 
 
 # -- errors and lifetime ----------------------------------------------------------------------

@@ -10,9 +10,11 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
+import sys
 import warnings
 import zipfile
 import zlib
@@ -33,7 +35,7 @@ from conftest import Mounts
 from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, refused_in_one_line
 from servers import Nginx, SeaweedFS
 from tensorfs.errors import InvalidModelError
-from tensorfs.formats import pytorch
+from tensorfs.formats import pickled, pytorch
 
 SAFETENSORS_NAME = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
 """torch dtype -> safetensors dtype name, from the reference library's own table."""
@@ -240,6 +242,88 @@ def test_pickles_cost_time_and_memory_in_proportion_to_their_length(tmp_path: Pa
         ours(checkpoint(tmp_path / "copies.bin", again, {}))
 
 
+def _shared_tree(depth: int) -> bytes:
+    """Tuples t(k+1) = (t(k), t(k)) made through the memo (2^depth leaves in 9 bytes a level), kept in a
+    list under "x"; then the pickle `_shared_tree(depth) + VALUE + b"s."` puts VALUE in the dict."""
+    levels = b"h\x01h\x01\x86q\x01a" * depth  # BINGET 1 twice, TUPLE2, BINPUT 1, APPEND
+    return b"\x80\x02}q\x00X\x01\x00\x00\x00x])q\x01a" + levels + b"s"
+
+
+def _wrapped_rebuilds(count: int) -> bytes:
+    """_rebuild_from_type_v2(_rebuild_from_type_v2, Tensor, (... torch.Size, Tensor, ((1, 2),), {}) ...):
+    each call the next one's function, `count` deep."""
+    outer = b"(h\x00ctorch\nTensor\nq\x01" + b"(h\x00h\x01" * (count - 1)
+    inner = b"(ctorch\nSize\nh\x01K\x01K\x02\x86\x85}t" + b"}t" * (count - 1) + b"}t"
+    call = b"ctorch._tensor\n_rebuild_from_type_v2\nq\x00" + outer + inner + b"R"
+    return b"\x80\x02}X\x01\x00\x00\x00k" + call + b"s."
+
+
+PICKLES_OF_SHARED_AND_DEEP_STRUCTURES: dict[str, tuple[bytes, str | None]] = {
+    "a key of 2^100 leaves in 100 shared tuples": (_shared_tree(100) + b"h\x01K\x00s.", None),
+    "a key of tuples 100,000 deep": (b"\x80\x02}q\x00)" + b"\x85" * 100_000 + b"K\x00s.", None),
+    "640,000 nested dicts": (b"\x80\x02" + b"}X\x01\x00\x00\x00a" * 640_000 + b"}" + b"s" * 640_000 + b".", None),
+    "a rebuild wrapped 100,000 times": (_wrapped_rebuilds(100_000), None),
+    "a device of 2^100 leaves": (
+        _shared_tree(100) + b"X\x01\x00\x00\x00dctorch\ndevice\nh\x01\x85Rs.",
+        "torch.device of something other than a string",
+    ),
+    "a storage keyed by 2^100 leaves": (
+        _shared_tree(100)
+        + b"X\x01\x00\x00\x00s(X\x07\x00\x00\x00storagectorch\nFloatStorage\nh\x01X\x03\x00\x00\x00cpuK\x00tQs.",
+        "storage a tuple: its key, location or size is not what torch writes",
+    ),
+}  # fmt: skip
+"""Pickles of a few bytes a level whose structures a recursive walk or a text of them would take
+forever over (each level doubles the leaves) or overflow the stack with; and what each is told."""
+
+
+@pytest.mark.parametrize("case", list(PICKLES_OF_SHARED_AND_DEEP_STRUCTURES))
+def test_shared_and_deep_structures_are_walked_once_in_a_loop(case: str, tmp_path: Path) -> None:
+    """Each is read, or refused in one line, by `tensorfs validate` in a process of its own within a
+    generous bound (a hang guard: a walk of the 2^100 leaves never ends, a recursive one overflows
+    its stack into a traceback, the names of 640,000 nested dicts take 640,000^2 characters); and
+    the work charged to the pickle's budget is a few items a byte of it."""
+    data, refusal = PICKLES_OF_SHARED_AND_DEEP_STRUCTURES[case]
+    path = checkpoint(tmp_path / "p.bin", data, {})
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", "validate", "--no-cache", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    if refusal is None:
+        assert (done.returncode, done.stderr) == (0, "") and "valid: 1 shard, 0 tensors" in done.stdout
+        budget = pickled.Budget(len(data))
+        assert pickled.tensors(pickled.load(data, budget), budget) == []
+        assert budget.spent <= 3 * len(data), (budget.spent, len(data))
+    else:
+        assert done.returncode == 1 and done.stderr == f"error: {path}: data.pkl {refusal}\n"
+
+
+def _nested_with_a_tensor_each(levels: int) -> bytes:
+    """{"a": t, "b": {"a": t, "b": {... {"a": t}}}}, `levels` dicts, t one tensor named again through the memo."""
+    out = io.BytesIO()
+    _Pickler(out, protocol=2).dump(_Rebuild("FloatStorage", "0", 4, 0, (2, 2), (2, 1)))
+    tensor = out.getvalue()[2:-1] + b"r\x00\x00\x10\x00"  # LONG_BINPUT 2^20: past the pickler's own
+    a, b, again = b"X\x01\x00\x00\x00a", b"X\x01\x00\x00\x00b", b"j\x00\x00\x10\x00"
+    middle = (b"}(" + a + again + b) * (levels - 2)
+    return b"\x80\x02}(" + a + tensor + b + middle + b"}(" + a + again + b"u" * levels + b"."
+
+
+def test_names_are_charged_to_the_pickles_budget(tmp_path: Path) -> None:
+    """A tensor in each of 3,000 nested dicts (a 50 KB pickle): names of 9 million characters
+    ("b.b.b. ... .a"), made of what the pickle names again and again. Their making is charged to
+    the budget, which refuses it (such names are no file names anyway); a hundred levels are read."""
+    data = _nested_with_a_tensor_each(3_000)
+    path = checkpoint(tmp_path / "names.bin", data, {"0": F32_BYTES})
+    refused_in_one_line(path, "costs more than 16 items a byte of it to read", lambda path: ours(path, cache=False))
+    data = _nested_with_a_tensor_each(100)
+    budget = pickled.Budget(len(data))
+    found = pickled.tensors(pickled.load(data, budget), budget)
+    assert [item.name for item in found] == ["b." * level + "a" for level in range(100)]
+    path = checkpoint(tmp_path / "hundred.bin", data, {"0": F32_BYTES})
+    assert ours(path) == reference(path)
+
+
 # -- the archive's rules -------------------------------------------------------------------------
 
 
@@ -344,6 +428,36 @@ def _quantized(tmp_path: Path) -> Path:
         return saved(tmp_path / "q.bin", {"q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)})
 
 
+def _short_zip64_extra(tmp_path: Path) -> Path:
+    """The last entry's sizes say "in the Zip64 extra field", whose header says 24 bytes and holds 8."""
+    path = checkpoint(tmp_path / "extra.bin", GOOD, {"0": F32_BYTES})
+    data = bytearray(path.read_bytes())
+    end = data.rindex(b"PK\x05\x06")
+    entry = _central_entry(data, b"archive/data/0")  # the last: its extra field ends where the end record begins
+    struct.pack_into("<II", data, entry + 20, 0xFFFFFFFF, 0xFFFFFFFF)
+    struct.pack_into("<H", data, entry + 30, 12)
+    struct.pack_into("<I", data, end + 12, struct.unpack_from("<I", data, end + 12)[0] + 12)  # the directory's size
+    data[end:end] = struct.pack("<HHQ", 1, 24, 16)
+    path.write_bytes(data)
+    return path
+
+
+def _lying_locator(tmp_path: Path) -> Path:
+    """torch.save's Zip64 locator, saying its end record is a byte before the classic one (past the file's end)."""
+    data = bytearray(saved(tmp_path / "locator.bin", {"t": torch.ones(4)}).read_bytes())
+    struct.pack_into("<Q", data, data.rindex(b"PK\x06\x07") + 8, data.rindex(b"PK\x05\x06") - 1)
+    (tmp_path / "locator.bin").write_bytes(data)
+    return tmp_path / "locator.bin"
+
+
+def _header_past_the_end(tmp_path: Path) -> Path:
+    data = bytearray(saved(tmp_path / "far.bin", {"t": torch.ones(4)}).read_bytes())
+    entry = _central_entry(data, b"far/data/0")  # torch names its folder after the file
+    struct.pack_into("<I", data, entry + 42, 0x7FFFFFFF)  # its local header's offset
+    (tmp_path / "far.bin").write_bytes(data)
+    return tmp_path / "far.bin"
+
+
 GOOD = state_pickle("FloatStorage", "0", 4, 0, (2, 2))
 F32_BYTES = bytes(16)
 ZIP_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
@@ -373,6 +487,9 @@ ZIP_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "a local header's name past the end": (_long_local_name, "archive/data/0's local header is not where"),
     "not a state dict": (lambda d: checkpoint(d / "l.bin", pickle.dumps([1, 2], protocol=2), {}),
                          "holds a list, not a dict of tensors"),
+    "a Zip64 extra field shorter than it says": (_short_zip64_extra, "says 24 bytes, past the end of its extra data"),
+    "a Zip64 locator that lies": (_lying_locator, "Zip64 end record is not where its locator says"),
+    "a local header past the end": (_header_past_the_end, "far/data/0's local header is not where the central"),
 }  # fmt: skip
 """Checkpoints that break one rule each (made in a directory), and what the one line says."""
 
@@ -447,6 +564,20 @@ def test_a_lazy_conjugate_is_refused_not_served_as_its_bytes(tmp_path: Path) -> 
 def test_each_rule_is_one_line_naming_the_file(case: str, tmp_path: Path) -> None:
     make, expected = ZIP_CASES[case]
     refused_in_one_line(make(tmp_path), expected, lambda path: tensorfs.open_model(path, cache=False))
+
+
+def test_every_read_of_an_archive_is_inside_it(tmp_path: Path) -> None:
+    """What an archive's records say is where to read, checked before it is read: a read past the
+    end of a file would be told as a file that shrank (locally) or not sent (from a store)."""
+    for case, (make, expected) in ZIP_CASES.items():
+        data = make(tmp_path).read_bytes()
+
+        def inside(offset: int, count: int, data: bytes = data, case: str = case) -> bytes:
+            assert min(offset, count) >= 0 and offset + count <= len(data), (case, offset, count, len(data))
+            return data[offset : offset + count]
+
+        with pytest.raises(InvalidModelError, match=re.escape(expected)):
+            pytorch.read_table(inside, len(data), "m.bin", "m.bin")
 
 
 def test_what_the_reference_reads_of_hand_made_archives_is_read(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ magic (8 bytes of length, then JSON): it takes what no other format claims.
 
 Adding a format: a module here with NAME (as ShardHeader.format says it), SUFFIXES (the names its
 files are found by), `sniff(first: bytes, name: str) -> bool`, `fits(...)` (whether tensors at
-given offsets could be such a file's: a check of a cached table),
+given offsets could be such a file's: a check of a cached table), `file_metadata` and
+`described_metadata` (what a file says of itself, whole, and within a bound),
 `read_table(read, size, path, label) -> ShardHeader` and `table_bytes(first, size) -> int` (how
 many of a file's first bytes its table takes, told from its first 64 KiB: a store is asked for
 just those), put in FORMATS ahead of safetensors. Its
@@ -22,10 +23,23 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..errors import Problem
+from ..errors import InvalidModelError, Problem
 from ..identity import ShardKey
 from . import gguf, pytorch, safetensors
-from .table import BEGIN, DTYPE, END, NAME, SHAPE, Entry, Reader, ShardHeader, TensorInfo, shape_text
+from .table import (
+    BEGIN,
+    DTYPE,
+    END,
+    NAME,
+    SHAPE,
+    Described,
+    Entry,
+    Reader,
+    ShardHeader,
+    TensorInfo,
+    shape_problems,
+    shape_text,
+)
 
 __all__ = [
     "BEGIN",
@@ -37,6 +51,7 @@ __all__ = [
     "SNIFF_BYTES",
     "WEIGHT_FILES",
     "WEIGHT_SUFFIXES",
+    "Described",
     "Entry",
     "Reader",
     "ShardHeader",
@@ -44,6 +59,7 @@ __all__ = [
     "across_files",
     "checkpoint_index_applies",
     "choose_files",
+    "described_metadata",
     "detect",
     "file_metadata",
     "fits_file",
@@ -72,6 +88,8 @@ class Format(Protocol):
     def fits(self, begins: list[int], ends: list[int], data_start: int, size: int, layout: Any) -> bool: ...
 
     def file_metadata(self, header: ShardHeader, read: Reader) -> dict[str, Any] | None: ...
+
+    def described_metadata(self, header: ShardHeader, read: Reader, into: Described) -> dict[str, Any] | None: ...
 
     def across_files(self, shards: list[tuple[str, ShardHeader]]) -> list[Problem]: ...
 
@@ -128,6 +146,12 @@ def file_metadata(header: ShardHeader, read: Reader) -> dict[str, Any] | None:
     return FORMAT_NAMED[header.format].file_metadata(header, read)
 
 
+def described_metadata(header: ShardHeader, read: Reader, into: Described) -> dict[str, Any] | None:
+    """file_metadata as .tensorfs/metadata.json has it: as much as fits `into` (table.Described),
+    made at a cost in proportion to what fits, whatever the file holds."""
+    return FORMAT_NAMED[header.format].described_metadata(header, read, into)
+
+
 def detect(first: bytes, name: str) -> Format:
     """The format of a file whose first bytes are `first` (up to SNIFF_BYTES) and whose name is `name`."""
     for format_ in FORMATS[:-1]:
@@ -138,9 +162,14 @@ def detect(first: bytes, name: str) -> Format:
 
 def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHeader:
     """The validated table of the file at `path` (`size` bytes, shown as `label`), whatever its format;
-    InvalidModelError listing every problem found. Tensor data is never read."""
+    InvalidModelError listing every problem found. Tensor data is never read. Every format's table
+    passes here: each tensor's shape must be one numpy and torch can make an array of (table.py)."""
     first = read(0, min(size, SNIFF_BYTES)) if len(FORMATS) > 1 else b""
-    return detect(first, str(path)).read_table(read, size, path, label)
+    header = detect(first, str(path)).read_table(read, size, path, label)
+    problems = shape_problems(header, label)
+    if problems:
+        raise InvalidModelError(problems)
+    return header
 
 
 def table_bytes(first: bytes, size: int) -> int:

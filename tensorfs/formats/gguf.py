@@ -26,9 +26,9 @@ import struct
 from typing import TYPE_CHECKING, Any
 
 from ..dtypes import GGML_ID, GGML_TYPES, DType
-from ..errors import InvalidModelError, Problem, printable
+from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..identity import ShardKey
-from .table import Entry, ShardHeader
+from .table import SUMMARY_CHARACTERS, SUMMARY_ITEMS, Described, Entry, ShardHeader, array_summary, string_summary
 
 if TYPE_CHECKING:
     from .table import Reader
@@ -442,6 +442,74 @@ def _value(cursor: _Cursor, kind: int) -> Any:
 
 def _text(cursor: _Cursor) -> str:
     return str(cursor.take(cursor.u64("a length"), "a string"), "utf-8")
+
+
+def described_metadata(header: ShardHeader, read: Reader, into: Described) -> dict[str, Any]:
+    """The key/value pairs, as far as they fit `into` (see described())."""
+    return described(read, header.layout or {}, into)
+
+
+def described(read: Reader, layout: dict[str, int], into: Described) -> dict[str, Any]:
+    """The key/value pairs of a GGUF whose table is `layout`, as .tensorfs/metadata.json has them:
+    decoded while they fit `into`; a string or array that does not fit summarized from its first
+    elements, and one that cannot never decoded whole (a 100 MiB array is stepped over, not made a
+    list of 100 million numbers); once a pair does not fit even so, the pairs from it on are left
+    out (into.left_out). Validated already: read again, in growing pieces, only as far as the last
+    pair looked at."""
+    start, end = layout["kv_start"], layout["kv_end"]
+    cursor = _Cursor(lambda offset, count: read(start + offset, count), end - start)
+    pairs: dict[str, Any] = {}
+    count = layout["kv_count"]
+    try:
+        for number in range(count):
+            if int.from_bytes(cursor.take(8, "a key's length"), "little") + 2 > into.left:
+                into.left_out += count - number  # not even the key fits: read no further
+                break
+            cursor.position -= 8
+            key = cursor.string("a key")
+            whole, summary = _described_value(cursor, cursor.u32("a type"), into.left)
+            if whole is not None and into.add(pairs, key, whole):
+                continue
+            if summary is None or not into.add(pairs, key, summary):
+                into.left_out += count - number
+                break
+    except _Fault as fault:  # the file changed since its table was validated
+        raise ShardChangedError(f"its key/value pairs are no longer those validated: {fault.reason}") from None
+    return pairs
+
+
+def _described_value(cursor: _Cursor, kind: int, room: int) -> tuple[Any, dict[str, Any] | None]:
+    """The value (None when it cannot fit in `room` bytes of JSON: then it is not decoded) and its
+    summary (None for a number). A string's JSON takes at least its bytes; an array's at least 3
+    bytes an element ("0, "), or its strings' bytes and 4 bytes each (quotes, ", ")."""
+    if kind in VALUE_SIZES:
+        return _value(cursor, kind), None
+    if kind == STRING:
+        length = cursor.u64("a string's length")
+        raw = cursor.take(length, "a string")
+        return str(raw, "utf-8") if length + 2 <= room else None, string_summary(_head(raw), length)
+    item = cursor.u32("an element type")
+    length = cursor.u64("an array's length")
+    if item in VALUE_SIZES:
+        size, shown = VALUE_SIZES[item], length if 3 * length <= room else min(length, SUMMARY_ITEMS)
+        values = list(struct.unpack(f"<{shown}{_VALUE_FORMATS[item]}", cursor.take(shown * size, "an array")))
+        cursor.take((length - shown) * size, "an array")
+        return values if shown == length else None, array_summary(VALUE_TYPE_NAMES[item], length, values)
+    begin = cursor.position
+    _skip_strings(cursor, length, "an array")
+    after = cursor.position
+    cursor.position = begin
+    first = [_head(cursor.take(cursor.u64("a length"), "a string")) for _ in range(min(length, SUMMARY_ITEMS))]
+    cursor.position = begin
+    # Its JSON takes at least its strings' bytes and 4 each: what it takes here, less 4 each (of 8).
+    whole = [_text(cursor) for _ in range(length)] if after - begin - 4 * length <= room else None
+    cursor.position = after
+    return whole, array_summary("STRING", length, first)
+
+
+def _head(raw: memoryview) -> str:
+    """The first SUMMARY_CHARACTERS characters of a string's bytes (a character cut at their end dropped)."""
+    return str(raw[: 4 * SUMMARY_CHARACTERS], "utf-8", "ignore")[:SUMMARY_CHARACTERS]
 
 
 def pairs(read: Reader, layout: dict[str, int]) -> list[tuple[str, bytes]]:

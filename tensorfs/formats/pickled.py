@@ -8,7 +8,11 @@ another user wrote. This machine walks the opcodes (pickletools decodes them, wi
 anything), and builds only lists, tuples, strings, numbers and its own records: a dict is its list
 of pairs, a global is a name looked up in ALLOWED (anything else is refused before anything is made
 of it, naming the global), and "calling" an allowed global makes one of the records below. So
-nothing of a pickle ever runs, memory stays in proportion to its length, and time too.
+nothing of a pickle ever runs, memory stays in proportion to its length, and time too: every walk
+over what it built is a loop (a structure nested 100,000 deep is no deeper a stack), each shared
+structure is walked once (a key of 2^60 leaves made of 60 tuples, each twice the one below, costs
+60 steps), and what the calls copy, the walks visit and the names made take is charged to one
+Budget, in proportion to the pickle's length.
 """
 
 from __future__ import annotations
@@ -28,11 +32,31 @@ MAX_MEMO_INDEX = 1 << 32
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 MAX_INT = (1 << 63) - 1
 WORK_PER_BYTE = 16
-"""Items a pickle's calls may copy, a byte of it (a state dict's copy a few in all)."""
+"""Items a pickle's reading may cost, a byte of it: what its calls copy, what the walks over what it
+built visit, the characters of the names made (a state dict's cost a few a byte in all)."""
+WORK_FLOOR = 1_000_000
+"""Items any pickle may cost, however short."""
+SHOWN_CHARACTERS = 120
+"""The most of a string from a pickle that a message shows."""
 
 
 class Refused(Exception):
     """What makes the pickle unreadable, in one line."""
+
+
+class Budget:
+    """The work reading one pickle may cost, in items (WORK_PER_BYTE a byte of it, WORK_FLOOR at
+    least): each step that could be repeated on what a short pickle names again and again is charged
+    here, and Refused once the budget is spent."""
+
+    def __init__(self, length: int) -> None:
+        self.limit = WORK_PER_BYTE * length + WORK_FLOOR
+        self.spent = 0
+
+    def charge(self, cost: int) -> None:
+        self.spent += cost
+        if self.spent > self.limit:
+            raise Refused(f"costs more than {WORK_PER_BYTE} items a byte of it to read: not what torch.save writes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,15 +240,13 @@ def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, _st
     return _parameter(data, requires_grad, hooks)
 
 
-def _from_type(function: Any, new_type: Any, args: Any, _state: Any) -> Any:
-    """torch._tensor._rebuild_from_type_v2(function, type, args, state): a Tensor or Parameter made by `function`."""
+def _from_type(function: Any, new_type: Any, args: Any, _state: Any) -> tuple[Any, Any]:
+    """torch._tensor._rebuild_from_type_v2(function, type, args, state): a Tensor or Parameter made by
+    `function(*args)`; the call it makes, which _call makes in turn (never by recursion: a pickle can
+    wrap one in another 100,000 times)."""
     if not isinstance(new_type, _Global) or str(new_type) not in ("torch.Tensor", "torch.nn.parameter.Parameter"):
-        raise Refused(f"a tensor of type {new_type} (only torch.Tensor and Parameter are read)")
-    return _call(function, args, _free)
-
-
-def _free(cost: int) -> None:
-    """The charge of a call made within a call (its arguments were paid for by the outer one)."""
+        raise Refused(f"a tensor of type {_what(new_type)} (only torch.Tensor and Parameter are read)")
+    return function, args
 
 
 def _ordered_dict(*args: Any) -> Pairs:
@@ -246,8 +268,12 @@ def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode(str(encoding))
 
 
-def _one_string(value: Any = "cpu", *_: Any) -> str:
-    return str(value)
+def _device(value: Any = "cpu", *_: Any) -> str:
+    """torch.device("cpu"), torch.device("cuda", 0): its type's name (a str of anything else could be
+    the text of a structure of 2^60 leaves)."""
+    if not isinstance(value, str):
+        raise Refused("torch.device of something other than a string")
+    return value
 
 
 def _as_tuple(value: Any = ()) -> tuple[Any, ...]:
@@ -276,9 +302,9 @@ CALLABLE: dict[str, Callable[..., Any]] = {
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter_with_state,
     "torch.nn.parameter.Parameter": _parameter,
-    "torch._tensor._rebuild_from_type_v2": _from_type,
+    "torch._tensor._rebuild_from_type_v2": _from_type,  # unwrapped by _call
     "torch.Size": _as_tuple,
-    "torch.device": _one_string,
+    "torch.device": _device,
     "_codecs.encode": _encode,
     "builtins.set": _as_list,
     "builtins.frozenset": _as_list,
@@ -308,7 +334,7 @@ def _lookup(module: str, name: str) -> Any:
         return _Global(module, name)
     if module == "torch._utils" and name in UNSUPPORTED_REBUILDS:
         raise Refused(f"holds {UNSUPPORTED_REBUILDS[name]} ({full}), which tensorfs does not read")
-    raise Refused(f"names the global {full!r}, which a state dict saved by torch.save never does: refused unrun")
+    raise Refused(f"names the global {_shown(full)}, which a state dict saved by torch.save never does: refused unrun")
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,22 +344,39 @@ class _StorageClass:
     """The safetensors dtype; "" for an UntypedStorage; None for one safetensors has no dtype for."""
 
 
-def _call(function: Any, args: Any, charge: Callable[[int], None]) -> Any:
-    if not isinstance(function, _Global) or str(function) not in CALLABLE:
-        raise Refused(f"calls {_what(function)}, which is not one of the functions a state dict's pickle calls")
-    if not isinstance(args, tuple):
-        raise Refused(f"calls {function} with arguments that are not a tuple")
-    # What a call copies (a list made a tuple, a string encoded) is paid for: called again and again
-    # on one long list, it would make a short pickle take hours.
-    charge(1 + sum(len(arg) for arg in args if isinstance(arg, str | bytes | list | tuple)))
-    try:
-        return CALLABLE[str(function)](*args)
-    except TypeError:
-        raise Refused(f"calls {function} with {len(args)} arguments") from None
+_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
+
+
+def _call(function: Any, args: Any, budget: Budget) -> Any:
+    """What calling `function` (a _Global) with `args` makes here; a _rebuild_from_type_v2 is the
+    call it wraps, made in turn."""
+    while True:
+        if not isinstance(function, _Global) or str(function) not in CALLABLE:
+            raise Refused(f"calls {_what(function)}, which is not one of the functions a state dict's pickle calls")
+        if not isinstance(args, tuple):
+            raise Refused(f"calls {function} with arguments that are not a tuple")
+        # What a call copies (a list made a tuple, a string encoded) is paid for: called again and
+        # again on one long list, it would make a short pickle take hours.
+        budget.charge(1 + sum(len(arg) for arg in args if isinstance(arg, str | bytes | list | tuple)))
+        try:
+            made = CALLABLE[str(function)](*args)
+        except TypeError:
+            raise Refused(f"calls {function} with {len(args)} arguments") from None
+        if str(function) != _FROM_TYPE:
+            return made
+        function, args = made
 
 
 def _what(value: Any) -> str:
+    """What a message says of a value a pickle made: a global's name, else its type (never its text:
+    a tuple of 2^60 leaves has a text of their length)."""
     return str(value) if isinstance(value, _Global) else f"a {type(value).__name__}"
+
+
+def _shown(text: str) -> str:
+    """A string of a pickle as a message quotes it: its first SHOWN_CHARACTERS (a pickle's strings
+    may take 64 MiB)."""
+    return repr(text) if len(text) <= SHOWN_CHARACTERS else f"{text[:SHOWN_CHARACTERS]!r}... ({len(text):,} characters)"
 
 
 def _storage(pid: Any) -> Storage:
@@ -344,28 +387,31 @@ def _storage(pid: Any) -> Storage:
     if not isinstance(kind, _StorageClass):
         raise Refused(f"a storage of {_what(kind)}, which is not a torch storage class")
     if not isinstance(key, str) or not isinstance(location, str) or type(count) is not int or count < 0:
-        raise Refused(f"storage {key!r}: its key, location or size is not what torch writes")
+        shown = _shown(key) if isinstance(key, str) else _what(key)
+        raise Refused(f"storage {shown}: its key, location or size is not what torch writes")
     if kind.dtype_name is None:
-        raise Refused(f"storage {key}: a torch.{kind.name} (safetensors has no such dtype)")
+        raise Refused(f"storage {_shown(key)}: a torch.{kind.name} (safetensors has no such dtype)")
     return Storage(key, DTYPES[kind.dtype_name] if kind.dtype_name else None, count)
 
 
 _MARK = object()
 
 
-def load(data: bytes) -> Any:
-    """What the pickle `data` makes, as this machine builds it (Pairs, lists, tuples, Tensors, ...).
+def state_dict(data: bytes) -> list[Found]:
+    """The tensors of the checkpoint whose pickle is `data` (see tensors()), read within one Budget;
     Refused with the reason when it is not a state dict's pickle."""
+    budget = Budget(len(data))
+    return tensors(load(data, budget), budget)
+
+
+def load(data: bytes, budget: Budget) -> Any:
+    """What the pickle `data` makes, as this machine builds it (Pairs, lists, tuples, Tensors, ...),
+    its work charged to `budget`. Refused with the reason when it is not a state dict's pickle."""
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
     storages: dict[str, Storage] = {}
-    budget = [WORK_PER_BYTE * len(data) + 1_000_000]
-
-    def charge(cost: int) -> None:
-        budget[0] -= cost
-        if budget[0] < 0:
-            raise Refused(f"builds more than {WORK_PER_BYTE} items a byte of it: not what torch.save writes")
+    keys = _Keys(budget)
 
     def pop_mark() -> list[Any]:
         if not marks:
@@ -399,7 +445,7 @@ def load(data: bytes) -> Any:
     def set_items(target: Any, items: list[Any]) -> None:
         if not isinstance(target, Pairs) or len(items) % 2:
             raise Refused(f"sets items of {_what(target)}, which is not a dict")
-        if not all(map(_hashable, items[::2])):
+        if not all(map(keys.hashable, items[::2])):
             raise Refused("a dict's key is a list or a dict, which no dict can have (torch refuses it)")
         target.extend(zip(items[::2], items[1::2], strict=True))
 
@@ -407,7 +453,7 @@ def load(data: bytes) -> Any:
         storage = _storage(pid)
         seen = storages.setdefault(storage.key, storage)
         if seen != storage:
-            raise Refused(f"storage {storage.key} is named twice, as different storages")
+            raise Refused(f"storage {_shown(storage.key)} is named twice, as different storages")
         return seen
 
     unread = None  # an opcode torch does not read: refused at the end, for a global named is the better reason
@@ -484,7 +530,7 @@ def load(data: bytes) -> Any:
             stack.append(_lookup(module, global_name))
         elif name == "REDUCE":
             args = pop()
-            stack.append(_call(pop(), args, charge))
+            stack.append(_call(pop(), args, budget))
         elif name == "BUILD":
             state = pop()
             target = top()
@@ -504,11 +550,29 @@ def load(data: bytes) -> Any:
     raise Refused("the pickle has no STOP: truncated")
 
 
-def _hashable(key: Any) -> bool:
-    """Whether Python could make `key` a dict's key (a list or a dict cannot be one, nor a tuple of them)."""
-    if isinstance(key, list):  # Pairs (a dict) too
-        return False
-    return all(map(_hashable, key)) if isinstance(key, tuple) else True
+class _Keys:
+    """Which values could be a dict's key, each tuple of a pickle walked once: a key built as a shared
+    tree (each level a tuple of two references to the one below) has 2^depth leaves and depth tuples."""
+
+    def __init__(self, budget: Budget) -> None:
+        self._budget = budget
+        self._walked: dict[int, tuple[Any, ...]] = {}
+        """The tuples walked, by id (each kept, so that its id is never another's)."""
+
+    def hashable(self, key: Any) -> bool:
+        """Whether Python could make `key` a dict's key: no list or dict in it, nor in a tuple
+        within. A tuple once walked is not walked again: what it holds never changes, and a key
+        found unhashable ends the pickle (Refused)."""
+        pending = [key]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, list):  # Pairs (a dict) too
+                return False
+            if isinstance(item, tuple) and id(item) not in self._walked:
+                self._walked[id(item)] = item
+                self._budget.charge(1 + len(item))
+                pending += item
+        return True
 
 
 TORCH_OPCODES = frozenset({
@@ -594,36 +658,54 @@ class Found:
     tensor: Tensor
 
 
-def tensors(root: Any) -> list[Found]:
+_Prefix = tuple[Any, str] | None
+"""The keys above a container, as (the prefix above its own, its key): a name is made only for a
+tensor (a chain of 640,000 dicts would make names of a total length of 640,000^2 / 2 otherwise)."""
+
+
+def tensors(root: Any, budget: Budget) -> list[Found]:
     """Every tensor under the checkpoint's top dict, in order: a state dict's keys are its names; a
     dict within (a checkpoint of {"model": {...}}) adds its key and a '.'. Other values (numbers,
     strings: an epoch, a config) are not tensors, and are left out. A key given twice counts once,
-    its last value (as a dict has it), at its first place."""
+    its last value (as a dict has it), at its first place. Each container is walked once, and each
+    item it holds and each name made charged to `budget`."""
     if not isinstance(root, Pairs):
         raise Refused(f"holds {_what(root)}, not a dict of tensors (a state dict)")
     found: dict[str, Tensor] = {}
     seen: set[int] = set()
-    pending: list[tuple[str, Any]] = [("", root)]
+    pending: list[tuple[_Prefix, Any]] = [(None, root)]
     while pending:
         prefix, container = pending.pop()
         if id(container) in seen:  # a dict reached twice (or within itself): its tensors are named once
             continue
         seen.add(id(container))
-        later: list[tuple[str, Any]] = []
+        budget.charge(1 + len(container))
+        later: list[tuple[_Prefix, Any]] = []
         for key, value in _items(container):
             if not _nameable(key):
                 if _holds_tensors(value):
                     raise Refused(f"a tensor under a key of {_what(key)} (names are strings)")
                 continue
-            name = f"{prefix}{key}"
             if isinstance(value, Tensor):
+                name = _name(prefix, str(key), budget)
                 if name in found:
-                    raise Refused(f"two tensors are named {name!r} (a key with a '.' and a dict within)")
+                    raise Refused(f"two tensors are named {_shown(name)} (a key with a '.' and a dict within)")
                 found[name] = value
             elif isinstance(value, list | tuple):
-                later.append((f"{name}.", value))
+                later.append(((prefix, str(key)), value))
         pending += reversed(later)
     return [Found(name, tensor) for name, tensor in found.items()]
+
+
+def _name(prefix: _Prefix, key: str, budget: Budget) -> str:
+    """The name of what is under `key` below `prefix`: the keys from the top, joined with '.'."""
+    parts = [key]
+    while prefix is not None:
+        prefix, part = prefix
+        parts.append(part)
+    name = ".".join(reversed(parts))
+    budget.charge(len(parts) + len(name))
+    return name
 
 
 def _items(container: Any) -> list[tuple[Any, Any]]:

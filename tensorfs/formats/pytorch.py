@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidModelError, Problem
 from ..identity import ShardKey
 from . import pickled
-from .table import Entry, ShardHeader
+from .table import Described, Entry, ShardHeader
 
 if TYPE_CHECKING:
     from .table import Reader
@@ -81,6 +81,21 @@ class _Fault(Exception):
     """What is wrong where the checkpoint cannot be read any further."""
 
 
+def _inside(read: Reader, size: int) -> Reader:
+    """`read`, for bytes inside the file alone: every offset and length is an archive record's word,
+    and a read past the end would be told as a file that shrank (or, from a store, not sent)."""
+
+    def inside(offset: int, count: int) -> bytes:
+        if offset < 0 or count < 0 or offset + count > size:
+            raise _Fault(
+                f"the zip's records point at bytes {offset:,} to {offset + count:,}, outside the file "
+                f"({size:,} bytes): damaged"
+            )
+        return read(offset, count)
+
+    return inside
+
+
 @dataclass(frozen=True, slots=True)
 class _Record:
     """An entry of the central directory."""
@@ -101,6 +116,7 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
     from `read(offset, count)`: the central directory, the local headers of the entries it uses, the
     pickle. Tensor data is never read. InvalidModelError listing what is wrong."""
     problems: list[Problem] = []
+    read = _inside(read, size)
     try:
         if _exactly(read, 0, min(size, 4)) == LEGACY_MAGIC:
             raise _Fault(
@@ -120,7 +136,7 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
             raise _Fault("data.pkl's bytes did not all come")
         if zlib.crc32(data) != pickle_record.crc:
             raise _Fault(f"{pickle_record.name} does not match its CRC-32: the archive is damaged")
-        found = pickled.tensors(pickled.load(data))
+        found = pickled.state_dict(data)
     except pickled.Refused as refused:
         raise InvalidModelError([Problem(label, f"data.pkl {refused}")]) from None
     except _Fault as fault:
@@ -191,7 +207,8 @@ def _central_directory(read: Reader, size: int) -> tuple[dict[str, _Record], int
         _, record_disk, record_at, disks = _LOCATOR.unpack(locator)
         if record_disk or disks > 1:
             raise _Fault("a zip archive split over several disks")
-        fields = _EOCD64.unpack(_exactly(read, record_at, _EOCD64.size)) if record_at < end_at else None
+        fits = record_at + _EOCD64.size <= end_at - _LOCATOR.size
+        fields = _EOCD64.unpack(_exactly(read, record_at, _EOCD64.size)) if fits else None
         if fields is None or fields[0] != _EOCD64_SIG or record_at + 12 + fields[1] != end_at - _LOCATOR.size:
             raise _Fault("a Zip64 archive whose Zip64 end record is not where its locator says")
         classic = (disk, directory_disk, on_disk, count, directory_size, directory_start)
@@ -254,6 +271,10 @@ def _zip64(extra: bytes, size: int, compressed: int, offset: int, disk: int) -> 
     position = 0
     while position + 4 <= len(extra):
         tag, length = struct.unpack_from("<HH", extra, position)
+        if position + 4 + length > len(extra):
+            raise _Fault(
+                f"a zip entry's extra field (tag {tag:#06x}) says {length} bytes, past the end of its extra data"
+            )
         if tag == 1:
             values = iter(struct.unpack_from(f"<{length // 8}Q", extra, position + 4))
             try:
@@ -289,6 +310,8 @@ def _data_starts(read: Reader, size: int, used: list[_Record], directory_start: 
     encrypted, named as in the central directory, inside the data before the central directory,
     not overlapping another."""
     for record in used:
+        if record.header_offset + _LOCAL.size > directory_start:
+            raise _Fault(f"{record.name}'s local header is not where the central directory says (past the data)")
         if record.flags & _UNREAD_FLAGS:
             raise _Fault(
                 f"{record.name} is encrypted or patch data (zip flags {record.flags:#06x}): torch reads neither"
@@ -431,6 +454,11 @@ def table_bytes(first: bytes, size: int) -> int:
 def file_metadata(header: ShardHeader, read: Reader) -> dict[str, str] | None:
     """What the checkpoint says of itself, as its safetensors view says it: {"format": "pt"}."""
     return header.metadata
+
+
+def described_metadata(header: ShardHeader, read: Reader, into: Described) -> dict[str, Any] | None:
+    """{"format": "pt"}, as far as it fits `into`."""
+    return into.of(header.metadata)
 
 
 def across_files(shards: list[tuple[str, ShardHeader]]) -> list[Problem]:

@@ -22,7 +22,7 @@ from ..dtypes import DTYPES, DType
 from ..errors import InvalidModelError, Problem, printable
 from ..gcpause import gc_paused
 from ..identity import ShardKey
-from .table import BEGIN, END, SHAPE, Entry, ShardHeader, shape_text
+from .table import BEGIN, END, SHAPE, Described, Entry, ShardHeader, shape_text
 
 if TYPE_CHECKING:
     from .table import Reader
@@ -68,6 +68,11 @@ def across_files(shards: list[tuple[str, ShardHeader]]) -> list[Problem]:
 def file_metadata(header: ShardHeader, read: Reader) -> dict[str, str] | None:
     """What the file says of itself: its header's `__metadata__` (None when it has none)."""
     return header.metadata
+
+
+def described_metadata(header: ShardHeader, read: Reader, into: Described) -> dict[str, Any] | None:
+    """The header's `__metadata__`, as far as it fits `into`."""
+    return into.of(header.metadata)
 
 
 def fits(begins: list[int], ends: list[int], data_start: int, size: int, layout: object) -> bool:
@@ -420,12 +425,20 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 
 def _depth(value: Any) -> int:
-    """How many containers deep a parsed JSON value goes (an object is a list of pairs here)."""
-    if type(value) is tuple:  # a (key, value) pair inside an object: no level of its own
-        return _depth(value[1])
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
+    """How many containers deep a parsed JSON value goes (an object is a list of pairs here).
+
+    With a stack, not recursion: json parses arrays nested several hundred deep, deeper than
+    Python's stack takes a recursive walk of them."""
+    deepest = 0
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if type(item) is tuple:  # a (key, value) pair inside an object: no level of its own
+            item = item[1]
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            pending += [(child, depth + 1) for child in item if isinstance(child, list | tuple)]
+    return deepest
 
 
 def _nbytes(shape: list[int], dtype: DType, name: str, label: str, problems: list[Problem]) -> int | None:

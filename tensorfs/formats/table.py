@@ -7,11 +7,14 @@ alone: nothing past formats/ knows which format a file is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ..dtypes import DTYPE_NAMED, DType
+from ..errors import Problem
 from ..identity import ShardKey, shard_name
 
 if TYPE_CHECKING:
@@ -105,3 +108,104 @@ class ShardHeader:
         return TensorInfo(
             name, dtype.name, tuple(shape), end - begin, self.path, self.data_start + begin, (begin, end), self.format
         )
+
+
+MAX_DIMS = 64
+"""The most dimensions a tensor may have: numpy's limit (NPY_MAXDIMS), and torch.load's."""
+MAX_BYTES = (1 << 63) - 1
+"""The most bytes numpy and torch let an array's dimensions span (its dimensions of 0 aside)."""
+DENSEST = 8
+"""The most elements of any dtype a byte holds (F4: 2; ggml's densest, IQ1_S: 5.12)."""
+
+
+def shape_problem(dtype: DType, shape: Sequence[int]) -> str | None:
+    """Why numpy or torch could not make an array of this shape and dtype over a tensor's bytes
+    (None when they can): more than MAX_DIMS dimensions, or dimensions that, those of 0 aside, span
+    more than MAX_BYTES (numpy counts them so, torch's strides too: [0, 2^63-1, 2^63-1] has no
+    element, and neither can make it)."""
+    if len(shape) > MAX_DIMS:
+        return f"{len(shape)} dimensions: numpy and torch make arrays of at most {MAX_DIMS}"
+    width = dtype.bits // 8 or 1  # the raw bytes of packed types: one each
+    if math.prod(dim for dim in shape if dim) * width > MAX_BYTES:
+        return (
+            f"shape {shape_text(shape)}: its dimensions other than 0 span more than 2^63-1 bytes of "
+            f"{dtype.name}, which numpy and torch cannot make an array of"
+        )
+    return None
+
+
+def shape_problems(header: ShardHeader, label: str) -> list[Problem]:
+    """shape_problem of each of a table's tensors: the rule every format's table passes (formats/).
+    A tensor with bytes, of at most MAX_DIMS dimensions, in a file of under MAX_BYTES / DENSEST
+    bytes keeps it (it spans at most DENSEST times its bytes): only the others are looked at."""
+    whole = header.file_size <= MAX_BYTES // DENSEST
+    looked_at = [  # indexing, not unpacking, the tuples: 100k tensors in a few milliseconds
+        entry
+        for entry in header.entries
+        if not (whole and entry[BEGIN] != entry[END] and len(entry[SHAPE]) <= MAX_DIMS)
+    ]
+    return [
+        Problem(label, why, entry[NAME])
+        for entry in looked_at
+        if (why := shape_problem(entry[DTYPE], entry[SHAPE])) is not None
+    ]
+
+
+METADATA_JSON_BYTES = 16 << 20
+"""The most .tensorfs/metadata.json takes of what a model's files say of themselves (a 262k-token
+vocabulary with its merges, scores and types takes 13.7 MB of it)."""
+SUMMARY_ITEMS = 16
+"""The elements a summarized array shows."""
+SUMMARY_CHARACTERS = 256
+"""The characters a summarized string shows (and each string a summarized array shows)."""
+
+
+class Described:
+    """What a model's files say of themselves, as .tensorfs/metadata.json has it: each file's pairs
+    in order while their JSON fits in what is left of `limit` bytes. A string or an array that does
+    not fit is summarized instead (string_summary, array_summary: JSON objects, which no value of a
+    file's metadata is); once a pair does not fit even so, it and the file's pairs after it are left
+    out, counted in `left_out`. What it costs to make is in proportion to `limit`, not to the files."""
+
+    def __init__(self, limit: int = METADATA_JSON_BYTES) -> None:
+        self.left = limit
+        self.left_out = 0
+        """The pairs of the current file left out (its caller reads it, and sets it to 0, file by file)."""
+
+    def add(self, pairs: dict[str, Any], key: str, value: Any) -> bool:
+        """Put `key: value` in `pairs` when its JSON fits in what is left (and charge it); whether it did."""
+        size = _json_size(key) + 2 + _json_size(value) + 2  # ': ' and ', '
+        if size > self.left:
+            return False
+        self.left -= size
+        pairs[key] = value
+        return True
+
+    def of(self, metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """`metadata`, decoded already (a safetensors `__metadata__`), as far as it fits."""
+        if metadata is None:
+            return None
+        kept: dict[str, Any] = {}
+        for number, (key, value) in enumerate(metadata.items()):
+            if self.add(kept, key, value):
+                continue
+            if isinstance(value, str) and self.add(kept, key, string_summary(value, len(value.encode("utf-8")))):
+                continue
+            self.left_out += len(metadata) - number
+            break
+        return kept
+
+
+def string_summary(first: str, length: int) -> dict[str, Any]:
+    """What stands for a string left out: its type, its length in bytes and its first characters."""
+    return {"type": "STRING", "bytes": length, "first": first[:SUMMARY_CHARACTERS]}
+
+
+def array_summary(element_type: str, length: int, first: list[Any]) -> dict[str, Any]:
+    """What stands for an array left out: its element type, its length and its first elements."""
+    shown = [item[:SUMMARY_CHARACTERS] if isinstance(item, str) else item for item in first[:SUMMARY_ITEMS]]
+    return {"type": "ARRAY", "element_type": element_type, "length": length, "first": shown}
+
+
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False).encode("utf-8"))

@@ -197,9 +197,9 @@ class TensorOperations(pyfuse3.Operations):
         return self._entry(self.tree.attributes(inode))
 
     async def _lay_out(self, inode: int, *, listing: bool = False) -> None:
-        """Make the layouts of synthesized files that an answer about `inode` (or its listing) needs,
-        on a worker thread: at 100k tensors that takes longer than this thread may stall
-        (docs/performance.md)."""
+        """Make what an answer about `inode` (or its listing) needs (synthesized files' layouts,
+        control files' bytes) on a worker thread: at 100k tensors, or a GGUF's long arrays, that takes
+        longer than this thread may stall (docs/performance.md)."""
         for file in self.tree.unbuilt(inode, listing=listing):
             await trio.to_thread.run_sync(file.build)
 

@@ -16,16 +16,17 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from json.encoder import encode_basestring
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import TensorfsError
-from ..formats import BEGIN, END, NAME, Entry
+from ..formats import BEGIN, END, NAME, Described, Entry
 from ..identity import ShardKey, shard_name
 from ..manifest import sha256sum_line
 from ..names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
@@ -138,6 +139,42 @@ class _ControlNode:
     """For the view's subdirectories and files: the path in the view (config.json, 1_Pooling/x)."""
 
 
+class Buildable(Protocol):
+    """What an answer needs made first, and may be made elsewhere (off the request thread): a
+    synthesized file's layout, a control file's bytes."""
+
+    @property
+    def built(self) -> bool: ...
+
+    def build(self) -> None: ...
+
+
+class ControlFile:
+    """A file of .tensorfs/ made from the model once, on first use (index.json and metadata.json tell of
+    every tensor or every key of a model: a daemon makes them off its request thread, see Tree.unbuilt)."""
+
+    def __init__(self, make: Callable[[], bytes]) -> None:
+        self._make = make
+        self._lock = threading.Lock()  # two requests may ask for it at once, on two threads
+        self._content: bytes | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._content is not None
+
+    def build(self) -> None:
+        """Make the bytes now (made on first use otherwise)."""
+        with self._lock:
+            if self._content is None:
+                self._content = self._make()
+
+    @property
+    def content(self) -> bytes:
+        self.build()
+        assert self._content is not None
+        return self._content
+
+
 class Tree:
     """The read-only tree of one mounted model."""
 
@@ -192,11 +229,10 @@ class Tree:
         for subdirs in self._dir_subdirs:
             subdirs.sort(key=self._dir_paths.__getitem__)
 
-        self._control_makers = control_files
+        self._control_files = {name: ControlFile(make) for name, make in control_files.items()}
         self.control_dir_inode = ROOT_INODE + len(self._dir_paths)
         self._static = _static_nodes(control_files, view)
         self._first_tensor_inode = self.control_dir_inode + len(self._static)
-        self._small_files: dict[int, bytes] = {}
         self._sums_size: int | None = None
 
     def _add_directory(self, path: str) -> int:
@@ -461,11 +497,8 @@ class Tree:
             return meta_json(self.model, node.tensor)  # cheap enough to make again: nothing kept per tensor
         if node.kind is not Kind.CONTROL:
             raise NoSuchEntry(f"inode {inode} is not a small file")
-        content = self._small_files.get(inode)
-        if content is None:
-            assert node.control is not None
-            content = self._small_files[inode] = self._control_makers[node.control]()
-        return content
+        assert node.control is not None
+        return self._control_files[node.control].content
 
     def sha256_file(self, inode: int, hex_digest: str) -> bytes:
         """The .sha256 sidecar of inode `inode`, given its tensor's digest."""
@@ -483,15 +516,19 @@ class Tree:
     def sums_inode(self) -> int:
         return self.lookup(self.control_dir_inode, SUMS_NAME)
 
-    def unbuilt(self, inode: int, *, listing: bool = False) -> list[SynthesizedFile]:
-        """The synthesized files whose layouts the attributes of `inode` would make (with `listing`,
-        of the entries of directory `inode`): the caller may make them first, elsewhere."""
-        if self.view is None or not self.control_dir_inode <= inode < self._first_tensor_inode:
+    def unbuilt(self, inode: int, *, listing: bool = False) -> list[Buildable]:
+        """What the attributes of `inode` would make (with `listing`, of the entries of directory
+        `inode`): synthesized files' layouts, control files' bytes. The caller may make them first,
+        elsewhere."""
+        if not self.control_dir_inode <= inode < self._first_tensor_inode:
             return []
         node = self._static[inode - self.control_dir_inode]
         nodes = [self._static[child] for child in node.children.values()] if listing else [node]
-        found = [self.view.files[n.in_view] for n in nodes if n.kind is Kind.VIEW and n.in_view is not None]
-        return [file for file in found if isinstance(file, SynthesizedFile) and not file.built]
+        found: list[Buildable] = [self._control_files[n.path] for n in nodes if n.kind is Kind.CONTROL]
+        if self.view is not None:
+            views = [self.view.files[n.in_view] for n in nodes if n.kind is Kind.VIEW and n.in_view is not None]
+            found += [file for file in views if isinstance(file, SynthesizedFile)]
+        return [file for file in found if not file.built]
 
     def view_file(self, inode: int) -> ViewFile:
         """What a file of the view is: a synthesized safetensors file, a companion file, or bytes."""
@@ -589,11 +626,23 @@ def _checkable(path: str) -> str:
     return "./-" if path == "-" else path
 
 
-def metadata_json(model: Model) -> bytes:
+def metadata_json(model: Model, into: Described | None = None) -> bytes:
     """What each shard says of itself (a safetensors `__metadata__`, a GGUF's key/value pairs), by
-    shard file name, with the model's format."""
-    shards = {shard_name(shard): model.file_metadata(shard) for shard in model.shards}
-    return (json.dumps({"format": model.format, "shards": shards}, ensure_ascii=False) + "\n").encode("utf-8")
+    shard file name, with the model's format: as much as fits `into` (by default, 16 MiB of it;
+    formats.Described says what stands for what is left out), and, under "left_out", how many pairs
+    of each shard are not there at all."""
+    into = into or Described()
+    shards: dict[str, object] = {}
+    left_out: dict[str, int] = {}
+    for shard in model.shards:
+        name = shard_name(shard)
+        shards[name] = model.described_metadata(shard, into)
+        if into.left_out:
+            left_out[name], into.left_out = into.left_out, 0
+    document: dict[str, object] = {"format": model.format, "shards": shards}
+    if left_out:
+        document["left_out"] = left_out
+    return (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def index_json(model: Model) -> bytes:
