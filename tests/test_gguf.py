@@ -47,7 +47,7 @@ from tensorfs.dtypes import GGML_TYPES
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import Described, gguf
 from tensorfs.formats.table import ShardHeader
-from tensorfs.mount.tree import metadata_json
+from tensorfs.mount.contents import metadata_json
 
 EVERY_TYPE = sorted(GGML_TYPES.values(), key=lambda dtype: dtype.name)
 WRITTEN_RIGHT = [dtype for dtype in EVERY_TYPE if dtype.name != "Q8_1"]

@@ -18,8 +18,9 @@ import trio
 import tensorfs
 from helpers import random_bytes, write_reference
 from tensorfs.integrity import Hasher, Integrity
+from tensorfs.mount.contents import index_json
 from tensorfs.mount.operations import TensorOperations
-from tensorfs.mount.tree import ROOT_INODE, Tree, index_json
+from tensorfs.mount.tree import ROOT_INODE, Tree
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
 
@@ -282,7 +283,7 @@ def test_control_files_are_made_off_the_request_thread(tmp_path: Path, monkeypat
 
     with tensorfs.open_model(tmp_path / "m.safetensors") as model:
         makers = {name: maker(name) for name in ("index.json", "metadata.json", "daemon.json")}
-        ops = TensorOperations(Tree(model, "slash", makers), Integrity(Hasher(model)))
+        ops = TensorOperations(Tree(model, "slash", makers))
         control = run(ops.lookup, ROOT_INODE, b".tensorfs", None).st_ino
         assert made_on == []  # nothing asked of the files yet
         described = run(ops.lookup, control, b"metadata.json", None)

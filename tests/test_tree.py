@@ -13,17 +13,8 @@ import pytest
 
 import tensorfs
 from helpers import entry, raw_shard, write_reference
-from tensorfs.mount.tree import (
-    ROOT_INODE,
-    Kind,
-    NoSuchEntry,
-    Ownership,
-    Tree,
-    index_json,
-    meta_json,
-    meta_size,
-    sha256_line,
-)
+from tensorfs.mount.contents import index_json, meta_json, meta_size, sha256_line
+from tensorfs.mount.tree import ROOT_INODE, Kind, NoSuchEntry, Ownership, Tree
 
 
 @pytest.fixture

@@ -188,18 +188,22 @@ class TensorOperations(pyfuse3.Operations):
             inode = self.tree.parent(parent_inode)
         else:
             inode = self.tree.lookup(parent_inode, _decode(name))
-        await self._lay_out(inode)
+        await self._up_to_date(inode)
         return self._entry(self.tree.attributes(inode))
 
     @handler
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        await self._lay_out(inode)
+        await self._up_to_date(inode)
         return self._entry(self.tree.attributes(inode))
 
-    async def _lay_out(self, inode: int, *, listing: bool = False) -> None:
-        """Make what an answer about `inode` (or its listing) needs (synthesized files' layouts,
-        control files' bytes) on a worker thread: at 100k tensors, or a GGUF's long arrays, that takes
-        longer than this thread may stall (docs/performance.md)."""
+    async def _up_to_date(self, inode: int, *, listing: bool = False) -> None:
+        """Before an answer about `inode` (or its listing): every change to the files reported so far
+        applied (a `chmod` or `touch` of a shard that finished before the request came shows in it:
+        else a lookup answered before the change was seen could leave the kernel an inode it makes
+        after the change's invalidation went by), and what the answer needs made (synthesized files'
+        layouts, control files' bytes) on a worker thread: at 100k tensors, or a GGUF's long arrays,
+        that takes longer than this thread may stall (docs/performance.md)."""
+        self.gate.notice_changes()
         for file in self.tree.unbuilt(inode, listing=listing):
             await trio.to_thread.run_sync(file.build)
 
@@ -216,7 +220,7 @@ class TensorOperations(pyfuse3.Operations):
     @handler
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         tree = self.tree
-        await self._lay_out(fh, listing=True)
+        await self._up_to_date(fh, listing=True)
         # One EntryAttributes serves every entry: readdir_reply copies it out at once, and making
         # 300k of them would be most of the cost of listing a large model.
         entry = self._entry(tree.attributes(fh))

@@ -27,13 +27,14 @@ from ..names import STATS_NAME
 from ..syscalls import libc
 from ..units import plural
 from ..views import ViewSpec, build_view
+from .contents import index_json, metadata_json
 from .logs import reopen_logs
 from .metrics import describe as describe_address
 from .metrics import serve_metrics
 from .operations import TensorOperations
 from .options import READY, MountOptions
 from .runtime import process_start, remove_record, write_record
-from .tree import Tree, index_json, metadata_json
+from .tree import Tree
 
 log = logging.getLogger("tensorfs")
 
