@@ -123,14 +123,12 @@ class Source:
         caches: bool = True,
         fallback: Sequence[str | os.PathLike[str]] = (),
     ) -> Source:
-        """The source a user names: a URL of a scheme tensorfs reads stays a URL, anything else is a path
-        (InvalidModelError for a URL of a scheme tensorfs does not read)."""
-        why = unsupported_scheme(location)
-        if why is not None:
-            raise InvalidModelError([Problem(str(location), why)])
-        where: Path | str = location if isinstance(location, str) and is_remote(location) else Path(location)
-        places = tuple(place if isinstance(place, str) and is_remote(place) else Path(place) for place in fallback)
-        return cls(where, remote or RemoteOptions(), caches, places)
+        """The source a user names: a URL of a scheme tensorfs reads stays a URL, anything else is a path.
+        The model and each fallback pass one check (InvalidModelError, the URL shown without its
+        secret): a URL of a scheme tensorfs does not read, or one that carries credentials, is refused
+        before anything is made of it (a daemon would show it in its command line to every user)."""
+        where = _location(location)
+        return cls(where, remote or RemoteOptions(), caches, tuple(map(_location, fallback)))
 
     @property
     def is_remote(self) -> bool:
@@ -354,6 +352,19 @@ def open_model(
     return source.open(selection, layout, manifest=manifest)
 
 
+def _location(location: str | os.PathLike[str]) -> Path | str:
+    """A model's location as a user gives it, through the one check every location passes: a URL of a
+    scheme tensorfs reads stays a URL (never one with credentials in it), anything else is a path."""
+    why = unsupported_scheme(location)
+    if why is not None:
+        raise InvalidModelError([Problem(printable(redact(str(location))), why)])
+    if isinstance(location, str) and is_remote(location):
+        if "@" in urlsplit(location).netloc:  # never shown, never sent
+            raise InvalidModelError([Problem(printable(redact(location)), CREDENTIALS_HINT)])
+        return location
+    return Path(location)
+
+
 def hash_all(model: Model, hasher: Hasher, *, progress: bool = False) -> dict[str, str]:
     """Every tensor's SHA-256 (the cache's first), with a progress line on a terminal when asked."""
     if not progress:
@@ -386,12 +397,7 @@ def _open(
     found: FoundShards | None = None  # a local model's files
     with gc_paused(), contextlib.closing(headers):
         # Every problem is collected, of every shard and across shards, before any is reported.
-        why = unsupported_scheme(path)
-        if why is not None:
-            raise InvalidModelError([Problem(str(path), why)])
         if isinstance(path, str) and is_remote(path):
-            if "@" in urlsplit(path).netloc:  # never shown, never sent
-                raise InvalidModelError([Problem(redact(path), CREDENTIALS_HINT)])
             try:
                 opener = RemoteOpener(path, remote, problems)
             except RemoteError as exc:

@@ -21,6 +21,8 @@ import pytest
 from conftest import Mounts, OtherUser, drop_caches
 from helpers import MIB, HeldCommand, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
+from tensorfs import open_model
+from tensorfs.errors import InvalidModelError
 from tensorfs.headercache import WORTH_CACHING
 from tensorfs.mount.runtime import escape_path, process_start
 
@@ -248,6 +250,15 @@ def test_credentials_in_a_url_are_refused_and_never_shown(mounts: Mounts, nginx:
     result = mounts.attempt(url, mountpoint=mountpoint)
     assert result.returncode == 1 and hidden not in result.stderr
     assert not os.path.ismount(mountpoint) and hidden not in Path("/proc/self/mountinfo").read_text()
+    # A fallback passes the same check as the model, before any daemon (whose command line every user
+    # may read) is started: refused in one line, nothing mounted.
+    result = mounts.attempt(model, "--fallback", url, mountpoint=mountpoint)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert hidden not in result.stderr and "***@" in result.stderr and "AWS_ACCESS_KEY_ID" in result.stderr
+    assert not os.path.ismount(mountpoint)
+    with pytest.raises(InvalidModelError) as refused:  # and in-process, for the loader alike
+        open_model(model, fallback=[url])
+    assert hidden not in str(refused.value) and "***@" in str(refused.value)
 
 
 def test_a_urls_password_is_never_shown_in_an_error(tmp_path: Path) -> None:

@@ -231,4 +231,4 @@ def source_of(
     path: Path | str, remote: RemoteOptions, no_cache: bool = False, fallback: tuple[Path | str, ...] = ()
 ) -> Source:
     """The Source a command's MODEL, remote options, --no-cache and --fallback name."""
-    return Source(path, remote, caches=not no_cache, fallback=fallback)
+    return Source.named(path, remote, caches=not no_cache, fallback=fallback)
