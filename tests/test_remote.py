@@ -266,16 +266,61 @@ def test_validation_takes_at_most_two_gets_a_shard(nginx: Nginx, tmp_path: Path)
     assert len(requests) == 3
 
 
+def _chunk_bytes(model: tensorfs.Model, name: str, chunk: int = 8 * MIB) -> int:
+    """The bytes of the chunks that hold tensor `name`: what reading it alone may fetch."""
+    _, offset, nbytes = model.locate(name)
+    return (((offset + nbytes - 1) // chunk) - (offset // chunk) + 1) * chunk
+
+
 def test_one_tensor_read_fetches_its_chunks_only(nginx: Nginx, tmp_path: Path) -> None:
+    """A tensor read alone costs the chunks it lies in, no other: nothing read ahead into the tensors
+    after it (64 of them, 256 MiB), in-process and through a mount; the header is one GET."""
     directory = nginx.root / "one-tensor"
     directory.mkdir()
     tensors = {f"t{i}": ("U8", [4 * MIB], random_bytes(4 * MIB, i)) for i in range(64)}  # 256 MiB
     write_reference(directory / "m.safetensors", tensors)
+    url = f"{nginx.url}/one-tensor/m.safetensors"
     before = len(nginx.requests())
-    with tensorfs.open_model(f"{nginx.url}/one-tensor/m.safetensors", remote=options(tmp_path)) as model:
+    with tensorfs.open_model(url, remote=options(tmp_path)) as model:
+        header = sum(sent for _, path, sent in nginx.requests()[before:] if path.endswith("m.safetensors"))
+        since = len(nginx.requests())
         assert bytes(model.raw("t37")) == tensors["t37"][2]
-    fetched = sum(sent for _, path, sent in nginx.requests()[before:] if path.endswith("m.safetensors"))
-    assert fetched <= 4 * MIB + 2 * 8 * MIB + 64 * 1024  # the tensor, at most two chunks more, the header
+        own = _chunk_bytes(model, "t37")
+    fetched = sum(sent for _, path, sent in nginx.requests()[since:] if path.endswith("m.safetensors"))
+    assert header <= 64 * 1024 and fetched == own  # its chunks (one or two of 8 MiB), nothing more
+
+
+def test_one_tensor_file_read_through_a_mount_fetches_its_chunks_only(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    directory = nginx.root / "one-file"
+    directory.mkdir()
+    tensors = {f"t{i}": ("U8", [4 * MIB], random_bytes(4 * MIB, 70 + i)) for i in range(16)}
+    write_reference(directory / "m.safetensors", tensors)
+    url = f"{nginx.url}/one-file/m.safetensors"
+    mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+    with tensorfs.open_model(directory / "m.safetensors") as model:
+        own = _chunk_bytes(model, "t5")
+    since = len(nginx.requests())
+    assert (mountpoint / "t5").read_bytes() == tensors["t5"][2]
+    fetched = sum(sent for _, path, sent in nginx.requests()[since:] if path.endswith("m.safetensors"))
+    assert fetched == own  # its chunks alone: nothing read ahead into t6 and after
+
+
+def test_a_model_read_front_to_back_is_read_ahead_across_its_tensors(nginx: Nginx, tmp_path: Path) -> None:
+    """A reader that goes on from one tensor into the next is read ahead of, past each tensor's end:
+    over a link of 50 ms round trips, loading a model of 2 MiB tensors in order keeps several GETs
+    in flight (reading ahead only within each tensor, one at a time)."""
+    directory = nginx.root / "front-to-back"
+    directory.mkdir()
+    tensors = {f"t{i:02d}": ("U8", [2 * MIB], random_bytes(2 * MIB, 90 + i)) for i in range(24)}  # 48 MiB
+    write_reference(directory / "m.safetensors", tensors)
+    with SlowLink(("127.0.0.1", nginx.port)) as link:
+        with tensorfs.open_model(f"{link.url()}/front-to-back/m.safetensors", remote=options(tmp_path)) as model:
+            before = len(link.spans)
+            for _ in model.tensors(ahead=0):  # one at a time, in the order of the bytes: no prefetch
+                pass
+        assert link.most_at_once(since=before) >= 3, link.spans[before:]
 
 
 def test_the_read_ahead_keeps_requests_in_flight_over_a_distant_link(

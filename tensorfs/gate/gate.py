@@ -199,7 +199,7 @@ class Gate:
         if all(p.copy is None and p.data is data for p in places) and self._failing(places[0].shard) is None:
             low, high = places[0].start, places[-1].end
             with contextlib.suppress(*UNREADABLE):
-                if data.ensure_private(low, high):
+                if data.ensure_private(low, high, within=(low, high)):
                     return
             if self.fallbacks is None:
                 raise ShardChangedError(f"{data.label}: bytes [{low}, {high}) cannot be read")
@@ -361,12 +361,14 @@ class Gate:
     def _present(self, place: Place, low: int, high: int) -> Plan[bytearray | None]:
         """The library's presence: a range of a source that needs it fetched and pinned (held until closed)."""
         if place.data.needs_ensure:
-            yield "present", functools.partial(place.data.ensure_pinned, low, high)
+            within = (place.start, place.end)  # read ahead past the tensor for a reader going on into the next
+            yield "present", functools.partial(place.data.ensure_pinned, low, high, within=within)
         return None
 
     def _present_private(self, place: Place, low: int, high: int) -> Plan[bytearray | None]:
         """Bring the range into the private mapping too (the library's tensors are made on it)."""
-        if not (yield "present", functools.partial(place.data.ensure_private, low, high)):
+        ensure = functools.partial(place.data.ensure_private, low, high, within=(place.start, place.end))
+        if not (yield "present", ensure):
             raise ShardChangedError(f"{place.data.label}: bytes [{low}, {high}) cannot be read")
         return None
 

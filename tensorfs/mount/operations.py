@@ -405,7 +405,8 @@ class TensorOperations(pyfuse3.Operations):
             return None
         # Not known to be in memory: bring in this request, then a window ahead, off this thread.
         waited = time.perf_counter()
-        copied: bytearray | None = yield "present", functools.partial(data.pinned_or_copied, low, high)
+        within = (place.start, place.end)  # the source reads ahead past the tensor only for a reader going on
+        copied: bytearray | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
         self.stats.page_waits += 1
         self.stats.page_wait_seconds += time.perf_counter() - waited
         if copied is not None:
@@ -453,9 +454,8 @@ class TensorOperations(pyfuse3.Operations):
             # A reader that consumed its window: its source may read further ahead (ahead=False).
             self.stats.prefetched(span.shard, span.in_shard(place, begin), span.in_shard(place, until))
             try:
-                done = await trio.to_thread.run_sync(
-                    functools.partial(data.ensure, begin, until, ahead=False), limiter=self._prefetchers
-                )
+                ensure = functools.partial(data.ensure, begin, until, ahead=False, within=(place.start, place.end))
+                done = await trio.to_thread.run_sync(ensure, limiter=self._prefetchers)
             except (TensorfsError, OSError):
                 done = False
             if done and span.window is data and span.ready_from <= begin <= span.ready_to:  # still contiguous

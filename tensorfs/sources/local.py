@@ -20,7 +20,7 @@ from ..identity import Identity
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
 from .index import INDEX_NAME, MAX_INDEX_BYTES, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
-from .shard import ShardData
+from .shard import ShardData, Within
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class LocalShard(ShardData):
             self._pages = Pages(self.view)
         return self._pages
 
-    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+    def ensure(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> bool:
         return self.pages.populate(start, end)
 
     def resident(self, start: int, end: int) -> bool:

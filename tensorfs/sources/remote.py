@@ -26,7 +26,7 @@ from .cache import CachedObject, ChunkCache, default_cache_dir
 from .fetching import Fetcher, wait
 from .index import missing_shard
 from .pages import Handover
-from .shard import ShardData
+from .shard import ShardData, Within
 
 if TYPE_CHECKING:
     from ..headercache import HeaderCache
@@ -75,6 +75,7 @@ class RemoteShard(ShardData):
         self._lock = threading.Lock()
         self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
         self._window = 0  # chunks fetched ahead of a sequential reader
+        self._across = False  # the run went on from one tensor into the next: read ahead past its end
         self._handover = Handover(cached.version.size)
         self._served: list[tuple[int, int]] = []  # units served whole, let go once flushed (clean)
         # Never so far ahead that the window evicts what the reader is on (two chunks: a read may span two).
@@ -100,18 +101,18 @@ class RemoteShard(ShardData):
     def reopen(cls, saved: RemoteDescription) -> RemoteShard:
         return cls.of(saved.version, saved.options)
 
-    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+    def ensure(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> bool:
         """Fetch the chunks of [start, end) that are missing (each once, however many wait), then map
         them: a window ahead of readers, which takes room only if there is some (NoRoomNow if not)."""
         if end <= start:
             return True
         first, last = self._chunks(start, end)
         waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk, room=False)) is not None]
-        self._read_ahead(start, end, ahead)
+        self._read_ahead(start, end, ahead, within)
         wait(waiting)
         return self.cached.pages.populate(start, end)
 
-    def ensure_pinned(self, start: int, end: int, *, ahead: bool = False) -> None:
+    def ensure_pinned(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> None:
         """Make [start, end) present and pin it: room for every chunk missing is claimed at once, and
         each is pinned before it is fetched (see ChunkCache.claim): readers sharing a small cache wait
         their turn instead of evicting what another is about to use."""
@@ -120,7 +121,7 @@ class RemoteShard(ShardData):
         first, last = self._chunks(start, end)
         self.cached.ensure_pinned(first, last, self._pool, offline=self.options.offline)
         try:
-            self._read_ahead(start, end, ahead)
+            self._read_ahead(start, end, ahead, within)
             if not self.cached.pages.populate(start, end):
                 raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
         except BaseException:
@@ -134,7 +135,7 @@ class RemoteShard(ShardData):
         size = self.cached.chunk_size
         return max(end, -(-end // size) * size)
 
-    def pinned_or_copied(self, start: int, end: int) -> bytearray | None:
+    def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytearray | None:
         """A read within one chunk that nothing is fetching yet is answered with a copy of its bytes as
         soon as they have been written, not when the whole chunk has come: a cold tensor's first
         bytes cost a round trip, not a chunk's transfer (see CachedObject.copy_arriving for which
@@ -152,10 +153,10 @@ class RemoteShard(ShardData):
         ):
             copied = self.cached.copy_arriving(first, start, end, time.monotonic() + self.options.timeout)
             if copied is not None:
-                self._read_ahead(start, end, True)
+                self._read_ahead(start, end, True, within)
                 return copied
             coming = True
-        self.ensure_pinned(start, end, ahead=coming)
+        self.ensure_pinned(start, end, ahead=coming, within=within)
         return None
 
     def held(self, start: int, end: int) -> bool:
@@ -188,25 +189,33 @@ class RemoteShard(ShardData):
     def _fetch(self, chunk: int, *, room: bool = True) -> Any:
         return self.cached.fetching(chunk, self._pool, offline=self.options.offline, room=room)
 
-    def _read_ahead(self, start: int, end: int, ahead: bool) -> None:
-        """Follow the reader: fetch ahead of one that goes on where the reads so far stopped.
+    def _read_ahead(self, start: int, end: int, ahead: bool, within: Within = None) -> None:
+        """Follow the reader: fetch ahead of one that goes on where the reads so far stopped, and only
+        as far as it is going.
 
         Every range asked for extends the run it continues (or starts a new one); a reader's own
         request that continues the run doubles the window of chunks fetched ahead of it (up to as
         many as there are fetch threads), any other resets it. A window asked for `ahead` extends
-        the run without fetching further: a reader of one tensor fetches only its tensor's chunks.
+        the run without fetching further. The window stays within the tensor being read (`within`:
+        its chunks, no other), unless the reader went on into it from where the tensor before ended
+        (a model loaded front to back): a reader of one tensor fetches that tensor's chunks alone.
         """
         size = self.cached.chunk_size
         with self._lock:
             continues = self._frontier - size <= start <= self._frontier + size
+            if within is not None and start == within[0] and self._frontier == start:
+                self._across = True  # a tensor's first bytes, where the one before ended: a reader going on
+            elif not continues:
+                self._across = False
             self._frontier = max(self._frontier, end) if continues else end
             if ahead:
                 return
             self._window = min(max(1, 2 * self._window), self._most_ahead) if continues else 0
             first, window = (self._frontier - 1) // size + 1, self._window
+            last = self.cached.chunks if within is None or self._across else (within[1] - 1) // size + 1
         if self.options.offline:
             return
-        for chunk in range(first, min(self.cached.chunks, first + window)):
+        for chunk in range(first, min(last, first + window)):
             # Not waited for (a failure is met again if it is read), nor for room: ahead of readers.
             self.cached.fetching(chunk, self._pool, room=False)
 

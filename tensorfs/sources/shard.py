@@ -68,13 +68,14 @@ class ShardData(ABC):
     by themselves, but a cache file's unfetched chunks are holes, which read as zeros."""
 
     @abstractmethod
-    def ensure(self, start: int, end: int, *, ahead: bool = False) -> bool:
+    def ensure(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> bool:
         """Bring [start, end) into memory, mapped (blocking: call it from a worker thread).
 
         False when the bytes are gone from the file; TensorfsError when they cannot be fetched.
         Either way the caller answers EIO: only a range ensured may be touched through the
         mapping. `ahead`: not a reader's request but a window ahead of one (a reader's requests
-        tell a source how it reads).
+        tell a source how it reads). `within`: the bytes of the tensor being read, which a source
+        reads ahead past only for a reader that went on into it from the tensor before.
         """
 
     def resident(self, start: int, end: int) -> bool:
@@ -93,11 +94,11 @@ class ShardData(ABC):
     def unpin(self, start: int, end: int) -> None:  # noqa: B027 - a file has nothing to let go of
         """Let go of what pin() held."""
 
-    def ensure_pinned(self, start: int, end: int) -> None:
+    def ensure_pinned(self, start: int, end: int, *, within: Within = None) -> None:
         """Make [start, end) present and pin it (blocking: a worker thread); ShardChangedError when its
         bytes cannot be had (or kept), a fetch's own error as it is."""
         for _ in range(8):  # a chunk evicted between its fetch and the pin is fetched again
-            if not self.ensure(start, end):
+            if not self.ensure(start, end, within=within):
                 raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
             if self.pin(start, end):
                 return
@@ -111,11 +112,11 @@ class ShardData(ABC):
         """Where the window brought in after a read that ends at `end` ends: `prefetch` bytes on."""
         return end + prefetch
 
-    def pinned_or_copied(self, start: int, end: int) -> bytearray | None:
+    def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytearray | None:
         """[start, end) for a read's answer (blocking: a worker thread): made present and pinned (None:
         answer from the mapping, then unpin), or a copy of its bytes, made as soon as they have come
         where the rest of their chunk is still coming (a remote source)."""
-        self.ensure_pinned(start, end)
+        self.ensure_pinned(start, end, within=within)
         return None
 
     # -- the private mapping: what the in-process API's arrays and tensors are made on ----------
@@ -135,11 +136,11 @@ class ShardData(ABC):
                     self._private = PrivateMapping(*self.mapped_file())
         return self._private.view
 
-    def ensure_private(self, start: int, end: int) -> bool:
+    def ensure_private(self, start: int, end: int, *, within: Within = None) -> bool:
         """ensure() [start, end), and map its pages in the private mapping too (no fault when touched)."""
         self.private_view()
         assert self._private is not None
-        if self.needs_ensure and not self.ensure(start, end, ahead=True):
+        if self.needs_ensure and not self.ensure(start, end, ahead=True, within=within):
             return False
         return self._private.pages.populate(start, end)
 
@@ -188,6 +189,9 @@ class ShardData(ABC):
     def close(self) -> None:
         """Let go of the mapping (a view still alive keeps it until it goes) and of the descriptors."""
 
+
+Within = tuple[int, int] | None
+"""The bytes [start, end) of the tensor a read is of (None: not said)."""
 
 EVICTED_AGAIN = (
     "were evicted again each time they were fetched: the cache is too small for what is read at once; "
