@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light bindfs iproute2
+SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light bindfs iproute2 s3fs rclone
 DEMO_DIR ?= demo
 
 .PHONY: install system-packages test lint demo bench fuzz soak clean
@@ -19,7 +19,7 @@ $(TEST_FILES)/.fetched: scripts/fetch_test_files.py | $(VENV)/.installed
 	touch $@
 
 # pyfuse3 builds against libfuse 3, mounting needs fusermount3, the tests and benchmark of http(s):// models nginx,
-# the fleet's nodes (network namespaces) ip.
+# the fleet's nodes (network namespaces) ip, the benchmark's peers for a bucket s3fs and rclone.
 system-packages:
 	@missing=""; \
 	for pkg in $(SYSTEM_PACKAGES); do \

@@ -3,6 +3,8 @@
 - read (the default): local.py measures the read path, the mount and listing of local models, also
   against peers (peers.py: bindfs and floor.py, the least pyfuse3 daemon);
 - remote (also `--remote`): remote.py, models read from a store (nginx on loopback) through the cache;
+  and bucket.py, a model in SeaweedFS (S3) read through tensorfs's mount, s3fs-fuse and rclone's, against
+  a download into files, each side's CPU per GiB beside its rate;
 - open: opening.py, tensorfs.open_model of a 100k-tensor model against safetensors.safe_open().keys();
 - hash: hashing.py, `tensorfs manifest` against sha256sum, and what the hash cache costs and saves;
 - small: small.py, small files and metadata commands over a mount against a local copy, and the

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import identity
 from ..mount.mounttable import daemon_pid, pid_alive
+from ..sample_models import Tensor, write_sharded
 from ..sources.pages import Pages
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -349,3 +350,32 @@ def cpu_seconds(pid: int) -> float:
 
 def median(values: list[float] | list[int]) -> float:
     return statistics.median(values)
+
+
+CHUNK = 8 << 20
+CONCURRENCY = 8
+TENSOR = 64 << 20
+"""The big model's tensors (the throughput, the memory, four cold readers)."""
+SMALL_TENSOR = 4 << 20
+"""A second model's (1 GiB, 4 shards): what reading one of them fetches."""
+
+
+def build(directory: Path, gib: float, shards: int, tensor: int, small: int = 0) -> list[str]:
+    """Shards of F32 tensors of random bytes (and a shard of `small` tiny ones); the big tensors' names."""
+    count = max(shards, int(gib * (1 << 30)) // tensor)
+    per_shard = -(-count // shards)
+    layout: list[dict[str, Tensor]] = [
+        {
+            f"big.{t:04d}": ("F32", [tensor // 4], os.urandom(tensor))
+            for t in range(s * per_shard, min(count, (s + 1) * per_shard))
+        }
+        for s in range(shards)
+    ]
+    if small:
+        layout.append({f"small.{i:05d}": ("F32", [16], os.urandom(64)) for i in range(small)})
+    write_sharded(directory, layout)
+    return sorted(name for shard in layout for name in shard if name.startswith("big."))
+
+
+PIECE = 256 << 10
+"""The pieces a download into files writes at a time (as the daemon's fetches do)."""

@@ -1,4 +1,5 @@
-"""The peers tensorfs is measured against in the same run: bindfs and the pyfuse3 floor (floor.py).
+"""The peers tensorfs is measured against in the same run: bindfs and the pyfuse3 floor (floor.py);
+Debian's packages of the peers installed when missing (bindfs, s3fs, rclone: bucket.py).
 
 Each peer serves the same bytes from the same warm page cache, through FUSE, on a fresh mount for
 every try, with the connection knobs tensorfs sets on its own mounts (the bdi's read_ahead_kb, the
@@ -43,14 +44,20 @@ class Peer:
 
 
 def bindfs_missing() -> str | None:
-    """None when bindfs can run; else why not. Missing bindfs is installed (Debian's package) as root."""
-    if shutil.which("bindfs"):
+    """None when bindfs can run; else why not (see apt_installed)."""
+    return apt_installed("bindfs")
+
+
+def apt_installed(package: str) -> str | None:
+    """None when the peer `package` (its command of the same name) can run; else why not. A missing
+    one is installed from Debian's packages as root (apt-get), as a user of the peer would."""
+    if shutil.which(package):
         return None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return "bindfs is not installed, and installing it needs root and apt-get (apt-get install bindfs)"
+        return f"{package} is not installed, and installing it needs root and apt-get (apt-get install {package})"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "bindfs"]
-    print("installing bindfs (apt-get install bindfs) to measure it as a peer ...", file=sys.stderr, flush=True)
+    install = ["apt-get", "install", "-y", "--no-install-recommends", package]
+    print(f"installing {package} (apt-get install {package}) to measure it as a peer ...", file=sys.stderr, flush=True)
     failure = ""
     for commands in ([install], [["apt-get", "update"], install]):  # stale package lists: update once
         try:
@@ -63,9 +70,9 @@ def bindfs_missing() -> str | None:
         except subprocess.TimeoutExpired as exc:
             failure = f"{' '.join(map(str, exc.cmd))} took over {INSTALL_TIMEOUT:.0f} s"
             continue
-        if shutil.which("bindfs"):
+        if shutil.which(package):
             return None
-    return f"bindfs is not installed and could not be installed ({failure})"
+    return f"{package} is not installed and could not be installed ({failure})"
 
 
 def tune(mountpoint: Path, knobs: Knobs) -> dict[str, int | None]:

@@ -27,14 +27,21 @@ from pathlib import Path
 import numpy as np
 
 from ..opener import open_model
-from ..sample_models import Tensor, many_tiny_tensors, write_sharded
+from ..sample_models import many_tiny_tensors
 from ..testing.link import SlowLink
 from ..testing.servers import Nginx
 from ..units import human_size
+from .bucket import bucket_section
 from .common import (
+    CHUNK,
+    CONCURRENCY,
+    PIECE,
+    SMALL_TENSOR,
+    TENSOR,
     Config,
     Mounter,
     Report,
+    build,
     can_drop_caches,
     cpu_seconds,
     drop_caches,
@@ -46,30 +53,6 @@ from .common import (
     touch_fresh_memory,
     warm,
 )
-
-CHUNK = 8 << 20
-CONCURRENCY = 8
-TENSOR = 64 << 20
-"""The big model's tensors (the throughput, the memory, four cold readers)."""
-SMALL_TENSOR = 4 << 20
-"""A second model's (1 GiB, 4 shards): what reading one of them fetches."""
-
-
-def build(directory: Path, gib: float, shards: int, tensor: int, small: int = 0) -> list[str]:
-    """Shards of F32 tensors of random bytes (and a shard of `small` tiny ones); the big tensors' names."""
-    count = max(shards, int(gib * (1 << 30)) // tensor)
-    per_shard = -(-count // shards)
-    layout: list[dict[str, Tensor]] = [
-        {
-            f"big.{t:04d}": ("F32", [tensor // 4], os.urandom(tensor))
-            for t in range(s * per_shard, min(count, (s + 1) * per_shard))
-        }
-        for s in range(shards)
-    ]
-    if small:
-        layout.append({f"small.{i:05d}": ("F32", [16], os.urandom(64)) for i in range(small)})
-    write_sharded(directory, layout)
-    return sorted(name for shard in layout for name in shard if name.startswith("big."))
 
 
 def download(url: str, objects: list[tuple[str, int]], into: Path | None = None) -> tuple[float, float]:
@@ -111,10 +94,6 @@ def download(url: str, objects: list[tuple[str, int]], into: Path | None = None)
             os.close(fd)
         if into is not None:
             shutil.rmtree(into, ignore_errors=True)
-
-
-PIECE = 256 << 10
-"""The pieces a download into files writes at a time (as the daemon's fetches do)."""
 
 
 def first_read(
@@ -183,6 +162,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             _measure(config, report, work, server, model, big_shards, big, small, model_bytes, out)
         finally:
             server.stop()
+        bucket_section(config, report, work, out)
     return report
 
 

@@ -1,0 +1,239 @@
+"""A model in a bucket (SeaweedFS's S3 on loopback), read whole through the mounts users pick for a
+bucket today, in the same run: tensorfs's mount (every tensor's file), s3fs-fuse and rclone's mount
+(the shard files; rclone with its cache off and full), against obstore downloading the same objects
+into files (8 ranges of 8 MiB at once). For each: GB/s, and the CPU seconds per GiB of the process
+that does the work (the tensorfs daemon, s3fs, rclone, the downloader), as the store shares the
+machine's cores with the client here and the client's CPU decides who is faster.
+
+The bars (the speed issue): tensorfs's mount >= 1.1x the best of s3fs and rclone; the daemon's CPU
+per GiB <= 1.2x the downloader's. s3fs and rclone are Debian's packages (installed as root when
+missing, as bindfs is); a peer that cannot run is said, and left out. Each side starts from a fresh
+cache, with the disk synced and, as root, the page cache dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..testing.servers import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from .common import (
+    CHUNK,
+    CONCURRENCY,
+    PIECE,
+    TENSOR,
+    Config,
+    Mounter,
+    Report,
+    build,
+    can_drop_caches,
+    cpu_seconds,
+    drop_caches,
+    median,
+    read_file,
+)
+from .peers import apt_installed
+
+BUCKET = "bucket-bench"
+MOUNT_TIMEOUT = 60.0
+
+
+def bucket_section(config: Config, report: Report, work: Path, out: Callable[[str], None]) -> None:
+    """Build a model, put it in SeaweedFS, read it every way, in turn, `config.repeat` times."""
+    import obstore
+
+    model = work / "bucket-model"
+    names = build(model, config.gib, 1, TENSOR)
+    shard = next(model.glob("*.safetensors"))
+    nbytes = shard.stat().st_size
+    seaweed = SeaweedFS(work / "bucket-seaweedfs")
+    out(f"bucket: {nbytes / (1 << 30):.2f} GiB in SeaweedFS (S3) on loopback, read through each mount ...")
+    seaweed.start()
+    try:
+        store = seaweed.store(BUCKET)
+        obstore.put(store, f"m/{shard.name}", shard.read_bytes())
+        sides: dict[str, Callable[[Path], tuple[float, float]]] = {
+            "download": lambda cache: _download(seaweed, f"m/{shard.name}", nbytes, cache),
+            "tensorfs": lambda cache: _tensorfs(config, work, seaweed, names, nbytes, cache),
+        }
+        peers = {
+            "s3fs": ("s3fs", lambda cache: _s3fs(seaweed, work, shard.name, nbytes, cache)),
+            "rclone_off": ("rclone", lambda cache: _rclone(seaweed, work, shard.name, nbytes, cache, "off")),
+            "rclone_full": ("rclone", lambda cache: _rclone(seaweed, work, shard.name, nbytes, cache, "full")),
+        }
+        missing: dict[str, str] = {}
+        for key, (package, read) in peers.items():
+            why = apt_installed(package)
+            if why is None:
+                sides[key] = read
+            else:
+                missing[key] = why
+        rates: dict[str, list[float]] = {key: [] for key in sides}
+        cpus: dict[str, list[float]] = {key: [] for key in sides}
+        for attempt in range(config.repeat):
+            for key, read in sides.items():
+                cache = work / f"bucket-cache-{key}-{attempt}"
+                _quiet()
+                speed, seconds = read(cache)
+                rates[key].append(speed)
+                cpus[key].append(seconds / (nbytes / (1 << 30)))
+                shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        seaweed.stop()
+    rate = {key: median(values) for key, values in rates.items()}
+    cpu = {key: median(values) for key, values in cpus.items()}
+    labels = {
+        "download": "obstore downloading it into files (8 x 8 MiB at once)",
+        "s3fs": "s3fs-fuse (Debian's s3fs), the shard file",
+        "rclone_off": "rclone mount (Debian's rclone), --vfs-cache-mode off, the shard file",
+        "rclone_full": "rclone mount, --vfs-cache-mode full, the shard file",
+    }
+    for key in ("download", "s3fs", "rclone_off", "rclone_full"):
+        if key in rate:
+            report.add(f"bucket_{key}", labels[key], f"{rate[key] / 1e9:.3f} GB/s, {cpu[key]:.2f} CPU-s/GiB",
+                       None, "(a peer)", gbps=rate[key] / 1e9, cpu_per_gib=cpu[key])  # fmt: skip
+        elif key in missing:
+            report.add(f"bucket_{key}", labels[key], "not measured", None, missing[key], missing=missing[key])
+    best = max((rate[key] for key in ("s3fs", "rclone_off", "rclone_full") if key in rate), default=None)
+    report.add("bucket_tensorfs", "tensorfs mount, every tensor's file", f"{rate['tensorfs'] / 1e9:.3f} GB/s",
+               rate["tensorfs"] / best if best else None, ">= 1.1x the best of s3fs and rclone",
+               gbps=rate["tensorfs"] / 1e9, cpu_per_gib=cpu["tensorfs"])  # fmt: skip
+    report.add("bucket_tensorfs_cpu", "  ... the daemon's CPU per GiB", f"{cpu['tensorfs']:.2f} s",
+               cpu["tensorfs"] / cpu["download"], "<= 1.2x the downloader's", seconds=cpu["tensorfs"])  # fmt: skip
+    for key in ("s3fs", "rclone_off", "rclone_full"):
+        if key in cpu:
+            report.add(f"bucket_{key}_cpu", f"  ... {key}'s CPU per GiB", f"{cpu[key]:.2f} s",
+                       cpu["tensorfs"] / cpu[key], "(tensorfs's, as a ratio)", seconds=cpu[key])  # fmt: skip
+
+
+def _quiet() -> None:
+    """The disk synced (a try's gigabytes written back now, not during the next) and, as root, the page
+    cache dropped: every side reads from the store."""
+    os.sync()
+    if can_drop_caches():
+        drop_caches()
+
+
+def _download(seaweed: SeaweedFS, key: str, nbytes: int, into: Path) -> tuple[float, float]:
+    """obstore fetching the object whole into a file, CHUNK ranges CONCURRENCY at once: (bytes/s, CPU s)."""
+    import obstore
+
+    store = seaweed.store(BUCKET)
+    into.mkdir(parents=True)
+    fd = os.open(into / "object", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, nbytes)
+
+    def fetch(start: int) -> None:
+        offset = start
+        got = obstore.get(store, key, options={"range": (start, min(nbytes, start + CHUNK))})
+        for piece in got.stream(min_chunk_size=PIECE):
+            view = memoryview(piece)
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+
+    cpu, begin = time.process_time(), time.perf_counter()
+    try:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            list(pool.map(fetch, range(0, nbytes, CHUNK)))
+        return nbytes / (time.perf_counter() - begin), time.process_time() - cpu
+    finally:
+        os.close(fd)
+
+
+def _tensorfs(
+    config: Config, work: Path, seaweed: SeaweedFS, names: list[str], nbytes: int, cache: Path
+) -> tuple[float, float]:
+    mounter = Mounter(work, config)
+    with (
+        _environment(seaweed.env()),
+        mounter.mounted(f"s3://{BUCKET}/m", "--endpoint-url", seaweed.endpoint, cache=cache) as (mnt, pid),
+    ):
+        cpu, begin = cpu_seconds(pid), time.perf_counter()
+        for name in names:
+            read_file(mnt / name)
+        return nbytes / (time.perf_counter() - begin), cpu_seconds(pid) - cpu
+
+
+def _s3fs(seaweed: SeaweedFS, work: Path, shard: str, nbytes: int, cache: Path) -> tuple[float, float]:
+    cache.mkdir(parents=True)
+    secrets = cache / "passwd"
+    secrets.write_text(f"{ACCESS_KEY}:{SECRET_KEY}\n")
+    secrets.chmod(0o600)
+    mountpoint = work / f"s3fs-{os.getpid()}"
+    options = f"url={seaweed.endpoint},use_path_request_style,passwd_file={secrets},ro"
+    command = ["s3fs", BUCKET, str(mountpoint), "-f", "-o", options]
+    with _peer(command, mountpoint, work / "s3fs.log", {}) as pid:
+        return _read_peer(mountpoint / "m" / shard, nbytes, pid)
+
+
+def _rclone(seaweed: SeaweedFS, work: Path, shard: str, nbytes: int, cache: Path, mode: str) -> tuple[float, float]:
+    cache.mkdir(parents=True)
+    env = {
+        "RCLONE_CONFIG_BENCH_TYPE": "s3",
+        "RCLONE_CONFIG_BENCH_PROVIDER": "Other",
+        "RCLONE_CONFIG_BENCH_ENDPOINT": seaweed.endpoint,
+        "RCLONE_CONFIG_BENCH_ACCESS_KEY_ID": ACCESS_KEY,
+        "RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY": SECRET_KEY,
+        "RCLONE_CONFIG_BENCH_REGION": "us-east-1",
+    }
+    mountpoint = work / f"rclone-{os.getpid()}"
+    command = ["rclone", "mount", f"bench:{BUCKET}", str(mountpoint), "--read-only", "--vfs-cache-mode", mode,
+               "--cache-dir", str(cache)]  # fmt: skip
+    with _peer(command, mountpoint, work / "rclone.log", env) as pid:
+        return _read_peer(mountpoint / "m" / shard, nbytes, pid)
+
+
+def _read_peer(path: Path, nbytes: int, pid: int) -> tuple[float, float]:
+    cpu, begin = cpu_seconds(pid), time.perf_counter()
+    read_file(path)
+    return nbytes / (time.perf_counter() - begin), cpu_seconds(pid) - cpu
+
+
+@contextlib.contextmanager
+def _peer(command: list[str], mountpoint: Path, log: Path, env: dict[str, str]) -> Iterator[int]:
+    """A peer's daemon in the foreground until its mount is live (its pid); unmounted and reaped after.
+    AWS_CA_BUNDLE is unset for it: rclone refuses to start with one beside a plain-HTTP endpoint."""
+    from ..mount.mounttable import mount_at
+
+    mountpoint.mkdir()
+    environment = {key: value for key, value in os.environ.items() if key != "AWS_CA_BUNDLE"} | env
+    with open(log, "ab") as log_file:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=environment)
+    try:
+        deadline = time.monotonic() + MOUNT_TIMEOUT
+        while mount_at(mountpoint) is None:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited ({process.returncode}) without mounting: see {log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command[0]} did not mount {mountpoint} in {MOUNT_TIMEOUT:.0f} s: see {log}")
+            time.sleep(0.01)
+        yield process.pid
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
+        try:
+            process.wait(timeout=MOUNT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        mountpoint.rmdir()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
