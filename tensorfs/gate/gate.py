@@ -358,14 +358,14 @@ class Gate:
         copied: str = yield "verify", functools.partial(sha256_of, place.data, place.start, place.end)
         return copied
 
-    def _present(self, place: Place, low: int, high: int) -> Plan[bytearray | None]:
+    def _present(self, place: Place, low: int, high: int) -> Plan[bytes | None]:
         """The library's presence: a range of a source that needs it fetched and pinned (held until closed)."""
         if place.data.needs_ensure:
             within = (place.start, place.end)  # read ahead past the tensor for a reader going on into the next
             yield "present", functools.partial(place.data.ensure_pinned, low, high, within=within)
         return None
 
-    def _present_private(self, place: Place, low: int, high: int) -> Plan[bytearray | None]:
+    def _present_private(self, place: Place, low: int, high: int) -> Plan[bytes | None]:
         """Bring the range into the private mapping too (the library's tensors are made on it)."""
         ensure = functools.partial(place.data.ensure_private, low, high, within=(place.start, place.end))
         if not (yield "present", ensure):

@@ -78,9 +78,9 @@ class Grant:
     place: Place
     low: int
     high: int
-    copied: bytearray | None = None
+    copied: bytes | None = None
 
 
-Present = Callable[[Place, int, int], Generator[Step, Any, "bytearray | None"]]
+Present = Callable[[Place, int, int], Generator[Step, Any, "bytes | None"]]
 """How a caller has bytes [low, high) of a place made present (and pinned): a plan of its own, whose
 answer is a copy of the bytes or None (answer from the mapping)."""

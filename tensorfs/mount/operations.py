@@ -385,7 +385,7 @@ class TensorOperations(pyfuse3.Operations):
             self._replied.append((place.data, low, high))  # nothing awaited from here to the reply
         return place.data.view[low:high]
 
-    def _present(self, span: _OpenTensor, place: Place, low: int, high: int) -> Plan[bytearray | None]:
+    def _present(self, span: _OpenTensor, place: Place, low: int, high: int) -> Plan[bytes | None]:
         """The mount's way to have [low, high) of a place present and pinned: at once when it is known
         to be in memory (the window brought in before, or a small tensor's pages resident); else
         brought in off this thread, with a window ahead of the reader."""
@@ -406,7 +406,7 @@ class TensorOperations(pyfuse3.Operations):
         # Not known to be in memory: bring in this request, then a window ahead, off this thread.
         waited = time.perf_counter()
         within = (place.start, place.end)  # the source reads ahead past the tensor only for a reader going on
-        copied: bytearray | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
+        copied: bytes | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
         self.stats.page_waits += 1
         self.stats.page_wait_seconds += time.perf_counter() - waited
         if copied is not None:

@@ -135,7 +135,7 @@ class RemoteShard(ShardData):
         size = self.cached.chunk_size
         return max(end, -(-end // size) * size)
 
-    def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytearray | None:
+    def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytes | None:
         """A read within one chunk that nothing is fetching yet is answered with a copy of its bytes as
         soon as they have been written, not when the whole chunk has come: a cold tensor's first
         bytes cost a round trip, not a chunk's transfer (see CachedObject.copy_arriving for which

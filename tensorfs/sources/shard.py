@@ -112,7 +112,7 @@ class ShardData(ABC):
         """Where the window brought in after a read that ends at `end` ends: `prefetch` bytes on."""
         return end + prefetch
 
-    def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytearray | None:
+    def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytes | None:
         """[start, end) for a read's answer (blocking: a worker thread): made present and pinned (None:
         answer from the mapping, then unpin), or a copy of its bytes, made as soon as they have come
         where the rest of their chunk is still coming (a remote source)."""

@@ -458,7 +458,7 @@ class CachedObject:
         else:
             self.recorded([chunk])
 
-    def copy_arriving(self, chunk: int, start: int, end: int, until: float) -> bytearray | None:
+    def copy_arriving(self, chunk: int, start: int, end: int, until: float) -> bytes | None:
         """A copy of [start, end) (in `chunk`) as soon as its bytes are written, while the chunk is
         still coming; None when the chunk is here (answer from the mapping), when its bytes are held
         to the checksums of an earlier fetch (checked only once all have come), when its fetch ended
@@ -478,10 +478,17 @@ class CachedObject:
                 self._progress.wait(left)
         return None
 
-    def _copy(self, start: int, end: int) -> bytearray:
-        copied = bytearray(end - start)
-        self.readinto(start, memoryview(copied))
-        return copied
+    def _copy(self, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the file, read into new bytes (none zeroed first: a read's answer)."""
+        pieces: list[bytes] = []
+        offset = start
+        while offset < end:
+            piece = os.pread(self.fd, end - offset, offset)
+            if not piece:
+                raise ObjectChanged(f"{self.version.url}: its cache file is shorter than the object")
+            pieces.append(piece)
+            offset += len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def recorded(self, chunks: Iterable[int]) -> None:
         """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""
