@@ -502,20 +502,28 @@ class Gate:
         return error
 
     def _shared_digest(self, name: str, generation: int) -> str:
-        """The tensor's SHA-256 (blocking): hashed here, or by the thread already hashing it."""
+        """The tensor's SHA-256 (blocking): known already, hashed here, or by the thread already hashing
+        it; kept (by its shard's generation) for whoever asks next."""
         key = (name, generation)
         with self._lock:
+            found = self._digests.get(name)
+            if found is not None and found[0] == generation:
+                return found[1]
             running = self._hashing.get(key)
             mine = running is None
             if running is None:
                 running = self._hashing[key] = Future()
-        if mine:  # the answer stays for whoever asks later, until the shard changes (see _apply)
+        if mine:
             try:
-                running.set_result(self.integrity.digest(name))
+                digest = self.integrity.digest(name)
+                with self._lock:
+                    self._digests[name] = (generation, digest)
+                running.set_result(digest)
             except BaseException as exc:
                 running.set_exception(exc)
+            finally:
                 with self._lock:
-                    self._hashing.pop(key, None)  # asked again, tried again
+                    del self._hashing[key]
         return running.result()
 
     def _notice(self, data: ShardData | None = None) -> None:
@@ -540,7 +548,6 @@ class Gate:
         names = [entry[2] for entry in self.tables.shard_header(shard).entries]
         for name in names:
             self._digests.pop(name, None)
-            self._hashing.pop((name, state.generation - 1), None)
         manifest = self.integrity.expected is not None
         had_verified = not self.integrity.verified.isdisjoint(names)
         if not manifest:
