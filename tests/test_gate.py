@@ -327,3 +327,77 @@ def test_s3_folder_markers_are_directories_not_files(
     remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=cache)
     spec = tensorfs.opener.Source.named(url, remote).view_spec()
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "2_Dense/config.json", "config.json"]
+
+
+# -- without a manifest: what the CRC-32C catches ----------------------------------------------------
+
+
+def change_t0(hostile: HostileServer) -> None:
+    """The store serves other bytes in t0's first chunk under the same ETag (changed in place: no forging)."""
+    served = (hostile.root / "m.safetensors").read_bytes()
+    changed = served[:MIB] + bytes(b ^ 0x5A for b in served[MIB : 2 * MIB]) + served[2 * MIB :]
+    hostile.replaced["m.safetensors"] = changed
+
+
+def test_without_a_manifest_a_store_changing_an_object_in_place_is_caught_in_process(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    """No manifest: t0's chunk fetched again after its eviction, from a store that changed the object in
+    place under the same ETag, does not sum to its CRC-32C as it first came: refused, never served."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    options = RemoteOptions(cache_dir=tmp_path / "cache", cache_size=24 * MIB)
+    for name in ("t0", "t1", "t2", "t3"):  # each read by a model of its own (which holds it while open)
+        with tensorfs.open_model(url, remote=options, cache=False) as model:
+            assert bytes(model.raw(name)) == expected[name]
+    change_t0(hostile)
+    with tensorfs.open_model(url, remote=options, cache=False) as model:
+        with pytest.raises(TensorfsError, match="are not those the same version"):
+            model.raw("t0")
+        assert bytes(model.raw("t3")) == expected["t3"]
+
+
+def test_without_a_manifest_a_store_changing_an_object_in_place_is_caught_through_a_mount(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"), "--cache-size", "24M")
+    for name in ("t0", "t1", "t2", "t3"):  # the last three evict t0's chunks
+        assert (mountpoint / name).read_bytes() == expected[name]
+    change_t0(hostile)
+    drop_caches()  # the kernel's copy of t0 too: the daemon is asked again
+    assert errno_of_reading(mountpoint / "t0") == errno.EIO
+    assert "are not those the same version" in mounts.log()
+
+
+# -- fallbacks that cannot stand in, through a mount --------------------------------------------------
+
+
+def test_a_fallback_invalid_when_opened_is_passed_over_through_a_mount(
+    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """A fallback whose own header is invalid is never opened (a warning, tried again later): the
+    damaged tensor is EIO under its manifest, the others are served."""
+    primary, copy, data = damaged
+    (copy / "model-00002-of-00002.safetensors").write_bytes(b"\xff" * 16)  # a header length past its end
+    verify = manifest_of(data, tmp_path / "m.sha256")
+    mountpoint = mounts.mount(primary, "--no-cache", "--manifest", str(verify), "--fallback", str(copy))
+    assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO
+    assert (mountpoint / "s0.t0").read_bytes() == data["s0.t0"]
+    log = mounts.log()
+    assert f"fallback {copy} cannot be opened now" in log and "no fallback can give it" in log
+
+
+def test_a_fallback_holding_another_shape_is_passed_over_through_a_mount(
+    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    primary, _, data = damaged
+    other = tmp_path / "other"
+    other.mkdir()
+    blob = data["s1.t0"]
+    write_reference(other / "m.safetensors", {"s1.t0": ("U8", [2, len(blob) // 2], blob)})  # its very bytes
+    verify = manifest_of(data, tmp_path / "m.sha256")
+    mountpoint = mounts.mount(primary, "--no-cache", "--manifest", str(verify), "--fallback", str(other))
+    assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # the same bytes, another tensor: never served
+    assert f"fallback {other}: tensor 's1.t0' holds it as U8 [2, {len(blob) // 2}]" in mounts.log()
