@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -51,54 +53,63 @@ def demo_shards(seed: int = 0) -> list[dict[str, Tensor]]:
     return shards
 
 
-def run(command: list[str], cwd: Path | None = None) -> None:
-    shown = " ".join(command).replace(sys.executable + " -m tensorfs.cli", "tensorfs")
-    print(f"\n$ {shown}", flush=True)
-    subprocess.run(command, check=True, cwd=cwd)
+def build(model: Path) -> None:
+    """The demo model at `model`: its shards, index and config.json."""
+    write_sharded(model, demo_shards())
+    config = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}
+    (model / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def run_python(code: str) -> None:
-    print(f'\n$ python -c "{code}"', flush=True)
-    subprocess.run([sys.executable, "-c", code], check=True)
+def run(command: str, cwd: Path) -> None:
+    """Show a command, then run it as shown (by sh, in `cwd`, `tensorfs` and `python` this interpreter's)."""
+    print(f"\n$ {command}", flush=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    subprocess.run(["sh", "-c", command], check=True, cwd=cwd, env={**os.environ, "PATH": path})
+
+
+def prepare(demo_dir: Path) -> None:
+    """The demo's model in `demo_dir`/model (built if it is not there), validated, and its manifest
+    beside it: from then on no tensor's bytes go out before they hash to it (a mount, and the
+    library's verify=True)."""
+    model = demo_dir / "model"
+    if not (model / "model.safetensors.index.json").exists():
+        print(f"building a demo model in {model}/ ...")
+        build(model)
+    here, demo = demo_dir.parent, shlex.quote(demo_dir.name)
+    run(f"tensorfs validate {demo}/model", here)
+    run(f"tensorfs manifest {demo}/model -o {demo}/model/tensors.sha256", here)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("demo_dir", nargs="?", default="demo", type=Path, help="where the model and its mount go")
     demo_dir = parser.parse_args(argv[1:]).demo_dir.absolute()
-    model, mountpoint = demo_dir / "model", demo_dir / "mnt"
-    if not (model / "model.safetensors.index.json").exists():
-        print(f"building a demo model in {model}/ ...")
-        write_sharded(model, demo_shards())
-        config = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}
-        (model / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensorfs = [sys.executable, "-m", "tensorfs.cli"]
-    run([*tensorfs, "validate", str(model)])
+    prepare(demo_dir)
+    mountpoint = demo_dir / "mnt"
+    # The tour runs beside the demo directory, so that what it shows is what anyone types there.
+    here, demo = demo_dir.parent, shlex.quote(demo_dir.name)
     mountpoint.mkdir(parents=True, exist_ok=True)
     if mount_at(mountpoint) is not None:  # a previous demo's mount: start afresh
         unmount(mountpoint, lazy=True)
     # The dotted layout nests names on '.', which makes a transformer's weights a browsable tree.
-    run([*tensorfs, "mount", "--layout", "dotted", str(model), str(mountpoint)])
-    run(["ls", str(mountpoint)])
-    run(["ls", "-l", str(mountpoint / "model" / "embed_tokens")])
-    embed = mountpoint / "model" / "embed_tokens"
-    run(["cat", "weight.meta.json"], cwd=embed)
-    run(["sha256sum", "-c", "weight.sha256"], cwd=embed)
+    run(f"tensorfs mount --layout dotted {demo}/model {demo}/mnt", here)
+    run(f"ls {demo}/mnt", here)
+    embed = f"{demo}/mnt/model/embed_tokens"
+    run(f"ls -l {embed}", here)
+    run(f"cat {embed}/weight.meta.json", here)
+    run(f"cd {embed} && sha256sum -c weight.sha256", here)
     code = (
-        "import tensorfs; "
-        f"a = tensorfs.memmap('{embed / 'weight'}'); "
-        "print(type(a).__name__, a.dtype, a.shape, a[0, :4])"
+        f"import tensorfs; a = tensorfs.memmap('{embed}/weight'); print(type(a).__name__, a.dtype, a.shape, a[0, :4])"
     )
-    run_python(code)
+    run(f'python -c "{code}"', here)
     # The same model as a model directory, for loaders that open one (safetensors, transformers, ...).
-    view = mountpoint / ".tensorfs" / "model"
-    run(["ls", "-l", str(view)])
+    view = f"{demo}/mnt/.tensorfs/model"
+    run(f"ls -l {view}", here)
     code = (
-        "from safetensors import safe_open; "
-        f"f = safe_open('{view / 'model.safetensors'}', framework='np'); "
+        f"from safetensors import safe_open; f = safe_open('{view}/model.safetensors', framework='np'); "
         "print(len(f.keys()), 'tensors;', f.get_tensor('model.norm.weight')[:4])"
     )
-    run_python(code)
+    run(f'python -c "{code}"', here)
     print(f"\nThe model stays mounted at {mountpoint}. Unmount it with:\n  .venv/bin/tensorfs umount {mountpoint}")
     return 0
 

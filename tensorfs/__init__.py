@@ -7,6 +7,7 @@ from .errors import (
     ModelClosedError,
     MountError,
     Problem,
+    SliceError,
     TensorfsError,
     TensorNotFound,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "SafeOpen",
     "Selection",
     "ShardHeader",
+    "SliceError",
     "TensorInfo",
     "TensorNotFound",
     "TensorSlice",

@@ -66,6 +66,11 @@ class TensorNotFound(TensorfsError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class SliceError(TensorfsError, IndexError):
+    """A numpy slice of a tensor that safetensors' numpy slices do not take (safetensors raises its
+    SafetensorError there): an IndexError too, as numpy's would be."""
+
+
 class IntegrityError(TensorfsError):
     """A tensor's bytes do not hash to what its manifest says."""
 

@@ -48,9 +48,18 @@ def framework_of(framework: str) -> str:
 
 
 def check_device(framework: str, device: Any) -> None:
-    """numpy arrays live on the CPU alone."""
-    if framework == "np" and str(device) != "cpu":
+    """A device the framework has, as safetensors checks it before opening: numpy arrays live on the
+    CPU alone; torch takes what `torch.device` takes ("cuda:1", 1 for "cuda:1", "mps", ...)."""
+    if str(device) == "cpu":
+        return
+    if framework == "np":
         raise TensorfsError(f"device {device!r}: numpy arrays live on the CPU; use framework='pt' for another device")
+    torch = import_torch()
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TensorfsError(f"device {device!r} is not one torch knows: {reason}") from None
 
 
 def make_tensor(buffer: memoryview, dtype: DType, shape: Sequence[int], framework: str, device: Any = "cpu") -> Any:

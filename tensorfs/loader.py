@@ -3,46 +3,68 @@
 open_model() validates every header and maps the shards, and with `verify` hands out no tensor before
 its bytes match the manifest; safe_open() is a drop-in for `safetensors.safe_open` over anything
 open_model opens (one file, a directory of shards, an index, s3://, http(s)://, hf://); load_file()
-is `safetensors.torch.load_file` for all of those. Arrays and tensors are made over the shards'
-bytes, never copied (frameworks.py); prefetching is the model's (prefetch.py).
+is `safetensors.torch.load_file` for all of those. Both take their original's arguments in the same
+places, meaning the same (tests/test_dropin.py holds them to the installed safetensors); tensorfs's
+own options are keyword-only beside them. Arrays and tensors are made over the shards' bytes, never
+copied (frameworks.py), unless backend="pread" asks for bytes of their own; prefetching is the
+model's (prefetch.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from types import TracebackType
 from typing import Any
 
 from .dtypes import DTYPE_NAMED
-from .frameworks import check_device, framework_of
+from .errors import Problem, SliceError, TensorfsError
+from .frameworks import FRAMEWORKS, check_device, framework_of, make_tensor
 from .gate import UNREADABLE
 from .model import Model
 from .opener import open_model
 
 __all__ = ["SafeOpen", "TensorSlice", "load_file", "open_model", "safe_open"]
 
+BACKENDS = ("mmap", "pread")
+"""safetensors' backends: tensors over a mapping of the file, or read into memory of their own (pread(2))."""
 
-def safe_open(path: str | os.PathLike[str], framework: str = "np", device: Any = "cpu", **options: Any) -> SafeOpen:
-    """`safetensors.safe_open`, over anything open_model opens, with its options (verify=, include=,
-    exclude=, layers=, remote=, cache=, fallback=). `framework`: "np"/"numpy" or "pt"/"torch"."""
+
+def check_backend(backend: str) -> None:
+    """A backend safetensors takes, or the one-line error it makes of any other."""
+    if backend not in BACKENDS:
+        raise TensorfsError(f"backend {backend!r} is invalid: 'mmap' or 'pread', as safetensors takes")
+
+
+def safe_open(
+    filename: str | os.PathLike[str], framework: str, device: Any = "cpu", *, backend: str = "mmap", **options: Any
+) -> SafeOpen:
+    """`safetensors.safe_open(filename, framework, device="cpu", *, backend="mmap")`, over anything
+    open_model opens, with its options keyword-only beside them (verify=, include=, exclude=,
+    layers=, remote=, cache=, fallback=). `framework`: "np"/"numpy" or "pt"/"torch"; `backend`:
+    "mmap" (tensors over the shards' bytes) or "pread" (each tensor read from its file into memory
+    of its own)."""
     kind = framework_of(framework)
     check_device(kind, device)
-    return SafeOpen(open_model(path, **options), kind, device)
+    check_backend(backend)
+    return SafeOpen(open_model(filename, **options), kind, device, backend)
 
 
 class SafeOpen:
     """An open model as `safetensors.safe_open` shows one file: keys, metadata, tensors and slices.
 
     Tensors share their bytes with the shards (a private copy-on-write mapping: writable, and no write
-    reaches a file); for several shards, metadata() is their common `__metadata__`.
+    reaches a file), or with backend="pread" have bytes of their own; for several shards, metadata()
+    is their common `__metadata__`.
     """
 
-    def __init__(self, model: Model, framework: str, device: Any = "cpu") -> None:
+    def __init__(self, model: Model, framework: str, device: Any = "cpu", backend: str = "mmap") -> None:
         self.model = model
         """The model: for prefetch(), tensors() and the rest of its API."""
         self.framework = framework
         self.device = device
+        self.backend = backend
 
     def keys(self) -> list[str]:
         """Every tensor name, sorted."""
@@ -65,7 +87,17 @@ class SafeOpen:
 
     def get_tensor(self, name: str) -> Any:
         """The tensor (see Model.tensor); TensorNotFound, also a KeyError, for a name not in the model."""
-        return self.model.tensor(name, self.framework, self.device)
+        if self.backend == "mmap":
+            return self.model.tensor(name, self.framework, self.device)
+        return self._read(name, self.device)
+
+    def _read(self, name: str, device: Any) -> Any:
+        """The tensor read from its file (or through the cache) into memory of its own: backend="pread"."""
+        self.model._check_open()
+        _, _, (begin, end, _, dtype, shape) = self.model.entry(name)
+        buffer = bytearray(end - begin)
+        self.model.gate.copy_into(name, 0, memoryview(buffer))
+        return make_tensor(memoryview(buffer), dtype, shape, self.framework, device)
 
     def get_slice(self, name: str) -> TensorSlice:
         """The tensor to slice: only the bytes a slice takes are read (verified whole first, when verifying)."""
@@ -108,35 +140,127 @@ class TensorSlice:
         return DTYPE_NAMED[self._info.dtype].name
 
     def __getitem__(self, key: Any) -> Any:
-        whole = self._opened.model.tensor(self._name, self._opened.framework)  # a view: nothing read yet
-        part = whole[key]
-        if self._opened.framework == "np":
-            import numpy as np
-
-            if isinstance(part, np.generic):  # an element: a 0-d array of its bytes, as the reference gives
-                part = whole[(*key, ...) if isinstance(key, tuple) else (key, ...)]
-        device = self._opened.device
-        return part if str(device) == "cpu" else part.to(device)
+        opened = self._opened
+        if opened.backend == "mmap":
+            whole = opened.model.tensor(self._name, opened.framework)  # a view: nothing read yet
+        else:
+            whole = opened._read(self._name, "cpu")
+        if opened.framework == "np":
+            try:
+                index = numpy_index(key, whole.shape)
+            except ValueError as exc:
+                raise SliceError(
+                    str(Problem(str(opened.model.source), f"slice {_written(key)}: {exc}", self._name))
+                ) from None
+            part = whole[(*index, ...)]  # an element too: a 0-d array of its bytes, as the reference gives
+            return part.copy() if opened.backend == "pread" else part  # not the whole tensor's memory held
+        part = whole[key]  # torch's indexing, as safetensors' torch slices
+        device = opened.device
+        if str(device) != "cpu":
+            return part.to(device)
+        return part.clone() if opened.backend == "pread" else part
 
     def __repr__(self) -> str:
         return f"<tensorfs.TensorSlice {self._name!r} {self.get_dtype()} {self.get_shape()}>"
 
 
 def load_file(
-    path: str | os.PathLike[str], framework: str = "pt", device: Any = "cpu", **options: Any
+    filename: str | os.PathLike[str],
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+    framework: str = "pt",
+    **options: Any,
 ) -> dict[str, Any]:
-    """Every tensor of the model (or of the selection) by name, in the order of the bytes: what
-    `safetensors.torch.load_file` gives for one file, for anything open_model opens. Verified first
-    when `verify` is given (hashed on several threads); a remote model's chunks fetched at once.
-    The tensors share their bytes with the shards' files (copy-on-write), as safetensors' do."""
+    """`safetensors.torch.load_file(filename, device="cpu", *, backend="mmap")`, for anything
+    open_model opens: every tensor of the model (or of the selection) by name, in the order of the
+    bytes. Keyword-only beside them, tensorfs's own: `framework` ("np" for numpy arrays, as
+    `safetensors.numpy.load_file` gives) and open_model's options. Verified first when `verify` is
+    given (hashed on several threads); a remote model's chunks fetched at once. The tensors share
+    their bytes with the shards' files (copy-on-write), as safetensors' do (backend="pread": their own)."""
     kind = framework_of(framework)
+    if isinstance(device, str) and device in FRAMEWORKS:  # load_file(path, "np"): the device's place
+        raise TensorfsError(
+            f"device {device!r}: load_file's second argument is the device, as safetensors.torch.load_file's; "
+            f"for {'numpy arrays' if FRAMEWORKS[device] == 'np' else 'torch tensors'} pass framework={device!r}"
+        )
     check_device(kind, device)
-    with open_model(path, **options) as model:
-        opened = SafeOpen(model, kind, device)
+    check_backend(backend)
+    with open_model(filename, **options) as model:
+        opened = SafeOpen(model, kind, device, backend)
         names = opened.offset_keys()
-        # With fallbacks, a tensor that fails here is taken from one by tensor() below.
+        # With fallbacks, a tensor that fails here is taken from one by get_tensor() below.
         with contextlib.suppress(*UNREADABLE) if model.fallbacks is not None else contextlib.nullcontext():
             model.gate.verify_many(names)
             if any(model.shard_data(shard).needs_ensure for shard in model.shards):
                 model.prefetch(names).wait()
-        return {name: model.tensor(name, kind, device) for name in names}
+        return {name: opened.get_tensor(name) for name in names}
+
+
+def numpy_index(key: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...]:
+    """`key` as safetensors' numpy slices take it, for a tensor of `shape`: ints (a bool is 0 or 1)
+    within the dimension (negative from its end), slices of a step of 1 or more whose start is in
+    the dimension and whose stop is from the start to its end (no negative bound), and one `...`;
+    `[]` is `[0:0]`. ValueError saying why for anything else (None, a list, an array, a float, a
+    bound out of the dimension), where safetensors raises its SafetensorError."""
+    if isinstance(key, list):
+        if key:
+            raise ValueError("a list of indices is not a slice safetensors takes")
+        key = slice(0, 0)
+    items = key if isinstance(key, tuple) else (key,)
+    ellipses = [at for at, item in enumerate(items) if item is Ellipsis]  # by identity: an array's == is not a bool
+    if len(ellipses) > 1:
+        raise ValueError("only one ellipsis (...) is allowed")
+    given = len(items) - len(ellipses)
+    if given > len(shape):
+        raise ValueError(f"{given} indices for {len(shape)} dimensions")
+    if ellipses:  # every dimension between, each a slice of it whole (the dimensions after the key's are not)
+        at = ellipses[0]
+        items = (*items[:at], *[slice(None)] * (len(shape) - given), *items[at + 1 :])
+    index: list[int | slice] = []
+    for dim, item in enumerate(items):
+        size = shape[dim]
+        if isinstance(item, slice):
+            start, stop, step = (
+                _bound(part, default)
+                for part, default in zip((item.start, item.stop, item.step), (0, size, 1), strict=True)
+            )
+            if step < 1:
+                raise ValueError(f"a slice's step must be 1 or more, not {step}")
+            if not 0 <= start < size or not start <= stop <= size:
+                raise ValueError(
+                    f"{start}:{stop} is not within dimension #{dim} of size {size} (safetensors' numpy slices take a "
+                    f"start from 0 to {size - 1} and a stop from the start to {size})"
+                )
+            index.append(slice(start, stop, step))
+        else:
+            position = _bound(item, None)
+            if not -size <= position < size:
+                raise ValueError(f"index {position} is out of bounds for dimension #{dim} of size {size}")
+            index.append(position)
+    return tuple(index)
+
+
+def _bound(value: Any, default: int | None) -> int:
+    """An index or a slice's bound as an int (None: `default`); ValueError for what is neither."""
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool):
+        return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{value!r} is not an index: an int, a slice or ... is") from None
+
+
+def _written(key: Any) -> str:
+    """A slice's key as it was written: [3:1], [..., 0], [::2]."""
+    items = key if isinstance(key, tuple) else (key,)
+
+    def one(item: Any) -> str:
+        if isinstance(item, slice):
+            bounds = ["" if b is None else repr(b) for b in (item.start, item.stop)]
+            return ":".join(bounds) + ("" if item.step is None else f":{item.step!r}")
+        return "..." if item is Ellipsis else repr(item)
+
+    return "[" + ", ".join(one(item) for item in items) + "]"

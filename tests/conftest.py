@@ -185,7 +185,7 @@ _machine_holds = 0
 @contextlib.contextmanager
 def machine_lock() -> Iterator[None]:
     """Held while a test changes or depends on what the whole machine shares: the page cache (dropped,
-    or measured), the names in /tmp. Tests of one run (pytest-xdist's workers) or of two runs take
+    or measured), the names in /tmp, mount(8)'s helper in /sbin. Tests of one run (pytest-xdist's workers) or of two runs take
     turns; nested holds in one process are one. An flock of this file: nothing to make or remove."""
     global _machine_lock, _machine_holds
     if _machine_holds == 0:

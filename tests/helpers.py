@@ -320,6 +320,8 @@ def compare_safe_open(path: Path, framework: str, **options: Any) -> None:
                 try:
                     expected = reference[key]
                 except Exception:
+                    with pytest.raises(IndexError):  # refused as the reference refuses it (tests/test_dropin.py)
+                        mine[key]
                     continue
                 same_tensor(mine[key], expected)
 

@@ -70,8 +70,8 @@ def test_the_loader_takes_a_damaged_tensor_from_its_fallback(copies: tuple[Path,
     primary, copy, data = copies
     _damage(primary, "s1.t1")
     with pytest.raises(IntegrityError, match=r"s1\.t1"):
-        load_file(primary, "np", verify=True, cache=False)
-    loaded = load_file(primary, "np", verify=True, cache=False, fallback=[copy])
+        load_file(primary, framework="np", verify=True, cache=False)
+    loaded = load_file(primary, framework="np", verify=True, cache=False, fallback=[copy])
     assert {name: array.tobytes() for name, array in loaded.items()} == data
     with open_model(primary, verify=True, cache=False, fallback=[copy]) as model:
         assert model.raw("s1.t1").tobytes() == data["s1.t1"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Mounts, wait_until
+from conftest import Mounts, machine_lock, wait_until
 from helpers import every_dtype_tensors, write_reference
 from tensorfs.cli.mount import mount
 from tensorfs.errors import TensorfsError
@@ -52,26 +52,27 @@ def model_dir(tmp_path: Path) -> Path:
 def test_mount_t_fuse_tensorfs(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     """`mount -t fuse.tensorfs` for real: mount(8) finds the helper at /sbin/mount.fuse.tensorfs (put
     there for this test only), as an fstab line would."""
-    if HELPER.exists() or HELPER.is_symlink():
-        pytest.fail(f"{HELPER} is there already: not this test's to replace")
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     mounts.watch(mountpoint)
     mounts.watch(tmp_path)  # where a bad option must stop a mount: taken away should one be made
-    HELPER.symlink_to(Path(sys.executable).parent / "mount.tensorfs")
-    try:
-        options = f"ro,layout=dotted,readahead_kb=2048,include=t.*,log_file={mounts.log_file},nofail"
-        result = subprocess.run(
-            ["mount", "-t", "fuse.tensorfs", str(model_dir), str(mountpoint), "-o", options],
-            capture_output=True, text=True, check=False, timeout=120,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        bad = subprocess.run(
-            ["mount", "-t", "fuse.tensorfs", str(model_dir), str(tmp_path), "-o", "ro,readahed_kb=1"],
-            capture_output=True, text=True, check=False, timeout=120,
-        )  # fmt: skip
-    finally:
-        HELPER.unlink()
+    with machine_lock():  # the machine's /sbin: test_docs puts the helper there too
+        if HELPER.exists() or HELPER.is_symlink():
+            pytest.fail(f"{HELPER} is there already: not this test's to replace")
+        HELPER.symlink_to(Path(sys.executable).parent / "mount.tensorfs")
+        try:
+            options = f"ro,layout=dotted,readahead_kb=2048,include=t.*,log_file={mounts.log_file},nofail"
+            result = subprocess.run(
+                ["mount", "-t", "fuse.tensorfs", str(model_dir), str(mountpoint), "-o", options],
+                capture_output=True, text=True, check=False, timeout=120,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            bad = subprocess.run(
+                ["mount", "-t", "fuse.tensorfs", str(model_dir), str(tmp_path), "-o", "ro,readahed_kb=1"],
+                capture_output=True, text=True, check=False, timeout=120,
+            )  # fmt: skip
+        finally:
+            HELPER.unlink()
     assert mount_at(mountpoint) is not None
     assert (mountpoint / "t" / "f32").read_bytes() == every_dtype_tensors()["t.f32"][2]  # dotted: t/f32
     assert not (mountpoint / "scalar").exists()  # only the selection

@@ -527,8 +527,8 @@ def test_a_forbidden_default_manifest_is_no_manifest(mounts: Mounts, nginx: Ngin
     mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
     assert (mountpoint / "w").read_bytes() == tensors["w"][2]
     assert (
-        "tensors.sha256: access denied (403): check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN); taken as no manifest"
-        in mounts.log()
+        "tensors.sha256: access denied (403): tensorfs sends no credentials to an HTTP(S) server: check the URL, "
+        "and that the server lets it be read; taken as no manifest" in mounts.log()
     )
     verify = cli("verify", "--cache-dir", str(tmp_path / "cache"), url)
     assert verify.returncode == 1 and verify.stdout == ""

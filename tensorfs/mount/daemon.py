@@ -75,6 +75,39 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mountpoint {mountpoint} is not empty")
 
 
+FUSE_DEVICE = "/dev/fuse"
+_FUSE_NUMBERS = (10, 229)  # the misc character device the kernel's FUSE registers
+_WITHOUT_A_MOUNT = "tensorfs.open_model, safe_open and load_file load the model in-process without one (docs/python.md)"
+
+
+def check_fuse_device(device: str = FUSE_DEVICE) -> None:
+    """Refuse, saying what is missing, where no FUSE device can be had: libfuse says why only on the
+    standard error of a foreground mount (a daemon's is closed), as "fuse_session_mount failed"."""
+    try:
+        st = os.stat(device)
+    except FileNotFoundError:
+        raise MountError(
+            f"no FUSE device: {device} is missing (load the module: modprobe fuse; in a container, give it the "
+            f"device: --device /dev/fuse --cap-add SYS_ADMIN); {_WITHOUT_A_MOUNT}"
+        ) from None
+    except OSError as exc:
+        raise MountError(f"no FUSE device: {device}: {exc.strerror}; {_WITHOUT_A_MOUNT}") from None
+    if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != _FUSE_NUMBERS:
+        raise MountError(
+            f"no FUSE device: {device} is not FUSE's (the character device 10:229; in a container: "
+            f"--device /dev/fuse --cap-add SYS_ADMIN); {_WITHOUT_A_MOUNT}"
+        )
+    if os.geteuid() != 0:
+        return  # fusermount3 (setuid root) opens it for everyone else
+    try:
+        os.close(os.open(device, os.O_RDWR | os.O_CLOEXEC))
+    except OSError as exc:  # a container's device rules (EPERM)
+        raise MountError(
+            f"cannot open the FUSE device {device}: {exc.strerror} (a container must be let use it: "
+            f"--device /dev/fuse); {_WITHOUT_A_MOUNT}"
+        ) from None
+
+
 Prepare = Callable[[], tuple[Model, ViewSpec]]
 """Validates the model (and verifies it, if asked), after the daemon is forked: what `mount` serves,
 held to its manifest, and what its model directory view holds besides its tensors."""
@@ -98,6 +131,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
     try:
         lock = locked.enter_context(mountpoint_lock(mountpoint, READY_TIMEOUT + 60))
         check_mountpoint(mountpoint)
+        check_fuse_device()
         # The log is opened here, before any fork, so that a log file that cannot be written is a
         # one-line error now rather than a daemon that dies without a word.
         setup_logging(log_file, debug=options.debug, log_format=options.log_format)

@@ -44,7 +44,7 @@ def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
     except RemoteError:
         raise
     except Exception as exc:
-        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc)}") from None
+        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc, spec)}") from None
     return found, False
 
 
@@ -83,11 +83,31 @@ def reason_of(exc: BaseException, url: str) -> str:
     return str(exc).removeprefix(f"{url}: ")
 
 
-ACCESS_HINT = "check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)"
+def access_hint(spec: StoreSpec) -> str:
+    """What to check when a store refuses a request (401, 403), by the kind of store it is."""
+    if spec.kind == "s3":
+        return (
+            "check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the bucket's "
+            "policy; --no-sign-request for a public bucket"
+        )
+    if spec.scheme_root.startswith("hf://"):
+        if any(name == "Authorization" for name, _ in spec.headers):
+            return "the Hub's token given (HF_TOKEN, or $HF_HOME/token) may not read this repository: is it gated?"
+        return (
+            "a private or gated repository needs a token that may read it (HF_TOKEN, or `hf auth login`); the Hub "
+            "answers so for a repository that does not exist, too"
+        )
+    return "tensorfs sends no credentials to an HTTP(S) server: check the URL, and that the server lets it be read"
 
 
-def describe_error(exc: BaseException) -> str:
-    """One line on why a request failed (no URL's secret in it)."""
+RANGE_NEEDED = (
+    "the server does not answer Range requests (it sent the whole file for a range): tensorfs reads a model's "
+    "files by ranges; serve them from a server that does (nginx, Apache, any S3 store; not `python -m http.server`)"
+)
+
+
+def describe_error(exc: BaseException, spec: StoreSpec) -> str:
+    """One line on why a request to `spec`'s store failed (no URL's secret in it)."""
     from obstore import exceptions as errors
 
     if isinstance(exc, FileNotFoundError):
@@ -96,14 +116,18 @@ def describe_error(exc: BaseException) -> str:
     status = re.search(r"status code: (\d{3}[^:\n]*)", text)
     code = status.group(1)[:3] if status else ""
     if isinstance(exc, errors.PermissionDeniedError) or code == "403":
-        return f"access denied (403): {ACCESS_HINT}"
+        return f"access denied (403): {access_hint(spec)}"
     if isinstance(exc, errors.UnauthenticatedError) or code == "401":
-        return f"authentication required (401): {ACCESS_HINT}"
+        return f"authentication required (401): {access_hint(spec)}"
     if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in text:
         return "changed since it was validated (its ETag differs): mount it again"
-    if "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower():
+    if "Range request not supported" in text:  # obstore's, when a range is answered 200 with the whole body
+        return RANGE_NEEDED
+    if spec.kind == "s3" and (
+        "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower()
+    ):
         # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
-        return f"no credentials found: {ACCESS_HINT}, or --no-sign-request for a public bucket"
+        return f"no credentials found: {access_hint(spec)}"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if "error following redirect" in text:  # reqwest's: https_only (allow_http off), or too many
         return "a redirect not followed (https:// to http://, or more than 10 in a row)"
@@ -143,14 +167,14 @@ def retried(spec: StoreSpec, call: Callable[[], Answer]) -> Answer:
 
 
 def _raise(ref: ObjectRef, exc: BaseException) -> None:
-    message = f"{ref.url}: {describe_error(exc)}"
+    message = f"{ref.url}: {describe_error(exc, ref.spec)}"
     if isinstance(exc, FileNotFoundError):
         raise FileNotFoundError(message) from None
     from obstore import exceptions as errors
 
     if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
         raise ObjectChanged(message) from None
-    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or ACCESS_HINT in message:
+    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or access_hint(ref.spec) in message:
         raise AccessDenied(message) from None
     raise RemoteError(message) from None
 

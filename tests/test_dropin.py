@@ -1,0 +1,245 @@
+"""tensorfs.safe_open and load_file are drop-ins for safetensors': every argument their originals take,
+in the same places, meaning the same (checked against the installed safetensors), a transformers
+model loaded through them in safetensors' place, and numpy slices that take what safetensors'
+take."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tensorfs
+from helpers import as_bytes, fuzzing, random_bytes, same_tensor, write_reference
+
+# What safetensors' docstrings give as the defaults its compiled signature shows as `...`.
+DOCUMENTED_DEFAULTS = {"device": "cpu", "backend": "mmap"}
+
+
+def same_parameters(ours: Callable[..., Any], theirs: Callable[..., Any]) -> None:
+    """Every parameter of `theirs` is one of `ours`, in its place, of its kind and default; what
+    `ours` has beyond them is keyword-only (tensorfs's own options)."""
+    mine = list(inspect.signature(ours).parameters.values())
+    reference = list(inspect.signature(theirs).parameters.values())
+    assert [(p.name, p.kind) for p in mine[: len(reference)]] == [(p.name, p.kind) for p in reference]
+    for ours_one, theirs_one in zip(mine, reference, strict=False):
+        expected = theirs_one.default
+        if expected is Ellipsis:
+            expected = DOCUMENTED_DEFAULTS[theirs_one.name]
+        assert ours_one.default == expected, ours_one.name
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in mine[len(reference) :]), mine
+
+
+def test_the_signatures_are_safetensors(tmp_path: Path) -> None:
+    same_parameters(tensorfs.safe_open, safetensors.safe_open)
+    same_parameters(tensorfs.load_file, safetensors.torch.load_file)
+    assert "backend" in inspect.signature(safetensors.safe_open).parameters  # the installed one is 0.8's
+
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2, 3], random_bytes(24, 1)), "b": ("I64", [4], random_bytes(32, 2))})
+    # Each call as safetensors takes it, positional or by keyword: the same tensors.
+    for args, keywords in (
+        ((path,), {}),
+        ((path, "cpu"), {}),
+        ((), {"filename": path, "device": "cpu", "backend": "mmap"}),
+        ((path,), {"backend": "pread"}),
+    ):
+        expected = safetensors.torch.load_file(*args, **keywords)
+        loaded = tensorfs.load_file(*args, **keywords)
+        assert list(loaded) == list(expected)
+        for name, tensor in expected.items():
+            same_tensor(loaded[name], tensor)
+    for args, keywords in (
+        ((path, "pt"), {}),
+        ((path, "np", "cpu"), {}),
+        ((), {"filename": path, "framework": "pt", "device": "cpu", "backend": "pread"}),
+    ):
+        with tensorfs.safe_open(*args, **keywords) as ours, safetensors.safe_open(*args, **keywords) as theirs:
+            for name in theirs.offset_keys():
+                same_tensor(ours.get_tensor(name), theirs.get_tensor(name))
+    with pytest.raises(TypeError):  # the framework is required, as safetensors requires it
+        tensorfs.safe_open(path)  # type: ignore[call-arg]
+
+
+def test_load_file_takes_the_device_second_and_says_so_to_who_meant_the_framework(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2], random_bytes(8, 1))})
+    assert isinstance(tensorfs.load_file(path, "cpu")["w"], torch.Tensor)
+    assert isinstance(tensorfs.load_file(path, framework="np")["w"], np.ndarray)  # numpy: tensorfs's own option
+    for framework in ("np", "numpy", "pt"):
+        with pytest.raises(tensorfs.TensorfsError) as raised:
+            tensorfs.load_file(path, framework)
+        message = str(raised.value)
+        assert "second argument is the device" in message and f"framework={framework!r}" in message, message
+        assert "\n" not in message
+    with pytest.raises(tensorfs.TensorfsError, match="device 'gpu0' is not one torch knows"):
+        tensorfs.load_file(path, "gpu0")
+    for call in (tensorfs.load_file, lambda path, **kw: tensorfs.safe_open(path, "pt", **kw)):
+        with pytest.raises(tensorfs.TensorfsError, match="backend 'uring' is invalid: 'mmap' or 'pread'"):
+            call(path, backend="uring")
+    with pytest.raises(safetensors.SafetensorError, match="invalid"):  # as safetensors refuses it
+        safetensors.safe_open(str(path), "pt", backend="uring")
+
+
+def mappings_of(path: Path) -> list[tuple[int, int]]:
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            found.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    return found  # type: ignore[return-value]
+
+
+def test_backend_pread_reads_tensors_into_memory_of_their_own(tmp_path: Path) -> None:
+    """As safetensors' "pread": each tensor's bytes read from the file, on no mapping of it; with
+    "mmap" (the default) on the shard's mapping."""
+    path = tmp_path / "m.safetensors"
+    data = random_bytes(1 << 20, 3)
+    write_reference(path, {"big": ("U8", [1024, 1024], data), "s": ("I16", [], b"4\x12")})
+
+    def on_the_file(address: int) -> bool:
+        return any(low <= address < high for low, high in mappings_of(path))
+
+    with tensorfs.safe_open(path, "pt", backend="pread") as opened:
+        big = opened.get_tensor("big")
+        assert as_bytes(big) == data and not on_the_file(big.data_ptr())
+        row = opened.get_slice("big")[5]
+        assert as_bytes(row) == data[5 * 1024 : 6 * 1024] and not on_the_file(row.data_ptr())
+        assert row.untyped_storage().nbytes() == 1024  # its own bytes, not the whole tensor's held
+        big[0, 0] = 7  # writable
+    with tensorfs.safe_open(path, "np", backend="pread") as opened:
+        array = opened.get_tensor("big")
+        assert array.tobytes() == data and not on_the_file(array.ctypes.data)
+        element = opened.get_slice("s")[()]
+        assert element.shape == () and element.tobytes() == b"4\x12"
+    with tensorfs.safe_open(path, "pt") as opened:
+        assert on_the_file(opened.get_tensor("big").data_ptr())  # mmap: on the file's mapping
+    state = tensorfs.load_file(path, backend="pread")
+    assert as_bytes(state["big"]) == data and not on_the_file(state["big"].data_ptr())
+    assert path.read_bytes().count(data) == 1  # no write reached the file
+
+
+# A tiny Llama written by transformers itself, loaded with transformers' own safe_open replaced.
+def test_transformers_loads_a_model_through_tensorfs_safe_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers.modeling_utils
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=96,
+    )
+    directory = tmp_path / "llama"
+    LlamaForCausalLM(config).save_pretrained(directory)
+    expected = AutoModelForCausalLM.from_pretrained(directory).eval()
+
+    calls: list[dict[str, Any]] = []
+
+    def recorded(*args: Any, **keywords: Any) -> tensorfs.SafeOpen:
+        calls.append(dict(zip(("filename", "framework", "device"), args, strict=False)) | keywords)
+        return tensorfs.safe_open(*args, **keywords)
+
+    for module in ("transformers.modeling_utils", "transformers.modeling_layers"):  # where transformers imports it
+        if hasattr(sys.modules.get(module), "safe_open"):
+            monkeypatch.setattr(f"{module}.safe_open", recorded)
+    assert transformers.modeling_utils.safe_open is recorded
+    loaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert calls and all(Path(call["filename"]).parent == directory for call in calls)
+    assert any("backend" in call for call in calls)  # transformers 5 passes it
+    ours, theirs = loaded.state_dict(), expected.state_dict()
+    assert list(ours) == list(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+# -- slices ---------------------------------------------------------------------------------------
+
+SHAPES = [(), (0,), (1,), (5,), (0, 4), (3, 4), (2, 0, 3), (2, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("slices") / "m.safetensors"
+    tensors = {}
+    for i, shape in enumerate(SHAPES):
+        count = int(np.prod(shape)) if shape else 1
+        tensors[f"t{i}"] = ("I16", list(shape), random_bytes(2 * count, i))
+    write_reference(path, tensors)
+    return path
+
+
+bounds = st.none() | st.integers(-7, 7) | st.sampled_from([True, False, np.int64(2), 2**70, 1.0])
+index_items = st.one_of(
+    st.integers(-7, 7),
+    st.builds(slice, bounds, bounds, st.none() | st.integers(-2, 3) | st.just(np.int32(2))),
+    st.just(Ellipsis),
+    st.sampled_from([None, True, False, np.True_, np.int64(1), np.array(1), np.array([1]), 1.5, "a", 2**70, [0], ()]),
+)
+keys = index_items | st.lists(index_items, max_size=4).map(tuple) | st.sampled_from([[], [0, 1], [slice(None)]])
+
+
+def taken(slicer: Any, key: Any) -> tuple[str, Any]:
+    try:
+        return "taken", slicer[key]
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # safetensors' Rust panics too ([1:0:2]): a PanicException is no Exception
+        return "refused", exc
+
+
+@fuzzing(150)
+@given(st.integers(0, len(SHAPES) - 1), keys)
+def test_numpy_slices_take_what_safetensors_takes_and_torch_slices_are_torchs(
+    sliced: Path, which: int, key: Any
+) -> None:
+    """Differential: a key safetensors' get_slice takes gives the same dtype, shape and bytes; one it
+    refuses, tensorfs refuses too (numpy: a tensorfs.SliceError, also an IndexError, naming the
+    file, the tensor and why; torch: torch's own error, as safetensors' torch slices raise)."""
+    name = f"t{which}"
+    for framework in ("np", "pt"):
+        with (
+            tensorfs.safe_open(sliced, framework, cache=False) as ours,
+            safetensors.safe_open(str(sliced), framework) as theirs,
+        ):
+            their_way, expected = taken(theirs.get_slice(name), key)
+            our_way, got = taken(ours.get_slice(name), key)
+            assert our_way == their_way, (framework, SHAPES[which], key, expected, got)
+            if our_way == "taken":
+                same_tensor(got, expected)
+            elif framework == "np":
+                assert isinstance(got, tensorfs.SliceError) and isinstance(got, IndexError), got
+                message = str(got)
+                assert message.startswith(f"{sliced}: tensor '{name}': slice [") and "\n" not in message
+            else:
+                assert type(got) is type(expected), (got, expected)
+
+
+def test_numpy_slices_where_safetensors_differs_from_numpy(sliced: Path) -> None:
+    """The cases numpy alone would answer otherwise: True is 1 (numpy: a new axis), a slice past the
+    end or of a negative bound is refused (numpy clips it), None and lists are refused."""
+    with tensorfs.safe_open(sliced, "np") as ours, safetensors.safe_open(str(sliced), "np") as theirs:
+        name = f"t{SHAPES.index((3, 4))}"
+        assert ours.get_slice(name)[True].shape == theirs.get_slice(name)[True].shape == (4,)
+        same_tensor(ours.get_slice(name)[[]], theirs.get_slice(name)[[]])  # [] is [0:0]
+        for key in (slice(1, 9), slice(-2, None), slice(3, None), None, [0, 1], slice(None, None, -1)):
+            with pytest.raises(tensorfs.SliceError):
+                ours.get_slice(name)[key]
+            with pytest.raises(Exception):  # noqa: B017 (SafetensorError, OverflowError: whatever it raises)
+                theirs.get_slice(name)[key]
