@@ -39,6 +39,7 @@ from .selection import Selection
 from .sources.cache import default_cache_dir
 from .sources.client import exists
 from .sources.finding import beside
+from .sources.index import is_index_name
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
 from .sources.remote import RemoteOpener
 from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, redact, unsupported_scheme
@@ -153,7 +154,7 @@ class Source:
         """Whether it is one weights file: maybe one shard of the model its manifest lists."""
         if isinstance(self.location, str):
             return is_weights_name(self.location.rstrip("/"))
-        return not self.location.is_dir() and not self.location.name.endswith(".index.json")
+        return not self.location.is_dir() and not is_index_name(self.location.name)
 
     @property
     def directory(self) -> Path | str:

@@ -495,6 +495,11 @@ def test_a_model_is_of_one_format(tmp_path: Path) -> None:
     directory.mkdir()
     write_gguf(directory / "a.gguf", {"a": ("F32", [4])})
     write_reference(directory / "b.safetensors", {"b": ("F32", [1], random_bytes(4, 0))})
+    with pytest.raises(  # by their names: a loader takes one or the other, never both
+        InvalidModelError, match=r"holds safetensors and GGUF files \(b\.safetensors, a\.gguf\): name the one to open"
+    ):
+        tensorfs.open_model(directory)
+    (directory / "a.gguf").rename(directory / "a.safetensors")  # by their content: a GGUF, whatever its name
     with pytest.raises(
         InvalidModelError, match=r"is a safetensors file, where .* is gguf: a model's shards are all of one format"
     ):
@@ -684,7 +689,10 @@ def test_parts_missing_or_not_of_one_model_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidModelError) as raised:
         tensorfs.open_model(several)
     message = str(raised.value)
-    assert "several GGUFs are several models; name the one to open" in message and "also in shard" not in message
+    assert message.endswith(
+        ": holds several GGUF files (model-Q4.gguf, model-Q8.gguf): name the one to open (its file, or its index)"
+    )
+    assert "\n" not in message
     lying = tmp_path / "lying"
     lying.mkdir()
     write_gguf(lying / "m.gguf", {f"t{i}": ("F32", [4]) for i in range(4)}, split_max_tensors=2)

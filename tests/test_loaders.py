@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, write_reference
+from helpers import MIB, hub_api, random_bytes, write_reference
 from servers import Nginx
 
 
@@ -51,26 +51,6 @@ def embeddings(*directories: Path) -> list[dict[str, object]]:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
-
-
-def hub_api(root: Path, repo: str, files: Path) -> None:
-    """The Hub's listing of a repository's files, as nginx serves it (see servers.HUB_API)."""
-    tree = root / "api" / "models" / repo / "tree"
-
-    def listing(directory: Path, prefix: str) -> list[dict[str, object]]:
-        return [
-            {
-                "type": "directory" if p.is_dir() else "file",
-                "path": prefix + p.name,
-                "size": 0 if p.is_dir() else p.stat().st_size,
-            }
-            for p in sorted(directory.iterdir())
-        ]
-
-    (tree / "main").mkdir(parents=True)
-    (tree / "main.json").write_text(json.dumps(listing(files, "")))
-    for sub in (p for p in files.iterdir() if p.is_dir()):
-        (tree / "main" / f"{sub.name}.json").write_text(json.dumps(listing(sub, f"{sub.name}/")))
 
 
 def test_sentence_transformers_gets_the_whole_model_from_the_hub_and_over_http(
