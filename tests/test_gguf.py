@@ -445,11 +445,19 @@ def test_a_long_array_is_summarized_in_the_mounts_metadata_json(mounts: Mounts, 
 
 
 def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path: Path) -> None:
+    """Which says it is a part of a model (see test_loaders for what loaders make of it): the blocks
+    it holds, counted in block_count, each per-block array cut to them, every other pair as it was."""
     path = tmp_path / "model.gguf"
     written = write_gguf(
         path,
         {"token_embd.weight": ("F32", [4, 8]), "blk.0.w": ("Q4_K", [1, 256]), "blk.1.w": ("Q8_0", [2, 32])},
-        {"split.count": 1},
+        {
+            "split.count": 1,
+            "llama.block_count": 2,
+            "llama.attention.head_count_kv": [8, 4],
+            "llama.rope.dimension_sections": [1, 2],
+            "general.name": "two blocks",
+        },
         alignment=64,
     )
     mountpoint = mounts.mount(path, "--exclude", "blk.0.*")
@@ -459,7 +467,19 @@ def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path:
         name: data for name, data in written.items() if name != "blk.0.w"
     }
     assert "split.count" not in reader.fields and reader.alignment == 64
-    assert reader.fields["general.architecture"].contents() == "llama"
+    said = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert said == {
+        "general.architecture": "part-of-a-model",
+        "llama.block_count": 1,
+        "llama.attention.head_count_kv": [4],
+        "llama.rope.dimension_sections": [1, 2],
+        "general.name": "two blocks",
+        "general.alignment": 64,
+        "tensorfs.part.architecture": "llama",
+        "tensorfs.part.blocks": [1],
+    }
+    whole = GGUFReader(str(mounts.mount(path) / ".tensorfs" / "model" / "model.gguf"))
+    assert whole.fields["general.architecture"].contents() == "llama"
 
 
 def test_the_loader_and_the_commands(tmp_path: Path) -> None:

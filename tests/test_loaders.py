@@ -14,11 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from gguf import GGUFReader, GGUFWriter
+from safetensors import safe_open
 
 from conftest import Mounts
 from helpers import MIB, hub_api, random_bytes, write_reference
 from servers import Nginx
+from tensorfs.views import PARTIAL_INDEX
 
 
 def minilm() -> Path:
@@ -109,12 +113,25 @@ else:
 """
 
 
-def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, tmp_path: Path) -> None:
-    model = tmp_path / "llama"
-    written = subprocess.run(
-        [sys.executable, "-c", LLAMA, "write", str(model)], capture_output=True, text=True, timeout=300
+def run(script: str, *args: str | Path) -> str:
+    """What a script of a real consumer prints, run in a process of its own (offline)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
     )
-    assert written.returncode == 0, written.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture
+def llama(tmp_path: Path) -> Path:
+    """A tiny Llama of four layers, written by transformers."""
+    run(LLAMA, "write", tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, llama: Path) -> None:
+    model = llama
     whole = mounts.mount(model)
     stage = mounts.mount(model, "--layers", "0-1")
     loads = subprocess.run(
@@ -174,3 +191,131 @@ def test_companions_are_served_from_their_files_not_held_in_memory(mounts: Mount
     status = Path(f"/proc/{pid}/status").read_text()
     anonymous = int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:"))) << 10
     assert anonymous < 100 * MIB, anonymous  # 180 MiB of companions read through it: none of it kept
+
+
+# accelerate's load_checkpoint_in_model of a checkpoint (a directory, or an index) into a model made
+# from the source's config: how many of the source's weights it holds then.
+ACCELERATE = """
+import sys
+import torch
+from accelerate.utils import load_checkpoint_in_model
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+source, checkpoint = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+with torch.no_grad():
+    for parameter in model.parameters():
+        parameter.fill_(float("nan"))  # what is not loaded is like no weight of the source's
+try:
+    load_checkpoint_in_model(model, checkpoint)
+except ValueError as exc:
+    print("refused:", str(exc).splitlines()[0])
+else:
+    weights = load_file(source + "/model.safetensors")
+    same = [name for name, tensor in model.state_dict().items() if name in weights and torch.equal(tensor, weights[name])]
+    print("loaded", len(same), "of", len(weights))
+"""
+
+
+def test_accelerate_takes_no_stage_for_the_whole_model(mounts: Mounts, llama: Path) -> None:
+    """accelerate takes any *.index.json of a directory for the model's: a stage's index is not named
+    so, and its own process names it to load its layers."""
+    with safe_open(str(llama / "model.safetensors"), framework="np") as opened:
+        names = list(opened.keys())
+    kept = [name for name in names if ".layers.0." not in name and ".layers.1." not in name]
+    whole = mounts.mount(llama, "--view-shards", "2") / ".tensorfs" / "model"
+    stage = mounts.mount(llama, "--layers", "2-3", "--view-shards", "2") / ".tensorfs" / "model"
+    assert "model.safetensors.index.json" in os.listdir(whole)
+    assert run(ACCELERATE, llama, whole) == f"loaded {len(names)} of {len(names)}\n"
+    refused = run(ACCELERATE, llama, stage)
+    assert refused.startswith("refused: ") and "index.json" in refused, refused
+    assert sorted(os.listdir(stage)) == [
+        "config.json",
+        "generation_config.json",
+        "selected-00001-of-00002.safetensors",
+        "selected-00002-of-00002.safetensors",
+        PARTIAL_INDEX,
+    ]
+    assert run(ACCELERATE, llama, stage / PARTIAL_INDEX) == f"loaded {len(kept)} of {len(names)}\n"
+
+
+# sentence-transformers given a directory: whether it loads a model from it.
+SENTENCE_TRANSFORMERS = """
+import sys
+from sentence_transformers import SentenceTransformer
+try:
+    SentenceTransformer(sys.argv[1], device="cpu")
+except (OSError, ValueError) as exc:
+    print("refused:", str(exc).splitlines()[0])
+else:
+    print("loaded")
+"""
+
+
+def test_sentence_transformers_takes_no_stage_for_the_whole_model(mounts: Mounts) -> None:
+    for options in ([], ["--view-shards", "2"]):
+        stage = mounts.mount(minilm(), "--layers", "0-2", *options) / ".tensorfs" / "model"
+        refused = run(SENTENCE_TRANSFORMERS, stage)
+        assert refused.startswith("refused: ") and "model.safetensors" in refused, refused
+    whole = mounts.mount(minilm()) / ".tensorfs" / "model"
+    assert run(SENTENCE_TRANSFORMERS, whole) == "loaded\n"
+
+
+def tiny_llama_gguf(path: Path, blocks: int) -> None:
+    """A Llama of `blocks` blocks as a GGUF transformers loads (gguf_file=), random float32 weights."""
+    rng = np.random.default_rng(0)
+    hidden, ff, vocab = 32, 64, 128
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(blocks)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // 2)
+    writer.add_vocab_size(vocab)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    for block in range(blocks):
+        shapes |= {
+            f"blk.{block}.{name}.weight": (hidden, hidden) for name in ("attn_q", "attn_k", "attn_v", "attn_output")
+        }
+        shapes |= {f"blk.{block}.attn_norm.weight": (hidden,), f"blk.{block}.ffn_norm.weight": (hidden,)}
+        shapes |= {f"blk.{block}.ffn_gate.weight": (ff, hidden), f"blk.{block}.ffn_up.weight": (ff, hidden)}
+        shapes |= {f"blk.{block}.ffn_down.weight": (hidden, ff)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# transformers' GGUF loading of a file in a directory: how many layers the model it built has.
+GGUF = """
+import sys
+from transformers import AutoModelForCausalLM
+try:
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])
+except (OSError, ValueError) as exc:
+    print("refused:", str(exc).splitlines()[0])
+else:
+    print("loaded", model.config.num_hidden_layers, "layers")
+"""
+
+
+def test_transformers_takes_no_gguf_stage_for_the_whole_model(mounts: Mounts, tmp_path: Path) -> None:
+    """A GGUF stage says it is a part (its architecture none a loader knows) and what it holds: its
+    blocks, counted in block_count."""
+    tiny_llama_gguf(tmp_path / "tiny.gguf", 4)
+    whole = mounts.mount(tmp_path / "tiny.gguf") / ".tensorfs" / "model"
+    stage = mounts.mount(tmp_path / "tiny.gguf", "--layers", "2-3") / ".tensorfs" / "model"
+    assert run(GGUF, whole, "model.gguf") == "loaded 4 layers\n"
+    assert run(GGUF, stage, "selected.gguf") == (
+        "refused: GGUF model with architecture part-of-a-model is not supported yet.\n"
+    )
+    fields = GGUFReader(str(stage / "selected.gguf")).fields
+    assert fields["general.architecture"].contents() == "part-of-a-model"
+    assert fields["tensorfs.part.architecture"].contents() == "llama"
+    assert fields["tensorfs.part.blocks"].contents() == [2, 3]
+    assert fields["llama.block_count"].contents() == 2

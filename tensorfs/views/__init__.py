@@ -3,6 +3,8 @@
 A model directory any safetensors loader opens: the selected tensors as one synthesized
 `model.safetensors` (or several files and an index, as transformers writes them), plus the
 model's own companion files (config.json, tokenizer files, ...). A GGUF model's is one `model.gguf`.
+A selection's is named so that no loader takes it for the whole model (PARTIAL_NAME, PARTIAL_INDEX;
+a GGUF's pairs say it is a part: formats/ggufparts.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from ..sources.index import index_document
+from ..sources.index import INDEX_NAME, index_document
 from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
 
@@ -78,6 +80,9 @@ PARTIAL_NAME = "selected"
 """What the synthesized files of a selection are called instead of model: a loader that looks for a
 whole model (model.safetensors, or its index) finds none, and fails, rather than loading the
 selection as the whole model with the rest made up."""
+PARTIAL_INDEX = f"{PARTIAL_NAME}.safetensors.index.partial.json"
+"""The index of a selection's files: not named *.index.json, which accelerate's load_checkpoint_in_model
+takes from a directory for the model's (it would load the selection's layers, the rest left at random)."""
 
 
 def build_view(model: Tables, spec: ViewSpec) -> ModelView:
@@ -97,7 +102,8 @@ def build_view(model: Tables, spec: ViewSpec) -> ModelView:
             file_name = f"{base}-{k:05d}-of-{len(groups):05d}.safetensors"
             files[file_name] = SynthesizedFile(model, group, metadata)
             weight_map.update(dict.fromkeys(group, file_name))
-        files[f"{base}.safetensors.index.json"] = index_document(dict(sorted(weight_map.items())), model.nbytes)
+        index = INDEX_NAME if model.selection.everything else PARTIAL_INDEX
+        files[index] = index_document(dict(sorted(weight_map.items())), model.nbytes)
     return ModelView(files, spec.directories)
 
 
