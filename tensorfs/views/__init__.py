@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from ..sources.index import INDEX_NAME, index_document
+from ..sources.index import index_document
 from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
 
@@ -43,6 +43,9 @@ class ViewSpec:
     """Companion files left out, and why (the daemon logs them)."""
     directories: dict[str, os.stat_result] = field(default_factory=dict)
     """The source's subdirectories that companions come from: their owners and permissions."""
+    name: str = "model"
+    """What the synthesized files of the whole model are called: "model", or "adapter_model" for an
+    adapter (PEFT's loaders look for adapter_model.safetensors)."""
 
 
 ViewFile = SynthesizedFile | Companion | bytes
@@ -91,7 +94,7 @@ def build_view(model: Tables, spec: ViewSpec) -> ModelView:
     metadata = shared_metadata(model)
     files: dict[str, ViewFile] = {c.path: c for c in spec.companions}
     groups = [names] if count == 1 else split(names, [model.locate(name)[2] for name in names], count)
-    base = "model" if model.selection.everything else PARTIAL_NAME
+    base = spec.name if model.selection.everything else PARTIAL_NAME
     if model.format == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
         files[f"{base}.gguf"] = SynthesizedFile(model, names, None)
     elif len(groups) == 1:
@@ -102,7 +105,7 @@ def build_view(model: Tables, spec: ViewSpec) -> ModelView:
             file_name = f"{base}-{k:05d}-of-{len(groups):05d}.safetensors"
             files[file_name] = SynthesizedFile(model, group, metadata)
             weight_map.update(dict.fromkeys(group, file_name))
-        index = INDEX_NAME if model.selection.everything else PARTIAL_INDEX
+        index = f"{base}.safetensors.index.json" if model.selection.everything else PARTIAL_INDEX
         files[index] = index_document(dict(sorted(weight_map.items())), model.nbytes)
     return ModelView(files, spec.directories)
 
