@@ -103,9 +103,9 @@ class Caches:
 
 @dataclass(frozen=True)
 class Source:
-    """A model: a .safetensors file (or GGUF, or checkpoint), a directory of shards (with or without an
-    index), an index file; or such a model in a store (s3://, http(s)://, hf://), read through the
-    chunk cache."""
+    """A model: a .safetensors file (or GGUF, or checkpoint), an index file, a directory (the model
+    loaders load from it: sources/choosing.py); or such a model in a store (s3://, http(s)://, hf://),
+    read through the chunk cache."""
 
     location: Path | str
     """A local path, or a URL."""
@@ -314,11 +314,13 @@ def open_model(
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
-    `path` is a .safetensors file, a directory of shards (with or without
-    model.safetensors.index.json), or an index file; a GGUF or a PyTorch checkpoint; or such a model
-    in a store: s3://BUCKET/PREFIX, http(s)://.../NAME.safetensors or .../model.safetensors.index.json,
-    hf://ORG/NAME[@REVISION], read through a local cache (`remote` says how). Raises
-    InvalidModelError naming every problem found; no tensor data is read.
+    `path` is a weights file (.safetensors, a GGUF, a PyTorch checkpoint) or an index file; or a
+    directory, whose model is the one loaders load from it (model.safetensors, else its index, else
+    pytorch_model.bin ...: sources/choosing.py; a directory of several models' files is refused,
+    naming them: name the one to open); or such a model in a store: s3://BUCKET/PREFIX,
+    http(s)://.../NAME.safetensors or .../model.safetensors.index.json, hf://ORG/NAME[@REVISION], read
+    through a local cache (`remote` says how). Raises InvalidModelError naming every problem found; no
+    tensor data is read.
 
     `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` ((A, B), "A-B" or N: the N in
     `*.layers.N.*`) select a subset: every header is still validated, but only the selected

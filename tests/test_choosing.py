@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import tensorfs
 from conftest import Mounts
 from helpers import hub_api, upload
 from servers import Nginx, SeaweedFS
+from tensorfs.sources.choosing import Choice, choose
 from tensorfs.sources.store import RemoteOptions
 
 # Writes a tiny Llama (save_pretrained, with the keyword arguments given as JSON), or says what
@@ -199,3 +201,115 @@ def test_the_hub_says_what_a_repository_holds(nginx: Nginx, tmp_path: Path, monk
         with pytest.raises(tensorfs.InvalidModelError) as raised:
             tensorfs.open_model(source, remote=remote)
         assert str(raised.value) == said
+
+
+@pytest.mark.parametrize(
+    ("names", "files", "index"),
+    [
+        (
+            ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors"],
+            ["model.safetensors"],
+            None,
+        ),
+        (
+            ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin"],
+            [],
+            "model.safetensors.index.json",
+        ),
+        (
+            ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "pytorch_model.bin"],
+            ["pytorch_model.bin"],
+            None,
+        ),
+        (["pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"], [], "pytorch_model.bin.index.json"),
+        (["adapter_model.safetensors", "config.json", "model.safetensors"], ["model.safetensors"], None),
+        (
+            ["adapter_config.json", "adapter_model.bin", "adapter_model.safetensors"],
+            ["adapter_model.safetensors"],
+            None,
+        ),
+        (["adapter_model.safetensors", "pytorch_model.bin"], ["pytorch_model.bin"], None),
+        (["model.fp16.safetensors", "model.safetensors"], ["model.safetensors"], None),
+        (["model.fp16.safetensors", "optimizer.pt"], ["model.fp16.safetensors"], None),
+        (
+            [
+                "model.fp16-00001-of-00002.safetensors",
+                "model.fp16-00002-of-00002.safetensors",
+                "model.safetensors.index.fp16.json",
+            ],
+            [],
+            "model.safetensors.index.fp16.json",
+        ),
+        (
+            ["model.fp16-00001-of-00002.safetensors", "model.fp16-00002-of-00002.safetensors"],
+            ["model.fp16-00001-of-00002.safetensors", "model.fp16-00002-of-00002.safetensors"],
+            None,
+        ),
+        (["a.safetensors", "b.safetensors", "b.safetensors.index.json"], ["a.safetensors", "b.safetensors"], None),
+        (
+            [
+                "selected-00001-of-00002.safetensors",
+                "selected-00002-of-00002.safetensors",
+                "selected.safetensors.index.partial.json",
+            ],
+            ["selected-00001-of-00002.safetensors", "selected-00002-of-00002.safetensors"],
+            None,
+        ),
+        (["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"], ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"], None),
+        (["a.gguf", "optimizer.pt"], ["a.gguf"], None),
+        (["model.pt", "optimizer.pt", "training_args.bin"], ["model.pt"], None),
+    ],
+)
+def test_the_rules_over_names(names: list[str], files: list[str], index: str | None) -> None:
+    assert choose(names, "d") == Choice(tuple(files), index)
+
+
+@pytest.mark.parametrize(
+    ("names", "problem"),
+    [
+        (
+            ["model.bf16.safetensors", "model.fp16.safetensors"],
+            "holds the files of several models (variants) (model.bf16.safetensors, model.fp16.safetensors): ",
+        ),
+        (
+            ["model.fp16.safetensors", "weights.safetensors"],
+            "holds the files of several models (variants) (model.fp16.safetensors, weights.safetensors): ",
+        ),
+        (["a.safetensors", "b.gguf"], "holds safetensors and GGUF files (a.safetensors, b.gguf): "),
+        (
+            ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf", "other.gguf"],
+            "holds several GGUF files (m-00001-of-00002.gguf, m-00002-of-00002.gguf, other.gguf): ",
+        ),
+        (["a.pt", "b.pt"], "holds several PyTorch checkpoints (a.pt, b.pt): name the one to open, or give it an index"),
+        (
+            ["README.md", "config.json"],
+            "no .safetensors, .gguf, .bin, .pt or .pth files in this directory (it holds README.md, config.json)",
+        ),
+        ([], "no .safetensors, .gguf, .bin, .pt or .pth files in this directory (it is empty)"),
+    ],
+)
+def test_what_a_loader_must_be_told_is_refused(names: list[str], problem: str) -> None:
+    chosen = choose(names, "d")
+    assert chosen.problem is not None and chosen.problem.startswith(problem) and not (chosen.files or chosen.index)
+
+
+def test_without_a_listing_the_names_loaders_look_for_are_asked_after_in_their_order() -> None:
+    asked: list[str] = []
+
+    def there(*present: str) -> Callable[[str], bool]:
+        def exists(name: str) -> bool:
+            asked.append(name)
+            return name in present
+
+        return exists
+
+    assert choose(None, "d", there("pytorch_model.bin", "model.safetensors.index.json")) == Choice(
+        index="model.safetensors.index.json"
+    )
+    assert asked == ["model.safetensors", "model.safetensors.index.json"]
+    assert choose(None, "d", there("pytorch_model.bin")) == Choice(("pytorch_model.bin",))
+    nothing = choose(None, "d", there())
+    assert nothing.problem == (
+        "none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json "
+        "is there: name the model's file or index"
+    )

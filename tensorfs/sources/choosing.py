@@ -39,8 +39,8 @@ LOOKED_FOR = (SAFETENSORS_NAME, INDEX_NAME, pytorch.DEFAULT_NAME, pytorch.INDEX_
 ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 """PEFT's adapter weights: kept beside a base model, loaded onto it, never part of it."""
 _VARIANT = re.compile(
-    r"model\.(?P<a>[^./]+)(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.(?P<b>[^./]+)\.json"
-    r"|pytorch_model\.(?P<c>[^./]+)(?:-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.(?P<d>[^./]+)\.json"
+    r"model\.(?P<a>[^./]+?)(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.(?P<b>[^./]+)\.json"
+    r"|pytorch_model\.(?P<c>[^./]+?)(?:-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.(?P<d>[^./]+)\.json"
 )
 """transformers' names of a variant's files (save_pretrained(variant=V)): model.V.safetensors, its
 numbered parts model.V-00001-of-00002.safetensors, model.safetensors.index.V.json, and the same of
