@@ -313,3 +313,35 @@ def test_without_a_listing_the_names_loaders_look_for_are_asked_after_in_their_o
         "none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json "
         "is there: name the model's file or index"
     )
+
+
+def test_a_bucket_one_may_read_and_not_list_is_asked_for_the_names_loaders_look_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S3 answers 403 to a listing, and to a GET of a missing key, for whoever may read a bucket's
+    objects and not list it: the names loaders look for are asked after, a 403 taken for none."""
+    from tensorfs.errors import AccessDenied
+    from tensorfs.sources import finding
+
+    present = {"models/m/model.safetensors.index.json"}
+    asked: list[str] = []
+
+    def listing(spec: object, prefix: str) -> tuple[list[object], bool]:
+        raise AccessDenied(f"s3://b/{prefix}: access denied (403)")
+
+    def exists(ref: Any) -> bool:
+        asked.append(ref.key)
+        if ref.key not in present:
+            raise AccessDenied(f"{ref.url}: access denied (403)")
+        return True
+
+    monkeypatch.setattr(finding, "list_objects", listing)
+    monkeypatch.setattr(finding, "exists", exists)
+    monkeypatch.setattr(finding, "_from_index", lambda index, problems: finding.Located([], None, index.url))
+    problems: list[tensorfs.Problem] = []
+    located = finding.locate("s3://b/models/m", RemoteOptions(), problems)
+    assert (located.index_label, problems) == ("s3://b/models/m/model.safetensors.index.json", [])
+    assert asked == ["models/m/model.safetensors", "models/m/model.safetensors.index.json"]
+    present.clear()
+    assert finding.locate("s3://b/models/m", RemoteOptions(), problems).shards == []
+    assert [str(problem) for problem in problems] == ["s3://b/models/m/: access denied (403)"]

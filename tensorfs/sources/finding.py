@@ -55,13 +55,20 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
 def _choose(source: str, options: RemoteOptions, spec: StoreSpec, prefix: str, where: str) -> Choice:
     """The model of a directory in a store, chosen from its listing (S3's, or the Hub's API), or from
     the names loaders look for, asked after one by one where there is none (a bucket listing more than
-    MAX_LISTED, a Hub mirror without the API). RemoteError when the store cannot say."""
+    MAX_LISTED, or that this user may not list; a Hub mirror without the API). RemoteError when the
+    store cannot say."""
 
     def there(name: str) -> bool:
         return exists(ObjectRef(spec, prefix + name))
 
     if spec.kind == "s3":
-        listed, more = list_objects(spec, prefix)
+        try:
+            listed, more = list_objects(spec, prefix)
+        except AccessDenied:  # one may read objects and not list them: S3 then says 403 for a missing key
+            choice = choose(None, where, lambda name: _readable(ObjectRef(spec, prefix + name)))
+            if choice.problem is None:
+                return choice
+            raise
         names = None if more else _names_in(sorted(str(meta["path"]) for meta in listed), prefix)
         return choose(names, where, there)
     try:
@@ -76,6 +83,14 @@ def _choose(source: str, options: RemoteOptions, spec: StoreSpec, prefix: str, w
             raise RemoteError(f"{where}: {_not_on_the_hub(source, options)}") from None
         raise
     return choose(names, where, there)
+
+
+def _readable(ref: ObjectRef) -> bool:
+    """Whether the object is there for whoever may not list its bucket (a 403 is none)."""
+    try:
+        return exists(ref)
+    except AccessDenied:
+        return False
 
 
 def _names_in(keys: list[str], prefix: str) -> list[str]:
