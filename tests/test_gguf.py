@@ -480,6 +480,23 @@ def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path:
     }
     whole = GGUFReader(str(mounts.mount(path) / ".tensorfs" / "model" / "model.gguf"))
     assert whole.fields["general.architecture"].contents() == "llama"
+    # A part of a part (a stage exported, then selected again) says so of the whole model's blocks.
+    exported = mounts.run("export", "--exclude", "token_embd.weight", str(path), str(tmp_path / "stage"))
+    assert exported.returncode == 0, exported.stderr
+    again = mounts.mount(tmp_path / "stage" / "selected.gguf", "--layers", "1") / ".tensorfs" / "model"
+    reader = GGUFReader(str(again / "selected.gguf"))
+    said = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert said == {
+        "general.architecture": "part-of-a-model",
+        "llama.block_count": 1,
+        "llama.attention.head_count_kv": [4],
+        "llama.rope.dimension_sections": [1, 2],
+        "general.name": "two blocks",
+        "general.alignment": 64,
+        "tensorfs.part.architecture": "llama",
+        "tensorfs.part.blocks": [1],
+    }
+    assert [t.name for t in reader.tensors] == ["blk.1.w"]
 
 
 def test_the_loader_and_the_commands(tmp_path: Path) -> None:

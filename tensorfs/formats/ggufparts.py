@@ -9,6 +9,8 @@ both refuse it, naming it), the source's architecture is kept in tensorfs.part.a
 blocks it holds (blk.N, as the source numbers them) in tensorfs.part.blocks, and {arch}.block_count
 counts them; an array of one value per block ({arch}.attention.head_count_kv of some models: the
 keys PER_BLOCK) keeps the values of the blocks held. Every other pair is the source's as it is.
+A part of a part (a stage's export, selected again) says the same of the blocks it holds, numbered
+as the whole model's.
 """
 
 from __future__ import annotations
@@ -34,41 +36,69 @@ _FLOATS_AND_BOOL = (6, 7, 12)
 
 def part_pairs(pairs: list[tuple[str, bytes]], blocks: list[int]) -> list[bytes]:
     """The pairs of a part of the GGUF whose pairs are `pairs` (key, and the pair's bytes, as
-    gguf.pairs() gives them; validated), holding the tensors of `blocks` (ascending) of it, and
-    others of no block (embeddings, norms, the head) or not all of them."""
-    architecture = next((_string_value(raw) for key, raw in pairs if key == ARCHITECTURE_KEY), None)
+    gguf.pairs() gives them; validated), holding the tensors of `blocks` (ascending, as the source
+    numbers them) of it, and others of no block (embeddings, norms, the head) or not all of them.
+    The source may be a part itself (a stage's export, selected again): it says which blocks it
+    holds, and of which architecture."""
+    said = dict(pairs)
+    architecture = _string_value(said[ARCHITECTURE_KEY]) if ARCHITECTURE_KEY in said else None
+    held: list[int] | None = None  # the source's blocks, when it is a part: else 0 to block_count - 1
+    if architecture == PART_ARCHITECTURE and SOURCE_ARCHITECTURE_KEY in said:
+        architecture = _string_value(said[SOURCE_ARCHITECTURE_KEY])
+        held = _integers(said[BLOCKS_KEY]) if BLOCKS_KEY in said else None
     count_key = f"{architecture}.block_count"
-    source_blocks = next((_integer(raw) for key, raw in pairs if key == count_key), None)
+    count = _integer(said[count_key]) if architecture is not None and count_key in said else None
+    positions = None  # where each block's value is in a per-block array of the source
+    if count is not None:
+        numbers = held if held is not None and len(held) == count else list(range(count))
+        if set(blocks) <= set(numbers):
+            positions = [numbers.index(block) for block in blocks]
     per_block = {f"{architecture}.{key}" for key in PER_BLOCK}
     made: list[bytes] = []
     for key, raw in pairs:
+        if key in (SOURCE_ARCHITECTURE_KEY, BLOCKS_KEY):
+            continue  # said again below, of this part
         if key == ARCHITECTURE_KEY:
             made.append(_pair(key, STRING, encoded_string(PART_ARCHITECTURE)))
-        elif key == count_key and source_blocks is not None:
+        elif key == count_key and count is not None:
             kind = _kind(raw)
             made.append(_pair(key, kind, struct.pack("<" + VALUE_FORMATS[kind], len(blocks))))
-        elif key in per_block and source_blocks is not None:
-            made.append(_per_block(raw, source_blocks, blocks) or raw)
+        elif key in per_block and count is not None and positions is not None:
+            made.append(_per_block(raw, count, positions) or raw)
         else:
             made.append(raw)
+    if ARCHITECTURE_KEY not in said:  # a part says so, whatever its source said
+        made.append(_pair(ARCHITECTURE_KEY, STRING, encoded_string(PART_ARCHITECTURE)))
     if architecture is not None:
         made.append(_pair(SOURCE_ARCHITECTURE_KEY, STRING, encoded_string(architecture)))
     made.append(_pair(BLOCKS_KEY, ARRAY, struct.pack(f"<IQ{len(blocks)}I", UINT32, len(blocks), *blocks)))
     return made
 
 
-def _per_block(raw: bytes, source_blocks: int, blocks: list[int]) -> bytes | None:
-    """The pair of an array of one number per block of the source, with those of `blocks` (None: it is not one)."""
+def _per_block(raw: bytes, count: int, positions: list[int]) -> bytes | None:
+    """The pair of an array of one number per block of the source (`count` of them), with those at
+    `positions` (None: it is not such an array)."""
     start = _value_start(raw)
     if _kind(raw) != ARRAY:
         return None
-    item, count = struct.unpack_from("<IQ", raw, start)
-    if item not in VALUE_SIZES or count != source_blocks or any(block >= count for block in blocks):
+    item, length = struct.unpack_from("<IQ", raw, start)
+    if item not in VALUE_SIZES or length != count:
         return None
-    values = struct.unpack_from(f"<{count}{VALUE_FORMATS[item]}", raw, start + 12)
-    kept = [values[block] for block in blocks]
+    values = struct.unpack_from(f"<{length}{VALUE_FORMATS[item]}", raw, start + 12)
+    kept = [values[position] for position in positions]
     array = struct.pack(f"<IQ{len(kept)}{VALUE_FORMATS[item]}", item, len(kept), *kept)
     return raw[: start - 4] + _pair_body(ARRAY, array)
+
+
+def _integers(raw: bytes) -> list[int] | None:
+    """An array of integers' values (None: the pair is no such array)."""
+    start = _value_start(raw)
+    if _kind(raw) != ARRAY:
+        return None
+    item, length = struct.unpack_from("<IQ", raw, start)
+    if item not in VALUE_SIZES or item in _FLOATS_AND_BOOL:
+        return None
+    return list(struct.unpack_from(f"<{length}{VALUE_FORMATS[item]}", raw, start + 12))
 
 
 def _value_start(raw: bytes) -> int:
