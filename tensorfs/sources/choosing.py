@@ -74,7 +74,8 @@ def is_model_file(name: str) -> bool:
         return False
     if name.endswith(pytorch.SUFFIXES):
         return pytorch.is_model_name(name) or _VARIANT.fullmatch(name) is not None
-    return is_weights_name(name) or is_index_name(name)
+    weights_index = is_index_name(name) and (".safetensors.index" in name or ".bin.index" in name)
+    return is_weights_name(name) or weights_index
 
 
 def choose(names: Collection[str] | None, where: str, exists: Callable[[str], bool] | None = None) -> Choice:
@@ -152,7 +153,8 @@ def _several(what: str, names: list[str]) -> Choice:
 
 def _holding(names: list[str]) -> str:
     """What a directory without weights holds, as a message ends (its first names)."""
-    return f" (it holds {_some(names)})" if names else " (it is empty)"
+    shown = [name for name in names if not name.startswith(".")]
+    return f" (it holds {_some(shown)})" if shown else " (it is empty)"
 
 
 def _some(names: list[str]) -> str:
