@@ -37,8 +37,10 @@ from .names import Layout
 from .progress import Progress
 from .selection import Selection
 from .sources.cache import default_cache_dir
+from .sources.choosing import is_adapter
 from .sources.client import exists
 from .sources.finding import beside
+from .sources.index import is_index_name
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
 from .sources.remote import RemoteOpener
 from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, redact, unsupported_scheme
@@ -101,9 +103,9 @@ class Caches:
 
 @dataclass(frozen=True)
 class Source:
-    """A model: a .safetensors file (or GGUF, or checkpoint), a directory of shards (with or without an
-    index), an index file; or such a model in a store (s3://, http(s)://, hf://), read through the
-    chunk cache."""
+    """A model: a .safetensors file (or GGUF, or checkpoint), an index file, a directory (the model
+    loaders load from it: sources/choosing.py); or such a model in a store (s3://, http(s)://, hf://),
+    read through the chunk cache."""
 
     location: Path | str
     """A local path, or a URL."""
@@ -153,7 +155,7 @@ class Source:
         """Whether it is one weights file: maybe one shard of the model its manifest lists."""
         if isinstance(self.location, str):
             return is_weights_name(self.location.rstrip("/"))
-        return not self.location.is_dir() and not self.location.name.endswith(".index.json")
+        return not self.location.is_dir() and not is_index_name(self.location.name)
 
     @property
     def directory(self) -> Path | str:
@@ -280,7 +282,8 @@ class Source:
             companions = find_remote_companions(self.location, self.remote, warnings, weights)
         else:
             companions = find_companions(self.location, warnings, directories, weights)
-        return ViewSpec(companions, shards, warnings, directories)
+        adapter = bool(weights) and all(is_adapter(shard_name(weight)) for weight in weights)
+        return ViewSpec(companions, shards, warnings, directories, "adapter_model" if adapter else "model")
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""
@@ -311,11 +314,13 @@ def open_model(
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
-    `path` is a .safetensors file, a directory of shards (with or without
-    model.safetensors.index.json), or an index file; a GGUF or a PyTorch checkpoint; or such a model
-    in a store: s3://BUCKET/PREFIX, http(s)://.../NAME.safetensors or .../model.safetensors.index.json,
-    hf://ORG/NAME[@REVISION], read through a local cache (`remote` says how). Raises
-    InvalidModelError naming every problem found; no tensor data is read.
+    `path` is a weights file (.safetensors, a GGUF, a PyTorch checkpoint) or an index file; or a
+    directory, whose model is the one loaders load from it (model.safetensors, else its index, else
+    pytorch_model.bin ...: sources/choosing.py; a directory of several models' files is refused,
+    naming them: name the one to open); or such a model in a store: s3://BUCKET/PREFIX,
+    http(s)://.../NAME.safetensors or .../model.safetensors.index.json, hf://ORG/NAME[@REVISION], read
+    through a local cache (`remote` says how). Raises InvalidModelError naming every problem found; no
+    tensor data is read.
 
     `include`/`exclude` (fnmatch globs on names, or one glob) and `layers` ((A, B), "A-B" or N: the N in
     `*.layers.N.*`) select a subset: every header is still validated, but only the selected

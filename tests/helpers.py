@@ -367,6 +367,29 @@ def model_bytes(source: Path) -> dict[str, bytes]:
     return found
 
 
+def hub_api(root: Path, repo: str, files: Path, revision: str = "main") -> None:
+    """The Hub's API for a repository whose files (at `revision`) are `files`, as nginx serves it
+    (servers.HUB_API): the listing of its files and folders (one level down too), and its own page."""
+    api = root / "api" / "models" / repo
+    tree = api / "tree" / revision
+
+    def listing(directory: Path, prefix: str) -> list[dict[str, object]]:
+        return [
+            {
+                "type": "directory" if p.is_dir() else "file",
+                "path": prefix + p.name,
+                "size": 0 if p.is_dir() else p.stat().st_size,
+            }
+            for p in sorted(directory.iterdir())
+        ]
+
+    tree.mkdir(parents=True)
+    tree.with_name(f"{revision}.json").write_text(json.dumps(listing(files, "")))
+    for sub in (p for p in files.iterdir() if p.is_dir()):
+        (tree / f"{sub.name}.json").write_text(json.dumps(listing(sub, f"{sub.name}/")))
+    api.with_name(f"{api.name}.json").write_text(json.dumps({"id": repo}))
+
+
 def upload(store: Any, prefix: str, directory: Path) -> None:
     """Put every file of `directory` into an object store under `prefix/`."""
     import obstore

@@ -445,11 +445,19 @@ def test_a_long_array_is_summarized_in_the_mounts_metadata_json(mounts: Mounts, 
 
 
 def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path: Path) -> None:
+    """Which says it is a part of a model (see test_loaders for what loaders make of it): the blocks
+    it holds, counted in block_count, each per-block array cut to them, every other pair as it was."""
     path = tmp_path / "model.gguf"
     written = write_gguf(
         path,
         {"token_embd.weight": ("F32", [4, 8]), "blk.0.w": ("Q4_K", [1, 256]), "blk.1.w": ("Q8_0", [2, 32])},
-        {"split.count": 1},
+        {
+            "split.count": 1,
+            "llama.block_count": 2,
+            "llama.attention.head_count_kv": [8, 4],
+            "llama.rope.dimension_sections": [1, 2],
+            "general.name": "two blocks",
+        },
         alignment=64,
     )
     mountpoint = mounts.mount(path, "--exclude", "blk.0.*")
@@ -459,7 +467,36 @@ def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path:
         name: data for name, data in written.items() if name != "blk.0.w"
     }
     assert "split.count" not in reader.fields and reader.alignment == 64
-    assert reader.fields["general.architecture"].contents() == "llama"
+    said = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert said == {
+        "general.architecture": "part-of-a-model",
+        "llama.block_count": 1,
+        "llama.attention.head_count_kv": [4],
+        "llama.rope.dimension_sections": [1, 2],
+        "general.name": "two blocks",
+        "general.alignment": 64,
+        "tensorfs.part.architecture": "llama",
+        "tensorfs.part.blocks": [1],
+    }
+    whole = GGUFReader(str(mounts.mount(path) / ".tensorfs" / "model" / "model.gguf"))
+    assert whole.fields["general.architecture"].contents() == "llama"
+    # A part of a part (a stage exported, then selected again) says so of the whole model's blocks.
+    exported = mounts.run("export", "--exclude", "token_embd.weight", str(path), str(tmp_path / "stage"))
+    assert exported.returncode == 0, exported.stderr
+    again = mounts.mount(tmp_path / "stage" / "selected.gguf", "--layers", "1") / ".tensorfs" / "model"
+    reader = GGUFReader(str(again / "selected.gguf"))
+    said = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert said == {
+        "general.architecture": "part-of-a-model",
+        "llama.block_count": 1,
+        "llama.attention.head_count_kv": [4],
+        "llama.rope.dimension_sections": [1, 2],
+        "general.name": "two blocks",
+        "general.alignment": 64,
+        "tensorfs.part.architecture": "llama",
+        "tensorfs.part.blocks": [1],
+    }
+    assert [t.name for t in reader.tensors] == ["blk.1.w"]
 
 
 def test_the_loader_and_the_commands(tmp_path: Path) -> None:
@@ -495,6 +532,11 @@ def test_a_model_is_of_one_format(tmp_path: Path) -> None:
     directory.mkdir()
     write_gguf(directory / "a.gguf", {"a": ("F32", [4])})
     write_reference(directory / "b.safetensors", {"b": ("F32", [1], random_bytes(4, 0))})
+    with pytest.raises(  # by their names: a loader takes one or the other, never both
+        InvalidModelError, match=r"holds safetensors and GGUF files \(b\.safetensors, a\.gguf\): name the one to open"
+    ):
+        tensorfs.open_model(directory)
+    (directory / "a.gguf").rename(directory / "a.safetensors")  # by their content: a GGUF, whatever its name
     with pytest.raises(
         InvalidModelError, match=r"is a safetensors file, where .* is gguf: a model's shards are all of one format"
     ):
@@ -684,7 +726,10 @@ def test_parts_missing_or_not_of_one_model_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidModelError) as raised:
         tensorfs.open_model(several)
     message = str(raised.value)
-    assert "several GGUFs are several models; name the one to open" in message and "also in shard" not in message
+    assert message.endswith(
+        ": holds several GGUF files (model-Q4.gguf, model-Q8.gguf): name the one to open (its file, or its index)"
+    )
+    assert "\n" not in message
     lying = tmp_path / "lying"
     lying.mkdir()
     write_gguf(lying / "m.gguf", {f"t{i}": ("F32", [4]) for i in range(4)}, split_max_tensors=2)

@@ -113,8 +113,8 @@ def test_companions_swapped_while_scanned_never_leak_nor_hang(
 def test_a_companion_changed_after_the_mount_is_refused_not_followed(
     mounts: Mounts, other_user: OtherUser, shared_dir: Path, tmp_path: Path
 ) -> None:
-    """Served from its file when read, and only while it is the file that was found: swapped for a
-    symlink to root's secret, or for a FIFO, it reads EIO through the mount (-o allow_other), at once."""
+    """Served from the file at its path when read, and only while that file holds what it held: swapped
+    for a symlink to root's secret, or for a FIFO, it reads EIO through the mount (-o allow_other), at once."""
     secret = root_only(tmp_path)
     model = shared_dir / "model"
     users_model(model, other_user)
@@ -147,6 +147,7 @@ def test_a_shard_is_never_a_symlink_out_of_the_model_directory(
     private.chmod(0o600)
     model = shared_dir / "model"
     users_model(model, other_user)
+    (model / "model.safetensors").rename(model / "own.safetensors")  # no model.safetensors: every *.safetensors
     (model / "private.safetensors").symlink_to(private)
     result = cli("ls", "--no-cache", str(model))
     assert result.returncode == 1
@@ -397,6 +398,7 @@ def test_an_index_or_manifest_planted_in_a_model_directory_is_not_followed_nor_w
     assert result.returncode == 1 and "only root" not in result.stderr
     assert result.stderr == f"error: {manifest}: cannot read: a symlink out of the model's directory\n"
     manifest.unlink()
+    (model / "model.safetensors").rename(model / "own.safetensors")  # the index is the model's, then
     index = model / "model.safetensors.index.json"
     os.mkfifo(index)
     result = cli("validate", "--no-cache", str(model), timeout=30)

@@ -13,9 +13,10 @@ from .. import __version__
 def cli() -> None:
     """Serve the tensors of a safetensors model as files, one per tensor.
 
-    MODEL is a .safetensors file, a directory of shards (with or without
-    model.safetensors.index.json), or an index file; or such a model in a
-    store, read through a local cache: s3://BUCKET/PREFIX (or .../KEY.safetensors),
+    MODEL is a weights file (.safetensors, .gguf, a PyTorch checkpoint), an
+    index file, or a directory (its model as loaders find it: model.safetensors,
+    else its index, else pytorch_model.bin, ...); or such a model in a store,
+    read through a local cache: s3://BUCKET/PREFIX (or .../KEY.safetensors),
     https://.../model.safetensors.index.json (or .../NAME.safetensors),
     hf://ORG/NAME[@REVISION].
     """

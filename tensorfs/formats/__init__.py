@@ -57,8 +57,6 @@ __all__ = [
     "ShardHeader",
     "TensorInfo",
     "across_files",
-    "checkpoint_index_applies",
-    "choose_files",
     "described_metadata",
     "detect",
     "file_metadata",
@@ -108,21 +106,6 @@ WEIGHT_FILES = ", ".join(_NAMED[:-1]) + " or " + _NAMED[-1]
 def is_weights_name(name: str) -> bool:
     """Whether a file of this name is looked at as a shard of the model (its content decides how)."""
     return name.endswith(WEIGHT_SUFFIXES)
-
-
-def choose_files(names: list[str]) -> tuple[list[str], str | None]:
-    """Which of the weight files found in a directory or under a prefix (sorted names) are its model;
-    (them, or why there is no telling). PyTorch checkpoints only where there is no other format's file:
-    a Hub model often has both model.safetensors and pytorch_model.bin, and loaders prefer the first
-    (see pytorch.choose for which of several checkpoints)."""
-    others = [name for name in names if not name.endswith(pytorch.SUFFIXES)]
-    return (others, None) if others else pytorch.choose(names)
-
-
-def checkpoint_index_applies(chosen: list[str]) -> bool:
-    """Whether a directory whose weight files choose_files chose (none, or checkpoints) is its
-    checkpoint index's model (pytorch_model.bin.index.json), if it has one."""
-    return not chosen or chosen[0].endswith(pytorch.SUFFIXES)
 
 
 FORMAT_NAMED = {format_.NAME: format_ for format_ in FORMATS}

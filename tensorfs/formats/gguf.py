@@ -52,14 +52,14 @@ _INT64_MAX = (1 << 63) - 1
 # Value types: their ids, and the bytes of the fixed-size ones.
 STRING, ARRAY = 8, 9
 VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 VALUE_TYPE_NAMES = {
     0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
     8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
 }  # fmt: skip
-_UINT32 = 4
+UINT32 = 4
 _U64 = struct.Struct("<Q")
-_INTEGERS = {kind: struct.Struct("<" + _VALUE_FORMATS[kind]) for kind in (0, 1, 2, 3, 4, 5, 10, 11)}
+_INTEGERS = {kind: struct.Struct("<" + VALUE_FORMATS[kind]) for kind in (0, 1, 2, 3, 4, 5, 10, 11)}
 SPLIT_KEYS = {"split.no": "split_no", "split.count": "split_count", "split.tensors.count": "split_tensors"}
 """The keys of a multi-file GGUF (llama.cpp's gguf-split), and their names in a table's layout."""
 SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf")
@@ -229,7 +229,7 @@ def _skip_pairs(cursor: _Cursor, count: int) -> tuple[int, dict[str, int]]:
         keys.add(key)
         kind = cursor.u32(f"the type of key '{printable(key)}'")
         if key == ALIGNMENT_KEY:
-            if kind != _UINT32:
+            if kind != UINT32:
                 raise _Fault(f"{ALIGNMENT_KEY} is {VALUE_TYPE_NAMES.get(kind, kind)}, not UINT32")
             alignment = cursor.u32(ALIGNMENT_KEY)
             if alignment == 0 or alignment & (alignment - 1):
@@ -428,15 +428,13 @@ def metadata(read: Reader, layout: dict[str, int]) -> dict[str, Any]:
 
 def _value(cursor: _Cursor, kind: int) -> Any:
     if kind in VALUE_SIZES:
-        return struct.unpack("<" + _VALUE_FORMATS[kind], cursor.take(VALUE_SIZES[kind], "a value"))[0]
+        return struct.unpack("<" + VALUE_FORMATS[kind], cursor.take(VALUE_SIZES[kind], "a value"))[0]
     if kind == STRING:
         return _text(cursor)
     item = cursor.u32("an element type")
     count = cursor.u64("an array length")
     if item in VALUE_SIZES:
-        return list(
-            struct.unpack(f"<{count}{_VALUE_FORMATS[item]}", cursor.take(count * VALUE_SIZES[item], "an array"))
-        )
+        return list(struct.unpack(f"<{count}{VALUE_FORMATS[item]}", cursor.take(count * VALUE_SIZES[item], "an array")))
     return [_text(cursor) for _ in range(count)]
 
 
@@ -492,7 +490,7 @@ def _described_value(cursor: _Cursor, kind: int, room: int) -> tuple[Any, dict[s
     length = cursor.u64("an array's length")
     if item in VALUE_SIZES:
         size, shown = VALUE_SIZES[item], length if 3 * length <= room else min(length, SUMMARY_ITEMS)
-        values = list(struct.unpack(f"<{shown}{_VALUE_FORMATS[item]}", cursor.take(shown * size, "an array")))
+        values = list(struct.unpack(f"<{shown}{VALUE_FORMATS[item]}", cursor.take(shown * size, "an array")))
         cursor.take((length - shown) * size, "an array")
         return values if shown == length else None, array_summary(VALUE_TYPE_NAMES[item], length, values)
     begin = cursor.position
@@ -533,12 +531,13 @@ def table(version: int, pairs: list[bytes], infos: list[tuple[str, list[int], DT
     there are tensors (as read_table has it)."""
     parts = [MAGIC, struct.pack("<IQQ", version, len(infos), len(pairs)), *pairs]
     for name, dims, dtype, offset in infos:
-        parts += [_string(name), struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML_ID[dtype.name], offset)]
+        parts += [encoded_string(name), struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML_ID[dtype.name], offset)]
     head = b"".join(parts)
     return head + bytes(-len(head) % alignment) if infos else head  # no tensor, no data to align
 
 
-def _string(text: str) -> bytes:
+def encoded_string(text: str) -> bytes:
+    """A GGUF string: its length (u64), then its UTF-8."""
     encoded = text.encode("utf-8")
     return struct.pack("<Q", len(encoded)) + encoded
 

@@ -1,6 +1,7 @@
-"""Which objects of a store are a model, and what is beside it: its shards found (by an index, a
-listing, or the names loaders look for), the objects in its directory (for its companion files), each
-listing bounded and every name it gives gated (names.py) before anything is made of it."""
+"""Which objects of a store are a model, and what is beside it: its shards found (its file, its index,
+or its directory's listing handed to the loaders' rules, choosing.py), the objects in its directory
+(for its companion files), each listing bounded and every name it gives gated (names.py) before
+anything is made of it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 
 import orjson
 
-from ..errors import Problem, RemoteError, TooLarge
-from ..formats import WEIGHT_FILES, checkpoint_index_applies, choose_files, is_weights_name, pytorch
+from ..errors import AccessDenied, Problem, RemoteError, TooLarge
+from ..formats import is_weights_name
 from ..names import path_problem
-from .client import MAX_LISTED, get_whole, list_objects, modified, reason_of
-from .index import INDEX_NAME, MAX_INDEX_BYTES, parse_weight_map, shard_names
+from .choosing import Choice, choose
+from .client import MAX_LISTED, exists, get_whole, list_objects, modified, reason_of
+from .index import MAX_INDEX_BYTES, is_index_name, parse_weight_map, shard_names
 from .store import ObjectRef, RemoteOptions, StoreSpec, store_spec
 
 __all__ = ["Listed", "Located", "beside", "files_of", "hub_listing", "listing_beside", "locate"]
@@ -29,45 +31,77 @@ class Located:
 
 
 def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
-    """The shards of the remote model at `source` (same rules as a local model's), problems said."""
+    """The shards of the remote model at `source` (its file, its index, or its directory's model as
+    choosing.py says, the same as a local directory's), problems said."""
     spec, key = store_spec(source, options)
     if is_weights_name(key):
         return Located([ObjectRef(spec, key)])
-    if key.endswith(".index.json"):
+    if is_index_name(key):
         return _from_index(ObjectRef(spec, key), problems)
-    # A directory: its index if it has one, else the weight files a listing shows chosen as a local
-    # directory's are (s3), a checkpoint's index, or model.safetensors (HTTP and the Hub: no listing).
     prefix = f"{key}/" if key else ""
-    found = _by_index(ObjectRef(spec, prefix + INDEX_NAME), problems)
-    if found is not None:
-        return found
-    shards = _list_shards(spec, prefix, problems) if spec.kind != "http" else []
-    if shards is None:
-        return Located([])
-    names, ambiguous = choose_files([ref.key[len(prefix) :] for ref in shards])
-    if checkpoint_index_applies(names):
-        found = _by_index(ObjectRef(spec, prefix + pytorch.INDEX_NAME), problems)
-        if found is not None:
-            return found
-    if spec.kind == "http":
-        return Located([ObjectRef(spec, prefix + "model.safetensors")])
-    if ambiguous is not None:
-        problems.append(Problem(spec.url(key) + "/", ambiguous))
-    elif not names:
-        problems.append(Problem(spec.url(key) + "/", f"no {WEIGHT_FILES} objects under this prefix"))
-    return Located([ObjectRef(spec, prefix + name) for name in names])
-
-
-def _by_index(index: ObjectRef, problems: list[Problem]) -> Located | None:
-    """The shards `index` names; None when there is no such object (a failure to read it is a problem)."""
+    where = spec.url(key) + "/" if spec.kind == "s3" else spec.url(key)  # a prefix; a repository (or its folder)
     try:
-        data = _index(index)
-    except FileNotFoundError:
-        return None
+        choice = _choose(source, options, spec, prefix, where)
     except RemoteError as exc:
-        problems.append(Problem(index.url, reason_of(exc, index.url)))
+        problems.append(Problem(where, reason_of(exc, where)))
         return Located([])
-    return _from_index(index, problems, data)
+    if choice.index is not None:
+        return _from_index(ObjectRef(spec, prefix + choice.index), problems)
+    if choice.problem is not None:
+        problems.append(Problem(where, choice.problem))
+    return Located([ObjectRef(spec, prefix + name) for name in choice.files])
+
+
+def _choose(source: str, options: RemoteOptions, spec: StoreSpec, prefix: str, where: str) -> Choice:
+    """The model of a directory in a store, chosen from its listing (S3's, or the Hub's API), or from
+    the names loaders look for, asked after one by one where there is none (a bucket listing more than
+    MAX_LISTED, or that this user may not list; a Hub mirror without the API). RemoteError when the
+    store cannot say."""
+
+    def there(name: str) -> bool:
+        return exists(ObjectRef(spec, prefix + name))
+
+    if spec.kind == "s3":
+        try:
+            listed, more = list_objects(spec, prefix)
+        except AccessDenied:  # one may read objects and not list them: S3 then says 403 for a missing key
+            choice = choose(None, where, lambda name: _readable(ObjectRef(spec, prefix + name)))
+            if choice.problem is None:
+                return choice
+            raise
+        names = None if more else _names_in(sorted(str(meta["path"]) for meta in listed), prefix)
+        return choose(names, where, there)
+    try:
+        names = [path for path, *_ in _hub_files(source, options) if "/" not in path]
+    except AccessDenied:
+        raise
+    except (FileNotFoundError, RemoteError) as exc:  # no such repository or revision; or a mirror without the API
+        choice = choose(None, where, there)
+        if choice.problem is None:
+            return choice
+        if isinstance(exc, FileNotFoundError):
+            raise RemoteError(f"{where}: {_not_on_the_hub(source, options)}") from None
+        raise
+    return choose(names, where, there)
+
+
+def _readable(ref: ObjectRef) -> bool:
+    """Whether the object is there for whoever may not list its bucket (a 403 is none)."""
+    try:
+        return exists(ref)
+    except AccessDenied:
+        return False
+
+
+def _names_in(keys: list[str], prefix: str) -> list[str]:
+    """The names of the files directly under `prefix` of a listing's keys, each gated (names.py):
+    one that is not a plain name is no file of the model's (a directory marker, a key with '..')."""
+    names = []
+    for key in keys:
+        name = key[len(prefix) :]
+        if name and "/" not in name and path_problem(name, max_depth=1) is None:
+            names.append(name)
+    return names
 
 
 def _index(index: ObjectRef) -> bytes:
@@ -95,28 +129,10 @@ def _from_index(index: ObjectRef, problems: list[Problem], data: bytes | None = 
     return Located([index.sibling(name) for name in shard_names(weight_map, label, problems)], weight_map, label)
 
 
-def _list_shards(spec: StoreSpec, prefix: str, problems: list[Problem]) -> list[ObjectRef] | None:
-    where = spec.url(prefix.rstrip("/")) + "/"
-    try:
-        listed, more = list_objects(spec, prefix)
-    except RemoteError as exc:
-        problems.append(Problem(where, reason_of(exc, where)))
-        return None
-    if more:
-        problems.append(Problem(where, f"over {MAX_LISTED} objects under this prefix: name the model's index"))
-        return None
-    keys = sorted(key for meta in listed if is_weights_name(key := str(meta["path"])) and "/" not in key[len(prefix) :])
-    for key in keys:
-        why = path_problem(key[len(prefix) :], max_depth=1)  # its own name: the model is refused
-        if why is not None:
-            problems.append(Problem(where, f"a shard's name {why}"))
-    return [ObjectRef(spec, key) for key in keys]
-
-
 def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
     """The object named `name` in the remote model's directory (its prefix, or its file's directory)."""
     spec, key = store_spec(source, options)
-    if is_weights_name(key) or key.endswith(".index.json"):
+    if is_weights_name(key) or is_index_name(key):
         return ObjectRef(spec, key).sibling(name)
     return ObjectRef(spec, f"{key}/{name}" if key else name)
 
@@ -174,19 +190,34 @@ def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) ->
     that is not on the Hub. RemoteError when the listing fails."""
     if not source.startswith("hf://"):
         return None
+    try:
+        return _hub_files(source, options, subdirectories)
+    except FileNotFoundError as exc:
+        raise RemoteError(f"{exc}: the Hub's listing of the model's files is not there (404)") from None
+
+
+def _hub_api(source: str, options: RemoteOptions) -> tuple[StoreSpec, str, str, str]:
+    """(the Hub's API, the repository, the revision, the model's directory in it) of an hf:// source."""
     spec, key = store_spec(source, options)
     repo, _, revision = spec.scheme_root.removeprefix("hf://").partition("@")
     endpoint = spec.root.removesuffix(f"/{repo}/resolve/{revision}")
-    api = StoreSpec("http", f"{endpoint}/api/models/{repo}/tree", f"{endpoint}/api/models/{repo}/tree",
-                    headers=spec.headers, timeout=spec.timeout)  # fmt: skip
-    directory = key.rpartition("/")[0] if is_weights_name(key) or key.endswith(".index.json") else key
+    api = StoreSpec("http", f"{endpoint}/api/models", f"{endpoint}/api/models", headers=spec.headers,
+                    timeout=spec.timeout)  # fmt: skip
+    directory = key.rpartition("/")[0] if is_weights_name(key) or is_index_name(key) else key
+    return api, repo, revision, directory
+
+
+def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed:
+    """hub_listing's files; FileNotFoundError (its URL) when the repository, its revision or the
+    directory is not there, or the Hub's API is not (a mirror that serves files only)."""
+    api, repo, revision, directory = _hub_api(source, options)
 
     def listed(path: str) -> list[dict[str, Any]]:
-        where = ObjectRef(api, f"{revision}/{path}" if path else revision)
+        where = ObjectRef(api, f"{repo}/tree/{revision}/{path}" if path else f"{repo}/tree/{revision}")
         try:
             document = orjson.loads(get_whole(where, MAX_HUB_LISTING))
         except FileNotFoundError:
-            raise RemoteError(f"{where.url}: the Hub's listing of the model's files is not there (404)") from None
+            raise FileNotFoundError(where.url) from None
         except orjson.JSONDecodeError as exc:
             raise RemoteError(f"{where.url}: the Hub's listing is not JSON: {exc}") from None
         if not isinstance(document, list):
@@ -208,3 +239,17 @@ def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) ->
             continue
         entries.append((item["path"].removeprefix(prefix), size, 0.0, None))
     return files_of(entries)
+
+
+def _not_on_the_hub(source: str, options: RemoteOptions) -> str:
+    """Why a Hub model whose files cannot be listed, and has none of the names loaders look for, is not
+    there: no such repository, or no such revision of it (the repository's own page of the API says)."""
+    api, repo, revision, directory = _hub_api(source, options)
+    try:
+        get_whole(ObjectRef(api, repo), MAX_HUB_LISTING)
+    except (FileNotFoundError, RemoteError):
+        endpoint = api.root.removesuffix("/api/models")
+        return f"no repository {repo} on {endpoint} (a private or gated one needs a token: HF_TOKEN)"
+    if directory:
+        return f"no directory {directory} in revision {revision} of {repo}"
+    return f"{repo} has no revision {revision} (a branch, a tag or a commit)"

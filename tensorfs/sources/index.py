@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 
 import orjson
@@ -13,6 +14,13 @@ from ..names import path_problem
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000
 """An index is read whole: one larger than a header may be (the reference's limit) is refused unread."""
+_VARIANT_INDEX = re.compile(r".+\.(?:safetensors|bin)\.index\.[^./]+\.json")
+
+
+def is_index_name(name: str) -> bool:
+    """Whether a file of this name is an index of a model's shards: NAME.index.json, or a variant's as
+    transformers names it (model.safetensors.index.fp16.json)."""
+    return name.endswith(".index.json") or _VARIANT_INDEX.fullmatch(name) is not None
 
 
 def index_document(weight_map: Mapping[str, str], total_size: int) -> bytes:

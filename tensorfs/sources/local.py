@@ -1,4 +1,4 @@
-"""Shards that are local files: found by an index or a glob, read and validated through one descriptor,
+"""Shards that are local files: found as the loaders find them (choosing.py), read and validated through one descriptor,
 mapped read-only, and read (for hashing) with preadv from that same descriptor."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 
 from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
-from ..formats import ShardHeader, gguf, pytorch
+from ..formats import ShardHeader, gguf
 from ..headercache import WORTH_CACHING
 from ..identity import Identity
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
-from .index import INDEX_NAME, MAX_INDEX_BYTES, missing_shard, parse_weight_map, shard_names
+from .choosing import choose, is_model_file
+from .index import MAX_INDEX_BYTES, is_index_name, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
 from .shard import ShardData, Within
 
@@ -63,26 +64,23 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
         except OSError as exc:
             problems.append(Problem(str(source), f"cannot open: {exc.strerror}"))
             return FoundShards([])
-        if os.path.lexists(source / INDEX_NAME):  # a dangling link is an index that cannot be read
-            return _shards_from_index(directory, source / INDEX_NAME, problems, cache)
         mounted = mounted_under(source)
         try:
-            names = sorted(e.name for e in directory.scan() if formats.is_weights_name(e.name))
+            names = sorted(e.name for e in directory.scan())
         except OSError as exc:
             problems.append(Problem(str(source), f"cannot list: {exc.strerror}"))
             return FoundShards([], directory=directory)
         for name in [name for name in names if name in mounted]:
-            log.warning("%s: skipped: another file system is mounted there", printable(str(source / name)))
+            if is_model_file(name):
+                log.warning("%s: skipped: another file system is mounted there", printable(str(source / name)))
             names.remove(name)
-        names, ambiguous = formats.choose_files(names)
-        if formats.checkpoint_index_applies(names) and os.path.lexists(source / pytorch.INDEX_NAME):
-            return _shards_from_index(directory, source / pytorch.INDEX_NAME, problems, cache)
-        if ambiguous is not None:
-            problems.append(Problem(str(source), ambiguous))
-        elif not names:
-            problems.append(Problem(str(source), f"no {formats.WEIGHT_FILES} files in this directory"))
-        return FoundShards([source / name for name in names], directory=directory)
-    if source.name.endswith(".index.json") and source.is_file():
+        choice = choose(names, str(source))
+        if choice.index is not None:
+            return _shards_from_index(directory, source / choice.index, problems, cache)
+        if choice.problem is not None:
+            problems.append(Problem(str(source), choice.problem))
+        return FoundShards([source / name for name in choice.files], directory=directory)
+    if is_index_name(source.name) and source.is_file():
         try:
             directory = ModelDirectory(source.parent)
         except OSError as exc:

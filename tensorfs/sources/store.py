@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlsplit
 from ..errors import RemoteError, TensorfsError
 from ..formats import WEIGHT_FILES, is_weights_name
 from ..units import human_size
-from .index import INDEX_NAME
+from .index import INDEX_NAME, is_index_name
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
@@ -348,7 +348,7 @@ def store_spec(source: str, options: RemoteOptions) -> tuple[StoreSpec, str]:
         raise RemoteError(f"{source}: URLs with a query or fragment (signed URLs) are not supported")
     base, _, name = source.rstrip("/").rpartition("/")
     name = unquote(name)  # the store's client escapes what the key needs: %20 must not become %2520
-    if not (is_weights_name(name) or name.endswith(".index.json")):
+    if not (is_weights_name(name) or is_index_name(name)):
         raise RemoteError(
             f"{source}: name the model's index (…/{INDEX_NAME}) or a {WEIGHT_FILES} file: HTTP has no listing"
         )

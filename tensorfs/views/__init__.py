@@ -3,6 +3,8 @@
 A model directory any safetensors loader opens: the selected tensors as one synthesized
 `model.safetensors` (or several files and an index, as transformers writes them), plus the
 model's own companion files (config.json, tokenizer files, ...). A GGUF model's is one `model.gguf`.
+A selection's is named so that no loader takes it for the whole model (PARTIAL_NAME, PARTIAL_INDEX;
+a GGUF's pairs say it is a part: formats/ggufparts.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class ViewSpec:
     """Companion files left out, and why (the daemon logs them)."""
     directories: dict[str, os.stat_result] = field(default_factory=dict)
     """The source's subdirectories that companions come from: their owners and permissions."""
+    name: str = "model"
+    """What the synthesized files of the whole model are called: "model", or "adapter_model" for an
+    adapter (PEFT's loaders look for adapter_model.safetensors)."""
 
 
 ViewFile = SynthesizedFile | Companion | bytes
@@ -78,6 +83,9 @@ PARTIAL_NAME = "selected"
 """What the synthesized files of a selection are called instead of model: a loader that looks for a
 whole model (model.safetensors, or its index) finds none, and fails, rather than loading the
 selection as the whole model with the rest made up."""
+PARTIAL_INDEX = f"{PARTIAL_NAME}.safetensors.index.partial.json"
+"""The index of a selection's files: not named *.index.json, which accelerate's load_checkpoint_in_model
+takes from a directory for the model's (it would load the selection's layers, the rest left at random)."""
 
 
 def build_view(model: Tables, spec: ViewSpec) -> ModelView:
@@ -86,7 +94,7 @@ def build_view(model: Tables, spec: ViewSpec) -> ModelView:
     metadata = shared_metadata(model)
     files: dict[str, ViewFile] = {c.path: c for c in spec.companions}
     groups = [names] if count == 1 else split(names, [model.locate(name)[2] for name in names], count)
-    base = "model" if model.selection.everything else PARTIAL_NAME
+    base = spec.name if model.selection.everything else PARTIAL_NAME
     if model.format == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
         files[f"{base}.gguf"] = SynthesizedFile(model, names, None)
     elif len(groups) == 1:
@@ -97,7 +105,8 @@ def build_view(model: Tables, spec: ViewSpec) -> ModelView:
             file_name = f"{base}-{k:05d}-of-{len(groups):05d}.safetensors"
             files[file_name] = SynthesizedFile(model, group, metadata)
             weight_map.update(dict.fromkeys(group, file_name))
-        files[f"{base}.safetensors.index.json"] = index_document(dict(sorted(weight_map.items())), model.nbytes)
+        index = f"{base}.safetensors.index.json" if model.selection.everything else PARTIAL_INDEX
+        files[index] = index_document(dict(sorted(weight_map.items())), model.nbytes)
     return ModelView(files, spec.directories)
 
 

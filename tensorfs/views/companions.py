@@ -1,9 +1,11 @@
 """The files that come with a model's weights (config.json, tokenizer files, modules.json, ...).
 
 Found at mount, from the top level of the model's directory and its subdirectories one level
-down, and served from where they are, when they are read: a local file through a descriptor
-opened beneath the model's directory (and only while it is the file that was found), a remote
-one through the chunk cache, like the weights. The daemon holds none of their bytes.
+down (a subdirectory's weights too: a sentence-transformers module's; and an adapter beside the
+model, PEFT's), and served from where they are, when they are read: a local file through a
+descriptor opened beneath the model's directory (and only while it holds what it held when found:
+its content decides, not its times), a remote one through the chunk cache, like the weights. The
+daemon holds none of their bytes.
 
 Where a store cannot list a directory, what loaders look for is looked for: the Hub's API lists a
 repository's files; over plain HTTP the well-known names are asked for, and then the files the
@@ -13,6 +15,7 @@ model's own files name (modules.json's modules, the custom code of config.json's
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -26,11 +29,11 @@ from typing import Any
 import orjson
 
 from ..errors import RemoteError, TensorfsError, TooLarge, printable
-from ..formats import is_weights_name, pytorch
 from ..identity import Identity, ShardKey
 from ..manifest import DEFAULT_MANIFEST
 from ..names import path_problem
 from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
+from ..sources.choosing import ADAPTER_NAMES, is_model_file
 from ..sources.client import get_whole, head
 from ..sources.finding import beside, hub_listing, listing_beside
 from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions
@@ -43,16 +46,20 @@ MAX_COMPANIONS = 1000
 """The most a view takes of companion files: one file, all of them, and how many."""
 SCAN_SECONDS = 30.0
 """How long the scan of a model's directory for them may take (past it, the rest is left out)."""
+_DIGEST_BLOCK = 1 << 20
 MAX_NAMING_FILE = 1 << 20
 """modules.json and config files read at mount to find the files they name: larger ones are not followed."""
 
 
 @dataclass(frozen=True)
 class LocalOrigin:
-    """A companion file in a local model's directory, as found: opened again only if it is still that file."""
+    """A companion file in a local model's directory, as found: served while it holds what it held then."""
 
     directory: Path
     identity: Identity
+    digest: bytes
+    """The SHA-256 of its content when found: a file whose identity moved (a chmod moves its ctime)
+    is the same file if its content is the same."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class CompanionFiles:
     def __init__(self, companions: Iterable[Companion]) -> None:
         self.by_path = {c.path: c for c in companions}
         self._lock = threading.Lock()
-        self._open: dict[str, Any] = {}  # path -> a descriptor (local) or a RemoteShard
+        self._open: dict[str, _LocalFile | Any] = {}  # path -> a _LocalFile, or a RemoteShard
 
     def read(self, path: str, offset: int, size: int) -> bytes:
         """Bytes [offset, offset + size) of a companion file (blocking: call it from a worker thread)."""
@@ -96,8 +103,8 @@ class CompanionFiles:
         if size == 0:
             return b""
         opened = self._opened(companion)
-        if isinstance(opened, int):
-            return self._read_local(companion, opened, offset, size)
+        if isinstance(opened, _LocalFile):
+            return opened.read(offset, size)
         buffer = bytearray(size)
         try:
             opened.readinto(offset, memoryview(buffer))
@@ -105,48 +112,86 @@ class CompanionFiles:
             raise CompanionError(f"{path}: {exc}") from None
         return bytes(buffer)
 
-    def _read_local(self, companion: Companion, fd: int, offset: int, size: int) -> bytes:
-        assert isinstance(companion.origin, LocalOrigin)
-        try:
-            if Identity.of(os.fstat(fd)) != companion.origin.identity:
-                raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
-            data = os.pread(fd, size, offset)
-        except OSError as exc:
-            raise CompanionError(f"{companion.path}: cannot read: {exc.strerror}") from None
-        if len(data) != size:
-            raise CompanionError(f"{companion.path}: shorter than when it was mounted")
-        return data
-
     def _opened(self, companion: Companion) -> Any:
         with self._lock:
             found = self._open.get(companion.path)
             if found is None:
-                found = self._open[companion.path] = _open(companion)
+                local = isinstance(companion.origin, LocalOrigin)
+                found = self._open[companion.path] = _LocalFile(companion) if local else _open_remote(companion)
             return found
 
     def close(self) -> None:
         with self._lock:
             opened, self._open = self._open, {}
         for found in opened.values():
-            if isinstance(found, int):
-                os.close(found)
-            else:
-                found.close()
+            found.close()
 
 
-def _open(companion: Companion) -> Any:
-    """A descriptor of the very file found (local), or the object read through the cache (remote)."""
-    origin = companion.origin
-    if isinstance(origin, LocalOrigin):
+class _LocalFile:
+    """A local companion as it is served: the file at its path now, while it holds what the companion
+    held when it was found. Its content decides, not its times: a file whose identity moved (a chmod
+    moves its ctime; a copy of the same bytes put in its place is another inode) is read again and
+    served if it holds the same bytes; anything else at its path (other bytes, a symlink out of the
+    model's directory, a FIFO, nothing) is a CompanionError."""
+
+    def __init__(self, companion: Companion) -> None:
+        assert isinstance(companion.origin, LocalOrigin)
+        self.companion = companion
+        self.origin = companion.origin
+        self._lock = threading.Lock()  # a descriptor is replaced (and closed) only while no read uses it
+        self._fd = -1
+        self._identity: Identity | None = None
+
+    def read(self, offset: int, size: int) -> bytes:
+        path = self.companion.path
+        with self._lock:
+            try:
+                if self._fd < 0 or Identity.of(os.fstat(self._fd)) != self._identity:
+                    self._reopen()
+                data = os.pread(self._fd, size, offset)
+            except OSError as exc:
+                raise CompanionError(f"{path}: cannot read: {exc.strerror}") from None
+        if len(data) != size:
+            raise CompanionError(f"{path}: shorter than when it was mounted")
+        return data
+
+    def _reopen(self) -> None:
+        """Take the file at the companion's path, opened beneath the model's directory, if it holds
+        what the companion held (hashed, unless it is the very file found, unchanged)."""
+        path = self.companion.path
         try:
-            with ModelDirectory(origin.directory) as directory:
-                fd, st = directory.open_regular(companion.path)
+            with ModelDirectory(self.origin.directory) as directory:
+                fd, st = directory.open_regular(path)
         except OSError as exc:
-            raise CompanionError(f"{companion.path}: cannot open: {why_refused(exc)}") from None
-        if Identity.of(st) != origin.identity:
+            raise CompanionError(f"{path}: cannot open: {why_refused(exc)}") from None
+        try:
+            identity = Identity.of(st)
+            if identity != self.origin.identity and (
+                st.st_size != self.companion.size
+                or content_digest(fd, st.st_size) != self.origin.digest
+                or Identity.of(os.fstat(fd)) != identity  # written to while it was read: not what was hashed
+            ):
+                raise CompanionError(f"{path}: changed since it was mounted; mount again to serve it")
+        except BaseException:
             os.close(fd)
-            raise CompanionError(f"{companion.path}: changed since it was mounted; mount again to serve it")
-        return fd
+            raise
+        self.close_file()
+        self._fd, self._identity = fd, identity
+
+    def close_file(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_file()
+
+
+def _open_remote(companion: Companion) -> Any:
+    """The companion's object read through the cache, at the version found (or its size then)."""
+    origin = companion.origin
+    assert isinstance(origin, RemoteOrigin)
     from ..sources.remote import RemoteShard  # the remote machinery, only when needed
 
     version = origin.version
@@ -170,18 +215,28 @@ def model_directory(source: Path) -> Path:
     return source if source.is_dir() else source.parent
 
 
-def is_weights(name: str) -> bool:
-    """The files a view makes itself or that describe the weights, not taken from the source (a
-    manifest of the source's tensors would not match a selection of them). A `.bin` is a PyTorch
-    checkpoint's weights by the names that make one a model (pytorch_model.bin, its numbered parts
-    and index); other `.bin` files (ONNX external data, a training run's arguments) are companions."""
-    if name.endswith(pytorch.SUFFIXES):
-        return pytorch.is_model_name(name)
-    return (
-        is_weights_name(name)
-        or name.endswith(".safetensors.index.json")
-        or name in (DEFAULT_MANIFEST, pytorch.INDEX_NAME)
-    )
+def is_companion(path: str) -> bool:
+    """Whether a file of a model's directory (its path there) comes with the model into its view, by
+    its name: not the model's own weights or their index at the top of the directory, which the view
+    makes itself (choosing.is_model_file: an adapter is a companion, and so are the weights of a
+    subdirectory, a sentence-transformers module's), nor the manifest of the source's tensors (it
+    would not match a selection of them), nor hidden files."""
+    if any(part.startswith(".") for part in path.split("/")):
+        return False
+    return "/" in path or not (is_model_file(path) or path == DEFAULT_MANIFEST)
+
+
+def content_digest(fd: int, size: int) -> bytes:
+    """The SHA-256 of the first `size` bytes of the open file `fd` (read with pread: its position stays)."""
+    digest = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(_DIGEST_BLOCK, size - offset), offset)
+        if not chunk:
+            break
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.digest()
 
 
 def find_companions(
@@ -198,9 +253,10 @@ def find_companions(
     with a warning, and so is a file that cannot be read, one over 64 MiB, what is mounted inside
     the directory (never looked into: it may hang), and what goes past 1000 files, 256 MiB in all
     or 30 s of scanning. A file in a subdirectory is no more readable than the subdirectory lets
-    it be: its read bits are kept only where the directory grants search. Hidden files and
-    directories, the weights and their indexes are not companions, nor the model's own files
-    (`weights`: a checkpoint named model.pt is weights by being the model, not by its name).
+    it be: its read bits are kept only where the directory grants search. What is_companion() says
+    is none is left out, and so are the model's own files (`weights`: a checkpoint named model.pt
+    is weights by being the model, not by its name). Each is hashed as it is found: its content
+    is what it is served while it holds (see CompanionFiles).
     """
     root_path = model_directory(source).absolute()
     try:
@@ -237,13 +293,22 @@ def _scan(
         except OSError as exc:
             warnings.append(f"{shown}: skipped: {why_refused(exc)}")
             continue
-        os.close(fd)  # served later through a descriptor opened again, only while it is this file
-        if st.st_size > MAX_COMPANION_BYTES:
-            warnings.append(f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
+        try:  # served later through a descriptor opened again, only while it holds what it holds now
+            if st.st_size > MAX_COMPANION_BYTES:
+                warnings.append(f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
+                continue
+            if total + st.st_size > MAX_COMPANIONS_TOTAL:
+                warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+                continue
+            digest = content_digest(fd, st.st_size)
+            if Identity.of(os.fstat(fd)) != Identity.of(st):
+                warnings.append(f"{shown}: skipped: written to while it was being read")
+                continue
+        except OSError as exc:
+            warnings.append(f"{shown}: skipped: cannot read: {exc.strerror}")
             continue
-        if total + st.st_size > MAX_COMPANIONS_TOTAL:
-            warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
-            continue
+        finally:
+            os.close(fd)
         identity, mtime_ns = Identity.of(st), st.st_mtime_ns
         subdirectory = relative.rpartition("/")[0]
         if subdirectory:
@@ -257,7 +322,7 @@ def _scan(
             searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
             st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
         total += st.st_size
-        found.append(Companion(relative, st.st_size, mtime_ns, st, LocalOrigin(root.path, identity)))
+        found.append(Companion(relative, st.st_size, mtime_ns, st, LocalOrigin(root.path, identity, digest)))
     return found
 
 
@@ -268,7 +333,7 @@ def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) ->
     except OSError:
         return names
     for entry in top:
-        if entry.name.startswith(".") or is_weights(entry.name):
+        if entry.name.startswith(".") or not (is_companion(entry.name) or entry.is_dir(follow_symlinks=False)):
             continue
         if entry.name in mounted:
             warnings.append(f"{printable(str(root.path / entry.name))}: skipped: another file system is mounted there")
@@ -280,7 +345,7 @@ def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) ->
                 continue
             for e in inner:
                 path = f"{entry.name}/{e.name}"
-                if e.name.startswith(".") or is_weights(e.name) or e.is_dir(follow_symlinks=False):
+                if not is_companion(path) or e.is_dir(follow_symlinks=False):
                     continue
                 if path in mounted:
                     warnings.append(
@@ -318,12 +383,16 @@ WELL_KNOWN = (
     "modules.json",
     "sentence_bert_config.json",
     "config_sentence_transformers.json",
+    "adapter_config.json",
+    *ADAPTER_NAMES,
     "README.md",
 )
 """What loaders look for beside the weights: asked for where a store cannot list a directory
-(plain HTTP). sentence-transformers' modules.json and their own configs are among them."""
-MODULE_FILES = ("config.json", "sentence_bert_config.json", *TOKENIZER_FILES)
-"""What a module of modules.json may hold in its folder (a Pooling's config, a Transformer's tokenizer)."""
+(plain HTTP). sentence-transformers' modules.json and their own configs are among them, and PEFT's
+adapter beside its base model."""
+MODULE_FILES = ("config.json", "sentence_bert_config.json", "model.safetensors", "pytorch_model.bin", *TOKENIZER_FILES)
+"""What a module of modules.json may hold in its folder (a Pooling's config, a Transformer's tokenizer,
+a Dense layer's weights)."""
 
 COMPANION_TIMEOUT = 10.0
 """Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
@@ -379,7 +448,7 @@ def _listed(
             name = printable(path[:200])
             skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
             continue
-        if any(part.startswith(".") for part in path.split("/")) or is_weights(path.rpartition("/")[2]):
+        if not is_companion(path):
             continue
         ref = beside(source, path, options)
         if ref.url in own:
@@ -423,7 +492,7 @@ def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, warnings
     looked: dict[str, ObjectVersion | None] = {}
 
     def look(paths: Iterable[str]) -> None:
-        wanted = [path for path in dict.fromkeys(paths) if path not in looked and not is_weights(path)]
+        wanted = [path for path in dict.fromkeys(paths) if path not in looked and is_companion(path)]
 
         def one(path: str) -> tuple[str, ObjectVersion | str | None]:
             try:

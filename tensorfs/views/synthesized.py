@@ -7,7 +7,8 @@ reference writer lays it out (safetensors' `serialize`): tensors ordered by dtyp
 then by name, with no gaps, so each starts aligned to its element size; the header is padded with
 spaces to a multiple of 8, so the data starts 8-aligned, and its keys are sorted by name. A GGUF is
 laid out as the source's: its key/value pairs as they are (but the split.* ones of a multi-file
-model), its tensors in the source's order, each padded with zeros to the source's alignment.
+model; a selection's say it is a part of a model: formats/ggufparts.py), its tensors in the
+source's order, each padded with zeros to the source's alignment.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import TYPE_CHECKING
 
 from ..dtypes import DTYPES
 from ..formats import BEGIN, DTYPE, END, SHAPE, gguf
+from ..formats.ggufparts import part_pairs
 from ..identity import ShardKey
+from ..selection import layer_of
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
     from ..tables import Tables
@@ -166,15 +169,20 @@ def _safetensors_layout(model: Tables, names: list[str], metadata: Mapping[str, 
 
 def _gguf_layout(model: Tables, names: list[str]) -> _Layout:
     """The source's order (shard by shard, by offset), its key/value pairs (the first shard's, as a
-    multi-file GGUF keeps them; its split.* ones dropped) and its alignment."""
+    multi-file GGUF keeps them; its split.* ones dropped; a selection's saying it is a part) and its
+    alignment."""
     shards = {shard: k for k, shard in enumerate(model.shards)}
     place = [model.locate(name) for name in names]
     order = sorted(range(len(names)), key=lambda i: (shards[place[i][0]], place[i][1]))
     first = model.shard_header(model.shards[0])
     layout = first.layout or {}
     alignment = layout.get("alignment", gguf.DEFAULT_ALIGNMENT)
-    pairs = gguf.pairs(model.shard_data(model.shards[0]).read, layout)
-    kept = [raw for key, raw in pairs if not key.startswith("split.")]
+    pairs = [(key, raw) for key, raw in gguf.pairs(model.shard_data(model.shards[0]).read, layout)
+             if not key.startswith("split.")]  # fmt: skip
+    if model.selection.everything:
+        kept = [raw for _, raw in pairs]
+    else:  # a part of the model says so, and which blocks it holds (ggufparts.py)
+        kept = part_pairs(pairs, sorted({layer for name in names if (layer := layer_of(name)) is not None}))
     offset = 0
     starts, ends = [0] * len(names), [0] * len(names)
     infos = []

@@ -1,0 +1,161 @@
+"""Which files of a model's directory are the model: the loaders' rules, written once for every
+source that has a directory (a local one, an S3 prefix, a Hub repository), over the names its
+listing gives, or, where nothing lists, the names loaders look for, asked after one by one.
+
+transformers' precedence first (modeling_utils' checkpoint choice, which accelerate's
+load_checkpoint_in_model agrees with on these names): model.safetensors; else
+model.safetensors.index.json (its shards); else pytorch_model.bin; else pytorch_model.bin.index.json.
+What lies beside the file chosen is not the model: a stale index, a variant (model.fp16.safetensors,
+loaded only with variant="fp16"), a GGUF (loaded only with gguf_file=). An adapter (PEFT's
+adapter_model.safetensors or .bin) is never part of the model: it is a file that comes with it
+(in a directory of its own, with no model beside it, it is the model).
+
+A directory holding none of those names is tensorfs's to read: its safetensors files are the shards
+of one model (with or without an index); else its GGUF (one, or the parts of one multi-file GGUF);
+else its PyTorch checkpoint (formats/pytorch.py says which). Where that would be a guess (the files
+of several models: variants with no default, safetensors and GGUF files together, several GGUFs),
+the directory is refused in one line naming the files: the user names the one to open (its file, or
+its index), as they would tell a loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from ..errors import printable
+from ..formats import WEIGHT_FILES, gguf, is_weights_name, pytorch
+from .index import INDEX_NAME, is_index_name
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ADAPTER_NAMES", "LOOKED_FOR", "Choice", "choose", "is_adapter", "is_model_file"]
+
+SAFETENSORS_NAME = "model.safetensors"
+LOOKED_FOR = (SAFETENSORS_NAME, INDEX_NAME, pytorch.DEFAULT_NAME, pytorch.INDEX_NAME)
+"""The names transformers looks for, in its order: the first that is there is the model."""
+ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+"""PEFT's adapter weights: kept beside a base model, loaded onto it, never part of it."""
+_VARIANT = re.compile(
+    r"model\.(?P<a>[^./]+?)(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.(?P<b>[^./]+)\.json"
+    r"|pytorch_model\.(?P<c>[^./]+?)(?:-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.(?P<d>[^./]+)\.json"
+)
+"""transformers' names of a variant's files (save_pretrained(variant=V)): model.V.safetensors, its
+numbered parts model.V-00001-of-00002.safetensors, model.safetensors.index.V.json, and the same of
+pytorch_model.bin."""
+_SHOWN = 4  # names a message lists before "..."
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a directory's model is: its files, or the index that names them, or why there is no telling."""
+
+    files: tuple[str, ...] = ()
+    """The model's weight files (names in the directory), when no index says which."""
+    index: str | None = None
+    """The index whose shards are the model."""
+    problem: str | None = None
+    """Why the directory is not one model (what a Problem of the directory says): the files, how to choose."""
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a file of this name is an adapter's weights (PEFT's), never the model's."""
+    return name.rpartition("/")[2] in ADAPTER_NAMES
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a file of a model's directory may be its weights or their index by its name (the
+    view makes its own of those: the source's are never served beside them). A `.bin` is by the
+    names that make one a model's checkpoint (pytorch_model.bin, its numbered parts); other `.bin`
+    files (ONNX external data, a training run's arguments) are not; nor are adapters."""
+    if is_adapter(name):
+        return False
+    if name.endswith(pytorch.SUFFIXES):
+        return pytorch.is_model_name(name) or _VARIANT.fullmatch(name) is not None
+    weights_index = is_index_name(name) and (".safetensors.index" in name or ".bin.index" in name)
+    return is_weights_name(name) or weights_index
+
+
+def choose(names: Collection[str] | None, where: str, exists: Callable[[str], bool] | None = None) -> Choice:
+    """The model of the directory shown as `where` (a path, or a URL ending in '/': for the warning
+    that a stale index is passed over), from the names of its files (`names`), or, with no listing
+    (None), from `exists(name)` asked of the names loaders look for, in their order."""
+    if names is None:
+        assert exists is not None
+        for name in LOOKED_FOR:
+            if exists(name):
+                return _chosen(name)
+        looked = ", ".join(LOOKED_FOR)
+        return Choice(problem=f"none of {looked} is there: name the model's file or index")
+    present = set(names)
+    for name in LOOKED_FOR:
+        if name in present:
+            beside = sorted(other for other in present if other != name and is_index_name(other))
+            if beside and name == SAFETENSORS_NAME:
+                log.warning(
+                    "%s: %s is the model, as transformers and accelerate load it; %s beside it %s not "
+                    "(name it to open its shards instead)",
+                    printable(where), name, ", ".join(map(printable, beside)), "is" if len(beside) == 1 else "are",
+                )  # fmt: skip
+            return _chosen(name)
+    return _by_tensorfs(sorted(present))
+
+
+def _chosen(name: str) -> Choice:
+    return Choice(index=name) if is_index_name(name) else Choice(files=(name,))
+
+
+def _by_tensorfs(names: list[str]) -> Choice:
+    """A directory without the names transformers looks for: its own files say what its model is."""
+    weights = [name for name in names if is_weights_name(name) and not is_adapter(name)]
+    if not weights and set(ADAPTER_NAMES) & set(names):  # an adapter's own directory: it is the model there
+        return Choice(files=(next(name for name in ADAPTER_NAMES if name in names),))
+    variants: dict[str, list[str]] = {}
+    for name in [*weights, *filter(is_index_name, names)]:
+        found = _VARIANT.fullmatch(name)
+        if found is not None:
+            variants.setdefault(next(v for v in found.groups() if v is not None), []).append(name)
+    if variants:
+        others = [name for name in weights if _VARIANT.fullmatch(name) is None and not name.endswith(pytorch.SUFFIXES)]
+        if len(variants) == 1 and not others:
+            (variant,) = variants
+            for name in LOOKED_FOR:
+                stem, _, suffix = name.rpartition(".")
+                if f"{stem}.{variant}.{suffix}" in names:
+                    return _chosen(f"{stem}.{variant}.{suffix}")
+            return Choice(files=tuple(name for name in variants[variant] if not is_index_name(name)))
+        held = [min(files) for files in variants.values()] + others
+        return _several("the files of several models (variants)", held)
+    safetensors = [name for name in weights if name.endswith(".safetensors")]
+    ggufs = [name for name in weights if name.endswith(gguf.SUFFIXES)]
+    if safetensors and ggufs:
+        return _several("safetensors and GGUF files", [*safetensors, *ggufs])
+    if safetensors:
+        return Choice(files=tuple(safetensors))
+    if ggufs:
+        parts = gguf.split_files(ggufs[0])
+        if len(ggufs) > 1 and (parts is None or set(ggufs) - set(parts)):
+            return _several("several GGUF files", ggufs)
+        return Choice(files=tuple(ggufs))
+    chosen, ambiguous = pytorch.choose([name for name in weights if name.endswith(pytorch.SUFFIXES)])
+    if ambiguous is not None:
+        return Choice(problem=ambiguous)
+    if not chosen:
+        return Choice(problem=f"no {WEIGHT_FILES} files in this directory{_holding(names)}")
+    return Choice(files=tuple(chosen))
+
+
+def _several(what: str, names: list[str]) -> Choice:
+    return Choice(problem=f"holds {what} ({_some(names)}): name the one to open (its file, or its index)")
+
+
+def _holding(names: list[str]) -> str:
+    """What a directory without weights holds, as a message ends (its first names)."""
+    shown = [name for name in names if not name.startswith(".")]
+    return f" (it holds {_some(shown)})" if shown else " (it is empty)"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(printable(name) for name in names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
