@@ -60,6 +60,20 @@ def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    _ctrl_c_as_a_terminal_sends_it()
+
+
+def _ctrl_c_as_a_terminal_sends_it() -> None:
+    """The tests send Ctrl-C (SIGINT) to the commands they start, as a terminal does. A run started
+    where SIGINT is ignored (in the background of a shell without job control: `make test &`, a CI
+    runner's script, nohup) would hand the ignoring on to every command, which then rightly goes on
+    ignoring it (`stats --watch` never ended, an export finished instead of stopping). The run's own
+    handler instead: a handler, unlike SIG_IGN, is not inherited across exec."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _say_the_fuzz_seed(session.config)
     if not _is_worker(session.config):
