@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from helpers import FUZZ_RANDOM, FUZZ_REPLAY, raw_shard, read_line
+from helpers import FUZZ_RANDOM, FUZZ_REPLAY, TENSORFS, cli, patience, raw_shard, read_line
 from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
+from tensorfs.bench import common as bench_common
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
 
@@ -43,15 +44,36 @@ session-end check tells them from other sessions' files by it."""
 LEFT_IN_TMP = ("tensorfs-[0-9]*", "torchinductor_*", "seaweedfs-*")
 """What else of a run could be left in /tmp: tensorfs's runtime directory by default (tensorfs-UID),
 torch's compile cache and SeaweedFS's sockets (both in the temporary directory, which a session
-points into its own: found in /tmp, something went round that)."""
+points into its own: found in /tmp, something went round that). Counted only when a user the run
+acts as owns it (see RUN_USERS): another user's tensorfs makes its own runtime directory there."""
 _before = pytest.StashKey[set[str]]()
 _hypothesis_home = pytest.StashKey[Path]()
 
 
+def _run_users() -> set[int]:
+    users = {os.geteuid()}
+    with contextlib.suppress(KeyError):
+        import pwd
+
+        users.add(pwd.getpwnam("nobody").pw_uid)  # OtherUser
+    return users
+
+
+RUN_USERS = _run_users()
+"""The users this run's processes run as: its own, and the other user of the tests of other users."""
+
+
 def left_in_tmp() -> set[str]:
-    """The names in /tmp that a run of this suite (this session) may have made."""
-    patterns = (*LEFT_IN_TMP, f"tensorfs-*-{SESSION_TAG}*")
-    return {path.name for pattern in patterns for path in TMP.glob(pattern)}
+    """The names in /tmp that a run of this suite (this session) may have made: those with its tag,
+    and those of LEFT_IN_TMP that a user of the run owns."""
+    tagged = {path.name for path in TMP.glob(f"tensorfs-*-{SESSION_TAG}*")}
+    untagged = set()
+    for pattern in LEFT_IN_TMP:
+        for path in TMP.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                if path.lstat().st_uid in RUN_USERS:
+                    untagged.add(path.name)
+    return tagged | untagged
 
 
 def _is_worker(config: pytest.Config) -> bool:
@@ -77,7 +99,8 @@ def _ctrl_c_as_a_terminal_sends_it() -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     _say_the_fuzz_seed(session.config)
     if not _is_worker(session.config):
-        session.config.stash[_before] = left_in_tmp()
+        with machine_lock():  # no name a test (of any run) makes in /tmp for a while is there now
+            session.config.stash[_before] = left_in_tmp()
     # Hypothesis keeps caches in ./.hypothesis (the working tree) from the collection on, whatever the
     # settings' database: in a directory of the session's, removed at its end.
     import hypothesis.configuration
@@ -94,7 +117,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(home)
     if _is_worker(session.config):
         return
-    left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
+    with machine_lock():
+        left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -184,7 +208,7 @@ def missing_root() -> str | None:
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
-def _drop_caches_unusable() -> str | None:
+def missing_drop_caches() -> str | None:
     try:
         os.close(os.open(DROP_CACHES, os.O_WRONLY))  # opened, nothing written: nothing dropped
     except OSError as exc:
@@ -192,6 +216,10 @@ def _drop_caches_unusable() -> str | None:
     return None
 
 
+MACHINE_LOCK = TMP
+"""What the tests of every run on the machine take turns on (an flock of /tmp itself: nothing to make
+or remove), named to the benchmarks the tests run (tensorfs.bench.common.MACHINE_LOCK)."""
+os.environ[bench_common.MACHINE_LOCK] = str(MACHINE_LOCK)
 _machine_lock: int | None = None
 _machine_holds = 0
 
@@ -199,11 +227,11 @@ _machine_holds = 0
 @contextlib.contextmanager
 def machine_lock() -> Iterator[None]:
     """Held while a test changes or depends on what the whole machine shares: the page cache (dropped,
-    or measured), the names in /tmp. Tests of one run (pytest-xdist's workers) or of two runs take
-    turns; nested holds in one process are one. An flock of this file: nothing to make or remove."""
+    or measured), the names in /tmp. Tests of one run (pytest-xdist's workers), of two runs, and the
+    benchmarks they run (their drop_caches) take turns; nested holds in one process are one."""
     global _machine_lock, _machine_holds
     if _machine_holds == 0:
-        _machine_lock = os.open(__file__, os.O_RDONLY | os.O_CLOEXEC)
+        _machine_lock = os.open(MACHINE_LOCK, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(_machine_lock, fcntl.LOCK_EX)
     _machine_holds += 1
     try:
@@ -226,7 +254,7 @@ def drop_caches(what: int = 3) -> None:
     """Have the kernel drop its caches (1 the page cache, 2 dentries and inodes, 3 both), which a
     test needs (see require()): what it cached is asked of the daemon again. Under the machine's
     lock: a test measuring the page cache meanwhile (its own, holding the lock) sees its pages."""
-    require(f"writing {DROP_CACHES}", _drop_caches_unusable())
+    require(f"writing {DROP_CACHES}", missing_drop_caches())
     with machine_lock():
         DROP_CACHES.write_text(f"{what}\n")
 
@@ -251,7 +279,7 @@ if mount.returncode == 0:
 """
 
 
-MOUNT_COMMAND = (sys.executable, "-m", "tensorfs.cli", "mount")
+MOUNT_COMMAND = (*TENSORFS, "mount")
 
 
 class AdoptedDaemon:
@@ -289,25 +317,36 @@ class Mounts:
         self.adopted: list[AdoptedDaemon] = []
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        """Run the tensorfs CLI in a child process."""
-        return subprocess.run(
-            [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-        )
+        """Run the tensorfs CLI in a child process (helpers.cli)."""
+        return cli(*args, timeout=timeout)
 
-    def mount(self, source: Path, *options: str, mountpoint: Path | None = None) -> Path:
+    def mount(
+        self, source: Path, *options: str, mountpoint: Path | None = None, command: Sequence[str] = MOUNT_COMMAND
+    ) -> Path:
+        """Mount `source` with `command` (`tensorfs mount`, or what runs it: see helpers.CacheBlocks)."""
         if mountpoint is None:
             mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
             mountpoint.mkdir()
-        result = self.attempt(source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint)
+        result = self.attempt(
+            source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint, command=command
+        )
         assert result.returncode == 0, result.stderr + self.log()
         assert os.path.ismount(mountpoint)
         return mountpoint
 
-    def attempt(self, source: Path | str, *options: str, mountpoint: Path) -> subprocess.CompletedProcess[str]:
+    def attempt(
+        self, source: Path | str, *options: str, mountpoint: Path, command: Sequence[str] = MOUNT_COMMAND
+    ) -> subprocess.CompletedProcess[str]:
         """Run `tensorfs mount`, which may be refused (the caller checks how). Its mountpoint is taken
         care of first, so that a mount expected to be refused but made all the same is taken away."""
         self.watch(mountpoint)
-        return self.run("mount", *options, str(source), str(mountpoint))
+        return subprocess.run(
+            [*command, *options, str(source), str(mountpoint)],
+            capture_output=True,
+            text=True,
+            timeout=patience(120),
+            check=False,
+        )
 
     def watch(self, mountpoint: Path) -> Path:
         """Have whatever gets mounted at `mountpoint` unmounted, its daemon gone, at the end of the test:
@@ -361,8 +400,9 @@ class Mounts:
 
 
 def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.0, kill: int | None = None) -> None:
-    """Poll `condition` until it holds; fail (after SIGKILL to `kill`, so nothing is left) at the deadline."""
-    deadline = time.monotonic() + timeout
+    """Poll `condition` until it holds; fail (after SIGKILL to `kill`, so nothing is left) at the
+    deadline (`timeout` on a quiet machine: see helpers.patience())."""
+    deadline = time.monotonic() + patience(timeout)
     while not condition():
         if time.monotonic() > deadline:
             if kill is not None:
@@ -435,8 +475,13 @@ class OtherUser:
     python = "/usr/bin/python3"
     """A Python it can run (the project's may be in root's home)."""
 
-    def run(self, *command: str, text: bool = True, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-        return subprocess.run(command, capture_output=True, text=text, preexec_fn=self.become, **kwargs)
+    def run(
+        self, *command: str, text: bool = True, timeout: float = 120, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
+        """Run `command` as this user; one not ended by its deadline (see helpers.patience()) fails the test."""
+        return subprocess.run(
+            command, capture_output=True, text=text, preexec_fn=self.become, timeout=patience(timeout), **kwargs
+        )
 
     def owns(self, *paths: Path) -> None:
         for path in paths:

@@ -398,9 +398,7 @@ def refused_in_one_line(path: Path, expected: str, opening: Callable[[Path], obj
         opening(path)
     message = str(raised.value)
     assert expected in message and message.count("\n") == 0 and message.startswith(str(path)), message
-    done = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "validate", "--no-cache", str(path)], capture_output=True, text=True
-    )
+    done = cli("validate", "--no-cache", str(path))
     assert done.returncode == 1 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert "Traceback" not in done.stderr
 
@@ -416,9 +414,36 @@ def errno_of_reading(path: Path) -> int | None:
 
 # -- processes that take part in a fault: handshakes over pipes, never sleeps ------------------
 
+PATIENCE = float(os.environ.get("TENSORFS_TEST_PATIENCE", "1"))
+"""How many times longer than on a quiet machine this machine may take (TENSORFS_TEST_PATIENCE)."""
+
+
+def patience(seconds: float) -> float:
+    """The deadline of a wait for what comes within `seconds` on a quiet machine: longer on a loaded
+    one, by the processes waiting for each core (the load average of the last minute) and PATIENCE.
+    A deadline only ends a wait for an event that should come (a handshake, a line, an exit): a slow
+    machine gets more time, never a weaker assertion."""
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * max(1.0, per_core) * PATIENCE
+
+
+TENSORFS = (sys.executable, "-m", "tensorfs.cli")
+"""The tensorfs command, as the tests run it: this Python, the code under test (PYTHONPATH)."""
+
+
+def cli(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`tensorfs ARGS` in a process of its own: its exit code, stdout and stderr (text). One that has
+    not ended by its deadline (`timeout` on a quiet machine: see patience()) fails the test.
+    `kwargs` go to subprocess.run (env=, preexec_fn=, ...)."""
+    return subprocess.run(
+        [*TENSORFS, *args], capture_output=True, text=True, timeout=patience(timeout), check=False, **kwargs
+    )
+
 
 def read_line(fd: int, timeout: float, pending: bytearray) -> str:
-    """The next line written to the pipe `fd` (bytes beyond it stay in `pending`); AssertionError at the deadline."""
+    """The next line written to the pipe `fd` (bytes beyond it stay in `pending`); AssertionError at
+    the deadline (`timeout` on a quiet machine: see patience())."""
+    timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     while b"\n" not in pending:
         left = deadline - time.monotonic()
@@ -434,21 +459,26 @@ def read_line(fd: int, timeout: float, pending: bytearray) -> str:
     return line.decode()
 
 
-# pread64 by machine: the number /proc/PID/syscall shows for a process blocked in it.
-_PREAD64 = {"x86_64": 17, "aarch64": 67}
+# System calls by machine: the numbers /proc/PID/syscall shows for a process blocked in them.
+_SYSCALLS = {"x86_64": {"pread64": 17, "flock": 73}, "aarch64": {"pread64": 67, "flock": 32}}
+
+
+def blocked_in(pid: int, call: str) -> bool:
+    """Whether the process sleeps inside the system call `call` (pread64, flock): it is in it, not about to be."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        number = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+    except (OSError, IndexError):
+        return False
+    if state not in ("S", "D") or number == "running":
+        return False
+    expected = _SYSCALLS.get(platform.machine(), {}).get(call)
+    return expected is None or number == str(expected)
 
 
 def blocked_in_pread(pid: int) -> bool:
     """Whether the process sleeps inside pread(2): a read of it is in flight, not about to be."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
-    except (OSError, IndexError):
-        return False
-    if state not in ("S", "D") or call == "running":
-        return False
-    expected = _PREAD64.get(platform.machine())
-    return expected is None or call == str(expected)
+    return blocked_in(pid, "pread64")
 
 
 HANDSHAKE_READER = """
@@ -656,6 +686,52 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
     return tensors, nbytes, peak_kib
 
 
+# -- what a bounded chunk cache holds on disk, at its largest -----------------------------------
+
+_CACHE_BLOCKS_COUNTED = """
+import os, sys
+from tensorfs.sources.cachefile import CachedObject
+allocate = CachedObject.allocate
+def counted(self, offset, nbytes):
+    before = self.cache.disk_usage()
+    allocate(self, offset, nbytes)
+    line = f"{before} {nbytes} {self.cache.disk_usage()}\\n".encode()
+    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+CachedObject.allocate = counted
+import tensorfs.cli
+sys.exit(tensorfs.cli.main(["mount", *sys.argv[2:]]))
+"""
+
+
+class CacheBlocks:
+    """What a chunk cache's files hold on disk at every moment it can be at its largest: each time a
+    process takes a chunk's blocks (CachedObject.allocate, always under the lock every process takes
+    to make room, so that nothing else grows the cache meanwhile), the cache's own count of its
+    blocks (ChunkCache.disk_usage) before and after, said by the daemons of mounts made with
+    `mount_command`. Never a sample: a sampler can only miss a peak."""
+
+    def __init__(self, directory: Path) -> None:
+        self.said = directory / "blocks-taken"
+
+    @property
+    def mount_command(self) -> tuple[str, ...]:
+        """`tensorfs mount` (for Mounts.mount's `command`) whose daemon says so."""
+        return (sys.executable, "-c", _CACHE_BLOCKS_COUNTED, str(self.said))
+
+    def peak(self) -> int:
+        """The most the cache's files held on disk (bytes), once blocks were taken. A taking takes the
+        chunk's blocks then (give or take the file system's own blocks of the file's extents; none when
+        they are taken already), so that nothing takes them later, unseen: where fallocate does nothing
+        the writes would, and no taking would ever grow the count."""
+        taken = [tuple(map(int, line.split())) for line in self.said.read_text().splitlines()]
+        assert any(after >= before + nbytes - 2 * 4096 for before, nbytes, after in taken), taken
+        return max(after for _, _, after in taken)
+
+
 # -- a reference reader bounded in memory and time ----------------------------------------------
 
 _BOUNDED = """
@@ -697,6 +773,7 @@ class BoundedReference:
     """
 
     def __init__(self, reader: str, memory: int = 512 << 20, seconds: int = 20) -> None:
+        seconds = round(patience(seconds))  # a loaded machine's reader is not refusing: it is slow
         self._arguments = [str(memory), str(seconds), str(Path(__file__).parent), reader]
         self._seconds = seconds
         self._process: subprocess.Popen[bytes] | None = None

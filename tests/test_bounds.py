@@ -21,15 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts
-from helpers import MIB, errno_of_reading, random_bytes, write_index, write_reference
+from helpers import MIB, cli, errno_of_reading, patience, random_bytes, write_index, write_reference
 from servers import HostileServer
 from tensorfs.mount.mounttable import daemon_pid
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
 
 
 @pytest.fixture
@@ -168,7 +162,7 @@ def mount_with_a_piped_manifest(
     command = f'exec "$0" -m tensorfs.cli mount --log-file "$1" --manifest <({producer}) "$2" "$3"'
     return subprocess.run(
         ["bash", "-c", command, sys.executable, str(mounts.log_file), str(model), str(mountpoint)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=patience(120), check=False,
     )  # fmt: skip
 
 

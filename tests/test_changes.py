@@ -28,6 +28,7 @@ from helpers import (
     errno_of_reading,
     mib_sharded_model,
     model_bytes,
+    patience,
     random_bytes,
     raw_shard,
     thread_read_bytes,
@@ -190,7 +191,7 @@ def test_a_shard_truncated_while_a_tensor_is_hashed(mounts: Mounts, tmp_path: Pa
         finally:
             os.kill(pid, signal.SIGCONT)
     finally:
-        reader.join(60)
+        reader.join(patience(60))
     assert not reader.is_alive() and outcome == [errno.EIO]
     assert pid_alive(pid)
     assert (mountpoint / "o1").read_bytes() == expected["o1"]  # the other shard is served
@@ -277,7 +278,7 @@ def mount_with_a_write(mounts: Mounts, moment: str, shard: Path, offset: int, mo
     mounts.mountpoints.append(mountpoint)
     arguments = [moment, str(shard), str(offset), "--log-file", str(mounts.log_file), str(model_dir), str(mountpoint)]
     result = subprocess.run(
-        [sys.executable, "-c", MOUNT_WITH_A_WRITE, *arguments], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", MOUNT_WITH_A_WRITE, *arguments], capture_output=True, text=True, timeout=patience(120)
     )
     assert result.returncode in (0, 1), result.stderr
     return mountpoint, result.stderr if result.returncode else ""
@@ -577,7 +578,7 @@ def test_an_np_memmap_reader_of_a_changed_shard_sees_the_validated_bytes_or_a_fa
         overwrite_in_place(model_dir / "s1.safetensors", offset_of(model_dir, "t1.2") + MIB, b"\xff" * 64)
         reader.stdin.write(b"go\n")
         reader.stdin.flush()
-        said = reader.communicate(timeout=30)[0].decode()
+        said = reader.communicate(timeout=patience(30))[0].decode()
     finally:
         if reader.poll() is None:
             reader.kill()

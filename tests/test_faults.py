@@ -26,6 +26,7 @@ from helpers import (
     file_mappings,
     mib_sharded_model,
     model_bytes,
+    patience,
     random_bytes,
     raw_shard,
     reads_in_handlers,
@@ -118,7 +119,7 @@ def kill_mid_read(daemon: int, victim: HandshakeReader) -> None:
             victim.process.kill()
         finally:
             os.kill(daemon, signal.SIGCONT)
-        assert victim.process.wait(timeout=30) == -signal.SIGKILL
+        assert victim.process.wait(timeout=patience(30)) == -signal.SIGKILL
     finally:
         victim.stop()
 
@@ -319,7 +320,7 @@ def test_sigterm_with_a_read_held_inside_a_handler(mounts: Mounts, tmp_path: Pat
         finally:
             os.kill(lower_pid, signal.SIGCONT)
         assert reader.said() == f"ok {zeros_sha256(64 << 10)}"  # the request begun is answered, exactly
-        assert reader.process.wait(30) == 0
+        assert reader.process.wait(patience(30)) == 0
     finally:
         reader.stop()
     assert daemon.exit_status() == (pid, 0)
@@ -345,7 +346,7 @@ def test_readers_killed_while_their_reads_are_held_inside_a_handler(mounts: Moun
                 reader.process.kill()
             finally:
                 os.kill(lower_pid, signal.SIGCONT)
-            assert reader.process.wait(30) == -signal.SIGKILL
+            assert reader.process.wait(patience(30)) == -signal.SIGKILL
         finally:
             reader.stop()
         assert (upper / "small").read_bytes() == small

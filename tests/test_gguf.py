@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 import tensorfs
 import tensorfs.sources.shard
 from conftest import Mounts, require
-from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, random_bytes, refused_in_one_line
+from helpers import NAME_RULES, BoundedReference, cli, fuzz_split, fuzzing, random_bytes, refused_in_one_line
 from servers import Nginx, SeaweedFS
 from tensorfs.dtypes import GGML_TYPES
 from tensorfs.errors import InvalidModelError
@@ -406,18 +406,16 @@ def test_the_loader_and_the_commands(tmp_path: Path) -> None:
         assert opened.get_tensor("b").tobytes() == written["b"] and opened.get_slice("b").get_dtype() == "Q6_K"
     pt = tensorfs.load_file(path)
     assert pt["c"].shape == (3, 2) and pt["b"].numel() == len(written["b"])
-    listed = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "ls", "--json", str(path)], capture_output=True, text=True, check=True
-    )
+    listed = cli("ls", "--json", str(path))
+    assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [(row["name"], row["dtype"], row["gguf_dims"]) for row in rows] == [
         ("a", "F32", [4, 2]),
         ("b", "Q6_K", [256]),
         ("c", "BF16", [2, 3]),
     ]
-    manifest = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "manifest", str(path)], capture_output=True, text=True, check=True
-    )
+    manifest = cli("manifest", str(path))
+    assert manifest.returncode == 0, manifest.stderr
     assert {line.split()[1]: line.split()[0] for line in manifest.stdout.splitlines()} == {
         name: hashlib.sha256(data).hexdigest() for name, data in written.items()
     }
@@ -507,8 +505,7 @@ def test_export_writes_a_gguf(tmp_path: Path) -> None:
     )
 
     def export(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "tensorfs.cli", "export", *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        return cli("export", *args)
 
     done = export(str(path), str(tmp_path / "copy.gguf"))
     assert done.returncode == 0, done.stderr

@@ -32,6 +32,7 @@ from helpers import (
     every_dtype_tensors,
     fuzzing,
     in_byte_order,
+    patience,
     random_bytes,
     same_tensor,
     sharded_every_dtype,
@@ -320,7 +321,7 @@ def test_prefetch_brings_everything_in_and_says_so(many: tuple[Path, dict[str, b
     path, _ = many
     with tensorfs.open_model(path) as model:
         handle = model.prefetch()
-        assert handle.wait(timeout=60) and handle.done()
+        assert handle.wait(timeout=patience(60)) and handle.done()
         assert handle.bytes_done == handle.bytes_total == model.nbytes
         with pytest.raises(tensorfs.TensorNotFound):
             model.prefetch(["t01", "nope"])
@@ -342,7 +343,7 @@ def test_tensors_come_in_order_and_leaving_stops_what_is_ahead(
         def held(names: list[str]) -> None:
             brought.extend(names)
             if names[0] != "t00":
-                release.wait(30)
+                release.wait(patience(30))
             read_in(names)
 
         monkeypatch.setattr(model, "_read_in", held)
@@ -370,7 +371,7 @@ def test_prefetch_reads_in_order_and_hashes_beside_the_reads(
         def reading(run: list[str]) -> None:
             events.append(("read", run[0]))
             if run[0] == names[2]:  # the lane goes on only once the first is being hashed elsewhere
-                assert hashing.wait(30)
+                assert hashing.wait(patience(30))
             read_in(run)
 
         def verifying(name: str) -> None:
@@ -382,7 +383,7 @@ def test_prefetch_reads_in_order_and_hashes_beside_the_reads(
         monkeypatch.setattr(model, "_read_in", reading)
         monkeypatch.setattr(model, "_verify", verifying)
         handle = model.prefetch(names)
-        assert handle.wait(60)
+        assert handle.wait(patience(60))
     assert [name for what, name in events if what == "read"] == names
     assert sorted(name for what, name in events if what == "verified") == sorted(names)
 

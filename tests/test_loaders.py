@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, write_reference
+from helpers import MIB, patience, random_bytes, write_reference
 from servers import Nginx
 
 
@@ -47,7 +47,11 @@ for path in sys.argv[1:]:
 def embeddings(*directories: Path) -> list[dict[str, object]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [sys.executable, "-c", EMBED, *map(str, directories)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", EMBED, *map(str, directories)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=patience(300),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
@@ -132,7 +136,7 @@ else:
 def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, tmp_path: Path) -> None:
     model = tmp_path / "llama"
     written = subprocess.run(
-        [sys.executable, "-c", LLAMA, "write", str(model)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", LLAMA, "write", str(model)], capture_output=True, text=True, timeout=patience(300)
     )
     assert written.returncode == 0, written.stderr[-3000:]
     whole = mounts.mount(model)
@@ -141,14 +145,14 @@ def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, tmp_pa
         [sys.executable, "-c", LLAMA, "load", str(whole / ".tensorfs" / "model")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     assert loads.stdout == "loaded\n", loads.stderr[-3000:]
     refused = subprocess.run(
         [sys.executable, "-c", LLAMA, "load", str(stage / ".tensorfs" / "model")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     assert refused.stdout.startswith("refused: ") and "model.safetensors" in refused.stdout, (
         refused.stdout + refused.stderr[-3000:]

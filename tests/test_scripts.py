@@ -14,21 +14,19 @@ from typing import Any
 
 import pytest
 
-from conftest import Mounts, require
-from helpers import MIB
+from conftest import DROP_CACHES, Mounts, machine_lock, missing_drop_caches, require, wait_until
+from helpers import MIB, blocked_in, cli, patience, read_line, reap
 from servers import Nginx
 from tensorfs.integrity import HASH_WORKERS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench_quick(suite: str, tmp_path: Path, timeout: float | None = None) -> dict[str, Any]:
+def bench_quick(suite: str, tmp_path: Path, timeout: float = 120) -> dict[str, Any]:
     """`tensorfs bench --suite SUITE --quick`, its JSON report."""
     out = tmp_path / "bench.json"
     command = ["bench", "--suite", suite, "--quick", "--workdir", str(tmp_path), "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *command], capture_output=True, text=True, check=False, timeout=timeout
-    )
+    result = cli(*command, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     report: dict[str, Any] = json.loads(out.read_text())
     return report
@@ -182,12 +180,7 @@ def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
 
 def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "bench", "--quick", "--workdir", str(tmp_path), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = cli("bench", "--quick", "--workdir", str(tmp_path), "--json", str(out), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     for key in (
@@ -239,9 +232,7 @@ def test_bench_quick_runs(fuse: None, tmp_path: Path) -> None:
 def test_bench_remote_quick_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> None:  # nginx: it is there
     out = tmp_path / "bench.json"
     command = ["bench", "--remote", "--quick", "--workdir", str(tmp_path), "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *command], capture_output=True, text=True, check=False
-    )
+    result = cli(*command)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["notes"] == []  # nothing skipped (nginx is there)
@@ -288,3 +279,25 @@ def test_every_package_is_in_the_distribution() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "tensorfs").rglob("__init__.py")}
     assert listed == found  # a package left out installs from a checkout (editable) but not from a wheel
+
+
+def test_a_benchmarks_drop_of_the_page_cache_waits_for_the_tests_lock() -> None:
+    """A benchmark run by a test drops the page cache only when no test holds the machine's lock (as a
+    test measuring the page cache does): once they did it beside test_page_cache's exact counts."""
+    require(f"writing {DROP_CACHES}", missing_drop_caches())
+    code = "from tensorfs.bench.common import drop_caches; print('dropping', flush=True); drop_caches(); print('dropped', flush=True)"
+    with machine_lock():
+        bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        try:
+            assert bench.stdout is not None
+            pending = bytearray()
+            assert read_line(bench.stdout.fileno(), 30, pending) == "dropping"
+            wait_until(lambda: blocked_in(bench.pid, "flock"), what="the drop to wait for the lock")
+        except BaseException:
+            reap(bench)
+            raise
+    try:
+        assert read_line(bench.stdout.fileno(), 30, pending) == "dropped"
+        assert bench.wait(patience(30)) == 0
+    finally:
+        reap(bench)

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, read_line, reap, write_reference
+from helpers import MIB, patience, random_bytes, read_line, reap, write_reference
 from tensorfs.mount.stats import Stats, quantile
 
 
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=patience(30)).read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -214,7 +214,7 @@ def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mount
         assert rate.startswith("rate ") and "over the last" in rate, rate
         assert "" in seen and sum(line.startswith(f"{mountpoint}  up ") for line in seen) >= 1  # blocks, apart
         watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 0
+        assert watcher.wait(timeout=patience(30)) == 0
         assert watcher.stderr is not None and watcher.stderr.read() == b""  # no traceback, nothing
     finally:
         reap(watcher)
@@ -227,7 +227,7 @@ def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mount
         snapshots = [json.loads(read_line(watcher.stdout.fileno(), 30, pending)) for _ in range(2)]
         assert snapshots[1]["uptime_seconds"] > snapshots[0]["uptime_seconds"]
         assert mounts.run("umount", str(mountpoint)).returncode == 0
-        assert watcher.wait(timeout=30) == 1
+        assert watcher.wait(timeout=patience(30)) == 1
         error = watcher.stderr.read()
         assert error == f"error: {mountpoint}: not mounted any more\n"
     finally:

@@ -12,8 +12,6 @@ import json
 import os
 import resource
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,16 +21,10 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, drop_caches, wait_until
-from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, write_reference
+from helpers import MIB, CacheBlocks, cli, errno_of_reading, patience, random_bytes, same_crc32c, write_reference
 from servers import HostileServer, Nginx
 from tensorfs.sources.chunkcache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
-
-
-def cli(*args: str, env: dict[str, str] | None = None, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, env=env, timeout=120, **kwargs
-    )  # type: ignore[call-overload]
 
 
 def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
@@ -189,10 +181,6 @@ def test_an_object_too_large_for_the_cache_file_system(hostile: HostileServer, t
 # -- one bounded cache, several processes --------------------------------------------------------
 
 
-def blocks_held(cache: Path) -> int:
-    return sum(entry.stat().st_blocks * 512 for entry in os.scandir(cache / OBJECTS_DIR))
-
-
 def test_daemons_sharing_a_bounded_cache_keep_its_bound_and_go_on(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
     """Two mounts (one model each) on one 40 MiB cache, four readers each: every read exact, no wait
     for room that ends in a failure, and the blocks on disk never past the bound."""
@@ -213,15 +201,12 @@ def test_daemons_sharing_a_bounded_cache_keep_its_bound_and_go_on(mounts: Mounts
         models[name].update(more)
     cache = tmp_path / "cache"
     common = ["--cache-dir", str(cache), "--cache-size", "40M"]
-    mountpoints = {name: mounts.mount(f"{nginx.url}/shared-{name}/m.safetensors", *common) for name in models}  # type: ignore[arg-type]
+    blocks = CacheBlocks(tmp_path)
+    mountpoints = {
+        name: mounts.mount(f"{nginx.url}/shared-{name}/m.safetensors", *common, command=blocks.mount_command)  # type: ignore[arg-type]
+        for name in models
+    }
     failures: list[str] = []
-    peak = [0]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], blocks_held(cache))
-            time.sleep(0.005)
 
     def reader(name: str, seed: int) -> None:
         for tensor in sorted(models[name], key=lambda t: hash((t, seed))):
@@ -231,17 +216,14 @@ def test_daemons_sharing_a_bounded_cache_keep_its_bound_and_go_on(mounts: Mounts
             except OSError as exc:
                 failures.append(f"{name}/{tensor}: {exc}")
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     threads = [threading.Thread(target=reader, args=(name, seed)) for name in models for seed in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    done.set()
-    watcher.join()
     assert failures == []
-    assert 0 < peak[0] <= 40 * MIB + 2 * 4096  # the blocks on disk, both daemons' together (and the file system's own)
+    # the blocks on disk, both daemons' together (and the file system's own)
+    assert 0 < blocks.peak() <= 40 * MIB + 2 * 4096, blocks.peak()
 
     def pruned() -> bool:  # the chunks no reader holds go (those of the last replies, within a second)
         prune = cli("cache", "prune", "--cache-dir", str(cache))
@@ -324,7 +306,7 @@ def test_a_chunk_another_process_answers_from_is_not_evicted(nginx: Nginx, tmp_p
         assert cached_chunks(cache) == held  # the others go; those in use stay
         started = time.monotonic()
         full = cli("manifest", "--cache-dir", str(cache), "--cache-size", "2M", "--chunk-mb", "1", url)
-        assert full.returncode == 1 and time.monotonic() - started < 60
+        assert full.returncode == 1 and time.monotonic() - started < patience(60)
         assert f"processes {os.getpid()} use it too" in full.stderr, full.stderr
         shard.unpin(offset, offset + MIB)
     done = cli("manifest", "--cache-dir", str(cache), "--cache-size", "6M", "--chunk-mb", "1", url)
