@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from helpers import FUZZ_RANDOM, FUZZ_REPLAY, TENSORFS, cli, patience, raw_shard, read_line
+from helpers import FUZZ_RANDOM, FUZZ_REPLAY, TENSORFS, cli, mib_sharded_model, patience, raw_shard, read_line
 from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
 from tensorfs.bench import common as bench_common
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
@@ -259,6 +259,13 @@ def drop_caches(what: int = 3) -> None:
         DROP_CACHES.write_text(f"{what}\n")
 
 
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """The model most tests of a mount read: four shards of four 1-4 MiB U8 tensors (t{shard}.{k} in
+    s{shard}.safetensors), with an index. A module whose tests need another model has its own."""
+    return mib_sharded_model(tmp_path / "model", 4)
+
+
 @pytest.fixture(scope="session")
 def fuse() -> None:
     """Real-mount tests need FUSE (see require())."""
@@ -431,6 +438,19 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     if shutil.which("nginx") is None:
         require("nginx", "not installed (apt-get install nginx-light)")
     server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN + HUB_API)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
+    """An nginx of the test's own, to be stopped and started again (its root under tmp_path)."""
+    if shutil.which("nginx") is None:
+        require("nginx", "not installed (apt-get install nginx-light)")
+    server = Nginx(tmp_path / "own-nginx")
     try:
         server.start()
         yield server

@@ -8,13 +8,16 @@ import json
 import os
 import pickle
 import platform
+import random
 import re
 import secrets
 import select
 import struct
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +29,7 @@ import pytest
 import safetensors
 from hypothesis import HealthCheck, seed, settings
 
+from tensorfs.bench.servers import free_ports
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import ShardHeader
 from tensorfs.model import INDEX_NAME
@@ -332,16 +336,34 @@ def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int 
 MIB = 1 << 20
 
 
+def random_shard(path: Path, sizes: Mapping[str, int], seed: int = 0) -> dict[str, bytes]:
+    """A shard at `path` (its directory made) of U8 tensors of random bytes, written by the reference
+    writer: each tensor's size by name, its bytes from its own seed (`seed` + its place: every chunk
+    of every tensor differs from every other); their bytes by name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {name: random_bytes(size, seed + i) for i, (name, size) in enumerate(sizes.items())}
+    write_reference(path, {name: ("U8", [len(blob)], blob) for name, blob in data.items()})
+    return data
+
+
+def sharded_model(directory: Path, shards: Mapping[str, Mapping[str, int]]) -> dict[str, bytes]:
+    """Shards of random U8 tensors (file name -> its tensors' sizes, see random_shard; the i-th shard's
+    seeds from 10 * i) in `directory`, with an index; every tensor's bytes by name."""
+    data: dict[str, bytes] = {}
+    weight_map: dict[str, str] = {}
+    for i, (file, sizes) in enumerate(shards.items()):
+        data.update(random_shard(directory / file, sizes, seed=10 * i))
+        weight_map.update(dict.fromkeys(sizes, file))
+    write_index(directory, weight_map)
+    return data
+
+
 def mib_sharded_model(directory: Path, shards: int) -> Path:
     """`shards` shards of four 1-4 MiB U8 tensors (t{shard}.{k}), with an index."""
     directory.mkdir()
-    weight_map = {}
-    for s in range(shards):
-        shard = directory / f"s{s}.safetensors"
-        tensors = {f"t{s}.{k}": ("U8", [(k + 1) * MIB], random_bytes((k + 1) * MIB, 10 * s + k)) for k in range(4)}
-        write_reference(shard, tensors)
-        weight_map.update(dict.fromkeys(tensors, shard.name))
-    write_index(directory, weight_map)
+    sharded_model(
+        directory, {f"s{s}.safetensors": {f"t{s}.{k}": (k + 1) * MIB for k in range(4)} for s in range(shards)}
+    )
     return directory
 
 
@@ -401,6 +423,42 @@ def refused_in_one_line(path: Path, expected: str, opening: Callable[[Path], obj
     done = cli("validate", "--no-cache", str(path))
     assert done.returncode == 1 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def random_range_reads(
+    mountpoint: Path, expected: Mapping[str, bytes], *, readers: int, reads: int, longest: int
+) -> list[str]:
+    """`readers` threads at once, each `reads` reads of random ranges (up to `longest` bytes) of
+    random tensors of a mount, each tensor's file held open (seeded: the same reads each run); what
+    went wrong, a line each: a read that failed, or bytes other than `expected`'s."""
+    names = sorted(expected)
+    failures: list[str] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
+        try:
+            for _ in range(reads):
+                name = rng.choice(names)
+                offset = rng.randrange(len(expected[name]))
+                length = rng.randrange(1, longest)
+                try:
+                    got = os.pread(handles[name].fileno(), length, offset)
+                except OSError as exc:
+                    failures.append(f"{name} [{offset}, +{length}): {exc}")
+                    continue
+                if got != expected[name][offset : offset + length]:
+                    failures.append(f"{name} [{offset}, +{length}): wrong bytes")
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(readers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
 
 
 def errno_of_reading(path: Path) -> int | None:
@@ -598,10 +656,39 @@ class OneRead(_TalkingChild):
         self._pending = bytearray()
 
 
+def daemon_stats(mountpoint: Path) -> dict[str, Any]:
+    """What a mount's daemon counts: its .tensorfs/stats.json."""
+    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    return stats
+
+
+def remote_stats(mountpoint: Path) -> dict[str, int]:
+    """What a mount's daemon counts of its remote sources (stats.json's sources.remote)."""
+    remote: dict[str, int] = daemon_stats(mountpoint)["sources"]["remote"]
+    return remote
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    return free_ports(1)[0]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus endpoint's samples on 127.0.0.1:`port`, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=patience(30)).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def reads_in_handlers(mountpoint: Path) -> int:
     """Reads a daemon has begun to answer and not answered yet (its counters: begun, less answered or
     failed): requests inside its running handlers, not waiting in the kernel's queue."""
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    stats = daemon_stats(mountpoint)
     failed = sum(e["count"] for e in stats["errors"] if e["op"] == "read")
     begun: int = stats["requests"].get("read", 0)
     return begun - sum(stats["reads"].values()) - failed
@@ -609,7 +696,7 @@ def reads_in_handlers(mountpoint: Path) -> int:
 
 def daemon_process(mountpoint: Path) -> dict[str, int]:
     """What a daemon says of its own process (stats.json): descriptors, threads, memory."""
-    process: dict[str, int] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["process"]
+    process: dict[str, int] = daemon_stats(mountpoint)["process"]
     return process
 
 

@@ -271,13 +271,8 @@ class RequestGate(_LoopbackProxy):
     def _requests(self, source: socket.socket, sink: socket.socket, methods: list[str]) -> None:
         pending = b""
         try:
-            while True:
-                while b"\r\n\r\n" not in pending:
-                    data = source.recv(65536)
-                    if not data:
-                        return
-                    pending += data
-                head, _, pending = pending.partition(b"\r\n\r\n")
+            while (message := self._head(source, pending)) is not None:
+                head, pending = message
                 method, path = head.split(b" ", 2)[:2]
                 ranged = re.search(rb"(?im)^range:\s*bytes=(\d+)-", head)
                 start = int(ranged[1]) if ranged else None
@@ -297,19 +292,26 @@ class RequestGate(_LoopbackProxy):
         finally:
             self._end(source, sink)
 
+    @staticmethod
+    def _head(source: socket.socket, pending: bytes) -> tuple[bytes, bytes] | None:
+        """The next request's or answer's head (without its blank line) and what came after it; None
+        when the connection closes first."""
+        while b"\r\n\r\n" not in pending:
+            data = source.recv(65536)
+            if not data:
+                return None
+            pending += data
+        head, _, rest = pending.partition(b"\r\n\r\n")
+        return head, rest
+
     def _held(self, start: int | None) -> bool:
         return self._hold_from is not None and (start or 0) >= self._hold_from
 
     def _answers(self, source: socket.socket, sink: socket.socket, methods: list[str]) -> None:
         pending = b""
         try:
-            while True:
-                while b"\r\n\r\n" not in pending:
-                    data = source.recv(65536)
-                    if not data:
-                        return
-                    pending += data
-                head, _, pending = pending.partition(b"\r\n\r\n")
+            while (message := self._head(source, pending)) is not None:
+                head, pending = message
                 status = int(head.split(b" ", 2)[1])
                 if re.search(rb"(?im)^transfer-encoding:", head):
                     self._fail(f"an answer not framed by Content-Length: {head!r}")

@@ -12,8 +12,6 @@ import stat
 import threading
 from pathlib import Path
 
-import pytest
-
 from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
@@ -24,25 +22,20 @@ from helpers import (
     daemon_resources,
     entry,
     file_mappings,
-    mib_sharded_model,
     model_bytes,
     patience,
     random_bytes,
+    random_range_reads,
     raw_shard,
     reads_in_handlers,
     threads_of,
     zeros_sha256,
 )
+from tensorfs.bench.common import rss_anon_kib
 from tensorfs.mount.mounttable import FSTYPE, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.mount.runtime import record_path
 from tensorfs.sample_models import many_tiny_tensors
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """Four shards of four 1-4 MiB tensors, with an index."""
-    return mib_sharded_model(tmp_path / "model", 4)
 
 
 def test_a_shard_replaced_or_unlinked_keeps_serving_what_was_validated(mounts: Mounts, model_dir: Path) -> None:
@@ -150,11 +143,6 @@ def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, mo
     assert maps <= before[1] + 1, (before, maps)
 
 
-def rss_anon_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:")))
-
-
 def read_through(path: Path, buffer: bytearray) -> int:
     """Read a file whole, a buffer at a time; the bytes read."""
     total = 0
@@ -188,31 +176,7 @@ def test_anonymous_memory_does_not_grow_with_the_bytes_served(mounts: Mounts, tm
 def test_eight_threads_of_random_range_reads_are_byte_exact(mounts: Mounts, model_dir: Path) -> None:
     expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
-    names = sorted(expected)
-    failures: list[str] = []
-
-    def reader(seed: int) -> None:
-        rng = random.Random(seed)
-        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
-        try:
-            for _ in range(1000):
-                name = rng.choice(names)
-                size = len(expected[name])
-                offset = rng.randrange(size)
-                length = rng.randrange(1, 4 * MIB)
-                got = os.pread(handles[name].fileno(), length, offset)
-                if got != expected[name][offset : offset + length]:
-                    failures.append(f"{name} [{offset}, +{length})")
-        finally:
-            for handle in handles.values():
-                handle.close()
-
-    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert failures == []
+    assert random_range_reads(mountpoint, expected, readers=8, reads=1000, longest=4 * MIB) == []
 
 
 def test_concurrent_lookups_and_listings_of_a_large_tree(mounts: Mounts, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ import pytest
 from conftest import MOUNT_COMMAND, Mounts, require
 from helpers import (
     MIB,
+    daemon_stats,
     errno_of_reading,
     mib_sharded_model,
     model_bytes,
@@ -543,7 +543,7 @@ def credentials(cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def stats_of(mountpoint: Path) -> dict[str, Any]:
-    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     return stats
 
 

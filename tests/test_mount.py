@@ -17,6 +17,7 @@ import pytest
 import tensorfs
 from conftest import Mounts, wait_until
 from helpers import (
+    daemon_stats,
     entry,
     every_dtype_tensors,
     patience,
@@ -169,7 +170,7 @@ def test_the_kernel_stops_asking_what_is_answered_enosys(mounts: Mounts, model_d
         with pytest.raises(OSError) as caught:
             os.listxattr(path)
         assert caught.value.errno == errno.EOPNOTSUPP
-    counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    counted = daemon_stats(mountpoint)
     assert counted["requests"]["open"] >= len(expected)
     assert {op: counted["requests"].get(op) for op in ("flush", "getxattr", "listxattr")} == {
         "flush": 1,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, OtherUser, missing_root, require, wait_until
-from helpers import MIB, entry, patience, random_bytes, raw_shard, reference_tensors, write_reference
+from helpers import MIB, daemon_stats, entry, patience, random_bytes, raw_shard, reference_tensors, write_reference
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
 from tensorfs.mount.mounttable import mounts as mount_table
@@ -236,7 +236,7 @@ def test_the_prefetch_window_is_in_effect(mounts: Mounts, tmp_path: Path, option
     mountpoint = mounts.mount(shard, *option)
     with open(mountpoint / "w", "rb", buffering=0) as f:
         assert f.read(4096) == bytes(4096)
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    stats = daemon_stats(mountpoint)
     # The first read brought in what it asked for and one window ahead of it: exactly --prefetch-mb.
     assert (stats["prefetch_windows"], stats["prefetch_bytes"]) == (1, mib * MIB)
     record = read_record(mountpoint)

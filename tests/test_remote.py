@@ -29,6 +29,7 @@ from helpers import (
     raw_shard,
     reads_in_handlers,
     reference_table,
+    remote_stats,
     sharded_every_dtype,
     upload,
     write_reference,
@@ -416,7 +417,7 @@ def test_mount_an_s3_model(
         ["sha256sum", "--strict", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    counted = remote_stats(mountpoint)
     sizes = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
     companions = len('{"model_type": "test"}') + len('{"pooling": 1}')  # read through the cache too, once
     assert counted["fetched_bytes"] == sizes + companions and counted["fetch_failures"] == 0  # every chunk, once

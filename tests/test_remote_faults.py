@@ -13,13 +13,11 @@ import errno
 import json
 import mmap
 import os
-import random
 import signal
 import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import obstore
@@ -36,10 +34,11 @@ from helpers import (
     errno_of_reading,
     file_mappings,
     patience,
-    random_bytes,
+    random_range_reads,
+    random_shard,
     reads_in_handlers,
+    remote_stats,
     threads_of,
-    write_reference,
 )
 from servers import DroppingProxy, HostileServer, Nginx, SeaweedFS, StallingProxy
 from tensorfs.model import open_model
@@ -50,21 +49,7 @@ from tensorfs.sources.store import RemoteOptions
 
 def big_model(directory: Path, tensors: int = 12, size: int = 8 * MIB) -> dict[str, bytes]:
     """One shard of `tensors` tensors of `size` bytes each (random, so every chunk differs)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    data = {f"t{i:02d}": random_bytes(size, 100 + i) for i in range(tensors)}
-    write_reference(directory / "m.safetensors", {name: ("U8", [size], blob) for name, blob in data.items()})
-    return data
-
-
-@pytest.fixture
-def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
-    """An nginx of the test's own, to be stopped and started again."""
-    server = Nginx(tmp_path / "nginx")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    return random_shard(directory / "m.safetensors", {f"t{i:02d}": size for i in range(tensors)}, seed=100)
 
 
 def test_a_server_that_stops_and_comes_back(mounts: Mounts, own_nginx: Nginx, tmp_path: Path) -> None:
@@ -271,36 +256,8 @@ def test_eviction_under_eight_readers(mounts: Mounts, nginx: Nginx, tmp_path: Pa
     blocks = CacheBlocks(tmp_path)
     url = f"{nginx.url}/evict/m.safetensors"
     mountpoint = mounts.mount(url, "--cache-size", "40M", "--cache-dir", str(cache), command=blocks.mount_command)  # type: ignore[arg-type]
-    names = sorted(expected)
-    failures: list[str] = []
-    done = [0]
-
-    def reader(seed: int) -> None:
-        rng = random.Random(seed)
-        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
-        try:
-            for _ in range(60):
-                name = rng.choice(names)
-                offset = rng.randrange(6 * MIB)
-                length = rng.randrange(1, 2 * MIB)
-                try:
-                    got = os.pread(handles[name].fileno(), length, offset)
-                except OSError as exc:
-                    failures.append(f"{name}: {exc}")
-                    continue
-                if got != expected[name][offset : offset + length]:
-                    failures.append(f"{name} [{offset}, +{length}): wrong bytes")
-                done[0] += 1
-        finally:
-            for handle in handles.values():
-                handle.close()
-
-    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert failures == [] and done[0] == 8 * 60
+    failures = random_range_reads(mountpoint, expected, readers=8, reads=60, longest=2 * MIB)
+    assert failures == []
     # The bound is on the blocks the cache file holds on disk, at every moment, whatever the rows say
     # (a chunk being fetched has its blocks and no row yet), give or take the file system's own block
     # of the file's extents; what is recorded is held, and the model went through the cache more
@@ -320,7 +277,7 @@ def test_eviction_under_eight_readers(mounts: Mounts, nginx: Nginx, tmp_path: Pa
 
     wait_until(lambda: recorded() > 0, what="the last chunks fetched to be recorded")  # (each second)
     assert recorded() <= blocks_on_disk(cache) <= 40 * MIB + 4096
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    stats = remote_stats(mountpoint)
     assert stats["evicted_chunks"] > 0 and stats["fetched_bytes"] > 40 * MIB + 2 * chunk_size, stats
 
 
@@ -379,11 +336,6 @@ def direct_read(path: Path, offset: int, size: int = 64 << 10) -> tuple[bytes | 
     finally:
         os.close(fd)
         buffer.close()
-
-
-def remote_stats(mountpoint: Path) -> dict[str, int]:
-    stats: dict[str, int] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
-    return stats
 
 
 TIMEOUT = 3

@@ -21,7 +21,18 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, drop_caches, wait_until
-from helpers import MIB, CacheBlocks, cli, errno_of_reading, patience, random_bytes, same_crc32c, write_reference
+from helpers import (
+    MIB,
+    CacheBlocks,
+    cli,
+    errno_of_reading,
+    patience,
+    random_bytes,
+    random_shard,
+    remote_stats,
+    same_crc32c,
+    write_reference,
+)
 from servers import HostileServer, Nginx
 from tensorfs.sources.chunkcache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
@@ -29,10 +40,7 @@ from tensorfs.sources.store import RemoteOptions
 
 def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
     """One shard of four tensors of `size` random bytes (every chunk differs from every other)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {f"t{i}": random_bytes(size, 200 + i) for i in range(4)}
-    write_reference(path, {name: ("U8", [size], blob) for name, blob in data.items()})
-    return data
+    return random_shard(path, {f"t{i}": size for i in range(4)}, seed=200)
 
 
 @pytest.fixture
@@ -124,11 +132,11 @@ def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
     assert listed.returncode == 0 and json.loads(listed.stdout.splitlines()[0])["in_use"] is True
     for name in ("t1", "t2", "t3"):  # 24 MiB through a 24 MiB cache: t0's chunks are evicted
         assert (mountpoint / name).read_bytes() == expected[name]
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    stats = remote_stats(mountpoint)
     assert stats["evicted_chunks"] > 0
-    before = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    before = remote_stats(mountpoint)
     assert cli("cache", "ls", "--cache-dir", str(cache)).returncode == 0  # beside the mount: changes nothing
-    after = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    after = remote_stats(mountpoint)
     assert (after["gets"], after["evicted_chunks"]) == (before["gets"], before["evicted_chunks"])
     served = (hostile.root / "m.safetensors").read_bytes()
     chunk = served[: 8 * MIB]  # t0's first chunk: other bytes in it, with its CRC-32C kept (what a CRC cannot tell)
