@@ -20,6 +20,7 @@ import hashlib
 import re
 import socket
 import threading
+import urllib.parse
 from pathlib import Path
 
 from tensorfs.bench.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
@@ -368,6 +369,11 @@ class HostileServer:
       client stops reading (what was sent is counted in `sent`).
     - `ignores_if_match`: If-Match is not looked at (as some servers and proxies do): whatever the
       file holds now is served under its ETag now (`etags[name]`, which a test sets when it changes it).
+    - `endless_listing[bucket] = n`: an S3 listing (ListObjectsV2) of that bucket never ends: every
+      page holds n more objects under the prefix asked and says there are more (pages served are
+      counted in `pages_listed`).
+    - `grown[name] = data`: GETs of that file answer with `data` (under its ETag), HEADs still with the
+      file's own size: more than a HEAD announced comes.
     """
 
     def __init__(self, root: Path) -> None:
@@ -385,6 +391,9 @@ class HostileServer:
         self.headers: list[dict[str, str]] = []
         """Every request's headers (names in lower case), in the order the requests came."""
         self.ignores_if_match = False
+        self.endless_listing: dict[str, int] = {}
+        self.pages_listed = 0
+        self.grown: dict[str, bytes] = {}
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -406,6 +415,10 @@ class HostileServer:
                 server.requests.append(
                     (self.command, name, headers.get("Range", ""), headers.get("Accept-Encoding", ""))
                 )
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                if name in server.endless_listing and query.get("list-type") == ["2"]:
+                    self._list_endlessly(name, query, server.endless_listing[name])
+                    return
                 path = server.root / name
                 if not path.is_file():
                     self.send_response(404)
@@ -415,6 +428,8 @@ class HostileServer:
                 original = path.read_bytes()
                 etag = server.etags.setdefault(name, f'"{hashlib.md5(original).hexdigest()}"')
                 data = server.replaced.get(name, original)
+                if body and name in server.grown:
+                    data = server.grown[name]
                 if self.headers.get("If-Match") not in (None, etag) and not server.ignores_if_match:
                     self.send_response(412)
                     self.send_header("Content-Length", "0")
@@ -448,6 +463,28 @@ class HostileServer:
                 self.end_headers()
                 if body:
                     self._send(name, payload)
+
+            def _list_endlessly(self, bucket: str, query: dict[str, list[str]], count: int) -> None:
+                prefix = query.get("prefix", [""])[0]
+                first = int(query.get("continuation-token", ["0"])[0])
+                contents = "".join(
+                    f"<Contents><Key>{prefix}o{first + i:012d}</Key><LastModified>2024-01-01T00:00:00.000Z"
+                    f"</LastModified><ETag>&quot;e&quot;</ETag><Size>1</Size></Contents>"
+                    for i in range(count)
+                )
+                page = (
+                    '<?xml version="1.0" encoding="UTF-8"?>'
+                    '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                    f"<Name>{bucket}</Name><Prefix>{prefix}</Prefix><KeyCount>{count}</KeyCount>"
+                    f"<MaxKeys>{count}</MaxKeys><IsTruncated>true</IsTruncated>"
+                    f"<NextContinuationToken>{first + count}</NextContinuationToken>{contents}</ListBucketResult>"
+                ).encode()
+                server.pages_listed += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
 
             def _endless(self, name: str, size: int, body: bool) -> None:
                 self.send_response(200)

@@ -8,6 +8,7 @@ that cannot hold an object; several daemons on one bounded cache.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import resource
@@ -91,6 +92,36 @@ def test_an_answer_longer_than_its_range_writes_nothing_outside_it(hostile: Host
     assert verified.returncode == 0, verified.stderr
     with tensorfs.open_model(url, remote=remote) as model:  # an honest answer: all is well
         assert {name: bytes(model.raw(name)) for name in model} == expected
+
+
+def test_the_hash_cache_of_a_remote_tensor_is_keyed_by_its_object_version(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    """A remote tensor's hash is kept for its object's version: asked again of that version, its
+    chunks gone from the cache, it is told without fetching them; the object replaced by other bytes
+    of the same size and date under a new ETag, the hashes told are the new bytes' (a hash cache
+    keyed by what the two versions share told the old ones)."""
+    url = f"{hostile.url}/m.safetensors"
+    cache = tmp_path / "cache"
+
+    def manifest() -> dict[str, str]:
+        done = cli("manifest", "--cache-dir", str(cache), url)
+        assert done.returncode == 0, done.stderr
+        return {line.split()[1]: line.split()[0] for line in done.stdout.splitlines()}
+
+    def sha256s(tensors: dict[str, bytes]) -> dict[str, str]:
+        return {name: hashlib.sha256(data).hexdigest() for name, data in tensors.items()}
+
+    first = four_tensors(hostile.root / "m.safetensors", size=MIB)  # each worth a row of the hash cache
+    assert manifest() == sha256s(first)
+    assert cli("cache", "prune", "--cache-dir", str(cache)).returncode == 0 and cached_chunks(cache) == []
+    sent = hostile.sent["m.safetensors"]
+    assert manifest() == sha256s(first)
+    assert hostile.sent["m.safetensors"] - sent < MIB  # the header at most: no tensor's bytes again
+    second = {f"t{i}": random_bytes(MIB, 900 + i) for i in range(4)}
+    write_reference(hostile.root / "m.safetensors", {name: ("U8", [MIB], data) for name, data in second.items()})
+    hostile.etags["m.safetensors"] = '"the second version"'  # same size, same Last-Modified
+    assert manifest() == sha256s(second)
 
 
 def test_a_compressed_answer_is_refused_in_one_line(hostile: HostileServer, tmp_path: Path) -> None:
