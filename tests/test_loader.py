@@ -29,11 +29,13 @@ from helpers import (
     REFERENCE_WRITER_DTYPES,
     as_bytes,
     compare_safe_open,
+    entry,
     every_dtype_tensors,
     fuzzing,
     in_byte_order,
     patience,
     random_bytes,
+    raw_shard,
     same_tensor,
     sharded_every_dtype,
     upload,
@@ -119,6 +121,23 @@ def test_beyond_the_reference(tmp_path: Path) -> None:
             assert array.dtype == dtype and array.shape == (3, 4) and as_bytes(array) == tensors[name][2]
         f4 = ours.get_tensor("t.f4")
         assert f4.dtype == np.uint8 and as_bytes(f4) == tensors["t.f4"][2]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TensorSlice slices a tensor given as its raw bytes byte by byte (loader.py): to be refused (issue 35)",
+)
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_a_tensor_given_as_raw_bytes_is_not_sliced(tmp_path: Path, framework: str) -> None:
+    """An F6 tensor (8 values in 6 bytes) comes as its raw bytes where the framework has no such dtype:
+    a slice of its values is not a slice of those bytes. The reference refuses it; so must tensorfs
+    (it gives bytes 1 to 5 for values 1 to 7)."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(raw_shard({"a": entry("F6_E2M3", [8], 0, 6)}, random_bytes(6, 1)))
+    with safetensors.safe_open(str(path), framework) as theirs, pytest.raises(Exception):  # noqa: B017
+        theirs.get_slice("a")[1:]
+    with tensorfs.safe_open(path, framework) as ours, pytest.raises(tensorfs.TensorfsError):
+        ours.get_slice("a")[1:]
 
 
 def test_an_element_in_numpy_is_a_0d_array_of_its_bytes_as_the_references(tmp_path: Path) -> None:
