@@ -278,6 +278,8 @@ than 0 or 1, bytes after the data; and it refuses a 0 in the first dimension, wh
 MODELVET_KINDS = {
     "MVET_V_TENSOR_NE_RANGE": r"dimensions \[[\d, ]*\]: one after the first is 0, which llama\.cpp's reader divides by",
     "MVET_V_KEY_EMPTY": r"key \d+ is empty",
+    "MVET_V_KV_TYPE_RANGE": r".+: unknown type \d+",
+    "MVET_V_KV_ARRAY_TYPE_RANGE": r".+: an array of unknown type \d+",
     "MVET_V_STR_LEN_CAP": r".+: a string of [\d,]+ bytes, more than the file holds",  # its length, past what can be
     "MVET_V_KV_ARRAY_ELEMS_CAP": (
         r".+: an array of [\d,]+ (elements|strings), (more than the file holds|over GGUF's limit of [\d,]+)"
