@@ -52,7 +52,7 @@ lint: install
 # on two cores; a file's tests stay together on one (its fixtures are set up once).
 TEST_WORKERS ?= 2
 test: install lint $(TEST_FILES)/.fetched
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 demo: install
 	$(PY) scripts/demo.py $(DEMO_DIR)

@@ -67,8 +67,8 @@ class TensorNotFound(TensorfsError, KeyError):
 
 
 class SliceError(TensorfsError, IndexError):
-    """A numpy slice of a tensor that safetensors' numpy slices do not take (safetensors raises its
-    SafetensorError there): an IndexError too, as numpy's would be."""
+    """A slice safetensors refuses (raising its SafetensorError): a numpy slice its numpy slices do not
+    take, or any slice of a tensor given as its raw bytes. An IndexError too, as numpy's would be."""
 
 
 class IntegrityError(TensorfsError):

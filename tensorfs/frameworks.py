@@ -71,10 +71,19 @@ def make_tensor(buffer: memoryview, dtype: DType, shape: Sequence[int], framewor
     return _torch(buffer, dtype, shape, device)
 
 
+def given_as_bytes(dtype: DType, shape: Sequence[int], framework: str) -> bool:
+    """Whether a tensor of `dtype` and `shape` comes in `framework` as its raw bytes (uint8, one
+    dimension), the framework having no such dtype: numpy's packed F4/F6 and block-quantized types;
+    torch's F6, blocks, and F4 but in pairs of values (an even last dimension)."""
+    if framework == "np":
+        return dtype.numpy is None
+    return dtype.packed and not (dtype.name == "F4" and shape and shape[-1] % 2 == 0)
+
+
 def _numpy(buffer: memoryview, dtype: DType, shape: Sequence[int]) -> Any:
     import numpy as np
 
-    if dtype.numpy is None:  # packed F4/F6, block-quantized: the raw bytes
+    if given_as_bytes(dtype, shape, "np"):
         return np.frombuffer(buffer, dtype=np.uint8)
     return np.frombuffer(buffer, dtype=dtype.numpy).reshape(shape)
 
@@ -82,10 +91,10 @@ def _numpy(buffer: memoryview, dtype: DType, shape: Sequence[int]) -> Any:
 def _torch(buffer: memoryview, dtype: DType, shape: Sequence[int], device: Any) -> Any:
     torch = import_torch()
     name = TORCH_DTYPES.get(dtype.name)
-    if dtype.name == "F4" and shape and shape[-1] % 2 == 0:
-        shape = (*shape[:-1], shape[-1] // 2)  # two values in each element
-    elif dtype.packed:  # not into whole elements (F6, blocks): the raw bytes, as numpy gets them
+    if given_as_bytes(dtype, shape, "pt"):  # not into whole elements (F6, blocks): as numpy gets them
         name, shape = "uint8", (len(buffer),)
+    elif dtype.name == "F4":
+        shape = (*shape[:-1], shape[-1] // 2)  # two values in each element
     kind = getattr(torch, name or "uint8")
     if len(buffer) == 0:
         tensor = torch.empty(tuple(shape), dtype=kind)  # frombuffer refuses an empty buffer

@@ -20,7 +20,7 @@ from typing import Any
 
 from .dtypes import DTYPE_NAMED
 from .errors import Problem, SliceError, TensorfsError
-from .frameworks import FRAMEWORKS, check_device, framework_of, make_tensor
+from .frameworks import FRAMEWORKS, check_device, framework_of, given_as_bytes, make_tensor
 from .gate import UNREADABLE
 from .model import Model
 from .opener import open_model
@@ -141,6 +141,11 @@ class TensorSlice:
 
     def __getitem__(self, key: Any) -> Any:
         opened = self._opened
+        dtype = DTYPE_NAMED[self._info.dtype]
+        if given_as_bytes(dtype, self._info.shape, opened.framework):  # a slice of its bytes is not of its values
+            framework = "numpy" if opened.framework == "np" else "torch"
+            why = f"{dtype.name} comes as its raw bytes in {framework} (no such dtype there): get_tensor() gives them"
+            raise SliceError(str(Problem(str(opened.model.source), f"slice {_written(key)}: {why}", self._name)))
         if opened.backend == "mmap":
             whole = opened.model.tensor(self._name, opened.framework)  # a view: nothing read yet
         else:

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from helpers import FUZZ_RANDOM, FUZZ_REPLAY, raw_shard, read_line
+from helpers import FUZZ_RANDOM, FUZZ_REPLAY, TENSORFS, cli, mib_sharded_model, patience, raw_shard, read_line
 from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
+from tensorfs.bench import common as bench_common
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
 
@@ -43,15 +44,36 @@ session-end check tells them from other sessions' files by it."""
 LEFT_IN_TMP = ("tensorfs-[0-9]*", "torchinductor_*", "seaweedfs-*")
 """What else of a run could be left in /tmp: tensorfs's runtime directory by default (tensorfs-UID),
 torch's compile cache and SeaweedFS's sockets (both in the temporary directory, which a session
-points into its own: found in /tmp, something went round that)."""
+points into its own: found in /tmp, something went round that). Counted only when a user the run
+acts as owns it (see RUN_USERS): another user's tensorfs makes its own runtime directory there."""
 _before = pytest.StashKey[set[str]]()
 _hypothesis_home = pytest.StashKey[Path]()
 
 
+def _run_users() -> set[int]:
+    users = {os.geteuid()}
+    with contextlib.suppress(KeyError):
+        import pwd
+
+        users.add(pwd.getpwnam("nobody").pw_uid)  # OtherUser
+    return users
+
+
+RUN_USERS = _run_users()
+"""The users this run's processes run as: its own, and the other user of the tests of other users."""
+
+
 def left_in_tmp() -> set[str]:
-    """The names in /tmp that a run of this suite (this session) may have made."""
-    patterns = (*LEFT_IN_TMP, f"tensorfs-*-{SESSION_TAG}*")
-    return {path.name for pattern in patterns for path in TMP.glob(pattern)}
+    """The names in /tmp that a run of this suite (this session) may have made: those with its tag,
+    and those of LEFT_IN_TMP that a user of the run owns."""
+    tagged = {path.name for path in TMP.glob(f"tensorfs-*-{SESSION_TAG}*")}
+    untagged = set()
+    for pattern in LEFT_IN_TMP:
+        for path in TMP.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                if path.lstat().st_uid in RUN_USERS:
+                    untagged.add(path.name)
+    return tagged | untagged
 
 
 def _is_worker(config: pytest.Config) -> bool:
@@ -60,10 +82,25 @@ def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    _ctrl_c_as_a_terminal_sends_it()
+
+
+def _ctrl_c_as_a_terminal_sends_it() -> None:
+    """The tests send Ctrl-C (SIGINT) to the commands they start, as a terminal does. A run started
+    where SIGINT is ignored (in the background of a shell without job control: `make test &`, a CI
+    runner's script, nohup) would hand the ignoring on to every command, which then rightly goes on
+    ignoring it (`stats --watch` never ended, an export finished instead of stopping). The run's own
+    handler instead: a handler, unlike SIG_IGN, is not inherited across exec."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _say_the_fuzz_seed(session.config)
     if not _is_worker(session.config):
-        session.config.stash[_before] = left_in_tmp()
+        with machine_lock():  # no name a test (of any run) makes in /tmp for a while is there now
+            session.config.stash[_before] = left_in_tmp()
     # Hypothesis keeps caches in ./.hypothesis (the working tree) from the collection on, whatever the
     # settings' database: in a directory of the session's, removed at its end.
     import hypothesis.configuration
@@ -80,7 +117,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(home)
     if _is_worker(session.config):
         return
-    left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
+    with machine_lock():
+        left = sorted(left_in_tmp() - session.config.stash.get(_before, set()))
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -170,7 +208,7 @@ def missing_root() -> str | None:
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
-def _drop_caches_unusable() -> str | None:
+def missing_drop_caches() -> str | None:
     try:
         os.close(os.open(DROP_CACHES, os.O_WRONLY))  # opened, nothing written: nothing dropped
     except OSError as exc:
@@ -178,6 +216,10 @@ def _drop_caches_unusable() -> str | None:
     return None
 
 
+MACHINE_LOCK = TMP
+"""What the tests of every run on the machine take turns on (an flock of /tmp itself: nothing to make
+or remove), named to the benchmarks the tests run (tensorfs.bench.common.MACHINE_LOCK)."""
+os.environ[bench_common.MACHINE_LOCK] = str(MACHINE_LOCK)
 _machine_lock: int | None = None
 _machine_holds = 0
 
@@ -185,11 +227,12 @@ _machine_holds = 0
 @contextlib.contextmanager
 def machine_lock() -> Iterator[None]:
     """Held while a test changes or depends on what the whole machine shares: the page cache (dropped,
-    or measured), the names in /tmp, mount(8)'s helper in /sbin. Tests of one run (pytest-xdist's workers) or of two runs take
-    turns; nested holds in one process are one. An flock of this file: nothing to make or remove."""
+    or measured), the names in /tmp, mount(8)'s helper in /sbin. Tests of one run (pytest-xdist's
+    workers), of two runs, and the benchmarks they run (their drop_caches) take turns; nested holds in
+    one process are one."""
     global _machine_lock, _machine_holds
     if _machine_holds == 0:
-        _machine_lock = os.open(__file__, os.O_RDONLY | os.O_CLOEXEC)
+        _machine_lock = os.open(MACHINE_LOCK, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(_machine_lock, fcntl.LOCK_EX)
     _machine_holds += 1
     try:
@@ -212,9 +255,16 @@ def drop_caches(what: int = 3) -> None:
     """Have the kernel drop its caches (1 the page cache, 2 dentries and inodes, 3 both), which a
     test needs (see require()): what it cached is asked of the daemon again. Under the machine's
     lock: a test measuring the page cache meanwhile (its own, holding the lock) sees its pages."""
-    require(f"writing {DROP_CACHES}", _drop_caches_unusable())
+    require(f"writing {DROP_CACHES}", missing_drop_caches())
     with machine_lock():
         DROP_CACHES.write_text(f"{what}\n")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """The model most tests of a mount read: four shards of four 1-4 MiB U8 tensors (t{shard}.{k} in
+    s{shard}.safetensors), with an index. A module whose tests need another model has its own."""
+    return mib_sharded_model(tmp_path / "model", 4)
 
 
 @pytest.fixture(scope="session")
@@ -237,7 +287,7 @@ if mount.returncode == 0:
 """
 
 
-MOUNT_COMMAND = (sys.executable, "-m", "tensorfs.cli", "mount")
+MOUNT_COMMAND = (*TENSORFS, "mount")
 
 
 class AdoptedDaemon:
@@ -275,25 +325,36 @@ class Mounts:
         self.adopted: list[AdoptedDaemon] = []
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        """Run the tensorfs CLI in a child process."""
-        return subprocess.run(
-            [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-        )
+        """Run the tensorfs CLI in a child process (helpers.cli)."""
+        return cli(*args, timeout=timeout)
 
-    def mount(self, source: Path, *options: str, mountpoint: Path | None = None) -> Path:
+    def mount(
+        self, source: Path, *options: str, mountpoint: Path | None = None, command: Sequence[str] = MOUNT_COMMAND
+    ) -> Path:
+        """Mount `source` with `command` (`tensorfs mount`, or what runs it: see helpers.CacheBlocks)."""
         if mountpoint is None:
             mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
             mountpoint.mkdir()
-        result = self.attempt(source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint)
+        result = self.attempt(
+            source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint, command=command
+        )
         assert result.returncode == 0, result.stderr + self.log()
         assert os.path.ismount(mountpoint)
         return mountpoint
 
-    def attempt(self, source: Path | str, *options: str, mountpoint: Path) -> subprocess.CompletedProcess[str]:
+    def attempt(
+        self, source: Path | str, *options: str, mountpoint: Path, command: Sequence[str] = MOUNT_COMMAND
+    ) -> subprocess.CompletedProcess[str]:
         """Run `tensorfs mount`, which may be refused (the caller checks how). Its mountpoint is taken
         care of first, so that a mount expected to be refused but made all the same is taken away."""
         self.watch(mountpoint)
-        return self.run("mount", *options, str(source), str(mountpoint))
+        return subprocess.run(
+            [*command, *options, str(source), str(mountpoint)],
+            capture_output=True,
+            text=True,
+            timeout=patience(120),
+            check=False,
+        )
 
     def watch(self, mountpoint: Path) -> Path:
         """Have whatever gets mounted at `mountpoint` unmounted, its daemon gone, at the end of the test:
@@ -347,8 +408,9 @@ class Mounts:
 
 
 def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.0, kill: int | None = None) -> None:
-    """Poll `condition` until it holds; fail (after SIGKILL to `kill`, so nothing is left) at the deadline."""
-    deadline = time.monotonic() + timeout
+    """Poll `condition` until it holds; fail (after SIGKILL to `kill`, so nothing is left) at the
+    deadline (`timeout` on a quiet machine: see helpers.patience())."""
+    deadline = time.monotonic() + patience(timeout)
     while not condition():
         if time.monotonic() > deadline:
             if kill is not None:
@@ -377,6 +439,19 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     if shutil.which("nginx") is None:
         require("nginx", "not installed (apt-get install nginx-light)")
     server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN + HUB_API)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
+    """An nginx of the test's own, to be stopped and started again (its root under tmp_path)."""
+    if shutil.which("nginx") is None:
+        require("nginx", "not installed (apt-get install nginx-light)")
+    server = Nginx(tmp_path / "own-nginx")
     try:
         server.start()
         yield server
@@ -421,8 +496,13 @@ class OtherUser:
     python = "/usr/bin/python3"
     """A Python it can run (the project's may be in root's home)."""
 
-    def run(self, *command: str, text: bool = True, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-        return subprocess.run(command, capture_output=True, text=text, preexec_fn=self.become, **kwargs)
+    def run(
+        self, *command: str, text: bool = True, timeout: float = 120, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
+        """Run `command` as this user; one not ended by its deadline (see helpers.patience()) fails the test."""
+        return subprocess.run(
+            command, capture_output=True, text=text, preexec_fn=self.become, timeout=patience(timeout), **kwargs
+        )
 
     def owns(self, *paths: Path) -> None:
         for path in paths:

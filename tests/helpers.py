@@ -8,13 +8,16 @@ import json
 import os
 import pickle
 import platform
+import random
 import re
 import secrets
 import select
 import struct
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +32,7 @@ from hypothesis import HealthCheck, seed, settings
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import ShardHeader
 from tensorfs.sources.index import INDEX_NAME
+from tensorfs.testing.servers import free_ports
 
 # safetensors dtype -> the name safetensors.serialize takes; the F6 types it cannot write.
 REFERENCE_WRITER_DTYPES = {
@@ -203,21 +207,43 @@ def fuzzing(examples: int) -> Callable[[_Test], _Test]:
     return apply
 
 
-NAME_RULES = (
-    "name is empty",
-    "NUL",
-    "absolute path",
-    "path component",
-    "reserved for tensorfs",
-    "not valid Unicode",
-    "bytes;",
-    "over 255 bytes",
-    "sidecar",
-    "as a directory",
-    "maps to the same path",
-)
-"""What tensorfs refuses of names that any format's reader takes: each must stay a safe path in a mount
-(names.py, docs/guarantees.md)."""
+NAME_RULES = {
+    "an empty name": r"name is empty",
+    "a NUL in a name": r"name contains a NUL character",
+    "a lone surrogate": r"name is not valid Unicode \(it holds a lone surrogate\)",
+    "an absolute path": r"name is an absolute path",
+    "an empty, . or .. component": r"name has (an empty|a '\.'|a '\.\.') path component",
+    "an empty component under --layout dotted": (
+        r"(name|component '.*') (begins with '\.'|ends with '\.'|holds '\.\.'), "
+        r"which --layout dotted makes an empty path component"
+    ),
+    "the reserved .tensorfs/": r"names beginning with '\.tensorfs/' are reserved for tensorfs",
+    "a directory name over 255 bytes": r"directory name '.*\.\.\.' is over 255 bytes",
+    "a file name over 255 bytes with its sidecar's suffix": (
+        r"file name is \d+ bytes; with its '\.meta\.json' sidecar it would pass the 255-byte limit"
+    ),
+    "a tensor on a sidecar's path": r"has the same path as a sidecar of tensor '.*'",
+    "a file needed as a directory": (
+        r"is a file, but tensor '.*' needs '.*' as a directory|needs '.*' as a directory, but it is a sidecar of tensor '.*'"
+    ),
+    "two names on one path": r"maps to the same path '.*' as tensor '.*'",
+}
+"""What tensorfs refuses of names that any format's reader takes, each must stay a safe path in a mount
+(names.py, docs/guarantees.md): a rule's name, and the pattern its refusal's reason is, whole."""
+
+
+def cited_rule(reason: str, rules: Mapping[str, str]) -> str | None:
+    """The rule of `rules` (name -> pattern) whose pattern the refusal's reason is, whole; None when
+    it is none of them (a refusal no stricter rule explains)."""
+    for rule, pattern in rules.items():
+        if re.fullmatch(pattern, reason, re.DOTALL):
+            return rule
+    return None
+
+
+def unexplained(problems: Sequence[Any], rules: Mapping[str, str]) -> list[str]:
+    """The reasons of `problems` (an InvalidModelError's) that cite none of `rules`."""
+    return [problem.reason for problem in problems if cited_rule(problem.reason, rules) is None]
 
 
 def fuzz_split(split: Counter[str], ways: Sequence[str], note: str = "") -> str:
@@ -290,10 +316,37 @@ def in_byte_order(names: list[str], opened: Any) -> list[str]:
     return sorted(names, key=lambda n: (shards.index(opened.model.locate(n)[0]), opened.model.locate(n)[1:], n))
 
 
+RAW_BYTES_DTYPES = {"np": {"F4", "F6_E2M3", "F6_E3M2"}, "pt": {"F6_E2M3", "F6_E3M2"}}
+"""Dtypes whose tensors tensorfs gives as their raw bytes (uint8) in a framework that has no such dtype,
+where the reference has no tensor at all ("beyond the reference", docs/python.md)."""
+ML_DTYPES_IN_NUMPY = {"BF16", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F8_E8M0"}
+"""Dtypes numpy has not, which tensorfs gives as ml_dtypes arrays where the reference raises."""
+
+
+def given_as_bytes(framework: str, dtype: str, shape: Sequence[int]) -> bool:
+    """Whether tensorfs gives a tensor of `dtype` and `shape` as its raw bytes in `framework`:
+    RAW_BYTES_DTYPES, and torch's F4 of an odd count (torch's F4 holds two values an element)."""
+    return dtype in RAW_BYTES_DTYPES[framework] or (
+        framework == "pt" and dtype == "F4" and (not shape or shape[-1] % 2 == 1)
+    )
+
+
+def beyond_the_reference(framework: str, dtype: str, shape: Sequence[int]) -> str | None:
+    """Why the reference may refuse a tensor of `dtype` and `shape` (or a slice of it) that tensorfs
+    gives, or None: then what the reference refuses of it, tensorfs refuses too. Each is named in
+    docs/python.md."""
+    if given_as_bytes(framework, dtype, shape) or (framework == "np" and dtype in ML_DTYPES_IN_NUMPY):
+        return "a dtype the framework has not"
+    if dtype == "F4":
+        return "F4 sliced by its values"  # the reference slices by values, gives tensors of two values an element
+    return None
+
+
 def compare_safe_open(path: Path, framework: str, **options: Any) -> None:
     """Everything tensorfs.safe_open shows of the file `path` against the reference's safe_open: keys
-    in both orders, metadata, each tensor's dtype, shape and bytes (the reference's raw bytes where
-    it cannot make the tensor itself), and slices of it."""
+    in both orders, metadata, each tensor's dtype, shape and bytes, and slices of it. Both ways:
+    what the reference refuses (a tensor, a slice), tensorfs refuses too, but where tensorfs goes
+    beyond it, by a rule named here: a dtype the framework has not (beyond_the_reference())."""
     import tensorfs
 
     raw = {name: bytes(t["data"]) for name, t in safetensors.deserialize(path.read_bytes())}
@@ -304,17 +357,24 @@ def compare_safe_open(path: Path, framework: str, **options: Any) -> None:
         for name in theirs.offset_keys():
             reference = theirs.get_slice(name)
             mine = ours.get_slice(name)
-            assert mine.get_dtype() == reference.get_dtype()
-            assert mine.get_shape() == reference.get_shape()
-            assert as_bytes(ours.get_tensor(name)) == raw[name]
+            dtype, shape = reference.get_dtype(), reference.get_shape()
+            assert mine.get_dtype() == dtype
+            assert mine.get_shape() == shape
+            beyond = beyond_the_reference(framework, dtype, shape)
             try:
                 whole = theirs.get_tensor(name)
-            except Exception:
-                continue  # a dtype the reference has no tensor of in this framework (fp8 in numpy, F6)
-            same_tensor(ours.get_tensor(name), whole)
-            if reference.get_dtype() == "F4":
-                continue  # the reference slices F4 by its values, but gives tensors of two values an element
-            shape = reference.get_shape()
+            except Exception as refused:
+                assert beyond == "a dtype the framework has not", (name, dtype, refused)
+                assert as_bytes(ours.get_tensor(name)) == raw[name]  # the bytes, as ml_dtypes or uint8 has them
+            else:
+                same_tensor(ours.get_tensor(name), whole)
+            if given_as_bytes(framework, dtype, shape):
+                for make in SLICES:  # raw bytes: a slice of them is not of the values (the reference refuses it too)
+                    with pytest.raises(tensorfs.SliceError):
+                        mine[make(len(shape))]
+                continue
+            if beyond is not None:
+                continue  # F4 in torch: the two disagree by design on what an element is; ml_dtypes' arrays
             for make in SLICES:
                 key = make(len(shape))
                 try:
@@ -334,16 +394,34 @@ def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int 
 MIB = 1 << 20
 
 
+def random_shard(path: Path, sizes: Mapping[str, int], seed: int = 0) -> dict[str, bytes]:
+    """A shard at `path` (its directory made) of U8 tensors of random bytes, written by the reference
+    writer: each tensor's size by name, its bytes from its own seed (`seed` + its place: every chunk
+    of every tensor differs from every other); their bytes by name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {name: random_bytes(size, seed + i) for i, (name, size) in enumerate(sizes.items())}
+    write_reference(path, {name: ("U8", [len(blob)], blob) for name, blob in data.items()})
+    return data
+
+
+def sharded_model(directory: Path, shards: Mapping[str, Mapping[str, int]]) -> dict[str, bytes]:
+    """Shards of random U8 tensors (file name -> its tensors' sizes, see random_shard; the i-th shard's
+    seeds from 10 * i) in `directory`, with an index; every tensor's bytes by name."""
+    data: dict[str, bytes] = {}
+    weight_map: dict[str, str] = {}
+    for i, (file, sizes) in enumerate(shards.items()):
+        data.update(random_shard(directory / file, sizes, seed=10 * i))
+        weight_map.update(dict.fromkeys(sizes, file))
+    write_index(directory, weight_map)
+    return data
+
+
 def mib_sharded_model(directory: Path, shards: int) -> Path:
     """`shards` shards of four 1-4 MiB U8 tensors (t{shard}.{k}), with an index."""
     directory.mkdir()
-    weight_map = {}
-    for s in range(shards):
-        shard = directory / f"s{s}.safetensors"
-        tensors = {f"t{s}.{k}": ("U8", [(k + 1) * MIB], random_bytes((k + 1) * MIB, 10 * s + k)) for k in range(4)}
-        write_reference(shard, tensors)
-        weight_map.update(dict.fromkeys(tensors, shard.name))
-    write_index(directory, weight_map)
+    sharded_model(
+        directory, {f"s{s}.safetensors": {f"t{s}.{k}": (k + 1) * MIB for k in range(4)} for s in range(shards)}
+    )
     return directory
 
 
@@ -423,11 +501,45 @@ def refused_in_one_line(path: Path, expected: str, opening: Callable[[Path], obj
         opening(path)
     message = str(raised.value)
     assert expected in message and message.count("\n") == 0 and message.startswith(str(path)), message
-    done = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "validate", "--no-cache", str(path)], capture_output=True, text=True
-    )
+    done = cli("validate", "--no-cache", str(path))
     assert done.returncode == 1 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def random_range_reads(
+    mountpoint: Path, expected: Mapping[str, bytes], *, readers: int, reads: int, longest: int
+) -> list[str]:
+    """`readers` threads at once, each `reads` reads of random ranges (up to `longest` bytes) of
+    random tensors of a mount, each tensor's file held open (seeded: the same reads each run); what
+    went wrong, a line each: a read that failed, or bytes other than `expected`'s."""
+    names = sorted(expected)
+    failures: list[str] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
+        try:
+            for _ in range(reads):
+                name = rng.choice(names)
+                offset = rng.randrange(len(expected[name]))
+                length = rng.randrange(1, longest)
+                try:
+                    got = os.pread(handles[name].fileno(), length, offset)
+                except OSError as exc:
+                    failures.append(f"{name} [{offset}, +{length}): {exc}")
+                    continue
+                if got != expected[name][offset : offset + length]:
+                    failures.append(f"{name} [{offset}, +{length}): wrong bytes")
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(readers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
 
 
 def errno_of_reading(path: Path) -> int | None:
@@ -441,9 +553,36 @@ def errno_of_reading(path: Path) -> int | None:
 
 # -- processes that take part in a fault: handshakes over pipes, never sleeps ------------------
 
+PATIENCE = float(os.environ.get("TENSORFS_TEST_PATIENCE", "1"))
+"""How many times longer than on a quiet machine this machine may take (TENSORFS_TEST_PATIENCE)."""
+
+
+def patience(seconds: float) -> float:
+    """The deadline of a wait for what comes within `seconds` on a quiet machine: longer on a loaded
+    one, by the processes waiting for each core (the load average of the last minute) and PATIENCE.
+    A deadline only ends a wait for an event that should come (a handshake, a line, an exit): a slow
+    machine gets more time, never a weaker assertion."""
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * max(1.0, per_core) * PATIENCE
+
+
+TENSORFS = (sys.executable, "-m", "tensorfs.cli")
+"""The tensorfs command, as the tests run it: this Python, the code under test (PYTHONPATH)."""
+
+
+def cli(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`tensorfs ARGS` in a process of its own: its exit code, stdout and stderr (text). One that has
+    not ended by its deadline (`timeout` on a quiet machine: see patience()) fails the test.
+    `kwargs` go to subprocess.run (env=, preexec_fn=, ...)."""
+    return subprocess.run(
+        [*TENSORFS, *args], capture_output=True, text=True, timeout=patience(timeout), check=False, **kwargs
+    )
+
 
 def read_line(fd: int, timeout: float, pending: bytearray) -> str:
-    """The next line written to the pipe `fd` (bytes beyond it stay in `pending`); AssertionError at the deadline."""
+    """The next line written to the pipe `fd` (bytes beyond it stay in `pending`); AssertionError at
+    the deadline (`timeout` on a quiet machine: see patience())."""
+    timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     while b"\n" not in pending:
         left = deadline - time.monotonic()
@@ -459,21 +598,26 @@ def read_line(fd: int, timeout: float, pending: bytearray) -> str:
     return line.decode()
 
 
-# pread64 by machine: the number /proc/PID/syscall shows for a process blocked in it.
-_PREAD64 = {"x86_64": 17, "aarch64": 67}
+# System calls by machine: the numbers /proc/PID/syscall shows for a process blocked in them.
+_SYSCALLS = {"x86_64": {"pread64": 17, "flock": 73}, "aarch64": {"pread64": 67, "flock": 32}}
+
+
+def blocked_in(pid: int, call: str) -> bool:
+    """Whether the process sleeps inside the system call `call` (pread64, flock): it is in it, not about to be."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        number = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+    except (OSError, IndexError):
+        return False
+    if state not in ("S", "D") or number == "running":
+        return False
+    expected = _SYSCALLS.get(platform.machine(), {}).get(call)
+    return expected is None or number == str(expected)
 
 
 def blocked_in_pread(pid: int) -> bool:
     """Whether the process sleeps inside pread(2): a read of it is in flight, not about to be."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
-    except (OSError, IndexError):
-        return False
-    if state not in ("S", "D") or call == "running":
-        return False
-    expected = _PREAD64.get(platform.machine())
-    return expected is None or call == str(expected)
+    return blocked_in(pid, "pread64")
 
 
 HANDSHAKE_READER = """
@@ -650,10 +794,39 @@ class HeldCommand(_TalkingChild):
         return self.process.returncode, stderr.decode()
 
 
+def daemon_stats(mountpoint: Path) -> dict[str, Any]:
+    """What a mount's daemon counts: its .tensorfs/stats.json."""
+    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    return stats
+
+
+def remote_stats(mountpoint: Path) -> dict[str, int]:
+    """What a mount's daemon counts of its remote sources (stats.json's sources.remote)."""
+    remote: dict[str, int] = daemon_stats(mountpoint)["sources"]["remote"]
+    return remote
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    return free_ports(1)[0]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus endpoint's samples on 127.0.0.1:`port`, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=patience(30)).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def reads_in_handlers(mountpoint: Path) -> int:
     """Reads a daemon has begun to answer and not answered yet (its counters: begun, less answered or
     failed): requests inside its running handlers, not waiting in the kernel's queue."""
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    stats = daemon_stats(mountpoint)
     failed = sum(e["count"] for e in stats["errors"] if e["op"] == "read")
     begun: int = stats["requests"].get("read", 0)
     return begun - sum(stats["reads"].values()) - failed
@@ -661,7 +834,7 @@ def reads_in_handlers(mountpoint: Path) -> int:
 
 def daemon_process(mountpoint: Path) -> dict[str, int]:
     """What a daemon says of its own process (stats.json): descriptors, threads, memory."""
-    process: dict[str, int] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["process"]
+    process: dict[str, int] = daemon_stats(mountpoint)["process"]
     return process
 
 
@@ -738,6 +911,52 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
     return tensors, nbytes, peak_kib
 
 
+# -- what a bounded chunk cache holds on disk, at its largest -----------------------------------
+
+_CACHE_BLOCKS_COUNTED = """
+import os, sys
+from tensorfs.sources.cachefile import CachedObject
+allocate = CachedObject.allocate
+def counted(self, offset, nbytes):
+    before = self.cache.disk_usage()
+    allocate(self, offset, nbytes)
+    line = f"{before} {nbytes} {self.cache.disk_usage()}\\n".encode()
+    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+CachedObject.allocate = counted
+import tensorfs.cli
+sys.exit(tensorfs.cli.main(["mount", *sys.argv[2:]]))
+"""
+
+
+class CacheBlocks:
+    """What a chunk cache's files hold on disk at every moment it can be at its largest: each time a
+    process takes a chunk's blocks (CachedObject.allocate, always under the lock every process takes
+    to make room, so that nothing else grows the cache meanwhile), the cache's own count of its
+    blocks (ChunkCache.disk_usage) before and after, said by the daemons of mounts made with
+    `mount_command`. Never a sample: a sampler can only miss a peak."""
+
+    def __init__(self, directory: Path) -> None:
+        self.said = directory / "blocks-taken"
+
+    @property
+    def mount_command(self) -> tuple[str, ...]:
+        """`tensorfs mount` (for Mounts.mount's `command`) whose daemon says so."""
+        return (sys.executable, "-c", _CACHE_BLOCKS_COUNTED, str(self.said))
+
+    def peak(self) -> int:
+        """The most the cache's files held on disk (bytes), once blocks were taken. A taking takes the
+        chunk's blocks then (give or take the file system's own blocks of the file's extents; none when
+        they are taken already), so that nothing takes them later, unseen: where fallocate does nothing
+        the writes would, and no taking would ever grow the count."""
+        taken = [tuple(map(int, line.split())) for line in self.said.read_text().splitlines()]
+        assert any(after >= before + nbytes - 2 * 4096 for before, nbytes, after in taken), taken
+        return max(after for _, _, after in taken)
+
+
 # -- a reference reader bounded in memory and time ----------------------------------------------
 
 _BOUNDED = """
@@ -779,6 +998,7 @@ class BoundedReference:
     """
 
     def __init__(self, reader: str, memory: int = 512 << 20, seconds: int = 20) -> None:
+        seconds = round(patience(seconds))  # a loaded machine's reader is not refusing: it is slow
         self._arguments = [str(memory), str(seconds), str(Path(__file__).parent), reader]
         self._seconds = seconds
         self._process: subprocess.Popen[bytes] | None = None
@@ -799,8 +1019,12 @@ class BoundedReference:
         assert process.stdin is not None and process.stdout is not None
         process.stdin.write(str(path).encode() + b"\n")
         process.stdin.flush()
-        deadline = time.monotonic() + self._seconds + 60  # its imports, the first time
-        length = _read_exactly(process.stdout.fileno(), 8, deadline)
+        deadline = time.monotonic() + self._seconds + patience(60)  # its imports, the first time
+        try:
+            length = _read_exactly(process.stdout.fileno(), 8, deadline)
+        except TimeoutError:  # stuck where its alarm cannot stop it (in C): it has not read the file either
+            self.close()
+            return ("refused", f"the reader did not finish within {self._seconds} s")
         if length is None:  # it died: that is no reading either (the next file has a new one)
             process.wait()
             return ("refused", f"the reader died ({process.returncode})")
@@ -820,11 +1044,12 @@ class BoundedReference:
 
 
 def _read_exactly(fd: int, count: int, deadline: float) -> bytes | None:
-    """`count` bytes from the pipe `fd`; None if it closes first; AssertionError at the deadline."""
+    """`count` bytes from the pipe `fd`; None if it closes first; TimeoutError at the deadline."""
     found = bytearray()
     while len(found) < count:
         ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
-        assert ready, "the bounded reader answered nothing in time"
+        if not ready:
+            raise TimeoutError("the bounded reader answered nothing in time")
         chunk = os.read(fd, count - len(found))
         if not chunk:
             return None

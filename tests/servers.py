@@ -6,6 +6,8 @@
 - DroppingProxy: a loopback TCP proxy that cuts every connection after so many bytes.
 - StallingProxy: a loopback TCP proxy that, told to, holds what the server sends after so many more
   bytes (a GET held mid-body) until it is let go.
+- RequestGate: a loopback HTTP proxy that knows exactly how many requests are in flight, and holds
+  those for ranges past a point until it is let go.
 - HostileServer: an HTTP store that lies on purpose (more bytes than asked, encodings, other bytes
   under one ETag, endless bodies).
 """
@@ -18,12 +20,13 @@ import hashlib
 import re
 import socket
 import threading
+import urllib.parse
 from pathlib import Path
 
 from tensorfs.testing.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "SeaweedFS", "StallingProxy", "free_ports", "stop",
+    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "RequestGate", "SeaweedFS", "StallingProxy", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -210,6 +213,150 @@ class StallingProxy(_LoopbackProxy):
         self.cut()
 
 
+class RequestGate(_LoopbackProxy):
+    """Forwards 127.0.0.1:port to an HTTP/1.1 server's port and knows, exactly, which requests are in
+    flight: from the moment a request's head reaches the gate until just before the last byte of its
+    answer is sent on (a client cannot have its answer, and ask again, any sooner), or its connection
+    closes. `hold_from(offset)` keeps the requests for ranges that begin at or past `offset` from the
+    server until `release()`: in flight, for as long as a test likes, whatever the machine's speed.
+
+    One request at a time on a connection, no request bodies, answers framed by Content-Length: what
+    an object store's client and nginx do (anything else fails the test that meets it)."""
+
+    def __init__(self, target: int) -> None:
+        self._changed = threading.Condition()
+        self._hold_from: int | None = None
+        self.in_flight = 0
+        self.most_in_flight = 0
+        """The most requests in flight at once since the gate opened, or since reset()."""
+        self.held = 0
+        """Requests held now."""
+        self.ranges: list[tuple[str, int | None]] = []
+        """(path, first byte of its Range or None) of every request, in the order they came."""
+        self.failure: str | None = None
+        super().__init__(target)
+
+    def hold_from(self, offset: int) -> None:
+        with self._changed:
+            self._hold_from = offset
+
+    def release(self) -> None:
+        with self._changed:
+            self._hold_from = None
+            self._changed.notify_all()
+
+    def reset(self) -> None:
+        """Count the most in flight from now on."""
+        with self._changed:
+            self.most_in_flight = self.in_flight
+
+    def wait_held(self, count: int, timeout: float) -> bool:
+        """Wait until `count` requests are held at once (at most `timeout` seconds): whether they are."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.held >= count, timeout)
+
+    def _take(self, client: socket.socket) -> None:
+        try:
+            server = self._connect(client)
+        except OSError:
+            client.close()
+            return
+        methods: list[str] = []  # of the requests on this connection not answered yet (one, for HTTP/1.1)
+        threading.Thread(target=self._requests, args=(client, server, methods), daemon=True).start()
+        threading.Thread(target=self._answers, args=(server, client, methods), daemon=True).start()
+
+    def _fail(self, why: str) -> None:
+        with self._changed:
+            self.failure = self.failure or why
+
+    def _requests(self, source: socket.socket, sink: socket.socket, methods: list[str]) -> None:
+        pending = b""
+        try:
+            while (message := self._head(source, pending)) is not None:
+                head, pending = message
+                method, path = head.split(b" ", 2)[:2]
+                ranged = re.search(rb"(?im)^range:\s*bytes=(\d+)-", head)
+                start = int(ranged[1]) if ranged else None
+                with self._changed:
+                    methods.append(method.decode())
+                    self.ranges.append((path.decode(), start))
+                    self.in_flight += 1
+                    self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                    if self._held(start):
+                        self.held += 1
+                        self._changed.notify_all()
+                        self._changed.wait_for(lambda start=start: not self._held(start) or self._closed)
+                        self.held -= 1
+                sink.sendall(head + b"\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            self._end(source, sink)
+
+    @staticmethod
+    def _head(source: socket.socket, pending: bytes) -> tuple[bytes, bytes] | None:
+        """The next request's or answer's head (without its blank line) and what came after it; None
+        when the connection closes first."""
+        while b"\r\n\r\n" not in pending:
+            data = source.recv(65536)
+            if not data:
+                return None
+            pending += data
+        head, _, rest = pending.partition(b"\r\n\r\n")
+        return head, rest
+
+    def _held(self, start: int | None) -> bool:
+        return self._hold_from is not None and (start or 0) >= self._hold_from
+
+    def _answers(self, source: socket.socket, sink: socket.socket, methods: list[str]) -> None:
+        pending = b""
+        try:
+            while (message := self._head(source, pending)) is not None:
+                head, pending = message
+                status = int(head.split(b" ", 2)[1])
+                if re.search(rb"(?im)^transfer-encoding:", head):
+                    self._fail(f"an answer not framed by Content-Length: {head!r}")
+                    return
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                with self._changed:
+                    method = methods.pop(0) if methods else "?"
+                body = 0 if method == "HEAD" or status in (204, 304) or length is None else int(length[1])
+                head += b"\r\n\r\n"
+                if body == 0:
+                    self._answered()
+                    sink.sendall(head)
+                    continue
+                sink.sendall(head)
+                while body > 0:
+                    if not pending:
+                        pending = source.recv(min(65536, body))
+                        if not pending:
+                            return
+                    piece, pending = pending[:body], pending[body:]
+                    body -= len(piece)
+                    if body == 0:
+                        self._answered()  # before its last byte goes: then the client may ask again
+                    sink.sendall(piece)
+        except OSError:
+            pass
+        finally:
+            with self._changed:  # what this connection had in flight ends with it
+                self.in_flight -= len(methods)
+                methods.clear()
+            self._end(source, sink)
+
+    def _answered(self) -> None:
+        with self._changed:
+            self.in_flight -= 1
+
+    def close(self) -> None:
+        super().close()
+        with self._changed:
+            self._hold_from = None
+            self._changed.notify_all()
+        self.cut()
+
+
 class HostileServer:
     """An HTTP server on 127.0.0.1 that serves the files under `root` as a store would (ranges, ETags,
     If-Match, HEAD), and lies when told to: the faults a test sets are made to really happen on the wire.
@@ -223,6 +370,11 @@ class HostileServer:
     - `ignores_if_match`: If-Match is not looked at (as some servers and proxies do): whatever the
       file holds now is served under its ETag now (`etags[name]`, which a test sets when it changes it).
     - `redirects[name] = url`: every request of that name is answered 302 Found, to `url`.
+    - `endless_listing[bucket] = n`: an S3 listing (ListObjectsV2) of that bucket never ends: every
+      page holds n more objects under the prefix asked and says there are more (pages served are
+      counted in `pages_listed`).
+    - `grown[name] = data`: GETs of that file answer with `data` (under its ETag), HEADs still with the
+      file's own size: more than a HEAD announced comes.
 
     With `certificate` (a certificate and its key, PEM files), it speaks HTTPS.
     """
@@ -244,6 +396,9 @@ class HostileServer:
         self.headers: list[dict[str, str]] = []
         """Every request's headers (names in lower case), in the order the requests came."""
         self.ignores_if_match = False
+        self.endless_listing: dict[str, int] = {}
+        self.pages_listed = 0
+        self.grown: dict[str, bytes] = {}
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -271,6 +426,10 @@ class HostileServer:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                if name in server.endless_listing and query.get("list-type") == ["2"]:
+                    self._list_endlessly(name, query, server.endless_listing[name])
+                    return
                 path = server.root / name
                 if not path.is_file():
                     self.send_response(404)
@@ -280,6 +439,8 @@ class HostileServer:
                 original = path.read_bytes()
                 etag = server.etags.setdefault(name, f'"{hashlib.md5(original).hexdigest()}"')
                 data = server.replaced.get(name, original)
+                if body and name in server.grown:
+                    data = server.grown[name]
                 if self.headers.get("If-Match") not in (None, etag) and not server.ignores_if_match:
                     self.send_response(412)
                     self.send_header("Content-Length", "0")
@@ -313,6 +474,28 @@ class HostileServer:
                 self.end_headers()
                 if body:
                     self._send(name, payload)
+
+            def _list_endlessly(self, bucket: str, query: dict[str, list[str]], count: int) -> None:
+                prefix = query.get("prefix", [""])[0]
+                first = int(query.get("continuation-token", ["0"])[0])
+                contents = "".join(
+                    f"<Contents><Key>{prefix}o{first + i:012d}</Key><LastModified>2024-01-01T00:00:00.000Z"
+                    f"</LastModified><ETag>&quot;e&quot;</ETag><Size>1</Size></Contents>"
+                    for i in range(count)
+                )
+                page = (
+                    '<?xml version="1.0" encoding="UTF-8"?>'
+                    '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                    f"<Name>{bucket}</Name><Prefix>{prefix}</Prefix><KeyCount>{count}</KeyCount>"
+                    f"<MaxKeys>{count}</MaxKeys><IsTruncated>true</IsTruncated>"
+                    f"<NextContinuationToken>{first + count}</NextContinuationToken>{contents}</ListBucketResult>"
+                ).encode()
+                server.pages_listed += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
 
             def _endless(self, name: str, size: int, body: bool) -> None:
                 self.send_response(200)

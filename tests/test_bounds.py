@@ -15,21 +15,18 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import Mounts
-from helpers import MIB, errno_of_reading, random_bytes, write_index, write_reference
+from helpers import MIB, cli, errno_of_reading, patience, random_bytes, write_index, write_reference
 from servers import HostileServer
 from tensorfs.mount.mounttable import daemon_pid
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+from tensorfs.sources.store import RemoteError, RemoteOptions
 
 
 @pytest.fixture
@@ -168,7 +165,7 @@ def mount_with_a_piped_manifest(
     command = f'exec "$0" -m tensorfs.cli mount --log-file "$1" --manifest <({producer}) "$2" "$3"'
     return subprocess.run(
         ["bash", "-c", command, sys.executable, str(mounts.log_file), str(model), str(mountpoint)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=patience(120), check=False,
     )  # fmt: skip
 
 
@@ -196,3 +193,96 @@ def test_a_manifest_through_a_pipe_is_used_and_one_past_the_limit_is_refused(mou
     )
     assert not os.path.ismount(mountpoint) and os.listdir(mountpoint) == []
     assert daemon_pid(mountpoint) is None  # no record: no daemon
+
+
+# -- listings, scans and bodies: each bound met, not just announced ---------------------------
+
+
+class SteppingClock:
+    """time as a module holds it, but monotonic() goes `step` seconds on at each call: a scan or a
+    listing that looks at the clock once an item "takes" `step` seconds an item, at the machine's
+    own speed."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_listing_goes_through_at_most_100000_objects(hostile: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix whose listing never ends (a store that says there are more, page after page): the
+    model is refused in one line once 100,000 objects are past, its 101st page of 1000 the last
+    asked for."""
+    (hostile.root / "bucket").mkdir()
+    hostile.endless_listing["bucket"] = 1000
+    for key, value in {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}.items():
+        monkeypatch.setenv(key, value)
+    result = cli("validate", "--endpoint-url", hostile.url, "--remote-timeout", "600", "s3://bucket/many/")
+    expected = "error: s3://bucket/many/: over 100000 objects under this prefix: name the model's index\n"
+    assert (result.returncode, result.stderr) == (1, expected)
+    assert hostile.pages_listed == 101
+
+
+def test_a_listing_ends_at_the_remote_timeout(hostile: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing that never ends ends within --remote-timeout, whatever the objects it has gone
+    through: 5 s here, each thousand objects (ten pages) taking a second of the clock it reads."""
+    from tensorfs.sources import store
+
+    (hostile.root / "bucket").mkdir()
+    hostile.endless_listing["bucket"] = 100
+    for key, value in {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}.items():
+        monkeypatch.setenv(key, value)
+    spec, prefix = store.store_spec("s3://bucket/slow/", RemoteOptions(endpoint_url=hostile.url, timeout=5))
+    monkeypatch.setattr(store, "time", SteppingClock(1.0))
+    with pytest.raises(RemoteError, match=r"^s3://bucket/slow/: listing took over 5 s$"):
+        store.list_objects(spec, prefix)
+    assert 10 <= hostile.pages_listed <= 60  # (the client lists a thousand objects at a time)
+
+
+def test_the_companion_scan_stops_after_30_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model directory of 40 companion files, each taking a second of the scan's clock: those of
+    the first 30 s are found, and the rest are skipped with one warning that says so."""
+    from tensorfs.views import companions
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    write_reference(directory / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    for i in range(40):
+        (directory / f"c{i:02d}.json").write_text("{}")
+    warnings: list[str] = []
+    monkeypatch.setattr(companions, "time", SteppingClock(1.0))
+    found = companions.find_companions(directory, warnings)
+    assert 25 <= len(found) < 40 and [c.path for c in found] == [f"c{i:02d}.json" for i in range(len(found))]
+    assert warnings == [
+        f"{directory / f'c{len(found):02d}.json'} and the files after it: skipped: the scan took over 30 s"
+    ]
+
+
+def test_a_naming_file_longer_than_announced_is_refused_as_it_comes(hostile: HostileServer, tmp_path: Path) -> None:
+    """config.json names the modules a loader imports (auto_map), which tensorfs then looks for
+    beside a model served over plain HTTP: it is read whole, at most 1 MiB. A server whose HEAD
+    says a few bytes and whose GET then sends 2 MiB: refused, not followed (the module it names is
+    never asked for), with a warning that says why."""
+    from tensorfs.views.companions import find_remote_companions
+
+    write_reference(hostile.root / "m.safetensors", {"w": ("U8", [16], bytes(16))})
+    (hostile.root / "config.json").write_text('{"auto_map": {"AutoModel": "modeling_x.Model"}}')
+    for module in ("modeling_x.py", "modeling_y.py"):
+        (hostile.root / module).write_text("MODEL = 1\n")
+    options = RemoteOptions(cache_dir=tmp_path / "cache")
+    warnings: list[str] = []
+    found = find_remote_companions(f"{hostile.url}/m.safetensors", options, warnings)
+    assert {"config.json", "modeling_x.py"} <= {c.path for c in found} and warnings == []  # told honestly: followed
+    grown = b'{"auto_map": {"AutoModel": "modeling_y.Model"}, "pad": "' + b"x" * (2 * MIB) + b'"}'
+    hostile.grown["config.json"] = grown
+    found = find_remote_companions(f"{hostile.url}/m.safetensors", options, warnings)
+    assert "modeling_y.py" not in {c.path for c in found}
+    assert not any(name == "modeling_y.py" for _, name, _, _ in hostile.requests)
+    config = f"{hostile.url}/config.json"
+    assert warnings == [f"{config}: not followed: {config}: {len(grown)} bytes, over 1.0 MiB"], warnings

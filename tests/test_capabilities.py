@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import missing_root, require
+from helpers import patience
 
 INNER = """
 from conftest import drop_caches
@@ -56,7 +57,7 @@ def test_a_missing_capability_fails_on_ci_and_is_skipped_elsewhere_saying_why(tm
         text=True,
         cwd=tmp_path,
         env=environment,
-        timeout=120,
+        timeout=patience(120),
         check=False,
     )
     caches = "/proc/sys/vm/drop_caches: Read-only file system"

@@ -26,7 +26,7 @@ from gguf_files import write_gguf
 
 import tensorfs
 from conftest import Mounts
-from helpers import hub_api, upload
+from helpers import hub_api, patience, upload
 from servers import Nginx, SeaweedFS
 from tensorfs.sources.choosing import Choice, choose
 from tensorfs.sources.store import RemoteOptions
@@ -63,7 +63,7 @@ def transformers(command: str, directory: Path, *args: str) -> str:
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=patience(300),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -118,7 +118,10 @@ def test_a_directory_is_the_model_transformers_loads_from_it(
     assert "model.safetensors is the model, as transformers and accelerate load it" in caplog.text
     assert "model.safetensors.index.json beside it is not" in caplog.text
     validated = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "validate", str(folder)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tensorfs.cli", "validate", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
     )
     assert validated.returncode == 0 and "1 shard" in validated.stdout, validated.stdout + validated.stderr
     mountpoint = mounts.mount(folder)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from helpers import Tensor, entry, random_bytes, raw_shard, reference_table, write_index, write_reference
+from helpers import Tensor, cli, entry, random_bytes, raw_shard, reference_table, write_index, write_reference
 from tensorfs.cli import main
 from tensorfs.units import human_size
 
@@ -111,9 +111,7 @@ def test_ls_json(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bad_input_never_shows_a_traceback(tmp_path: Path) -> None:
     (tmp_path / "x.safetensors").write_bytes(b"\xff" * 20)
-    result = subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", "validate", str(tmp_path)], capture_output=True, text=True, check=False
-    )
+    result = cli("validate", str(tmp_path))
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")

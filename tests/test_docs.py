@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, machine_lock, wait_until
-from helpers import upload
+from helpers import patience, upload
 from servers import Nginx, SeaweedFS
 from tensorfs.manifest import DEFAULT_MANIFEST
 from tensorfs.mount.mounttable import mount_at, pid_alive
@@ -154,7 +154,7 @@ def run_python(
     (work / "example.py").write_text(code)
     done = subprocess.run(
         [sys.executable, "-c", RUN_PYTHON, str(work / "given.py"), str(work / "example.py"), document],
-        cwd=work, capture_output=True, text=True, timeout=600, env=environment(env),
+        cwd=work, capture_output=True, text=True, timeout=patience(600), env=environment(env),
     )  # fmt: skip
     assert done.returncode == 0, f"{document}: {begins!r}\n{done.stdout}{done.stderr}"
 
@@ -163,7 +163,7 @@ def run_shell(
     command: str, work: Path, env: Mapping[str, str] | None = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        ["sh", "-ec", command], cwd=work, capture_output=True, text=True, timeout=300, env=environment(env)
+        ["sh", "-ec", command], cwd=work, capture_output=True, text=True, timeout=patience(300), env=environment(env)
     )
     if check:
         assert done.returncode == 0, f"{command}\n{done.stdout}{done.stderr}"
@@ -244,7 +244,7 @@ def test_readme_the_demo_shows(fuse: None, tmp_path: Path) -> None:
     try:
         done = subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "demo.py"), str(tmp_path / "demo")],
-            capture_output=True, text=True, timeout=600, env=environment(),
+            capture_output=True, text=True, timeout=patience(600), env=environment(),
         )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         tour = done.stdout[done.stdout.index("\n$ ") :].split("\nThe model stays mounted")[0]

@@ -5,19 +5,26 @@ tensor's (a copy whose table or hash disagrees is passed over: EIO, or the prima
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_stats import free_port, scrape
 
 from conftest import Mounts, wait_until
-from helpers import MIB, errno_of_reading, random_bytes, upload, write_index, write_reference
+from helpers import (
+    MIB,
+    daemon_stats,
+    errno_of_reading,
+    free_port,
+    random_bytes,
+    scrape,
+    sharded_model,
+    upload,
+    write_reference,
+)
 from servers import Nginx, SeaweedFS
 from tensorfs import RemoteOptions, fallback, load_file, open_model
 from tensorfs.errors import IntegrityError, InvalidModelError
@@ -25,17 +32,11 @@ from tensorfs.errors import IntegrityError, InvalidModelError
 
 def _model(directory: Path, shards: int = 3, tensors: int = 3, size: int = MIB) -> dict[str, bytes]:
     """Shards of random tensors with an index; their bytes by name."""
-    directory.mkdir(parents=True, exist_ok=True)
-    data: dict[str, bytes] = {}
-    weight_map: dict[str, str] = {}
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {f"s{s}.t{t}": random_bytes(size, 10 * s + t) for t in range(tensors)}
-        write_reference(directory / name, {n: ("U8", [len(b)], b) for n, b in part.items()})
-        data.update(part)
-        weight_map.update(dict.fromkeys(part, name))
-    write_index(directory, weight_map)
-    return data
+    files = {
+        f"model-{s + 1:05d}-of-{shards:05d}.safetensors": {f"s{s}.t{t}": size for t in range(tensors)}
+        for s in range(shards)
+    }
+    return sharded_model(directory, files)
 
 
 def _manifest(directory: Path, data: dict[str, bytes]) -> None:
@@ -154,7 +155,7 @@ def test_a_mount_serves_a_damaged_tensor_from_its_fallback(
         assert (mountpoint / name).read_bytes() == blob
     sums = subprocess.run(["sha256sum", "-c", "--quiet", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True)
     assert sums.returncode == 0, sums.stdout + sums.stderr
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     assert stats["fallback"]["tensors"] == {"s1.t1": str(copy)}
     assert stats["fallback"]["bytes"] == {str(copy): MIB}
     metrics = scrape(port)
@@ -186,7 +187,7 @@ def test_a_shard_truncated_under_the_mount_is_served_from_the_fallback(
         assert (mountpoint / name).read_bytes() == blob
     view = (mountpoint / ".tensorfs" / "model").iterdir()
     assert any(path.name.endswith(".safetensors") for path in view)
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     assert sorted(stats["fallback"]["tensors"]) == ["s2.t0", "s2.t1", "s2.t2"]
 
 
@@ -228,16 +229,6 @@ def test_a_mount_goes_ahead_without_a_shard_the_fallback_has(
         assert (mountpoint / name).read_bytes() == blob
 
 
-@pytest.fixture
-def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
-    server = Nginx(tmp_path / "own-nginx")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
 def test_a_store_down_past_its_timeout_is_read_from_the_fallback(
     mounts: Mounts, own_nginx: Nginx, copies: tuple[Path, Path, dict[str, bytes]], tmp_path: Path
 ) -> None:
@@ -252,7 +243,7 @@ def test_a_store_down_past_its_timeout_is_read_from_the_fallback(
     own_nginx.stop()
     for name, blob in data.items():
         assert (mountpoint / name).read_bytes() == blob
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     assert "s0.t0" not in stats["fallback"]["tensors"] and "s2.t2" in stats["fallback"]["tensors"]
     assert mounts.log().count("a read of it failed") >= 1  # the shard's other tensors went at once
 
@@ -283,7 +274,7 @@ def test_with_the_store_down_a_tensor_in_the_cache_is_served_from_it_not_the_fal
     with open(mountpoint / "a", "rb") as f:  # within the 30 s its shard's tensors go to the fallback at once
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel's copy dropped: read again
         assert f.read() == data["a"]
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     assert stats["fallback"]["tensors"] == {"c": str(copy)}
     assert "a read of it failed" not in mounts.log()  # "a" did not go
 
@@ -327,6 +318,6 @@ def test_a_local_copy_heals_from_the_store(
     os.truncate(shard, shard.stat().st_size - 100)
     for name, blob in data.items():
         assert (mountpoint / name).read_bytes() == blob
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     assert {"s0.t1", "s1.t0", "s2.t2"} <= set(stats["fallback"]["tensors"])
     assert set(stats["fallback"]["tensors"].values()) == {store}

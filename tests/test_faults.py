@@ -12,8 +12,6 @@ import stat
 import threading
 from pathlib import Path
 
-import pytest
-
 from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
@@ -24,24 +22,20 @@ from helpers import (
     daemon_resources,
     entry,
     file_mappings,
-    mib_sharded_model,
     model_bytes,
+    patience,
     random_bytes,
+    random_range_reads,
     raw_shard,
     reads_in_handlers,
     threads_of,
     zeros_sha256,
 )
+from tensorfs.bench.common import rss_anon_kib
 from tensorfs.mount.mounttable import FSTYPE, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.mount.runtime import record_path
 from tensorfs.sample_models import many_tiny_tensors
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """Four shards of four 1-4 MiB tensors, with an index."""
-    return mib_sharded_model(tmp_path / "model", 4)
 
 
 def test_a_shard_replaced_or_unlinked_keeps_serving_what_was_validated(mounts: Mounts, model_dir: Path) -> None:
@@ -118,7 +112,7 @@ def kill_mid_read(daemon: int, victim: HandshakeReader) -> None:
             victim.process.kill()
         finally:
             os.kill(daemon, signal.SIGCONT)
-        assert victim.process.wait(timeout=30) == -signal.SIGKILL
+        assert victim.process.wait(timeout=patience(30)) == -signal.SIGKILL
     finally:
         victim.stop()
 
@@ -147,11 +141,6 @@ def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, mo
     # one more request's 1 MiB receive buffer (one per request task: the killed readers' reads ran
     # beside the others).
     assert maps <= before[1] + 1, (before, maps)
-
-
-def rss_anon_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:")))
 
 
 def read_through(path: Path, buffer: bytearray) -> int:
@@ -187,31 +176,7 @@ def test_anonymous_memory_does_not_grow_with_the_bytes_served(mounts: Mounts, tm
 def test_eight_threads_of_random_range_reads_are_byte_exact(mounts: Mounts, model_dir: Path) -> None:
     expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
-    names = sorted(expected)
-    failures: list[str] = []
-
-    def reader(seed: int) -> None:
-        rng = random.Random(seed)
-        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
-        try:
-            for _ in range(1000):
-                name = rng.choice(names)
-                size = len(expected[name])
-                offset = rng.randrange(size)
-                length = rng.randrange(1, 4 * MIB)
-                got = os.pread(handles[name].fileno(), length, offset)
-                if got != expected[name][offset : offset + length]:
-                    failures.append(f"{name} [{offset}, +{length})")
-        finally:
-            for handle in handles.values():
-                handle.close()
-
-    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert failures == []
+    assert random_range_reads(mountpoint, expected, readers=8, reads=1000, longest=4 * MIB) == []
 
 
 def test_concurrent_lookups_and_listings_of_a_large_tree(mounts: Mounts, tmp_path: Path) -> None:
@@ -319,7 +284,7 @@ def test_sigterm_with_a_read_held_inside_a_handler(mounts: Mounts, tmp_path: Pat
         finally:
             os.kill(lower_pid, signal.SIGCONT)
         assert reader.said() == f"ok {zeros_sha256(64 << 10)}"  # the request begun is answered, exactly
-        assert reader.process.wait(30) == 0
+        assert reader.process.wait(patience(30)) == 0
     finally:
         reader.stop()
     assert daemon.exit_status() == (pid, 0)
@@ -345,7 +310,7 @@ def test_readers_killed_while_their_reads_are_held_inside_a_handler(mounts: Moun
                 reader.process.kill()
             finally:
                 os.kill(lower_pid, signal.SIGCONT)
-            assert reader.process.wait(30) == -signal.SIGKILL
+            assert reader.process.wait(patience(30)) == -signal.SIGKILL
         finally:
             reader.stop()
         assert (upper / "small").read_bytes() == small

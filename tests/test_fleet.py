@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -33,9 +32,11 @@ import pytest
 from conftest import MOUNT_COMMAND, Mounts, require
 from helpers import (
     MIB,
+    daemon_stats,
     errno_of_reading,
     mib_sharded_model,
     model_bytes,
+    patience,
     random_bytes,
     upload,
     write_index,
@@ -121,7 +122,7 @@ def get(
     if etag is not None:
         headers["If-Match"] = etag
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as answer:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=patience(60)) as answer:
             return answer.status, answer.read(), answer.headers.get("ETag", "")
     except urllib.error.HTTPError as refused:
         return refused.code, refused.read(), refused.headers.get("ETag", "")
@@ -130,7 +131,7 @@ def get(
 def sent_since(cluster: SeaweedCluster, before: int, at_least: int) -> int:
     """Bytes of the bucket the store has sent since its count was `before`, once they are `at_least`
     (it counts a GET when its handler returns, which may be after its client has the last byte)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while (sent := cluster.sent(BUCKET) - before) < at_least and time.monotonic() < deadline:
         time.sleep(0.05)
     return sent
@@ -248,7 +249,7 @@ def test_pinned_reads_through_the_tier_never_mix_versions(cluster: SeaweedCluste
     obstore.put(store, "versions/object", new)
     assert get(url, start=10, end=20, etag=old_etag)[:2] == (206, old[10:20])  # as the tier holds it
     assert get(url, start=SLICE, end=2 * SLICE, etag=old_etag)[0] == 412  # the store has it no more
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patience(30)
     while (new_etag := get(url, start=0, end=100)[2]) == old_etag:  # kept unpinned_ttl, then asked again
         assert time.monotonic() < deadline, "an unpinned read never saw the new version"
         time.sleep(0.1)
@@ -328,7 +329,7 @@ def test_with_the_store_down_a_mount_starts_and_reads_from_what_the_tier_holds(
     cluster.kill_s3()
     try:
         # Past its few seconds, an unpinned answer is served stale: the store cannot be asked.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + patience(30)
         while (status := get(url)[0]) != 200 or tier.log()[-1].cache != "STALE":
             assert status == 200 and time.monotonic() < deadline, f"the tier answered {status}"
             time.sleep(0.1)
@@ -481,7 +482,7 @@ def read_stages(mountpoints: list[Path], expected: dict[str, bytes], between: Ca
     there) `between()` is called, then the rest of the embeddings from the same open file, then every
     other tensor. What was not exact, or failed (with its errno), one line each."""
     failures: list[str] = []
-    barrier = threading.Barrier(len(mountpoints) + 1, timeout=120)
+    barrier = threading.Barrier(len(mountpoints) + 1, timeout=patience(120))
 
     def read(mountpoint: Path, stage: dict[str, bytes]) -> None:
         names = [path.name for path in mountpoint.iterdir() if not path.name.endswith((".meta.json", ".sha256"))]
@@ -531,7 +532,7 @@ def credentials(cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def stats_of(mountpoint: Path) -> dict[str, Any]:
-    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_text())
+    stats = daemon_stats(mountpoint)
     return stats
 
 
@@ -785,7 +786,7 @@ def test_the_kubernetes_example_is_what_it_says(tmp_path: Path) -> None:
     calls, where = tmp_path / "calls", tmp_path / "host" / "mnt" / "model"
     shell_env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "CALLS": str(calls), "MOUNTPOINT": str(where)}
     shell = subprocess.Popen([*command[:4], *arguments[:-1], str(where)], env=shell_env)
-    assert shell.wait(30) == 0
+    assert shell.wait(patience(30)) == 0
     umount, mount = calls.read_text().splitlines()
     assert umount.split()[1:] == ["umount", str(where)] and where.is_dir()
     assert mount.split() == [str(shell.pid), "mount", *arguments[:-1], str(where)]  # exec'd: SIGTERM reaches it

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, machine_lock, wait_until
-from helpers import every_dtype_tensors, write_reference
+from helpers import every_dtype_tensors, patience, write_reference
 from tensorfs.cli.mount import mount
 from tensorfs.errors import TensorfsError
 from tensorfs.mount.helper import mount_arguments
@@ -64,12 +64,12 @@ def test_mount_t_fuse_tensorfs(mounts: Mounts, model_dir: Path, tmp_path: Path) 
             options = f"ro,layout=dotted,readahead_kb=2048,include=t.*,log_file={mounts.log_file},nofail"
             result = subprocess.run(
                 ["mount", "-t", "fuse.tensorfs", str(model_dir), str(mountpoint), "-o", options],
-                capture_output=True, text=True, check=False, timeout=120,
+                capture_output=True, text=True, check=False, timeout=patience(120),
             )  # fmt: skip
             assert result.returncode == 0, result.stderr
             bad = subprocess.run(
                 ["mount", "-t", "fuse.tensorfs", str(model_dir), str(tmp_path), "-o", "ro,readahed_kb=1"],
-                capture_output=True, text=True, check=False, timeout=120,
+                capture_output=True, text=True, check=False, timeout=patience(120),
             )  # fmt: skip
         finally:
             HELPER.unlink()
@@ -116,7 +116,7 @@ def test_systemd_hears_the_mount_ready(mounts: Mounts, model_dir: Path, tmp_path
         assert mount_at(mountpoint) is not None and json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())
         daemon.terminate()
         assert listener.recv(256) == b"STOPPING=1"
-        assert daemon.wait(timeout=60) == 0
+        assert daemon.wait(timeout=patience(60)) == 0
     finally:
         if daemon.poll() is None:
             daemon.kill()

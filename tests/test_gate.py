@@ -21,7 +21,7 @@ import pytest
 
 import tensorfs
 from conftest import Mounts, drop_caches
-from helpers import MIB, errno_of_reading, random_bytes, same_crc32c, upload, write_index, write_reference
+from helpers import MIB, errno_of_reading, patience, random_bytes, same_crc32c, upload, write_index, write_reference
 from servers import HostileServer, SeaweedFS
 from tensorfs.errors import TensorfsError
 from tensorfs.manifest import format_manifest
@@ -29,7 +29,9 @@ from tensorfs.sources.store import RemoteOptions
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=patience(120)
+    )
 
 
 def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
@@ -83,7 +85,7 @@ def other_process_reads(url: str, cache: Path, weak: bool, *names: str) -> subpr
     return subprocess.run(
         [sys.executable, "-c", OTHER_PROCESS, url, str(cache), "weak" if weak else "strong", *names],
         capture_output=True,
-        timeout=120,
+        timeout=patience(120),
     )
 
 

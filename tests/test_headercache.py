@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +21,7 @@ import tensorfs.opener
 import tensorfs.sources.local
 from conftest import Mounts, wait_until
 from helpers import (
+    cli,
     header_table,
     model_bytes,
     random_bytes,
@@ -297,18 +296,14 @@ def test_no_cache_and_the_commands(tmp_path: Path) -> None:
     long_headers(model)
     cache = tmp_path / "cache"
 
-    def tensorfs_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "tensorfs.cli", *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-
     # The commands run in processes of their own, with the real window: wait until the files are out of it.
     newest = max(os.stat(path).st_ctime_ns for path in model.iterdir())
     wait_until(lambda: time.time_ns() - newest > SETTLED_NS, what="the files to settle")
     for command in ("validate", "ls"):
-        done = tensorfs_cli(command, "--no-cache", "--cache-dir", str(cache), str(model))
+        done = cli(command, "--no-cache", "--cache-dir", str(cache), str(model))
         assert done.returncode == 0, done.stderr
         assert not cache.exists()  # neither read nor written
-    done = tensorfs_cli("validate", "--cache-dir", str(cache), str(model))
+    done = cli("validate", "--cache-dir", str(cache), str(model))
     assert done.returncode == 0 and done.stderr == "", done.stderr
     with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:
         assert db.execute("SELECT COUNT(*) FROM rows WHERE kind LIKE 'shard/%'").fetchone() == (2,)
@@ -316,7 +311,7 @@ def test_no_cache_and_the_commands(tmp_path: Path) -> None:
     shard = model / "model-00002-of-00002.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 1)
-    done = tensorfs_cli("validate", "--cache-dir", str(cache), str(model))
+    done = cli("validate", "--cache-dir", str(cache), str(model))
     assert done.returncode == 1 and "model-00002-of-00002.safetensors" in done.stderr, done.stderr
 
 

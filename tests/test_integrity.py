@@ -23,6 +23,7 @@ from conftest import Mounts, wait_until
 from helpers import (
     MIB,
     entry,
+    patience,
     random_bytes,
     raw_shard,
     reference_tensors,
@@ -356,13 +357,13 @@ def test_a_sha256_is_hashed_in_a_worker_thread_while_other_reads_are_answered(mo
             other: list[bytes] = []  # a read of bytes in memory, answered while big is being hashed
             reader = threading.Thread(target=lambda: other.append((upper / "small").read_bytes()), daemon=True)
             reader.start()
-            reader.join(30)
+            reader.join(patience(30))
             assert other == [small], "no answer while a hash ran"
             assert hashing.is_alive() and sum(hashed().values()) < big
         finally:
             os.kill(lower_pid, signal.SIGCONT)
     finally:
-        hashing.join(60)
+        hashing.join(patience(60))
     assert sidecar == [f"{zeros_sha256(big)}  big\n"]
 
 

@@ -4,12 +4,15 @@ fails saying which (conftest.pytest_sessionfinish). Each made to happen in a pyt
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SESSION_TAG, machine_lock, missing_root, require
+from conftest import RUN_USERS, missing_root, require
+from helpers import patience
 
 INNER = """
 import os, subprocess, sys, tempfile
@@ -17,8 +20,12 @@ from pathlib import Path
 from hypothesis import given, strategies as st
 
 def test_a_file_left_in_tmp():
+    if os.environ.get("ANOTHER_USER"):  # another user's tensorfs makes its runtime directory meanwhile
+        uid = int(os.environ["ANOTHER_USER"])
+        os.mkdir(f"/tmp/tensorfs-{uid}", 0o700)
+        os.chown(f"/tmp/tensorfs-{uid}", uid, uid)
     if os.environ.get("LEAVE"):
-        Path(f"/tmp/tensorfs-left-{os.getpid()}-behind").write_text("left")
+        Path(f"/tmp/tensorfs-left-{os.environ['TENSORFS_TEST_SESSION']}-behind").write_text("left")
 
 def test_the_temporary_directory_is_the_sessions(tmp_path_factory):
     Path(tempfile.mkdtemp(prefix="torchinductor_")).joinpath("cache").write_text("in-process")
@@ -37,40 +44,42 @@ def test_a_shared_directory_that_cannot_be_removed(shared_dir):
 """
 
 
-def inner_pytest(tmp_path: Path, **environment: str) -> subprocess.CompletedProcess[str]:
+def inner_pytest(tmp_path: Path, **environment: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """A pytest of INNER, a session of its own (not this run's tag, nor a pytest-xdist worker's
+    settings): how it went, and its tag (in the names it makes in /tmp)."""
     (tmp_path / "test_inner.py").write_text(INNER)
-    # A session of its own: not this run's tag, nor a pytest-xdist worker's settings.
-    outer = {
-        key: value
-        for key, value in os.environ.items()
-        if key != "TENSORFS_TEST_SESSION" and not key.startswith("PYTEST_")
-    }
-    env = {**outer, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]), **environment}
+    tag = f"{os.getpid()}{secrets.randbelow(10**6):06d}"
+    outer = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    path = os.pathsep.join([str(Path(__file__).parent), *sys.path])
+    env = {**outer, "PYTHONPATH": path, "TENSORFS_TEST_SESSION": tag, **environment}
     command = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q"]
     command += ["--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), str(tmp_path / "test_inner.py")]
-    return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=patience(120), check=False
+    )
+    return done, f"{tag}-"
 
 
 def test_a_clean_run_passes_and_keeps_its_files_in_its_own_directories(tmp_path: Path) -> None:
-    with machine_lock():  # no test beside it makes a name in /tmp (but this run's own shared directories)
-        before = set(os.listdir("/tmp"))
-        done = inner_pytest(tmp_path)
-        after = set(os.listdir("/tmp"))
+    before = set(os.listdir("/tmp"))
+    done, tag = inner_pytest(tmp_path)
+    after = set(os.listdir("/tmp"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 passed" in done.stdout and "left in /tmp" not in done.stdout, done.stdout
     assert not (tmp_path / ".hypothesis").exists()  # the working directory: nothing of hypothesis
-    ours = f"tensorfs-test-{SESSION_TAG}"
+    # What it made in /tmp (others' runs on the machine make theirs meanwhile): its tagged names, and
+    # the temporary directories of torch (this run's user's).
     made_here = {
         name
         for name in after - before
-        if name.startswith(("torchinductor_", "tensorfs-")) and not name.startswith(ours)
+        if tag in name or (name.startswith("torchinductor_") and (Path("/tmp") / name).stat().st_uid in RUN_USERS)
     }
     assert not made_here, made_here
 
 
 def test_a_run_that_leaves_a_file_of_its_own_in_tmp_fails_naming_it(tmp_path: Path) -> None:
-    done = inner_pytest(tmp_path, LEAVE="1")
-    left = sorted(Path("/tmp").glob("tensorfs-left-*-behind"))
+    done, tag = inner_pytest(tmp_path, LEAVE="1")
+    left = sorted(Path("/tmp").glob(f"tensorfs-left-{tag}behind"))
     try:
         assert done.returncode == 1, done.stdout + done.stderr
         assert "4 passed" in done.stdout, done.stdout  # every test passed: the run fails all the same
@@ -84,8 +93,8 @@ def test_a_shared_directory_left_behind_fails_its_test_and_the_run(tmp_path: Pat
     """The shared_dir fixture removes its directory under /tmp or fails the test saying what is left
     (it once ignored every error: /tmp/tensorfs-shared-* stayed behind), and the run fails too."""
     require("root (it makes a file immutable)", missing_root())
-    done = inner_pytest(tmp_path, STUCK="1")
-    stuck = sorted(Path("/tmp").glob("tensorfs-test-*/stuck"))
+    done, tag = inner_pytest(tmp_path, STUCK="1")
+    stuck = sorted(Path("/tmp").glob(f"tensorfs-test-{tag}*/stuck"))
     try:
         assert done.returncode == 1, done.stdout + done.stderr
         assert "1 error" in done.stdout and "is left: [" in done.stdout, done.stdout
@@ -95,3 +104,17 @@ def test_a_shared_directory_left_behind_fails_its_test_and_the_run(tmp_path: Pat
             subprocess.run(["chattr", "-i", str(path)], check=True)
             path.unlink()
             path.parent.rmdir()
+
+
+def test_another_users_runtime_directory_is_not_the_runs(tmp_path: Path) -> None:
+    """/tmp/tensorfs-UID of a user the run does not act as, made while it runs (by that user's own
+    tensorfs), is not the run's: it passes. Counted as the run's, it failed a run (issue 35)."""
+    require("root (it makes a directory another user owns)", missing_root())
+    uid = next(uid for uid in range(4242, 65534) if uid not in RUN_USERS and not Path(f"/tmp/tensorfs-{uid}").exists())
+    try:
+        done, _ = inner_pytest(tmp_path, ANOTHER_USER=str(uid))
+        assert Path(f"/tmp/tensorfs-{uid}").stat().st_uid == uid
+        assert done.returncode == 0 and "left in /tmp" not in done.stdout, done.stdout + done.stderr
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            Path(f"/tmp/tensorfs-{uid}").rmdir()

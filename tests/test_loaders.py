@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 import tensorfs
 from conftest import Mounts, drop_caches
-from helpers import MIB, errno_of_reading, hub_api, random_bytes, write_reference
+from helpers import MIB, errno_of_reading, hub_api, patience, random_bytes, write_reference
 from servers import Nginx
 from tensorfs.views import PARTIAL_INDEX
 
@@ -55,7 +55,11 @@ for path in sys.argv[1:]:
 def embeddings(*directories: Path) -> list[dict[str, object]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [sys.executable, "-c", EMBED, *map(str, directories)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", EMBED, *map(str, directories)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=patience(300),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
@@ -121,7 +125,7 @@ def run(script: str, *args: str | Path) -> str:
     """What a script of a real consumer prints, run in a process of its own (offline)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env, timeout=patience(300)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -142,14 +146,14 @@ def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, llama:
         [sys.executable, "-c", LLAMA, "load", str(whole / ".tensorfs" / "model")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     assert loads.stdout == "loaded\n", loads.stderr[-3000:]
     refused = subprocess.run(
         [sys.executable, "-c", LLAMA, "load", str(stage / ".tensorfs" / "model")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     assert refused.stdout.startswith("refused: ") and "model.safetensors" in refused.stdout, (
         refused.stdout + refused.stderr[-3000:]

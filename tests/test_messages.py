@@ -17,14 +17,14 @@ import pytest
 
 import tensorfs
 from conftest import missing_root, require
-from helpers import random_bytes, write_reference
+from helpers import patience, random_bytes, write_reference
 from servers import TOKEN, Nginx
 from tensorfs.mount.mounttable import mount_at
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=patience(120), env=env
     )
 
 
@@ -71,7 +71,7 @@ def test_a_mount_without_a_fuse_device_says_what_is_missing(
     command = [sys.executable, "-m", "tensorfs.cli", "mount", *(["-f"] if foreground else [])]
     command += ["--log-file", str(tmp_path / "log"), str(model), str(mountpoint)]
     result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", hidden, "sh", *command], capture_output=True, text=True, timeout=120
+        ["unshare", "-m", "sh", "-c", hidden, "sh", *command], capture_output=True, text=True, timeout=patience(120)
     )
     line = one_line(result)
     assert said in line and "in-process" in line and "load_file" in line, line

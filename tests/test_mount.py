@@ -17,8 +17,10 @@ import pytest
 import tensorfs
 from conftest import Mounts, wait_until
 from helpers import (
+    daemon_stats,
     entry,
     every_dtype_tensors,
+    patience,
     random_bytes,
     raw_shard,
     reference_table,
@@ -168,7 +170,7 @@ def test_the_kernel_stops_asking_what_is_answered_enosys(mounts: Mounts, model_d
         with pytest.raises(OSError) as caught:
             os.listxattr(path)
         assert caught.value.errno == errno.EOPNOTSUPP
-    counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    counted = daemon_stats(mountpoint)
     assert counted["requests"]["open"] >= len(expected)
     assert {op: counted["requests"].get(op) for op in ("flush", "getxattr", "listxattr")} == {
         "flush": 1,
@@ -303,7 +305,7 @@ def test_mount_with_a_full_output_stays_mounted_and_says_so(mounts: Mounts, mode
             result = subprocess.run(
                 [sys.executable, "-m", "tensorfs.cli", "mount", *quiet, "--log-file", str(mounts.log_file),
                  str(model_dir), str(mountpoint)],
-                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+                stdout=full, stderr=subprocess.PIPE, text=True, timeout=patience(120), check=False,
             )  # fmt: skip
         if quiet:
             assert (result.returncode, result.stderr) == (0, "")
@@ -363,7 +365,7 @@ def test_foreground_daemon_unmounts_cleanly_on_signal(
             wait_until(mounted, what="the foreground mount", timeout=60)
             assert (mountpoint / "layers" / "0" / "w").stat().st_size == 256
             daemon.send_signal(signum)
-            _, stderr = daemon.communicate(timeout=30)
+            _, stderr = daemon.communicate(timeout=patience(30))
             assert daemon.returncode == 0, stderr
             assert not os.path.ismount(mountpoint)
             assert f"mounted {mountpoint} (in the foreground; Ctrl-C unmounts)" in stderr
@@ -388,7 +390,7 @@ def test_foreground_debug_logs_to_stderr_with_libfuses_own_lines(
             wait_until(lambda: os.path.ismount(mountpoint) or daemon.poll() is not None, what="the mount", timeout=60)
             assert (mountpoint / "scalar").stat().st_size == 4
             daemon.send_signal(signal.SIGTERM)
-            _, stderr = daemon.communicate(timeout=30)
+            _, stderr = daemon.communicate(timeout=patience(30))
         finally:
             if daemon.poll() is None:
                 daemon.kill()

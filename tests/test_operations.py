@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, OtherUser, missing_root, require, wait_until
-from helpers import MIB, entry, random_bytes, raw_shard, reference_tensors, write_reference
+from helpers import MIB, daemon_stats, entry, patience, random_bytes, raw_shard, reference_tensors, write_reference
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
 from tensorfs.mount.mounttable import mounts as mount_table
@@ -68,7 +68,7 @@ def test_a_stopped_daemon_hangs_no_tool(mounts: Mounts, model_dir: Path, tmp_pat
         assert "daemon was hung" in result.stdout
         assert mount_table() and all(m.mountpoint != mountpoint for m in mount_table())
         assert not pid_alive(pid)
-        stuck.wait(timeout=30)  # the reader stuck in the hung mount is let go when its daemon goes
+        stuck.wait(timeout=patience(30))  # the reader stuck in the hung mount is let go when its daemon goes
         assert not record_path(mountpoint).exists()
         code, lines = status_lines(mounts)
         assert str(mountpoint) not in lines and lines[str(healthy)].split()[1] == "ok"
@@ -148,7 +148,7 @@ def test_racing_mounts_of_one_mountpoint(mounts: Mounts, model_dir: Path, tmp_pa
     ]
     outcomes = []
     for racer in racers:
-        _, stderr = racer.communicate(timeout=120)
+        _, stderr = racer.communicate(timeout=patience(120))
         outcomes.append((racer.returncode, stderr))
     outcomes.sort()
     assert [code for code, _ in outcomes] == [0, 1, 1]
@@ -236,7 +236,7 @@ def test_the_prefetch_window_is_in_effect(mounts: Mounts, tmp_path: Path, option
     mountpoint = mounts.mount(shard, *option)
     with open(mountpoint / "w", "rb", buffering=0) as f:
         assert f.read(4096) == bytes(4096)
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    stats = daemon_stats(mountpoint)
     # The first read brought in what it asked for and one window ahead of it: exactly --prefetch-mb.
     assert (stats["prefetch_windows"], stats["prefetch_bytes"]) == (1, mib * MIB)
     record = read_record(mountpoint)
@@ -280,7 +280,7 @@ def test_fusectl_is_mounted_when_missing(model_dir: Path, tmp_path: Path, fuse: 
     result = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", FUSECTL_MISSING,
          str(model_dir), str(mountpoint), str(log)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=patience(120), check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
@@ -325,7 +325,7 @@ def test_the_default_log_file_without_xdg_state_home(mounts: Mounts, model_dir: 
     environment["HOME"] = str(tmp_path / "home")
     result = subprocess.run(
         [sys.executable, "-m", "tensorfs.cli", "mount", str(model_dir), str(mountpoint)],
-        capture_output=True, text=True, env=environment, timeout=120, check=False,
+        capture_output=True, text=True, env=environment, timeout=patience(120), check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     escaped = subprocess.run(["systemd-escape", "--path", str(mountpoint)], capture_output=True, text=True, check=True)
@@ -377,7 +377,7 @@ def test_umount_of_a_hung_mount_it_cannot_find_the_daemon_of(mounts: Mounts, mod
         elsewhere = {**os.environ, "TENSORFS_RUNTIME_DIR": str(tmp_path / "other-run")}
         result = subprocess.run(
             [sys.executable, "-m", "tensorfs.cli", "umount", str(mountpoint)],
-            capture_output=True, text=True, timeout=60, env=elsewhere, check=False,
+            capture_output=True, text=True, timeout=patience(60), env=elsewhere, check=False,
         )  # fmt: skip
         assert result.returncode == 1
         assert f"{mountpoint}: detached, but its daemon" in result.stderr and "stop it yourself" in result.stderr
@@ -404,7 +404,7 @@ def test_umount_returns_when_a_daemon_it_cannot_find_holds_its_question(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(mounts.daemon_pid(mountpoint), signal.SIGKILL)  # which lets a stuck umount go
-        umount.wait(timeout=60)
+        umount.wait(timeout=patience(60))
     assert umount.returncode == 1
     assert f"{mountpoint}: detached, but its daemon" in errors.read_text() and "stop it yourself" in errors.read_text()
     assert "its FUSE connection was aborted, so nothing waits on it" in errors.read_text()

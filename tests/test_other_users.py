@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, OtherUser, drop_caches
-from helpers import MIB, HeldCommand, random_bytes, write_reference
+from helpers import MIB, HeldCommand, cli, patience, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
 from tensorfs import open_model
 from tensorfs.errors import InvalidModelError
@@ -27,12 +27,6 @@ from tensorfs.headercache import WORTH_CACHING
 from tensorfs.mount.runtime import escape_path, process_start
 
 SECRET = b'{"secret": "only root may read this"}'
-
-
-def cli(*args: str, timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, timeout=timeout, **kwargs
-    )  # type: ignore[call-overload]
 
 
 def root_only(tmp_path: Path) -> Path:
@@ -101,7 +95,7 @@ def test_companions_swapped_while_scanned_never_leak_nor_hang(
     )
     try:
         scanned = subprocess.run(
-            [sys.executable, "-c", SCANNER, str(model), "2000"], capture_output=True, text=True, timeout=90
+            [sys.executable, "-c", SCANNER, str(model), "2000"], capture_output=True, text=True, timeout=patience(90)
         )
     finally:
         flipper.kill()

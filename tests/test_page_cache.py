@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import Mounts, drop_caches, missing_root, require, wait_until
-from helpers import random_bytes, write_reference
+from helpers import random_shard
 from servers import Nginx
 from tensorfs.bench.common import resident_bytes
 from tensorfs.sources.pages import HANDOVER_UNIT, Handover
@@ -30,9 +30,7 @@ def drop_page_cache() -> None:
 
 def _model(directory: Path, tensors: int = 4, size: int = 8 * MIB) -> dict[str, bytes]:
     """A model of tensors whose bytes are not aligned to the units let go of, its pages out of memory."""
-    directory.mkdir(parents=True, exist_ok=True)
-    data = {f"t{i}": random_bytes(size + 4096 * i, 100 + i) for i in range(tensors)}
-    write_reference(directory / "model.safetensors", {name: ("U8", [len(b)], b) for name, b in data.items()})
+    data = random_shard(directory / "model.safetensors", {f"t{i}": size + 4096 * i for i in range(tensors)}, seed=100)
     os.sync()  # written back first: a dirty page cannot be let go
     drop_caches()
     return data

@@ -10,9 +10,7 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,18 +22,21 @@ import tensorfs
 from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
+    cli,
     entry,
+    patience,
     random_bytes,
     raw_shard,
+    reads_in_handlers,
     reference_table,
+    remote_stats,
     sharded_every_dtype,
     upload,
     write_reference,
 )
-from servers import TOKEN, HostileServer, Nginx, SeaweedFS
+from servers import TOKEN, HostileServer, Nginx, RequestGate, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.sources.store import RemoteOptions
-from tensorfs.testing.link import SlowLink
 from tensorfs.units import human_size
 
 
@@ -60,12 +61,6 @@ def options(tmp_path: Path, **kwargs: object) -> RemoteOptions:
 def read_all(source: str, remote: RemoteOptions) -> dict[str, bytes]:
     with tensorfs.open_model(source, remote=remote) as model:
         return {name: bytes(model.raw(name)) for name in model}
-
-
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tensorfs.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
 
 
 # -- S3 ---------------------------------------------------------------------------------------
@@ -309,63 +304,107 @@ def test_one_tensor_file_read_through_a_mount_fetches_its_chunks_only(
 
 def test_a_model_read_front_to_back_is_read_ahead_across_its_tensors(nginx: Nginx, tmp_path: Path) -> None:
     """A reader that goes on from one tensor into the next is read ahead of, past each tensor's end:
-    over a link of 50 ms round trips, loading a model of 2 MiB tensors in order keeps several GETs
-    in flight (reading ahead only within each tensor, one at a time)."""
+    loading a model of 2 MiB tensors in order, every GET past the first chunk held at a gate, three
+    come to be in flight at once (reading ahead only within each tensor, one at a time: the reader
+    waited on the one for good)."""
     directory = nginx.root / "front-to-back"
     directory.mkdir()
     tensors = {f"t{i:02d}": ("U8", [2 * MIB], random_bytes(2 * MIB, 90 + i)) for i in range(24)}  # 48 MiB
     write_reference(directory / "m.safetensors", tensors)
-    with SlowLink(("127.0.0.1", nginx.port)) as link:
-        with tensorfs.open_model(f"{link.url()}/front-to-back/m.safetensors", remote=options(tmp_path)) as model:
-            before = len(link.spans)
-            for _ in model.tensors(ahead=0):  # one at a time, in the order of the bytes: no prefetch
-                pass
-        assert link.most_at_once(since=before) >= 3, link.spans[before:]
+    gate = RequestGate(nginx.port)
+    try:
+        with tensorfs.open_model(gate.url("front-to-back/m.safetensors"), remote=options(tmp_path)) as model:
+            gate.hold_from(8 * MIB)  # the first chunk comes; those after it wait at the gate
+            outcome: list[dict[str, bytes] | BaseException] = []
+
+            def load() -> None:
+                try:  # one at a time, in the order of the bytes: no prefetch
+                    outcome.append({name: tensor.tobytes() for name, tensor in model.tensors(ahead=0)})
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            reader = threading.Thread(target=load)
+            reader.start()
+            try:
+                assert gate.wait_held(3, patience(30)), (gate.held, gate.ranges)
+            finally:
+                gate.release()
+                reader.join()
+        assert outcome == [{name: data for name, (_, _, data) in tensors.items()}] and gate.failure is None
+    finally:
+        gate.close()
 
 
-def test_the_read_ahead_keeps_requests_in_flight_over_a_distant_link(
-    mounts: Mounts, nginx: Nginx, tmp_path: Path
-) -> None:
-    """Over a link of 50 ms round trips, a reader going through a tensor from its start must not wait
-    a round trip for each chunk: the chunks ahead of it are asked for together. With both windows
-    ahead taken out (the mount's, mount/operations.py, and the remote source's, sources/remote.py) one request was
-    in flight at a time; with either, 3 or more."""
+def test_the_read_ahead_keeps_requests_in_flight(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """A reader going through a tensor from its start must not wait a round trip for each chunk (a
+    distant link idles meanwhile): the chunks ahead of it are asked for together. Every GET past the
+    first chunk is held at a gate until three are in flight at once; with both windows ahead taken out
+    (the mount's, mount/operations.py, and the remote source's, sources/remote.py) one request was in flight at a
+    time, and the reader waited on it for good."""
     directory = nginx.root / "far"
     directory.mkdir()
     data = random_bytes(64 * MIB, 11)
     write_reference(directory / "m.safetensors", {"t": ("U8", [64 * MIB], data)})
-    with SlowLink(("127.0.0.1", nginx.port)) as link:
-        mountpoint = mounts.mount(
-            f"{link.url()}/far/m.safetensors",  # type: ignore[arg-type]
-            "--cache-dir",
-            str(tmp_path / "cache"),
-        )
-        before = len(link.spans)
-        assert (mountpoint / "t").read_bytes() == data
-        assert link.most_at_once(since=before) >= 3, link.spans[before:]
+    gate = RequestGate(nginx.port)
+    try:
+        mountpoint = mounts.mount(gate.url("far/m.safetensors"), "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+        gate.hold_from(8 * MIB)  # the first chunk comes; those after it wait at the gate
+        outcome: list[bytes | OSError] = []
+        reader = threading.Thread(target=lambda: outcome.append(read_or_error(mountpoint / "t")))
+        reader.start()
+        try:
+            assert gate.wait_held(3, patience(30)), (gate.held, gate.ranges)
+        finally:
+            gate.release()
+            reader.join()
+        assert outcome == [data] and gate.failure is None
+    finally:
+        gate.close()
+
+
+def read_or_error(path: Path) -> bytes | OSError:
+    """The file's bytes, or the error reading it failed with (from a thread)."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        return exc
 
 
 def test_a_cold_read_is_answered_before_its_chunk_has_all_come(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
-    """Over a slow link (4 MB/s) a read of a tensor's first 4 KiB is answered once its bytes have
-    come, not when the whole 8 MiB chunk has: when it returns, the link has carried less than half
-    the chunk (answering after the chunk, as before, it had carried all of it); then every byte."""
+    """A read of a tensor's first 4 KiB is answered once its bytes have come, not when the whole chunk
+    has (a cold tensor's first bytes cost a round trip, not a chunk's transfer): the chunk's GET held
+    mid-body after its first MiB, the read returns the right bytes (answering after the chunk, as
+    before, it waited for as long as the GET was held); once the rest flows, every byte."""
     directory = nginx.root / "slow"
     directory.mkdir()
-    data = random_bytes(8 * MIB, 12)
-    write_reference(directory / "m.safetensors", {"t": ("U8", [8 * MIB], data)})
-    with SlowLink(("127.0.0.1", nginx.port), delay=0.005, rate=4e6) as link:
-        mountpoint = mounts.mount(
-            f"{link.url()}/slow/m.safetensors",  # type: ignore[arg-type]
-            "--cache-dir",
-            str(tmp_path / "cache"),
-        )
-        before = link.bytes_sent
+    data = random_bytes(4 * MIB, 12)
+    write_reference(directory / "m.safetensors", {"t": ("U8", [4 * MIB], data)})  # one chunk (of 8 MiB)
+    proxy = StallingProxy(nginx.port)
+    try:
+        mountpoint = mounts.mount(proxy.url("slow/m.safetensors"), "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+        proxy.stall_after(MIB)
+        got: list[bytes | OSError] = []
         with open(mountpoint / "t", "rb", buffering=0) as f:
-            assert os.pread(f.fileno(), 4096, 0) == data[:4096]
-            carried = link.bytes_sent - before
-            assert carried < 4 * MIB, carried
-            assert os.pread(f.fileno(), 4096, 5 * MIB) == data[5 * MIB : 5 * MIB + 4096]
+
+            def first_bytes() -> None:
+                try:
+                    got.append(os.pread(f.fileno(), 4096, 0))
+                except OSError as exc:
+                    got.append(exc)
+
+            reader = threading.Thread(target=first_bytes)
+            reader.start()
+            try:
+                reader.join(patience(30))
+                assert not reader.is_alive(), "the read waits for the rest of the chunk"
+                assert got == [data[:4096]], got
+                assert proxy.holding.wait(patience(30))  # and the rest of the chunk is still held
+            finally:
+                proxy.release()
+                reader.join()
         assert (mountpoint / "t").read_bytes() == data
+    finally:
+        proxy.close()
 
 
 def test_fetch_threads_yield_to_the_requests_thread(nginx: Nginx, tmp_path: Path) -> None:
@@ -394,9 +433,9 @@ def test_a_fetch_waits_for_a_chunk_in_use_when_the_cache_is_full(nginx: Nginx, t
         second = threading.Thread(target=shard.readinto, args=(offset + 5 * MIB // 2, memoryview(got)))
         second.start()
         cached = shard.cached  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 30
-        while cached.cache.waiting_for_room == 0 and second.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(
+            lambda: cached.cache.waiting_for_room > 0 or not second.is_alive(), what="the fetch to wait for room"
+        )
         assert cached.cache.waiting_for_room == 1 and second.is_alive()  # no room for chunk 2 while 0, 1 are held
         shard.unpin(offset, offset + MIB)
         second.join()
@@ -440,7 +479,7 @@ def test_mount_an_s3_model(
         ["sha256sum", "--strict", "-c", ".tensorfs/SHA256SUMS"], cwd=mountpoint, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    counted = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    counted = remote_stats(mountpoint)
     sizes = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
     companions = len('{"model_type": "test"}') + len('{"pooling": 1}')  # read through the cache too, once
     assert counted["fetched_bytes"] == sizes + companions and counted["fetch_failures"] == 0  # every chunk, once
@@ -681,31 +720,37 @@ def test_no_sign_request_sends_no_credentials(mounts: Mounts, s3_impostor: Hosti
 
 
 def test_remote_concurrency_bounds_the_requests_in_flight(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
-    """--remote-concurrency 2: over a link of 50 ms round trips, with four readers of four tensors at
-    once (and the read-ahead of each), two GETs at most are ever in flight, and two are. (The look-ups
-    at mount, of headers and companion files, go 8 at once whatever it is: docs/remote.md.)"""
+    """--remote-concurrency 2: with four readers of four tensors at once (and the read-ahead of each),
+    two GETs at most are ever in flight (counted exactly, at a gate), and two are: the gate holds
+    every GET until two wait there and the four reads wait in the daemon. (The look-ups at mount, of
+    headers and companion files, go 8 at once whatever it is: docs/remote.md.)"""
     directory = nginx.root / "concurrency"
     directory.mkdir()
     tensors = {f"t{i}": random_bytes(4 * MIB, 60 + i) for i in range(4)}
     write_reference(directory / "m.safetensors", {k: ("U8", [4 * MIB], v) for k, v in tensors.items()})
-    with SlowLink(("127.0.0.1", nginx.port)) as link:
+    gate = RequestGate(nginx.port)
+    try:
         options = ["--cache-dir", str(tmp_path / "cache"), "--chunk-mb", "1", "--remote-concurrency", "2"]
-        mountpoint = mounts.mount(f"{link.url()}/concurrency/m.safetensors", *options)  # type: ignore[arg-type]
-        before = len(link.spans)
-        failures: list[str] = []
-
-        def read(name: str) -> None:
-            try:
-                if (mountpoint / name).read_bytes() != tensors[name]:
-                    failures.append(f"{name}: wrong bytes")
-            except OSError as exc:
-                failures.append(f"{name}: {exc}")
-
-        readers = [threading.Thread(target=read, args=(name,)) for name in tensors]
+        mountpoint = mounts.mount(gate.url("concurrency/m.safetensors"), *options)  # type: ignore[arg-type]
+        gate.reset()
+        before = len(gate.ranges)
+        gate.hold_from(0)
+        outcomes: dict[str, bytes | OSError] = {}
+        readers = [
+            threading.Thread(target=lambda name=name: outcomes.update({name: read_or_error(mountpoint / name)}))
+            for name in tensors
+        ]
         for reader in readers:
             reader.start()
-        for reader in readers:
-            reader.join()
-        assert failures == []
-        assert len(link.spans) - before >= 16  # a GET a chunk
-        assert link.most_at_once(since=before) == 2, link.spans[before:]
+        try:
+            assert gate.wait_held(2, patience(30)), gate.ranges[before:]
+            wait_until(lambda: reads_in_handlers(mountpoint) >= 4, what="the four reads to wait in the daemon")
+        finally:
+            gate.release()
+            for reader in readers:
+                reader.join()
+        assert outcomes == tensors and gate.failure is None
+        assert len(gate.ranges) - before >= 16  # a GET a chunk
+        assert gate.most_in_flight == 2, gate.ranges[before:]
+    finally:
+        gate.close()

@@ -13,13 +13,11 @@ import errno
 import json
 import mmap
 import os
-import random
 import signal
 import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import obstore
@@ -28,16 +26,19 @@ import pytest
 from conftest import Mounts, drop_caches, missing_root, require, wait_until
 from helpers import (
     MIB,
+    CacheBlocks,
     OneRead,
     daemon_process,
     daemon_resources,
     descriptors_but_sockets,
     errno_of_reading,
     file_mappings,
-    random_bytes,
+    patience,
+    random_range_reads,
+    random_shard,
     reads_in_handlers,
+    remote_stats,
     threads_of,
-    write_reference,
 )
 from servers import DroppingProxy, HostileServer, Nginx, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import pid_alive
@@ -48,21 +49,7 @@ from tensorfs.sources.store import RemoteOptions
 
 def big_model(directory: Path, tensors: int = 12, size: int = 8 * MIB) -> dict[str, bytes]:
     """One shard of `tensors` tensors of `size` bytes each (random, so every chunk differs)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    data = {f"t{i:02d}": random_bytes(size, 100 + i) for i in range(tensors)}
-    write_reference(directory / "m.safetensors", {name: ("U8", [size], blob) for name, blob in data.items()})
-    return data
-
-
-@pytest.fixture
-def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
-    """An nginx of the test's own, to be stopped and started again."""
-    server = Nginx(tmp_path / "nginx")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    return random_shard(directory / "m.safetensors", {f"t{i:02d}": size for i in range(tensors)}, seed=100)
 
 
 def test_a_server_that_stops_and_comes_back(mounts: Mounts, own_nginx: Nginx, tmp_path: Path) -> None:
@@ -266,56 +253,17 @@ def blocks_on_disk(cache: Path) -> int:
 def test_eviction_under_eight_readers(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
     expected = big_model(nginx.root / "evict", tensors=16, size=6 * MIB)  # 96 MiB through a 40 MiB cache
     cache = tmp_path / "cache"
-    mountpoint = mounts.mount(f"{nginx.url}/evict/m.safetensors", "--cache-size", "40M", "--cache-dir", str(cache))  # type: ignore[arg-type]
-    names = sorted(expected)
-    failures: list[str] = []
-    done = [0]
-    peak = [0]
-    watching = threading.Event()
-
-    def watch() -> None:
-        while not watching.is_set():
-            peak[0] = max(peak[0], blocks_on_disk(cache))
-            time.sleep(0.002)
-
-    def reader(seed: int) -> None:
-        rng = random.Random(seed)
-        handles = {name: open(mountpoint / name, "rb") for name in names}  # noqa: SIM115
-        try:
-            for _ in range(60):
-                name = rng.choice(names)
-                offset = rng.randrange(6 * MIB)
-                length = rng.randrange(1, 2 * MIB)
-                try:
-                    got = os.pread(handles[name].fileno(), length, offset)
-                except OSError as exc:
-                    failures.append(f"{name}: {exc}")
-                    continue
-                if got != expected[name][offset : offset + length]:
-                    failures.append(f"{name} [{offset}, +{length}): wrong bytes")
-                done[0] += 1
-        finally:
-            for handle in handles.values():
-                handle.close()
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        watching.set()
-        watcher.join()
-    assert failures == [] and done[0] == 8 * 60
+    blocks = CacheBlocks(tmp_path)
+    url = f"{nginx.url}/evict/m.safetensors"
+    mountpoint = mounts.mount(url, "--cache-size", "40M", "--cache-dir", str(cache), command=blocks.mount_command)  # type: ignore[arg-type]
+    failures = random_range_reads(mountpoint, expected, readers=8, reads=60, longest=2 * MIB)
+    assert failures == []
     # The bound is on the blocks the cache file holds on disk, at every moment, whatever the rows say
     # (a chunk being fetched has its blocks and no row yet), give or take the file system's own block
     # of the file's extents; what is recorded is held, and the model went through the cache more
     # than twice over: chunks were evicted to keep it.
     assert len(os.listdir(cache / OBJECTS_DIR)) == 1
-    assert 0 < peak[0] <= 40 * MIB + 4096, peak[0]
+    assert 0 < blocks.peak() <= 40 * MIB + 4096, blocks.peak()
     with sqlite3.connect(cache / "objects.sqlite") as db:
         (chunk_size,) = db.execute("SELECT chunk_size FROM objects").fetchone()  # as the cache cut them
 
@@ -329,7 +277,7 @@ def test_eviction_under_eight_readers(mounts: Mounts, nginx: Nginx, tmp_path: Pa
 
     wait_until(lambda: recorded() > 0, what="the last chunks fetched to be recorded")  # (each second)
     assert recorded() <= blocks_on_disk(cache) <= 40 * MIB + 4096
-    stats = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
+    stats = remote_stats(mountpoint)
     assert stats["evicted_chunks"] > 0 and stats["fetched_bytes"] > 40 * MIB + 2 * chunk_size, stats
 
 
@@ -354,7 +302,7 @@ def test_a_daemon_killed_mid_fetch_leaves_no_hole(mounts: Mounts, nginx: Nginx, 
         wait_until(some_chunks_recorded, what="some chunks to be recorded", timeout=60)
         os.kill(pid, signal.SIGKILL)  # mid-read, with fetches in flight
     finally:
-        reader.wait(timeout=60)
+        reader.wait(timeout=patience(60))
     wait_until(lambda: not pid_alive(pid), what="the daemon to die")
     assert mounts.run("umount", "--lazy", str(mountpoint)).returncode == 0
     # every chunk recorded holds the object's bytes: none is a hole, none half-written
@@ -390,11 +338,6 @@ def direct_read(path: Path, offset: int, size: int = 64 << 10) -> tuple[bytes | 
         buffer.close()
 
 
-def remote_stats(mountpoint: Path) -> dict[str, int]:
-    stats: dict[str, int] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["sources"]["remote"]
-    return stats
-
-
 TIMEOUT = 3
 """--remote-timeout of the tests below, in seconds."""
 
@@ -414,12 +357,12 @@ def test_a_get_held_mid_body_is_eio_within_the_remote_timeout(mounts: Mounts, ng
         proxy.stall_after(MIB)  # t01's chunk: its first MiB comes, then nothing more
         outcome, seconds = direct_read(mountpoint / "t01", 2 * MIB)
         assert proxy.holding.is_set() and remote_stats(mountpoint)["gets"] > gets  # held mid-body, not refused
-        assert outcome == errno.EIO and seconds < 2 * TIMEOUT + 5, (outcome, seconds)
+        assert outcome == errno.EIO and seconds < patience(2 * TIMEOUT + 5), (outcome, seconds)
         # A buffered reader: the kernel asks again after a failed readahead (a request, a page), each
         # request bounded so; the error is the reader's all the same.
         began = time.monotonic()
         assert errno_of_reading(mountpoint / "t02") == errno.EIO
-        assert time.monotonic() - began < 4 * TIMEOUT + 10
+        assert time.monotonic() - began < patience(4 * TIMEOUT + 10)
         assert pid_alive(pid) and f"tensor 't01': bytes [{2 * MIB}, " in mounts.log()
         proxy.release()
         assert direct_read(mountpoint / "t01", 2 * MIB)[0] == expected["t01"][2 * MIB : 2 * MIB + (64 << 10)]
@@ -444,15 +387,15 @@ def test_a_server_that_stops_mid_body(mounts: Mounts, own_nginx: Nginx, tmp_path
         reader = threading.Thread(target=lambda: outcome.append(direct_read(mountpoint / "t01", 2 * MIB)))
         reader.start()
         try:
-            assert proxy.holding.wait(30), "the GET never came"
+            assert proxy.holding.wait(patience(30)), "the GET never came"
             stopped = time.monotonic()
             own_nginx.stop()
             proxy.cut()  # what the server had sent on (socket buffers hold megabytes) is lost with it
             proxy.release()
         finally:
-            reader.join(60)
+            reader.join(patience(60))
         assert outcome and outcome[0][0] == errno.EIO, outcome
-        assert time.monotonic() - stopped < 2 * TIMEOUT + 5
+        assert time.monotonic() - stopped < patience(2 * TIMEOUT + 5)
         assert pid_alive(pid)
         back = Nginx(own_nginx.directory, own_nginx.port)
         back.start()
@@ -494,12 +437,12 @@ def test_a_daemon_killed_while_a_chunk_is_half_written(mounts: Mounts, nginx: Ng
             wait_until(
                 lambda: written(begin, 2 * MIB) == shard[begin : begin + 2 * MIB],
                 what="the chunk's first 2 MiB to be written",
-                timeout=30,
+                timeout=patience(30),
             )
             assert written(begin + 3 * MIB, chunk_size - 3 * MIB) == bytes(chunk_size - 3 * MIB)  # never came
             os.kill(pid, signal.SIGKILL)
             wait_until(lambda: not pid_alive(pid), what="the daemon to die")
-            _, stderr = reader.communicate(timeout=30)
+            _, stderr = reader.communicate(timeout=patience(30))
         finally:
             if reader.poll() is None:
                 reader.kill()
@@ -593,7 +536,7 @@ def test_readers_killed_while_their_reads_wait_on_a_held_get(mounts: Mounts, ngi
                 assert pinned_chunks(pid, path) == [2 * i, 2 * i + 1]  # pinned before they are fetched
                 reader.process.kill()
                 proxy.release()
-                assert reader.process.wait(30) == -signal.SIGKILL
+                assert reader.process.wait(patience(30)) == -signal.SIGKILL
             finally:
                 proxy.release()  # (a reader killed waits for its answer: it cannot go before)
                 reader.stop()
@@ -650,7 +593,7 @@ def test_sigterm_with_a_read_waiting_on_a_get_that_never_ends(mounts: Mounts, ng
             assert reader.said(timeout=4 * TIMEOUT + 10) == f"error {errno.EIO}"
             assert "SIGTERM: unmounting" in mounts.log()
             assert daemon.exit_status(timeout=4 * TIMEOUT + 10) == (pid, 0)
-            assert time.monotonic() - signalled < 4 * TIMEOUT + 10
+            assert time.monotonic() - signalled < patience(4 * TIMEOUT + 10)
         finally:
             reader.stop()
         assert proxy.holding.is_set() and not os.path.ismount(mountpoint)

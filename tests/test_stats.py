@@ -10,30 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Mounts
-from helpers import MIB, random_bytes, read_line, reap, write_reference
+from helpers import MIB, free_port, patience, random_bytes, read_line, reap, scrape, write_reference
 from tensorfs.mount.stats import Stats, quantile
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_counting_units() -> None:
@@ -214,7 +197,7 @@ def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mount
         assert rate.startswith("rate ") and "over the last" in rate, rate
         assert "" in seen and sum(line.startswith(f"{mountpoint}  up ") for line in seen) >= 1  # blocks, apart
         watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 0
+        assert watcher.wait(timeout=patience(30)) == 0
         assert watcher.stderr is not None and watcher.stderr.read() == b""  # no traceback, nothing
     finally:
         reap(watcher)
@@ -227,7 +210,7 @@ def test_stats_watch_draws_again_and_ends_on_ctrl_c_or_when_the_mount_goes(mount
         snapshots = [json.loads(read_line(watcher.stdout.fileno(), 30, pending)) for _ in range(2)]
         assert snapshots[1]["uptime_seconds"] > snapshots[0]["uptime_seconds"]
         assert mounts.run("umount", str(mountpoint)).returncode == 0
-        assert watcher.wait(timeout=30) == 1
+        assert watcher.wait(timeout=patience(30)) == 1
         error = watcher.stderr.read()
         assert error == f"error: {mountpoint}: not mounted any more\n"
     finally:

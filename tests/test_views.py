@@ -22,6 +22,7 @@ from conftest import Mounts, wait_until
 from helpers import (
     MIB,
     every_dtype_tensors,
+    patience,
     random_bytes,
     read_line,
     reference_tensors,
@@ -229,7 +230,7 @@ def test_export_interrupted_by_a_signal_leaves_nothing(
         assert read_line(read_end, 60, bytearray()) == "writing"
         assert os.listdir(work) != []  # mid-write: something of DEST is there
         exporter.send_signal(signum)
-        stdout, stderr = exporter.communicate(timeout=60)
+        stdout, stderr = exporter.communicate(timeout=patience(60))
         assert (exporter.returncode, stdout, stderr) == (code, "", said)  # click ends the ^C line first
         assert os.listdir(work) == []
     finally:

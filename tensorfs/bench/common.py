@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import mmap
 import os
 import statistics
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 
 from .. import identity
@@ -179,9 +182,104 @@ def can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)
 
 
+MACHINE_LOCK = "TENSORFS_TEST_MACHINE_LOCK"
+"""The variable naming the lock that the tests take while they drop or measure the page cache
+(tests/conftest.py): a benchmark run by a test takes it too to drop the cache."""
+
+
 def drop_caches() -> None:
+    """Sync, then have the kernel drop its page cache, dentries and inodes: under the tests' lock
+    when MACHINE_LOCK names one, so that what a test measures of the page cache is not dropped."""
     os.sync()
-    DROP_CACHES.write_text("3\n")
+    with _tests_lock():
+        DROP_CACHES.write_text("3\n")
+
+
+@contextlib.contextmanager
+def _tests_lock() -> Iterator[None]:
+    path = os.environ.get(MACHINE_LOCK)
+    if not path:
+        yield
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # let go with its descriptor
+        yield
+    finally:
+        os.close(fd)
+
+
+# -- what each side read ------------------------------------------------------------------------
+
+Look = Callable[[Any], object]
+"""How a side of a comparison looks at each tensor (or buffer) it reads: touched in the timed tries,
+seen (Seen) in an untimed one."""
+
+
+class Seen:
+    """What one side of a comparison read, by its bytes: a CRC-32C of every tensor, array, buffer or
+    file it looked at, in whatever order it read them (a streamer hands tensors out as they come),
+    and their count of bytes. Two sides that read the same bytes say the same."""
+
+    def __init__(self) -> None:
+        self.crcs: list[int] = []
+        self.nbytes = 0
+
+    def __call__(self, piece: Any) -> None:
+        data = _bytes_of(piece)
+        self.crcs.append(crc32c.crc32c(data))
+        self.nbytes += len(data)
+
+    def said(self) -> str:
+        """ "<the pieces' CRC-32Cs, sorted, hashed>/<bytes>": what the report keeps of it."""
+        crcs = b"".join(crc.to_bytes(4, "little") for crc in sorted(self.crcs))
+        return f"{hashlib.sha256(crcs).hexdigest()[:16]}/{self.nbytes}"
+
+
+def _bytes_of(piece: Any) -> memoryview:
+    if type(piece).__module__.startswith("torch"):
+        import torch
+
+        piece = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
+    if isinstance(piece, np.ndarray):
+        return np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
+    return memoryview(piece).cast("B")
+
+
+def files_seen(paths: Sequence[Path]) -> str:
+    """Seen.said() of the files, each read whole (a piece each)."""
+    seen = Seen()
+    for path in paths:
+        crc, nbytes = 0, 0
+        with open(path, "rb", buffering=0) as f:
+            while block := f.read(READ_SIZE):
+                crc, nbytes = crc32c.crc32c(block, crc), nbytes + len(block)
+        seen.crcs.append(crc)
+        seen.nbytes += nbytes
+    return seen.said()
+
+
+def medians(
+    sides: dict[str, Callable[[Look], object]], repeat: int, look: Look, between: Callable[[], object] = lambda: None
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Each side's median time over `repeat` tries, the sides taken in turns, after one untimed try
+    of each (the first try of a side pays for what the others then find ready), in which what it
+    reads is seen (Seen); the timed tries `look` at it. `between` runs after every try, untimed.
+    (medians, what each side read)."""
+    seen: dict[str, str] = {}
+    for name, work in sides.items():
+        reading = Seen()
+        work(reading)
+        seen[name] = reading.said()
+        between()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeat):
+        for name, work in sides.items():
+            start = time.perf_counter()
+            work(look)
+            times[name].append(time.perf_counter() - start)
+            between()
+    return {name: statistics.median(found) for name, found in times.items()}, seen
 
 
 # -- reading ----------------------------------------------------------------------------------

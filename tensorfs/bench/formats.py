@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,10 +30,13 @@ from ..loader import open_model
 from ..names import SIDECAR_SUFFIXES as SIDECARS
 from .common import (
     Config,
+    Look,
     Mounter,
     Report,
     can_drop_caches,
     drop_caches,
+    files_seen,
+    medians,
     read_file,
     touch_fresh_memory,
     wait_until_settled,
@@ -45,21 +49,14 @@ COMPARED = {"gguf": ("the GGUF", "GGUF"), "pytorch": ("the PyTorch checkpoint", 
 MANY_TENSORS = 3000
 
 
+def _ignored(_: Any) -> None:
+    """The look of sides that read no tensor (validating, mounting)."""
+
+
 def timed(work: Callable[[], object]) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
-
-
-def medians(sides: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Each side's median over `repeat` tries, in turns, after an untimed try of each."""
-    for work in sides.values():
-        work()
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(repeat):
-        for name, work in sides.items():
-            times[name].append(timed(work))
-    return {name: statistics.median(found) for name, found in times.items()}
 
 
 def vocabulary_gguf(path: Path, tokens: int) -> None:
@@ -133,13 +130,14 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         wait_until_settled([vocabulary])  # else the header cache keeps nothing
         cache = work / "cache"
         open_model(vocabulary, cache=cache).close()
-        times = medians(
+        times, _ = medians(
             {
-                "modelvet": lambda: modelvet.verify_path(str(vocabulary)),
-                "tensorfs": lambda: open_model(vocabulary, cache=False).close(),
-                "cached": lambda: open_model(vocabulary, cache=cache).close(),
+                "modelvet": lambda _: modelvet.verify_path(str(vocabulary)),
+                "tensorfs": lambda _: open_model(vocabulary, cache=False).close(),
+                "cached": lambda _: open_model(vocabulary, cache=cache).close(),
             },
             5 * repeat,
+            _ignored,
         )
         reference = timed(lambda: GGUFReader(str(vocabulary)))
         size = vocabulary.stat().st_size
@@ -180,12 +178,13 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
 
         out(f"{MANY_TENSORS:,} small tensors as a PyTorch checkpoint and as safetensors ...")
         checkpoint, flat = many_tensors(work, MANY_TENSORS)
-        many = medians(
+        many, _ = medians(
             {
-                "pytorch": lambda: open_model(checkpoint, cache=False).close(),
-                "safetensors": lambda: open_model(flat, cache=False).close(),
+                "pytorch": lambda _: open_model(checkpoint, cache=False).close(),
+                "safetensors": lambda _: open_model(flat, cache=False).close(),
             },
             5 * repeat,
+            _ignored,
         )
         report.add(
             "formats_open_many_safetensors",
@@ -211,20 +210,27 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         touch_fresh_memory(2 * files["gguf"].stat().st_size)
         mounter = Mounter(work, config)
 
-        def mount_once(source: Path) -> Callable[[], None]:
-            def mount() -> None:
+        def mount_once(source: Path) -> Callable[[Look], None]:
+            def mount(_: Look) -> None:
                 with mounter.mounted(source):
                     pass
 
             return mount
 
+        def tensor_files(mountpoint: Path) -> list[Path]:
+            return sorted(p for p in mountpoint.iterdir() if p.is_file() and not p.name.endswith(SIDECARS))
+
         def read_once(source: Path) -> Callable[[], float]:
             def read() -> float:
                 with mounter.mounted(source) as (mountpoint, _):
-                    tensors = [p for p in mountpoint.iterdir() if p.is_file() and not p.name.endswith(SIDECARS)]
-                    return sum(read_file(path) for path in tensors)
+                    return sum(read_file(path) for path in tensor_files(mountpoint))
 
             return read
+
+        def seen_through_a_mount(source: Path) -> str:
+            """What reading every tensor's file of the mount reads (untimed)."""
+            with mounter.mounted(source) as (mountpoint, _):
+                return files_seen(tensor_files(mountpoint))
 
         # Every file's pages brought in the same way: as their writers left them, the safetensors
         # file's read through a mount 30% faster than the GGUF's, and the same after this.
@@ -232,12 +238,13 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             drop_caches()
         for path in files.values():
             subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
-        mounting = medians({name: mount_once(path) for name, path in files.items()}, repeat)
+        mounting, _ = medians({name: mount_once(path) for name, path in files.items()}, repeat, _ignored)
         reads: dict[str, list[float]] = {name: [] for name in files}
         for _ in range(repeat):
             for name, path in files.items():
                 reads[name].append(read_once(path)())
         reading = {name: statistics.median(found) for name, found in reads.items()}
+        seen = {name: seen_through_a_mount(path) for name, path in files.items()}
     report.add(
         "formats_mount_safetensors",
         "mounting the safetensors file (baseline)",
@@ -263,6 +270,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         None,
         "",
         seconds=reading["safetensors"],
+        read=seen["safetensors"],
     )
     for name, (_, format_name) in COMPARED.items():
         report.add(
@@ -273,5 +281,6 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             f">= {READ_BAR}x safetensors",
             seconds=reading[name],
             at_least=READ_BAR,
+            read=seen[name],
         )
     return report

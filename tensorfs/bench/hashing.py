@@ -19,6 +19,7 @@ the sides taken in turns, page cache warm. The bars:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import subprocess
@@ -81,6 +82,18 @@ def manifest_in_process(model_dir: Path, cache_dir: Path) -> float:
     return time.perf_counter() - start
 
 
+def sums(output: str) -> str:
+    """What a list of "<sha256>  <name>" lines (sha256sum's, a manifest's) says of the bytes hashed,
+    whatever the names: the SHA-256 of its sorted hashes. Two sides that hashed the same bytes say the same."""
+    hashes = sorted(line.split()[0] for line in output.splitlines() if line.strip())
+    return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+
+
+def said(command: list[str], stdin: bytes | None = None) -> str:
+    """What `command` writes on its standard output (run untimed: what a side hashed)."""
+    return subprocess.run(command, check=True, input=stdin, capture_output=True).stdout.decode()
+
+
 def timed_command(command: list[str], stdin: bytes | None = None) -> float:
     start = time.perf_counter()
     subprocess.run(command, check=True, input=stdin, stdout=subprocess.DEVNULL)
@@ -114,6 +127,14 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             cli_cache = root / f"cli-cache{i}"
             runs["cli_first"].append(timed_command([*manifest, "--cache-dir", str(cli_cache), str(model)]))
             runs["cli_cached"].append(timed_command([*manifest, "--cache-dir", str(cli_cache), str(model)]))
+        # What each side hashed, untimed: the same bytes, the same hashes.
+        with open_model(model) as opened:
+            in_process = format_manifest(Hasher(opened, HashCache(root / "cache0")).hash_all())
+        hashed = {
+            "sha_parallel": sums(said(parallel_sha, stdin=names)),
+            "cli": sums(said([*manifest, "--cache-dir", str(root / "cli-cache0"), str(model)])),
+            "in_process": sums(in_process),
+        }
         if small_tensors:
             out(f"building {small_tensors} tiny tensors in 4 shards; median of {small_repeat} tries ...")
             small = root / "small"
@@ -124,6 +145,10 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
                 runs["small_none"].append(timed_command([*manifest, "--no-cache", str(small)]))
                 fresh = root / f"small-cache{i}"
                 runs["small_fresh"].append(timed_command([*manifest, "--cache-dir", str(fresh), str(small)]))
+            manifests = {
+                "none": said([*manifest, "--no-cache", str(small)]),
+                "fresh": said([*manifest, "--cache-dir", str(root / "small-cache0"), str(small)]),
+            }
 
     m = {k: statistics.median(v) for k, v in runs.items()}
     n = HASH_WORKERS
@@ -148,6 +173,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         seconds=m["sha_parallel"],
         hash_workers=n,
         tensors=len(pieces),
+        sums=hashed["sha_parallel"],
     )
     report.add(
         "manifest_command",
@@ -156,6 +182,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         m["sha_parallel"] / m["cli_first"],
         f">= {FAIR_BAR}x {n} parallel sha256sum",
         seconds=m["cli_first"],
+        sums=hashed["cli"],
     )
     report.add(
         "manifest_command_one",
@@ -171,6 +198,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         m["sha"] / m["first"],
         "(the old comparison: one sha256sum)",
         seconds=m["first"],
+        sums=hashed["in_process"],
     )
     report.add(
         "manifest_cached",
@@ -198,6 +226,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             seconds=m["small_none"],
             tensors=small_tensors,
             repeat=small_repeat,
+            manifest=hashlib.sha256(manifests["none"].encode()).hexdigest(),
         )
         report.add(
             "small_fresh_cache",
@@ -206,6 +235,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             m["small_fresh"] / m["small_none"],
             f"<= {SMALL_BAR}x --no-cache",
             seconds=m["small_fresh"],
+            manifest=hashlib.sha256(manifests["fresh"].encode()).hexdigest(),
         )
     return report
 

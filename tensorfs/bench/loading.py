@@ -40,7 +40,17 @@ from ..loader import load_file, open_model, safe_open
 from ..manifest import DEFAULT_MANIFEST, format_manifest
 from ..sources.store import RemoteOptions
 from ..testing.servers import Nginx, SeaweedFS
-from .common import Config, Mounter, Report, can_drop_caches, drop_caches, touch_fresh_memory, wait_until_settled
+from .common import (
+    Config,
+    Look,
+    Mounter,
+    Report,
+    can_drop_caches,
+    drop_caches,
+    medians,
+    touch_fresh_memory,
+    wait_until_settled,
+)
 
 BUCKET = "tensorfs-bench"
 LOCAL_BAR, VERIFIED_WARM_BAR, VERIFIED_SCRATCH_BAR, OVERLAP_BAR, REMOTE_BAR = 1.0, 1.15, 1.1, 1.15, 1.0
@@ -75,32 +85,32 @@ def write_model(directory: Path, gib: float, tensor_mib: int) -> Path:
     return path
 
 
-def reference_read(path: Path) -> None:
+def reference_read(path: Path, look: Look) -> None:
     from safetensors import safe_open as reference
 
     with reference(str(path), "pt") as opened:
         for name in opened.offset_keys():
-            touch(opened.get_tensor(name))
+            look(opened.get_tensor(name))
 
 
-def tensorfs_read(path: Path) -> None:
+def tensorfs_read(path: Path, look: Look) -> None:
     with safe_open(path, "pt") as opened:
         for name in opened.offset_keys():
-            touch(opened.get_tensor(name))
+            look(opened.get_tensor(name))
 
 
-def loaded(source: Path | str, **options: Any) -> None:
+def loaded(source: Path | str, look: Look, **options: Any) -> None:
     for tensor in load_file(source, **options).values():
-        touch(tensor)
+        look(tensor)
 
 
-def runai_read(path: str, env: dict[str, str] | None = None) -> None:
+def runai_read(path: str, look: Look, env: dict[str, str] | None = None) -> None:
     from runai_model_streamer import SafetensorsStreamer  # type: ignore[import-untyped]
 
     with _environment(env or {}), SafetensorsStreamer() as streamer:
         streamer.stream_file(path)
         for _, tensor in streamer.get_tensors():
-            touch(tensor)
+            look(tensor)
 
 
 @contextlib.contextmanager
@@ -115,23 +125,6 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def medians(
-    sides: dict[str, Callable[[], object]], repeat: int, between: Callable[[], object] = lambda: None
-) -> dict[str, float]:
-    """Each side's median time over `repeat` tries, the sides taken in turns, after one untimed try
-    of each (the first try of a side pays for what the others then find ready); `between` runs
-    after every try, untimed."""
-    for work in sides.values():
-        work()
-        between()
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(repeat):
-        for name, work in sides.items():
-            times[name].append(timed(work))
-            between()
-    return {name: statistics.median(found) for name, found in times.items()}
 
 
 def run(config: Config, out: Callable[[str], None] = print) -> Report:
@@ -150,19 +143,20 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         touch_fresh_memory(2 * nbytes)
         wait_until_settled([path, directory / DEFAULT_MANIFEST])  # else the hash cache keeps nothing
         hashes = work / "hash-cache"
-        loaded(path, verify=True, cache=hashes)  # the hash cache filled, the page cache warm
+        loaded(path, touch, verify=True, cache=hashes)  # the hash cache filled, the page cache warm
 
         # Tens of milliseconds each, where these machines wander by several: five times the tries.
         warm_tries = WARM_TRIES * repeat
         out("local, page cache warm ...")
-        local = medians(
+        local, seen = medians(
             {
-                "safetensors": lambda: reference_read(path),
-                "tensorfs": lambda: tensorfs_read(path),
-                "load_file": lambda: loaded(path),
-                "runai": lambda: runai_read(str(path)),
+                "safetensors": lambda look: reference_read(path, look),
+                "tensorfs": lambda look: tensorfs_read(path, look),
+                "load_file": lambda look: loaded(path, look),
+                "runai": lambda look: runai_read(str(path), look),
             },
             warm_tries,
+            touch,
         )
         report.add(
             "load_safetensors",
@@ -172,6 +166,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             "",
             seconds=local["safetensors"],
             nbytes=nbytes,
+            read=seen["safetensors"],
         )
         report.add(
             "load_safe_open",
@@ -181,6 +176,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             f">= {LOCAL_BAR}x safetensors",
             seconds=local["tensorfs"],
             at_least=LOCAL_BAR,
+            read=seen["tensorfs"],
         )
         report.add(
             "load_load_file",
@@ -189,6 +185,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             local["safetensors"] / local["load_file"],
             "(reported)",
             seconds=local["load_file"],
+            read=seen["load_file"],
         )
         report.add(
             "load_runai_local",
@@ -197,22 +194,24 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             local["safetensors"] / local["runai"],
             "(safetensors / Run:ai)",
             seconds=local["runai"],
+            read=seen["runai"],
         )
 
         out("verified ...")
 
-        def hashed_alone() -> None:
+        def hashed_alone(look: Look) -> None:
             with open_model(path, cache=False) as model:
                 Hasher(model, HashCache(None)).hash_all()
 
-        verified = medians(
+        verified, seen = medians(
             {
-                "unverified": lambda: loaded(path),
-                "warm": lambda: loaded(path, verify=True, cache=hashes),
-                "scratch": lambda: loaded(path, verify=True, cache=False),
+                "unverified": lambda look: loaded(path, look),
+                "warm": lambda look: loaded(path, look, verify=True, cache=hashes),
+                "scratch": lambda look: loaded(path, look, verify=True, cache=False),
                 "hashing": hashed_alone,
             },
             warm_tries,
+            touch,
         )
         report.add(
             "load_verified_warm",
@@ -223,6 +222,8 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             seconds=verified["warm"],
             unverified_seconds=verified["unverified"],
             at_most=VERIFIED_WARM_BAR,
+            read=seen["warm"],
+            unverified_read=seen["unverified"],
         )
         floor = verified["unverified"] + verified["hashing"]
         report.add(
@@ -234,6 +235,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             seconds=verified["scratch"],
             hashing_seconds=verified["hashing"],
             at_most=VERIFIED_SCRATCH_BAR,
+            read=seen["scratch"],
         )
 
         if can_drop_caches():
@@ -345,34 +347,35 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
             for cache in work.glob("cache-*"):
                 shutil.rmtree(cache, ignore_errors=True)
 
-        def through_mount(source: str = url, *extra: str) -> None:
+        def through_mount(look: Look, source: str = url, *extra: str) -> None:
             with (
                 mounter.mounted(source, *extra, cache=fresh()) as (mountpoint, _),
                 reference(str(mountpoint / ".tensorfs" / "model" / "model.safetensors"), "pt") as opened,
             ):
                 for name in opened.offset_keys():
-                    touch(opened.get_tensor(name))
+                    look(opened.get_tensor(name))
 
-        def s3_through_mount() -> None:
+        def s3_through_mount(look: Look) -> None:
             with _environment(seaweed.env()):
-                through_mount(s3, "--endpoint-url", seaweed.endpoint)
+                through_mount(look, s3, "--endpoint-url", seaweed.endpoint)
 
-        def from_nginx() -> None:
-            loaded(url, remote=RemoteOptions(cache_dir=fresh()))
+        def from_nginx(look: Look) -> None:
+            loaded(url, look, remote=RemoteOptions(cache_dir=fresh()))
 
-        def from_s3() -> None:
+        def from_s3(look: Look) -> None:
             with _environment(seaweed.env()):
-                loaded(s3, remote=RemoteOptions(cache_dir=fresh(), endpoint_url=seaweed.endpoint))
+                loaded(s3, look, remote=RemoteOptions(cache_dir=fresh(), endpoint_url=seaweed.endpoint))
 
-        times = medians(
+        times, seen = medians(
             {
                 "mount": through_mount,
                 "nginx": from_nginx,
                 "s3": from_s3,
-                "runai": lambda: runai_read(s3, env),
+                "runai": lambda look: runai_read(s3, look, env),
                 "s3_mount": s3_through_mount,
             },
             repeat,
+            touch,
             forget_caches,
         )
     finally:
@@ -386,6 +389,7 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
         None,
         "",
         seconds=times["mount"],
+        read=seen["mount"],
     )
     report.add(
         "load_remote_nginx",
@@ -395,6 +399,7 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
         f">= {REMOTE_BAR}x through a mount",
         seconds=times["nginx"],
         at_least=REMOTE_BAR,
+        read=seen["nginx"],
     )
     report.add(
         "load_remote_runai",
@@ -403,6 +408,7 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
         None,
         "",
         seconds=times["runai"],
+        read=seen["runai"],
     )
     report.add(
         "load_remote_s3",
@@ -412,6 +418,7 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
         f">= {REMOTE_BAR}x Run:ai",
         seconds=times["s3"],
         at_least=REMOTE_BAR,
+        read=seen["s3"],
     )
     report.add(
         "load_remote_s3_mount",
@@ -421,4 +428,5 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
         f">= {REMOTE_BAR}x Run:ai",
         seconds=times["s3_mount"],
         at_least=REMOTE_BAR,
+        read=seen["s3_mount"],
     )

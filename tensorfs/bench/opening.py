@@ -10,6 +10,7 @@ cache warm, alternating, and each figure is the median of --repeat tries.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import tempfile
 import time
@@ -37,6 +38,23 @@ def reference_keys(shards: list[Path]) -> int:
 def tensorfs_open(directory: Path, cache: Path | bool) -> int:
     with open_model(directory, cache=cache) as model:
         return len(model)
+
+
+def reference_table(shards: list[Path]) -> str:
+    """What the reference reads of the shards' headers: every tensor's name, dtype and shape (a SHA-256)."""
+    rows = []
+    for shard in shards:
+        with safetensors.safe_open(str(shard), framework="np") as f:
+            names = f.keys()
+            rows += [f"{name} {f.get_slice(name).get_dtype()} {f.get_slice(name).get_shape()}" for name in names]
+    return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
+
+
+def tensorfs_table(directory: Path, cache: Path | bool) -> str:
+    """The same of what tensorfs.open_model reads."""
+    with open_model(directory, cache=cache) as model:
+        rows = [f"{name} {model.info(name).dtype} {list(model.info(name).shape)}" for name in model]
+    return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
 
 
 def timed(fn: Callable[[], int]) -> tuple[float, int]:
@@ -68,6 +86,11 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             seconds, count = timed(lambda: tensorfs_open(directory, cache))
             assert count == tensors, count
             cached_times.append(seconds)
+        tables = {  # untimed: each side read the same table
+            "reference": reference_table(shards),
+            "scratch": tensorfs_table(directory, False),
+            "cached": tensorfs_table(directory, cache),
+        }
 
     ref, ours, cached = (statistics.median(times) for times in (ref_times, our_times, cached_times))
     report.add(
@@ -80,6 +103,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         tensors=tensors,
         shards=shard_count,
         repeat=repeat,
+        table=tables["reference"],
     )
     report.add(
         "open_model",
@@ -89,6 +113,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         f"<= {BAR}x safe_open().keys()",
         seconds=ours,
         at_most=BAR,
+        table=tables["scratch"],
     )
     report.add(
         "open_model_cached",
@@ -98,5 +123,6 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         f"<= {CACHED_BAR}x safe_open().keys()",
         seconds=cached,
         at_most=CACHED_BAR,
+        table=tables["cached"],
     )
     return report

@@ -6,10 +6,6 @@ Each direction of a connection is a delay line: what comes in is stamped with wh
 queued; at most `window` bytes wait in a direction (what a TCP window holds in flight), so a sender
 feels the round trip as it would on a real link. The rate is one token bucket for every connection
 and both directions: what a shared access link gives.
-
-The link also tells how many requests were in flight at once (`most_at_once`): an HTTP/1.1 client
-sends its next request on a connection only when the last answer has come, so a request's span is
-from its bytes reaching the link to the last answer byte sent before the next request.
 """
 
 from __future__ import annotations
@@ -54,8 +50,6 @@ class SlowLink:
         self.port = 0
         self.bytes_sent = 0
         """Bytes the link carried toward clients (the server's answers)."""
-        self.spans: list[list[float]] = []
-        """[began, last answer byte sent] of each request, in the order they came (monotonic seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
@@ -65,17 +59,6 @@ class SlowLink:
     @property
     def round_trip(self) -> float:
         return 2 * self.delay
-
-    def most_at_once(self, since: int = 0) -> int:
-        """The most requests in flight at one time, of those from the `since`-th on."""
-        events = sorted(
-            [(began, 1) for began, _ in self.spans[since:]] + [(ended, -1) for _, ended in self.spans[since:]]
-        )
-        most = now = 0
-        for _, step in events:
-            now += step
-            most = max(most, now)
-        return most
 
     def url(self, scheme: str = "http") -> str:
         return f"{scheme}://127.0.0.1:{self.port}"
@@ -137,11 +120,10 @@ class SlowLink:
         except OSError:
             client_out.close()
             return
-        span: list[list[float]] = []  # this connection's request in flight, if any
         try:
             await asyncio.gather(
-                self._direction(client_in, server_out, bucket, span, toward_client=False),
-                self._direction(server_in, client_out, bucket, span, toward_client=True),
+                self._direction(client_in, server_out, bucket, toward_client=False),
+                self._direction(server_in, client_out, bucket, toward_client=True),
             )
         finally:
             for writer in (client_out, server_out):
@@ -154,7 +136,6 @@ class SlowLink:
         source: asyncio.StreamReader,
         sink: asyncio.StreamWriter,
         bucket: _Bucket,
-        span: list[list[float]],
         *,
         toward_client: bool,
     ) -> None:
@@ -168,10 +149,6 @@ class SlowLink:
                     piece = await source.read(PIECE)
                     if not piece:
                         break
-                    if not toward_client:  # a request: its span begins
-                        now = time.monotonic()
-                        span[:] = [[now, now]]
-                        self.spans.append(span[0])
                     await line.put(time.monotonic() + self.delay, piece)
             except OSError:
                 pass
@@ -191,8 +168,6 @@ class SlowLink:
                     return
                 if toward_client:
                     self.bytes_sent += len(piece)
-                    if span:
-                        span[0][1] = time.monotonic()
                 await line.sent(len(piece))
             with contextlib.suppress(OSError):
                 if sink.can_write_eof():
