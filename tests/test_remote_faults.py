@@ -28,6 +28,7 @@ from helpers import (
     MIB,
     CacheBlocks,
     OneRead,
+    cli,
     daemon_process,
     daemon_resources,
     descriptors_but_sockets,
@@ -599,3 +600,41 @@ def test_sigterm_with_a_read_waiting_on_a_get_that_never_ends(mounts: Mounts, ng
         assert proxy.holding.is_set() and not os.path.ismount(mountpoint)
     finally:
         proxy.close()
+
+
+def test_an_empty_object_is_said_to_be_empty(nginx: Nginx, tmp_path: Path) -> None:
+    """An empty file has no byte at offset 0: the store answers the first read 416, and tensorfs asks
+    its size instead (a HEAD) and says what is wrong with the file, not with the request."""
+    directory = nginx.root / "empty-object"
+    directory.mkdir()
+    (directory / "m.safetensors").write_bytes(b"")
+    result = cli("validate", "--cache-dir", str(tmp_path / "cache"), f"{nginx.url}/empty-object/m.safetensors")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "m.safetensors" in result.stderr and "416" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_failure_that_mentions_416_is_not_taken_for_an_empty_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error is taken for a 416 (an empty object, then asked for its size) by its status alone: a
+    500 after retries whose time taken has the digits 416 in it, as obstore says it, is said as the
+    500 it is (it was taken for an empty object; the HEAD that followed failed with a traceback)."""
+    import obstore
+
+    from tensorfs.errors import RemoteError
+    from tensorfs.sources.client import read_first_bytes
+    from tensorfs.sources.store import ObjectRef, RemoteOptions, store_spec
+
+    def failed(*_: object, **__: object) -> None:
+        raise Exception(
+            "Generic HTTP error: Error performing GET http://127.0.0.1:1/m.safetensors in 2.572416593s, after 10 "
+            "retries, max_retries: 10, retry_timeout: 180s - Server returned non-2xx status code: 500 Internal "
+            "Server Error: "
+        )
+
+    def head(*_: object, **__: object) -> None:
+        raise AssertionError("asked for the size of an object that is not empty")
+
+    monkeypatch.setattr(obstore, "get", failed)
+    monkeypatch.setattr(obstore, "head", head)
+    spec, key = store_spec("s3://bucket/m.safetensors", RemoteOptions(endpoint_url="http://127.0.0.1:1"))
+    with pytest.raises(RemoteError, match=r"the server answered 500 Internal Server Error$"):
+        read_first_bytes(ObjectRef(spec, key), lambda first, size: size)

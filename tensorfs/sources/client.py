@@ -106,6 +106,15 @@ RANGE_NEEDED = (
 )
 
 
+_STATUS = re.compile(r"status code: (\d{3}[^:\n]*)")  # how the client's errors say the server's answer
+
+
+def status_of(exc: BaseException) -> str:
+    """The HTTP status the server answered with, as the client's error says it ("416"), or ""."""
+    status = _STATUS.search(str(exc))
+    return status.group(1)[:3] if status else ""
+
+
 def describe_error(exc: BaseException, spec: StoreSpec) -> str:
     """One line on why a request to `spec`'s store failed (no URL's secret in it)."""
     from obstore import exceptions as errors
@@ -113,7 +122,7 @@ def describe_error(exc: BaseException, spec: StoreSpec) -> str:
     if isinstance(exc, FileNotFoundError):
         return "not found (404)"
     text = redact(str(exc))
-    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    status = _STATUS.search(text)
     code = status.group(1)[:3] if status else ""
     if isinstance(exc, errors.PermissionDeniedError) or code == "403":
         return f"access denied (403): {access_hint(spec)}"
@@ -255,9 +264,8 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
     except RemoteError:
         raise
     except Exception as exc:
-        if "416" in str(exc):  # nothing at offset 0: an empty object
-            meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
-            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta)), b""
+        if status_of(exc) == "416":  # nothing at offset 0: an empty object
+            return _empty(ref, client)
         _raise(ref, exc)
         raise
     # A format that tells its table's length from its first bytes asks once more at most; one that
@@ -266,6 +274,18 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
     while (end := min(needed(bytes(buffer), version.size), version.size)) > len(buffer):
         read_range(version, len(buffer), end, lambda _, piece: buffer.extend(piece))
     return version, bytes(buffer[:end])
+
+
+def _empty(ref: ObjectRef, client: Any) -> tuple[ObjectVersion, bytes]:
+    """An object that has no byte at offset 0: its version, as a HEAD says it, and no bytes."""
+    import obstore
+
+    try:
+        meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
+    except Exception as exc:
+        _raise(ref, exc)
+        raise
+    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta)), b""
 
 
 def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:
