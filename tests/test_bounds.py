@@ -107,6 +107,62 @@ def test_a_hung_mount_inside_the_model_directory_is_never_entered(mounts: Mounts
         os.kill(hung, signal.SIGCONT)
 
 
+def hub_snapshot(root: Path) -> tuple[Path, Path]:
+    """A Hugging Face cache's repository (models--org--name) with one snapshot: (the snapshot, its blobs/)."""
+    repository = root / "models--org--name"
+    (repository / "blobs").mkdir(parents=True)
+    snapshot = repository / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    return snapshot, repository / "blobs"
+
+
+def test_a_snapshots_link_into_a_hung_mount_is_skipped_never_waited_on(mounts: Mounts, tmp_path: Path) -> None:
+    """A Hugging Face snapshot whose links lead to its repository's blobs/, where another user has
+    mounted a FUSE file system whose daemon is stopped (a tensorfs mount serving the blobs): anything
+    that looked at a blob there would wait for good (`tensorfs mount` did: killed at 90 s). The
+    snapshot's config.json is such a link: validate, mount and export skip it, with a warning saying
+    why, and serve the rest; a shard whose blob is there refuses the model in one line. Each command
+    within the hang guard of its process (no timing asserted), nothing left behind."""
+    snapshot, blobs = hub_snapshot(tmp_path / "hub")
+    expected = random_bytes(MIB, 11)
+    write_reference(snapshot / "model.safetensors", {"w": ("U8", [MIB], expected)})  # a file of its own
+    served = tmp_path / "served"  # what the hung mount serves: the blobs, as tensor files
+    served.mkdir()
+    write_reference(served / "blobs.safetensors", {"cfg": ("U8", [2], b"{}"), "shard": ("U8", [16], bytes(16))})
+    (snapshot / "config.json").symlink_to("../../blobs/cfg")
+    hung = mounts.daemon_pid(mounts.mount(served, mountpoint=blobs))
+    os.kill(hung, signal.SIGSTOP)
+    skipped = (
+        f"warning: {snapshot / 'config.json'}: skipped: leads into another file system ({blobs}), which did "
+        "not answer within 2 s: a hung mount?"
+    )
+    try:
+        validated = cli("validate", str(snapshot), timeout=60)
+        assert validated.returncode == 0, validated.stderr
+        mountpoint = tmp_path / "mnt"
+        mountpoint.mkdir()
+        result = mounts.attempt(snapshot, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+        assert result.returncode == 0, result.stderr
+        assert skipped in result.stderr.splitlines(), result.stderr
+        assert (mountpoint / "w").read_bytes() == expected
+        assert os.listdir(mountpoint / ".tensorfs" / "model") == ["model.safetensors"]
+        assert cli("umount", str(mountpoint)).returncode == 0
+        exported = cli("export", str(snapshot), str(tmp_path / "out"), timeout=60)
+        assert exported.returncode == 0, exported.stderr
+        assert skipped in exported.stderr.splitlines(), exported.stderr
+        assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
+        (snapshot / "model.safetensors").unlink()
+        (snapshot / "model.safetensors").symlink_to("../../blobs/shard")
+        refused = cli("validate", str(snapshot), timeout=60)
+        assert (refused.returncode, refused.stdout) == (1, "")
+        assert refused.stderr == (
+            f"error: {snapshot / 'model.safetensors'}: cannot open: leads into another file system ({blobs}), "
+            "which did not answer within 2 s: a hung mount?\n"
+        )
+    finally:
+        os.kill(hung, signal.SIGCONT)
+
+
 def _header_of_repeats(size: int) -> bytes:
     """Tensor names each given twice (a million such pairs fit in the largest header)."""
     return ("{" + ",".join(f'"k{i}":0,"k{i}":0' for i in range(size // 24)) + "}").encode()
