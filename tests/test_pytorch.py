@@ -413,6 +413,14 @@ def _newline_in_a_name(tmp_path: Path) -> Path:
     return path
 
 
+def _nul_in_a_name(tmp_path: Path) -> Path:
+    path = checkpoint(tmp_path / "nul.bin", GOOD, {"0": F32_BYTES})
+    named = bytearray(path.read_bytes())
+    named[_central_entry(named, b"archive/byteorder") + 46 + len("archive/byte")] = 0
+    path.write_bytes(named)
+    return path
+
+
 def _long_local_name(tmp_path: Path) -> Path:
     path = checkpoint(tmp_path / "long.bin", GOOD, {"0": F32_BYTES})
     content = bytearray(path.read_bytes())
@@ -485,6 +493,12 @@ ZIP_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "an entry twice": (_twice, "holds archive/data/0 twice"),
     "a newline in an entry's name": (_newline_in_a_name, "archive/da\\x0aa/0's local header is not where"),
     "a local header's name past the end": (_long_local_name, "archive/data/0's local header is not where"),
+    # Names from an archive pass the one gate of names from outside (torch looks them up as they are):
+    "a storage named out of its folder": (
+        lambda d: checkpoint(d / "o.bin", state_pickle("FloatStorage", "../../x", 4, 0, (2, 2)), {"../../x": F32_BYTES}),
+        "the zip holds an entry whose name has a '..' path component: archive/data/../../x",
+    ),
+    "a NUL in an entry's name": (_nul_in_a_name, "the zip holds an entry whose name contains a NUL character"),
     "not a state dict": (lambda d: checkpoint(d / "l.bin", pickle.dumps([1, 2], protocol=2), {}),
                          "holds a list, not a dict of tensors"),
     "a Zip64 extra field shorter than it says": (_short_zip64_extra, "says 24 bytes, past the end of its extra data"),

@@ -195,7 +195,15 @@ def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) ->
 
     top = listed(directory)
     prefix = f"{directory}/" if directory else ""
-    folders = [item["path"] for item in top if item.get("type") == "directory"]
+    # A folder is asked for by its name: one plain part below the directory, or not at all (its files
+    # would not be the view's).
+    folders = [
+        item["path"]
+        for item in top
+        if item.get("type") == "directory"
+        and item["path"].startswith(prefix)
+        and path_problem(item["path"][len(prefix) :], max_depth=1) is None
+    ]
     items = top[:MAX_LISTED]
     for folder in sorted(folders)[:subdirectories]:  # at most MAX_LISTED in all: a lying Hub's bound
         if len(items) >= MAX_LISTED:
