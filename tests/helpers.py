@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -15,6 +16,8 @@ import struct
 import subprocess
 import sys
 import time
+import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -834,3 +837,26 @@ def same_crc32c(original: bytes, changed: bytes) -> bytes:
     forged = changed[:-4] + (state ^ before).to_bytes(4, "little")
     assert crc32c.crc32c(forged) == crc32c.crc32c(original) and forged != original
     return forged
+
+
+def pickle_edited(checkpoint: bytes, edits: list[tuple[int, int]]) -> bytes:
+    """`checkpoint` (torch.save's) with bytes of its data.pkl changed and its CRC-32 made again where
+    torch writes it (the data descriptor and the central directory): a pickle that reads as written."""
+    data = bytearray(checkpoint)
+    archive = zipfile.ZipFile(io.BytesIO(checkpoint))
+    record = next(info for info in archive.infolist() if info.filename.endswith("/data.pkl"))
+    name_length, extra_length = struct.unpack_from("<HH", data, record.header_offset + 26)
+    start = record.header_offset + 30 + name_length + extra_length
+    for position, value in edits:
+        data[start + position % record.compress_size] = value
+    crc = struct.pack("<I", zlib.crc32(data[start : start + record.compress_size]))
+    descriptor = start + record.compress_size
+    assert data[descriptor : descriptor + 4] == b"PK\x07\x08" and record.flag_bits & 8
+    data[descriptor + 4 : descriptor + 8] = crc
+    entry = archive.start_dir
+    while data[entry : entry + 4] == b"PK\x01\x02":  # the central directory's entries
+        name_length, extra_length, comment_length = struct.unpack_from("<HHH", data, entry + 28)
+        if data[entry + 46 : entry + 46 + name_length] == record.filename.encode():
+            data[entry + 16 : entry + 20] = crc
+        entry += 46 + name_length + extra_length + comment_length
+    return bytes(data)

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import Mounts
 from helpers import MIB, errno_of_reading, random_bytes, write_index, write_reference
-from servers import HostileServer
+from servers import HostileServer, Lie
 from tensorfs.mount.mounttable import daemon_pid
 
 
@@ -45,7 +45,7 @@ def hostile(tmp_path: Path) -> Iterator[HostileServer]:
 def test_an_index_of_a_gigabyte_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:
     write_reference(hostile.root / "a.safetensors", {"w": ("U8", [16], bytes(16))})
     write_index(hostile.root, {"w": "a.safetensors"})
-    hostile.announced["model.safetensors.index.json"] = 1 << 30
+    hostile.lies.append(Lie("size", "model.safetensors.index.json", 1 << 30))
     url = f"{hostile.url}/model.safetensors.index.json"
     result = cli("validate", "--cache-dir", str(tmp_path / "cache"), url)
     assert result.returncode == 1
@@ -56,7 +56,7 @@ def test_an_index_of_a_gigabyte_is_refused_unread(hostile: HostileServer, tmp_pa
 def test_a_manifest_of_one_and_a_half_gigabytes_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:
     write_reference(hostile.root / "m.safetensors", {"w": ("U8", [16], bytes(16))})
     (hostile.root / "tensors.sha256").write_text("")
-    hostile.announced["tensors.sha256"] = 3 << 29
+    hostile.lies.append(Lie("size", "tensors.sha256", 3 << 29))
     url = f"{hostile.url}/m.safetensors"
     result = cli("verify", "--cache-dir", str(tmp_path / "cache"), url)
     assert result.returncode == 1

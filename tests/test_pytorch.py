@@ -17,7 +17,6 @@ import subprocess
 import sys
 import warnings
 import zipfile
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from hypothesis import strategies as st
 
 import tensorfs
 from conftest import Mounts
-from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, refused_in_one_line
+from helpers import NAME_RULES, BoundedReference, fuzz_split, fuzzing, pickle_edited, refused_in_one_line
 from servers import Nginx, SeaweedFS
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import pickled, pytorch
@@ -920,29 +919,6 @@ def test_damaged_checkpoints_are_refused_or_agree_with_torch(tmp_path: Path, bou
     shares = fuzz_split(split, ["both accept", "both reject", "tensorfs stricter"])
     # Most changes break the archive: a tenth of the cases or so reach the comparison.
     assert split["both accept"] * 20 >= split.total() and split["both reject"], shares
-
-
-def pickle_edited(checkpoint: bytes, edits: list[tuple[int, int]]) -> bytes:
-    """`checkpoint` (torch.save's) with bytes of its data.pkl changed and its CRC-32 made again where
-    torch writes it (the data descriptor and the central directory): a pickle that reads as written."""
-    data = bytearray(checkpoint)
-    archive = zipfile.ZipFile(io.BytesIO(checkpoint))
-    record = next(info for info in archive.infolist() if info.filename.endswith("/data.pkl"))
-    name_length, extra_length = struct.unpack_from("<HH", data, record.header_offset + 26)
-    start = record.header_offset + 30 + name_length + extra_length
-    for position, value in edits:
-        data[start + position % record.compress_size] = value
-    crc = struct.pack("<I", zlib.crc32(data[start : start + record.compress_size]))
-    descriptor = start + record.compress_size
-    assert data[descriptor : descriptor + 4] == b"PK\x07\x08" and record.flag_bits & 8
-    data[descriptor + 4 : descriptor + 8] = crc
-    entry = archive.start_dir
-    while data[entry : entry + 4] == b"PK\x01\x02":  # the central directory's entries
-        name_length, extra_length, comment_length = struct.unpack_from("<HHH", data, entry + 28)
-        if data[entry + 46 : entry + 46 + name_length] == record.filename.encode():
-            data[entry + 16 : entry + 20] = crc
-        entry += 46 + name_length + extra_length + comment_length
-    return bytes(data)
 
 
 def saved_bytes(state: dict[str, torch.Tensor]) -> bytes:
