@@ -15,14 +15,17 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+import tensorfs
 from conftest import Mounts
 from helpers import MIB, errno_of_reading, random_bytes, write_index, write_reference
 from servers import HostileServer, Lie
+from tensorfs.gate.plans import run
 from tensorfs.mount.mounttable import daemon_pid
 
 
@@ -161,6 +164,42 @@ def test_a_snapshots_link_into_a_hung_mount_is_skipped_never_waited_on(mounts: M
         )
     finally:
         os.kill(hung, signal.SIGCONT)
+
+
+def test_a_snapshots_link_changed_into_a_hung_mount_once_open_is_never_followed(mounts: Mounts, tmp_path: Path) -> None:
+    """Once a snapshot's model is open, its shard's link is made to lead into a mount whose daemon is
+    stopped: hashing its tensor (the hash cache asks whether the file is still the one validated)
+    and writing the model over a file (never over one of its own shards) ask the file held open,
+    never its path again, and are done (each waited for by os.stat of the path before)."""
+    snapshot, blobs = hub_snapshot(tmp_path / "hub")
+    expected = random_bytes(MIB, 12)
+    write_reference(blobs / "hash-w", {"w": ("U8", [MIB], expected)})
+    (snapshot / "model.safetensors").symlink_to("../../blobs/hash-w")
+    served = tmp_path / "served"
+    served.mkdir()
+    write_reference(served / "o.safetensors", {"x": ("U8", [16], bytes(16))})
+    (tmp_path / "hung").mkdir()
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"replaced whole")
+    outcome: list[object] = []
+    with tensorfs.open_model(snapshot, cache=tmp_path / "cache") as model:
+        hung = mounts.daemon_pid(mounts.mount(served, mountpoint=tmp_path / "hung"))
+        os.kill(hung, signal.SIGSTOP)
+        worker = threading.Thread(
+            target=lambda: outcome.extend([run(model.gate.digest("w")), model.write_safetensors(out)]), daemon=True
+        )
+        try:
+            (snapshot / "model.safetensors").unlink()
+            (snapshot / "model.safetensors").symlink_to(tmp_path / "hung" / "x")
+            worker.start()
+            worker.join(60)  # a hang guard: it takes milliseconds
+            assert not worker.is_alive(), "hashing or writing the model waited on the hung mount"
+        finally:
+            os.kill(hung, signal.SIGCONT)
+            worker.join(60)
+    assert outcome[0] == hashlib.sha256(expected).hexdigest()
+    with tensorfs.open_model(out, cache=False) as written:
+        assert written.raw("w") == expected
 
 
 def _header_of_repeats(size: int) -> bytes:
