@@ -86,6 +86,16 @@ def reason_of(exc: BaseException, url: str) -> str:
 ACCESS_HINT = "check the credentials and the bucket's policy (AWS_*, a profile, HF_TOKEN)"
 
 
+_STATUS = re.compile(r"status code: (\d{3}[^:\n]*)")
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status a store's answer had, when a request failed on one (never a number found elsewhere
+    in the text: a port, a time)."""
+    found = _STATUS.search(str(exc))
+    return int(found.group(1)[:3]) if found else None
+
+
 def describe_error(exc: BaseException) -> str:
     """One line on why a request failed (no URL's secret in it)."""
     from obstore import exceptions as errors
@@ -93,7 +103,7 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, FileNotFoundError):
         return "not found (404)"
     text = redact(str(exc))
-    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    status = _STATUS.search(text)
     code = status.group(1)[:3] if status else ""
     if isinstance(exc, errors.PermissionDeniedError) or code == "403":
         return f"access denied (403): {ACCESS_HINT}"
@@ -109,6 +119,20 @@ def describe_error(exc: BaseException) -> str:
         return "a redirect not followed (https:// to http://, or more than 10 in a row)"
     if re.search(rf"\b{re.escape(NOWHERE)}\b", text):  # sent to the proxy that is not there: see REFUSED_NETWORKS
         return "refused: a link-local or cloud-metadata address (where the server redirected it?)"
+    # Answers other than the one asked for, as obstore's debug text tells them:
+    listing = re.search(r"Got invalid list response: ([^\n]*)", text)
+    if listing:
+        return f"the store's answer is not a listing (S3's ListObjectsV2): {printable(listing.group(1)[:200])}"
+    if "RangeNotSupported" in text or "NotPartial" in text:
+        return "the server ignored the byte range asked for (it sent the whole object): refused"
+    other_range = re.search(r"expected: (\d+)\.\.(\d+),\s*actual: (\d+)\.\.(\d+)", text)
+    if other_range:
+        asked, sent = other_range.groups()[:2], other_range.groups()[2:]
+        return f"the server sent bytes [{sent[0]}, {sent[1]}) for the [{asked[0]}, {asked[1]}) asked for: refused"
+    if "kind: Timeout" in text or "TimedOut" in text:
+        return "no answer within --remote-timeout (the store, or the connection to it, stalled)"
+    if "IncompleteBody" in text or "kind: Body" in text:
+        return "the answer ended before all its bytes came (the connection was cut)"
     if status:  # not the body that came with it (an HTML page, an XML error)
         return f"the server answered {printable(status.group(1).strip())}"
     if "error sending request" in first or "ConnectError" in text:
@@ -231,9 +255,8 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
     except RemoteError:
         raise
     except Exception as exc:
-        if "416" in str(exc):  # nothing at offset 0: an empty object
-            meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
-            return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta)), b""
+        if status_of(exc) == 416:  # nothing at offset 0: an empty object (its version asked for again)
+            return _empty(ref, client), b""
         _raise(ref, exc)
         raise
     # A format that tells its table's length from its first bytes asks once more at most; one that
@@ -242,6 +265,18 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
     while (end := min(needed(bytes(buffer), version.size), version.size)) > len(buffer):
         read_range(version, len(buffer), end, lambda _, piece: buffer.extend(piece))
     return version, bytes(buffer[:end])
+
+
+def _empty(ref: ObjectRef, client: Any) -> ObjectVersion:
+    """The version of an object that held nothing at offset 0 (a 416), by a HEAD."""
+    import obstore
+
+    try:
+        meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
+    except Exception as exc:
+        _raise(ref, exc)
+        raise  # unreachable: _raise always raises
+    return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta))
 
 
 def read_range(version: ObjectVersion, start: int, end: int, write: Callable[[int, bytes], object]) -> None:

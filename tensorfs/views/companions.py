@@ -101,8 +101,8 @@ class CompanionFiles:
         buffer = bytearray(size)
         try:
             opened.readinto(offset, memoryview(buffer))
-        except TensorfsError as exc:
-            raise CompanionError(f"{path}: {exc}") from None
+        except TensorfsError as exc:  # its message names the object's URL already
+            raise CompanionError(str(exc)) from None
         return bytes(buffer)
 
     def _read_local(self, companion: Companion, fd: int, offset: int, size: int) -> bytes:
@@ -154,7 +154,7 @@ def _open(companion: Companion) -> Any:
         if version is None:
             version = head(origin.ref)
             if version is None:
-                raise CompanionError(f"{origin.ref.url}: gone since it was mounted")
+                raise CompanionError(f"{origin.ref.url}: listed, and not there now (404)")
         if version.size != companion.size:
             raise CompanionError(f"{origin.ref.url}: {version.size} bytes now, not {companion.size}: it changed")
         return RemoteShard.of(version, origin.options)
