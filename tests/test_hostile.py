@@ -385,6 +385,7 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
         if lie.what in ("size", "body", "range", "redirect")
     }
     everything = any(lie.target == "*" for lie in lies if lie.what in ("size", "body", "range", "redirect"))
+    listed = {lie.value: b"{}" for lie in lies if lie.what == "name"}  # a plain name listed is a file: "{}"
     for name, handed in run.bytes_out.items():
         if handed is None:
             continue  # refused
@@ -392,7 +393,7 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
         if name.startswith("view/") or run.command == "export":
             if key != "model.safetensors" and (key in unvouched or everything):
                 continue
-            expected = truth.view.get(key)
+            expected = truth.view.get(key, listed.get(key))
         else:
             expected = truth.tensors.get(key)
         assert handed == expected, f"{run.command}: other bytes than the truth's for {name}"
@@ -772,7 +773,9 @@ def plant(what: str, model: Path, work: Path, mounts: Mounts, undo: contextlib.E
         (model / "vocab.txt").symlink_to(outside / "hung" / "x")
         return pid
     elif what == "a-hung-mount-on-files":  # the default manifest and a companion: files of a hung mount
-        return hung_mount(mounts, outside / "hung-files", work, undo, [model / "tensors.sha256", model / "config.json"])
+        (model / "preprocessor_config.json").write_text("{}")
+        files = [model / name for name in ("tensors.sha256", "preprocessor_config.json") if (model / name).is_file()]
+        return hung_mount(mounts, outside / "hung-files", work, undo, files)
     elif what == "a-hung-mount-inside":
         return hung_mount(mounts, model / "onnx", work, undo)
     elif what == "fifo-manifest":
@@ -832,7 +835,8 @@ def local_case(plants: list[str], command: str, truth: Truth, work: Path, mounts
             (model / path.relative_to(truth.root / MODEL)).parent.mkdir(parents=True, exist_ok=True)
             (model / path.relative_to(truth.root / MODEL)).write_bytes(path.read_bytes())
     with contextlib.ExitStack() as undo:
-        stopped = [pid for what in plants if (pid := plant(what, model, work, mounts, undo)) is not None]
+        last = sorted(plants, key=lambda what: what == "a-hung-mount-on-files")  # nothing is planted on its mounts
+        stopped = [pid for what in last if (pid := plant(what, model, work, mounts, undo)) is not None]
         at = Place(str(model), ["--cache-dir", str(work / "cache")], dict(os.environ), work, mounts)
         run = COMMANDS[command](at, truth)
         print(f"{command} after {plants}: exit {run.code}\n{run.stderr[:3000]}")  # shown if it fails
@@ -910,6 +914,27 @@ def test_what_a_lying_answer_is_said_to_be(
             shard = f"{at.source.removesuffix('/' + INDEX)}/{SHARD2 if lie.startswith('body') else SHARD1}"
             done = at.cli("validate", *at.options, at.source)
             assert (done.returncode, done.stderr) == (1, f"error: {shard}: {said}\n")
+    finally:
+        server.lies = []
+
+
+def test_a_listing_the_client_gives_up_on_is_said_in_words(server: HostileServer, truth: Truth, tmp_path: Path) -> None:
+    """A bucket holding a key that is no plain path ('n//etc/passwd'): obstore gives up on the whole
+    listing. A model found by its listing is refused, its companions skipped, in words (it was
+    obstore's "Encountered object with invalid path: ...")."""
+    server.lies = lies_of("names", truth, LISTED)
+    said = (
+        "the listing holds a key that is no plain path ('n//etc/passwd'), which the store's client refuses to list past"
+    )
+    try:
+        at = place("s3-listed", server, tmp_path, None)
+        done = at.cli("validate", *at.options, at.source)
+        assert (done.returncode, done.stderr) == (1, f"error: s3://{LISTED}/: {said}\n")
+        server.lies = lies_of("names", truth, MODEL)
+        at = place("s3", server, tmp_path, None)
+        done = at.cli("export", *at.options, at.source, str(tmp_path / "out"))
+        warning = f"warning: companion files skipped: s3://{MODEL}/: {said.replace('n//', 'm//')}\n"
+        assert (done.returncode, done.stderr) == (0, warning)
     finally:
         server.lies = []
 

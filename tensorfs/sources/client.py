@@ -120,6 +120,12 @@ def describe_error(exc: BaseException) -> str:
     if re.search(rf"\b{re.escape(NOWHERE)}\b", text):  # sent to the proxy that is not there: see REFUSED_NETWORKS
         return "refused: a link-local or cloud-metadata address (where the server redirected it?)"
     # Answers other than the one asked for, as obstore's debug text tells them:
+    key = re.search(r'Encountered object with invalid path: (?:Error parsing )?Path "((?:[^"\\]|\\.)*)"', text)
+    if key:  # obstore parses every key of a listing, and gives up on the whole of it at one it cannot
+        return (
+            f"the listing holds a key that is no plain path ('{printable(key.group(1)[:200])}'), which the "
+            "store's client refuses to list past"
+        )
     listing = re.search(r"Got invalid list response: ([^\n]*)", text)
     if listing:
         return f"the store's answer is not a listing (S3's ListObjectsV2): {printable(listing.group(1)[:200])}"
