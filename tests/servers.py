@@ -240,7 +240,8 @@ class Lie:
       object in place); "gzip": compressed (Content-Encoding: gzip); "cut": the connection closed
       halfway through the body; "stall": half the body, then nothing (until the server closes).
     - listing (of a prefix, or "*"): "garbage": an answer that is not a listing; "loop": S3's
-      continuation token given back forever; "huge": more files than any listing takes; "sizes":
+      continuation token given back forever; "huge": more files than any listing takes; "negative":
+      every size said -1; "sizes":
       each size said 7 bytes more; of a file: "omitted": left out of every listing.
     - name, NAME: a file NAME listed beside the others (S3 and the Hub's API), whose GET is b"{}".
     - redirect, URL: every request answered 302 Found, to URL ("loop": to itself).
@@ -495,6 +496,7 @@ class HostileServer:
             said = self._told("size", path)
             size = int(said) if said is not None else len(data)
             size += 7 if self._told("listing", directory, "sizes") else 0
+            size = -1 if self._told("listing", directory, "negative") else size
             listed.append((path, size, self._etag(path, data)))
         return listed
 

@@ -211,8 +211,10 @@ def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) ->
         items += listed(folder)[: MAX_LISTED - len(items)]
     entries: Listed = []
     for item in items:
-        size = item.get("size")
-        if item.get("type") != "file" or not isinstance(size, int) or not item["path"].startswith(prefix):
+        if item.get("type") != "file" or not item["path"].startswith(prefix):
             continue
-        entries.append((item["path"].removeprefix(prefix), size, 0.0, None))
+        size = item.get("size")
+        if not isinstance(size, int) or isinstance(size, bool):
+            size = -1  # no size: said where it is used
+        entries.append((str(item["path"]).removeprefix(prefix), size, 0.0, None))
     return files_of(entries)

@@ -409,7 +409,9 @@ def _listed(
         if ref.url in own:
             continue
         shown = printable(ref.url)
-        if size > MAX_COMPANION_BYTES:
+        if size < 0:  # a lying listing's (-1: none at all)
+            skipped.add("no size", f"{shown}: skipped: the listing gives it no size, or a negative one")
+        elif size > MAX_COMPANION_BYTES:
             skipped.add("over 64 MiB", f"{shown}: skipped: {size} bytes, over 64 MiB")
         elif total + size > MAX_COMPANIONS_TOTAL:
             skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
