@@ -243,7 +243,8 @@ class Lie:
       continuation token given back forever; "huge": more files than any listing takes; "negative":
       every size said -1; "sizes":
       each size said 7 bytes more; of a file: "omitted": left out of every listing.
-    - name, NAME: a file NAME listed beside the others (S3 and the Hub's API), whose GET is b"{}".
+    - name, NAME: a file NAME listed beside the others (S3 and the Hub's API), whose GET is b"{}"; a
+      NAME ending in '/' is a folder to the Hub's API (a key of that name to S3's).
     - redirect, URL: every request answered 302 Found, to URL ("loop": to itself).
     - status, CODE: every request answered CODE, with an HTML page for a body.
     """
@@ -277,6 +278,8 @@ class HostileServer:
         self.sent: dict[str, int] = {}
         self.requests: list[tuple[str, str, str, str]] = []
         """(method, file, Range, Accept-Encoding) of every request."""
+        self.paths: list[str] = []
+        """Every request's path, as it came."""
         self.headers: list[dict[str, str]] = []
         """Every request's headers (names in lower case), in the order the requests came."""
         self._closing = threading.Event()
@@ -295,6 +298,7 @@ class HostileServer:
                 self._answer(body=True)
 
             def _answer(self, *, body: bool) -> None:
+                server.paths.append(self.path)
                 path, _, query = self.path.partition("?")
                 headers = self.headers
                 server.headers.append({key.lower(): value for key, value in headers.items()})
@@ -532,6 +536,9 @@ class HostileServer:
         named = {f"{directory}/{lie.value}" for lie in self.lies if lie.what == "name" and lie.of(directory)}
         for path, size, _ in self._listed(directory):
             within = path[len(directory) + 1 :]
+            if path in named and within.endswith("/"):  # a name said to be a folder's
+                items.append({"type": "directory", "path": below + within.rstrip("/"), "oid": "0"})
+                continue
             if "/" in within and path not in named:  # a folder's file: the folder, listed once
                 folder = {"type": "directory", "path": below + within.split("/")[0], "oid": "0"}
                 if folder not in items:

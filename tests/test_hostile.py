@@ -450,16 +450,11 @@ def _tensors_start(path: Path) -> int:
 
 
 HOSTILE_NAMES = [
-    "/etc/passwd",
-    "../escape.json",
-    "a//b.json",
-    "x\x00y.json",
-    "é" * 200 + ".json",
-    "a/b/c.json",
-    ".",
-    "sub/",
-]
-"""Names a listing gives that are no plain relative path (or too deep for a companion)."""
+    "/etc/passwd", "../escape.json", "a//b.json", "x\x00y.json", "é" * 200 + ".json", "a/b/c.json", ".", "sub/",
+    "../../../../../api/models/x/", "/abs/",
+]  # fmt: skip
+"""Names a listing gives that are no plain relative path (or too deep for a companion); those ending in
+'/' folders the Hub's listing has (each asked for by its name, were it let through)."""
 
 
 def lies_of(kind: str, truth: Truth, model: str) -> list[Lie]:
@@ -965,6 +960,29 @@ def test_a_listed_file_without_a_size_is_left_out(
             "view/model.safetensors",
             "view/1_Pooling/config.json",
         }
+    finally:
+        server.lies = []
+
+
+def test_a_hub_folder_that_is_no_plain_name_is_never_asked_for(
+    server: HostileServer, truth: Truth, tmp_path: Path
+) -> None:
+    """The Hub's listing names folders '/abs' and '../../../../../api/models/x' (and 'sub'): neither of the
+    two is asked for (the first asked for failed the whole listing, quietly: the companions were then
+    guessed at), and the names that are no plain path are one warning."""
+    server.lies = lies_of("names", truth, MODEL)
+    server.paths.clear()
+    try:
+        at = place("hub", server, tmp_path, None)
+        done = at.cli("export", *at.options, at.source, str(tmp_path / "out"))
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == (
+            f"warning: hf://{MODEL}: '.': skipped: has a '.' path component (and 6 more files skipped: names that "
+            "are not plain relative paths)\n"
+        )
+        listings = [path for path in server.paths if path.startswith("/api/")]
+        tree = f"/api/models/{MODEL}/tree/main"
+        assert listings == [tree, f"{tree}/1_Pooling", f"{tree}/sub"], listings  # 'sub' is a plain name
     finally:
         server.lies = []
 
