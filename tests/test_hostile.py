@@ -287,7 +287,8 @@ def prefetch(at: Place, truth: Truth) -> Run:
 
 
 def loader(at: Place, truth: Truth) -> Run:
-    """open_model (each tensor's bytes), then load_file, in-process: only a TensorfsError leaves them."""
+    """open_model (each tensor's bytes), load_file and safe_open, in-process: only a TensorfsError
+    leaves them."""
     outcome: list[Run] = []
 
     def use() -> None:
@@ -302,6 +303,9 @@ def loader(at: Place, truth: Truth) -> Run:
             loaded = tensorfs.load_file(at.source, framework="np", remote=at.remote(), verify=str(truth.manifest))
             for name, array in loaded.items():
                 run.bytes_out[f"load_file {name}"] = array.tobytes()
+            with tensorfs.safe_open(at.source, "np", remote=at.remote(), verify=str(truth.manifest)) as opened:
+                for name in opened.keys():  # noqa: SIM118  (safe_open has keys(), no iteration)
+                    run.bytes_out[f"safe_open {name}"] = opened.get_tensor(name).tobytes()
         except TensorfsError as exc:
             run.code, run.stderr = 1, "".join(f"error: {line}\n" for line in exc.lines())
         outcome.append(run)
@@ -389,7 +393,7 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
     for name, handed in run.bytes_out.items():
         if handed is None:
             continue  # refused
-        key = name.removeprefix("load_file ").removeprefix("view/")
+        key = name.removeprefix("load_file ").removeprefix("safe_open ").removeprefix("view/")
         if name.startswith("view/") or run.command == "export":
             if key != "model.safetensors" and (key in unvouched or everything):
                 continue
