@@ -16,8 +16,10 @@ Whatever the lie, each command holds to the same rules, checked by one checker (
 - bounded time: every command in a process of its own with a hang guard (a timeout that only a
   hang reaches), the loader on a thread with one.
 
-The suite runs a few cases of every lie (SUITE); `make fuzz` draws random lies, and random crafted
-files (GGUF, zip, pickle, safetensors) served by the same server, from a seed it prints.
+The suite runs two cases of every lie (SUITE) and of every plant (LOCAL_SUITE), each lie first seen
+to be told on the wire; `make fuzz` draws lies and plants at random, several at once, and crafted
+files (GGUF, zip, pickle, safetensors) served by the same server, from a seed it prints. What the
+harness found has a test of its own each, at the end.
 """
 
 from __future__ import annotations
