@@ -35,6 +35,7 @@ from .manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_manifest
 from .model import Model
 from .names import Layout
 from .progress import Progress
+from .safefiles import ModelDirectory
 from .selection import Selection
 from .sources.cache import default_cache_dir
 from .sources.choosing import is_adapter
@@ -253,8 +254,12 @@ class Source:
                 return None
             except RemoteError as exc:
                 raise ManifestError(str(exc)) from None
-        candidate = Path(self.directory) / DEFAULT_MANIFEST
-        return candidate if os.path.lexists(candidate) else None
+        try:  # asked of the directory, never of what a mount or a link there leads to (it may hang)
+            with ModelDirectory(Path(self.directory)) as directory:
+                there = directory.has(DEFAULT_MANIFEST)
+        except OSError:
+            there = False
+        return Path(self.directory) / DEFAULT_MANIFEST if there else None
 
     def manifest(self, given: Path | str | None = None, selection: Selection | None = None) -> Manifest | None:
         """The manifest `given` (a file, a pipe, a URL), else the one beside the model if there is one.

@@ -8,6 +8,10 @@ records in directories. Two rules follow:
   blocking (a FIFO planted there is no hang) and never as a controlling terminal. Everything
   after that — its type, owner, permissions, size, bytes — comes from that descriptor, never from
   the path again, so swapping the file for a symlink or a FIFO after it was looked at changes nothing.
+- A path that leads into another file system (a symlink to a blob on another mount, a mount point
+  in the directory) may lead into one that never answers (a FUSE daemon stopped, a server gone):
+  every file system entered on the way is asked first, within ANSWER_SECONDS, and one that does not
+  answer is not entered (Unanswered), nor asked again while the first question still waits.
 - A directory that tensorfs writes into (a cache, its records) must be this user's alone: owned by
   them and writable by nobody else, nor any directory above it (but root's and sticky ones, whose
   entries others cannot rename); what is in it is opened without following symlinks.
@@ -19,11 +23,13 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
-from .errors import TensorfsError
-from .syscalls import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, openat2
+from .errors import TensorfsError, printable
+from .syscalls import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, openat2
 
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 """How a file someone else may control is opened: read-only, not inherited, never blocking on a FIFO."""
@@ -37,14 +43,87 @@ class NotRegular(OSError):
     """Opened, but not a regular file (a FIFO, a device, a directory): nothing to read from it."""
 
 
-def open_beneath(dir_fd: int, relative: str, flags: int = READ_FLAGS) -> int:
+class Unanswered(OSError):
+    """A path that leads into another file system, which did not answer (a hung mount): not entered."""
+
+
+ANSWER_SECONDS = 2.0
+"""How long a file system a path leads into may take to answer a statfs before it is taken for hung."""
+
+Answer = TypeVar("Answer")
+
+
+def within(timeout: float, name: str, ask: Callable[[], Answer]) -> Answer | str:
+    """`ask()` on a thread of its own, or "hung" if it has not returned within `timeout`.
+
+    The thread is left behind if a file system never answers. It ends when the file system does,
+    or its FUSE connection is aborted; not with this process: a request a FUSE daemon has taken
+    is waited for uninterruptibly, and the process cannot exit before it ends (see
+    mount.mounttable.unmount()).
+    """
+    outcome: list[Answer] = []
+    thread = threading.Thread(target=lambda: outcome.append(ask()), name=name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else "hung"
+
+
+_unanswered: dict[int, threading.Event] = {}  # mount id -> set once the question that file system left waiting ends
+_unanswered_lock = threading.Lock()
+
+
+def mount_id(fd: int) -> int:
+    """The id of the mount an open file is on (as /proc/self/mountinfo numbers them), asked of the
+    kernel's table of this process's files: the file system itself is not asked anything."""
+    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as info:
+        for line in info:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(errno.EINVAL, "no mount id in /proc/self/fdinfo", str(fd))
+
+
+def answers(fd: int) -> bool:
+    """Whether the file system of the open file `fd` (an O_PATH descriptor will do) answers a statfs
+    within ANSWER_SECONDS. One that did not is not asked again until that question has ended: every
+    path into a hung mount is refused at once, and no more threads are left waiting on it."""
+    mount = mount_id(fd)
+    with _unanswered_lock:
+        waiting = _unanswered.get(mount)
+        if waiting is not None:
+            if not waiting.is_set():
+                return False
+            del _unanswered[mount]
+    mine = os.dup(fd)  # the question's own: it may outlive the caller's descriptor
+    ended = threading.Event()
+
+    def ask() -> bool:
+        try:
+            os.fstatvfs(mine)
+        except OSError:
+            pass  # an answer all the same (a dead FUSE mount answers ENOTCONN at once)
+        finally:
+            os.close(mine)
+            ended.set()
+        return True
+
+    if within(ANSWER_SECONDS, f"statfs of mount {mount}", ask) is True:
+        return True
+    with _unanswered_lock:
+        _unanswered[mount] = ended
+    return False
+
+
+def open_beneath(dir_fd: int, relative: str, flags: int = READ_FLAGS, *, same_mount: bool = False) -> int:
     """`relative` opened beneath the directory `dir_fd`: no absolute path, '..' or symlink leads
-    out of it (EXDEV); a symlink within it is followed. OSError as os.open raises it.
+    out of it (EXDEV); a symlink within it is followed. With `same_mount`, no mount point is
+    crossed either (EXDEV): nothing on another file system is asked anything. OSError as os.open
+    raises it.
 
     On a kernel without openat2 (before 5.6) no symlink is followed at all (ELOOP).
     """
+    resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS | (RESOLVE_NO_XDEV if same_mount else 0)
     try:
-        return openat2(dir_fd, relative, flags, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+        return openat2(dir_fd, relative, flags, resolve)
     except OSError as exc:
         if exc.errno != errno.ENOSYS:
             raise
@@ -76,36 +155,107 @@ class ModelDirectory:
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.real = Path(os.readlink(f"/proc/self/fd/{self.fd}"))
         self._repository: int | None = None
+        self._answered: set[int] = set()  # the mounts (by id) a walk from here found answering
         if self.path.parent.name == "snapshots":
             with contextlib.suppress(OSError):
                 self._repository = os.open(self.path.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def open(self, relative: str, flags: int = READ_FLAGS) -> int:
         """The file at `relative` (a path in the directory), opened beneath it; OSError if it cannot
-        be, EXDEV for a symlink out of it."""
+        be, EXDEV for a symlink out of it, Unanswered for a path into a file system that does not answer."""
         try:
-            return open_beneath(self.fd, relative, flags)
+            return open_beneath(self.fd, relative, flags, same_mount=True)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
-        # A symlink to an absolute path within the directory: followed as the path it is in it (and
-        # still opened beneath it, so that a link changed meanwhile cannot lead out).
-        real = Path(os.path.realpath(self.path / relative))
-        if real.is_relative_to(self.real) and real != self.real:
-            return open_beneath(self.fd, str(real.relative_to(self.real)), flags)
-        if self._repository is None:
-            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), relative)
-        # A snapshot's file: a link to its repository's blobs, resolved from the repository.
-        fd = open_beneath(self._repository, f"snapshots/{self.path.name}/{relative}", flags)
+        # Out of the directory (a symlink to an absolute path in it, a snapshot's link to a blob), or
+        # into another file system: walked a step at a time, and what it leads to opened if it may be.
+        found = self._walk(relative)
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        repository = self.path.parent.parent
-        if Path(target).parent == Path(os.path.realpath(repository)) / "blobs":
-            return fd
-        os.close(fd)
-        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), relative)
+            if not self._may_open(found):
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), relative)
+            return os.open(f"/proc/self/fd/{found}", flags)  # that very file, whatever its path holds now
+        finally:
+            os.close(found)
+
+    def _may_open(self, found: int) -> bool:
+        """Whether a file a walk found is one this directory may lead to: a file in it (through a
+        symlink to an absolute path in it), or a snapshot's blob in its repository."""
+        real = Path(os.readlink(f"/proc/self/fd/{found}"))
+        if real.is_relative_to(self.real) and real != self.real:
+            return True
+        if self._repository is None:
+            return False
+        return real.parent == Path(os.readlink(f"/proc/self/fd/{self._repository}")) / "blobs"
+
+    def _within(self, fd: int) -> bool:
+        """Whether an open directory is this one or in it (or in a snapshot's repository)."""
+        real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if real.is_relative_to(self.real):
+            return True
+        return self._repository is not None and real.is_relative_to(os.readlink(f"/proc/self/fd/{self._repository}"))
+
+    def _walk(self, relative: str) -> int:
+        """An O_PATH descriptor of what `relative` leads to from the directory, symlinks followed as
+        the kernel follows them, but one step at a time: before anything on another file system is
+        asked about (its type, a name in it), that file system must answer (Unanswered if not).
+        The kernel crosses into a mount without asking it anything; a stat or a lookup in it would
+        wait for as long as it does not answer."""
+        pending = [part for part in reversed(relative.split("/")) if part not in ("", ".")]
+        current = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd)
+        links = 0
+        try:
+            mount = mount_id(current)
+            while pending:
+                try:
+                    step = os.open(pending.pop(), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
+                except OSError:
+                    if not self._within(current):  # what is not found out of the directory is out of it
+                        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), relative) from None
+                    raise
+                try:
+                    entered = mount_id(step)
+                    if entered != mount and entered not in self._answered:
+                        if not answers(step):
+                            where = os.readlink(f"/proc/self/fd/{step}")  # the kernel's name for it: nothing asked
+                            raise Unanswered(
+                                errno.ETIMEDOUT,
+                                f"leads into another file system ({printable(where)}), which did not answer within "
+                                f"{ANSWER_SECONDS:g} s: a hung mount?",
+                                relative,
+                            )
+                        self._answered.add(entered)
+                    target = os.readlink("", dir_fd=step) if stat.S_ISLNK(os.fstat(step).st_mode) else None
+                except BaseException:
+                    os.close(step)
+                    raise
+                if target is None:
+                    os.close(current)
+                    current, mount = step, entered
+                    continue
+                os.close(step)
+                links += 1
+                if links > 40:  # the kernel's own limit
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), relative)
+                pending += [part for part in reversed(target.split("/")) if part not in ("", ".")]
+                if target.startswith("/"):
+                    os.close(current)
+                    current = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    mount = mount_id(current)
+            return current
+        except BaseException:
+            os.close(current)
+            raise
+
+    def has(self, name: str) -> bool:
+        """Whether the directory holds an entry `name` (a dangling symlink, or a mount point, too),
+        told without asking anything of what the entry may lead to (os.path.lexists would ask a
+        file system mounted there)."""
+        try:
+            os.close(open_beneath(self.fd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, same_mount=True))
+        except OSError as exc:
+            return exc.errno == errno.EXDEV  # a mount point (or a path out): there, to be refused when opened
+        return True
 
     def open_regular(self, relative: str) -> tuple[int, os.stat_result]:
         """A regular file beneath the directory and its status, from the one descriptor; NotRegular

@@ -15,6 +15,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 """The C library of this process (calls through it let the GIL go)."""
 
 _SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
+RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -18,6 +19,8 @@ import sys
 import threading
 import time
 import urllib.request
+import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -915,7 +918,7 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
 
 _CACHE_BLOCKS_COUNTED = """
 import os, sys
-from tensorfs.sources.cachefile import CachedObject
+from tensorfs.sources.cache.objects import CachedObject
 allocate = CachedObject.allocate
 def counted(self, offset, nbytes):
     before = self.cache.disk_usage()
@@ -1084,3 +1087,41 @@ def same_crc32c(original: bytes, changed: bytes) -> bytes:
     forged = changed[:-4] + (state ^ before).to_bytes(4, "little")
     assert crc32c.crc32c(forged) == crc32c.crc32c(original) and forged != original
     return forged
+
+
+def records_edited(checkpoint: bytes, part: str, edits: list[tuple[int, int]]) -> bytes:
+    """`checkpoint` (torch.save's) with bytes of its records whose names hold `part` ("/data.pkl", "/data/")
+    changed (each edit's position taken modulo those records' bytes, laid end to end), and their CRC-32s
+    made again where torch writes them (the data descriptor and the central directory): records that
+    read as written."""
+    data = bytearray(checkpoint)
+    archive = zipfile.ZipFile(io.BytesIO(checkpoint))
+    records = [info for info in archive.infolist() if part in info.filename and info.compress_size]
+    spans = []
+    for record in records:
+        name_length, extra_length = struct.unpack_from("<HH", data, record.header_offset + 26)
+        start = record.header_offset + 30 + name_length + extra_length
+        spans.append((record, start))
+    total = sum(record.compress_size for record in records)
+    for position, value in edits:
+        at = position % total
+        for record, start in spans:
+            if at < record.compress_size:
+                data[start + at] = value
+                break
+            at -= record.compress_size
+    for record, start in spans:
+        crc = struct.pack("<I", zlib.crc32(data[start : start + record.compress_size]))
+        descriptor = start + record.compress_size
+        if record.flag_bits & 8:
+            assert data[descriptor : descriptor + 4] == b"PK\x07\x08"
+            data[descriptor + 4 : descriptor + 8] = crc
+        else:
+            data[record.header_offset + 14 : record.header_offset + 18] = crc
+        entry = archive.start_dir
+        while data[entry : entry + 4] == b"PK\x01\x02":  # the central directory's entries
+            name_length, extra_length, comment_length = struct.unpack_from("<HHH", data, entry + 28)
+            if data[entry + 46 : entry + 46 + name_length] == record.filename.encode():
+                data[entry + 16 : entry + 20] = crc
+            entry += 46 + name_length + extra_length + comment_length
+    return bytes(data)

@@ -8,8 +8,8 @@
   bytes (a GET held mid-body) until it is let go.
 - RequestGate: a loopback HTTP proxy that knows exactly how many requests are in flight, and holds
   those for ranges past a point until it is let go.
-- HostileServer: an HTTP store that lies on purpose (more bytes than asked, encodings, other bytes
-  under one ETag, endless bodies).
+- HostileServer: a store (HTTP, S3's API, the Hub's) that lies on purpose, as a table of lies says
+  (Lie: sizes, ranges, ETags, bodies, listings, names, redirects, statuses).
 """
 
 from __future__ import annotations
@@ -17,16 +17,23 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import itertools
+import json
 import re
+import secrets
 import socket
 import threading
-import urllib.parse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qs, unquote
+from xml.sax.saxutils import escape
 
 from tensorfs.testing.servers import ACCESS_KEY, SECRET_KEY, Nginx, SeaweedFS, free_ports, stop, wait_http
 
 __all__ = [
-    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Nginx", "RequestGate", "SeaweedFS", "StallingProxy", "free_ports", "stop",
+    "ACCESS_KEY", "BROKEN", "GUARDED", "HUB_API", "MOVED", "NO_ETAG", "PRIVATE", "SECRET_KEY", "TOKEN", "DroppingProxy", "HostileServer", "Lie", "Nginx", "RequestGate", "SeaweedFS", "StallingProxy", "free_ports", "stop",
     "wait_http",
 ]  # fmt: skip
 
@@ -357,48 +364,72 @@ class RequestGate(_LoopbackProxy):
         self.cut()
 
 
+LieKind = Literal["size", "range", "etag", "body", "listing", "name", "redirect", "status"]
+
+
+@dataclass(frozen=True)
+class Lie:
+    """One falsehood a HostileServer tells: of `target` (a file's path under its root, as every API
+    names it: bucket/key for S3, ORG/NAME/PATH for the Hub; "*" for every file or listing), what it
+    falsifies, and how (`value`). A test's lies are a list of these, set before or while it runs:
+
+    - size, N: the file is said to hold N bytes (a HEAD, a GET's Content-Length and Content-Range's
+      total, a listing's size); a GET sends its bytes then zeros up to N, as long as the client reads
+      (what was sent is counted in `sent`).
+    - range, N (an int): ranged answers carry N bytes more than asked (Content-Length too);
+      "ignored": a 200 with the whole file; "shifted": the bytes from one further, said to be those
+      asked; "short": half the range, said to be half the range.
+    - etag, '"x"': that ETag from now on (as for an object changed in place); "fresh": a new ETag for
+      every answer; "none": no ETag at all; "unchecked": If-Match not looked at (whatever the file
+      holds now is served under its ETag now).
+    - body, bytes: these bytes served instead, under the file's first ETag (a store that changed an
+      object in place); ("GET", bytes): these bytes to GETs only, a HEAD still saying the file's own
+      size (a file grown past what was announced); "gzip": compressed (Content-Encoding: gzip); "cut": the connection closed
+      halfway through the body; "stall": half the body, then nothing (until the server closes).
+    - listing (of a prefix, or "*"): "garbage": an answer that is not a listing; "loop": S3's
+      continuation token given back forever; "huge": more files than any listing takes; "negative":
+      every size said -1; "sizes":
+      each size said 7 bytes more; of a file: "omitted": left out of every listing.
+    - name, NAME: a file NAME listed beside the others (S3 and the Hub's API), whose GET is b"{}"; a
+      NAME ending in '/' is a folder to the Hub's API (a key of that name to S3's).
+    - redirect, URL: every request answered 302 Found, to URL ("loop": to itself).
+    - status, CODE: every request answered CODE, with an HTML page for a body.
+    """
+
+    what: LieKind
+    target: str = "*"
+    value: Any = None
+
+    def of(self, path: str) -> bool:
+        return self.target in ("*", path)
+
+
 class HostileServer:
     """An HTTP server on 127.0.0.1 that serves the files under `root` as a store would (ranges, ETags,
-    If-Match, HEAD), and lies when told to: the faults a test sets are made to really happen on the wire.
-
-    - `padding[name] = n`: ranged answers of that file carry n bytes more than the range (Content-Length too).
-    - `encoded.add(name)`: answers of that file come gzip-compressed (Content-Encoding: gzip).
-    - `replaced[name] = data`: other bytes served under the file's first ETag (as a store that changed
-      an object in place would).
-    - `announced[name] = n`: a GET of that file says it holds n bytes and streams zeros until the
-      client stops reading (what was sent is counted in `sent`).
-    - `ignores_if_match`: If-Match is not looked at (as some servers and proxies do): whatever the
-      file holds now is served under its ETag now (`etags[name]`, which a test sets when it changes it).
-    - `redirects[name] = url`: every request of that name is answered 302 Found, to `url`.
-    - `endless_listing[bucket] = n`: an S3 listing (ListObjectsV2) of that bucket never ends: every
-      page holds n more objects under the prefix asked and says there are more (pages served are
-      counted in `pages_listed`).
-    - `grown[name] = data`: GETs of that file answer with `data` (under its ETag), HEADs still with the
-      file's own size: more than a HEAD announced comes.
+    If-Match, HEAD), through three APIs at once: plain HTTP (/PATH), S3 path-style (/BUCKET/KEY, and
+    ListObjectsV2: /BUCKET?list-type=2), and the Hub (/ORG/NAME/resolve/REV/PATH, and its listing
+    /api/models/ORG/NAME/tree/REV/PATH); and lies as its table of lies says (`lies`, Lie), each
+    made to really happen on the wire. Nothing outside `root` is ever served.
 
     With `certificate` (a certificate and its key, PEM files), it speaks HTTPS.
     """
 
-    def __init__(self, root: Path, certificate: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, root: Path, certificate: tuple[Path, Path] | None = None, lies: Iterable[Lie] = ()) -> None:
         import http.server
         import ssl
 
         self.root = root
-        self.padding: dict[str, int] = {}
-        self.encoded: set[str] = set()
-        self.replaced: dict[str, bytes] = {}
-        self.announced: dict[str, int] = {}
+        self.lies: list[Lie] = list(lies)
         self.etags: dict[str, str] = {}
-        self.redirects: dict[str, str] = {}
+        """Each file's ETag as first answered (a file changed on disk keeps it: see Lie etag)."""
         self.sent: dict[str, int] = {}
         self.requests: list[tuple[str, str, str, str]] = []
         """(method, file, Range, Accept-Encoding) of every request."""
+        self.paths: list[str] = []
+        """Every request's path, as it came."""
         self.headers: list[dict[str, str]] = []
         """Every request's headers (names in lower case), in the order the requests came."""
-        self.ignores_if_match = False
-        self.endless_listing: dict[str, int] = {}
-        self.pages_listed = 0
-        self.grown: dict[str, bytes] = {}
+        self._closing = threading.Event()
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -414,99 +445,114 @@ class HostileServer:
                 self._answer(body=True)
 
             def _answer(self, *, body: bool) -> None:
-                name = self.path.lstrip("/").split("?")[0]
+                server.paths.append(self.path)
+                path, _, query = self.path.partition("?")
                 headers = self.headers
                 server.headers.append({key.lower(): value for key, value in headers.items()})
+                name, listing = server._route(unquote(path.lstrip("/")), parse_qs(query))
                 server.requests.append(
                     (self.command, name, headers.get("Range", ""), headers.get("Accept-Encoding", ""))
                 )
-                if name in server.redirects:
-                    self.send_response(302)
-                    self.send_header("Location", server.redirects[name])
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                status = server._told("status", name)
+                if status is not None:
+                    page = f"<html><body>{status}</body></html>".encode()
+                    self._head(int(status), {"Content-Type": "text/html", "Content-Length": str(len(page))})
+                    self._send(name, page if body else b"")
                     return
-                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-                if name in server.endless_listing and query.get("list-type") == ["2"]:
-                    self._list_endlessly(name, query, server.endless_listing[name])
+                redirect = server._told("redirect", name)
+                if redirect is not None:
+                    where = self.path if redirect == "loop" else redirect
+                    self._head(302, {"Location": where, "Content-Length": "0"})
                     return
-                path = server.root / name
-                if not path.is_file():
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                if listing is not None:
+                    document = listing()
+                    self._head(200, {"Content-Type": "application/xml", "Content-Length": str(len(document))})
+                    self._send(name, document if body else b"")
                     return
-                original = path.read_bytes()
-                etag = server.etags.setdefault(name, f'"{hashlib.md5(original).hexdigest()}"')
-                data = server.replaced.get(name, original)
-                if body and name in server.grown:
-                    data = server.grown[name]
-                if self.headers.get("If-Match") not in (None, etag) and not server.ignores_if_match:
-                    self.send_response(412)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                data = server._content(name)
+                if data is None:
+                    self._head(404, {"Content-Length": "0"})
                     return
-                if name in server.announced:
-                    self._endless(name, server.announced[name], body)
+                etag = server._etag(name, data)
+                asked = self.headers.get("If-Match")
+                if asked not in (None, etag) and server._told("etag", name, "unchecked") is None:
+                    self._head(412, {"Content-Length": "0"})
                     return
-                start, end, status = 0, len(data), 200
+                replaced = server._told("body", name)
+                if isinstance(replaced, bytes):
+                    data = replaced
+                elif isinstance(replaced, tuple) and body:
+                    data = replaced[1]
+                announced = server._told("size", name)
+                size = len(data) if announced is None else int(announced)
+                self._file(name, data, size, etag, body)
+
+            def _file(self, name: str, data: bytes, size: int, etag: str | None, body: bool) -> None:
+                start, end, status = 0, size, 200
                 ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-                if ranged:
+                how = server._told("range", name)
+                if ranged and how != "ignored":
                     start = int(ranged[1])
-                    end = min(len(data), int(ranged[2]) + 1) if ranged[2] else len(data)
-                    if start >= len(data):
-                        self.send_response(416)
-                        self.send_header("Content-Range", f"bytes */{len(data)}")
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
+                    end = min(size, int(ranged[2]) + 1) if ranged[2] else size
+                    if start >= size:
+                        self._head(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"})
                         return
                     status = 206
-                payload = data[start:end] + b"\0" * (server.padding.get(name, 0) if ranged else 0)
+                said = (start, end)  # what Content-Range says is sent
+                if status == 206 and how == "shifted":
+                    start, end = start + 1, end + 1
+                elif status == 206 and how == "short":
+                    end = start + max(1, (end - start) // 2)
+                    said = (start, end)
+                padding = how if status == 206 and isinstance(how, int) else 0
+                fields = {"Last-Modified": "Mon, 01 Jan 2024 00:00:00 GMT"}
+                if etag is not None:
+                    fields["ETag"] = etag
+                if status == 206:
+                    fields["Content-Range"] = f"bytes {said[0]}-{said[1] - 1}/{size}"
+                encoding = server._told("body", name) == "gzip"
+                if encoding or end - start + padding <= 1 << 20:  # small: made whole
+                    payload = self._slice(data, start, end) + b"\0" * padding
+                    if encoding:
+                        payload = gzip.compress(payload)
+                        fields["Content-Encoding"] = "gzip"
+                    fields["Content-Length"] = str(len(payload))
+                    self._head(status, fields)
+                    if body:
+                        self._body(name, [payload])
+                    return
+                fields["Content-Length"] = str(end - start + padding)
+                self._head(status, fields)
+                if body:
+                    blocks = (self._slice(data, at, min(end, at + (1 << 20))) for at in range(start, end, 1 << 20))
+                    self._body(name, itertools.chain(blocks, [b"\0" * padding]))
+
+            @staticmethod
+            def _slice(data: bytes, start: int, end: int) -> bytes:
+                """Bytes [start, end) of the file, zeros past its end (a size said larger)."""
+                piece = data[start:end]
+                return piece + b"\0" * (end - start - len(piece))
+
+            def _body(self, name: str, pieces: Iterable[bytes]) -> None:
+                how = server._told("body", name)
+                if how in ("cut", "stall"):
+                    whole = b"".join(pieces)
+                    self._send(name, whole[: len(whole) // 2])
+                    if how == "stall":
+                        server._closing.wait()
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                for piece in pieces:
+                    if not self._send(name, piece):
+                        return
+
+            def _head(self, status: int, fields: dict[str, str]) -> None:
                 self.send_response(status)
-                if name in server.encoded:
-                    payload = gzip.compress(payload)
-                    self.send_header("Content-Encoding", "gzip")
-                if ranged:
-                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-                self.send_header("Content-Length", str(len(payload)))
-                self.send_header("ETag", etag)
-                self.send_header("Last-Modified", "Mon, 01 Jan 2024 00:00:00 GMT")
+                for key, value in fields.items():
+                    self.send_header(key, value)
                 self.end_headers()
-                if body:
-                    self._send(name, payload)
-
-            def _list_endlessly(self, bucket: str, query: dict[str, list[str]], count: int) -> None:
-                prefix = query.get("prefix", [""])[0]
-                first = int(query.get("continuation-token", ["0"])[0])
-                contents = "".join(
-                    f"<Contents><Key>{prefix}o{first + i:012d}</Key><LastModified>2024-01-01T00:00:00.000Z"
-                    f"</LastModified><ETag>&quot;e&quot;</ETag><Size>1</Size></Contents>"
-                    for i in range(count)
-                )
-                page = (
-                    '<?xml version="1.0" encoding="UTF-8"?>'
-                    '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
-                    f"<Name>{bucket}</Name><Prefix>{prefix}</Prefix><KeyCount>{count}</KeyCount>"
-                    f"<MaxKeys>{count}</MaxKeys><IsTruncated>true</IsTruncated>"
-                    f"<NextContinuationToken>{first + count}</NextContinuationToken>{contents}</ListBucketResult>"
-                ).encode()
-                server.pages_listed += 1
-                self.send_response(200)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(page)))
-                self.end_headers()
-                self.wfile.write(page)
-
-            def _endless(self, name: str, size: int, body: bool) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(size))
-                self.send_header("ETag", server.etags[name])
-                self.end_headers()
-                if body:
-                    block = b"\0" * (1 << 20)
-                    for _ in range(0, size, len(block)):
-                        if not self._send(name, block):
-                            return
 
             def _send(self, name: str, data: bytes) -> bool:
                 try:
@@ -533,5 +579,140 @@ class HostileServer:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def close(self) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
+
+    # -- what the server answers, and the lies it tells ---------------------------------------
+
+    def _told(self, what: LieKind, path: str, value: Any = None) -> Any:
+        """The value of the last lie of this kind about `path` (with `value`: that lie's, if told), or None."""
+        found = None
+        for lie in list(self.lies):
+            if lie.what == what and lie.of(path) and (value is None or lie.value == value):
+                found = lie.value
+        return found
+
+    def _route(self, path: str, query: dict[str, list[str]]) -> tuple[str, Callable[[], bytes] | None]:
+        """(the file a request names, as a path under the root; a maker of the listing it asks for, if any)."""
+        hub = re.fullmatch(r"api/models/([^/]+/[^/]+)/tree/[^/]+(?:/(.*))?", path)
+        if hub:
+            directory = f"{hub[1]}/{hub[2]}".rstrip("/") if hub[2] else hub[1]
+            return directory, lambda: self._hub_tree(directory)
+        resolve = re.fullmatch(r"([^/]+/[^/]+)/resolve/[^/]+/(.*)", path)
+        if resolve:
+            return f"{resolve[1]}/{resolve[2]}", None
+        if query.get("list-type") == ["2"]:
+            bucket = path.rstrip("/")
+            prefix = query.get("prefix", [""])[0]
+            token = query.get("continuation-token", [""])[0]
+            return f"{bucket}/{prefix}".rstrip("/"), lambda: self._s3_listing(bucket, prefix, token)
+        return path, None
+
+    def _content(self, name: str) -> bytes | None:
+        """A file's bytes as they are now: one under the root (never out of it), or a listed name's b"{}"."""
+        if any(lie.what == "name" and name.endswith(f"/{lie.value}") for lie in self.lies):
+            return b"{}"
+        parts = name.split("/")
+        if not name or any(part in ("", ".", "..") for part in parts) or "\0" in name:
+            return None
+        path = self.root.joinpath(*parts)
+        if not path.is_file() or path.is_symlink() or not path.resolve().is_relative_to(self.root.resolve()):
+            return None
+        return path.read_bytes()
+
+    def _etag(self, name: str, data: bytes) -> str | None:
+        first = self.etags.setdefault(name, f'"{hashlib.md5(data).hexdigest()}"')
+        told = next((lie.value for lie in reversed(self.lies) if lie.what == "etag" and lie.of(name)
+                     and lie.value != "unchecked"), None)  # fmt: skip
+        if told == "none":
+            return None
+        if told == "fresh":
+            return f'"{secrets.token_hex(8)}"'
+        return told if isinstance(told, str) and told != "unchecked" else first
+
+    def _listed(self, directory: str) -> list[tuple[str, int, str | None]]:
+        """The files under `directory` (every level, paths under the root), with their sizes and
+        ETags as the listings say them: the lies' names among them, the omitted left out."""
+        base = self.root / directory if directory else self.root
+        files = sorted(
+            str(path.relative_to(self.root))
+            for path in (base.rglob("*") if base.is_dir() else [])
+            if path.is_file() and not path.is_symlink()
+        )
+        files += [f"{directory}/{lie.value}" for lie in self.lies if lie.what == "name" and lie.of(directory)]
+        listed = []
+        for path in files:
+            data = self._content(path)
+            if data is None or self._told("listing", path, "omitted") is not None:
+                continue
+            said = self._told("size", path)
+            size = int(said) if said is not None else len(data)
+            size += 7 if self._told("listing", directory, "sizes") else 0
+            size = -1 if self._told("listing", directory, "negative") else size
+            listed.append((path, size, self._etag(path, data)))
+        return listed
+
+    def _s3_listing(self, bucket: str, prefix: str, token: str) -> bytes:
+        how = self._told("listing", f"{bucket}/{prefix}".rstrip("/"))
+        if how == "garbage":
+            return b"<ListBucketResult><Contents><Key>unterminated"
+        if how == "huge":  # a thousand a page, forever
+            page = int(token or 0)
+            keys = [(f"{bucket}/{prefix}x{page:08d}-{k:04d}.json", 2, None) for k in range(1000)]
+            return _s3_page(bucket, prefix, keys, str(page + 1))
+        directory = f"{bucket}/{prefix}".rstrip("/")
+        listed = [entry for entry in self._listed(directory) if entry[0].startswith(f"{bucket}/{prefix}")]
+        start = int(token or 0)
+        following = None if start + 1000 >= len(listed) else str(start + 1000)
+        if how == "loop":
+            following = token or "0"
+        return _s3_page(bucket, prefix, listed[start : start + 1000], following)
+
+    def _hub_tree(self, directory: str) -> bytes:
+        """The Hub's listing of a directory: its files and folders, paths from the repository's root."""
+        repo = "/".join(directory.split("/")[:2])
+        inner = directory[len(repo) + 1 :]
+        below = f"{inner}/" if inner else ""
+        how = self._told("listing", directory)
+        if how == "garbage":
+            return b'[{"path": "unterminated'
+        if how == "huge":
+            return json.dumps(
+                [{"type": "file", "path": f"{below}x{k:07d}.json", "size": 2} for k in range(150_000)]
+            ).encode()
+        items: list[dict[str, Any]] = []
+        named = {f"{directory}/{lie.value}" for lie in self.lies if lie.what == "name" and lie.of(directory)}
+        for path, size, _ in self._listed(directory):
+            within = path[len(directory) + 1 :]
+            if path in named and within.endswith("/"):  # a name said to be a folder's
+                items.append({"type": "directory", "path": below + within.rstrip("/"), "oid": "0"})
+                continue
+            if "/" in within and path not in named:  # a folder's file: the folder, listed once
+                folder = {"type": "directory", "path": below + within.split("/")[0], "oid": "0"}
+                if folder not in items:
+                    items.append(folder)
+                continue
+            items.append({"type": "file", "path": below + within, "size": size, "oid": "0"})
+        return json.dumps(items).encode()
+
+
+def _s3_page(bucket: str, prefix: str, files: list[tuple[str, int, str | None]], following: str | None) -> bytes:
+    """One page of ListObjectsV2's answer."""
+    contents = "".join(
+        f"<Contents><Key>{escape(path.removeprefix(f'{bucket}/'))}</Key><LastModified>2024-01-01T00:00:00.000Z"
+        f"</LastModified>{f'<ETag>{escape(etag)}</ETag>' if etag else ''}<Size>{size}</Size>"
+        "<StorageClass>STANDARD</StorageClass></Contents>"
+        for path, size, etag in files
+        if not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f]", path)  # XML cannot hold them (nor, so, S3's listing)
+    )
+    more = (
+        f"<IsTruncated>true</IsTruncated><NextContinuationToken>{following}</NextContinuationToken>"
+        if following
+        else "<IsTruncated>false</IsTruncated>"
+    )
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>{bucket}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(files)}</KeyCount><MaxKeys>1000</MaxKeys>"
+        f"{more}{contents}</ListBucketResult>"
+    ).encode()

@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +23,11 @@ from typing import Any
 
 import pytest
 
+import tensorfs
 from conftest import Mounts
 from helpers import MIB, cli, errno_of_reading, patience, random_bytes, write_index, write_reference
-from servers import HostileServer
+from servers import HostileServer, Lie
+from tensorfs.gate.plans import run
 from tensorfs.mount.mounttable import daemon_pid
 from tensorfs.sources.store import RemoteError, RemoteOptions
 
@@ -42,7 +45,7 @@ def hostile(tmp_path: Path) -> Iterator[HostileServer]:
 def test_an_index_of_a_gigabyte_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:
     write_reference(hostile.root / "a.safetensors", {"w": ("U8", [16], bytes(16))})
     write_index(hostile.root, {"w": "a.safetensors"})
-    hostile.announced["model.safetensors.index.json"] = 1 << 30
+    hostile.lies.append(Lie("size", "model.safetensors.index.json", 1 << 30))
     url = f"{hostile.url}/model.safetensors.index.json"
     result = cli("validate", "--cache-dir", str(tmp_path / "cache"), url)
     assert result.returncode == 1
@@ -53,7 +56,7 @@ def test_an_index_of_a_gigabyte_is_refused_unread(hostile: HostileServer, tmp_pa
 def test_a_manifest_of_one_and_a_half_gigabytes_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:
     write_reference(hostile.root / "m.safetensors", {"w": ("U8", [16], bytes(16))})
     (hostile.root / "tensors.sha256").write_text("")
-    hostile.announced["tensors.sha256"] = 3 << 29
+    hostile.lies.append(Lie("size", "tensors.sha256", 3 << 29))
     url = f"{hostile.url}/m.safetensors"
     result = cli("verify", "--cache-dir", str(tmp_path / "cache"), url)
     assert result.returncode == 1
@@ -102,6 +105,98 @@ def test_a_hung_mount_inside_the_model_directory_is_never_entered(mounts: Mounts
         assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
     finally:
         os.kill(hung, signal.SIGCONT)
+
+
+def hub_snapshot(root: Path) -> tuple[Path, Path]:
+    """A Hugging Face cache's repository (models--org--name) with one snapshot: (the snapshot, its blobs/)."""
+    repository = root / "models--org--name"
+    (repository / "blobs").mkdir(parents=True)
+    snapshot = repository / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    return snapshot, repository / "blobs"
+
+
+def test_a_snapshots_link_into_a_hung_mount_is_skipped_never_waited_on(mounts: Mounts, tmp_path: Path) -> None:
+    """A Hugging Face snapshot whose links lead to its repository's blobs/, where another user has
+    mounted a FUSE file system whose daemon is stopped (a tensorfs mount serving the blobs): anything
+    that looked at a blob there would wait for good (`tensorfs mount` did: killed at 90 s). The
+    snapshot's config.json is such a link: validate, mount and export skip it, with a warning saying
+    why, and serve the rest; a shard whose blob is there refuses the model in one line. Each command
+    within the hang guard of its process (no timing asserted), nothing left behind."""
+    snapshot, blobs = hub_snapshot(tmp_path / "hub")
+    expected = random_bytes(MIB, 11)
+    write_reference(snapshot / "model.safetensors", {"w": ("U8", [MIB], expected)})  # a file of its own
+    served = tmp_path / "served"  # what the hung mount serves: the blobs, as tensor files
+    served.mkdir()
+    write_reference(served / "blobs.safetensors", {"cfg": ("U8", [2], b"{}"), "shard": ("U8", [16], bytes(16))})
+    (snapshot / "config.json").symlink_to("../../blobs/cfg")
+    hung = mounts.daemon_pid(mounts.mount(served, mountpoint=blobs))
+    os.kill(hung, signal.SIGSTOP)
+    skipped = (
+        f"warning: {snapshot / 'config.json'}: skipped: leads into another file system ({blobs}), which did "
+        "not answer within 2 s: a hung mount?"
+    )
+    try:
+        validated = cli("validate", str(snapshot), timeout=60)
+        assert validated.returncode == 0, validated.stderr
+        mountpoint = tmp_path / "mnt"
+        mountpoint.mkdir()
+        result = mounts.attempt(snapshot, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+        assert result.returncode == 0, result.stderr
+        assert skipped in result.stderr.splitlines(), result.stderr
+        assert (mountpoint / "w").read_bytes() == expected
+        assert os.listdir(mountpoint / ".tensorfs" / "model") == ["model.safetensors"]
+        assert cli("umount", str(mountpoint)).returncode == 0
+        exported = cli("export", str(snapshot), str(tmp_path / "out"), timeout=60)
+        assert exported.returncode == 0, exported.stderr
+        assert skipped in exported.stderr.splitlines(), exported.stderr
+        assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
+        (snapshot / "model.safetensors").unlink()
+        (snapshot / "model.safetensors").symlink_to("../../blobs/shard")
+        refused = cli("validate", str(snapshot), timeout=60)
+        assert (refused.returncode, refused.stdout) == (1, "")
+        assert refused.stderr == (
+            f"error: {snapshot / 'model.safetensors'}: cannot open: leads into another file system ({blobs}), "
+            "which did not answer within 2 s: a hung mount?\n"
+        )
+    finally:
+        os.kill(hung, signal.SIGCONT)
+
+
+def test_a_snapshots_link_changed_into_a_hung_mount_once_open_is_never_followed(mounts: Mounts, tmp_path: Path) -> None:
+    """Once a snapshot's model is open, its shard's link is made to lead into a mount whose daemon is
+    stopped: hashing its tensor (the hash cache asks whether the file is still the one validated)
+    and writing the model over a file (never over one of its own shards) ask the file held open,
+    never its path again, and are done (each waited for by os.stat of the path before)."""
+    snapshot, blobs = hub_snapshot(tmp_path / "hub")
+    expected = random_bytes(MIB, 12)
+    write_reference(blobs / "hash-w", {"w": ("U8", [MIB], expected)})
+    (snapshot / "model.safetensors").symlink_to("../../blobs/hash-w")
+    served = tmp_path / "served"
+    served.mkdir()
+    write_reference(served / "o.safetensors", {"x": ("U8", [16], bytes(16))})
+    (tmp_path / "hung").mkdir()
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"replaced whole")
+    outcome: list[object] = []
+    with tensorfs.open_model(snapshot, cache=tmp_path / "cache") as model:
+        hung = mounts.daemon_pid(mounts.mount(served, mountpoint=tmp_path / "hung"))
+        os.kill(hung, signal.SIGSTOP)
+        worker = threading.Thread(
+            target=lambda: outcome.extend([run(model.gate.digest("w")), model.write_safetensors(out)]), daemon=True
+        )
+        try:
+            (snapshot / "model.safetensors").unlink()
+            (snapshot / "model.safetensors").symlink_to(tmp_path / "hung" / "x")
+            worker.start()
+            worker.join(60)  # a hang guard: it takes milliseconds
+            assert not worker.is_alive(), "hashing or writing the model waited on the hung mount"
+        finally:
+            os.kill(hung, signal.SIGCONT)
+            worker.join(60)
+    assert outcome[0] == hashlib.sha256(expected).hexdigest()
+    with tensorfs.open_model(out, cache=False) as written:
+        assert written.raw("w") == expected
 
 
 def _header_of_repeats(size: int) -> bytes:
@@ -215,34 +310,42 @@ class SteppingClock:
         return getattr(time, name)
 
 
+def pages_listed(server: HostileServer) -> int:
+    return sum("list-type=2" in path for path in server.paths)
+
+
 def test_a_listing_goes_through_at_most_100000_objects(hostile: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefix whose listing never ends (a store that says there are more, page after page): the
     model is refused in one line once 100,000 objects are past, its 101st page of 1000 the last
     asked for."""
     (hostile.root / "bucket").mkdir()
-    hostile.endless_listing["bucket"] = 1000
+    hostile.lies.append(Lie("listing", "bucket/many", "huge"))
     for key, value in {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}.items():
         monkeypatch.setenv(key, value)
     result = cli("validate", "--endpoint-url", hostile.url, "--remote-timeout", "600", "s3://bucket/many/")
-    expected = "error: s3://bucket/many/: over 100000 objects under this prefix: name the model's index\n"
+    expected = (
+        "error: s3://bucket/many/: over 100000 objects under this prefix; none of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json is there: name the model's "
+        "file or index\n"
+    )
     assert (result.returncode, result.stderr) == (1, expected)
-    assert hostile.pages_listed == 101
+    assert pages_listed(hostile) == 101
 
 
 def test_a_listing_ends_at_the_remote_timeout(hostile: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A listing that never ends ends within --remote-timeout, whatever the objects it has gone
-    through: 5 s here, each thousand objects (ten pages) taking a second of the clock it reads."""
-    from tensorfs.sources import store
+    through: 5 s here, each thousand objects (a page) taking a second of the clock it reads."""
+    from tensorfs.sources import client, store
 
     (hostile.root / "bucket").mkdir()
-    hostile.endless_listing["bucket"] = 100
+    hostile.lies.append(Lie("listing", "bucket/slow", "huge"))
     for key, value in {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}.items():
         monkeypatch.setenv(key, value)
     spec, prefix = store.store_spec("s3://bucket/slow/", RemoteOptions(endpoint_url=hostile.url, timeout=5))
-    monkeypatch.setattr(store, "time", SteppingClock(1.0))
+    monkeypatch.setattr(client, "time", SteppingClock(1.0))
     with pytest.raises(RemoteError, match=r"^s3://bucket/slow/: listing took over 5 s$"):
-        store.list_objects(spec, prefix)
-    assert 10 <= hostile.pages_listed <= 60  # (the client lists a thousand objects at a time)
+        client.list_objects(spec, prefix)
+    assert 5 <= pages_listed(hostile) <= 8  # (the client may ask for a page or two ahead)
 
 
 def test_the_companion_scan_stops_after_30_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,7 +383,7 @@ def test_a_naming_file_longer_than_announced_is_refused_as_it_comes(hostile: Hos
     found = find_remote_companions(f"{hostile.url}/m.safetensors", options, warnings)
     assert {"config.json", "modeling_x.py"} <= {c.path for c in found} and warnings == []  # told honestly: followed
     grown = b'{"auto_map": {"AutoModel": "modeling_y.Model"}, "pad": "' + b"x" * (2 * MIB) + b'"}'
-    hostile.grown["config.json"] = grown
+    hostile.lies.append(Lie("body", "config.json", ("GET", grown)))
     found = find_remote_companions(f"{hostile.url}/m.safetensors", options, warnings)
     assert "modeling_y.py" not in {c.path for c in found}
     assert not any(name == "modeling_y.py" for _, name, _, _ in hostile.requests)

@@ -22,7 +22,7 @@ import pytest
 import tensorfs
 from conftest import Mounts, drop_caches
 from helpers import MIB, errno_of_reading, patience, random_bytes, same_crc32c, upload, write_index, write_reference
-from servers import HostileServer, SeaweedFS
+from servers import HostileServer, Lie, SeaweedFS
 from tensorfs.errors import TensorfsError
 from tensorfs.manifest import format_manifest
 from tensorfs.sources.store import RemoteOptions
@@ -94,7 +94,7 @@ def forge_t0(hostile: HostileServer) -> None:
     served = (hostile.root / "m.safetensors").read_bytes()
     chunk = served[: 8 * MIB]
     changed = chunk[:MIB] + bytes(b ^ 0xFF for b in chunk[MIB : 2 * MIB]) + chunk[2 * MIB :]
-    hostile.replaced["m.safetensors"] = same_crc32c(chunk, changed) + served[8 * MIB :]
+    hostile.lies.append(Lie("body", "m.safetensors", same_crc32c(chunk, changed) + served[8 * MIB :]))
 
 
 def evict_forge_and_fetch_again(hostile: HostileServer, url: str, cache: Path, expected: bytes, weak: bool) -> None:
@@ -338,7 +338,7 @@ def change_t0(hostile: HostileServer) -> None:
     """The store serves other bytes in t0's first chunk under the same ETag (changed in place: no forging)."""
     served = (hostile.root / "m.safetensors").read_bytes()
     changed = served[:MIB] + bytes(b ^ 0x5A for b in served[MIB : 2 * MIB]) + served[2 * MIB :]
-    hostile.replaced["m.safetensors"] = changed
+    hostile.lies.append(Lie("body", "m.safetensors", changed))
 
 
 def test_without_a_manifest_a_store_changing_an_object_in_place_is_caught_in_process(

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import warnings
 import zipfile
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +32,16 @@ from hypothesis import strategies as st
 
 import tensorfs
 from conftest import Mounts
-from helpers import NAME_RULES, BoundedReference, cited_rule, fuzz_split, fuzzing, refused_in_one_line, unexplained
+from helpers import (
+    NAME_RULES,
+    BoundedReference,
+    cited_rule,
+    fuzz_split,
+    fuzzing,
+    records_edited,
+    refused_in_one_line,
+    unexplained,
+)
 from servers import Nginx, SeaweedFS
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import pickled, pytorch
@@ -414,6 +422,14 @@ def _newline_in_a_name(tmp_path: Path) -> Path:
     return path
 
 
+def _nul_in_a_name(tmp_path: Path) -> Path:
+    path = checkpoint(tmp_path / "nul.bin", GOOD, {"0": F32_BYTES})
+    named = bytearray(path.read_bytes())
+    named[_central_entry(named, b"archive/byteorder") + 46 + len("archive/byte")] = 0
+    path.write_bytes(named)
+    return path
+
+
 def _long_local_name(tmp_path: Path) -> Path:
     path = checkpoint(tmp_path / "long.bin", GOOD, {"0": F32_BYTES})
     content = bytearray(path.read_bytes())
@@ -486,6 +502,12 @@ ZIP_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "an entry twice": (_twice, "holds archive/data/0 twice"),
     "a newline in an entry's name": (_newline_in_a_name, "archive/da\\x0aa/0's local header is not where"),
     "a local header's name past the end": (_long_local_name, "archive/data/0's local header is not where"),
+    # Names from an archive pass the one gate of names from outside (torch looks them up as they are):
+    "a storage named out of its folder": (
+        lambda d: checkpoint(d / "o.bin", state_pickle("FloatStorage", "../../x", 4, 0, (2, 2)), {"../../x": F32_BYTES}),
+        "the zip holds an entry whose name has a '..' path component: archive/data/../../x",
+    ),
+    "a NUL in an entry's name": (_nul_in_a_name, "the zip holds an entry whose name contains a NUL character"),
     "not a state dict": (lambda d: checkpoint(d / "l.bin", pickle.dumps([1, 2], protocol=2), {}),
                          "holds a list, not a dict of tensors"),
     "a Zip64 extra field shorter than it says": (_short_zip64_extra, "says 24 bytes, past the end of its extra data"),
@@ -968,44 +990,6 @@ def pickle_strings(checkpoint: bytes) -> list[tuple[str, Any, int]]:
 
 _LENGTH_BYTES = {"SHORT_BINUNICODE": 1, "BINUNICODE": 4, "BINUNICODE8": 8, "SHORT_BINSTRING": 1, "BINSTRING": 4}
 """The string opcodes of a pickle, and the bytes of the length before their text."""
-
-
-def records_edited(checkpoint: bytes, part: str, edits: list[tuple[int, int]]) -> bytes:
-    """`checkpoint` (torch.save's) with bytes of its records whose names hold `part` ("/data.pkl", "/data/")
-    changed (each edit's position taken modulo those records' bytes, laid end to end), and their CRC-32s
-    made again where torch writes them (the data descriptor and the central directory): records that
-    read as written."""
-    data = bytearray(checkpoint)
-    archive = zipfile.ZipFile(io.BytesIO(checkpoint))
-    records = [info for info in archive.infolist() if part in info.filename and info.compress_size]
-    spans = []
-    for record in records:
-        name_length, extra_length = struct.unpack_from("<HH", data, record.header_offset + 26)
-        start = record.header_offset + 30 + name_length + extra_length
-        spans.append((record, start))
-    total = sum(record.compress_size for record in records)
-    for position, value in edits:
-        at = position % total
-        for record, start in spans:
-            if at < record.compress_size:
-                data[start + at] = value
-                break
-            at -= record.compress_size
-    for record, start in spans:
-        crc = struct.pack("<I", zlib.crc32(data[start : start + record.compress_size]))
-        descriptor = start + record.compress_size
-        if record.flag_bits & 8:
-            assert data[descriptor : descriptor + 4] == b"PK\x07\x08"
-            data[descriptor + 4 : descriptor + 8] = crc
-        else:
-            data[record.header_offset + 14 : record.header_offset + 18] = crc
-        entry = archive.start_dir
-        while data[entry : entry + 4] == b"PK\x01\x02":  # the central directory's entries
-            name_length, extra_length, comment_length = struct.unpack_from("<HHH", data, entry + 28)
-            if data[entry + 46 : entry + 46 + name_length] == record.filename.encode():
-                data[entry + 16 : entry + 20] = crc
-            entry += 46 + name_length + extra_length + comment_length
-    return bytes(data)
 
 
 def saved_bytes(state: dict[str, torch.Tensor], protocol: int = 2) -> bytes:

@@ -41,7 +41,7 @@ from helpers import (
     remote_stats,
     threads_of,
 )
-from servers import DroppingProxy, HostileServer, Nginx, SeaweedFS, StallingProxy
+from servers import DroppingProxy, HostileServer, Lie, Nginx, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.opener import open_model
 from tensorfs.sources.cache import OBJECTS_DIR
@@ -185,8 +185,7 @@ def test_an_answer_of_another_etag_is_refused_from_a_server_that_ignores_if_matc
         path = tmp_path / "served" / "m.safetensors"
         shard = path.read_bytes()
         path.write_bytes(shard[: -2 * MIB] + bytes(b ^ 0xFF for b in shard[-2 * MIB :]))  # t02 and t03 changed
-        server.etags["m.safetensors"] = '"a-new-version"'
-        server.ignores_if_match = True
+        server.lies += [Lie("etag", "m.safetensors", '"a-new-version"'), Lie("etag", "m.safetensors", "unchecked")]
         before = len(server.headers)
         for name in ("t02", "t03"):
             assert errno_of_reading(mountpoint / name) == errno.EIO, name  # never the new bytes

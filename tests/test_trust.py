@@ -40,7 +40,7 @@ from helpers import (
     same_crc32c,
     write_reference,
 )
-from servers import HostileServer, Nginx
+from servers import HostileServer, Lie, Nginx
 from tensorfs.sources.cache import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
@@ -83,17 +83,19 @@ def test_an_answer_longer_than_its_range_writes_nothing_outside_it(hostile: Host
     kept = (cache / OBJECTS_DIR / oid).read_bytes()[16 * MIB : 32 * MIB]
     remote = RemoteOptions(cache_dir=cache)
     with tensorfs.open_model(url, remote=remote) as model:
-        hostile.padding["m.safetensors"] = MIB  # from now on, a megabyte more than each range asked for
+        hostile.lies.append(
+            Lie("range", "m.safetensors", MIB)
+        )  # from now on, a megabyte more than each range asked for
         with pytest.raises(tensorfs.TensorfsError, match=r"sent more than the \d+ bytes of .* asked for: refused"):
             bytes(model.raw("t0"))  # chunks 0 and 1 fetched: both answers run over
         assert bytes(model.raw("t2")) == expected["t2"]
     assert (cache / OBJECTS_DIR / oid).read_bytes()[16 * MIB : 32 * MIB] == kept  # not a byte written into them
     assert cached_chunks(cache) == before  # and nothing more taken for present
-    hostile.padding.clear()
+    hostile.lies.clear()
     with tensorfs.open_model(url, remote=remote) as model:  # another process's look at the same cache
-        hostile.padding["m.safetensors"] = MIB
+        hostile.lies.append(Lie("range", "m.safetensors", MIB))
         assert bytes(model.raw("t2")) == expected["t2"]
-    hostile.padding.clear()
+    hostile.lies.clear()
     verified = cli("verify", "--manifest", str(tmp_path / "t2.sha256"), *common, url)
     assert verified.returncode == 0, verified.stderr
     with tensorfs.open_model(url, remote=remote) as model:  # an honest answer: all is well
@@ -132,7 +134,7 @@ def test_the_hash_cache_of_a_remote_tensor_is_keyed_by_its_object_version(
 
 def test_a_compressed_answer_is_refused_in_one_line(hostile: HostileServer, tmp_path: Path) -> None:
     four_tensors(hostile.root / "m.safetensors", size=MIB)
-    hostile.encoded.add("m.safetensors")
+    hostile.lies.append(Lie("body", "m.safetensors", "gzip"))
     result = cli("validate", "--cache-dir", str(tmp_path / "cache"), f"{hostile.url}/m.safetensors")
     assert result.returncode == 1
     assert result.stderr == (
@@ -178,7 +180,7 @@ def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
     served = (hostile.root / "m.safetensors").read_bytes()
     chunk = served[: 8 * MIB]  # t0's first chunk: other bytes in it, with its CRC-32C kept (what a CRC cannot tell)
     changed = chunk[:MIB] + bytes(b ^ 0xFF for b in chunk[MIB : 2 * MIB]) + chunk[2 * MIB :]
-    hostile.replaced["m.safetensors"] = same_crc32c(chunk, changed) + served[8 * MIB :]  # the same ETag
+    hostile.lies.append(Lie("body", "m.safetensors", same_crc32c(chunk, changed) + served[8 * MIB :]))  # the same ETag
     drop_caches()  # the kernel's copy of t0 too: it is read again
     assert errno_of_reading(mountpoint / "t0") == errno.EIO  # never the other bytes
     assert "are not those the same version (ETag" in mounts.log()
@@ -367,7 +369,7 @@ REDIRECTED_TO_METADATA = """
 import http.server, json, subprocess, sys, threading
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from servers import HostileServer
+from servers import HostileServer, Lie
 asked = []
 class Metadata(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -384,8 +386,8 @@ metadata = http.server.ThreadingHTTPServer(("169.254.169.254", 80), Metadata)
 threading.Thread(target=metadata.serve_forever, daemon=True).start()
 store = HostileServer(Path(sys.argv[2]))
 for name in ("m.safetensors", "tensors.sha256"):
-    store.redirects[name] = "http://169.254.169.254/latest/meta-data/iam/security-credentials/role"
-store.redirects["mapped.safetensors"] = "http://[::ffff:169.254.169.254]/latest/meta-data/"
+    store.lies.append(Lie("redirect", name, "http://169.254.169.254/latest/meta-data/iam/security-credentials/role"))
+store.lies.append(Lie("redirect", "mapped.safetensors", "http://[::ffff:169.254.169.254]/latest/meta-data/"))
 command = [word.replace("URL", store.url) for word in sys.argv[3:]]
 done = subprocess.run([sys.executable, "-m", "tensorfs.cli", *command], capture_output=True, text=True, timeout=120)
 print(json.dumps({"code": done.returncode, "stderr": done.stderr, "asked": asked}))
@@ -436,8 +438,8 @@ def test_https_redirects_are_followed_to_https_only(tmp_path: Path) -> None:
     back = HostileServer(tmp_path / "back", (certificate, key))
     plain = HostileServer(tmp_path / "plain")
     try:
-        front.redirects["same.safetensors"] = f"{back.url}/m.safetensors"
-        front.redirects["down.safetensors"] = f"{plain.url}/m.safetensors"
+        front.lies.append(Lie("redirect", "same.safetensors", f"{back.url}/m.safetensors"))
+        front.lies.append(Lie("redirect", "down.safetensors", f"{plain.url}/m.safetensors"))
         env = {**os.environ, "SSL_CERT_FILE": str(authority)}
         same = cli("validate", "--no-cache", "--remote-timeout", "5", f"{front.url}/same.safetensors", env=env)
         assert same.returncode == 0 and same.stdout.startswith(f"{front.url}/same.safetensors: valid"), same.stderr

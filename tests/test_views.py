@@ -328,6 +328,31 @@ def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
     assert warnings == [f"{snapshot / 'elsewhere.txt'}: skipped: a symlink out of the model's directory"]
 
 
+def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: Path) -> None:
+    """Another user fills the model's directory with thousands of files none may read (symlinks out
+    of it, a subdirectory's files past their limit): one warning a reason, the first as it is and a
+    count of the others, never a line each (a million files made a million lines)."""
+    from tensorfs.views.companions import find_companions
+
+    model = tmp_path / "m"
+    model.mkdir()
+    write_reference(model / "model.safetensors", {"w": ("U8", [4], bytes(4))})
+    (model / "config.json").write_text("{}")
+    for k in range(3000):
+        (model / f"out{k:04d}.json").symlink_to(tmp_path / "elsewhere")
+    for k in range(2):
+        with open(model / f"big{k}.bin", "wb") as big:  # sparse: costs nothing
+            big.truncate((64 << 20) + 1)
+    warnings: list[str] = []
+    found = find_companions(model, warnings)
+    assert [c.path for c in found] == ["config.json"]
+    assert warnings == [
+        f"{model / 'big0.bin'}: skipped: {(64 << 20) + 1} bytes, over 64 MiB (and 1 more files skipped: over 64 MiB)",
+        f"{model / 'out0000.json'}: skipped: a symlink out of the model's directory (and 2999 more files skipped: "
+        "a symlink out of the model's directory)",
+    ]
+
+
 def test_view_shards_and_a_selection(mounts: Mounts, tmp_path: Path) -> None:
     directory = tmp_path / "m"
     directory.mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import cast
 
 import click
 
@@ -15,7 +16,7 @@ from ..identity import shard_name
 from ..manifest import DEFAULT_MANIFEST, format_manifest
 from ..model import Model
 from ..names import Layout
-from ..opener import hash_all
+from ..opener import Beside, Verify, hash_all
 from ..progress import Progress
 from ..selection import Selection
 from ..sources.store import RemoteOptions
@@ -25,6 +26,7 @@ from .options import (
     ModelLocation,
     cache_options,
     layout_option,
+    manifest_options,
     model_argument,
     remote_options,
     selection_options,
@@ -128,10 +130,18 @@ def manifest(
 @model_argument
 @click.argument("dest", type=click.Path(path_type=Path))
 @view_files_option("--shards", "A directory DEST: the model")
+@manifest_options("Write no tensor", "all before writing anything")
 @selection_options
 @remote_options
 def export(
-    path: Path | str, dest: Path, shards: int, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+    path: Path | str,
+    dest: Path,
+    shards: int,
+    manifest_path: Path | str | None,
+    verify: str | None,
+    selection: Selection,
+    cache_dir: Path | None,
+    remote: RemoteOptions,
 ) -> None:
     """Write MODEL's tensors (or a selection of them) as a new model at DEST.
 
@@ -140,7 +150,9 @@ def export(
     holding what .tensorfs/model/ of a mount holds: model.safetensors (or
     model-0000K-of-0000N.safetensors and an index; a GGUF model's model.gguf; a selection's are
     named selected) and the model's companion files (config.json, tokenizer files, ...). Streamed,
-    with a progress line on a terminal; written whole or not at all.
+    with a progress line on a terminal; written whole or not at all. Held to its manifest as a mount
+    is (--manifest, else tensors.sha256 beside the model if there): a tensor whose bytes do not match
+    fails the export.
     """
     from ..views import build_view
     from ..views.export import view_bytes, write_view
@@ -153,7 +165,8 @@ def export(
     # the writer's own rename never replaces what comes meanwhile either.
     refuse_existing(dest, "file" if one_file else "directory")
     source = source_of(path, remote)
-    with source.open(selection) as model, ended_by_signals():
+    held_to = manifest_path if manifest_path is not None else Beside.IF_ANY
+    with source.open(selection, manifest=held_to, verify=cast(Verify | None, verify)) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
         if one_file and dest.suffix != f".{model.view_format}":
             why = f"a {model.format} model is written as a .{model.view_format} file (or a directory)"

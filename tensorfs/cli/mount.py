@@ -13,7 +13,6 @@ from typing import Any, cast
 import click
 
 from ..errors import TensorfsError, printable
-from ..manifest import DEFAULT_MANIFEST
 from ..names import Layout
 from ..selection import Selection
 from ..sources.store import RemoteOptions
@@ -29,6 +28,7 @@ from .options import (
     ParsedText,
     cache_options,
     layout_option,
+    manifest_options,
     remote_options,
     selection_options,
     source_of,
@@ -104,19 +104,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "mounted files' copy: twice the memory for what is read, for a remount that finds it there. By default "
     "each byte read is held once.",
 )
-@click.option(
-    "--manifest",
-    "manifest_path",
-    type=ModelLocation(),
-    metavar="FILE|URL",
-    help=f"Serve no tensor before its bytes match this manifest (a file or a URL). Default: {DEFAULT_MANIFEST} "
-    "in MODEL (in its directory, for a file), if there.",
-)
-@click.option(
-    "--verify",
-    type=click.Choice(["open", "all", "off"]),
-    help="With a manifest: hash each tensor on its first open (default), all before mounting, or not at all.",
-)
+@manifest_options("Serve no tensor", "all before mounting")
 @view_files_option("--view-shards", "The synthesized model in .tensorfs/model/")
 @click.option(
     "--log-format",

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import click
 
+from ..manifest import DEFAULT_MANIFEST
 from ..names import LAYOUTS
 from ..opener import Source
 from ..selection import Selection, parse_layers
@@ -206,6 +207,28 @@ def remote_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         with_remote = option(with_remote)
     return with_remote
+
+
+def manifest_options(serve: str, all_before: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--manifest and --verify: the manifest a command that hands tensors out holds them to (`serve`
+    says what it does not before, `all_before` when --verify all hashes everything)."""
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option(
+            "--verify",
+            type=click.Choice(["open", "all", "off"]),
+            help=f"With a manifest: hash each tensor on its first open (default), {all_before}, or not at all.",
+        )(command)
+        return click.option(
+            "--manifest",
+            "manifest_path",
+            type=ModelLocation(),
+            metavar="FILE|URL",
+            help=f"{serve} before its bytes match this manifest (a file or a URL). Default: {DEFAULT_MANIFEST} "
+            "in MODEL (in its directory, for a file), if there.",
+        )(command)
+
+    return apply
 
 
 def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,7 +11,9 @@ tensor) have entries over the same bytes.
 The zip is read as torch's reader reads it: its central directory (at the end, Zip64 too), then the
 local header of each entry used, for where its data begins (torch writes sizes only in the central
 directory). The pickle is read by pickled.py, which runs none of it. Refused, in one line each:
-anything but a zip holding ARCHIVE/data.pkl; TorchScript archives; encrypted or compressed entries;
+anything but a zip holding ARCHIVE/data.pkl; an entry whose name is not a plain relative path (the one
+gate of names from outside, names.path_problem: a storage a pickle names is looked up among those);
+TorchScript archives; encrypted or compressed entries;
 entries that overlap, or run past the central directory; a big-endian byteorder; the legacy format
 (torch < 1.6) with a hint; any global a state dict's pickle does not use; a storage missing, or of
 another size than the pickle says; a tensor past its storage, or not contiguous (by name, with a hint).
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidModelError, Problem
 from ..identity import ShardKey
+from ..names import path_problem
 from . import pickled
 from .table import Described, Entry, ShardHeader
 
@@ -252,7 +255,10 @@ def _records(directory: bytes, count: int) -> dict[str, _Record]:
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
-            raise _Fault(f"the zip holds an entry whose name is not UTF-8: {raw_name!r}") from None
+            raise _Fault(f"the zip holds an entry whose name is not UTF-8: {raw_name[:200]!r}") from None
+        why = path_problem(name)  # the one gate of names from outside: the checkpoint is refused
+        if why is not None:
+            raise _Fault(f"the zip holds an entry whose name {why}: {name[:200]}")
         if name in records:
             raise _Fault(f"the zip holds {name} twice")
         if disk:

@@ -14,16 +14,14 @@ import shutil
 import signal
 import stat
 import subprocess
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ..errors import MountError
 from ..names import CONTROL_DIR, STATS_NAME
-from ..safefiles import unescape_mountinfo
+from ..safefiles import ANSWER_SECONDS, unescape_mountinfo, within
 from .runtime import FoundRecord, daemon_of, find_record, process_state, read_record, remove_record
 
 FSTYPE = "fuse.tensorfs"
@@ -123,24 +121,7 @@ def daemon_pid(mountpoint: Path) -> int | None:
 
 # -- health ---------------------------------------------------------------------------------
 
-PROBE_TIMEOUT = 2.0
-
-
-Answer = TypeVar("Answer")
-
-
-def within(timeout: float, name: str, ask: Callable[[], Answer]) -> Answer | str:
-    """`ask()` on a thread of its own, or "hung" if it has not returned within `timeout`.
-
-    The thread is left behind if a daemon never answers. It ends when the daemon does, or its
-    connection is aborted; not with this process: a request the daemon has taken is waited for
-    uninterruptibly, and the process cannot exit before it ends (see unmount()).
-    """
-    outcome: list[Answer] = []
-    thread = threading.Thread(target=lambda: outcome.append(ask()), name=name, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return outcome[0] if outcome else "hung"
+PROBE_TIMEOUT = ANSWER_SECONDS
 
 
 def probe(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> str:

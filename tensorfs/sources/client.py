@@ -109,10 +109,11 @@ RANGE_NEEDED = (
 _STATUS = re.compile(r"status code: (\d{3}[^:\n]*)")  # how the client's errors say the server's answer
 
 
-def status_of(exc: BaseException) -> str:
-    """The HTTP status the server answered with, as the client's error says it ("416"), or ""."""
-    status = _STATUS.search(str(exc))
-    return status.group(1)[:3] if status else ""
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status a store's answer had, when a request failed on one (never a number found elsewhere
+    in the text: a port, a time)."""
+    found = _STATUS.search(str(exc))
+    return int(found.group(1)[:3]) if found else None
 
 
 def describe_error(exc: BaseException, spec: StoreSpec) -> str:
@@ -142,6 +143,26 @@ def describe_error(exc: BaseException, spec: StoreSpec) -> str:
         return "a redirect not followed (https:// to http://, or more than 10 in a row)"
     if re.search(rf"\b{re.escape(NOWHERE)}\b", text):  # sent to the proxy that is not there: see REFUSED_NETWORKS
         return "refused: a link-local or cloud-metadata address (where the server redirected it?)"
+    # Answers other than the one asked for, as obstore's debug text tells them:
+    key = re.search(r'Encountered object with invalid path: (?:Error parsing )?Path "((?:[^"\\]|\\.)*)"', text)
+    if key:  # obstore parses every key of a listing, and gives up on the whole of it at one it cannot
+        return (
+            f"the listing holds a key that is no plain path ('{printable(key.group(1)[:200])}'), which the "
+            "store's client refuses to list past"
+        )
+    listing = re.search(r"Got invalid list response: ([^\n]*)", text)
+    if listing:
+        return f"the store's answer is not a listing (S3's ListObjectsV2): {printable(listing.group(1)[:200])}"
+    if "RangeNotSupported" in text or "NotPartial" in text:
+        return "the server ignored the byte range asked for (it sent the whole object): refused"
+    other_range = re.search(r"expected: (\d+)\.\.(\d+),\s*actual: (\d+)\.\.(\d+)", text)
+    if other_range:
+        asked, sent = other_range.groups()[:2], other_range.groups()[2:]
+        return f"the server sent bytes [{sent[0]}, {sent[1]}) for the [{asked[0]}, {asked[1]}) asked for: refused"
+    if "kind: Timeout" in text or "TimedOut" in text:
+        return "no answer within --remote-timeout (the store, or the connection to it, stalled)"
+    if "IncompleteBody" in text or "kind: Body" in text:
+        return "the answer ended before all its bytes came (the connection was cut)"
     if status:  # not the body that came with it (an HTML page, an XML error)
         return f"the server answered {printable(status.group(1).strip())}"
     if "error sending request" in first or "ConnectError" in text:
@@ -264,7 +285,7 @@ def read_first_bytes(ref: ObjectRef, needed: Callable[[bytes, int], int]) -> tup
     except RemoteError:
         raise
     except Exception as exc:
-        if status_of(exc) == "416":  # nothing at offset 0: an empty object
+        if status_of(exc) == 416:  # nothing at offset 0: an empty object
             return _empty(ref, client)
         _raise(ref, exc)
         raise
@@ -284,7 +305,7 @@ def _empty(ref: ObjectRef, client: Any) -> tuple[ObjectVersion, bytes]:
         meta = retried(ref.spec, lambda: obstore.head(client, ref.key))
     except Exception as exc:
         _raise(ref, exc)
-        raise
+        raise  # unreachable: _raise always raises
     return ObjectVersion(ref, str(meta["e_tag"] or ""), int(meta["size"]), modified(meta)), b""
 
 

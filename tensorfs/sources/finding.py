@@ -5,7 +5,7 @@ anything is made of it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -70,7 +70,10 @@ def _choose(source: str, options: RemoteOptions, spec: StoreSpec, prefix: str, w
                 return choice
             raise
         names = None if more else _names_in(sorted(str(meta["path"]) for meta in listed), prefix)
-        return choose(names, where, there)
+        choice = choose(names, where, there)
+        if more and choice.problem is not None:  # said, or the listing's bound passes unseen
+            return replace(choice, problem=f"over {MAX_LISTED} objects under this prefix; {choice.problem}")
+        return choice
     try:
         names = [path for path, *_ in _hub_files(source, options) if "/" not in path]
     except AccessDenied:
@@ -226,7 +229,15 @@ def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> 
 
     top = listed(directory)
     prefix = f"{directory}/" if directory else ""
-    folders = [item["path"] for item in top if item.get("type") == "directory"]
+    # A folder is asked for by its name: one plain part below the directory, or not at all (its files
+    # would not be the view's).
+    folders = [
+        item["path"]
+        for item in top
+        if item.get("type") == "directory"
+        and item["path"].startswith(prefix)
+        and path_problem(item["path"][len(prefix) :], max_depth=1) is None
+    ]
     items = top[:MAX_LISTED]
     for folder in sorted(folders)[:subdirectories]:  # at most MAX_LISTED in all: a lying Hub's bound
         if len(items) >= MAX_LISTED:
@@ -234,10 +245,12 @@ def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> 
         items += listed(folder)[: MAX_LISTED - len(items)]
     entries: Listed = []
     for item in items:
-        size = item.get("size")
-        if item.get("type") != "file" or not isinstance(size, int) or not item["path"].startswith(prefix):
+        if item.get("type") != "file" or not item["path"].startswith(prefix):
             continue
-        entries.append((item["path"].removeprefix(prefix), size, 0.0, None))
+        size = item.get("size")
+        if not isinstance(size, int) or isinstance(size, bool):
+            size = -1  # no size: said where it is used
+        entries.append((str(item["path"]).removeprefix(prefix), size, 0.0, None))
     return files_of(entries)
 
 

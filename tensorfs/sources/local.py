@@ -64,7 +64,7 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
         except OSError as exc:
             problems.append(Problem(str(source), f"cannot open: {exc.strerror}"))
             return FoundShards([])
-        mounted = mounted_under(source)
+        mounted = mounted_under(directory.real)
         try:
             names = sorted(e.name for e in directory.scan())
         except OSError as exc:
@@ -102,7 +102,7 @@ def _split_parts(source: Path, parts: list[str], problems: list[Problem]) -> Fou
     except OSError as exc:
         problems.append(Problem(str(source.parent), f"cannot open: {exc.strerror}"))
         return FoundShards([])
-    missing = [name for name in parts if not os.path.lexists(source.parent / name)]
+    missing = [name for name in parts if not directory.has(name)]
     if missing:
         why = f"a part of a multi-file GGUF of {len(parts)} files, of which {', '.join(missing)} cannot be found"
         problems.append(Problem(str(source), why))
@@ -127,7 +127,7 @@ def _shards_from_index(
         if (
             isinstance(names, list)
             and all(isinstance(name, str) for name in names)
-            and all((index.parent / name).exists() for name in names)  # else read it, to say which tensor
+            and all(directory.has(name) for name in names)  # else read it, to say which tensor
         ):
             return FoundShards(sorted(index.parent / name for name in names), label, None, read_as, directory)
         # Refused from its size, unread; and as soon as it reads longer (a file that grows meanwhile).
@@ -151,17 +151,22 @@ def _shards_from_index(
     if cache is not None and key is not None and len(problems) == known:
         cache.put("index", key, names)
     missing: dict[str, Problem] = {}
-    existing = _existing(index, names, weight_map, label, missing)
+    existing = _existing(directory, index, names, weight_map, label, missing)
     problems.extend(missing.values())
     return FoundShards(existing, label, weight_map, key, directory, missing)
 
 
 def _existing(
-    index: Path, names: list[str], weight_map: dict[str, str], label: str, missing: dict[str, Problem]
+    directory: ModelDirectory,
+    index: Path,
+    names: list[str],
+    weight_map: dict[str, str],
+    label: str,
+    missing: dict[str, Problem],
 ) -> list[Path]:
     shards = []
     for name in names:
-        if os.path.lexists(index.parent / name):
+        if directory.has(name):
             shards.append(index.parent / name)
         else:
             missing[name] = missing_shard(label, weight_map, name)
@@ -223,6 +228,8 @@ class LocalDescription:
     path: Path
     label: str
     identity: Identity
+    beneath: Path | None = None
+    """The model's directory it was found in, and is opened beneath again (None: named itself)."""
 
 
 def _worth_caching(fd: int, size: int) -> bool:
@@ -240,9 +247,10 @@ class LocalShard(ShardData):
 
     key: Path
 
-    def __init__(self, path: Path, label: str, fd: int, validated: os.stat_result) -> None:
+    def __init__(self, path: Path, label: str, fd: int, validated: os.stat_result, beneath: Path | None = None) -> None:
         self.key = path
         self.label = label
+        self._beneath = beneath
         self._fd = fd
         self._validated = validated
         self._mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
@@ -287,7 +295,7 @@ class LocalShard(ShardData):
                 if cache is not None and identity.settled():
                     cache.put_shard(identity.key(), header)
             # Map the descriptor the header was read from: the bytes served are the bytes validated.
-            return header, cls(path, label, fd, validated)
+            return header, cls(path, label, fd, validated, directory.path if directory is not None else None)
         except InvalidModelError:
             os.close(fd)
             raise
@@ -300,12 +308,19 @@ class LocalShard(ShardData):
         """Map the file validated elsewhere again; InvalidModelError if it is no longer that file."""
         # Absolute from here on: a daemon leaves the directory it was started in.
         path = Path(os.path.abspath(saved.path))
-        fd = open_shard(path, saved.label)
+        if saved.beneath is None:
+            fd = open_shard(path, saved.label)
+        else:  # as it was found: a link into a mount that stopped answering meanwhile is no hang
+            try:
+                with ModelDirectory(saved.beneath) as directory:
+                    fd = directory.open(path.name)
+            except OSError as exc:
+                raise InvalidModelError([Problem(saved.label, f"cannot open: {why_refused(exc)}")]) from None
         try:
             status = os.fstat(fd)
             if Identity.of(status) != saved.identity:
                 raise InvalidModelError([Problem(saved.label, "changed while it was being validated; try again")])
-            return cls(path, saved.label, fd, status)
+            return cls(path, saved.label, fd, status, saved.beneath)
         except BaseException:
             os.close(fd)
             raise
@@ -356,9 +371,11 @@ class LocalShard(ShardData):
             done += count
 
     def identity(self) -> Identity | None:
+        # The file held open, not the path: whatever the path leads to now (another file, a link
+        # into a mount that does not answer), the bytes read are this file's.
         validated = Identity.of(self._validated)
         try:
-            now = Identity.of(os.stat(self.key))
+            now = Identity.of(os.fstat(self._fd))
         except OSError:
             return None
         return validated if now == validated else None
@@ -370,7 +387,7 @@ class LocalShard(ShardData):
         return self._fd, self._validated
 
     def describe(self) -> LocalDescription:
-        return LocalDescription(self.key, self.label, Identity.of(self._validated))
+        return LocalDescription(self.key, self.label, Identity.of(self._validated), self._beneath)
 
     def mapped_file(self) -> tuple[int, int]:
         return self._fd, self._validated.st_size

@@ -108,8 +108,8 @@ class CompanionFiles:
         buffer = bytearray(size)
         try:
             opened.readinto(offset, memoryview(buffer))
-        except TensorfsError as exc:
-            raise CompanionError(f"{path}: {exc}") from None
+        except TensorfsError as exc:  # its message names the object's URL already
+            raise CompanionError(str(exc)) from None
         return bytes(buffer)
 
     def _opened(self, companion: Companion) -> Any:
@@ -199,12 +199,30 @@ def _open_remote(companion: Companion) -> Any:
         if version is None:
             version = head(origin.ref)
             if version is None:
-                raise CompanionError(f"{origin.ref.url}: gone since it was mounted")
+                raise CompanionError(f"{origin.ref.url}: listed, and not there now (404)")
         if version.size != companion.size:
             raise CompanionError(f"{origin.ref.url}: {version.size} bytes now, not {companion.size}: it changed")
         return RemoteShard.of(version, origin.options)
     except RemoteError as exc:
         raise CompanionError(str(exc)) from None
+
+
+class Skipped:
+    """Files left out, by reason: one warning a reason, however many (a lying listing, or a directory
+    another user fills, may hold a million), saying the first as it is and counting the others."""
+
+    def __init__(self) -> None:
+        self._by_reason: dict[str, tuple[str, int]] = {}  # reason -> (what is said of the first, how many)
+
+    def add(self, reason: str, said: str) -> None:
+        first, count = self._by_reason.get(reason, (said, 0))
+        self._by_reason[reason] = (first, count + 1)
+
+    def said(self) -> list[str]:
+        return [
+            first + (f" (and {count - 1} more files skipped: {reason})" if count > 1 else "")
+            for reason, (first, count) in self._by_reason.items()
+        ]
 
 
 # -- local models ---------------------------------------------------------------------------
@@ -273,10 +291,10 @@ def _scan(
     root: ModelDirectory, warnings: list[str], directories: dict[str, os.stat_result] | None, own: set[str]
 ) -> list[Companion]:
     deadline = time.monotonic() + SCAN_SECONDS
-    mounted = mounted_under(root.path)
+    skipped = Skipped()  # a directory another user fills with a million unreadable files: one warning a reason
     found: list[Companion] = []
     total = 0
-    for relative in _candidates(root, mounted, warnings):
+    for relative in _candidates(root, mounted_under(root.real), skipped):
         if os.path.abspath(root.path / relative) in own:
             continue
         shown = printable(str(root.path / relative))
@@ -291,21 +309,23 @@ def _scan(
         except NotRegular:
             continue
         except OSError as exc:
-            warnings.append(f"{shown}: skipped: {why_refused(exc)}")
+            why = printable(why_refused(exc))
+            skipped.add(why, f"{shown}: skipped: {why}")
             continue
         try:  # served later through a descriptor opened again, only while it holds what it holds now
             if st.st_size > MAX_COMPANION_BYTES:
-                warnings.append(f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
+                skipped.add("over 64 MiB", f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
                 continue
             if total + st.st_size > MAX_COMPANIONS_TOTAL:
-                warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+                skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
                 continue
             digest = content_digest(fd, st.st_size)
             if Identity.of(os.fstat(fd)) != Identity.of(st):
-                warnings.append(f"{shown}: skipped: written to while it was being read")
+                skipped.add("written to", f"{shown}: skipped: written to while it was being read")
                 continue
         except OSError as exc:
-            warnings.append(f"{shown}: skipped: cannot read: {exc.strerror}")
+            why = f"cannot read: {exc.strerror}"
+            skipped.add(why, f"{shown}: skipped: {why}")
             continue
         finally:
             os.close(fd)
@@ -315,7 +335,8 @@ def _scan(
             try:
                 where = root.status(subdirectory)
             except OSError as exc:
-                warnings.append(f"{shown}: skipped: {why_refused(exc)}")
+                why = printable(why_refused(exc))
+                skipped.add(why, f"{shown}: skipped: {why}")
                 continue
             if directories is not None:
                 directories[subdirectory] = where
@@ -323,10 +344,11 @@ def _scan(
             st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
         total += st.st_size
         found.append(Companion(relative, st.st_size, mtime_ns, st, LocalOrigin(root.path, identity, digest)))
+    warnings.extend(skipped.said())
     return found
 
 
-def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) -> list[str]:
+def _candidates(root: ModelDirectory, mounted: set[str], skipped: Skipped) -> list[str]:
     names: list[str] = []
     try:
         top = sorted(root.scan(), key=lambda e: e.name)
@@ -336,7 +358,7 @@ def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) ->
         if entry.name.startswith(".") or not (is_companion(entry.name) or entry.is_dir(follow_symlinks=False)):
             continue
         if entry.name in mounted:
-            warnings.append(f"{printable(str(root.path / entry.name))}: skipped: another file system is mounted there")
+            _mounted(root, entry.name, skipped)
             continue
         if entry.is_dir(follow_symlinks=False):
             try:
@@ -348,14 +370,17 @@ def _candidates(root: ModelDirectory, mounted: set[str], warnings: list[str]) ->
                 if not is_companion(path) or e.is_dir(follow_symlinks=False):
                     continue
                 if path in mounted:
-                    warnings.append(
-                        f"{printable(str(root.path / path))}: skipped: another file system is mounted there"
-                    )
+                    _mounted(root, path, skipped)
                     continue
                 names.append(path)
         else:
             names.append(entry.name)
     return names
+
+
+def _mounted(root: ModelDirectory, relative: str, skipped: Skipped) -> None:
+    why = "another file system is mounted there"
+    skipped.add(why, f"{printable(str(root.path / relative))}: skipped: {why}")
 
 
 # -- remote models ----------------------------------------------------------------------------
@@ -454,7 +479,9 @@ def _listed(
         if ref.url in own:
             continue
         shown = printable(ref.url)
-        if size > MAX_COMPANION_BYTES:
+        if size < 0:  # a lying listing's (-1: none at all)
+            skipped.add("no size", f"{shown}: skipped: the listing gives it no size, or a negative one")
+        elif size > MAX_COMPANION_BYTES:
             skipped.add("over 64 MiB", f"{shown}: skipped: {size} bytes, over 64 MiB")
         elif total + size > MAX_COMPANIONS_TOTAL:
             skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
@@ -467,24 +494,6 @@ def _listed(
             found.append(Companion(path, size, mtime_ns, None, RemoteOrigin(ref, options, version)))
     warnings.extend(skipped.said())
     return found
-
-
-class Skipped:
-    """Listed files left out, by reason: one warning a reason, however many (a lying listing may hold a
-    million), saying the first as it is and counting the others."""
-
-    def __init__(self) -> None:
-        self._by_reason: dict[str, tuple[str, int]] = {}  # reason -> (what is said of the first, how many)
-
-    def add(self, reason: str, said: str) -> None:
-        first, count = self._by_reason.get(reason, (said, 0))
-        self._by_reason[reason] = (first, count + 1)
-
-    def said(self) -> list[str]:
-        return [
-            first + (f" (and {count - 1} more files skipped: {reason})" if count > 1 else "")
-            for reason, (first, count) in self._by_reason.items()
-        ]
 
 
 def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, warnings: list[str]) -> list[Companion]:
@@ -553,19 +562,20 @@ def _named(
         if document_name == "modules.json" and isinstance(document, list):
             for module in document:
                 folder = module.get("path") if isinstance(module, dict) else None
-                if isinstance(folder, str) and folder and _plain_path(folder):
+                if isinstance(folder, str) and _plain_name(folder):  # its files: one level down
                     named += [f"{folder}/{name}" for name in MODULE_FILES]
         elif isinstance(document, dict) and isinstance(document.get("auto_map"), dict):
             for value in document["auto_map"].values():
                 for reference in value if isinstance(value, list) else [value]:
                     if isinstance(reference, str) and "." in reference:
                         module_name = reference.rpartition("--")[2].rpartition(".")[0]
-                        if module_name and _plain_path(module_name):
+                        if _plain_name(f"{module_name}.py", MAX_SUBDIRECTORY_DEPTH):
                             named.append(f"{module_name}.py")
     return named
 
 
-def _plain_path(path: str) -> bool:
-    """A relative path of at most two plain parts (what a view holds: one level of subdirectories)."""
-    parts = path.split("/")
-    return len(parts) <= 2 and all(part and part not in (".", "..") and "\\" not in part for part in parts)
+def _plain_name(path: str, depth: int = 1) -> bool:
+    """Whether a name a model's file gives is one to look for: a plain relative path of at most
+    `depth` parts (names.path_problem, the one gate of names from outside), and no backslash (a
+    separator to some servers)."""
+    return path_problem(path, depth) is None and "\\" not in path

@@ -19,6 +19,7 @@ from ..files import NewDirectory, WriteError, umasked, write_directory, write_wh
 from . import Companion, ModelView, SynthesizedFile, shared_metadata
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..identity import ShardKey
     from ..tables import Tables
 
 _BLOCK = 1 << 20
@@ -35,7 +36,7 @@ def write_safetensors(
     anything else refused, nothing written through a symlink. Returns its size in bytes."""
 
     def not_a_shard(st: os.stat_result) -> None:
-        if any(_same_file(st, shard) for shard in model.shards):
+        if any(_same_file(st, model, shard) for shard in model.shards):
             raise WriteError(f"cannot write {printable(str(path))}: it is a shard of the model being written")
 
     synthesized = SynthesizedFile(model, model.sorted_names, shared_metadata(model))
@@ -88,11 +89,13 @@ def _write_files(view: ModelView, new: NewDirectory, read: Read, progress: Calla
                 progress(len(content))
 
 
-def _same_file(st: os.stat_result, shard: object) -> bool:
+def _same_file(st: os.stat_result, model: Tables, shard: ShardKey) -> bool:
+    """Whether `st` is the shard's file: the one held open, never its path looked up again (a
+    snapshot's link may lead elsewhere now, even into a mount that does not answer)."""
     if not isinstance(shard, Path):
         return False  # an object in a store
     try:
-        other = os.stat(shard)
+        other = model.shard_data(shard).status()
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
