@@ -267,6 +267,8 @@ def test_bench_remote_quick_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> No
         "download", "download_cpu", "download_files", "link_download_files", "link_first_byte", "link_first_read",
         "local_first_read", "one_tensor", "remote_cpu", "remote_first_read", "remote_mount", "remote_mount_gets",
         "remote_open_latency", "remote_page_cache", "remote_reread", "remote_rss", "remote_stat_latency",
+        "bucket_download", "bucket_s3fs", "bucket_rclone_off", "bucket_rclone_full", "bucket_tensorfs",
+        "bucket_tensorfs_cpu", "bucket_s3fs_cpu", "bucket_rclone_off_cpu", "bucket_rclone_full_cpu",
     }  # fmt: skip
     assert report["remote_first_read"]["gbps"] > 0
     assert report["one_tensor"]["bytes"] <= 2 * 8 * MIB  # reading one tensor fetched its own chunks alone
