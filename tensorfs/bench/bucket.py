@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ..testing.servers import ACCESS_KEY, SECRET_KEY, SeaweedFS
@@ -38,10 +38,9 @@ from .common import (
     median,
     read_file,
 )
-from .peers import apt_installed
+from .peers import apt_installed, foreground
 
 BUCKET = "bucket-bench"
-MOUNT_TIMEOUT = 60.0
 
 
 def bucket_section(config: Config, report: Report, work: Path, out: Callable[[str], None]) -> None:
@@ -196,33 +195,11 @@ def _read_peer(path: Path, nbytes: int, pid: int) -> tuple[float, float]:
     return nbytes / (time.perf_counter() - begin), cpu_seconds(pid) - cpu
 
 
-@contextlib.contextmanager
-def _peer(command: list[str], mountpoint: Path, log: Path, env: dict[str, str]) -> Iterator[int]:
+def _peer(command: list[str], mountpoint: Path, log: Path, env: dict[str, str]) -> AbstractContextManager[int]:
     """A peer's daemon in the foreground until its mount is live (its pid); unmounted and reaped after.
     AWS_CA_BUNDLE is unset for it: rclone refuses to start with one beside a plain-HTTP endpoint."""
-    from ..mount.mounttable import mount_at
-
-    mountpoint.mkdir()
     environment = {key: value for key, value in os.environ.items() if key != "AWS_CA_BUNDLE"} | env
-    with open(log, "ab") as log_file:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=environment)
-    try:
-        deadline = time.monotonic() + MOUNT_TIMEOUT
-        while mount_at(mountpoint) is None:
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited ({process.returncode}) without mounting: see {log}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{command[0]} did not mount {mountpoint} in {MOUNT_TIMEOUT:.0f} s: see {log}")
-            time.sleep(0.01)
-        yield process.pid
-    finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
-        try:
-            process.wait(timeout=MOUNT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        mountpoint.rmdir()
+    return foreground(command, mountpoint, log, environment)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..mount.mounttable import mount_at
 
 FUSECTL = Path("/sys/fs/fuse/connections")
-MOUNT_TIMEOUT = 30.0
+MOUNT_TIMEOUT = 60.0  # a bound on a daemon that never mounts: s3fs and rclone start slowly on a busy machine
 INSTALL_TIMEOUT = 300.0
 
 Locate = Callable[[str], tuple[Path, int, int]]
@@ -95,10 +95,19 @@ def _read_number(path: Path) -> int | None:
 
 @contextlib.contextmanager
 def serving(command: list[str], mountpoint: Path, log: Path, knobs: Knobs) -> Iterator[dict[str, int | None]]:
-    """Run a FUSE daemon in the foreground until its mount at `mountpoint` is live; unmount and reap it after."""
+    """Run a FUSE daemon in the foreground until its mount at `mountpoint` is live, tuned as `knobs`
+    say; unmount and reap it after."""
+    with foreground(command, mountpoint, log):
+        yield tune(mountpoint, knobs)
+
+
+@contextlib.contextmanager
+def foreground(command: list[str], mountpoint: Path, log: Path, env: dict[str, str] | None = None) -> Iterator[int]:
+    """A FUSE daemon (its pid) in the foreground, with `env` if given, until its mount at `mountpoint`
+    is live; unmounted and reaped after."""
     mountpoint.mkdir()
     with open(log, "ab") as log_file:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env)
     try:
         deadline = time.monotonic() + MOUNT_TIMEOUT
         while mount_at(mountpoint) is None:
@@ -107,7 +116,7 @@ def serving(command: list[str], mountpoint: Path, log: Path, knobs: Knobs) -> It
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{command[0]} did not mount {mountpoint} in {MOUNT_TIMEOUT:.0f} s: see {log}")
             time.sleep(0.005)
-        yield tune(mountpoint, knobs)
+        yield process.pid
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
         try:
