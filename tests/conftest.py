@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from helpers import FUZZ_RANDOM, FUZZ_REPLAY, TENSORFS, cli, mib_sharded_model, patience, raw_shard, read_line
-from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, Nginx, SeaweedFS
+from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, HostileServer, Nginx, SeaweedFS
 from tensorfs.bench import common as bench_common
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
@@ -460,6 +460,17 @@ def own_nginx(tmp_path: Path) -> Iterator[Nginx]:
 
 
 _buckets = iter(range(1, 1_000_000))
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[HostileServer]:
+    """A HostileServer of the files under tmp_path/served (made empty), telling no lie until told."""
+    (tmp_path / "served").mkdir(exist_ok=True)
+    server = HostileServer(tmp_path / "served")
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture

@@ -1125,3 +1125,17 @@ def records_edited(checkpoint: bytes, part: str, edits: list[tuple[int, int]]) -
                 data[entry + 16 : entry + 20] = crc
             entry += 46 + name_length + extra_length + comment_length
     return bytes(data)
+
+
+def damage_in_place(directory: Path, name: str) -> None:
+    """Flip a byte in the middle of tensor `name` of the model in `directory`, in place (its shard
+    keeps its size and header)."""
+    import tensorfs
+
+    with tensorfs.open_model(directory, cache=False) as model:
+        shard, offset, nbytes = model.locate(name)
+    with open(shard, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +30,6 @@ from servers import HostileServer, Lie
 from tensorfs.gate.plans import run
 from tensorfs.mount.mounttable import daemon_pid
 from tensorfs.sources.store import RemoteError, RemoteOptions
-
-
-@pytest.fixture
-def hostile(tmp_path: Path) -> Iterator[HostileServer]:
-    (tmp_path / "served").mkdir()
-    server = HostileServer(tmp_path / "served")
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def test_an_index_of_a_gigabyte_is_refused_unread(hostile: HostileServer, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from conftest import Mounts, wait_until
 from helpers import (
     MIB,
     daemon_stats,
+    damage_in_place,
     errno_of_reading,
     free_port,
     random_bytes,
@@ -46,17 +47,6 @@ def _manifest(directory: Path, data: dict[str, bytes]) -> None:
     (directory / "tensors.sha256").write_text(text)
 
 
-def _damage(directory: Path, name: str) -> None:
-    """Flip a byte in the middle of tensor `name`, in place (its shard keeps its size and header)."""
-    with open_model(directory, cache=False) as model:
-        shard, offset, nbytes = model.locate(name)
-    with open(shard, "r+b") as f:
-        f.seek(offset + nbytes // 2)
-        byte = f.read(1)
-        f.seek(offset + nbytes // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.fixture
 def copies(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     """A model with a manifest (the primary) and a copy of it (the fallback)."""
@@ -69,7 +59,7 @@ def copies(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
 # -- in-process ---------------------------------------------------------------------------------
 def test_the_loader_takes_a_damaged_tensor_from_its_fallback(copies: tuple[Path, Path, dict[str, bytes]]) -> None:
     primary, copy, data = copies
-    _damage(primary, "s1.t1")
+    damage_in_place(primary, "s1.t1")
     with pytest.raises(IntegrityError, match=r"s1\.t1"):
         load_file(primary, framework="np", verify=True, cache=False)
     loaded = load_file(primary, framework="np", verify=True, cache=False, fallback=[copy])
@@ -81,8 +71,8 @@ def test_the_loader_takes_a_damaged_tensor_from_its_fallback(copies: tuple[Path,
 
 def test_a_fallback_with_other_bytes_is_never_served(copies: tuple[Path, Path, dict[str, bytes]]) -> None:
     primary, copy, _ = copies
-    _damage(primary, "s1.t1")
-    _damage(copy, "s1.t1")  # the same tensor damaged in both: neither copy matches the manifest
+    damage_in_place(primary, "s1.t1")
+    damage_in_place(copy, "s1.t1")  # the same tensor damaged in both: neither copy matches the manifest
     with open_model(primary, verify=True, cache=False, fallback=[copy]) as model:
         with pytest.raises(IntegrityError, match=r"s1\.t1"):
             model.raw("s1.t1")
@@ -96,7 +86,7 @@ def test_a_fallback_whose_table_disagrees_is_passed_over(tmp_path: Path) -> None
     other = tmp_path / "other"
     other.mkdir()
     write_reference(other / "m.safetensors", {name: ("U8", [2, len(blob) // 2], blob) for name, blob in data.items()})
-    _damage(tmp_path / "primary", "s0.t1")
+    damage_in_place(tmp_path / "primary", "s0.t1")
     fallback = [other, tmp_path / "none"]
     with (
         open_model(tmp_path / "primary", verify=True, cache=False, fallback=fallback) as model,
@@ -129,7 +119,7 @@ def test_a_fallback_down_is_a_warning_then_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     primary, copy, data = copies
-    _damage(primary, "s0.t2")
+    damage_in_place(primary, "s0.t2")
     later = tmp_path / "later"
     with caplog.at_level(logging.WARNING), open_model(primary, verify=True, cache=False, fallback=[later]) as model:
         with pytest.raises(IntegrityError):
@@ -148,7 +138,7 @@ def test_a_mount_serves_a_damaged_tensor_from_its_fallback(
     mounts: Mounts, copies: tuple[Path, Path, dict[str, bytes]]
 ) -> None:
     primary, copy, data = copies
-    _damage(primary, "s1.t1")
+    damage_in_place(primary, "s1.t1")
     port = free_port()
     mountpoint = mounts.mount(primary, "--fallback", str(copy), "--metrics", str(port))
     for name, blob in data.items():
@@ -195,8 +185,8 @@ def test_without_a_fallback_that_agrees_the_reader_gets_eio(
     mounts: Mounts, copies: tuple[Path, Path, dict[str, bytes]], tmp_path: Path
 ) -> None:
     primary, copy, data = copies
-    _damage(primary, "s1.t1")
-    _damage(copy, "s1.t1")
+    damage_in_place(primary, "s1.t1")
+    damage_in_place(copy, "s1.t1")
     mountpoint = mounts.mount(primary, "--fallback", str(tmp_path / "nothing-here"), "--fallback", str(copy))
     assert errno_of_reading(mountpoint / "s1.t1") == errno.EIO
     assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
@@ -312,8 +302,8 @@ def test_a_local_copy_heals_from_the_store(
     options = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache"), "--fallback", store]
     mountpoint = mounts.mount(primary, *options)
     assert (mountpoint / "s0.t0").read_bytes() == data["s0.t0"]
-    _damage(primary, "s0.t1")
-    _damage(primary, "s1.t0")
+    damage_in_place(primary, "s0.t1")
+    damage_in_place(primary, "s1.t0")
     shard = primary / "model-00003-of-00003.safetensors"
     os.truncate(shard, shard.stat().st_size - 100)
     for name, blob in data.items():

@@ -14,14 +14,23 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tensorfs
 from conftest import Mounts, drop_caches
-from helpers import MIB, errno_of_reading, patience, random_bytes, same_crc32c, upload, write_index, write_reference
+from helpers import (
+    MIB,
+    damage_in_place,
+    errno_of_reading,
+    patience,
+    random_bytes,
+    same_crc32c,
+    upload,
+    write_index,
+    write_reference,
+)
 from servers import HostileServer, Lie, SeaweedFS
 from tensorfs.errors import TensorfsError
 from tensorfs.manifest import format_manifest
@@ -45,16 +54,6 @@ def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
 def manifest_of(data: dict[str, bytes], path: Path) -> Path:
     path.write_text(format_manifest({name: hashlib.sha256(blob).hexdigest() for name, blob in data.items()}))
     return path
-
-
-@pytest.fixture
-def hostile(tmp_path: Path) -> Iterator[HostileServer]:
-    (tmp_path / "served").mkdir()
-    server = HostileServer(tmp_path / "served")
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 # -- a chunk another process fetched again ---------------------------------------------------------
@@ -182,23 +181,12 @@ def _sharded(directory: Path) -> dict[str, bytes]:
     return data
 
 
-def _flip(directory: Path, name: str) -> None:
-    """Flip a byte in the middle of tensor `name`, in place."""
-    with tensorfs.open_model(directory, cache=False) as model:
-        shard, offset, nbytes = model.locate(name)
-    with open(shard, "r+b") as f:
-        f.seek(offset + nbytes // 2)
-        byte = f.read(1)
-        f.seek(offset + nbytes // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.fixture
 def damaged(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     """A primary whose tensor s1.t0 is damaged, and a whole copy of it (the fallback)."""
     data = _sharded(tmp_path / "copy")
     shutil.copytree(tmp_path / "copy", tmp_path / "primary")
-    _flip(tmp_path / "primary", "s1.t0")
+    damage_in_place(tmp_path / "primary", "s1.t0")
     return tmp_path / "primary", tmp_path / "copy", data
 
 
@@ -209,16 +197,16 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
     primary, copy, data = damaged
     verify = manifest_of(data, tmp_path / "m.sha256") if manifest else None
     if not manifest:  # without a manifest, a shard changed in place is what sends s1.t0 to its fallback
-        _flip(primary, "s1.t1")
+        damage_in_place(primary, "s1.t1")
     with tensorfs.open_model(primary, cache=False, verify=verify, fallback=[copy]) as model:
         if not manifest:
-            _flip(primary, "s1.t0")  # after opening: the primary's shard changed in place
+            damage_in_place(primary, "s1.t0")  # after opening: the primary's shard changed in place
         assert model.raw("s1.t0").tobytes() == data["s1.t0"]
         assert model.gate.copy("s1.t0") is not None
-        _flip(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+        damage_in_place(copy, "s1.t0")  # another user rewrites the fallback's copy in place
         with pytest.raises(TensorfsError):
             model.raw("s1.t0")
-        _flip(copy, "s1.t0")  # written back: the bytes it was
+        damage_in_place(copy, "s1.t0")  # written back: the bytes it was
         if manifest:  # verified again: served again
             assert model.raw("s1.t0").tobytes() == data["s1.t0"]
         else:  # nothing can tell its bytes: refused until opened again
@@ -239,12 +227,12 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mo
         options += ["--verify", "off"]
     mountpoint = mounts.mount(primary, *options)
     if not manifest:
-        _flip(primary, "s1.t0")  # the primary's shard changed in place: its tensors go to the fallback
+        damage_in_place(primary, "s1.t0")  # the primary's shard changed in place: its tensors go to the fallback
     assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
-    _flip(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+    damage_in_place(copy, "s1.t0")  # another user rewrites the fallback's copy in place
     drop_caches()  # the kernel's pages of it too: the daemon is asked again
     assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # never her bytes
-    _flip(copy, "s1.t0")
+    damage_in_place(copy, "s1.t0")
     drop_caches()
     if manifest:
         assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]  # verified again
@@ -259,7 +247,7 @@ def _two_fallbacks(tmp_path: Path) -> tuple[Path, Path, Path, dict[str, bytes]]:
     a second that holds it."""
     primary, whole, data = tmp_path / "primary", tmp_path / "whole", _sharded(tmp_path / "whole")
     shutil.copytree(whole, primary)
-    _flip(primary, "s1.t0")
+    damage_in_place(primary, "s1.t0")
     lacking = tmp_path / "lacking"
     lacking.mkdir()
     write_reference(lacking / "model.safetensors", {"s1.t1": ("U8", [MIB], data["s1.t1"])})

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,16 +47,6 @@ from tensorfs.sources.store import RemoteOptions
 def four_tensors(path: Path, size: int = 8 * MIB) -> dict[str, bytes]:
     """One shard of four tensors of `size` random bytes (every chunk differs from every other)."""
     return random_shard(path, {f"t{i}": size for i in range(4)}, seed=200)
-
-
-@pytest.fixture
-def hostile(tmp_path: Path) -> Iterator[HostileServer]:
-    server = HostileServer(tmp_path / "served")
-    (tmp_path / "served").mkdir(exist_ok=True)
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def cached_chunks(cache: Path) -> list[tuple[str, int]]:
