@@ -22,6 +22,7 @@ import json
 import re
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -562,7 +563,12 @@ class HostileServer:
                 server.sent[name] = server.sent.get(name, 0) + len(data)
                 return True
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                if not isinstance(sys.exc_info()[1], OSError):  # a client gone (its reads cut): nothing to say
+                    super().handle_error(request, client_address)
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.scheme = "http"
         if certificate is not None:
