@@ -149,6 +149,16 @@ def _nodes_of_dead_processes() -> list[str]:
     return [name for name in names if (m := re.fullmatch(r"tfs-(\d+)-node-\d+", name)) and not pid_alive(int(m[1]))]
 
 
+def test_bench_refuses_a_workdir_that_is_not_there(tmp_path: Path) -> None:
+    """Before anything is built (it was a traceback from tempfile, once the model was being built)."""
+    result = cli("bench", "--suite", "open", "--quick", "--workdir", str(tmp_path / "nowhere"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.endswith(
+        f"Error: Invalid value for '--workdir': Directory '{tmp_path / 'nowhere'}' does not exist.\n"
+    )
+    assert result.stdout == ""
+
+
 def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> None:
     from tensorfs import bench
     from tensorfs.cli import bench as command

@@ -44,7 +44,7 @@ def _node_counts(text: str) -> tuple[int, ...]:
     "--repeat", type=click.IntRange(1, 100), help="Tries of each measurement; medians are reported (default 3)."
 )
 @click.option("--readahead-kb", type=READAHEAD_KB, help="Passed to each mount (default 1024).")
-@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), help="Where to build (default: $TMPDIR).")
+@click.option("--workdir", type=click.Path(path_type=Path, exists=True, file_okay=False), help="Where to build (default: $TMPDIR).")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
 )
