@@ -44,7 +44,11 @@ def _node_counts(text: str) -> tuple[int, ...]:
     "--repeat", type=click.IntRange(1, 100), help="Tries of each measurement; medians are reported (default 3)."
 )
 @click.option("--readahead-kb", type=READAHEAD_KB, help="Passed to each mount (default 1024).")
-@click.option("--workdir", type=click.Path(path_type=Path, exists=True, file_okay=False), help="Where to build (default: $TMPDIR).")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    help="Where to build (default: $TMPDIR).",
+)
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
 )
@@ -94,7 +98,8 @@ def bench(
     page cache between sides). --gib 2, --shards 4, --repeat 3.
 
     open: tensorfs.open_model of a model of many tiny tensors against safetensors.safe_open().keys(),
-    in this process. --tensors 100000, --shards 20, --repeat 9.
+    in this process; and `tensorfs mount` of it, a first time and again, against the same keys in a
+    process of its own (needs FUSE). --tensors 100000, --shards 20, --repeat 9.
 
     hash: `tensorfs manifest` against sha256sum, and what the hash cache costs and saves. --gib 1,
     --shards 4, --repeat 3, --tensors 60000 (a second model, of tiny tensors; 0 skips it).
