@@ -113,6 +113,54 @@ def test_every_block_of_the_docs_is_run_or_says_why_not() -> None:
             assert how.removeprefix(RUN_BY) in tests, (key, how)
 
 
+# -- guarantees.md's map of promises to tests -----------------------------------------------------
+
+MAP = "## Each promise and its test"
+NAMED_TEST = re.compile(r"tests/(test_\w+\.py)::(test_\w+)")
+NO_TEST = "no test"
+
+
+def promises_and_tests() -> list[tuple[str, str]]:
+    """The rows of docs/guarantees.md's map: each promise, and what it says of the tests that hold it."""
+    text = (ROOT / "docs" / "guarantees.md").read_text()
+    assert text.count(MAP) == 1, f"docs/guarantees.md: no one section {MAP!r}"
+    section = text.split(MAP)[1].split("\n## ")[0]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("|"):
+            cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]  # `\|` is a pipe within a cell
+            assert len(cells) == 2, f"docs/guarantees.md: a row of the map is not two cells: {line!r}"
+            rows.append((cells[0], cells[1]))
+    assert rows[:2] == [("Promise", "Test(s)"), ("---", "---")], rows[:2]
+    return rows[2:]
+
+
+def test_every_promise_names_tests_that_are_there() -> None:
+    """Each row of the map names tests (`tests/FILE.py::NAME`, each a test function of that file) or
+    says it has none: a test renamed or removed leaves a promise held by nothing, and this says so."""
+    rows = promises_and_tests()
+    assert len(rows) > 50, f"the map holds {len(rows)} promises"
+    defined: dict[str, set[str]] = {}
+    wrong = []
+    for promise, tests in rows:
+        mentioned = re.findall(r"tests/[^`\s]*::[^`\s]*", tests)
+        if not mentioned and tests != NO_TEST:
+            wrong.append(f"{promise}: names no test, nor says {NO_TEST!r}")
+        for mention in mentioned:
+            found = NAMED_TEST.fullmatch(mention)
+            if found is None:
+                wrong.append(f"{promise}: {mention!r} is not tests/FILE.py::NAME")
+                continue
+            file, name = found.groups()
+            if file not in defined:
+                path = ROOT / "tests" / file
+                source = path.read_text() if path.is_file() else ""
+                defined[file] = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(", source, re.M))
+            if name not in defined[file]:
+                wrong.append(f"{promise}: tests/{file} has no test {name}")
+    assert not wrong, "\n".join(wrong)
+
+
 # -- how a block runs -----------------------------------------------------------------------------
 
 
