@@ -17,8 +17,10 @@ through that descriptor (and the descriptors of what was made in it), never thro
   symlink, a FIFO, a device or a directory is refused, and nothing is written to it.
 - Before the rename, the partial's name must still be the file or directory that was written: one
   moved or swapped meanwhile (by another user who can write the directory) is an error, nothing
-  renamed. Another user who can write the destination's directory can still rename what is there
-  afterwards: such a directory is theirs as much as the writer's.
+  renamed, and what was written is taken back through the descriptor it was written by (a file
+  emptied, a directory's contents removed), wherever its name went. Another user who can write the
+  destination's directory can still rename what is there afterwards: such a directory is theirs as
+  much as the writer's.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def write_whole(
         partial, fd = destination.new_file()
         made = os.fstat(fd)
         try:
-            with open(fd, "wb") as out:
+            with open(fd, "wb", closefd=False) as out:
                 write(out)
                 out.flush()
                 os.fchmod(fd, mode)
@@ -82,10 +84,14 @@ def write_whole(
                     os.fsync(fd)
             destination.finish(partial, made, replace=replace, kind="file")
         except BaseException as exc:
+            with contextlib.suppress(OSError):  # through the descriptor: wherever its name was moved to
+                os.ftruncate(fd, 0)
             destination.discard(partial, made, directory=False)
             if isinstance(exc, OSError):
                 raise destination.error(exc.strerror or str(exc)) from None
             raise
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
