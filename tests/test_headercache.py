@@ -236,6 +236,33 @@ def test_rows_that_cannot_be_the_files_are_not_taken(
     assert sum("cannot be where a safetensors file has them" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_rows_of_an_older_form_are_never_read(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows made by a tensorfs before the shape rule (their kind says the form: shard/2) are not
+    read: every shard is validated afresh. The same rows under this form's kind are read: the test
+    tells one from the other."""
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, cache=cache) as first:
+        expected = tables_of(first)
+    older = f"shard/{headercache.SCHEMA - 1}"
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:
+        for kind, key, value in db.execute("SELECT kind, key, value FROM rows WHERE kind LIKE 'shard/%'").fetchall():
+            db.execute(
+                "UPDATE rows SET kind=?, sha256=? WHERE kind=? AND key=?",
+                (older, headercache._digest(older, key, value), kind, key),
+            )
+    headers, _, _ = parsed(monkeypatch)
+    with tensorfs.open_model(model, cache=cache) as again:
+        assert tables_of(again) == expected
+    assert headers.count == 2  # both shards read afresh
+    with sqlite3.connect(cache / HeaderCache.FILE_NAME) as db:  # (the fresh rows out of the way)
+        db.execute("DELETE FROM rows WHERE kind=?", (f"shard/{headercache.SCHEMA}",))
+    monkeypatch.setattr(headercache, "SCHEMA", headercache.SCHEMA - 1)  # as the tensorfs that made them
+    headers.count = 0
+    with tensorfs.open_model(model, cache=cache) as read:
+        assert tables_of(read) == expected
+    assert headers.count == 0
+
+
 def test_every_problem_is_told_with_the_index_known_to_the_cache(model: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     tensorfs.open_model(model, cache=cache).close()

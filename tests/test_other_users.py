@@ -24,6 +24,7 @@ from servers import Nginx, SeaweedFS
 from tensorfs import open_model
 from tensorfs.errors import InvalidModelError
 from tensorfs.headercache import WORTH_CACHING
+from tensorfs.mount.mounttable import last_error
 from tensorfs.mount.runtime import escape_path, process_start
 
 SECRET = b'{"secret": "only root may read this"}'
@@ -566,6 +567,26 @@ def test_a_log_file_is_never_written_through_a_symlink_nor_into_a_fifo(
 
 
 # -- identities and secrets ---------------------------------------------------------------------
+
+
+def test_a_dead_mounts_log_is_read_only_if_it_is_a_regular_file_of_the_records_user(
+    other_user: OtherUser, tmp_path: Path
+) -> None:
+    """Why a dead daemon died is the last ERROR of its record's log_file: read only when that is a
+    regular file of the record's user's, opened without following a link or waiting on a FIFO. A
+    link to it, a FIFO (nobody ever writes it: a wait would be forever), and the same file for a
+    record of another user's say nothing; the file itself, for its own user's record, says the line."""
+    log = tmp_path / "daemon.log"
+    log.write_text("2026-12-02 tensorfs[4242] INFO serving\n2026-12-02 tensorfs[4242] ERROR the shard went away\n")
+    other_user.owns(log)
+    (tmp_path / "link").symlink_to(log)
+    os.mkfifo(tmp_path / "fifo")
+    other_user.owns(tmp_path / "fifo")
+    assert last_error(str(log), 4242, other_user.uid) == "the shard went away"
+    assert last_error(str(log), 4242, os.geteuid()) is None  # a record of root's, naming their file
+    assert last_error(str(tmp_path / "link"), 4242, other_user.uid) is None
+    assert last_error(str(tmp_path / "fifo"), 4242, other_user.uid) is None
+    assert last_error(str(log), 4243, other_user.uid) is None  # another daemon's lines
 
 
 @pytest.mark.usefixtures("machine_held")  # it makes a name in /tmp for a while (see test_leftovers)
