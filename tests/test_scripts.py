@@ -37,12 +37,9 @@ def figures(report: dict[str, Any]) -> set[str]:
     return set(report) - {"config", "notes"}
 
 
-def test_bench_open_runs(fuse: None, tmp_path: Path) -> None:
+def test_bench_open_runs(tmp_path: Path) -> None:
     report = bench_quick("open", tmp_path)  # --quick: 2000 tensors in 3 shards, one try
-    assert figures(report) == {
-        "safe_open_keys", "open_model", "open_model_cached", "mount_reference", "mount_first", "mount_again"
-    } and report["notes"] == []  # fmt: skip
-    assert all(report[key]["seconds"] > 0 for key in ("mount_reference", "mount_first", "mount_again"))
+    assert figures(report) == {"safe_open_keys", "open_model", "open_model_cached"} and report["notes"] == []
     assert report["safe_open_keys"]["tensors"] == 2000
     assert report["open_model"]["ratio"] > 0 and report["open_model_cached"]["ratio"] > 0
     # each side read the same table: every tensor's name, dtype and shape

@@ -5,10 +5,6 @@ time that `safetensors.safe_open(shard).keys()` takes over the same shards; with
 the header cache, at most 1x. Both run in this process, page
 cache warm, alternating, and each figure is the median of --repeat tries.
 
-And the same through a mount (needs FUSE): `tensorfs mount` until it answers, a first time (its
-header cache empty) at most 2x, and again (every header cached) at most 1x the reference reader's
-keys in a process of its own (both start an interpreter and import what they need).
-
     tensorfs bench --suite open [--tensors 100000] [--shards 20] [--repeat 9] [--json FILE]
 """
 
@@ -16,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,7 +21,7 @@ import safetensors
 
 from ..opener import open_model
 from ..sample_models import many_tiny_tensors
-from .common import Config, Mounter, Report, wait_until_settled
+from .common import Config, Report, wait_until_settled
 
 BAR = 2.0
 CACHED_BAR = 1.0
@@ -63,24 +57,6 @@ def tensorfs_table(directory: Path, cache: Path | bool) -> str:
     return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
 
 
-REFERENCE_PROCESS = """
-import sys, safetensors
-count = 0
-for shard in sys.argv[1:]:
-    with safetensors.safe_open(shard, framework="np") as f:
-        count += len(f.keys())
-print(count)
-"""
-
-
-def reference_process(shards: list[Path]) -> int:
-    """The reference reader's keys of every shard, in a Python process of its own: its tensors."""
-    done = subprocess.run(
-        [sys.executable, "-c", REFERENCE_PROCESS, *map(str, shards)], capture_output=True, text=True, check=True
-    )
-    return int(done.stdout)
-
-
 def timed(fn: Callable[[], int]) -> tuple[float, int]:
     start = time.perf_counter()
     result = fn()
@@ -92,10 +68,10 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
     report = Report()
     out(f"building {tensors} tensors in {shard_count} shards; median of {repeat} tries, page cache warm ...")
     with tempfile.TemporaryDirectory(prefix="tensorfs-bench-open-", dir=config.workdir) as tmp:
-        directory = Path(tmp) / "model"
+        directory = Path(tmp)
         shards = many_tiny_tensors(directory, tensors, shard_count)
         wait_until_settled(list(directory.iterdir()))  # else the header cache keeps nothing of them
-        cache = Path(tmp) / "header-cache"
+        cache = directory / "header-cache"
         reference_keys(shards)  # warm the page cache and the code paths once; fill the header cache
         tensorfs_open(directory, False)
         tensorfs_open(directory, cache)
@@ -115,7 +91,6 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
             "scratch": tensorfs_table(directory, False),
             "cached": tensorfs_table(directory, cache),
         }
-        mounts = _mounts(config, directory, shards, Path(tmp))
 
     ref, ours, cached = (statistics.median(times) for times in (ref_times, our_times, cached_times))
     report.add(
@@ -150,36 +125,4 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         at_most=CACHED_BAR,
         table=tables["cached"],
     )
-    report.add("mount_reference", "safe_open().keys() in a process of its own (baseline)", f"{mounts[0]:.3f} s",
-               None, "", seconds=mounts[0])  # fmt: skip
-    report.add("mount_first", "tensorfs mount until it answers, headers not cached", f"{mounts[1]:.3f} s",
-               mounts[1] / mounts[0], f"<= {BAR}x the process's", seconds=mounts[1], at_most=BAR)  # fmt: skip
-    report.add("mount_again", "tensorfs mount again, every header cached", f"{mounts[2]:.3f} s",
-               mounts[2] / mounts[0], f"<= {CACHED_BAR}x the process's", seconds=mounts[2],
-               at_most=CACHED_BAR)  # fmt: skip
     return report
-
-
-def _mounts(config: Config, directory: Path, shards: list[Path], work: Path) -> tuple[float, float, float]:
-    """`tensorfs mount` of the model until it answers, a first time and again, against the reference's
-    keys in a process of its own; alternating, the median of --repeat tries: (the reference's
-    seconds, the first mount's, the mount again's)."""
-    mounter = Mounter(work, config)
-    with safetensors.safe_open(str(shards[-1]), framework="np") as f:
-        last = sorted(f.keys())[-1]  # a tensor the mount must show, once it answers
-    reference_process(shards)  # the interpreter's and the libraries' files in the page cache
-    references: list[float] = []
-    firsts: list[float] = []
-    agains: list[float] = []
-    for attempt in range(config.open_repeat):
-        seconds, count = timed(lambda: reference_process(shards))
-        assert count == config.open_tensors, count
-        references.append(seconds)
-        cache = work / f"mount-cache{attempt}"
-        for times in (firsts, agains):  # the first fills the header cache the second reads
-            start = time.perf_counter()
-            with mounter.mounted(directory, cache=cache) as (mountpoint, _):
-                times.append(time.perf_counter() - start)
-                assert (mountpoint / last).stat().st_size == 64, last  # an F32 [4, 4]
-    reference, first, again = (statistics.median(times) for times in (references, firsts, agains))
-    return reference, first, again

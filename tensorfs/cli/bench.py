@@ -98,8 +98,7 @@ def bench(
     page cache between sides). --gib 2, --shards 4, --repeat 3.
 
     open: tensorfs.open_model of a model of many tiny tensors against safetensors.safe_open().keys(),
-    in this process; and `tensorfs mount` of it, a first time and again, against the same keys in a
-    process of its own (needs FUSE). --tensors 100000, --shards 20, --repeat 9.
+    in this process. --tensors 100000, --shards 20, --repeat 9.
 
     hash: `tensorfs manifest` against sha256sum, and what the hash cache costs and saves. --gib 1,
     --shards 4, --repeat 3, --tensors 60000 (a second model, of tiny tensors; 0 skips it).
