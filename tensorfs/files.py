@@ -73,25 +73,12 @@ def write_whole(
     mode = umasked(0o666) if mode is None else mode
     with _Destination(path) as destination:
         destination.check(replace=replace, kind="file", existing=existing)
-        partial, fd = destination.new_file()
-        made = os.fstat(fd)
-        try:
-            with open(fd, "wb", closefd=False) as out:
-                write(out)
-                out.flush()
-                os.fchmod(fd, mode)
-                if sync:
-                    os.fsync(fd)
-            destination.finish(partial, made, replace=replace, kind="file")
-        except BaseException as exc:
-            with contextlib.suppress(OSError):  # through the descriptor: wherever its name was moved to
-                os.ftruncate(fd, 0)
-            destination.discard(partial, made, directory=False)
-            if isinstance(exc, OSError):
-                raise destination.error(exc.strerror or str(exc)) from None
-            raise
-        finally:
-            os.close(fd)
+        with destination.written("file", replace=replace) as fd, open(fd, "wb", closefd=False) as out:
+            write(out)
+            out.flush()
+            os.fchmod(fd, mode)
+            if sync:
+                os.fsync(fd)
 
 
 @contextlib.contextmanager
@@ -101,21 +88,9 @@ def write_directory(path: Path) -> Iterator[NewDirectory]:
     failure what was made is removed. WriteError for what cannot be written."""
     with _Destination(path) as destination:
         destination.check(replace=False, kind="directory")
-        partial, fd = destination.new_directory()
-        made = os.fstat(fd)
-        try:
+        with destination.written("directory", replace=False) as fd:
             yield NewDirectory(fd, destination.shown)
             os.fchmod(fd, umasked(0o777))
-            destination.finish(partial, made, replace=False, kind="directory")
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                _empty(fd)
-            destination.discard(partial, made, directory=True)
-            if isinstance(exc, OSError):
-                raise destination.error(exc.strerror or str(exc)) from None
-            raise
-        finally:
-            os.close(fd)
 
 
 def refuse_existing(path: Path, kind: str) -> None:
@@ -251,6 +226,31 @@ class _Destination:
                 os.close(fd)
                 raise self.error(f"{printable(partial)} was replaced as it was made")
             return partial, fd
+
+    @contextlib.contextmanager
+    def written(self, kind: str, *, replace: bool) -> Iterator[int]:
+        """A new partial file or directory (`kind`) beside the destination, its descriptor for the
+        block to fill, renamed into place when the block ends. On any failure, what was written is
+        taken back through the descriptor, wherever its name went (a file emptied, a directory's
+        contents removed), the partial's name removed while it is still the partial's, and an OSError
+        said as a WriteError. The descriptor is closed after."""
+        partial, fd = self.new_file() if kind == "file" else self.new_directory()
+        made = os.fstat(fd)
+        try:
+            yield fd
+            self.finish(partial, made, replace=replace, kind=kind)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                if kind == "file":
+                    os.ftruncate(fd, 0)
+                else:
+                    _empty(fd)
+            self.discard(partial, made, directory=kind == "directory")
+            if isinstance(exc, OSError):
+                raise self.error(exc.strerror or str(exc)) from None
+            raise
+        finally:
+            os.close(fd)
 
     def finish(self, partial: str, written: os.stat_result, *, replace: bool, kind: str) -> None:
         """Rename the partial to the destination's name, if the partial's name is still what was written."""
