@@ -517,6 +517,16 @@ def test_a_long_array_is_summarized_in_the_mounts_metadata_json(mounts: Mounts, 
 def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path: Path) -> None:
     """Which says it is a part of a model (see test_loaders for what loaders make of it): the blocks
     it holds, counted in block_count, each per-block array cut to them, every other pair as it was."""
+    part_of_block_1 = {  # what a part holding block 1 alone says of itself (and of the model it is of)
+        "general.architecture": "part-of-a-model",
+        "llama.block_count": 1,
+        "llama.attention.head_count_kv": [4],
+        "llama.rope.dimension_sections": [1, 2],
+        "general.name": "two blocks",
+        "general.alignment": 64,
+        "tensorfs.part.architecture": "llama",
+        "tensorfs.part.blocks": [1],
+    }
     path = tmp_path / "model.gguf"
     written = write_gguf(
         path,
@@ -538,16 +548,7 @@ def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path:
     }
     assert "split.count" not in reader.fields and reader.alignment == 64
     said = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    assert said == {
-        "general.architecture": "part-of-a-model",
-        "llama.block_count": 1,
-        "llama.attention.head_count_kv": [4],
-        "llama.rope.dimension_sections": [1, 2],
-        "general.name": "two blocks",
-        "general.alignment": 64,
-        "tensorfs.part.architecture": "llama",
-        "tensorfs.part.blocks": [1],
-    }
+    assert said == part_of_block_1
     whole = GGUFReader(str(mounts.mount(path) / ".tensorfs" / "model" / "model.gguf"))
     assert whole.fields["general.architecture"].contents() == "llama"
     # A part of a part (a stage exported, then selected again) says so of the whole model's blocks.
@@ -556,16 +557,7 @@ def test_a_selection_is_a_gguf_of_the_selected_tensors(mounts: Mounts, tmp_path:
     again = mounts.mount(tmp_path / "stage" / "selected.gguf", "--layers", "1") / ".tensorfs" / "model"
     reader = GGUFReader(str(again / "selected.gguf"))
     said = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    assert said == {
-        "general.architecture": "part-of-a-model",
-        "llama.block_count": 1,
-        "llama.attention.head_count_kv": [4],
-        "llama.rope.dimension_sections": [1, 2],
-        "general.name": "two blocks",
-        "general.alignment": 64,
-        "tensorfs.part.architecture": "llama",
-        "tensorfs.part.blocks": [1],
-    }
+    assert said == part_of_block_1
     assert [t.name for t in reader.tensors] == ["blk.1.w"]
 
 
