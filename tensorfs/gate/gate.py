@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from typing import TypeVar
 
 from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
 from ..fallback import RETRY_AFTER, Copy, Fallbacks
@@ -21,6 +22,8 @@ from ..tables import Tables
 from .files import Seen, WatchedFiles
 from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, run
 from .reporter import Reporter
+
+T = TypeVar("T")
 
 __all__ = ["Gate"]
 
@@ -88,60 +91,66 @@ class Gate:
         made present by `present` (default: fetched and pinned where the source needs it, for as long
         as the model is open)."""
         present = present or self._present
-        place = self.place(name)
-        while True:
+
+        def serve(place: Place) -> Plan[Grant | None]:
+            low = min(place.start + begin, place.end)
+            high = min(place.start + max(begin, end), place.end)
+            yield from self._admitted(place, low, high)
+            if self._moved(place):
+                return None
             try:
-                low = min(place.start + begin, place.end)
-                high = min(place.start + max(begin, end), place.end)
-                yield from self._admitted(place, low, high)
-                if self._moved(place):
-                    place = self.place(name)
-                    continue
-                try:
-                    copied = yield from present(place, low, high)
-                except TensorfsError as exc:  # the source's words, said of the tensor
-                    raise self._unreadable(place, low, high, exc) from None
-                return Grant(place, low, high, copied)
-            except UNREADABLE as exc:
-                place = yield from self._switched(place, exc)
+                copied = yield from present(place, low, high)
+            except TensorfsError as exc:  # the source's words, said of the tensor
+                raise self._unreadable(place, low, high, exc) from None
+            return Grant(place, low, high, copied)
+
+        return (yield from self._served(name, serve))
 
     def admit(self, name: str) -> Plan[Place]:
         """Whether the tensor's bytes may go out at all (its place checked, and verified): its place."""
-        place = self.place(name)
-        while True:
-            try:
-                yield from self._admitted(place, place.start, place.end)
-                if self._moved(place):
-                    place = self.place(name)
-                    continue
-                return place
-            except UNREADABLE as exc:
-                place = yield from self._switched(place, exc)
+
+        def serve(place: Place) -> Plan[Place | None]:
+            yield from self._admitted(place, place.start, place.end)
+            return None if self._moved(place) else place
+
+        return (yield from self._served(name, serve))
 
     def read_into(self, name: str, begin: int, buffer: memoryview) -> Plan[Place]:
         """Fill `buffer` with the tensor's bytes from `begin` (in the tensor), read from the file (or
         through the cache), never the mapping: for answers assembled from several tensors. Its place."""
+
+        def serve(place: Place) -> Plan[Place | None]:
+            low = place.start + begin
+            high = low + len(buffer)
+            if high > place.end:
+                raise ValueError(f"bytes [{begin}, {begin + len(buffer)}) are not all in tensor {name!r}")
+            yield from self._admitted(place, low, high)
+            if self._moved(place):
+                return None
+            generation = self._generation(place)
+            try:
+                yield "read", functools.partial(place.data.readinto, low, buffer)
+            except TensorfsError as exc:
+                raise self._unreadable(place, low, high, exc) from None
+            # Written while it was read: not its bytes. Checked again (refused, or verified again).
+            return place if self._generation(place) == generation else None
+
+        return (yield from self._served(name, serve))
+
+    def _served(self, name: str, serve: Callable[[Place], Plan[T | None]]) -> Plan[T]:
+        """`serve(place)` of where the tensor's bytes are had, until it answers: again from where they
+        are had now when it says None (switched meanwhile by another reader, or written while read),
+        and from the tensor's next fallback after what a fallback stands in for (UNREADABLE)."""
         place = self.place(name)
         while True:
             try:
-                low = place.start + begin
-                high = low + len(buffer)
-                if high > place.end:
-                    raise ValueError(f"bytes [{begin}, {begin + len(buffer)}) are not all in tensor {name!r}")
-                yield from self._admitted(place, low, high)
-                if self._moved(place):
-                    place = self.place(name)
-                    continue
-                generation = self._generation(place)
-                try:
-                    yield "read", functools.partial(place.data.readinto, low, buffer)
-                except TensorfsError as exc:
-                    raise self._unreadable(place, low, high, exc) from None
-                if self._generation(place) == generation:
-                    return place
-                # Written while it was read: not its bytes. Checked again (refused, or verified again).
+                answer = yield from serve(place)
             except UNREADABLE as exc:
                 place = yield from self._switched(place, exc)
+                continue
+            if answer is not None:
+                return answer
+            place = self.place(name)
 
     # -- the library's ways in (blocking) -----------------------------------------------------
     def held(self, name: str) -> Grant:
