@@ -178,14 +178,15 @@ def _mount_in_background(
         os.close(status_read)
         os.waitpid(pid, 0)
         raise
-    with model, gc_paused():  # 100k entries: pausing the GC halves the time this takes
-        handover = pickle.dumps((snapshot(model), view), protocol=5)
-        tensors, nbytes = len(model), model.nbytes
-    try:
-        with os.fdopen(model_write, "wb") as pipe:
-            pipe.write(handover)
-    except BrokenPipeError:
-        pass  # the daemon died: its status says why
+    with model:
+        with gc_paused():  # 100k entries: pausing the GC halves the time this takes
+            handover = pickle.dumps((snapshot(model), view), protocol=5)
+        try:
+            with os.fdopen(model_write, "wb") as pipe:
+                pipe.write(handover)
+        except BrokenPipeError:
+            pass  # the daemon died: its status says why
+        tensors, nbytes = len(model), model.nbytes  # while the daemon takes the model over, not before
     message = _read_line(status_read, READY_TIMEOUT)
     os.close(status_read)
     if message == READY:
