@@ -139,13 +139,17 @@ class TensorSlice:
         """The dtype's name ("F32", "BF16", ...; a GGUF's "Q4_K" ...)."""
         return DTYPE_NAMED[self._info.dtype].name
 
+    def _refused(self, key: Any, why: str) -> SliceError:
+        """The error a slice of this tensor `key` gets, saying the model, the tensor, the slice and why."""
+        return SliceError(str(Problem(str(self._opened.model.source), f"slice {_written(key)}: {why}", self._name)))
+
     def __getitem__(self, key: Any) -> Any:
         opened = self._opened
         dtype = DTYPE_NAMED[self._info.dtype]
         if given_as_bytes(dtype, self._info.shape, opened.framework):  # a slice of its bytes is not of its values
             framework = "numpy" if opened.framework == "np" else "torch"
             why = f"{dtype.name} comes as its raw bytes in {framework} (no such dtype there): get_tensor() gives them"
-            raise SliceError(str(Problem(str(opened.model.source), f"slice {_written(key)}: {why}", self._name)))
+            raise self._refused(key, why)
         if opened.backend == "mmap":
             whole = opened.model.tensor(self._name, opened.framework)  # a view: nothing read yet
         else:
@@ -154,9 +158,7 @@ class TensorSlice:
             try:
                 index = numpy_index(key, whole.shape)
             except ValueError as exc:
-                raise SliceError(
-                    str(Problem(str(opened.model.source), f"slice {_written(key)}: {exc}", self._name))
-                ) from None
+                raise self._refused(key, str(exc)) from None
             part = whole[(*index, ...)]  # an element too: a 0-d array of its bytes, as the reference gives
             return part.copy() if opened.backend == "pread" else part  # not the whole tensor's memory held
         part = whole[key]  # torch's indexing, as safetensors' torch slices
