@@ -36,7 +36,7 @@ def _node_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
-@cli.command()
+@cli.command(short_help="Measure tensorfs against baselines and peers in the same run.")
 @click.option("--quick", is_flag=True, help="A small model and one try of each: checks the benchmark works.")
 @click.option("--gib", type=Finite(0.01, 1024), help="Size of the model of big tensors (default 2).")
 @click.option("--shards", type=click.IntRange(1, 1000), help="Its shard count (default 4).")

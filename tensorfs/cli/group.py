@@ -11,7 +11,8 @@ from .. import __version__
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="tensorfs")
 def cli() -> None:
-    """Serve the tensors of a safetensors model as files, one per tensor.
+    """Serve the tensors of a model as files, one per tensor: safetensors, GGUF,
+    and PyTorch checkpoints (read without running their pickle).
 
     MODEL is a weights file (.safetensors, .gguf, a PyTorch checkpoint), an
     index file, or a directory (its model as loaders find it: model.safetensors,

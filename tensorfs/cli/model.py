@@ -36,7 +36,7 @@ from .options import (
 from .output import OutputError, ended_by_signals, error_lines, table, write_file
 
 
-@cli.command()
+@cli.command(short_help="Check every header of MODEL as mount would, and summarise it.")
 @model_argument
 @layout_option
 @selection_options
@@ -64,7 +64,7 @@ def validate(
         )
 
 
-@cli.command(name="ls")
+@cli.command(name="ls", short_help="List the tensors of MODEL: name, dtype, shape, size and shard.")
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
 @selection_options
@@ -97,7 +97,7 @@ def _ls_table(model: Model) -> None:
     sys.stdout.write("".join(line + "\n" for line in table(rows, "<<<>")))
 
 
-@cli.command()
+@cli.command(short_help="The SHA-256 of every tensor of MODEL, as sha256sum lists files.")
 @model_argument
 @click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write here, not to stdout.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON object {tensor name: hex SHA-256}.")
@@ -126,7 +126,7 @@ def manifest(
         write_file(output, text)
 
 
-@cli.command()
+@cli.command(short_help="Write MODEL (or a selection of it) as a new model at DEST.")
 @model_argument
 @click.argument("dest", type=click.Path(path_type=Path))
 @view_files_option("--shards", "A directory DEST: the model")
@@ -191,7 +191,7 @@ def export(
         raise OutputError(exc.cause, f"wrote {shown}, but ") from None
 
 
-@cli.command()
+@cli.command(short_help="Hash every tensor of MODEL and compare with a manifest.")
 @model_argument
 @click.option(
     "--manifest",

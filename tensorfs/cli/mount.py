@@ -44,7 +44,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     return parse_address(text)
 
 
-@cli.command()
+@cli.command(short_help="Mount MODEL read-only at MOUNTPOINT, one file per tensor.")
 @click.argument("path", metavar="MODEL", type=ModelLocation())
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("-f", "--foreground", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
@@ -195,7 +195,7 @@ def mount(
     return mount_model(ready, mountpoint, options, announce)
 
 
-@cli.command()
+@cli.command(short_help="Unmount a tensorfs mount, also one whose daemon died or hangs.")
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("-z", "--lazy", is_flag=True, help="Detach now, finish when the mount is no longer busy.")
 def umount(mountpoint: Path, lazy: bool) -> None:
@@ -207,7 +207,7 @@ def umount(mountpoint: Path, lazy: bool) -> None:
         click.echo(done)
 
 
-@cli.command()
+@cli.command(short_help="Each tensorfs mount and how it is: ok, degraded, hung or dead.")
 @click.argument("mountpoints", metavar="[MOUNTPOINT]...", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per mount and line.")
 @click.option(
@@ -292,7 +292,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
     return 0 if healthy else 1
 
 
-@cli.command()
+@cli.command(short_help="What a mount's daemon has done: bytes, rates, latency, errors.")
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="The counters as one JSON object a line (as stats.json).")
 @click.option(

@@ -20,7 +20,7 @@ from .options import ByteSize, model_argument, remote_options, selection_options
 from .output import table
 
 
-@cli.command()
+@cli.command(short_help="Fetch a remote MODEL (or a selection of it) into the cache.")
 @model_argument
 @selection_options
 @remote_options
@@ -49,7 +49,7 @@ def prefetch(path: Path | str, selection: Selection, cache_dir: Path | None, rem
         click.echo(f"{printable(str(path))}: {len(wanted)} shard(s), {human_size(total)} cached")
 
 
-@cli.group()
+@cli.group(short_help="What the cache of remote models holds, and trimming it.")
 def cache() -> None:
     """The local cache of remote models' bytes: what it holds, and trimming it."""
 
@@ -70,7 +70,7 @@ def _object_cache(cache_dir: Path | None) -> Any:
     return ChunkCache(directory)
 
 
-@cache.command(name="ls")
+@cache.command(name="ls", short_help="Every object version cached: size, bytes cached, use.")
 @cache_dir_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per object version and line.")
 def cache_ls(cache_dir: Path | None, as_json: bool) -> None:
@@ -89,7 +89,7 @@ def cache_ls(cache_dir: Path | None, as_json: bool) -> None:
         click.echo(line)
 
 
-@cache.command(name="du")
+@cache.command(name="du", short_help="How much the cache holds.")
 @cache_dir_option
 def cache_du(cache_dir: Path | None) -> None:
     """How much the cache holds."""
@@ -99,7 +99,7 @@ def cache_du(cache_dir: Path | None) -> None:
     click.echo(f"{human_size(held)} ({held} bytes) cached of {len(entries)} object version(s), in {cached.directory}")
 
 
-@cache.command(name="prune")
+@cache.command(name="prune", short_help="Evict what is not in use, down to a size.")
 @cache_dir_option
 @click.option(
     "--max-size", type=ByteSize(), help="Keep at most this much (least recently used goes first). Default: nothing."
