@@ -3,9 +3,12 @@ mistyped model is told."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import pytest
 
+from helpers import write_reference
 from tensorfs.cli import cli, main
 
 
@@ -44,3 +47,54 @@ def test_no_command_summary_is_cut(
         assert command.short_help is not None, f"{name}: no summary of its own"
         assert shown[name] == command.short_help, f"{name}: its summary is cut: {shown[name]!r}"
         assert not shown[name].endswith("...")
+
+
+def test_an_option_name_is_one_option() -> None:
+    """An option's name that several commands take is the same kind of option in each: a flag in all,
+    or a value of one type in all (mount's -o, mount(8)'s options, is the one other -o)."""
+    kinds: dict[str, set[tuple[bool, str]]] = {}
+    for name, command in every_command():
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                for flag in param.opts:
+                    if (name, flag) != ("mount", "-o"):
+                        kinds.setdefault(flag, set()).add((param.is_flag, type(param.type).__name__))
+    assert {flag: kind for flag, kind in kinds.items() if len(kind) > 1} == {}
+
+
+RENAMED = [
+    ("export", "--shards", "--view-shards"),
+    ("cache prune", "--max-size", "--cache-size"),
+    ("bench", "--json", "--output"),
+]
+"""(command, the option's old name, its name now)."""
+
+
+@pytest.mark.parametrize(("command", "old", "new"), RENAMED)
+def test_an_old_name_is_hidden(command: str, old: str, new: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*command.split(), "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert new in shown and old not in shown.replace(new, "")
+
+
+def test_the_old_names_still_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model.safetensors"
+    write_reference(model, {f"t{n}": ("F32", (2,), bytes(range(8))) for n in range(3)})
+    for option, out in (("--shards", "old"), ("--view-shards", "new")):
+        assert main(["export", option, "2", str(model), str(tmp_path / out)]) == 0
+        assert len(list((tmp_path / out).glob("model-0000?-of-00002.safetensors"))) == 2
+    assert main(["export", "--shards", "2", "--view-shards", "2", str(model), str(tmp_path / "both")]) == 2
+    assert "--shards is the old name of --view-shards: give it once" in capsys.readouterr().err
+    import tensorfs.bench
+
+    written: list[Path | None] = []
+    monkeypatch.setattr(tensorfs.bench, "main", lambda config, output, suite: written.append(output) or 0)
+    assert main(["bench", "--json", str(tmp_path / "r.json")]) == 0
+    assert written == [tmp_path / "r.json"]
+    from tensorfs.sources.cache import ChunkCache
+
+    ChunkCache(tmp_path / "cache").db()
+    assert main(["cache", "prune", "--cache-dir", str(tmp_path / "cache"), "--max-size", "10M"]) == 0
+    assert "freed 0 B" in capsys.readouterr().out

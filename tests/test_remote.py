@@ -622,7 +622,7 @@ def test_prefetch_and_the_cache_commands(nginx: Nginx, tmp_path: Path) -> None:
     du = cli("cache", "du", *cache)
     size = (directory / "m.safetensors").stat().st_size
     assert du.stdout.startswith(f"30.0 MiB ({size} bytes) cached of 1 object version(s)")
-    pruned = cli("cache", "prune", "--max-size", "10M", *cache)
+    pruned = cli("cache", "prune", "--cache-size", "10M", *cache)
     assert pruned.returncode == 0 and pruned.stdout == "freed 24.0 MiB; 6.0 MiB cached\n"  # the last chunk is short
     assert cli("cache", "prune", *cache).stdout == "freed 6.0 MiB; 0 B cached\n"
     assert cli("cache", "ls", *cache).stdout.count("\n") == 1  # the objects' rows go with their last chunk

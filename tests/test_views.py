@@ -109,7 +109,7 @@ def test_write_safetensors_and_export(mounts: Mounts, tmp_path: Path, selected: 
     assert not list(tmp_path.glob(".*partial*"))
     options = [f"--include={glob}" for glob in include]
     (tmp_path / "m" / "config.json").write_text('{"model_type": "test"}')
-    result = mounts.run("export", *options, "--shards", "3", str(tmp_path / "m"), str(tmp_path / "out"))
+    result = mounts.run("export", *options, "--view-shards", "3", str(tmp_path / "m"), str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     base = "selected" if selected else "model"  # a selection is not named as a whole model is
     index_name = "selected.safetensors.index.partial.json" if selected else "model.safetensors.index.json"
@@ -155,8 +155,8 @@ def test_writing_never_goes_over_what_is_not_a_model_file(mounts: Mounts, tmp_pa
     for dest in (model_file, str(tmp_path / "old.safetensors")):
         result = mounts.run("export", "--include", "x", model_file, dest)
         assert result.returncode == 1 and "already exists; name a new file" in result.stderr
-    result = mounts.run("export", "--shards", "2", model_file, str(tmp_path / "new.safetensors"))
-    assert result.returncode == 1 and "--shards needs a directory DEST" in result.stderr
+    result = mounts.run("export", "--view-shards", "2", model_file, str(tmp_path / "new.safetensors"))
+    assert result.returncode == 1 and "--view-shards needs a directory DEST" in result.stderr
     with open("/dev/full", "w") as full:
         result = subprocess.run(
             [sys.executable, "-m", "tensorfs.cli", "export", model_file, str(tmp_path / "new.safetensors")],

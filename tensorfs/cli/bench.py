@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from .group import cli
-from .options import READAHEAD_KB, Finite, ParsedText
+from .options import READAHEAD_KB, Finite, ParsedText, hidden_alias
 
 SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet")
 """tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
@@ -23,6 +23,8 @@ FIELDS: dict[str, dict[str, str]] = {
     "fleet": {"gib": "fleet_gib", "shards": "fleet_shards", "repeat": "fleet_repeat", "nodes": "fleet_nodes"},
 }
 """The Config field each option sets, by suite; an option a suite has no field for is refused."""
+
+RESULTS_FILE = click.Path(path_type=Path, dir_okay=False)
 
 
 def _node_counts(text: str) -> tuple[int, ...]:
@@ -49,9 +51,8 @@ def _node_counts(text: str) -> tuple[int, ...]:
     type=click.Path(path_type=Path, exists=True, file_okay=False),
     help="Where to build (default: $TMPDIR).",
 )
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Also write the results here."
-)
+@hidden_alias("--json", "--output", type=RESULTS_FILE)
+@click.option("-o", "--output", type=RESULTS_FILE, help="Also write the results here, as JSON.")
 @click.option(
     "--suite",
     type=click.Choice(SUITES),
@@ -79,7 +80,7 @@ def bench(
     repeat: int | None,
     readahead_kb: int | None,
     workdir: Path | None,
-    json_path: Path | None,
+    output: Path | None,
     suite: str | None,
     tensors: int | None,
     nodes: tuple[int, ...] | None,
@@ -141,4 +142,4 @@ def bench(
             raise click.UsageError(f"--tensors 0 only skips hash's model of tiny tensors; {suite} needs some")
         setattr(config, fields[option], value)
     config.workdir = workdir
-    return benchmark.main(config, json_path, suite=suite)
+    return benchmark.main(config, output, suite=suite)

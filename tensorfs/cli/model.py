@@ -23,8 +23,10 @@ from ..sources.store import RemoteOptions
 from ..units import human_size, plural
 from .group import cli
 from .options import (
+    VIEW_FILES,
     ModelLocation,
     cache_options,
+    hidden_alias,
     layout_option,
     manifest_options,
     model_argument,
@@ -129,14 +131,15 @@ def manifest(
 @cli.command(short_help="Write MODEL (or a selection of it) as a new model at DEST.")
 @model_argument
 @click.argument("dest", type=click.Path(path_type=Path))
-@view_files_option("--shards", "A directory DEST: the model")
+@hidden_alias("--shards", "--view-shards", type=VIEW_FILES)
+@view_files_option("A directory DEST: the model")
 @manifest_options("Write no tensor", "all before writing anything")
 @selection_options
 @remote_options
 def export(
     path: Path | str,
     dest: Path,
-    shards: int,
+    view_shards: int,
     manifest_path: Path | str | None,
     verify: str | None,
     selection: Selection,
@@ -159,8 +162,8 @@ def export(
 
     shown = printable(str(dest))
     one_file = dest.name.endswith((".safetensors", ".gguf"))
-    if one_file and shards:
-        raise TensorfsError(f"{shown}: --shards needs a directory DEST (a {dest.suffix} DEST is one file)")
+    if one_file and view_shards:
+        raise TensorfsError(f"{shown}: --view-shards needs a directory DEST (a {dest.suffix} DEST is one file)")
     # Never over anything, the source's own files least of all: said now, before the model is opened;
     # the writer's own rename never replaces what comes meanwhile either.
     refuse_existing(dest, "file" if one_file else "directory")
@@ -176,7 +179,7 @@ def export(
                 size = model.write_safetensors(dest, progress.advance, replace=False)
             done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
-            spec = source.view_spec(shards, model.shards)
+            spec = source.view_spec(view_shards, model.shards)
             error_lines(spec.warnings, prefix="warning: ")
             view = build_view(model, spec)
             try:

@@ -105,7 +105,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "each byte read is held once.",
 )
 @manifest_options("Serve no tensor", "all before mounting")
-@view_files_option("--view-shards", "The synthesized model in .tensorfs/model/")
+@view_files_option("The synthesized model in .tensorfs/model/")
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import click
+from click.core import ParameterSource
 
 from ..manifest import DEFAULT_MANIFEST
 from ..names import LAYOUTS
@@ -239,11 +240,36 @@ def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:
     )(command)
 
 
-def view_files_option(name: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """How many files the synthesized model is cut into (`what` says where it is)."""
+def hidden_alias(old: str, new: str, **option: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`old`, the name option `new` had before (of the same `option` type), still taken but not in --help;
+    given as both, a usage error. Put above the option `new` (it passes the value on as `new`'s)."""
+    name = new.lstrip("-").replace("-", "_")
+    given_as_old = f"{name}_given_as_old_name"
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def with_alias(*args: Any, **kwargs: Any) -> Any:
+            value = kwargs.pop(given_as_old)
+            if value is not None:
+                if click.get_current_context().get_parameter_source(name) is ParameterSource.COMMANDLINE:
+                    raise click.UsageError(f"{old} is the old name of {new}: give it once")
+                kwargs[name] = value
+            return command(*args, **kwargs)
+
+        return click.option(old, given_as_old, hidden=True, default=None, **option)(with_alias)
+
+    return apply
+
+
+VIEW_FILES = click.IntRange(0, 99999)
+
+
+def view_files_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--view-shards: how many files the synthesized model is cut into (`what` says where it is)."""
     return click.option(
-        name,
-        type=click.IntRange(0, 99999),
+        "--view-shards",
+        type=VIEW_FILES,
+        metavar="N",
         default=0,
         help=f"{what} is cut into this many files (at most one a tensor), with an index when more than one. "
         "Default (0): one up to 20 GiB of tensors, else files of at most 5 GiB.",

@@ -16,7 +16,7 @@ from ..sources.cache import default_cache_dir
 from ..sources.store import RemoteOptions
 from ..units import human_size
 from .group import cli
-from .options import ByteSize, model_argument, remote_options, selection_options, source_of
+from .options import ByteSize, hidden_alias, model_argument, remote_options, selection_options, source_of
 from .output import table
 
 
@@ -101,12 +101,15 @@ def cache_du(cache_dir: Path | None) -> None:
 
 @cache.command(name="prune", short_help="Evict what is not in use, down to a size.")
 @cache_dir_option
+@hidden_alias("--max-size", "--cache-size", type=ByteSize())
 @click.option(
-    "--max-size", type=ByteSize(), help="Keep at most this much (least recently used goes first). Default: nothing."
+    "--cache-size",
+    type=ByteSize(),
+    help="Keep at most this much (least recently used goes first), as a mount's --cache-size. Default: nothing.",
 )
-def cache_prune(cache_dir: Path | None, max_size: int | None) -> None:
-    """Evict what is not in use (by a mount or a command) until the cache holds at most --max-size."""
+def cache_prune(cache_dir: Path | None, cache_size: int | None) -> None:
+    """Evict what is not in use (by a mount or a command) until the cache holds at most --cache-size."""
     cached = _object_cache(cache_dir)
-    freed = cached.prune(max_size or 0)
+    freed = cached.prune(cache_size or 0)
     held = sum(e.cached for e in cached.entries())
     click.echo(f"freed {human_size(freed)}; {human_size(held)} cached")
