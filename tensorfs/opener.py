@@ -42,9 +42,9 @@ from .sources.choosing import is_adapter
 from .sources.client import exists
 from .sources.finding import beside
 from .sources.index import is_index_name
-from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
+from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards, missing
 from .sources.remote import RemoteOpener
-from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, redact, unsupported_scheme
+from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, location_problem, redact
 from .tables import Shard, owners, restricted
 
 if TYPE_CHECKING:
@@ -128,9 +128,13 @@ class Source:
     ) -> Source:
         """The source a user names: a URL of a scheme tensorfs reads stays a URL, anything else is a path.
         The model and each fallback pass one check (InvalidModelError, the URL shown without its
-        secret): a URL of a scheme tensorfs does not read, or one that carries credentials, is refused
-        before anything is made of it (a daemon would show it in its command line to every user)."""
+        secret): a URL of a scheme tensorfs does not read or mistyped, or one that carries credentials,
+        is refused before anything is made of it (a daemon would show it in its command line to every
+        user); and so is a local model that is not there (its fallbacks are looked for when needed)."""
         where = _location(location)
+        absent = missing(where) if isinstance(where, Path) else None
+        if absent is not None:  # said now, before anything else is looked at (a mount's mountpoint)
+            raise InvalidModelError([absent])
         return cls(where, remote or RemoteOptions(), caches, tuple(map(_location, fallback)))
 
     @property
@@ -365,7 +369,7 @@ def open_model(
 def _location(location: str | os.PathLike[str]) -> Path | str:
     """A model's location as a user gives it, through the one check every location passes: a URL of a
     scheme tensorfs reads stays a URL (never one with credentials in it), anything else is a path."""
-    why = unsupported_scheme(location)
+    why = location_problem(location)
     if why is not None:
         raise InvalidModelError([Problem(printable(redact(str(location))), why)])
     if isinstance(location, str) and is_remote(location):

@@ -3,11 +3,13 @@ mistyped model is told."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 import pytest
 
+import tensorfs
 from helpers import write_reference
 from tensorfs.cli import cli, main
 
@@ -98,3 +100,64 @@ def test_the_old_names_still_work(
     ChunkCache(tmp_path / "cache").db()
     assert main(["cache", "prune", "--cache-dir", str(tmp_path / "cache"), "--max-size", "10M"]) == 0
     assert "freed 0 B" in capsys.readouterr().out
+
+
+MISTYPED = {
+    "s3:/bucket/models/x": "s3://bucket/models/x",
+    "hf:/org/name": "hf://org/name",
+    "hf:org/name": "hf://org/name",
+    "http:/host/model.safetensors": "http://host/model.safetensors",
+    "https:host/model.safetensors": "https://host/model.safetensors",
+    "https//host/model.safetensors": "https://host/model.safetensors",
+    "S3://bucket/x": "s3://bucket/x",
+    "htps://host/model.safetensors": "https://host/model.safetensors",
+}
+"""A URL mistyped, and the URL it is taken to mean."""
+
+
+def model_commands(model: str, tmp_path: Path) -> list[list[str]]:
+    """Every command that takes a model, with `model`; what else each takes, not there."""
+    elsewhere = str(tmp_path / "not-there")
+    return [
+        ["validate", model],
+        ["ls", model],
+        ["manifest", model],
+        ["verify", model],
+        ["export", model, elsewhere],
+        ["mount", model, elsewhere],
+        ["prefetch", model],
+    ]
+
+
+@pytest.mark.parametrize("typed", [*MISTYPED, "s4://bucket/x", "not-there/model.safetensors"])
+def test_a_mistyped_model_is_told_first(typed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command that takes a model says what is wrong with the model's name (a URL mistyped: the
+    URL it may mean), before anything else: not the mountpoint or DEST, which are not there either."""
+    for words in model_commands(typed, tmp_path):
+        code = main(words)
+        err = capsys.readouterr().err
+        assert code == (1 if typed.startswith("not-there") else 2), (words, err)
+        assert typed in err and str(tmp_path / "not-there") not in err, (words, err)
+        assert ("no such file or directory" in err) != ("://" in typed), (words, err)
+        if typed in MISTYPED:
+            assert f"did you mean {MISTYPED[typed]}?" in err, (words, err)
+    for option in ("--fallback", "--manifest"):
+        assert main(["mount", str(tmp_path), str(tmp_path / "not-there"), option, typed]) in (1, 2)
+        err = capsys.readouterr().err
+        if typed in MISTYPED:
+            assert f"did you mean {MISTYPED[typed]}?" in err and "mountpoint" not in err
+
+
+@pytest.mark.parametrize("typed", MISTYPED)
+def test_a_mistyped_url_in_python(typed: str) -> None:
+    with pytest.raises(tensorfs.InvalidModelError, match=re.escape(f"{typed}: ")) as raised:
+        tensorfs.open_model(typed)
+    assert str(raised.value).endswith(f"did you mean {MISTYPED[typed]}?")
+
+
+def test_a_path_that_is_there_is_no_mistyped_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory named s3: (as a URL mistyped would be) is a path, as any other."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s3:" / "bucket").mkdir(parents=True)
+    write_reference(tmp_path / "s3:" / "bucket" / "model.safetensors", {"t": ("F32", (1,), bytes(4))})
+    assert main(["validate", "s3:/bucket"]) == 0

@@ -160,6 +160,7 @@ def export(
     from ..views import build_view
     from ..views.export import view_bytes, write_view
 
+    source = source_of(path, remote)  # the model's name checked first, then DEST's
     shown = printable(str(dest))
     one_file = dest.name.endswith((".safetensors", ".gguf"))
     if one_file and view_shards:
@@ -167,7 +168,6 @@ def export(
     # Never over anything, the source's own files least of all: said now, before the model is opened;
     # the writer's own rename never replaces what comes meanwhile either.
     refuse_existing(dest, "file" if one_file else "directory")
-    source = source_of(path, remote)
     held_to = manifest_path if manifest_path is not None else Beside.IF_ANY
     with source.open(selection, manifest=held_to, verify=cast(Verify | None, verify)) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")

@@ -12,11 +12,12 @@ from typing import Any, ClassVar
 import click
 from click.core import ParameterSource
 
+from ..errors import printable
 from ..manifest import DEFAULT_MANIFEST
 from ..names import LAYOUTS
 from ..opener import Source
 from ..selection import Selection, parse_layers
-from ..sources.store import RemoteOptions, is_remote, unsupported_scheme
+from ..sources.store import RemoteOptions, is_remote, location_problem, redact
 
 READAHEAD_LIMIT_KB = 1 << 20
 """1 GiB: beyond it readahead is no longer ahead of anything a reader does."""
@@ -55,9 +56,9 @@ class ModelLocation(click.ParamType):  # type: ignore[type-arg]  # generic only 
     name = "model"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
-        why = unsupported_scheme(value)
+        why = location_problem(value)
         if why is not None:
-            self.fail(why, param, ctx)
+            self.fail(f"{printable(redact(str(value)))}: {why}", param, ctx)
         if isinstance(value, Path) or not is_remote(value):
             return Path(value)
         return str(value)

@@ -50,6 +50,11 @@ class FoundShards:
             self.directory.close()
 
 
+def missing(path: Path) -> Problem | None:
+    """The problem of a path that is not there (a dangling symlink is there: its open says why not)."""
+    return None if os.path.lexists(path) else Problem(str(path), "no such file or directory")
+
+
 def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None = None) -> FoundShards:
     """The shard files of `source`, and the index's weight map when there is one.
 
@@ -87,8 +92,9 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
             problems.append(Problem(str(source.parent), f"cannot open: {exc.strerror}"))
             return FoundShards([])
         return _shards_from_index(directory, source, problems, cache)
-    if not source.exists() and not source.is_symlink():
-        problems.append(Problem(str(source), "no such file or directory"))
+    absent = missing(source)
+    if absent is not None:
+        problems.append(absent)
         return FoundShards([])
     parts = gguf.split_files(source.name)
     if parts is not None and len(parts) > 1:  # a part of a multi-file GGUF: the model is all of them

@@ -15,6 +15,7 @@ every later GET is conditional on that ETag (If-Match), so versions are never mi
 from __future__ import annotations
 
 import configparser
+import difflib
 import functools
 import ipaddress
 import os
@@ -42,13 +43,25 @@ def is_remote(source: object) -> bool:
     return isinstance(source, str) and source.startswith(REMOTE_SCHEMES)
 
 
-def unsupported_scheme(source: object) -> str | None:
-    """Why `source` cannot be a model when it is a URL of a scheme tensorfs does not read (else None)."""
+_MISTYPED_URL = re.compile(r"(?i)(s3|hf|https?)(:/{0,2}|/{2,})(?=[^/:])")
+"""The start of a URL mistyped: s3:/BUCKET, hf:ORG, https//HOST, a scheme in capitals (S3:/...)."""
+
+
+def location_problem(source: object) -> str | None:
+    """Why `source` cannot be a model when its text says so (else None): a URL of a scheme tensorfs
+    does not read, or a path that is not there whose text is a URL mistyped (s3:/BUCKET/KEY); said
+    with the URL it may have meant."""
     if not isinstance(source, str) or is_remote(source):
         return None
-    scheme, sep, _ = source.partition("://")
+    scheme, sep, rest = source.partition("://")
     if sep and scheme and scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
-        return f"{scheme}:// is not a source tensorfs reads (s3://, http://, https://, hf://, or a local path)"
+        why = f"{scheme}:// is not a source tensorfs reads (s3://, http://, https://, hf://, or a local path)"
+        meant = difflib.get_close_matches(scheme.lower(), [name.removesuffix("://") for name in REMOTE_SCHEMES], 1)
+        return why + (f"; did you mean {redact(f'{meant[0]}://{rest}')}?" if meant else "")
+    mistyped = _MISTYPED_URL.match(source)
+    if mistyped is not None and not os.path.lexists(source):
+        url = redact(f"{mistyped[1].lower()}://{source[mistyped.end() :]}")
+        return f"no such file or directory; did you mean {url}?"
     return None
 
 
