@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    SafetensorError = Exception
+else:
+    try:  # what code written for safetensors catches: tensorfs's refusals of a file are one too
+        from safetensors import SafetensorError
+    except ImportError:  # safetensors is optional: then nothing expects its error
+
+        class SafetensorError(Exception):
+            """Stands in for safetensors' SafetensorError, safetensors not being installed."""
 
 
 def printable(text: str) -> str:
@@ -51,24 +62,27 @@ class TensorfsError(Exception):
         return str(self).splitlines() or [type(self).__name__]
 
 
-class InvalidModelError(TensorfsError):
-    """The model breaks the safetensors rules or tensorfs's naming rules; lists every problem."""
+class InvalidModelError(TensorfsError, SafetensorError):
+    """The model breaks the safetensors rules or tensorfs's naming rules; lists every problem. A
+    safetensors.SafetensorError too (when safetensors is installed), as safetensors' refusal is."""
 
     def __init__(self, problems: Iterable[Problem]) -> None:
         self.problems: tuple[Problem, ...] = tuple(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-class TensorNotFound(TensorfsError, KeyError):
-    """A tensor was asked for by a name the model does not hold: a KeyError too, as a dict's would be."""
+class TensorNotFound(TensorfsError, KeyError, SafetensorError):
+    """A tensor was asked for by a name the model does not hold: a KeyError too, as a dict's would be,
+    and a SafetensorError, as safetensors' get_tensor raises."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 
-class SliceError(TensorfsError, IndexError):
-    """A slice safetensors refuses (raising its SafetensorError): a numpy slice its numpy slices do not
-    take, or any slice of a tensor given as its raw bytes. An IndexError too, as numpy's would be."""
+class SliceError(TensorfsError, IndexError, SafetensorError):
+    """A slice safetensors refuses (raising its SafetensorError, as this is one too): a numpy slice its
+    numpy slices do not take, or any slice of a tensor given as its raw bytes. An IndexError too, as
+    numpy's would be."""
 
 
 class IntegrityError(TensorfsError):

@@ -3,11 +3,13 @@
 open_model() validates every header and maps the shards, and with `verify` hands out no tensor before
 its bytes match the manifest; safe_open() is a drop-in for `safetensors.safe_open` over anything
 open_model opens (one file, a directory of shards, an index, s3://, http(s)://, hf://); load_file()
-is `safetensors.torch.load_file` for all of those. Both take their original's arguments in the same
-places, meaning the same (tests/test_dropin.py holds them to the installed safetensors); tensorfs's
-own options are keyword-only beside them. Arrays and tensors are made over the shards' bytes, never
-copied (frameworks.py), unless backend="pread" asks for bytes of their own; prefetching is the
-model's (prefetch.py).
+is `safetensors.torch.load_file` for all of those, and load() is `safetensors.torch.load` of a
+file's bytes (tensorfs.torch and tensorfs.numpy hold them as safetensors.torch and .numpy do). All
+take their original's arguments in the same places, meaning the same (tests/test_dropin.py holds
+them to the installed safetensors); tensorfs's own options are keyword-only beside them. What
+safetensors refuses, they refuse with a SafetensorError too (errors.py). Arrays and tensors are
+made over the shards' bytes, never copied (frameworks.py), unless backend="pread" asks for bytes of
+their own; prefetching is the model's (prefetch.py).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from types import TracebackType
 from typing import Any
 
 from .dtypes import DTYPE_NAMED
-from .errors import Problem, SliceError, TensorfsError
+from .errors import InvalidModelError, Problem, SliceError, TensorfsError
+from .formats import safetensors
+from .formats.table import shape_problems
 from .frameworks import FRAMEWORKS, check_device, framework_of, given_as_bytes, make_tensor
 from .gate import UNREADABLE
 from .model import Model
 from .opener import open_model
 
-__all__ = ["SafeOpen", "TensorSlice", "load_file", "open_model", "safe_open"]
+__all__ = ["SafeOpen", "TensorSlice", "load", "load_file", "open_model", "safe_open"]
 
 BACKENDS = ("mmap", "pread")
 """safetensors' backends: tensors over a mapping of the file, or read into memory of their own (pread(2))."""
@@ -202,6 +206,22 @@ def load_file(
             if any(model.shard_data(shard).needs_ensure for shard in model.shards):
                 model.prefetch(names).wait()
         return {name: opened.get_tensor(name) for name in names}
+
+
+def load(data: bytes | bytearray | memoryview, *, framework: str = "pt") -> dict[str, Any]:
+    """`safetensors.torch.load(data)` (framework="np": `safetensors.numpy.load`): every tensor of
+    `data`, a safetensors file's bytes, by name in the order of the bytes, over one copy of them of
+    its own (writable; `data` is not held). Held to every rule a file is (InvalidModelError, which
+    is a SafetensorError too, naming "the bytes given", the tensor and why)."""
+    kind = framework_of(framework)
+    given = memoryview(data).cast("B")
+    label = "the bytes given"
+    header = safetensors.read_table(lambda at, count: bytes(given[at : at + count]), given.nbytes, label, label)
+    problems = shape_problems(header, label)
+    if problems:
+        raise InvalidModelError(problems)
+    own = memoryview(bytearray(given[header.data_start :]))
+    return {name: make_tensor(own[begin:end], dtype, shape, kind) for begin, end, name, dtype, shape in header.entries}
 
 
 def numpy_index(key: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...]:

@@ -6,6 +6,7 @@ take."""
 from __future__ import annotations
 
 import inspect
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -243,3 +244,102 @@ def test_numpy_slices_where_safetensors_differs_from_numpy(sliced: Path) -> None
                 ours.get_slice(name)[key]
             with pytest.raises(Exception):  # noqa: B017 (SafetensorError, OverflowError: whatever it raises)
                 theirs.get_slice(name)[key]
+
+
+DROP_IN_TENSORS = {
+    "w": ("F32", [2, 3], random_bytes(24, 3)),
+    "h": ("F16", [5], random_bytes(10, 4)),
+    "i": ("I64", [1, 2], random_bytes(16, 5)),
+    "flags": ("BOOL", [3], bytes([1, 0, 1])),
+    "scalar": ("U8", [], b"\x07"),
+    "empty": ("F32", [0, 4], b""),
+}
+
+
+def test_the_drop_in_modules_read_as_safetensors_modules_do(tmp_path: Path) -> None:
+    """tensorfs.torch and tensorfs.numpy: load (of bytes), load_file and safe_open take what
+    safetensors.torch and safetensors.numpy take, and give the same tensors of the same bytes."""
+    import safetensors.numpy
+
+    import tensorfs.numpy
+    import tensorfs.torch
+
+    path = tmp_path / "m.safetensors"
+    write_reference(path, DROP_IN_TENSORS)
+    data = path.read_bytes()
+    for ours, theirs in ((tensorfs.torch, safetensors.torch), (tensorfs.numpy, safetensors.numpy)):
+        same_parameters(ours.load, theirs.load)
+        same_parameters(ours.load_file, theirs.load_file)
+        assert ours.safe_open is tensorfs.safe_open and theirs.safe_open is safetensors.safe_open
+        for loaded, expected in ((ours.load(data), theirs.load(data)), (ours.load_file(path), theirs.load_file(path))):
+            assert sorted(loaded) == sorted(expected) == sorted(DROP_IN_TENSORS)
+            for name, tensor in expected.items():
+                same_tensor(loaded[name], tensor)
+    loaded = tensorfs.torch.load(bytearray(data))  # bytes of its own: neither the caller's nor read-only
+    loaded["w"] += 1
+    assert tensorfs.torch.load(data)["w"].add(1).equal(loaded["w"]) and path.read_bytes() == data
+
+
+def bad_files(good: bytes) -> dict[str, bytes]:
+    """Files safetensors refuses, each made from the good one's bytes."""
+    length = int.from_bytes(good[:8], "little")
+    header = good[8 : 8 + length]
+    return {
+        "too short": good[:5],
+        "cut in its data": good[:-1],
+        "a byte too many": good + b"\0",
+        "a header past the end": (len(good)).to_bytes(8, "little") + good[8:],
+        "no JSON": length.to_bytes(8, "little") + b"!" * length + good[8 + length :],
+        "a dtype unknown": good.replace(b'"F32"', b'"F99"', 1),
+        "overlapping": good.replace(header, header.replace(b'"data_offsets":[0,', b'"data_offsets":[1,', 1), 1),
+    }
+
+
+def test_a_file_safetensors_refuses_is_a_safetensor_error_from_tensorfs(tmp_path: Path) -> None:
+    """Code written for safetensors catches its SafetensorError: tensorfs's refusal of the same file
+    (its load, load_file, safe_open), of a tensor not there and of a slice safetensors does not take
+    is one too, and still a TensorfsError (and a KeyError, an IndexError, as each was)."""
+    import safetensors.numpy
+
+    import tensorfs.numpy
+    import tensorfs.torch
+
+    good = tmp_path / "good.safetensors"
+    write_reference(good, {"w": ("F32", [2, 2], random_bytes(16, 6)), "v": ("F32", [2], random_bytes(8, 7))})
+    for why, data in bad_files(good.read_bytes()).items():
+        path = tmp_path / f"{why}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(safetensors.SafetensorError):
+            safetensors.numpy.load(data)  # the reference refuses it: so must tensorfs, with its error
+        reads: list[tuple[Callable[..., Any], tuple[Any, ...]]] = [
+            (tensorfs.torch.load, (data,)),
+            (tensorfs.numpy.load, (data,)),
+            (tensorfs.load_file, (path,)),
+            (tensorfs.numpy.load_file, (path,)),
+            (tensorfs.safe_open, (path, "np")),
+        ]
+        for read, arguments in reads:
+            with pytest.raises(safetensors.SafetensorError) as raised:
+                read(*arguments)
+            assert isinstance(raised.value, tensorfs.InvalidModelError), why
+    with tensorfs.safe_open(good, "np") as opened:
+        with pytest.raises(safetensors.SafetensorError) as missing:
+            opened.get_tensor("nothing")
+        assert isinstance(missing.value, KeyError)
+        with pytest.raises(safetensors.SafetensorError) as sliced:
+            opened.get_slice("w")[None]
+        assert isinstance(sliced.value, IndexError)
+
+
+def test_without_safetensors_the_errors_are_tensorfs_own(tmp_path: Path) -> None:
+    """safetensors is optional: without it, tensorfs imports and refuses a file with its own error."""
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"short")
+    script = (
+        "import sys; sys.modules['safetensors'] = None\n"  # an import of it fails, as when not installed
+        "import tensorfs\n"
+        f"try:\n    tensorfs.open_model({str(path)!r})\n"
+        "except tensorfs.InvalidModelError as exc:\n    print(type(exc).__mro__[2].__module__, exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout == f"tensorfs.errors {path}: file is 5 bytes, too short to hold the 8-byte header length\n"
