@@ -185,10 +185,10 @@ class Source:
         model (Beside); None for none. `verify` ("open" by default): "all" hashes every tensor
         before the model is returned (InvalidModelError naming every mismatch), "off" puts no
         manifest in force; "open" or "all" said explicitly needs a manifest. `progress`: a progress
-        line on a terminal while hashing.
+        line on a terminal while validating the shards and while hashing.
         """
         selection = selection or Selection()
-        model = self._open_tables(selection, layout)
+        model = self._open_tables(selection, layout, progress)
         try:
             found = None
             if verify != "off" and manifest is not None:
@@ -221,7 +221,7 @@ class Source:
             raise
         return model
 
-    def _open_tables(self, selection: Selection, layout: Layout) -> Model:
+    def _open_tables(self, selection: Selection, layout: Layout, progress: bool = False) -> Model:
         caches = self.cache
         fallbacks = None
         if self.fallback:
@@ -230,7 +230,7 @@ class Source:
             )
             fallbacks = Fallbacks(spec, _open_fallback)
         try:
-            return _open(self.location, layout, caches.remote(self.remote), selection, caches, fallbacks)
+            return _open(self.location, layout, caches.remote(self.remote), selection, caches, fallbacks, progress)
         except BaseException:
             if fallbacks is not None:
                 fallbacks.close()
@@ -402,9 +402,11 @@ def _open(
     selection: Selection,
     caches: Caches,
     fallbacks: Fallbacks | None,
+    progress: bool = False,
 ) -> Model:
-    """The model at `path`: every shard found, read, validated and mapped, the rules across shards
-    checked; the selection's tensors. InvalidModelError naming every problem found."""
+    """The model at `path`: every shard found, read, validated and mapped (a progress line on a
+    terminal when asked), the rules across shards checked; the selection's tensors.
+    InvalidModelError naming every problem found."""
     problems: list[Problem] = []
     failed: dict[str, list[Problem]] = {}  # shards that could not be opened, by file name
     headers = caches.headers()
@@ -420,7 +422,7 @@ def _open(
             opener.cache.db()  # the objects' cache must be usable (RemoteError if not), before the headers'
             opener.headers = headers if headers.enabled else None
             located = opener.located
-            opened = _open_shards(opener.shards, opener.open, problems, failed)
+            opened = _open_shards(opener.shards, opener.open, problems, failed, progress)
             weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
         else:
             source = Path(path)
@@ -428,7 +430,7 @@ def _open(
             weight_map, index_label = found.weight_map, found.index_label
             open_local = functools.partial(LocalShard.open, cache=headers, directory=found.directory)
             try:
-                opened = _open_shards([(p, str(p)) for p in found.paths], open_local, problems, failed)
+                opened = _open_shards([(p, str(p)) for p in found.paths], open_local, problems, failed, progress)
             finally:
                 found.close()
             failed.update({name: [problem] for name, problem in found.missing.items()})
@@ -495,25 +497,31 @@ def _open_shards(
     open_one: Callable[..., Any],
     problems: list[Problem],
     failed: dict[str, list[Problem]],
+    progress: bool = False,
 ) -> list[Shard]:
-    """Read, validate and map every shard, in parallel; problems of all shards are collected (and
-    those of each shard that failed in `failed`, by its file name).
+    """Read, validate and map every shard, in parallel (`progress`: a line on a terminal counting
+    them); problems of all shards are collected (and those of each shard that failed in `failed`, by
+    its file name).
 
     `open_one(where, label)` returns (header, ShardData) or raises InvalidModelError.
     """
+    counted = Progress(len(shards), "validating", quiet=not progress, unit="shard")
 
     def attempt(shard: tuple[Any, str]) -> Shard | InvalidModelError:
         try:
             header, data = open_one(*shard)
         except InvalidModelError as exc:
             return exc
+        finally:
+            counted.advance(1)
         return Shard(header, data)
 
-    if len(shards) <= 1:
-        results = [attempt(shard) for shard in shards]
-    else:
-        with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(shards))) as pool:
-            results = list(pool.map(attempt, shards))
+    with counted:
+        if len(shards) <= 1:
+            results = [attempt(shard) for shard in shards]
+        else:
+            with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(shards))) as pool:
+                results = list(pool.map(attempt, shards))
     opened: list[Shard] = []
     for (_, label), result in zip(shards, results, strict=True):
         if isinstance(result, InvalidModelError):

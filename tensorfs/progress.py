@@ -1,4 +1,4 @@
-"""A progress line (bytes, rate, ETA) on a terminal; silence anywhere else."""
+"""A progress line (bytes or a count, rate, ETA) on a terminal; silence anywhere else, and when asked to be quiet."""
 
 from __future__ import annotations
 
@@ -8,17 +8,28 @@ import threading
 import time
 from typing import TextIO
 
-from .units import human_size
+from .units import human_size, plural
 
 
 class Progress:
-    """Counts bytes from any thread; redraws one line at most every 0.1 s when `stream` is a terminal."""
+    """Counts bytes (or things: `unit`, e.g. "shard") from any thread; redraws one line at most every
+    0.1 s when `stream` is a terminal, unless `quiet` (a command's -q)."""
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None, *, enabled: bool | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        stream: TextIO | None = None,
+        *,
+        enabled: bool | None = None,
+        quiet: bool = False,
+        unit: str | None = None,
+    ) -> None:
         self.total = total
         self.label = label
+        self.unit = unit
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.enabled = not quiet and (self.stream.isatty() if enabled is None else enabled)
         self.done = 0
         self._lock = threading.Lock()
         self._start = time.monotonic()
@@ -36,10 +47,11 @@ class Progress:
         elapsed = max(now - self._start, 1e-9)
         rate = self.done / elapsed
         left = (self.total - self.done) / rate if rate > 0 else 0.0
-        line = (
-            f"{self.label} {human_size(self.done)} / {human_size(self.total)}"
-            f"  {human_size(int(rate))}/s  ETA {int(left) // 60}:{int(left) % 60:02d}"
-        )
+        if self.unit is None:
+            done, rate_shown = f"{human_size(self.done)} / {human_size(self.total)}", f"{human_size(int(rate))}/s"
+        else:
+            done, rate_shown = f"{self.done} / {plural(self.total, self.unit)}", f"{rate:.1f} {self.unit}s/s"
+        line = f"{self.label} {done}  {rate_shown}  ETA {int(left) // 60}:{int(left) % 60:02d}"
         try:
             self.stream.write(f"\r{line:<72}")
             self.stream.flush()

@@ -30,6 +30,7 @@ from .options import (
     layout_option,
     manifest_options,
     model_argument,
+    quiet_option,
     remote_options,
     selection_options,
     source_of,
@@ -41,12 +42,14 @@ from .output import OutputError, ended_by_signals, error_lines, table, write_fil
 @cli.command(short_help="Check every header of MODEL as mount would, and summarise it.")
 @model_argument
 @layout_option
+@quiet_option
 @selection_options
 @cache_options
 @remote_options
 def validate(
     path: Path | str,
     layout: Layout,
+    quiet: bool,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -58,7 +61,7 @@ def validate(
     taken from the cache of validated headers; --no-cache checks everything from scratch.
     Exit 0 when valid; exit 1 and one line per problem on stderr when not.
     """
-    with source_of(path, remote, no_cache).open(selection, layout) as model:
+    with source_of(path, remote, no_cache).open(selection, layout, progress=not quiet) as model:
         click.echo(
             f"{printable(str(path))}: valid: {plural(len(model.shards), 'shard')}, "
             f"{plural(len(model), 'tensor')}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
@@ -103,6 +106,7 @@ def _ls_table(model: Model) -> None:
 @model_argument
 @click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write here, not to stdout.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON object {tensor name: hex SHA-256}.")
+@quiet_option
 @selection_options
 @cache_options
 @remote_options
@@ -110,6 +114,7 @@ def manifest(
     path: Path | str,
     output: Path | None,
     as_json: bool,
+    quiet: bool,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -120,8 +125,8 @@ def manifest(
     Hashes found in the cache (same shard file, unchanged) are not computed again.
     """
     source = source_of(path, remote, no_cache)
-    with source.open(selection) as model:
-        text = format_manifest(hash_all(model, model.gate.integrity.hasher, progress=True), as_json=as_json)
+    with source.open(selection, progress=not quiet) as model:
+        text = format_manifest(hash_all(model, model.gate.integrity.hasher, progress=not quiet), as_json=as_json)
     if output is None:
         sys.stdout.write(text)
     else:
@@ -134,6 +139,7 @@ def manifest(
 @hidden_alias("--shards", "--view-shards", type=VIEW_FILES)
 @view_files_option("A directory DEST: the model")
 @manifest_options("Write no tensor", "all before writing anything")
+@quiet_option
 @selection_options
 @remote_options
 def export(
@@ -142,6 +148,7 @@ def export(
     view_shards: int,
     manifest_path: Path | str | None,
     verify: str | None,
+    quiet: bool,
     selection: Selection,
     cache_dir: Path | None,
     remote: RemoteOptions,
@@ -169,13 +176,14 @@ def export(
     # the writer's own rename never replaces what comes meanwhile either.
     refuse_existing(dest, "file" if one_file else "directory")
     held_to = manifest_path if manifest_path is not None else Beside.IF_ANY
-    with source.open(selection, manifest=held_to, verify=cast(Verify | None, verify)) as model, ended_by_signals():
+    verifying = cast(Verify | None, verify)
+    with source.open(selection, manifest=held_to, verify=verifying, progress=not quiet) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
         if one_file and dest.suffix != f".{model.view_format}":
             why = f"a {model.format} model is written as a .{model.view_format} file (or a directory)"
             raise TensorfsError(f"{shown}: {why}")
         if one_file:
-            with Progress(model.nbytes, "writing") as progress:
+            with Progress(model.nbytes, "writing", quiet=quiet) as progress:
                 size = model.write_safetensors(dest, progress.advance, replace=False)
             done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
@@ -183,7 +191,7 @@ def export(
             error_lines(spec.warnings, prefix="warning: ")
             view = build_view(model, spec)
             try:
-                with Progress(view_bytes(view), "writing") as progress:
+                with Progress(view_bytes(view), "writing", quiet=quiet) as progress:
                     write_view(view, dest, model.gate.copy_into, progress.advance)
             finally:
                 view.close()
@@ -204,12 +212,14 @@ def export(
     help=f"The manifest to check against (sha256sum or JSON; a file or a URL). Default: {DEFAULT_MANIFEST} in "
     "MODEL (in its directory, for a file).",
 )
+@quiet_option
 @selection_options
 @cache_options
 @remote_options
 def verify(
     path: Path | str,
     manifest_path: Path | str | None,
+    quiet: bool,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -222,11 +232,11 @@ def verify(
     """
     source = source_of(path, remote, no_cache)
     # The model first: its errors name it, not the manifest beside it.
-    with source.open(selection) as model:
+    with source.open(selection, progress=not quiet) as model:
         found = source.manifest(manifest_path, selection)
         if found is None:
             raise TensorfsError(f"{source.directory}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
-        actual = hash_all(model, model.gate.integrity.hasher, progress=True)
+        actual = hash_all(model, model.gate.integrity.hasher, progress=not quiet)
         problems = found.mismatches(model, actual, lambda name: f"does not match {found.label} (sha256 {actual[name]})")
         problems += found.coverage(model)
         if problems:

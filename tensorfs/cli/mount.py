@@ -57,7 +57,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "group and permissions instead of taking them from the shards.",
 )
 @layout_option
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing once mounted.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress line (on a terminal), and nothing said once mounted.")
 @click.option("--debug", is_flag=True, help="Log every request (and libfuse's own debug output with -f).")
 @click.option(
     "--log-file",
@@ -191,7 +191,8 @@ def mount(
             raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     # The model is validated after the daemon is forked: obstore (a remote model) cannot cross a fork.
-    ready = partial(prepare, model, selection, layout, manifest_path, cast(Verify | None, verify), view_shards, warn)
+    verifying = cast(Verify | None, verify)
+    ready = partial(prepare, model, selection, layout, manifest_path, verifying, view_shards, warn, not quiet)
     return mount_model(ready, mountpoint, options, announce)
 
 

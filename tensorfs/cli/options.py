@@ -101,6 +101,10 @@ class ParsedText(click.ParamType):  # type: ignore[type-arg]
 
 model_argument = click.argument("path", metavar="MODEL", type=ModelLocation())
 
+quiet_option = click.option(
+    "-q", "--quiet", is_flag=True, help="No progress line (there is one on a terminal only, on stderr)."
+)
+
 layout_option = click.option(
     "--layout",
     type=click.Choice(LAYOUTS),

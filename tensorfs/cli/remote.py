@@ -16,22 +16,25 @@ from ..sources.cache import default_cache_dir
 from ..sources.store import RemoteOptions
 from ..units import human_size
 from .group import cli
-from .options import ByteSize, hidden_alias, model_argument, remote_options, selection_options, source_of
+from .options import ByteSize, hidden_alias, model_argument, quiet_option, remote_options, selection_options, source_of
 from .output import table
 
 
 @cli.command(short_help="Fetch a remote MODEL (or a selection of it) into the cache.")
 @model_argument
+@quiet_option
 @selection_options
 @remote_options
-def prefetch(path: Path | str, selection: Selection, cache_dir: Path | None, remote: RemoteOptions) -> None:
+def prefetch(
+    path: Path | str, quiet: bool, selection: Selection, cache_dir: Path | None, remote: RemoteOptions
+) -> None:
     """Fetch every byte of a remote MODEL (or of a selection's tensors) into the cache, ahead of a job.
 
     A progress line on a terminal. Afterwards the model (the selection) mounts and reads with --offline too.
     """
     from ..sources.remote import fetch_plan
 
-    with source_of(path, remote).open(selection) as model:
+    with source_of(path, remote).open(selection, progress=not quiet) as model:
         wanted = fetch_plan(model, whole=selection.everything)
         if not wanted:
             click.echo(f"{printable(str(path))}: a local model: nothing to fetch")
@@ -40,7 +43,7 @@ def prefetch(path: Path | str, selection: Selection, cache_dir: Path | None, rem
         if remote.cache_size is not None and total > remote.cache_size:
             size = human_size(remote.cache_size)
             raise TensorfsError(f"{printable(str(path))}: {human_size(total)} does not fit in --cache-size {size}")
-        with Progress(total, "fetching") as progress:
+        with Progress(total, "fetching", quiet=quiet) as progress:
             for data, chunks in wanted.items():
                 data.prefetch(progress.advance, chunks)
         missing = sum(data.missing(chunks) for data, chunks in wanted.items())

@@ -22,12 +22,14 @@ def prepare(
     verify: Verify | None,
     view_shards: int,
     warn: Callable[[str], None],
+    progress: bool = True,
 ) -> tuple[Model, ViewSpec]:
-    """The model validated (and with --verify all, verified), and its view's spec; what its fallbacks
-    stand in for and the companion files left out are said through `warn`."""
+    """The model validated (and with --verify all, verified: a progress line on a terminal for both
+    unless not `progress`), and its view's spec; what its fallbacks stand in for and the companion
+    files left out are said through `warn`."""
     # The model first: its errors name it, not the manifest looked for beside it.
     held_to = manifest if manifest is not None else Beside.IF_ANY
-    model = source.open(selection, layout, manifest=held_to, verify=verify, progress=True)
+    model = source.open(selection, layout, manifest=held_to, verify=verify, progress=progress)
     try:
         for stand_in in model.stand_ins:
             warn(stand_in)
