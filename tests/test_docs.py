@@ -35,6 +35,7 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("README.md", "make demo    # build"): NO_EXAMPLE + "`make test` is this suite; `make demo` installs what is "
     "missing, then runs scripts/demo.py, whose tour is the next block (run by test_readme_the_demo_shows)",
     ("README.md", "$ tensorfs validate demo/model"): RUN_BY + "test_readme_the_demo_shows",
+    ("README.md", ". .venv/bin/activate"): RUN_BY + "test_readme_tensorfs_on_the_path",
     ("README.md", "/mnt/weights/"): NO_EXAMPLE + "the mounted tree, as commands.md's (test_tree, test_mount)",
     ("README.md", "from safetensors import safe_open"): RUN_BY + "test_readme_loading_from_a_mount",
     ("README.md", "# one stage of a pipeline"): RUN_BY + "test_readme_one_stage",
@@ -42,7 +43,7 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("README.md", "tensorfs mount s3://bucket/models/llama"): RUN_BY + "test_remote_mounts",
     ("README.md", "tensorfs validate MODEL"): NO_EXAMPLE + "the commands' synopsis",
     ("docs/commands.md", "  --include GLOB"): NO_EXAMPLE + "a synopsis of options",
-    ("docs/commands.md", "tensorfs validate MODEL [--layout"): NO_EXAMPLE + "a synopsis of commands",
+    ("docs/commands.md", "tensorfs validate MODEL [-q] [--layout"): NO_EXAMPLE + "a synopsis of commands",
     ("docs/commands.md", "$ tensorfs validate demo/model"): RUN_BY + "test_commands_validate",
     ("docs/commands.md", "tensorfs mount [OPTIONS]"): NO_EXAMPLE + "a synopsis of options",
     ("docs/commands.md", "/mnt/weights/\n"): NO_EXAMPLE + "the mounted tree (test_tree, test_mount)",
@@ -306,6 +307,23 @@ def test_readme_the_demo_shows(fuse: None, tmp_path: Path) -> None:
         wait_until(lambda: not pid_alive(pid), what="the demo's daemon to leave")
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+
+
+def test_readme_tensorfs_on_the_path(tmp_path: Path) -> None:
+    """.venv: the venv running these tests (as `make` makes it); ~: a home of the test's own, its
+    ~/.local/bin on the PATH of the second shell. Neither PATH has tensorfs before."""
+    activate, link = block("README.md", ". .venv/bin/activate").splitlines()
+    venv = str(Path(sys.executable).parent.parent)
+    home = tmp_path / "home"
+    (home / ".local" / "bin").mkdir(parents=True)
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    linked = {**bare, "PATH": f"{home}/.local/bin:/usr/bin:/bin"}
+    for env in (bare, linked):
+        assert run_shell("command -v tensorfs", tmp_path, env, check=False).returncode != 0
+    shown = run_shell(in_place(activate, {".venv": venv}) + "\ntensorfs --version", tmp_path, bare)
+    assert shown.stdout.startswith("tensorfs, version")
+    run_shell(in_place(link, {'"$PWD/.venv': f'"{venv}'}), tmp_path, bare)
+    assert run_shell("tensorfs --version", tmp_path, linked).stdout.startswith("tensorfs, version")
 
 
 def test_readme_loading_from_a_mount(mounts: Mounts, tmp_path: Path) -> None:
