@@ -16,7 +16,7 @@
 
 Why one home: one command that anyone with the package can run on their own machine, no checkout
 needed; one report format, each figure a ratio to its baseline measured in the same run (these
-machines are noisy: every figure is the median of several tries); one JSON document (--json);
+machines are noisy: every figure is the median of several tries); one JSON document (-o FILE);
 one set of servers (servers.py) and peers (peers.py, floor.py); and every suite checked by the
 tests with --quick.
 """

@@ -17,7 +17,7 @@ and its share of the layers) and reads that. Reported:
 Nothing is asserted of rates; the page cache is not dropped between tries (the caches are new files
 each try, and the store's memory holds what it serves), only synced.
 
-    tensorfs bench --suite fleet [--gib 1] [--shards 4] [--repeat 3] [--nodes 1,2,4] [--json FILE]
+    tensorfs bench --suite fleet [--gib 1] [--shards 4] [--repeat 3] [--nodes 1,2,4] [-o FILE]
 """
 
 from __future__ import annotations

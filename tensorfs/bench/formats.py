@@ -11,7 +11,7 @@
 - a checkpoint of 3,000 small tensors (a large model's count) against the same as safetensors:
   `tensorfs.open_model` from scratch, reported (a checkpoint's table is a pickle, walked in Python).
 
-    tensorfs bench --suite formats [--gib 1] [--repeat 3] [--json FILE]
+    tensorfs bench --suite formats [--gib 1] [--repeat 3] [-o FILE]
 """
 
 from __future__ import annotations

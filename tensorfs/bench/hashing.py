@@ -14,7 +14,7 @@ the sides taken in turns, page cache warm. The bars:
   `tensorfs manifest --no-cache` of the same, both as commands, hash_small_repeat tries
   (--tensors 0 skips them).
 
-    tensorfs bench --suite hash [--gib 1] [--shards 4] [--repeat 3] [--tensors 60000] [--json FILE]
+    tensorfs bench --suite hash [--gib 1] [--shards 4] [--repeat 3] [--tensors 60000] [-o FILE]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ byte (the largest of its bytes), as a consumer does. The bars:
   reading it through a tensorfs mount; load_file of the model in SeaweedFS (S3), and safetensors
   reading it through a mount of it, >= 1.0x the Run:ai streamer reading the same object.
 
-    tensorfs bench --suite load [--gib 1] [--repeat 3] [--json FILE]
+    tensorfs bench --suite load [--gib 1] [--repeat 3] [-o FILE]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ time that `safetensors.safe_open(shard).keys()` takes over the same shards; with
 the header cache, at most 1x. Both run in this process, page
 cache warm, alternating, and each figure is the median of --repeat tries.
 
-    tensorfs bench --suite open [--tensors 100000] [--shards 20] [--repeat 9] [--json FILE]
+    tensorfs bench --suite open [--tensors 100000] [--shards 20] [--repeat 9] [-o FILE]
 """
 
 from __future__ import annotations

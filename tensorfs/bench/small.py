@@ -12,7 +12,7 @@ the figures are medians and the ratios mount / local, with the issue's bars:
 files only, against a local copy of that tree: what any pyfuse3 daemon pays, for comparison.
 Also reported: the FUSE requests tensorfs answered for each command (from .tensorfs/stats.json).
 
-    tensorfs bench --suite small [--tensors 60000] [--repeat 1] [--json FILE]
+    tensorfs bench --suite small [--tensors 60000] [--repeat 1] [-o FILE]
 
 (One try takes about six minutes at 60k tensors: `cp -r` of 180k files is most of it.)
 """
