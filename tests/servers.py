@@ -392,7 +392,8 @@ class Lie:
       every size said -1; "sizes":
       each size said 7 bytes more; of a file: "omitted": left out of every listing.
     - name, NAME: a file NAME listed beside the others (S3 and the Hub's API), whose GET is b"{}"; a
-      NAME ending in '/' is a folder to the Hub's API (a key of that name to S3's).
+      NAME ending in '/' is a folder to the Hub's API (to S3's, a key of that name holding nothing: a
+      folder marker, as the S3 console makes; "" is the listed prefix's own).
     - redirect, URL: every request answered 302 Found, to URL ("loop": to itself).
     - status, CODE: every request answered CODE, with an HTML page for a body.
     """
@@ -617,8 +618,9 @@ class HostileServer:
 
     def _content(self, name: str) -> bytes | None:
         """A file's bytes as they are now: one under the root (never out of it), or a listed name's b"{}"."""
-        if any(lie.what == "name" and name.endswith(f"/{lie.value}") for lie in self.lies):
-            return b"{}"
+        for lie in self.lies:
+            if lie.what == "name" and name.endswith(f"/{lie.value}"):
+                return b"" if name.endswith("/") else b"{}"  # a folder marker holds nothing
         parts = name.split("/")
         if not name or any(part in ("", ".", "..") for part in parts) or "\0" in name:
             return None

@@ -36,7 +36,9 @@ def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
     try:
         pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1000))
         for page in pages:
-            found += page
+            # The client drops a key's trailing '/': the prefix's own folder marker (`m/`, as the S3
+            # console's "Create folder" makes) comes as `m`, which is not beneath the prefix.
+            found += [meta for meta in page if str(meta["path"]).startswith(prefix)]
             if len(found) > MAX_LISTED:
                 return found[:MAX_LISTED], True
             if time.monotonic() > deadline:

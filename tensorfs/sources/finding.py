@@ -161,6 +161,8 @@ def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0)
     found: Listed = []
     inner: set[str] = set()
     for entry in files_of(entries):
+        if entry[1] == 0 and not exists(ObjectRef(spec, top + entry[0])):
+            continue  # a folder marker (`m/2_Dense/`): the client dropped its '/', and there is no `m/2_Dense`
         parts = entry[0].split("/")
         if len(parts) > 2:
             continue
