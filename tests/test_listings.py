@@ -1,5 +1,4 @@
-"""What a store's listings are taken for, and how long they may take: folder markers are never files,
-and a listing (S3's, the Hub's) ends within --remote-timeout in all, however its pages come."""
+"""What a store's listings are taken for: folder markers are never files."""
 
 from __future__ import annotations
 
