@@ -159,7 +159,7 @@ def mount(
     from ..mount.options import MountOptions, split_fuse_options
 
     model = source_of(path, remote, no_cache, fallback)
-    own = {key: flag for key, (flag, _) in tensorfs_options(cast(click.Command, mount)).items()}
+    own = {key: flag for key, (flag, _) in tensorfs_options(mount).items()}
     passed, ownership = split_fuse_options(fuse_options, own)
     options = MountOptions(
         layout=layout,

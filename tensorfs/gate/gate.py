@@ -505,7 +505,7 @@ class Gate:
         why = "the shard shrank after it was validated" if shrank else str(exc)
         # A store's failure stays one (a timeout is no change: a caller that reopens on a changed
         # shard would ask a stalled store forever).
-        kind = type(exc) if isinstance(exc, RemoteError) else ShardChangedError
+        kind: type[TensorfsError] = type(exc) if isinstance(exc, RemoteError) else ShardChangedError
         error = kind(
             f"{printable(str(where))}: tensor '{printable(place.name)}': bytes [{low - place.start}, "
             f"{high - place.start}) of the tensor cannot be read: {why}"
