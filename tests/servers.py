@@ -388,11 +388,12 @@ class Lie:
       size (a file grown past what was announced); "gzip": compressed (Content-Encoding: gzip); "cut": the connection closed
       halfway through the body; "stall": half the body, then nothing (until the server closes).
     - listing (of a prefix, or "*"): "garbage": an answer that is not a listing; "loop": S3's
-      continuation token given back forever; "huge": more files than any listing takes; "negative":
+      continuation token given back forever; "huge": more files than any listing takes, a thousand a page; "trickle": one file a page, forever; "negative":
       every size said -1; "sizes":
       each size said 7 bytes more; of a file: "omitted": left out of every listing.
     - name, NAME: a file NAME listed beside the others (S3 and the Hub's API), whose GET is b"{}"; a
-      NAME ending in '/' is a folder to the Hub's API (a key of that name to S3's).
+      NAME ending in '/' is a folder to the Hub's API (to S3's, a key of that name holding nothing: a
+      folder marker, as the S3 console makes; "" is the listed prefix's own).
     - redirect, URL: every request answered 302 Found, to URL ("loop": to itself).
     - status, CODE: every request answered CODE, with an HTML page for a body.
     """
@@ -617,8 +618,9 @@ class HostileServer:
 
     def _content(self, name: str) -> bytes | None:
         """A file's bytes as they are now: one under the root (never out of it), or a listed name's b"{}"."""
-        if any(lie.what == "name" and name.endswith(f"/{lie.value}") for lie in self.lies):
-            return b"{}"
+        for lie in self.lies:
+            if lie.what == "name" and name.endswith(f"/{lie.value}"):
+                return b"" if name.endswith("/") else b"{}"  # a folder marker holds nothing
         parts = name.split("/")
         if not name or any(part in ("", ".", "..") for part in parts) or "\0" in name:
             return None
@@ -667,6 +669,9 @@ class HostileServer:
             page = int(token or 0)
             keys = [(f"{bucket}/{prefix}x{page:08d}-{k:04d}.json", 2, None) for k in range(1000)]
             return _s3_page(bucket, prefix, keys, str(page + 1))
+        if how == "trickle":  # one a page, forever
+            page = int(token or 0)
+            return _s3_page(bucket, prefix, [(f"{bucket}/{prefix}x{page:08d}.json", 2, None)], str(page + 1))
         directory = f"{bucket}/{prefix}".rstrip("/")
         listed = [entry for entry in self._listed(directory) if entry[0].startswith(f"{bucket}/{prefix}")]
         start = int(token or 0)

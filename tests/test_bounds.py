@@ -304,6 +304,21 @@ def pages_listed(server: HostileServer) -> int:
     return sum("list-type=2" in path for path in server.paths)
 
 
+class PageClock:
+    """A clock (for a module's `time`) that moves a second with each page of a listing the server
+    has sent: a store that takes a second a page, whenever and however often the clock is read."""
+
+    def __init__(self, server: HostileServer) -> None:
+        self.server = server
+        self.start = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.start + pages_listed(self.server)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 def test_a_listing_goes_through_at_most_100000_objects(hostile: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefix whose listing never ends (a store that says there are more, page after page): the
     model is refused in one line once 100,000 objects are past, its 101st page of 1000 the last
@@ -322,20 +337,54 @@ def test_a_listing_goes_through_at_most_100000_objects(hostile: HostileServer, m
     assert pages_listed(hostile) == 101
 
 
-def test_a_listing_ends_at_the_remote_timeout(hostile: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pages", ["huge", "trickle"])
+def test_a_listing_ends_at_the_remote_timeout(
+    hostile: HostileServer, monkeypatch: pytest.MonkeyPatch, pages: str
+) -> None:
     """A listing that never ends ends within --remote-timeout, whatever the objects it has gone
-    through: 5 s here, each thousand objects (a page) taking a second of the clock it reads."""
+    through, each page taking a second of the clock it reads: 5 s here, one deadline for all its
+    pages, whether they hold a thousand objects each or one."""
     from tensorfs.sources import client, store
 
     (hostile.root / "bucket").mkdir()
-    hostile.lies.append(Lie("listing", "bucket/slow", "huge"))
+    hostile.lies.append(Lie("listing", "bucket/slow", pages))
     for key, value in {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}.items():
         monkeypatch.setenv(key, value)
     spec, prefix = store.store_spec("s3://bucket/slow/", RemoteOptions(endpoint_url=hostile.url, timeout=5))
-    monkeypatch.setattr(client, "time", SteppingClock(1.0))
+    monkeypatch.setattr(client, "time", PageClock(hostile))
     with pytest.raises(RemoteError, match=r"^s3://bucket/slow/: listing took over 5 s$"):
         client.list_objects(spec, prefix)
     assert 5 <= pages_listed(hostile) <= 8  # (the client may ask for a page or two ahead)
+
+
+class HubClock(PageClock):
+    """A clock that moves a second with each answer of the Hub's listing API the server has sent."""
+
+    def monotonic(self) -> float:
+        return self.start + sum(path.startswith("/api/models/") for path in self.server.paths)
+
+
+def test_the_hubs_discovery_ends_at_the_remote_timeout_in_all(
+    hostile: HostileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub whose model directory holds 50 folders, each listed within --remote-timeout but each
+    taking a second of the clock the discovery reads: the discovery ends at 5 s in all, not 50 s,
+    and says so."""
+    from tensorfs.sources import client, finding
+
+    repo = hostile.root / "org" / "name"
+    for k in range(50):
+        (repo / f"f{k:02d}").mkdir(parents=True)
+        (repo / f"f{k:02d}" / "config.json").write_text("{}")
+    write_reference(repo / "model.safetensors", {"w": ("U8", [4], bytes(4))})
+    monkeypatch.setenv("HF_ENDPOINT", hostile.url)
+    monkeypatch.setattr(client, "time", HubClock(hostile))
+    listing = f"{hostile.url}/api/models/org/name/tree/main"
+    expected = f"{listing}: the Hub's listing of the model's directory and its folders (5 of 50 listed) took over 5 s"
+    with pytest.raises(RemoteError) as caught:
+        finding.hub_listing("hf://org/name", RemoteOptions(timeout=5), subdirectories=50)
+    assert str(caught.value) == expected
+    assert sum(path.startswith("/api/models/") for path in hostile.paths) == 6  # the top listing, and 5 folders'
 
 
 def test_the_companion_scan_stops_after_30_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -254,6 +254,32 @@ def test_options_that_break_tensorfs_are_refused(
     assert not os.path.ismount(mountpoint) and mountpoint not in tensorfs_mounts()
 
 
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (
+            "fallback=https://user:password@example.com/m/model.safetensors",
+            "https://***@example.com/m/model.safetensors: option 'fallback': credentials in a URL are never sent",
+        ),
+        ("allow_other,fallback=/elsewhere/model", "option 'fallback': not FUSE's: give it as --fallback"),
+        ("manifest=/elsewhere/m.sha256", "option 'manifest': not FUSE's: give it as --manifest"),
+    ],
+)
+def test_mount_options_pass_the_gate_of_the_flags(
+    mounts: Mounts, model_dir: Path, tmp_path: Path, option: str, said: str
+) -> None:
+    """-o with a URL that carries credentials is refused as --fallback refuses it (not handed to
+    libfuse, whose "fuse_session_new() failed" said nothing, and whose record would keep them); a
+    tensorfs option given as -o is told to be given as its flag."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounts.mountpoints.append(mountpoint)
+    result = mounts.run("mount", "-o", option, str(model_dir), str(mountpoint))
+    assert result.returncode == 1 and result.stderr.startswith(f"error: {said}") and result.stderr.count("\n") == 1
+    assert "password" not in result.stderr
+    assert not os.path.ismount(mountpoint) and mountpoint not in tensorfs_mounts()
+
+
 def test_status_and_umount(mounts: Mounts, model_dir: Path) -> None:
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)

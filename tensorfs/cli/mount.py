@@ -155,10 +155,12 @@ def mount(
     so in one line (unless -q).
     """
     from ..mount.daemon import mount as mount_model
+    from ..mount.helper import tensorfs_options
     from ..mount.options import MountOptions, split_fuse_options
 
     model = source_of(path, remote, no_cache, fallback)
-    passed, ownership = split_fuse_options(fuse_options)
+    own = {key: flag for key, (flag, _) in tensorfs_options(mount).items()}
+    passed, ownership = split_fuse_options(fuse_options, own)
     options = MountOptions(
         layout=layout,
         fuse_options=passed,

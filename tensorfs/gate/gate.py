@@ -503,7 +503,10 @@ class Gate:
         where = place.shard if place.copy is None else f"{place.data.label} (fallback {place.copy.source})"
         shrank = not place.data.needs_ensure and isinstance(exc, ShardChangedError)
         why = "the shard shrank after it was validated" if shrank else str(exc)
-        error = ShardChangedError(
+        # A store's failure stays one (a timeout is no change: a caller that reopens on a changed
+        # shard would ask a stalled store forever).
+        kind: type[TensorfsError] = type(exc) if isinstance(exc, RemoteError) else ShardChangedError
+        error = kind(
             f"{printable(str(where))}: tensor '{printable(place.name)}': bytes [{low - place.start}, "
             f"{high - place.start}) of the tensor cannot be read: {why}"
         )

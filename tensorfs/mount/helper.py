@@ -50,7 +50,7 @@ def mount_arguments(argv: Sequence[str], command: click.Command) -> list[str]:
     if len(positional) != 2:
         # (The words besides the options: an option's value, a URL with a password maybe, is not quoted.)
         raise TensorfsError(f"usage: mount.tensorfs SOURCE MOUNTPOINT [-o OPT[,OPT...]] (got {' '.join(positional)})")
-    flags = _options_of(command)
+    flags = tensorfs_options(command)
     arguments = ["-q"]
     for option in options:
         key, has_value, value = option.partition("=")
@@ -78,7 +78,7 @@ def _shown(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", key) else "..."
 
 
-def _options_of(command: click.Command) -> dict[str, tuple[str, bool]]:
+def tensorfs_options(command: click.Command) -> dict[str, tuple[str, bool]]:
     """Each long option of `command` by its fstab key (--readahead-kb: readahead_kb): (flag, is it one)."""
     found: dict[str, tuple[str, bool]] = {}
     for param in command.params:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import grp
 import pwd
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MountError
 from ..names import Layout
+from ..sources.store import check_url
 from .metrics import Address
 from .tree import Ownership
 
@@ -50,12 +52,21 @@ class MountOptions:
     """Where the Prometheus endpoint listens ((host, port), or a Unix socket's path); None: no endpoint."""
 
 
-def split_fuse_options(values: tuple[str, ...]) -> tuple[tuple[str, ...], Ownership]:
-    """`-o a,b -o c` -> ((a, b, c), the uid/gid/umask overrides), refusing options that break tensorfs."""
+def split_fuse_options(
+    values: tuple[str, ...], own: Mapping[str, str] | None = None
+) -> tuple[tuple[str, ...], Ownership]:
+    """`-o a,b -o c` -> ((a, b, c), the uid/gid/umask overrides), refusing options that break tensorfs,
+    a URL with credentials (as its flag would: they would show in /proc/mounts, logs and records),
+    and tensorfs's own options (`own`: each flag by its key, fallback: --fallback), which are flags
+    of `tensorfs mount` (mount.tensorfs and /etc/fstab take them as -o: helper.py), not FUSE's."""
     options = tuple(opt.strip() for value in values for opt in value.split(",") if opt.strip())
     passed, owner = [], {}
     for option in options:
         key, _, value = option.partition("=")
+        if "://" in value:
+            check_url(value, f"option '{key}'")
+        if own and key in own:
+            raise MountError(f"option '{key}': not FUSE's: give it as {own[key]}")
         if key in REFUSED_OPTIONS:
             raise MountError(f"option '{option}' is not supported: {REFUSED_OPTIONS[key]}")
         if key in OWNERSHIP_OPTIONS:

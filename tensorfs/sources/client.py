@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -25,22 +26,46 @@ MAX_LISTED = 100_000
 """Objects a listing goes through at most (a prefix holding more is not one model's)."""
 
 
-def list_objects(spec: StoreSpec, prefix: str) -> tuple[list[Any], bool]:
+@dataclass(frozen=True)
+class Deadline:
+    """One bound in time for a job of many requests (a listing's pages, a discovery's folders), each
+    request bounded on its own too: looked at before each next one, it ends the job within
+    `seconds` and the one request then under way."""
+
+    at: float
+    seconds: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds, seconds)
+
+    def check(self, where: str, what: str) -> None:
+        """RemoteError ("{where}: {what} took over N s") once the deadline is past."""
+        if time.monotonic() > self.at:
+            raise RemoteError(f"{where}: {what} took over {self.seconds:g} s")
+
+
+def list_objects(spec: StoreSpec, prefix: str, deadline: Deadline | None = None) -> tuple[list[Any], bool]:
     """The objects under `prefix` (every level), as the store lists them a page at a time: at most
-    MAX_LISTED, within --remote-timeout in all; (them, whether there were more). RemoteError if the
-    listing fails."""
+    MAX_LISTED, within --remote-timeout in all (one deadline for the whole listing, however many
+    pages; or `deadline`, that of a job it is part of); (them, whether there were more). RemoteError
+    if the listing fails."""
     import obstore
 
-    deadline = time.monotonic() + spec.timeout
+    deadline = deadline or Deadline.after(spec.timeout)
     found: list[Any] = []
     try:
-        pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1000))
+        # The client hands on `chunk_size` objects at a time, gathered over as many pages as they
+        # take: one at a time, so that the deadline is looked at with every page that holds any
+        # (a store sending one object a page, a page a second, is not waited on for 1000 s).
+        pages = retried(spec, lambda: obstore.list(spec.client(), prefix or None, chunk_size=1))
         for page in pages:
-            found += page
+            # The client drops a key's trailing '/': the prefix's own folder marker (`m/`, as the S3
+            # console's "Create folder" makes) comes as `m`, which is not beneath the prefix.
+            found += [meta for meta in page if str(meta["path"]).startswith(prefix)]
             if len(found) > MAX_LISTED:
                 return found[:MAX_LISTED], True
-            if time.monotonic() > deadline:
-                raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: listing took over {spec.timeout:g} s")
+            deadline.check(f"{spec.url(prefix.rstrip('/'))}/", "listing")
     except RemoteError:
         raise
     except Exception as exc:

@@ -14,7 +14,7 @@ from ..errors import AccessDenied, Problem, RemoteError, TooLarge
 from ..formats import is_weights_name
 from ..names import path_problem
 from .choosing import Choice, choose
-from .client import MAX_LISTED, exists, get_whole, list_objects, modified, reason_of
+from .client import MAX_LISTED, Deadline, exists, get_whole, list_objects, modified, reason_of
 from .index import MAX_INDEX_BYTES, is_index_name, parse_weight_map, shard_names
 from .store import ObjectRef, RemoteOptions, StoreSpec, store_spec
 
@@ -153,7 +153,8 @@ def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0)
         return None
     directory = beside(source, "x", options).key.rpartition("/")[0]
     top = f"{directory}/" if directory else ""
-    listed, _ = list_objects(spec, top)
+    deadline = Deadline.after(spec.timeout)  # the listing's, and the HEADs that tell its markers
+    listed, _ = list_objects(spec, top, deadline)
     entries = [
         (str(meta["path"]).removeprefix(top), int(meta["size"]), modified(meta), str(meta.get("e_tag") or "") or None)
         for meta in listed
@@ -161,6 +162,10 @@ def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0)
     found: Listed = []
     inner: set[str] = set()
     for entry in files_of(entries):
+        if entry[1] == 0:
+            deadline.check(spec.url(top), "listing")
+            if not exists(ObjectRef(spec, top + entry[0])):
+                continue  # a folder marker (`m/2_Dense/`): the client dropped its '/', and there is no `m/2_Dense`
         parts = entry[0].split("/")
         if len(parts) > 2:
             continue
@@ -214,6 +219,7 @@ def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> 
     """hub_listing's files; FileNotFoundError (its URL) when the repository, its revision or the
     directory is not there, or the Hub's API is not (a mirror that serves files only)."""
     api, repo, revision, directory = _hub_api(source, options)
+    deadline = Deadline.after(api.timeout)  # one for the top listing and every folder's
 
     def listed(path: str) -> list[dict[str, Any]]:
         where = ObjectRef(api, f"{repo}/tree/{revision}/{path}" if path else f"{repo}/tree/{revision}")
@@ -239,9 +245,14 @@ def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> 
         and path_problem(item["path"][len(prefix) :], max_depth=1) is None
     ]
     items = top[:MAX_LISTED]
-    for folder in sorted(folders)[:subdirectories]:  # at most MAX_LISTED in all: a lying Hub's bound
+    asked = sorted(folders)[:subdirectories]
+    for done, folder in enumerate(asked):  # at most MAX_LISTED in all: a lying Hub's bound
         if len(items) >= MAX_LISTED:
             break
+        deadline.check(
+            ObjectRef(api, f"{repo}/tree/{revision}/{directory}".rstrip("/")).url,
+            f"the Hub's listing of the model's directory and its folders ({done} of {len(asked)} listed)",
+        )
         items += listed(folder)[: MAX_LISTED - len(items)]
     entries: Listed = []
     for item in items:

@@ -221,6 +221,11 @@ class SeaweedFS:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
 
+    @property
+    def grpc_ports(self) -> tuple[int, ...]:
+        """The ports its gRPC sockets are named by (/tmp/seaweedfs-KIND-grpc-PORT.sock)."""
+        return tuple(self._grpc)
+
     def start(self) -> None:
         d = self.directory
         for sub in ("data", "logs", "tmp"):

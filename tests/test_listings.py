@@ -1,0 +1,35 @@
+"""What a store's listings are taken for: folder markers are never files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tensorfs
+from helpers import write_reference
+from servers import HostileServer, Lie
+from tensorfs.sources.store import RemoteOptions
+
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}
+
+
+@pytest.fixture
+def s3_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in S3_KEYS.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_folder_markers_are_never_files_at_any_depth(hostile: HostileServer, s3_keys: None, tmp_path: Path) -> None:
+    """A store that lists the prefix's own folder marker (`m/`, as the S3 console's "Create folder"
+    makes) beside `m/1_Pooling/` and an empty folder's marker (`m/2_Dense/`): the client drops a
+    key's trailing '/', so they come as `m` and `m/2_Dense`; neither is a file of the model's view."""
+    model = hostile.root / "bkt" / "m"
+    (model / "1_Pooling").mkdir(parents=True)
+    write_reference(model / "model.safetensors", {"w": ("U8", [4], bytes(4))})
+    (model / "config.json").write_text('{"model_type": "bert"}')
+    (model / "1_Pooling" / "config.json").write_text("{}")
+    hostile.lies += [Lie("name", "bkt/m", marker) for marker in ("", "1_Pooling/", "2_Dense/")]
+    remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
+    spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
+    assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
