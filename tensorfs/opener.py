@@ -505,7 +505,7 @@ def _open_shards(
 
     `open_one(where, label)` returns (header, ShardData) or raises InvalidModelError.
     """
-    counted = Progress(len(shards), "validating", quiet=not progress, unit="shard")
+    counted = Progress(len(shards), "validating", quiet=not (progress and shards), unit="shard")
 
     def attempt(shard: tuple[Any, str]) -> Shard | InvalidModelError:
         try:
