@@ -48,7 +48,7 @@ from servers import HostileServer, Lie
 from tensorfs import RemoteOptions, TensorfsError
 from tensorfs.mount.mounttable import mount_at
 from tensorfs.safefiles import mounted_under
-from tensorfs.sources.client import RANGE_NEEDED
+from tensorfs.sources.failures import RANGE_NEEDED
 
 HANG_GUARD = 120.0
 """Seconds a command may take before it is taken for hung (every command here takes a few at most)."""

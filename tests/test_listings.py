@@ -33,3 +33,6 @@ def test_folder_markers_are_never_files_at_any_depth(hostile: HostileServer, s3_
     remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
     spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
+    hostile.lies.append(Lie("size", "bkt/m/", 6))  # the prefix's own marker holding bytes (as some tools write)
+    spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
+    assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]

@@ -5,16 +5,16 @@ before anything is made of it."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from ..errors import AccessDenied, ObjectChanged, RemoteError, TooLarge, Unexpected, printable
+from ..errors import ObjectChanged, RemoteError, TooLarge, Unexpected, printable
 from ..units import human_size
-from .store import NOWHERE, ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, check_url, redact, store_spec
+from .failures import failure, status_of, unsent
+from .store import ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, check_url, store_spec
 
 FIRST_READ = 64 << 10
 """The first GET of a shard: its header, almost always whole (a second GET reads the rest)."""
@@ -69,7 +69,9 @@ def list_objects(spec: StoreSpec, prefix: str, deadline: Deadline | None = None)
     except RemoteError:
         raise
     except Exception as exc:
-        raise RemoteError(f"{spec.url(prefix.rstrip('/'))}/: {describe_error(exc, spec)}") from None
+        said = failure(exc, spec)  # a 403: AccessDenied (one may read a bucket's objects and not list them)
+        error = said.error if issubclass(said.error, RemoteError) else RemoteError
+        raise error(f"{spec.url(prefix.rstrip('/'))}/: {said.reason}") from None
     return found, False
 
 
@@ -108,96 +110,6 @@ def reason_of(exc: BaseException, url: str) -> str:
     return str(exc).removeprefix(f"{url}: ")
 
 
-def access_hint(spec: StoreSpec) -> str:
-    """What to check when a store refuses a request (401, 403), by the kind of store it is."""
-    if spec.kind == "s3":
-        return (
-            "check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the bucket's "
-            "policy; --no-sign-request for a public bucket"
-        )
-    if spec.scheme_root.startswith("hf://"):
-        if any(name == "Authorization" for name, _ in spec.headers):
-            return "the Hub's token given (HF_TOKEN, or $HF_HOME/token) may not read this repository: is it gated?"
-        return (
-            "a private or gated repository needs a token that may read it (HF_TOKEN, or `hf auth login`); the Hub "
-            "answers so for a repository that does not exist, too"
-        )
-    return "tensorfs sends no credentials to an HTTP(S) server: check the URL, and that the server lets it be read"
-
-
-RANGE_NEEDED = (
-    "the server does not answer Range requests (it sent the whole file for a range): tensorfs reads a model's "
-    "files by ranges; serve them from a server that does (nginx, Apache, any S3 store; not `python -m http.server`)"
-)
-
-
-_STATUS = re.compile(r"status code: (\d{3}[^:\n]*)")  # how the client's errors say the server's answer
-
-
-def status_of(exc: BaseException) -> int | None:
-    """The HTTP status a store's answer had, when a request failed on one (never a number found elsewhere
-    in the text: a port, a time)."""
-    found = _STATUS.search(str(exc))
-    return int(found.group(1)[:3]) if found else None
-
-
-def describe_error(exc: BaseException, spec: StoreSpec) -> str:
-    """One line on why a request to `spec`'s store failed (no URL's secret in it)."""
-    from obstore import exceptions as errors
-
-    if isinstance(exc, FileNotFoundError):
-        return "not found (404)"
-    text = redact(str(exc))
-    status = _STATUS.search(text)
-    code = status.group(1)[:3] if status else ""
-    if isinstance(exc, errors.PermissionDeniedError) or code == "403":
-        return f"access denied (403): {access_hint(spec)}"
-    if isinstance(exc, errors.UnauthenticatedError) or code == "401":
-        return f"authentication required (401): {access_hint(spec)}"
-    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in text:
-        return "changed since it was validated (its ETag differs): mount it again"
-    if "Range request not supported" in text:  # obstore's, when a range is answered 200 with the whole body
-        return RANGE_NEEDED
-    if spec.kind == "s3" and (
-        "/latest/api/token" in text or "/latest/meta-data/" in text or "credential" in text.lower()
-    ):
-        # No credentials configured: the client looked for an instance's (EC2 metadata), and found none.
-        return f"no credentials found: {access_hint(spec)}"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    if "error following redirect" in text:  # reqwest's: https_only (allow_http off), or too many
-        return "a redirect not followed (https:// to http://, or more than 10 in a row)"
-    if re.search(rf"\b{re.escape(NOWHERE)}\b", text):  # sent to the proxy that is not there: see REFUSED_NETWORKS
-        return "refused: a link-local or cloud-metadata address (where the server redirected it?)"
-    # Answers other than the one asked for, as obstore's debug text tells them:
-    key = re.search(r'Encountered object with invalid path: (?:Error parsing )?Path "((?:[^"\\]|\\.)*)"', text)
-    if key:  # obstore parses every key of a listing, and gives up on the whole of it at one it cannot
-        return (
-            f"the listing holds a key that is no plain path ('{printable(key.group(1)[:200])}'), which the "
-            "store's client refuses to list past"
-        )
-    listing = re.search(r"Got invalid list response: ([^\n]*)", text)
-    if listing:
-        return f"the store's answer is not a listing (S3's ListObjectsV2): {printable(listing.group(1)[:200])}"
-    if "RangeNotSupported" in text or "NotPartial" in text:
-        return "the server ignored the byte range asked for (it sent the whole object): refused"
-    other_range = re.search(r"expected: (\d+)\.\.(\d+),\s*actual: (\d+)\.\.(\d+)", text)
-    if other_range:
-        asked, sent = other_range.groups()[:2], other_range.groups()[2:]
-        return f"the server sent bytes [{sent[0]}, {sent[1]}) for the [{asked[0]}, {asked[1]}) asked for: refused"
-    if "kind: Timeout" in text or "TimedOut" in text:
-        return "no answer within --remote-timeout (the store, or the connection to it, stalled)"
-    if "IncompleteBody" in text or "kind: Body" in text:
-        return "the answer ended before all its bytes came (the connection was cut)"
-    if status:  # not the body that came with it (an HTML page, an XML error)
-        return f"the server answered {printable(status.group(1).strip())}"
-    if "error sending request" in first or "ConnectError" in text:
-        # obstore's debug text ends with the cause: connection refused, a DNS failure, TLS
-        causes = re.findall(r'(?:message|error): "([^"]+)"', text) or re.findall(r'ConnectError\(\s*"([^"]+)"', text)
-        return f"unreachable ({printable(causes[-1])})" if causes else "unreachable"
-    reason = first.rsplit(" - ", 1)[-1]  # after "Error performing GET URL in 2s, after 3 retries, ... - "
-    return printable(reason[:300])
-
-
 Answer = TypeVar("Answer")
 
 
@@ -215,23 +127,16 @@ def retried(spec: StoreSpec, call: Callable[[], Answer]) -> Answer:
         try:
             return call()
         except Exception as exc:
-            if "error sending request" not in str(exc) or time.monotonic() + pause > deadline:
+            if not unsent(exc) or time.monotonic() + pause > deadline:
                 raise
         time.sleep(pause)
         pause = min(5.0, 2 * pause)
 
 
 def _raise(ref: ObjectRef, exc: BaseException) -> None:
-    message = f"{ref.url}: {describe_error(exc, ref.spec)}"
-    if isinstance(exc, FileNotFoundError):
-        raise FileNotFoundError(message) from None
-    from obstore import exceptions as errors
-
-    if isinstance(exc, errors.PreconditionError) or "412 Precondition Failed" in str(exc):
-        raise ObjectChanged(message) from None
-    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or access_hint(ref.spec) in message:
-        raise AccessDenied(message) from None
-    raise RemoteError(message) from None
+    """The error (failures.py) for the client's `exc`, said of the object."""
+    said = failure(exc, ref.spec)
+    raise said.error(f"{ref.url}: {said.reason}") from None
 
 
 def _plain(ref: ObjectRef, result: Any) -> None:

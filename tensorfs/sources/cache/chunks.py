@@ -108,6 +108,7 @@ class ChunkCache:
         self._checked_directory = False
         self._objects: dict[str, CachedObject] = {}  # open in this process, by id
         self._pending: Pending = {}  # chunks written, not yet recorded
+        self._recording = 0  # saves under way that record chunks (taken out of _pending, not yet recorded)
         self._saving = threading.Lock()
         self._room = threading.Condition(self._lock)  # told when pinned chunks are let go, or rows saved
         self._waiting_for_room = 0
@@ -221,6 +222,7 @@ class ChunkCache:
                 # A chunk of a file closed meanwhile cannot be flushed: it is not recorded (fetched again).
                 pending = {oid: chunks for oid, chunks in pending.items() if written[oid] is not None}
                 files = [os.dup(cached.fd) for cached in written.values() if cached is not None and cached.fd >= 0]
+                self._recording += bool(pending)
             try:
                 if pending or touched:
                     self._commit(pending, touched, files)
@@ -230,6 +232,7 @@ class ChunkCache:
                     if cached is not None:
                         cached.recorded(chunks)
                 with self._lock:
+                    self._recording -= bool(pending)
                     self._room.notify_all()
         finally:
             self._saving.release()
@@ -345,10 +348,11 @@ class ChunkCache:
     def _soon_evictable(self) -> bool:
         """Whether chunks of this process will soon be evictable: a fetch under way (its chunk's blocks
         taken), or chunks fetched and not yet recorded (evictable once saved, which waiting for room
-        does)."""
+        does), or being recorded by a save under way (out of what waits to be saved, not yet in the
+        records: a reader right after a fetch met them so, and was told the disk was full)."""
         with self._lock:
             objects = list(self._objects.values())
-            if self._pending:
+            if self._pending or self._recording:
                 return True
         return any(cached.busy() for cached in objects)
 
