@@ -85,7 +85,10 @@ def test_bench_load_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> None:  # n
     # --quick: 1/16 GiB of 8 MiB tensors, one try; its own nginx and SeaweedFS.
     report = bench_quick("load", tmp_path, timeout=600)
     local = ("load_safetensors", "load_safe_open", "load_load_file", "load_runai_local")
-    remote = ("load_remote_mount", "load_remote_nginx", "load_remote_runai", "load_remote_s3", "load_remote_s3_mount")
+    remote = (
+        "load_remote_mount", "load_remote_nginx", "load_remote_runai", "load_remote_s3", "load_remote_s3_mount",
+        "load_remote_s3torch",
+    )  # fmt: skip
     verified = ("load_verified_warm", "load_verified_scratch")
     assert figures(report) == {*local, *remote, *verified, "load_overlap"} and report["notes"] == []
     # every side read the same tensors, whatever the order they came in (the streamer's is its own)
@@ -96,9 +99,20 @@ def test_bench_load_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> None:  # n
     assert report["load_safetensors"]["nbytes"] >= 64 << 20
     for key in ("load_safe_open", "load_load_file", "load_runai_local", "load_verified_warm", "load_verified_scratch"):
         assert report[key]["ratio"] > 0, key
-    for key in ("load_remote_nginx", "load_remote_s3"):
+    for key in ("load_remote_nginx", "load_remote_s3", "load_remote_s3torch"):
         assert report[key]["ratio"] > 0, key
+    # s3torchconnector (AWS's CRT client) read the whole object: load_file's bar is against its time
+    assert report["load_remote_s3torch"]["seconds"] > 0 and report["load_remote_s3torch"]["at_least"] == 1.0
     assert report["load_overlap"]["ratio"] > 0 and report["load_overlap"]["reading_seconds"] > 0  # root, here
+
+
+def test_bench_load_says_in_one_line_that_s3torchconnector_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorfs.bench.loading import s3torch_missing
+
+    assert s3torch_missing() is None  # installed with the test extra
+    monkeypatch.setitem(sys.modules, "s3torchconnector", None)  # what an import of a missing package meets
+    said = s3torch_missing()
+    assert said is not None and said.startswith("s3torchconnector not measured:") and "\n" not in said
 
 
 def test_bench_formats_runs(fuse: None, tmp_path: Path) -> None:

@@ -13,8 +13,11 @@ byte (the largest of its bytes), as a consumer does. The bars:
   consumer that computes about as long as each tensor takes to read: <= 1.15x the longer of
   reading alone and computing alone (one torch thread computes, so that reading has a core);
 - remote, a fresh cache each try: load_file of the model served by nginx >= 1.0x safetensors
-  reading it through a tensorfs mount; load_file of the model in SeaweedFS (S3), and safetensors
-  reading it through a mount of it, >= 1.0x the Run:ai streamer reading the same object.
+  reading it through a tensorfs mount; load_file of the model in SeaweedFS (S3) >= 1.0x AWS's
+  s3torchconnector (the CRT client of mountpoint-s3, as its docs load a checkpoint: S3Checkpoint's
+  reader read whole, then safetensors.torch.load; skipped with a note when it cannot be imported)
+  and >= 1.2x the Run:ai streamer reading the same object; safetensors reading it through a mount
+  of it >= 1.0x the Run:ai streamer.
 
     tensorfs bench --suite load [--gib 1] [--repeat 3] [-o FILE]
 """
@@ -54,6 +57,8 @@ from .common import (
 
 BUCKET = "tensorfs-bench"
 LOCAL_BAR, VERIFIED_WARM_BAR, VERIFIED_SCRATCH_BAR, OVERLAP_BAR, REMOTE_BAR = 1.0, 1.15, 1.1, 1.15, 1.0
+S3TORCH_BAR, RUNAI_BAR = 1.0, 1.2
+"""load_file from S3 against s3torchconnector and against the Run:ai streamer."""
 WARM_TRIES = 5
 """The local and verified measures take this many times --repeat tries."""
 
@@ -111,6 +116,29 @@ def runai_read(path: str, look: Look, env: dict[str, str] | None = None) -> None
         streamer.stream_file(path)
         for _, tensor in streamer.get_tensors():
             look(tensor)
+
+
+def s3torch_missing() -> str | None:
+    """Why s3torchconnector cannot be measured here, or None when it can."""
+    try:
+        import s3torchconnector  # noqa: F401
+    except ImportError as error:
+        return f"s3torchconnector not measured: it cannot be imported ({error})"
+    return None
+
+
+def s3torch_read(uri: str, endpoint: str, look: Look) -> None:
+    """AWS's s3torchconnector as its docs load a checkpoint: S3Checkpoint's reader (the sequential
+    reader, its default: the whole object buffered), read whole, then safetensors.torch.load."""
+    from s3torchconnector import S3Checkpoint, S3ClientConfig
+    from safetensors.torch import load
+
+    config = S3ClientConfig(force_path_style=True)
+    checkpoint = S3Checkpoint(region="us-east-1", endpoint=endpoint, s3client_config=config)
+    with checkpoint.reader(uri) as reader:
+        tensors = load(reader.read())
+    for tensor in tensors.values():
+        look(tensor)
 
 
 @contextlib.contextmanager
@@ -366,14 +394,24 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
             with _environment(seaweed.env()):
                 loaded(s3, look, remote=RemoteOptions(cache_dir=fresh(), endpoint_url=seaweed.endpoint))
 
+        def s3torch(look: Look) -> None:
+            with _environment(seaweed.env()):
+                s3torch_read(s3, seaweed.endpoint, look)
+
+        sides: dict[str, Callable[[Look], object]] = {
+            "mount": through_mount,
+            "nginx": from_nginx,
+            "s3": from_s3,
+            "runai": lambda look: runai_read(s3, look, env),
+            "s3_mount": s3_through_mount,
+        }
+        missing = s3torch_missing()
+        if missing is None:
+            sides["s3torch"] = s3torch
+        else:
+            report.notes.append(missing)
         times, seen = medians(
-            {
-                "mount": through_mount,
-                "nginx": from_nginx,
-                "s3": from_s3,
-                "runai": lambda look: runai_read(s3, look, env),
-                "s3_mount": s3_through_mount,
-            },
+            sides,
             repeat,
             touch,
             forget_caches,
@@ -415,11 +453,22 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
         "load_file of the same object, fresh cache",
         f"{nbytes / times['s3'] / 1e9:.2f} GB/s",
         times["runai"] / times["s3"],
-        f">= {REMOTE_BAR}x Run:ai",
+        f">= {RUNAI_BAR}x Run:ai",
         seconds=times["s3"],
-        at_least=REMOTE_BAR,
+        at_least=RUNAI_BAR,
         read=seen["s3"],
     )
+    if "s3torch" in times:
+        report.add(
+            "load_remote_s3torch",
+            "  ... s3torchconnector (AWS's CRT client), read whole + safetensors.torch.load",
+            f"{nbytes / times['s3torch'] / 1e9:.2f} GB/s",
+            times["s3torch"] / times["s3"],
+            f"load_file >= {S3TORCH_BAR}x it",
+            seconds=times["s3torch"],
+            at_least=S3TORCH_BAR,
+            read=seen["s3torch"],
+        )
     report.add(
         "load_remote_s3_mount",
         "safetensors through a mount of the same object, fresh cache",
