@@ -196,22 +196,20 @@ class Source:
                     f"{DEFAULT_MANIFEST} in the model's directory"
                 )
             hasher = Hasher(model, self.cache.hashes())
-            verified: set[str] = set()
             if found is not None:
                 problems = found.coverage(model)
                 if problems:
                     raise InvalidModelError(problems)
-                if verify == "all":
-                    actual = hash_all(model, hasher, progress=progress)
-                    bad = found.mismatches(model, actual, lambda _: f"does not match {found.label}; nothing mounted")
-                    if bad:
-                        raise InvalidModelError(bad)
-                    verified = set(actual)
-            model.gate.set_integrity(
-                Integrity(
-                    hasher, dict(found.digests) if found is not None else None, verified, found.label if found else ""
-                )
-            )
+            # In force before anything is hashed: remote chunks fetched for it are held to their SHA-256s.
+            expected, label = (dict(found.digests), found.label) if found is not None else (None, "")
+            integrity = Integrity(hasher, expected, label=label)
+            model.gate.set_integrity(integrity)
+            if found is not None and verify == "all":
+                actual = hash_all(model, hasher, progress=progress)
+                bad = found.mismatches(model, actual, lambda _: f"does not match {found.label}; nothing mounted")
+                if bad:
+                    raise InvalidModelError(bad)
+                integrity.verified.update(actual)
         except BaseException:
             model.close()
             raise
@@ -375,12 +373,13 @@ def _location(location: str | os.PathLike[str]) -> Path | str:
     return Path(location)
 
 
-def hash_all(model: Model, hasher: Hasher, *, progress: bool = False) -> dict[str, str]:
-    """Every tensor's SHA-256 (the cache's first), with a progress line on a terminal when asked."""
+def hash_all(model: Model, hasher: Hasher, *, progress: bool = False, proving: bool = True) -> dict[str, str]:
+    """Every tensor's SHA-256 (the cache's first; `proving`: see Hasher.hash_all), with a progress line
+    on a terminal when asked."""
     if not progress:
-        return hasher.hash_all()
+        return hasher.hash_all(proving=proving)
     with Progress(model.nbytes, "hashing") as line:
-        return hasher.hash_all(progress=line.advance)
+        return hasher.hash_all(progress=line.advance, proving=proving)
 
 
 def _open_fallback(location: str | Path, **how: Any) -> Model:

@@ -32,8 +32,10 @@ from helpers import (
     write_reference,
 )
 from servers import HostileServer, Lie, SeaweedFS
-from tensorfs.errors import TensorfsError
+from tensorfs.errors import IntegrityError, TensorfsError
 from tensorfs.manifest import format_manifest
+from tensorfs.opener import Source
+from tensorfs.selection import Selection
 from tensorfs.sources.store import RemoteOptions
 
 
@@ -131,18 +133,23 @@ def test_a_mount_never_uses_a_chunk_another_process_fetched_again_unverified(
     assert "ERROR" in log and "are not those the same version" in log
 
 
+@pytest.mark.parametrize("verified", ["when-asked", "all-at-open"])
 @pytest.mark.parametrize("other", ["strong", "weak"])
 def test_the_loader_never_uses_a_chunk_another_process_fetched_again_unverified(
-    hostile: HostileServer, tmp_path: Path, other: str
+    hostile: HostileServer, tmp_path: Path, other: str, verified: str
 ) -> None:
-    """The same attack on the in-process loader under verify=: the store's refusal, never the bytes."""
+    """The same attack on the in-process loader under a manifest, t0 verified when asked for or every
+    tensor at open (verify="all": the manifest in force before they are hashed, so that the chunks
+    fetched for it are held to their SHA-256s): the store's refusal, never the bytes."""
     expected = four_tensors(hostile.root / "m.safetensors")
     url = f"{hostile.url}/m.safetensors"
     manifest = manifest_of(expected, tmp_path / "tensors.sha256")
     cache = tmp_path / "cache"
     options = RemoteOptions(cache_dir=cache, cache_size=24 * MIB)
-    with tensorfs.open_model(url, remote=options, verify=manifest, cache=False) as model:
-        model.gate.check("t0")  # verified: its chunks fetched, hashed, and let go (nothing handed out)
+    source = Source.named(url, options, caches=False)
+    with source.open(Selection(), manifest=manifest, verify="all" if verified == "all-at-open" else None) as model:
+        if verified == "when-asked":
+            model.gate.check("t0")  # verified: its chunks fetched, hashed, and let go (nothing handed out)
         evict_forge_and_fetch_again(hostile, url, cache, expected["t0"], weak=other == "weak")
         with pytest.raises(TensorfsError, match="are not those the same version"):
             model.raw("t0")
@@ -162,6 +169,58 @@ def test_the_loader_refuses_bytes_fetched_again_otherwise(hostile: HostileServer
         forge_t0(hostile)
         with pytest.raises(TensorfsError, match="are not those the same version"):
             model.raw("t0")
+
+
+def verified_pruned_and_forged_then_read_unverified(
+    hostile: HostileServer, tmp_path: Path
+) -> tuple[str, Path, Path, dict[str, bytes]]:
+    """Three processes, each done before the next begins: one verifies the model (its tensors' hashes
+    kept in the hash cache, their chunks' SHA-256s in the chunk cache); the cache is pruned (chunks
+    and their SHA-256s gone, the hash cache kept); the store serves other bytes in t0's first chunk
+    under the same ETag, its CRC-32C forged; a process without a manifest reads t0 (the forged chunk
+    recorded, with the only checksum it has). (url, manifest, cache, the tensors): for the third process."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    manifest = manifest_of(expected, tmp_path / "tensors.sha256")
+    cache = tmp_path / "cache"
+    verified = cli("verify", "--manifest", str(manifest), "--cache-dir", str(cache), url)
+    assert verified.returncode == 0, verified.stderr
+    pruned = cli("cache", "prune", "--cache-dir", str(cache))  # everything not in use
+    assert pruned.returncode == 0, pruned.stderr
+    assert (cache / "hashes.sqlite").exists()  # what the first process proved of the object version
+    forge_t0(hostile)
+    read = other_process_reads(url, cache, False, "t0")
+    assert read.returncode == 0 and read.stdout != expected["t0"], read.stderr  # no manifest: not refused
+    return url, manifest, cache, expected
+
+
+def test_the_loader_proves_remote_bytes_it_serves_not_those_another_process_hashed(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    """After another process verified a remote model, the cache was pruned, the store forged t0 under
+    the same ETag and a process without a manifest put the forged chunk back in the cache, safe_open
+    and load_file under the manifest refuse t0: the hash cache says what the object version's bytes
+    hashed to when that process fetched them, not what the cache holds now (it answered for them)."""
+    url, manifest, cache, expected = verified_pruned_and_forged_then_read_unverified(hostile, tmp_path)
+    options = RemoteOptions(cache_dir=cache, cache_size=64 * MIB)
+    with tensorfs.safe_open(url, "np", verify=manifest, remote=options, cache=cache) as opened:
+        with pytest.raises(IntegrityError, match="t0"):
+            opened.get_tensor("t0")
+        assert opened.get_tensor("t1").tobytes() == expected["t1"]
+    with pytest.raises(IntegrityError, match="t0"):
+        tensorfs.load_file(url, framework="np", verify=manifest, remote=options, cache=cache)
+
+
+def test_a_mount_proves_remote_bytes_it_serves_not_those_another_process_hashed(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    """The same three processes, then a mount under the manifest on that cache: t0 is EIO, never the
+    forged bytes, and the log says which tensor did not match."""
+    url, manifest, cache, expected = verified_pruned_and_forged_then_read_unverified(hostile, tmp_path)
+    mountpoint = mounts.mount(url, "--manifest", str(manifest), "--cache-dir", str(cache), "--cache-size", "64M")
+    assert errno_of_reading(mountpoint / "t0") == errno.EIO
+    assert (mountpoint / "t1").read_bytes() == expected["t1"]
+    assert "tensor 't0'" in mounts.log()
 
 
 # -- fallbacks: watched like shards ----------------------------------------------------------------

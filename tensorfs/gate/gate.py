@@ -245,7 +245,8 @@ class Gate:
             generations = {name: self._state_of(name).generation for name in names}
             todo = [name for name in names if self._digests.get(name, (-1, ""))[0] != generations[name]]
         if todo:
-            found: dict[str, str] = yield "verify", functools.partial(self.integrity.hasher.hash_all, todo)
+            hashing = functools.partial(self.integrity.hasher.hash_all, todo, proving=self.expected is not None)
+            found: dict[str, str] = yield "verify", hashing
             with self._lock:
                 for name, digest in found.items():
                     self._digests[name] = (generations[name], digest)
