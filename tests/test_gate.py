@@ -249,10 +249,12 @@ def damaged(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     return tmp_path / "primary", tmp_path / "copy", data
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["written", "hidden"])
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
 def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
-    damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool
+    damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool, hidden: bool
 ) -> None:
+    """Hidden: written through a shared mapping, its mtime set back (only the ctime moves)."""
     primary, copy, data = damaged
     verify = manifest_of(data, tmp_path / "m.sha256") if manifest else None
     if not manifest:  # without a manifest, a shard changed in place is what sends s1.t0 to its fallback
@@ -262,10 +264,10 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
             damage_in_place(primary, "s1.t0")  # after opening: the primary's shard changed in place
         assert model.raw("s1.t0").tobytes() == data["s1.t0"]
         assert model.gate.copy("s1.t0") is not None
-        damage_in_place(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+        damage_in_place(copy, "s1.t0", hidden=hidden)  # another user rewrites the fallback's copy in place
         with pytest.raises(TensorfsError):
             model.raw("s1.t0")
-        damage_in_place(copy, "s1.t0")  # written back: the bytes it was
+        damage_in_place(copy, "s1.t0", hidden=hidden)  # written back: the bytes it was
         if manifest:  # verified again: served again
             assert model.raw("s1.t0").tobytes() == data["s1.t0"]
         else:  # nothing can tell its bytes: refused until opened again
@@ -274,9 +276,10 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
         assert model.raw("s0.t0").tobytes() == data["s0.t0"]  # the rest is served on
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["written", "hidden"])
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
 def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mount(
-    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool
+    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool, hidden: bool
 ) -> None:
     primary, copy, data = damaged
     options = ["--no-cache", "--fallback", str(copy)]
@@ -288,10 +291,10 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mo
     if not manifest:
         damage_in_place(primary, "s1.t0")  # the primary's shard changed in place: its tensors go to the fallback
     assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
-    damage_in_place(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+    damage_in_place(copy, "s1.t0", hidden=hidden)  # another user rewrites the fallback's copy in place
     drop_caches()  # the kernel's pages of it too: the daemon is asked again
     assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # never her bytes
-    damage_in_place(copy, "s1.t0")
+    damage_in_place(copy, "s1.t0", hidden=hidden)
     drop_caches()
     if manifest:
         assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]  # verified again

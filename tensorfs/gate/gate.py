@@ -546,15 +546,10 @@ class Gate:
             self._apply_to_copy(data, state, change)
             return
         shard = state.shard
-        if change is Change.ATTRIBUTES:
-            self.reporter.attributes(shard)
-            return
         if change in (Change.MOVED, Change.DELETED):
             self.reporter.moved(shard, change)
             return
-        state.generation += 1
-        if state.changed:
-            return  # refused already
+        state.generation += 1  # (refused already, it is still said: a mount shows its new attributes)
         names = [entry[2] for entry in self.tables.shard_header(shard).entries]
         for name in names:
             self._digests.pop(name, None)
