@@ -453,3 +453,55 @@ def test_a_fallback_holding_another_shape_is_passed_over_through_a_mount(
     mountpoint = mounts.mount(primary, "--no-cache", "--manifest", str(verify), "--fallback", str(other))
     assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # the same bytes, another tensor: never served
     assert f"fallback {other}: tensor 's1.t0' holds it as U8 [2, {len(blob) // 2}]" in mounts.log()
+
+
+# -- the rules of the gate's reads of files --------------------------------------------------------
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_bytes_read_while_the_shard_was_written_are_never_handed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: bool
+) -> None:
+    """read_into (a reply assembled from several tensors) reads the file; the shard is written in place
+    during that read (the handshake: the write is made inside the read, before the bytes are read):
+    what was read is dropped, and the tensor is checked again: hashed (a mismatch) under a manifest,
+    refused without one. Never the new bytes in the buffer as the answer."""
+    data = _sharded(tmp_path / "model")
+    verify = manifest_of(data, tmp_path / "m.sha256") if manifest else None
+    with tensorfs.open_model(tmp_path / "model", cache=False, verify=verify) as model:
+        model.gate.check("s1.t0")  # verified first (with a manifest): the read alone is left
+        shard_data = model.shard_data(model.locate("s1.t0")[0])
+        read = shard_data.readinto
+        written: list[bool] = []
+
+        def written_then_read(offset: int, buffer: memoryview) -> None:
+            if not written:
+                written.append(True)
+                damage_in_place(tmp_path / "model", "s1.t0")
+            read(offset, buffer)
+
+        monkeypatch.setattr(shard_data, "readinto", written_then_read)
+        buffer = bytearray(MIB)
+        with pytest.raises(IntegrityError if manifest else TensorfsError):
+            model.gate.copy_into("s1.t0", 0, memoryview(buffer))
+        assert written == [True]
+
+
+def test_a_disk_error_reading_a_shard_sends_the_tensor_to_its_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the shard's file fails with EIO (the disk's OSError, not tensorfs's own error): the
+    tensor is served from its fallback, whose bytes agree."""
+    data = _sharded(tmp_path / "copy")
+    shutil.copytree(tmp_path / "copy", tmp_path / "primary")
+    with tensorfs.open_model(tmp_path / "primary", cache=False, fallback=[tmp_path / "copy"]) as model:
+        shard_data = model.shard_data(model.locate("s1.t0")[0])
+
+        def disk_error(offset: int, buffer: memoryview) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(shard_data, "readinto", disk_error)
+        buffer = bytearray(MIB)
+        model.gate.copy_into("s1.t0", 0, memoryview(buffer))
+        assert bytes(buffer) == data["s1.t0"]
+        assert model.gate.copy("s1.t0") is not None
