@@ -27,7 +27,22 @@ requests meanwhile. Plans change the gate's state only in the thread that drives
 """
 
 from .gate import Gate
-from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, Step, run
+from .plans import UNREADABLE, Answer, Grant, Outcome, Place, Plan, Present, Refused, Step, StepKind, next_step, run
 from .reporter import Reporter
 
-__all__ = ["UNREADABLE", "Gate", "Grant", "Place", "Plan", "Present", "Refused", "Reporter", "Step", "run"]
+__all__ = [
+    "UNREADABLE",
+    "Answer",
+    "Gate",
+    "Grant",
+    "Outcome",
+    "Place",
+    "Plan",
+    "Present",
+    "Refused",
+    "Reporter",
+    "Step",
+    "StepKind",
+    "next_step",
+    "run",
+]
