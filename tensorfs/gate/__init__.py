@@ -23,6 +23,8 @@ requests meanwhile. Plans change the gate's state only in the thread that drives
     plans.py     the vocabulary: plans and their steps, run(), the place bytes are had from, grants
     reporter.py  what a gate tells whoever serves its bytes (a mount logs and counts it)
     files.py     the files its bytes come from, watched, and what was seen of each
+    router.py    the fallback router: the copy each tensor is served from, the next that agrees, the retry rule
+    digests.py   tensors' SHA-256s as they are now, hashed once however many ask
     gate.py      the Gate: one per opened model
 """
 
