@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,7 @@ from helpers import (
 )
 from servers import HostileServer, Lie, SeaweedFS
 from tensorfs.errors import IntegrityError, TensorfsError
+from tensorfs.gate import run
 from tensorfs.manifest import format_manifest
 from tensorfs.opener import Source
 from tensorfs.selection import Selection
@@ -505,3 +507,30 @@ def test_a_disk_error_reading_a_shard_sends_the_tensor_to_its_fallback(
         model.gate.copy_into("s1.t0", 0, memoryview(buffer))
         assert bytes(buffer) == data["s1.t0"]
         assert model.gate.copy("s1.t0") is not None
+
+
+def test_sums_hashed_while_their_shard_was_written_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHA256SUMS of every tensor (digest_all) under a manifest: the shard is written in place while
+    they are hashed (inside the hashing step: the handshake), so the sums are of no one state of it:
+    refused, never handed out; asked again, they are those of the bytes as they are now."""
+    data = _sharded(tmp_path / "model")
+    verify = manifest_of(data, tmp_path / "m.sha256")
+    with tensorfs.open_model(tmp_path / "model", cache=False, verify=verify) as model:
+        hasher = model.gate.integrity.hasher
+        hash_all = hasher.hash_all
+        written: list[bool] = []
+
+        def written_while_hashed(*args: Any, **kwargs: Any) -> dict[str, str]:
+            found = hash_all(*args, **kwargs)
+            if not written:
+                written.append(True)
+                damage_in_place(tmp_path / "model", "s1.t0")
+            return found
+
+        monkeypatch.setattr(hasher, "hash_all", written_while_hashed)
+        names = sorted(data)
+        with pytest.raises(TensorfsError):
+            run(model.gate.digest_all(names))
+        sums = run(model.gate.digest_all(names))
+        assert sums["s1.t0"] != hashlib.sha256(data["s1.t0"]).hexdigest()  # the bytes as they are now
+        assert sums["s0.t0"] == hashlib.sha256(data["s0.t0"]).hexdigest()
