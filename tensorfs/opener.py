@@ -337,7 +337,8 @@ def open_model(
     `verify`: a manifest the tensors must match, as the mount's --manifest: a file or a URL, or True
     for tensors.sha256 beside the model (under a remote model's prefix); an error if there is none.
     Then no view of a tensor is handed out before its bytes hash to the manifest's value
-    (IntegrityError, naming the tensor, if not); the hash cache spares unchanged files the hashing.
+    (IntegrityError, naming the tensor, if not); the hash cache spares unchanged local files the
+    hashing (a remote model's tensors are hashed from the bytes served: see Hasher.hash_all).
 
     `fallback`: other copies of the model (paths or URLs), tried in order for a tensor whose own
     shard cannot give its bytes (or gives bytes that fail the manifest), and for a shard missing or
