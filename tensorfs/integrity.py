@@ -56,17 +56,18 @@ class Hasher:
         self.bytes_hashed = 0
         self.cache_hits = 0
 
-    def cached(self, names: Iterable[str]) -> dict[str, str]:
-        """The hashes the cache already holds for `names` (for shards unchanged since the model opened)."""
-        return self._cached(self.model.by_shard(names))
+    def cached(self, names: Iterable[str], *, proving: bool = True) -> dict[str, str]:
+        """The hashes the cache already holds for `names` (for shards unchanged since the model opened;
+        `proving`: only those of shards whose identity proves their bytes, see hash_all)."""
+        return self._cached(self.model.by_shard(names), proving)
 
-    def _cached(self, groups: Mapping[ShardKey, list[Entry]]) -> dict[str, str]:
+    def _cached(self, groups: Mapping[ShardKey, list[Entry]], proving: bool) -> dict[str, str]:
         found: dict[str, str] = {}
         if not self.cache.enabled:
             return found
         for shard, entries in groups.items():
             identity = self.model.identity(shard)
-            if identity is None:
+            if identity is None or (proving and not self.model.shard_data(shard).identity_proves_bytes):
                 continue
             spans = {
                 (entry[BEGIN], entry[END]): entry[NAME]
@@ -89,12 +90,23 @@ class Hasher:
         return digest
 
     def hash_all(
-        self, names: Iterable[str] | None = None, progress: Callable[[int], None] | None = None
+        self,
+        names: Iterable[str] | None = None,
+        progress: Callable[[int], None] | None = None,
+        *,
+        proving: bool = True,
     ) -> dict[str, str]:
-        """SHA-256 of every tensor in `names` (all by default): cached ones looked up, the rest hashed."""
+        """SHA-256 of every tensor in `names` (all by default): cached ones looked up, the rest hashed.
+
+        `proving` (to check bytes against a manifest): a remote shard's tensors are hashed from the
+        bytes this process will serve, whatever the cache says of their object version. What another
+        process hashed once was what the store gave it then; the chunks held now may have come again
+        since, from a store that answers other bytes under the same ETag and CRC-32C, with nothing
+        kept to hold them to (their SHA-256s pruned with the chunks). Not proving (a manifest made, a
+        mount's .sha256 without one), the cache says what the version's bytes hashed to."""
         names = self.model.sorted_names if names is None else list(names)
         groups = self.model.by_shard(None if names is self.model.sorted_names else names)
-        digests = self._cached(groups)
+        digests = self._cached(groups, proving)
         if progress is not None and digests:
             progress(
                 sum(end - begin for entries in groups.values() for begin, end, name, _, _ in entries if name in digests)
@@ -212,8 +224,10 @@ class Integrity:
     _hashing: dict[str, threading.Event] = field(default_factory=dict, repr=False)
 
     def digest(self, name: str) -> str:
-        """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread)."""
-        return self.hasher.cached([name]).get(name) or self.hasher.hash_one(name)
+        """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread).
+        Under a manifest, proving (see Hasher.hash_all)."""
+        proving = self.expected is not None
+        return self.hasher.cached([name], proving=proving).get(name) or self.hasher.hash_one(name)
 
     def check(self, name: str) -> None:
         """Verify one tensor against the manifest, once (blocking: its bytes are hashed unless the hash

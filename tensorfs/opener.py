@@ -200,22 +200,20 @@ class Source:
                     f"{DEFAULT_MANIFEST} in the model's directory"
                 )
             hasher = Hasher(model, self.cache.hashes())
-            verified: set[str] = set()
             if found is not None:
                 problems = found.coverage(model)
                 if problems:
                     raise InvalidModelError(problems)
-                if verify == "all":
-                    actual = hash_all(model, hasher, progress=progress)
-                    bad = found.mismatches(model, actual, lambda _: f"does not match {found.label}; nothing mounted")
-                    if bad:
-                        raise InvalidModelError(bad)
-                    verified = set(actual)
-            model.gate.set_integrity(
-                Integrity(
-                    hasher, dict(found.digests) if found is not None else None, verified, found.label if found else ""
-                )
-            )
+            # In force before anything is hashed: remote chunks fetched for it are held to their SHA-256s.
+            expected, label = (dict(found.digests), found.label) if found is not None else (None, "")
+            integrity = Integrity(hasher, expected, label=label)
+            model.gate.set_integrity(integrity)
+            if found is not None and verify == "all":
+                actual = hash_all(model, hasher, progress=progress)
+                bad = found.mismatches(model, actual, lambda _: f"does not match {found.label}; nothing mounted")
+                if bad:
+                    raise InvalidModelError(bad)
+                integrity.verified.update(actual)
         except BaseException:
             model.close()
             raise
@@ -343,7 +341,8 @@ def open_model(
     `verify`: a manifest the tensors must match, as the mount's --manifest: a file or a URL, or True
     for tensors.sha256 beside the model (under a remote model's prefix); an error if there is none.
     Then no view of a tensor is handed out before its bytes hash to the manifest's value
-    (IntegrityError, naming the tensor, if not); the hash cache spares unchanged files the hashing.
+    (IntegrityError, naming the tensor, if not); the hash cache spares unchanged local files the
+    hashing (a remote model's tensors are hashed from the bytes served: see Hasher.hash_all).
 
     `fallback`: other copies of the model (paths or URLs), tried in order for a tensor whose own
     shard cannot give its bytes (or gives bytes that fail the manifest), and for a shard missing or
@@ -379,12 +378,13 @@ def _location(location: str | os.PathLike[str]) -> Path | str:
     return Path(location)
 
 
-def hash_all(model: Model, hasher: Hasher, *, progress: bool = False) -> dict[str, str]:
-    """Every tensor's SHA-256 (the cache's first), with a progress line on a terminal when asked."""
+def hash_all(model: Model, hasher: Hasher, *, progress: bool = False, proving: bool = True) -> dict[str, str]:
+    """Every tensor's SHA-256 (the cache's first; `proving`: see Hasher.hash_all), with a progress line
+    on a terminal when asked."""
     if not progress:
-        return hasher.hash_all()
+        return hasher.hash_all(proving=proving)
     with Progress(model.nbytes, "hashing") as line:
-        return hasher.hash_all(progress=line.advance)
+        return hasher.hash_all(progress=line.advance, proving=proving)
 
 
 def _open_fallback(location: str | Path, **how: Any) -> Model:

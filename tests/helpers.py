@@ -1127,15 +1127,37 @@ def records_edited(checkpoint: bytes, part: str, edits: list[tuple[int, int]]) -
     return bytes(data)
 
 
-def damage_in_place(directory: Path, name: str) -> None:
+def damage_in_place(directory: Path, name: str, *, hidden: bool = False) -> None:
     """Flip a byte in the middle of tensor `name` of the model in `directory`, in place (its shard
-    keeps its size and header)."""
+    keeps its size and header). `hidden`: through a shared mapping, its mtime then set back, as its
+    owner could hide a write (no inotify event; only the ctime moves)."""
     import tensorfs
 
     with tensorfs.open_model(directory, cache=False) as model:
         shard, offset, nbytes = model.locate(name)
+    if hidden:
+        write_through_a_mapping(Path(shard), offset + nbytes // 2)
+        return
     with open(shard, "r+b") as f:
         f.seek(offset + nbytes // 2)
         byte = f.read(1)
         f.seek(offset + nbytes // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def write_through_a_mapping(path: Path, offset: int) -> None:
+    """Flip the byte at `offset` through a shared mapping, then set the mtime (and atime) back as
+    they were: of the file's status, only its ctime moved."""
+    import mmap
+
+    before = path.stat()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
+            mapping[offset] ^= 0xFF
+    finally:
+        os.close(fd)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert after.st_ctime_ns != before.st_ctime_ns

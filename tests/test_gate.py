@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,8 +33,11 @@ from helpers import (
     write_reference,
 )
 from servers import HostileServer, Lie, SeaweedFS
-from tensorfs.errors import TensorfsError
+from tensorfs.errors import IntegrityError, TensorfsError
+from tensorfs.gate import run
 from tensorfs.manifest import format_manifest
+from tensorfs.opener import Source
+from tensorfs.selection import Selection
 from tensorfs.sources.store import RemoteOptions
 
 
@@ -131,18 +135,23 @@ def test_a_mount_never_uses_a_chunk_another_process_fetched_again_unverified(
     assert "ERROR" in log and "are not those the same version" in log
 
 
+@pytest.mark.parametrize("verified", ["when-asked", "all-at-open"])
 @pytest.mark.parametrize("other", ["strong", "weak"])
 def test_the_loader_never_uses_a_chunk_another_process_fetched_again_unverified(
-    hostile: HostileServer, tmp_path: Path, other: str
+    hostile: HostileServer, tmp_path: Path, other: str, verified: str
 ) -> None:
-    """The same attack on the in-process loader under verify=: the store's refusal, never the bytes."""
+    """The same attack on the in-process loader under a manifest, t0 verified when asked for or every
+    tensor at open (verify="all": the manifest in force before they are hashed, so that the chunks
+    fetched for it are held to their SHA-256s): the store's refusal, never the bytes."""
     expected = four_tensors(hostile.root / "m.safetensors")
     url = f"{hostile.url}/m.safetensors"
     manifest = manifest_of(expected, tmp_path / "tensors.sha256")
     cache = tmp_path / "cache"
     options = RemoteOptions(cache_dir=cache, cache_size=24 * MIB)
-    with tensorfs.open_model(url, remote=options, verify=manifest, cache=False) as model:
-        model.gate.check("t0")  # verified: its chunks fetched, hashed, and let go (nothing handed out)
+    source = Source.named(url, options, caches=False)
+    with source.open(Selection(), manifest=manifest, verify="all" if verified == "all-at-open" else None) as model:
+        if verified == "when-asked":
+            model.gate.check("t0")  # verified: its chunks fetched, hashed, and let go (nothing handed out)
         evict_forge_and_fetch_again(hostile, url, cache, expected["t0"], weak=other == "weak")
         with pytest.raises(TensorfsError, match="are not those the same version"):
             model.raw("t0")
@@ -162,6 +171,58 @@ def test_the_loader_refuses_bytes_fetched_again_otherwise(hostile: HostileServer
         forge_t0(hostile)
         with pytest.raises(TensorfsError, match="are not those the same version"):
             model.raw("t0")
+
+
+def verified_pruned_and_forged_then_read_unverified(
+    hostile: HostileServer, tmp_path: Path
+) -> tuple[str, Path, Path, dict[str, bytes]]:
+    """Three processes, each done before the next begins: one verifies the model (its tensors' hashes
+    kept in the hash cache, their chunks' SHA-256s in the chunk cache); the cache is pruned (chunks
+    and their SHA-256s gone, the hash cache kept); the store serves other bytes in t0's first chunk
+    under the same ETag, its CRC-32C forged; a process without a manifest reads t0 (the forged chunk
+    recorded, with the only checksum it has). (url, manifest, cache, the tensors): for the third process."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    url = f"{hostile.url}/m.safetensors"
+    manifest = manifest_of(expected, tmp_path / "tensors.sha256")
+    cache = tmp_path / "cache"
+    verified = cli("verify", "--manifest", str(manifest), "--cache-dir", str(cache), url)
+    assert verified.returncode == 0, verified.stderr
+    pruned = cli("cache", "prune", "--cache-dir", str(cache))  # everything not in use
+    assert pruned.returncode == 0, pruned.stderr
+    assert (cache / "hashes.sqlite").exists()  # what the first process proved of the object version
+    forge_t0(hostile)
+    read = other_process_reads(url, cache, False, "t0")
+    assert read.returncode == 0 and read.stdout != expected["t0"], read.stderr  # no manifest: not refused
+    return url, manifest, cache, expected
+
+
+def test_the_loader_proves_remote_bytes_it_serves_not_those_another_process_hashed(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    """After another process verified a remote model, the cache was pruned, the store forged t0 under
+    the same ETag and a process without a manifest put the forged chunk back in the cache, safe_open
+    and load_file under the manifest refuse t0: the hash cache says what the object version's bytes
+    hashed to when that process fetched them, not what the cache holds now (it answered for them)."""
+    url, manifest, cache, expected = verified_pruned_and_forged_then_read_unverified(hostile, tmp_path)
+    options = RemoteOptions(cache_dir=cache, cache_size=64 * MIB)
+    with tensorfs.safe_open(url, "np", verify=manifest, remote=options, cache=cache) as opened:
+        with pytest.raises(IntegrityError, match="t0"):
+            opened.get_tensor("t0")
+        assert opened.get_tensor("t1").tobytes() == expected["t1"]
+    with pytest.raises(IntegrityError, match="t0"):
+        tensorfs.load_file(url, framework="np", verify=manifest, remote=options, cache=cache)
+
+
+def test_a_mount_proves_remote_bytes_it_serves_not_those_another_process_hashed(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    """The same three processes, then a mount under the manifest on that cache: t0 is EIO, never the
+    forged bytes, and the log says which tensor did not match."""
+    url, manifest, cache, expected = verified_pruned_and_forged_then_read_unverified(hostile, tmp_path)
+    mountpoint = mounts.mount(url, "--manifest", str(manifest), "--cache-dir", str(cache), "--cache-size", "64M")
+    assert errno_of_reading(mountpoint / "t0") == errno.EIO
+    assert (mountpoint / "t1").read_bytes() == expected["t1"]
+    assert "tensor 't0'" in mounts.log()
 
 
 # -- fallbacks: watched like shards ----------------------------------------------------------------
@@ -190,10 +251,12 @@ def damaged(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     return tmp_path / "primary", tmp_path / "copy", data
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["written", "hidden"])
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
 def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
-    damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool
+    damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool, hidden: bool
 ) -> None:
+    """Hidden: written through a shared mapping, its mtime set back (only the ctime moves)."""
     primary, copy, data = damaged
     verify = manifest_of(data, tmp_path / "m.sha256") if manifest else None
     if not manifest:  # without a manifest, a shard changed in place is what sends s1.t0 to its fallback
@@ -203,10 +266,10 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
             damage_in_place(primary, "s1.t0")  # after opening: the primary's shard changed in place
         assert model.raw("s1.t0").tobytes() == data["s1.t0"]
         assert model.gate.copy("s1.t0") is not None
-        damage_in_place(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+        damage_in_place(copy, "s1.t0", hidden=hidden)  # another user rewrites the fallback's copy in place
         with pytest.raises(TensorfsError):
             model.raw("s1.t0")
-        damage_in_place(copy, "s1.t0")  # written back: the bytes it was
+        damage_in_place(copy, "s1.t0", hidden=hidden)  # written back: the bytes it was
         if manifest:  # verified again: served again
             assert model.raw("s1.t0").tobytes() == data["s1.t0"]
         else:  # nothing can tell its bytes: refused until opened again
@@ -215,9 +278,10 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_in_process(
         assert model.raw("s0.t0").tobytes() == data["s0.t0"]  # the rest is served on
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["written", "hidden"])
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
 def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mount(
-    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool
+    mounts: Mounts, damaged: tuple[Path, Path, dict[str, bytes]], tmp_path: Path, manifest: bool, hidden: bool
 ) -> None:
     primary, copy, data = damaged
     options = ["--no-cache", "--fallback", str(copy)]
@@ -229,10 +293,10 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mo
     if not manifest:
         damage_in_place(primary, "s1.t0")  # the primary's shard changed in place: its tensors go to the fallback
     assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
-    damage_in_place(copy, "s1.t0")  # another user rewrites the fallback's copy in place
+    damage_in_place(copy, "s1.t0", hidden=hidden)  # another user rewrites the fallback's copy in place
     drop_caches()  # the kernel's pages of it too: the daemon is asked again
     assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # never her bytes
-    damage_in_place(copy, "s1.t0")
+    damage_in_place(copy, "s1.t0", hidden=hidden)
     drop_caches()
     if manifest:
         assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]  # verified again
@@ -391,3 +455,82 @@ def test_a_fallback_holding_another_shape_is_passed_over_through_a_mount(
     mountpoint = mounts.mount(primary, "--no-cache", "--manifest", str(verify), "--fallback", str(other))
     assert errno_of_reading(mountpoint / "s1.t0") == errno.EIO  # the same bytes, another tensor: never served
     assert f"fallback {other}: tensor 's1.t0' holds it as U8 [2, {len(blob) // 2}]" in mounts.log()
+
+
+# -- the rules of the gate's reads of files --------------------------------------------------------
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_bytes_read_while_the_shard_was_written_are_never_handed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: bool
+) -> None:
+    """read_into (a reply assembled from several tensors) reads the file; the shard is written in place
+    during that read (the handshake: the write is made inside the read, before the bytes are read):
+    what was read is dropped, and the tensor is checked again: hashed (a mismatch) under a manifest,
+    refused without one. Never the new bytes in the buffer as the answer."""
+    data = _sharded(tmp_path / "model")
+    verify = manifest_of(data, tmp_path / "m.sha256") if manifest else None
+    with tensorfs.open_model(tmp_path / "model", cache=False, verify=verify) as model:
+        model.gate.check("s1.t0")  # verified first (with a manifest): the read alone is left
+        shard_data = model.shard_data(model.locate("s1.t0")[0])
+        read = shard_data.readinto
+        written: list[bool] = []
+
+        def written_then_read(offset: int, buffer: memoryview) -> None:
+            if not written:
+                written.append(True)
+                damage_in_place(tmp_path / "model", "s1.t0")
+            read(offset, buffer)
+
+        monkeypatch.setattr(shard_data, "readinto", written_then_read)
+        buffer = bytearray(MIB)
+        with pytest.raises(IntegrityError if manifest else TensorfsError):
+            model.gate.copy_into("s1.t0", 0, memoryview(buffer))
+        assert written == [True]
+
+
+def test_a_disk_error_reading_a_shard_sends_the_tensor_to_its_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the shard's file fails with EIO (the disk's OSError, not tensorfs's own error): the
+    tensor is served from its fallback, whose bytes agree."""
+    data = _sharded(tmp_path / "copy")
+    shutil.copytree(tmp_path / "copy", tmp_path / "primary")
+    with tensorfs.open_model(tmp_path / "primary", cache=False, fallback=[tmp_path / "copy"]) as model:
+        shard_data = model.shard_data(model.locate("s1.t0")[0])
+
+        def disk_error(offset: int, buffer: memoryview) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(shard_data, "readinto", disk_error)
+        buffer = bytearray(MIB)
+        model.gate.copy_into("s1.t0", 0, memoryview(buffer))
+        assert bytes(buffer) == data["s1.t0"]
+        assert model.gate.copy("s1.t0") is not None
+
+
+def test_sums_hashed_while_their_shard_was_written_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHA256SUMS of every tensor (digest_all) under a manifest: the shard is written in place while
+    they are hashed (inside the hashing step: the handshake), so the sums are of no one state of it:
+    refused, never handed out; asked again, they are those of the bytes as they are now."""
+    data = _sharded(tmp_path / "model")
+    verify = manifest_of(data, tmp_path / "m.sha256")
+    with tensorfs.open_model(tmp_path / "model", cache=False, verify=verify) as model:
+        hasher = model.gate.integrity.hasher
+        hash_all = hasher.hash_all
+        written: list[bool] = []
+
+        def written_while_hashed(*args: Any, **kwargs: Any) -> dict[str, str]:
+            found = hash_all(*args, **kwargs)
+            if not written:
+                written.append(True)
+                damage_in_place(tmp_path / "model", "s1.t0")
+            return found
+
+        monkeypatch.setattr(hasher, "hash_all", written_while_hashed)
+        names = sorted(data)
+        with pytest.raises(TensorfsError):
+            run(model.gate.digest_all(names))
+        sums = run(model.gate.digest_all(names))
+        assert sums["s1.t0"] != hashlib.sha256(data["s1.t0"]).hexdigest()  # the bytes as they are now
+        assert sums["s0.t0"] == hashlib.sha256(data["s0.t0"]).hexdigest()

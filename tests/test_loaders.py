@@ -10,6 +10,7 @@ package ships it; nothing is downloaded from a hub: nginx serves it as the Hub a
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -24,8 +25,9 @@ from safetensors import safe_open
 
 import tensorfs
 from conftest import Mounts, drop_caches
-from helpers import MIB, errno_of_reading, hub_api, patience, random_bytes, write_reference
+from helpers import MIB, errno_of_reading, hub_api, model_bytes, patience, random_bytes, write_reference
 from servers import Nginx
+from tensorfs.manifest import format_manifest
 from tensorfs.views import PARTIAL_INDEX
 
 
@@ -417,8 +419,11 @@ def test_peft_finds_the_adapter_beside_the_base_model(mounts: Mounts, tmp_path: 
 
 def test_a_companion_is_changed_by_its_content_not_its_times(mounts: Mounts, llama: Path) -> None:
     """`chmod -R a+rX` (and a copy of the same bytes put in place) leave every companion served and
-    the view loadable; other bytes of the same size and mtime are refused."""
-    view = mounts.mount(llama) / ".tensorfs" / "model"
+    the view loadable; other bytes of the same size and mtime are refused. (Under a manifest: the
+    chmod is a change of the shards too, their tensors verified again; without one, refused.)"""
+    sums = llama.parent / "llama.sha256"
+    sums.write_text(format_manifest({n: hashlib.sha256(b).hexdigest() for n, b in model_bytes(llama).items()}))
+    view = mounts.mount(llama, "--manifest", str(sums)) / ".tensorfs" / "model"
     config = (llama / "config.json").read_bytes()
     assert (view / "config.json").read_bytes() == config
     subprocess.run(["chmod", "-R", "a+rX", str(llama)], check=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -18,7 +19,18 @@ from pathlib import Path
 import pytest
 
 from conftest import Mounts, OtherUser, missing_root, require, wait_until
-from helpers import MIB, daemon_stats, entry, patience, random_bytes, raw_shard, reference_tensors, write_reference
+from helpers import (
+    MIB,
+    daemon_stats,
+    entry,
+    model_bytes,
+    patience,
+    random_bytes,
+    raw_shard,
+    reference_tensors,
+    write_reference,
+)
+from tensorfs.manifest import format_manifest
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
 from tensorfs.mount.mounttable import mounts as mount_table
@@ -501,7 +513,11 @@ def test_permissions_follow_the_shards_for_other_users(
     everyone = shared_dir / "everyone"
     for directory in (mine, everyone):
         directory.mkdir(mode=0o755)
-    mounts.mount(model, "-o", "allow_other", mountpoint=mine)
+    # Under a manifest: a chmod is a change of the shard like any (nothing tells it from a hidden
+    # write), its tensors verified again before they are served on; without one, refused.
+    sums = shared_dir / "tensors.sha256"
+    sums.write_text(format_manifest({n: hashlib.sha256(b).hexdigest() for n, b in model_bytes(model).items()}))
+    mounts.mount(model, "-o", "allow_other", "--manifest", str(sums), mountpoint=mine)
     mounts.mount(model, "-o", "allow_other,umask=0222,uid=65534,gid=65534", mountpoint=everyone)
     assert as_nobody(mine / "w") == "Permission denied"
     assert as_nobody(mine / "w.sha256") == "Permission denied"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import write_through_a_mapping
 from tensorfs.sources.watch import Change, ShardWatch
 
 
@@ -32,8 +33,8 @@ def test_what_inotify_reports(shard: tuple[Path, int]) -> None:
     path, fd = shard
     watch = ShardWatch([(path, fd, os.fstat(fd))])
     assert watch.fileno() >= 0 and watch.changes() == []
-    os.chmod(path, 0o600)
-    assert watch.changes() == [(path, Change.ATTRIBUTES)]
+    os.chmod(path, 0o600)  # told from a write through a mapping whose mtime was set back by nothing
+    assert watch.changes() == [(path, Change.CONTENT)]
     write_in_place(path, 10, b"x")
     assert watch.changes() == [(path, Change.CONTENT)]
     assert watch.check(path) == []  # reported already
@@ -65,3 +66,21 @@ def test_without_inotify_sizes_and_times_tell(shard: tuple[Path, int]) -> None:
     os.truncate(path, 4096)
     assert watch.check(path) == [Change.CONTENT]
     assert watch.check(path) == []
+
+
+def test_a_write_through_a_mapping_with_its_mtime_set_back_is_a_change(shard: tuple[Path, int]) -> None:
+    """Written through a shared mapping (no inotify event), its mtime set back: the ctime alone moved,
+    and with inotify on, that is a change of the bytes (it was taken for an attribute's)."""
+    path, fd = shard
+    watch = ShardWatch([(path, fd, os.fstat(fd))])
+    assert watch.changes() == []
+    write_through_a_mapping(path, 100)
+    assert watch.fileno() >= 0 and watch.changes() == [(path, Change.CONTENT)]  # IN_ATTRIB, from utime
+    assert watch.check(path, at_once=True) == []  # reported already
+    watch.close()
+    watch = ShardWatch([(path, fd, os.fstat(fd))])
+    while watch.changes():  # a fresh watch, nothing left to report: then its look at the times alone
+        pass
+    write_through_a_mapping(path, 200)
+    assert watch.check(path, at_once=True) == [Change.CONTENT]
+    watch.close()

@@ -118,3 +118,28 @@ def test_without_rename_noreplace_what_was_planted_meanwhile_is_never_replaced(
         write_whole(out, write, replace=False)
     assert os.readlink(out) == str(victim) and victim.read_bytes() == b"someone's own file\n"
     assert partials(tmp_path) == [] and without_rename_noreplace == [files.RENAME_NOREPLACE]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_a_partial_name_taken_beforehand_is_never_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """Another user guessed the partial's name and planted a symlink to another file there (or a file
+    of her own, that she can read): the writer never opens what is there (O_EXCL|O_NOFOLLOW), it takes
+    another name; the file planted or pointed to is untouched, and the output is whole."""
+    victim = victim_file(tmp_path)
+    out = tmp_path / "out.json"
+    names = iter([".out.json.guessed.partial", ".out.json.fresh.partial"])
+    monkeypatch.setattr(files._Destination, "_partial_name", lambda self: next(names))
+    guessed = tmp_path / ".out.json.guessed.partial"
+    if planted == "symlink":
+        guessed.symlink_to(victim)
+    else:
+        guessed.write_bytes(b"hers\n")
+    write_whole(out, lambda f: f.write(b"the model\n"))
+    assert out.read_bytes() == b"the model\n"
+    assert victim.read_bytes() == b"someone's own file\n"
+    if planted == "file":
+        assert guessed.read_bytes() == b"hers\n"
+    else:
+        assert guessed.is_symlink()

@@ -23,11 +23,28 @@ requests meanwhile. Plans change the gate's state only in the thread that drives
     plans.py     the vocabulary: plans and their steps, run(), the place bytes are had from, grants
     reporter.py  what a gate tells whoever serves its bytes (a mount logs and counts it)
     files.py     the files its bytes come from, watched, and what was seen of each
+    router.py    the fallback router: the copy each tensor is served from, the next that agrees, the retry rule
+    digests.py   tensors' SHA-256s as they are now, hashed once however many ask
     gate.py      the Gate: one per opened model
 """
 
 from .gate import Gate
-from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, Step, run
+from .plans import UNREADABLE, Answer, Grant, Outcome, Place, Plan, Present, Refused, Step, StepKind, next_step, run
 from .reporter import Reporter
 
-__all__ = ["UNREADABLE", "Gate", "Grant", "Place", "Plan", "Present", "Refused", "Reporter", "Step", "run"]
+__all__ = [
+    "UNREADABLE",
+    "Answer",
+    "Gate",
+    "Grant",
+    "Outcome",
+    "Place",
+    "Plan",
+    "Present",
+    "Refused",
+    "Reporter",
+    "Step",
+    "StepKind",
+    "next_step",
+    "run",
+]

@@ -7,31 +7,27 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
 from typing import TypeVar
 
-from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
-from ..fallback import RETRY_AFTER, Copy, Fallbacks
+from ..errors import IntegrityError, ModelClosedError, ShardChangedError, TensorfsError, printable
+from ..fallback import Copy, Fallbacks
 from ..identity import ShardKey
 from ..integrity import Hasher, Integrity, sha256_of
 from ..sources.shard import ShardData
 from ..sources.watch import Change
 from ..tables import Tables
+from .digests import Digests
 from .files import Seen, WatchedFiles
 from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, run
 from .reporter import Reporter
+from .router import Router
 
 T = TypeVar("T")
 
 __all__ = ["Gate"]
 
 log = logging.getLogger("tensorfs.gate")
-
-
-class _Failing(ShardChangedError):
-    """A shard whose read failed a moment ago: its tensors go to their fallbacks without asking it."""
 
 
 class Gate:
@@ -45,15 +41,14 @@ class Gate:
         """Other copies of the model, tried in order when a tensor's own shard cannot give its bytes."""
         self.reporter = Reporter()
         self._lock = threading.RLock()
-        self._copies: dict[str, Copy] = {}
-        self._copy_verified: set[str] = set()  # tensors whose copy matched the manifest since it last changed
-        self._failed_at: dict[ShardKey, float] = {}
         self._bad: dict[str, tuple[int, TensorfsError]] = {}
         """Tensors found not to match (or not to be readable), by their shard's generation then: refused
         without hashing them again until their shard changes (a reader's retries cost nothing)."""
-        self._digests: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
-        self._hashing: dict[tuple[str, int], Future[str]] = {}  # hashes under way, shared by whoever waits
         self._files = WatchedFiles(tables)
+        self.router = Router(tables, fallbacks, self._files, self._lock, self.place, lambda: self.reporter)
+        """Which fallback copy each tensor is served from, the next one that agrees, the retry rule."""
+        self.digests = Digests(self._lock, lambda: self.integrity, self._generations)
+        """Tensors' SHA-256s as they are now, each hashed once however many ask."""
         self.closed = False
 
     # -- the manifest --------------------------------------------------------------------------
@@ -63,7 +58,7 @@ class Gate:
         that come again must be the bytes that passed (their chunks held to SHA-256s)."""
         with self._lock:
             self.integrity = integrity
-            self._copy_verified.clear()
+            self.router.verified.clear()
             self._bad.clear()
         if integrity.expected is not None:
             for shard in self.tables.opened_shards():
@@ -78,7 +73,7 @@ class Gate:
     def place(self, name: str) -> Place:
         """Where the tensor's bytes are had now (its own shard, or the fallback copy it was switched to)."""
         shard = self.tables.shard_of(name)  # TensorNotFound for a name not in the model
-        copy = self._copies.get(name)
+        copy = self.router.copies.get(name)
         begin, end = shard.by_name[name][:2]
         start = shard.header.data_start
         if copy is not None:
@@ -146,7 +141,7 @@ class Gate:
             try:
                 answer = yield from serve(place)
             except UNREADABLE as exc:
-                place = yield from self._switched(place, exc)
+                place = yield from self.router.switched(place, exc, self._expected_of)
                 continue
             if answer is not None:
                 return answer
@@ -174,7 +169,7 @@ class Gate:
             expected = self.integrity.expected
             if expected is None:
                 return
-            todo = [n for n in names if n not in self._copies and n not in self.integrity.verified]
+            todo = [n for n in names if n not in self.router.copies and n not in self.integrity.verified]
             generations = {name: self._state_of(name).generation for name in todo}
         if not todo:
             return
@@ -205,7 +200,7 @@ class Gate:
             return
         places = [self.place(name) for name in names]
         data = places[0].data
-        if all(p.copy is None and p.data is data for p in places) and self._failing(places[0].shard) is None:
+        if all(p.copy is None and p.data is data for p in places) and self.router.failing(places[0].shard) is None:
             low, high = places[0].start, places[-1].end
             with contextlib.suppress(*UNREADABLE):
                 if data.ensure_private(low, high, within=(low, high)):
@@ -219,43 +214,12 @@ class Gate:
     def digest(self, name: str) -> Plan[str]:
         """The SHA-256 of the tensor's bytes in its own shard, as they are now (found, or hashed once
         however many ask). Refused when its shard changed in place without a manifest."""
-        state = self._state_of(name)
-        while True:
-            with self._lock:
-                self._notice()
-                self._refuse_if_changed(name, state)
-                generation = state.generation
-                found = self._digests.get(name)
-                if found is not None and found[0] == generation:
-                    return found[1]
-            digest: str = yield "verify", functools.partial(self._shared_digest, name, generation)
-            with self._lock:
-                self._notice()
-                if state.generation == generation:  # else changed while it was hashed: hashed again
-                    self._digests[name] = (generation, digest)
-                    return digest
+        return self.digests.of(name)
 
     def digest_all(self, names: list[str]) -> Plan[dict[str, str]]:
         """Every tensor's SHA-256 (those not known hashed together, on the hasher's threads); Refused
         when a shard changed in place without a manifest, before or while they were hashed."""
-        with self._lock:
-            self._notice()
-            for name in names:
-                self._refuse_if_changed(name, self._state_of(name))
-            generations = {name: self._state_of(name).generation for name in names}
-            todo = [name for name in names if self._digests.get(name, (-1, ""))[0] != generations[name]]
-        if todo:
-            found: dict[str, str] = yield "verify", functools.partial(self.integrity.hasher.hash_all, todo)
-            with self._lock:
-                for name, digest in found.items():
-                    self._digests[name] = (generations[name], digest)
-        with self._lock:
-            self._notice()
-            for name in names:
-                self._refuse_if_changed(name, self._state_of(name))
-            if any(self._state_of(name).generation != generations[name] for name in names):
-                raise Refused()  # written while hashed, under a manifest: the sums are the manifest's anyway
-            return {name: self._digests[name][1] for name in names}
+        return self.digests.of_all(names)
 
     # -- changes to the files --------------------------------------------------------------------
     def watch_fd(self) -> int:
@@ -275,14 +239,11 @@ class Gate:
     # -- the fallbacks ---------------------------------------------------------------------------
     def copy(self, name: str) -> Copy | None:
         """The fallback's copy a tensor is served from, if it is."""
-        return self._copies.get(name)
+        return self.router.copies.get(name)
 
     def failed(self, shard: ShardKey) -> None:
-        """A read of the shard's bytes failed: with fallbacks, its other tensors go to theirs for a while
-        (a store down would otherwise cost each of them its own timeout)."""
-        if self.fallbacks is not None:
-            with self._lock:
-                self._failed_at[shard] = time.monotonic()
+        """A read of the shard's bytes failed (see Router.failed)."""
+        self.router.failed(shard)
 
     def check_open(self) -> None:
         """ModelClosedError once the model is closed."""
@@ -293,8 +254,7 @@ class Gate:
         with self._lock:
             self.closed = True
             self._files.close()
-        if self.fallbacks is not None:
-            self.fallbacks.close()
+        self.router.close()
 
     # -- inside the plans --------------------------------------------------------------------------
     def _admitted(self, place: Place, low: int, high: int) -> Plan[None]:
@@ -304,7 +264,7 @@ class Gate:
                 self._notice(place.data)
                 state = self._files.seen(place.data)
                 if place.copy is None:
-                    failing = self._failing(place.shard, low, high)
+                    failing = self.router.failing(place.shard, low, high)
                     if failing is not None:
                         raise failing  # to its fallback at once
                     assert state is not None
@@ -317,7 +277,7 @@ class Gate:
                         "served from it"
                     )
                 else:
-                    proven = self._copy_verified
+                    proven = self.router.verified
                 expected = self.integrity.expected
                 if expected is None or place.name in proven:
                     return
@@ -336,7 +296,7 @@ class Gate:
                     if place.copy is None:
                         self._pass(place.name)
                     else:
-                        self._copy_verified.add(place.name)
+                        self.router.verified.add(place.name)
                     return
                 if place.copy is not None:
                     raise IntegrityError(
@@ -355,7 +315,7 @@ class Gate:
         hashing however many readers wait for it)."""
         if place.copy is None:
             try:
-                digest: str = yield "verify", functools.partial(self._shared_digest, place.name, generation)
+                digest: str = yield "verify", functools.partial(self.digests.shared, place.name, generation)
                 return digest
             except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
                 with self._lock:
@@ -381,70 +341,14 @@ class Gate:
             raise ShardChangedError(f"{place.data.label}: bytes [{low}, {high}) cannot be read")
         return None
 
-    def _switched(self, place: Place, why: BaseException) -> Plan[Place]:
-        """Where the tensor is served from after `why`: its next fallback whose copy agrees (opened,
-        and hashed under a manifest, on a worker thread); `why` raised again if there is none."""
-        if (
-            isinstance(why, RemoteError | ShardChangedError)
-            and place.copy is None
-            and not isinstance(why, Refused | _Failing)
-        ):
-            self.failed(place.shard)
-        if self.fallbacks is None:
-            raise why
-        with self._lock:
-            current = self._copies.get(place.name)
-            if current is not place.copy:
-                return self.place(place.name)  # another reader switched it meanwhile
-            info = self.tables.info(place.name)
-            expected = None if self.integrity.expected is None else self.integrity.expected.get(place.name)
-        after = place.copy.index if place.copy is not None else -1
-        found = functools.partial(self._next_copy, place.name, (info.dtype, list(info.shape)), expected, after)
-        copy: Copy | None = yield "switch", found
-        with self._lock:
-            current = self._copies.get(place.name)
-            if current is not place.copy:
-                return self.place(place.name)
-            if copy is None:
-                log.error("tensor '%s': %s; no fallback can give it", printable(place.name), printable(str(why)))
-                raise why
-            self._copies[place.name] = copy
-            if expected is not None:
-                self._copy_verified.add(place.name)
-            self._files.add_copy(copy.data, place.shard)
-            shown = printable(str(why))
-            log.warning(
-                "tensor '%s': served from fallback %s from now on (%s)", printable(place.name), copy.source, shown
-            )
-            self.reporter.fell_back(place.name, copy.source)
-            return self.place(place.name)
-
-    def _next_copy(self, name: str, table: tuple[str, list[int]], expected: str | None, after: int) -> Copy | None:
-        """The first copy after fallback `after` that agrees with the tensor's table and, with `expected`,
-        whose bytes hash to it, not changed since it was opened (blocking)."""
-        assert self.fallbacks is not None
-        for copy in self.fallbacks.copies_of(name, table, after):
-            state = self._files.seen(copy.data)
-            if state is not None and state.changed:
-                self.fallbacks.say_once(copy.index, name, "changed in place since it was opened: not served")
-                continue
-            if expected is not None:
-                try:
-                    actual = sha256_of(copy.data, copy.start, copy.end)
-                except UNREADABLE as exc:
-                    self.fallbacks.say_once(copy.index, name, f"cannot be read: {printable(str(exc))}")
-                    continue
-                if actual != expected:
-                    self.fallbacks.say_once(
-                        copy.index, name, f"does not match the manifest (sha256 {actual}): not served"
-                    )
-                    continue
-            return copy
-        return None
-
     def _moved(self, place: Place) -> bool:
         """Whether the tensor is served from elsewhere now than `place` (another reader switched it)."""
-        return self._copies.get(place.name) is not place.copy
+        return self.router.moved(place)
+
+    def _expected_of(self, name: str) -> str | None:
+        """The manifest's value for the tensor (None: no manifest in force)."""
+        expected = self.integrity.expected
+        return None if expected is None else expected.get(name)
 
     def _generation(self, place: Place) -> int:
         """How many changes of the place's file were seen so far (every change reported applied first)."""
@@ -453,26 +357,19 @@ class Gate:
             state = self._files.seen(place.data)
             return state.generation if state is not None else 0
 
-    def _failing(self, shard: ShardKey, start: int = 0, end: int = 0) -> _Failing | None:
-        """Why the shard's tensors go to their fallbacks without asking it, while a read of it failed
-        less than RETRY_AFTER seconds ago (None: ask it). Not bytes [start, end) of it that it holds
-        without asking where it comes from (a remote shard's cached chunks): they wait for nothing."""
-        since = self._failed_at.get(shard)
-        if since is None or self.fallbacks is None:
-            return None
-        ago = time.monotonic() - since
-        if ago >= RETRY_AFTER:
-            del self._failed_at[shard]
-            return None
-        data = self.tables.shard_data(shard)
-        if end > start and data.held(start, end):
-            return None
-        return _Failing(f"{data.label}: a read of it failed {ago:.0f} s ago")
-
     def _state_of(self, name: str) -> Seen:
         seen = self._files.seen(self.tables.shard_of(name).data)
         assert seen is not None
         return seen
+
+    def _generations(self, names: list[str]) -> dict[str, int]:
+        """The tensors' shards' generations, every change reported applied first (the lock held);
+        Refused for a tensor whose shard changed in place without a manifest."""
+        self._notice()
+        states = {name: self._state_of(name) for name in names}
+        for name, state in states.items():
+            self._refuse_if_changed(name, state)
+        return {name: state.generation for name, state in states.items()}
 
     def _refuse_if_changed(self, name: str, state: Seen) -> None:
         if state.changed:
@@ -513,31 +410,6 @@ class Gate:
         error.fields = {"tensor": place.name, "shard": str(place.shard)}  # type: ignore[attr-defined]
         return error
 
-    def _shared_digest(self, name: str, generation: int) -> str:
-        """The tensor's SHA-256 (blocking): known already, hashed here, or by the thread already hashing
-        it; kept (by its shard's generation) for whoever asks next."""
-        key = (name, generation)
-        with self._lock:
-            found = self._digests.get(name)
-            if found is not None and found[0] == generation:
-                return found[1]
-            running = self._hashing.get(key)
-            mine = running is None
-            if running is None:
-                running = self._hashing[key] = Future()
-        if mine:
-            try:
-                digest = self.integrity.digest(name)
-                with self._lock:
-                    self._digests[name] = (generation, digest)
-                running.set_result(digest)
-            except BaseException as exc:
-                running.set_exception(exc)
-            finally:
-                with self._lock:
-                    del self._hashing[key]
-        return running.result()
-
     def _notice(self, data: ShardData | None = None) -> None:
         """Apply the changes reported so far, and those `data`'s file's size and times show (the lock held)."""
         for key, seen, change in self._files.changes(data):
@@ -545,21 +417,16 @@ class Gate:
 
     def _apply(self, data: ShardData, state: Seen, change: Change) -> None:
         if state.copy:
-            self._apply_to_copy(data, state, change)
+            if change is Change.CONTENT:
+                self.router.copy_changed(data, state, manifest=self.integrity.expected is not None)
             return
         shard = state.shard
-        if change is Change.ATTRIBUTES:
-            self.reporter.attributes(shard)
-            return
         if change in (Change.MOVED, Change.DELETED):
             self.reporter.moved(shard, change)
             return
-        state.generation += 1
-        if state.changed:
-            return  # refused already
+        state.generation += 1  # (refused already, it is still said: a mount shows its new attributes)
         names = [entry[2] for entry in self.tables.shard_header(shard).entries]
-        for name in names:
-            self._digests.pop(name, None)
+        self.digests.forget(names)
         manifest = self.integrity.expected is not None
         had_verified = not self.integrity.verified.isdisjoint(names)
         if not manifest:
@@ -569,21 +436,3 @@ class Gate:
             for name in names:
                 self._bad.pop(name, None)
         self.reporter.changed(shard, names, manifest=manifest, had_verified=had_verified)
-
-    def _apply_to_copy(self, data: ShardData, state: Seen, change: Change) -> None:
-        if change is not Change.CONTENT:
-            return
-        state.generation += 1
-        served = [name for name, copy in self._copies.items() if copy.data is data]
-        if self.integrity.expected is None:
-            if not state.changed:
-                log.error(
-                    "fallback %s was changed in place: it is no longer the file that was validated, and %s "
-                    "served from it are not any more",
-                    printable(data.label),
-                    f"the {len(served)} tensors" if len(served) != 1 else "the tensor",
-                )
-            state.changed = True
-        else:
-            log.warning("fallback %s changed: what is served from it is verified again", printable(data.label))
-            self._copy_verified.difference_update(served)

@@ -4,16 +4,30 @@ send a tensor to its fallback."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from ..errors import IntegrityError, RemoteError, ShardChangedError
 from ..fallback import Copy
 from ..identity import ShardKey
 from ..sources.shard import ShardData
 
-__all__ = ["UNREADABLE", "Grant", "Place", "Plan", "Present", "Refused", "Step", "run"]
+__all__ = [
+    "UNREADABLE",
+    "Answer",
+    "Grant",
+    "Outcome",
+    "Place",
+    "Plan",
+    "Present",
+    "Refused",
+    "Step",
+    "StepKind",
+    "next_step",
+    "run",
+]
 
 UNREADABLE = (ShardChangedError, RemoteError, IntegrityError, OSError)
 """What a fallback stands in for: bytes gone or changed, a store that cannot give them, bytes that
@@ -28,28 +42,61 @@ class Refused(ShardChangedError):
         super().__init__(message)
 
 
-Step = tuple[str, Callable[[], Any]]
-"""A blocking call a plan needs made, and what kind it is ("verify", "present", "read", "switch",
-"ahead"): a mount runs each kind on its own bounded threads."""
+StepKind = Literal["present", "read", "ahead", "verify", "switch"]
+"""The kinds of blocking step, a closed set (mypy holds every yield to it, and a driver's choice by
+kind to all of it): bytes made present for a reader, a file read, a window ahead of a reader,
+hashing, a fallback opened and checked. A mount runs each kind on its own bounded threads."""
+Step = tuple[StepKind, Callable[[], Any]]
+"""A blocking call a plan needs made, and its kind."""
 T = TypeVar("T")
 Plan = Generator[Step, Any, T]
 """A sequence of the gate: it yields the blocking steps, is sent what each returned (or thrown what
-it raised), and returns its answer."""
+it raised), and returns its answer. Driven by next_step() alone (run(), and a mount's driver)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a step gave: its value, or the Exception it raised, for the plan to decide on (a fallback,
+    or raised again). Anything else (Ctrl-C, SystemExit, a cancellation) is no outcome: it goes on
+    up through the driver, and the plan is closed."""
+
+    value: Any = None
+    error: Exception | None = None
+
+    @classmethod
+    def of(cls, call: Callable[[], Any]) -> Outcome:
+        """Make the call (in whatever thread the driver chose)."""
+        try:
+            return cls(call())
+        except Exception as exc:
+            return cls(error=exc)
+
+
+@dataclass(frozen=True)
+class Answer(Generic[T]):
+    """What a plan returned: it asks for no more steps."""
+
+    value: T
+
+
+def next_step(plan: Plan[T], outcome: Outcome) -> Step | Answer[T]:
+    """Hand the plan what its last step gave (Outcome() to start it): the step it asks for next, or
+    its answer."""
+    try:
+        return plan.throw(outcome.error) if outcome.error is not None else plan.send(outcome.value)
+    except StopIteration as done:
+        return Answer(done.value)
 
 
 def run(plan: Plan[T]) -> T:
     """Drive a plan in this thread: each step is made as it is asked for."""
-    sent: Any = None
-    thrown: BaseException | None = None
-    while True:
-        try:
-            _, call = plan.throw(thrown) if thrown is not None else plan.send(sent)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        try:
-            sent, thrown = call(), None
-        except BaseException as exc:  # handed to the plan, which decides (it raises it again, mostly)
-            sent, thrown = None, exc
+    with contextlib.closing(plan):
+        outcome = Outcome()
+        while True:
+            step = next_step(plan, outcome)
+            if isinstance(step, Answer):
+                return step.value
+            outcome = Outcome.of(step[1])
 
 
 @dataclass(eq=False)

@@ -23,11 +23,9 @@ class Reporter:
         """A tensor's bytes could not be read to be hashed (said once, as a mismatch)."""
 
     def changed(self, shard: ShardKey, names: list[str], *, manifest: bool, had_verified: bool) -> None:
-        """A shard's bytes changed in place: its tensors refused from now on (no manifest), or verified
-        again (`had_verified`: some of them were verified since its last change)."""
-
-    def attributes(self, shard: ShardKey) -> None:
-        """A shard's owner, mode or times changed: not its bytes."""
+        """A shard's bytes may have changed in place (anything the kernel reports of its file): its
+        tensors refused from now on (no manifest), or verified again (`had_verified`: some of them
+        were verified since its last change)."""
 
     def moved(self, shard: ShardKey, change: Change) -> None:
         """A shard was renamed or deleted: its file (validated, open) is still what is served."""

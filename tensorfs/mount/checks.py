@@ -41,7 +41,7 @@ class MountReporter(Reporter):
         """Where invalidations are queued while the daemon serves (None: done at once)."""
         self.on_change: Callable[[], None] = _nothing
         """Called when a shard's bytes change (what was made of them is made again)."""
-        self._invalidations: dict[ShardKey, bool] = {}  # shard -> attributes only? (still to be done)
+        self._invalidations: set[ShardKey] = set()  # shards whose files are still to be dropped
         self._invalidating: set[ShardKey] = set()
 
     def verified(self, name: str) -> None:
@@ -68,6 +68,9 @@ class MountReporter(Reporter):
 
     def changed(self, shard: ShardKey, names: list[str], *, manifest: bool, had_verified: bool) -> None:
         if not manifest:
+            if shard in self.stats.changed:  # refused already: said once
+                self._refresh(shard)
+                return
             log.error(
                 "shard %s was changed in place under the mount: it is no longer the file that was "
                 "validated, and its %s answer EIO until it is mounted again",
@@ -84,12 +87,12 @@ class MountReporter(Reporter):
             )
         self.stats.changed.add(shard)
         self.on_change()
-        self.tree.refresh_shard(shard)
-        self._invalidate(shard, attr_only=False)
+        self._refresh(shard)
 
-    def attributes(self, shard: ShardKey) -> None:
-        if self.tree.refresh_shard(shard):  # owner, permissions or mtime: the kernel must ask again
-            self._invalidate(shard, attr_only=True)
+    def _refresh(self, shard: ShardKey) -> None:
+        """What the kernel holds of the shard's files dropped: their pages, and the attributes shown."""
+        self.tree.refresh_shard(shard)
+        self._invalidate(shard)
 
     def moved(self, shard: ShardKey, change: Change) -> None:
         what = "moved or renamed" if change is Change.MOVED else "deleted"
@@ -106,19 +109,20 @@ class MountReporter(Reporter):
     def fell_back(self, name: str, source: str) -> None:
         self.stats.fallback_tensors[name] = source
 
-    def _invalidate(self, shard: ShardKey, *, attr_only: bool) -> None:
-        """Have the kernel drop what it cached of the shard's files (or their attributes only).
+    def _invalidate(self, shard: ShardKey) -> None:
+        """Have the kernel drop what it cached of the shard's files (pages and attributes: any change
+        of a shard may be one of its bytes).
 
         In a worker thread: dropping a page waits for a read of it in flight, which the daemon's
         thread may be the one to answer. A burst of changes costs at most one more round than one.
         """
         if self.invalidate is None:
             return
-        queued = self._invalidations.get(shard)
-        self._invalidations[shard] = attr_only if queued is None else queued and attr_only
         if self.nursery is None:  # not serving (tests): at once
-            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], self._invalidations.pop(shard))
-        elif shard not in self._invalidating:
+            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], False)
+            return
+        self._invalidations.add(shard)
+        if shard not in self._invalidating:
             self._invalidating.add(shard)
             self.nursery.start_soon(self._invalidate_queued, shard)
 
@@ -126,9 +130,9 @@ class MountReporter(Reporter):
         assert self.invalidate is not None
         try:
             while shard in self._invalidations:
-                attr_only = self._invalidations.pop(shard)
+                self._invalidations.discard(shard)
                 inodes = [*self.tree.inodes_of(shard), self.tree.sums_inode]
-                await trio.to_thread.run_sync(self.invalidate, inodes, attr_only)
+                await trio.to_thread.run_sync(self.invalidate, inodes, False)
         finally:
             self._invalidating.discard(shard)
 

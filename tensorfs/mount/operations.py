@@ -12,6 +12,7 @@ touches no mapped byte: hashing reads the files (see Hasher).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -20,13 +21,13 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar, assert_never, get_args
 
 import pyfuse3
 import trio
 
 from ..errors import TensorfsError, printable
-from ..gate import Place, Plan, Step
+from ..gate import Answer, Outcome, Place, Plan, StepKind, next_step
 from ..identity import ShardKey
 from ..integrity import HASH_WORKERS
 from ..names import STATS_NAME
@@ -94,13 +95,7 @@ class TensorOperations(pyfuse3.Operations):
         self._spans: dict[int, _OpenTensor] = {}  # open tensor files by inode
         # Threads for each kind of blocking step of the gate's plans: readers waiting on their bytes
         # (and the window ahead of them), hashing, switching to fallbacks; and windows ahead of readers.
-        self._limiters = {
-            "present": trio.CapacityLimiter(8),
-            "read": trio.CapacityLimiter(8),
-            "ahead": trio.CapacityLimiter(8),
-            "verify": trio.CapacityLimiter(HASH_WORKERS),
-            "switch": trio.CapacityLimiter(2),
-        }
+        self._limiters = {kind: trio.CapacityLimiter(_threads_for(kind)) for kind in get_args(StepKind)}
         self._prefetchers = trio.CapacityLimiter(2)
         self._nursery: trio.Nursery | None = None
         self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
@@ -128,26 +123,19 @@ class TensorOperations(pyfuse3.Operations):
             self.gate.notice_changes()
 
     async def _drive(self, plan: Plan[T], held: list[_Held] | None = None) -> T:
-        """Run one of the gate's plans: its quick steps here, its blocking ones on worker threads (each
-        kind on its own bounded threads), letting go of `held` before any of them: no request waits
-        while it holds what another may be waiting for."""
-        sent: Any = None
-        thrown: BaseException | None = None
-        try:
+        """Run one of the gate's plans as gate.run() does (next_step, Outcome.of): its quick steps
+        here, its blocking ones on worker threads (each kind on its own bounded threads), letting go
+        of `held` before any of them: no request waits while it holds what another may be waiting for."""
+        with contextlib.closing(plan):
+            outcome = Outcome()
             while True:
-                try:
-                    step: Step = plan.throw(thrown) if thrown is not None else plan.send(sent)
-                except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
+                step = next_step(plan, outcome)
+                if isinstance(step, Answer):
+                    return step.value
                 if held:
                     self._let_go(held)
                 kind, call = step
-                try:
-                    sent, thrown = await trio.to_thread.run_sync(call, limiter=self._limiters[kind]), None
-                except Exception as exc:  # the plan decides (a fallback, or raised again)
-                    sent, thrown = None, exc
-        finally:
-            plan.close()
+                outcome = await trio.to_thread.run_sync(Outcome.of, call, limiter=self._limiters[kind])
 
     # -- names and attributes ---------------------------------------------------------------
     def _entry(self, attributes: Attributes) -> pyfuse3.EntryAttributes:
@@ -517,6 +505,19 @@ class _OpenTensor:
     def in_shard(self, place: Place, offset: int) -> int:
         """An offset of the place's data as the offset of the same byte of the tensor in its own shard."""
         return self.origin + offset - place.start
+
+
+def _threads_for(kind: StepKind) -> int:
+    """How many of the mount's worker threads make steps of this kind at once."""
+    match kind:
+        case "present" | "read" | "ahead":  # readers waiting on their bytes, and windows ahead of them
+            return 8
+        case "verify":
+            return HASH_WORKERS
+        case "switch":  # opening and hashing fallbacks
+            return 2
+        case _:
+            assert_never(kind)
 
 
 _Held = tuple[ShardData, int, int]

@@ -244,6 +244,8 @@ class RemoteShard(ShardData):
         finally:
             self.unpin(offset, end)
 
+    identity_proves_bytes = False
+
     def identity(self) -> Identity | None:
         # An object version never changes: URL, ETag and size stand for it (as numbers, for the hash cache).
         version = self.cached.version

@@ -166,6 +166,11 @@ class ShardData(ABC):
     def identity(self) -> Identity | None:
         """The identity of the bytes validated, if the shard still holds them; None if it changed since."""
 
+    identity_proves_bytes = True
+    """Whether a hash kept by identity() is a hash of the bytes read now: a file's identity changes
+    when the kernel reports any change of it. Not a remote object's: its version is the store's word,
+    and its bytes come again through a cache other processes fill (see Hasher.hash_all)."""
+
     @abstractmethod
     def status(self) -> os.stat_result:
         """Owner, mode and times to show for the shard's files: as it is now."""

@@ -6,9 +6,15 @@ file that was validated and mapped, even if its path was replaced in between. Ev
 without blocking: the gate drains them before it hands out a tensor's bytes, so a change that
 finished before a request reached the daemon (or a call the library) is known when it is answered.
 
-inotify does not see writes through another process's shared mapping of a shard; the kernel
-does update the file's mtime at the first such write to each clean page, so check() also compares
-the shard's size and times with what was last seen.
+Any change the kernel reports of a file is taken for a change of its bytes (Change.CONTENT): a
+new size, mtime or ctime, and every inotify event but a move or a deletion. inotify does not see
+writes through a shared mapping; the kernel moves the file's mtime and ctime at the first such
+write to each clean page, so check() also compares the shard's size and times with what was last
+seen. The mtime can be set back (utime); the ctime cannot, but a chmod moves it as a write does, and
+nothing tells the two apart (the inode's change counter, statx's STATX_CHANGE_COOKIE, is the
+kernel's own: not given to user space), so a chmod, a chown or a touch is a change too.
+Not seen: writes to pages a shared mapping has dirtied already and that were not yet written back
+(no fault, so no new time; see docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -43,9 +49,8 @@ _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (of the name that follow
 
 class Change(enum.Enum):
     CONTENT = "content"
-    """Bytes were written or the file was truncated."""
-    ATTRIBUTES = "attributes"
-    """Mode, owner, times or link count changed: the bytes did not."""
+    """Its bytes may have changed: written, truncated, or anything else of it changed (its ctime:
+    a write through a shared mapping whose mtime was set back leaves nothing else)."""
     MOVED = "moved"
     DELETED = "deleted"
 
@@ -104,14 +109,11 @@ class ShardWatch:
         """The inotify descriptor to wait on; -1 when there is none."""
         return self._fd
 
-    def check(self, path: Hashable, *, strict: bool = False) -> list[Change]:
-        """What changed in shard `path` since it was last seen (by its size and times).
-
-        A new mtime or size is a change of the bytes. A new ctime alone is one too when `strict`,
-        or when there is no inotify to say otherwise: a write whose mtime was set back (rsync -t)
-        leaves only that; with inotify, the events tell a chmod from a write.
-        """
-        if self._fd >= 0 and not strict and path in self._checked_at:
+    def check(self, path: Hashable, *, at_once: bool = False) -> list[Change]:
+        """What changed in shard `path` since it was last seen (by its size and times): a new size,
+        mtime or ctime is a change of its bytes (a write whose mtime was set back leaves only the
+        ctime). `at_once`: look now, even within a millisecond of the last look."""
+        if self._fd >= 0 and not at_once and path in self._checked_at:
             # inotify tells of every write but those through a mapping: for those (whose first
             # write to a clean page alone moves the mtime anyway) a look each millisecond will do.
             moment = time.monotonic()
@@ -126,16 +128,14 @@ class ShardWatch:
         if now == before:
             return []
         self._seen[path] = now
-        if now[:2] != before[:2] or strict or self._fd < 0:
-            return [Change.CONTENT]
-        return [Change.ATTRIBUTES]
+        return [Change.CONTENT]
 
     def changes(self) -> list[tuple[Hashable, Change]]:
         """Every change reported since the last call, in order; [] at once when there is none."""
         found: list[tuple[Hashable, Change]] = []
-        if self._unchecked:  # between validation and the watch, nothing reported it: compare strictly
+        if self._unchecked:  # between validation and the watch, nothing reported it: compare now
             unchecked, self._unchecked = self._unchecked, []
-            found.extend((path, change) for path in unchecked for change in self.check(path, strict=True))
+            found.extend((path, change) for path in unchecked for change in self.check(path, at_once=True))
         while self._fd >= 0 and self._ready.poll(0):
             try:
                 data = os.read(self._fd, 64 << 10)
@@ -154,7 +154,7 @@ class ShardWatch:
                         "inotify's queue overflowed (fs.inotify.max_queued_events): changes to the shards "
                         "since are looked for by their sizes and times"
                     )
-                    found.extend((path, change) for path in self.paths for change in self.check(path, strict=True))
+                    found.extend((path, change) for path in self.paths for change in self.check(path, at_once=True))
                     continue
                 for path in self._shards.get(wd, ()):
                     found.extend((path, change) for change in _changes_of(mask))
@@ -188,10 +188,8 @@ def _times_of(st: os.stat_result) -> tuple[int, int, int]:
 
 def _changes_of(mask: int) -> list[Change]:
     changes = []
-    if mask & IN_MODIFY:
+    if mask & (IN_MODIFY | IN_ATTRIB):  # a chmod is told from a write through a mapping by nothing
         changes.append(Change.CONTENT)
-    if mask & IN_ATTRIB:
-        changes.append(Change.ATTRIBUTES)
     if mask & IN_MOVE_SELF:
         changes.append(Change.MOVED)
     if mask & IN_DELETE_SELF:

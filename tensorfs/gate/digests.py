@@ -1,0 +1,92 @@
+"""The SHA-256 of tensors' bytes in their own shards as they are now (the mount's .sha256 sidecars and
+SHA256SUMS, and what the gate verifies against a manifest): found, or hashed once however many ask,
+each kept by its shard's generation (a hash made before a change is no answer after it)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+
+from ..integrity import Integrity
+from .plans import Plan, Refused
+
+__all__ = ["Digests"]
+
+Generations = Callable[[list[str]], dict[str, int]]
+"""The tensors' shards' generations, every change reported applied first (the gate's lock held);
+Refused for a tensor whose shard changed in place without a manifest."""
+
+
+class Digests:
+    """Tensors' SHA-256s, by their shard's generation; one hashing of a tensor however many wait."""
+
+    def __init__(self, lock: threading.RLock, integrity: Callable[[], Integrity], generations: Generations) -> None:
+        self._lock = lock
+        self._integrity = integrity
+        self._generations = generations
+        self._known: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
+        self._hashing: dict[tuple[str, int], Future[str]] = {}  # hashes under way, shared by whoever waits
+
+    def of(self, name: str) -> Plan[str]:
+        """The SHA-256 of the tensor's bytes as they are now (found, or hashed once however many ask)."""
+        while True:
+            with self._lock:
+                generation = self._generations([name])[name]
+                found = self._known.get(name)
+                if found is not None and found[0] == generation:
+                    return found[1]
+            digest: str = yield "verify", functools.partial(self.shared, name, generation)
+            with self._lock:
+                if self._generations([name])[name] == generation:  # else changed while hashed: again
+                    self._known[name] = (generation, digest)
+                    return digest
+
+    def of_all(self, names: list[str]) -> Plan[dict[str, str]]:
+        """Every tensor's SHA-256 (those not known hashed together, on the hasher's threads); Refused
+        when a shard changed in place without a manifest, before or while they were hashed."""
+        with self._lock:
+            generations = self._generations(names)
+            todo = [name for name in names if self._known.get(name, (-1, ""))[0] != generations[name]]
+        if todo:
+            integrity = self._integrity()
+            hashing = functools.partial(integrity.hasher.hash_all, todo, proving=integrity.expected is not None)
+            found: dict[str, str] = yield "verify", hashing
+            with self._lock:
+                for name, digest in found.items():
+                    self._known[name] = (generations[name], digest)
+        with self._lock:
+            if self._generations(names) != generations:
+                raise Refused()  # written while hashed, under a manifest: the sums are the manifest's anyway
+            return {name: self._known[name][1] for name in names}
+
+    def shared(self, name: str, generation: int) -> str:
+        """The tensor's SHA-256 (blocking): known already, hashed here, or by the thread already hashing
+        it; kept (by its shard's generation) for whoever asks next."""
+        key = (name, generation)
+        with self._lock:
+            found = self._known.get(name)
+            if found is not None and found[0] == generation:
+                return found[1]
+            running = self._hashing.get(key)
+            mine = running is None
+            if running is None:
+                running = self._hashing[key] = Future()
+        if mine:
+            try:
+                digest = self._integrity().digest(name)
+                with self._lock:
+                    self._known[name] = (generation, digest)
+                running.set_result(digest)
+            except BaseException as exc:
+                running.set_exception(exc)
+            finally:
+                with self._lock:
+                    del self._hashing[key]
+        return running.result()
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Their shard changed: what was known of them is no answer now (the lock held)."""
+        for name in names:
+            self._known.pop(name, None)
