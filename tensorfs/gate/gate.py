@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
-from ..errors import IntegrityError, ModelClosedError, ShardChangedError, TensorfsError, printable
+from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
 from ..fallback import Copy, Fallbacks
 from ..identity import ShardKey
 from ..integrity import Hasher, Integrity, sha256_of
