@@ -409,6 +409,7 @@ class CachedObject:
         if expected is None and reading is not None and reading - begin >= SPLIT_AT_LEAST:
             split = min(end, reading - reading % mmap.PAGESIZE)
         parts = [(split, end), (begin, split)] if split > begin else [(begin, end)]
+        COUNTERS.add(split_chunks=len(parts) - 1)
         written_so_far: list[tuple[int, int]] = []  # [start, end) of each part begun, the last growing
         if expected is None:
             with self._lock:
