@@ -37,6 +37,7 @@ from helpers import (
 from servers import TOKEN, HostileServer, Nginx, RequestGate, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.sources.store import RemoteOptions
+from tensorfs.testing.link import SlowLink
 from tensorfs.units import human_size
 
 
@@ -407,6 +408,68 @@ def test_a_cold_read_is_answered_before_its_chunk_has_all_come(mounts: Mounts, n
         proxy.close()
 
 
+def test_a_cold_read_well_into_a_chunk_has_its_own_bytes_fetched_first(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """A cold read that starts 5 MiB into a chunk nothing is fetching yet is answered once its own
+    bytes have come, not after the 5 MiB before them: the chunk's GET held after its first MiB of
+    body, the read returns the right bytes (with the chunk asked for from its start, as before, that
+    MiB was the tensor before's, and the read waited for as long as the GET was held). Once the rest
+    flows, every byte; and the chunk's record, summed once both parts came, holds: with no request
+    at all (--offline) another reader checks the chunk against it and reads the same bytes."""
+    directory = nginx.root / "mid"
+    directory.mkdir()
+    before, after = random_bytes(5 * MIB, 14), random_bytes(2 * MIB, 15)
+    write_reference(directory / "m.safetensors", {"a": ("U8", [5 * MIB], before), "b": ("U8", [2 * MIB], after)})
+    proxy = StallingProxy(nginx.port)
+    cache = tmp_path / "cache"
+    try:
+        url = proxy.url("mid/m.safetensors")
+        mountpoint = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
+        proxy.stall_after(MIB)
+        got: list[bytes | OSError] = []
+        with open(mountpoint / "b", "rb", buffering=0) as f:
+
+            def first_bytes() -> None:
+                try:
+                    got.append(os.pread(f.fileno(), 4096, 0))
+                except OSError as exc:
+                    got.append(exc)
+
+            reader = threading.Thread(target=first_bytes)
+            reader.start()
+            try:
+                reader.join(patience(30))
+                assert not reader.is_alive(), "the read waits for the bytes before it in its chunk"
+                assert got == [after[:4096]], got
+            finally:
+                proxy.release()
+                reader.join()
+        assert (mountpoint / "b").read_bytes() == after and (mountpoint / "a").read_bytes() == before
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+        offline = options(tmp_path, offline=True)
+        assert read_all(url, offline) == {"a": before, "b": after}
+    finally:
+        proxy.close()
+
+
+def test_a_mount_opens_its_connection_to_the_store_as_it_starts(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """The daemon opens a connection to the store before it says the mount is ready: a cold tensor's
+    first read goes over it, with no new connection (a round trip more on a distant link, its
+    handshake's). Counted at a link in front of the store: without it, that read opened one."""
+    directory = nginx.root / "connect"
+    directory.mkdir()
+    data = random_bytes(MIB, 16)
+    write_reference(directory / "m.safetensors", {"t": ("U8", [MIB], data)})
+    with SlowLink(("127.0.0.1", nginx.port), delay=0.001) as link:
+        mountpoint = mounts.mount(f"{link.url()}/connect/m.safetensors", "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+        opened = link.connections
+        with open(mountpoint / "t", "rb", buffering=0) as f:
+            assert f.read(4096) == data[:4096]
+        assert link.connections == opened
+        assert mounts.run("umount", str(mountpoint)).returncode == 0
+
+
 def test_fetch_threads_yield_to_the_requests_thread(nginx: Nginx, tmp_path: Path) -> None:
     directory = nginx.root / "nice"
     directory.mkdir()
@@ -484,7 +547,7 @@ def test_mount_an_s3_model(
     companions = len('{"model_type": "test"}') + len('{"pooling": 1}')  # read through the cache too, once
     assert counted["fetched_bytes"] == sizes + companions and counted["fetch_failures"] == 0  # every chunk, once
     chunks = sum(-(-path.stat().st_size // (8 * MIB)) for path in directory.glob("*.safetensors"))
-    assert counted["gets"] == chunks + 2
+    assert counted["gets"] == chunks + counted["split_chunks"] + 2  # a chunk a cold read began well into: two
     entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
     assert entry.source == f"s3://{bucket}/m"
     settings = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["options"]["remote"]

@@ -92,7 +92,10 @@ def test_a_read_rides_out_an_outage_shorter_than_the_timeout(mounts: Mounts, ngi
     try:
         url = f"http://127.0.0.1:{proxy.port}/outage/m.safetensors"
         mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"), "--remote-timeout", "120")  # type: ignore[arg-type]
-        proxy.refuse = 25  # more failed attempts than a retry count would allow; well within the time
+        # The outage closes what the daemon holds open (the connections it opened as it started) and
+        # refuses more new ones than a retry count would allow; well within the time.
+        proxy.cut()
+        proxy.refuse = 25
         assert (mountpoint / "t01").read_bytes() == expected["t01"]
         assert proxy.refuse == 0
     finally:
@@ -322,6 +325,11 @@ def test_a_daemon_killed_mid_fetch_leaves_no_hole(mounts: Mounts, nginx: Nginx, 
 # -- faults in the middle of a GET's body ---------------------------------------------------------
 
 
+HELD_AFTER = 32 << 10
+"""Bytes a held GET lets through: fewer than a direct_read asks for, wherever in its chunk the GET
+starts (a cold read well into a chunk has its own bytes asked for first)."""
+
+
 def direct_read(path: Path, offset: int, size: int = 64 << 10) -> tuple[bytes | int, float]:
     """One read of a mounted file that is one request to the daemon (O_DIRECT: no readahead, and no
     read again by the kernel after a failure): (its bytes, or the errno it failed with; seconds it took)."""
@@ -354,7 +362,7 @@ def test_a_get_held_mid_body_is_eio_within_the_remote_timeout(mounts: Mounts, ng
         mountpoint = mounts.mount(url, *options, "--remote-concurrency", "1")  # type: ignore[arg-type]
         pid = mounts.daemon_pid(mountpoint)
         gets = remote_stats(mountpoint)["gets"]
-        proxy.stall_after(MIB)  # t01's chunk: its first MiB comes, then nothing more
+        proxy.stall_after(HELD_AFTER)  # t01's chunk: its first bytes come, then nothing more
         outcome, seconds = direct_read(mountpoint / "t01", 2 * MIB)
         assert proxy.holding.is_set() and remote_stats(mountpoint)["gets"] > gets  # held mid-body, not refused
         assert outcome == errno.EIO and seconds < patience(2 * TIMEOUT + 5), (outcome, seconds)
@@ -382,7 +390,7 @@ def test_a_server_that_stops_mid_body(mounts: Mounts, own_nginx: Nginx, tmp_path
         options = ["--cache-dir", str(tmp_path / "cache"), "--remote-timeout", str(TIMEOUT)]
         mountpoint = mounts.mount(proxy.url("m/m.safetensors"), *options, "--remote-concurrency", "1")  # type: ignore[arg-type]
         pid = mounts.daemon_pid(mountpoint)
-        proxy.stall_after(MIB)
+        proxy.stall_after(HELD_AFTER)
         outcome: list[tuple[bytes | int, float]] = []
         reader = threading.Thread(target=lambda: outcome.append(direct_read(mountpoint / "t01", 2 * MIB)))
         reader.start()
@@ -582,7 +590,7 @@ def test_sigterm_with_a_read_waiting_on_a_get_that_never_ends(mounts: Mounts, ng
         reader = OneRead(mountpoint / "t01", 2 * MIB)
         try:
             assert reader.said() == "open"
-            proxy.stall_after(MIB)
+            proxy.stall_after(HELD_AFTER)
             reader.go()
             wait_until(
                 lambda: proxy.holding.is_set() and reads_in_handlers(mountpoint) == 1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -12,6 +13,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from ..files import WriteError
 from ..identity import ShardKey
 from ..model import Model
 from ..names import STATS_NAME
+from ..sources.remote import open_connections
 from ..syscalls import libc
 from ..units import plural
 from ..views import ViewSpec, build_view
@@ -42,6 +46,8 @@ log = logging.getLogger("tensorfs")
 def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec, notify: Callable[[str], None]) -> int:
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     _return_big_buffers()
+    # Meanwhile the store's connections are opened: the mount says it is ready once they are (or soon after).
+    connecting = open_connections(model.shard_data(shard) for shard in model.shards)
     record = _record(model, mountpoint, options)
     control = {
         "index.json": lambda: index_json(model),
@@ -99,7 +105,7 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec,
         return 1
     log.info("serving %s (%s) at %s", _absolute(model.source), plural(len(model), "tensor"), mountpoint)
     try:
-        trio.run(_run, operations, mountpoint, options, record, notify)
+        trio.run(_run, operations, mountpoint, options, record, notify, connecting)
     except BaseException as exc:
         pyfuse3.close(unmount=False)  # the session may be broken: pyfuse3's advice is to not unmount
         if not record["ready"]:  # nothing half-mounted: a mount that never answered is taken away
@@ -214,13 +220,14 @@ async def _run(
     options: MountOptions,
     record: dict[str, Any],
     notify: Callable[[str], None],
+    connecting: list[Future[None]],
 ) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(_handle_signals)
         nursery.start_soon(operations.watch_changes)
         nursery.start_soon(_flush_caches, operations)
-        nursery.start_soon(_report_ready, mountpoint, options, record, notify)
+        nursery.start_soon(_report_ready, mountpoint, options, record, notify, connecting)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
@@ -246,12 +253,22 @@ async def _handle_signals() -> None:
             return
 
 
+CONNECT_WAIT = 5.0
+"""How long a mount waits for its store's connections before it says it is ready (they go on opening after)."""
+
+
 async def _report_ready(
-    mountpoint: Path, options: MountOptions, record: dict[str, Any], notify: Callable[[str], None]
+    mountpoint: Path,
+    options: MountOptions,
+    record: dict[str, Any],
+    notify: Callable[[str], None],
+    connecting: list[Future[None]],
 ) -> None:
     # A stat of the root from another thread is answered by this daemon's loop: when it returns,
     # the mount is live and answering.
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
+    if connecting:
+        await trio.to_thread.run_sync(functools.partial(wait_for, connecting, CONNECT_WAIT))
     record["in_force"] = {
         "readahead_kb": _set_readahead(st.st_dev, options.readahead_kb),
         "max_background": _set_max_background(st.st_dev, options.max_background),

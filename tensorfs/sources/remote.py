@@ -11,10 +11,12 @@ reads.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +34,11 @@ if TYPE_CHECKING:
     from ..headercache import HeaderCache
     from ..tables import Tables
 from ..errors import RemoteError
-from .client import read_first_bytes, read_range
+from .client import head, read_first_bytes, read_range
 from .finding import Located, locate
-from .store import ObjectRef, ObjectVersion, RemoteOptions, model_key, store_spec
+from .store import ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, model_key, store_spec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,18 +142,19 @@ class RemoteShard(ShardData):
     def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytes | None:
         """A read within one chunk that nothing is fetching yet is answered with a copy of its bytes as
         soon as they have been written, not when the whole chunk has come: a cold tensor's first
-        bytes cost a round trip, not a chunk's transfer (see CachedObject.copy_arriving for which
-        chunks). A chunk fetched already, ahead of a reader that caught up with it, is waited for
-        whole, as it is mapped, and the reader's requests in a chunk still coming follow its run
-        without reading further ahead (the mount's window asks for that): a reader of one tensor
-        fetches only its tensor's chunks."""
+        bytes cost a round trip, not a chunk's transfer, nor that of the bytes before them in their
+        chunk, which come after them (see CachedObject.copy_arriving and _get for which chunks). A
+        chunk fetched already, ahead of a reader that caught up with it, is waited for whole, as it
+        is mapped, and the reader's requests in a chunk still coming follow its run without reading
+        further ahead (the mount's window asks for that): a reader of one tensor fetches only its
+        tensor's chunks."""
         first, last = self._chunks(start, end) if end > start else (0, -1)
         coming = any(self.cached.coming(chunk) for chunk in range(first, last + 1))
         if (
             first == last
             and not coming
             and not self.options.offline
-            and self.cached.fetching(first, self._pool) is not None
+            and self.cached.fetching(first, self._pool, reading=start) is not None
         ):
             copied = self.cached.copy_arriving(first, start, end, time.monotonic() + self.options.timeout)
             if copied is not None:
@@ -295,6 +300,27 @@ def fetch_plan(model: Tables, *, whole: bool) -> dict[RemoteShard, list[int]]:
             everything = [(0, data.cached.version.size)] if whole else []
             wanted[data] = data.chunks_of(everything or [(start + b, start + e) for b, e, *_ in entries])
     return wanted
+
+
+def open_connections(shards: Iterable[ShardData]) -> list[Future[None]]:
+    """Open connections to each store the remote ones of `shards` are in, now: as many HEADs of one
+    of its objects at once as there are fetch threads (their answers unused), on those threads, so
+    that the client keeps a connection for each GET they may make at once. A reader's first cold
+    reads then cost their requests' round trips alone, not a new connection's handshake too
+    (docs/performance.md). The HEADs under way, for a mount to wait for a while before it says it is
+    ready; none when no shard is remote (or --offline: no request is made)."""
+    first: dict[StoreSpec, tuple[ObjectRef, int]] = {}
+    for data in shards:
+        if isinstance(data, RemoteShard) and not data.options.offline:
+            first.setdefault(data.cached.version.ref.spec, (data.cached.version.ref, data.options.concurrency))
+    return [Fetcher.pool(threads).submit(_connect, ref) for ref, threads in first.values() for _ in range(threads)]
+
+
+def _connect(ref: ObjectRef) -> None:
+    try:
+        head(ref)
+    except (RemoteError, OSError) as exc:  # the reads that need the store will say it
+        log.debug("opening a connection to %s: %s", ref.url, exc)
 
 
 class RemoteOpener:

@@ -50,6 +50,8 @@ class SlowLink:
         self.port = 0
         self.bytes_sent = 0
         """Bytes the link carried toward clients (the server's answers)."""
+        self.connections = 0
+        """Connections clients opened through the link."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
@@ -94,6 +96,7 @@ class SlowLink:
             task = asyncio.current_task()
             assert task is not None
             tasks.add(task)
+            self.connections += 1
             try:
                 await self._connection(reader, writer, bucket)
             except asyncio.CancelledError:

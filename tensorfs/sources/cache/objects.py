@@ -35,6 +35,8 @@ ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before 
 SAVE_AT_LEAST_EVERY = 1.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
 _FETCH_WAIT = 0.01  # seconds between looks at a chunk another process is fetching
 _CHECK_PIECE = 1 << 20  # a chunk is read back in pieces this large to be checked
+SPLIT_AT_LEAST = 1 << 20
+"""A read that starts a chunk's fetch this far into the chunk or more has its own part asked for first."""
 
 Fetch = Callable[[int, int, Callable[[int, bytes], object]], None]
 """Bytes [start, end) of exactly this version of an object, handed to write(offset, piece) as they
@@ -98,8 +100,8 @@ class CachedObject:
         self._inflight: dict[int, Future[None]] = {}
         self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
         self._fetching: set[int] = set()  # chunks whose fetch lock this process holds until they are recorded
-        self._arrived: dict[int, int] = {}
-        """Chunks being fetched whose bytes may be answered as they come: how many have been written."""
+        self._arrived: dict[int, list[tuple[int, int]]] = {}
+        """Chunks being fetched whose bytes may be answered as they come: the ranges written so far."""
         self._progress = threading.Condition(self._lock)
         self.fd = open_held(path, version.size)
         try:
@@ -294,12 +296,14 @@ class CachedObject:
         offline: bool = False,
         reserved: bool = False,
         room: bool = True,
+        reading: int | None = None,
     ) -> Future[None] | None:
         """The fetch of `chunk` (begun now in `start`'s threads, or already under way): a GET, or a
         check of a chunk recorded by another process or before; None if present here.
 
         `offline`: no GET; a chunk not cached fails its future (RemoteError). `reserved`: its room is
         taken already (see claim); `room`: wait for room if there is none (else NoRoomNow at once).
+        `reading`: where the read that begins the fetch starts (see _get).
         """
         with self._lock:
             if self._present[chunk]:
@@ -308,11 +312,11 @@ class CachedObject:
             running = self._inflight.get(chunk)
             if running is not None:
                 return running
-            future = start.submit(self._fetch, chunk, offline, reserved, room)
+            future = start.submit(self._fetch, chunk, offline, reserved, room, reading)
             self._inflight[chunk] = future
             return future
 
-    def _fetch(self, chunk: int, offline: bool, reserved: bool, room: bool) -> None:
+    def _fetch(self, chunk: int, offline: bool, reserved: bool, room: bool, reading: int | None) -> None:
         try:
             self._take_fetch_lock(chunk)
             try:
@@ -325,7 +329,7 @@ class CachedObject:
                         with contextlib.suppress(OSError):
                             punch_hole(self.fd, begin, end - begin)
                     raise RemoteError(f"{self.version.url}: bytes [{begin}, {end}) are not cached (--offline)")
-                self._get(chunk, reserved=reserved, room=room)
+                self._get(chunk, reserved=reserved, room=room, reading=reading)
             except BaseException:
                 with self._lock:
                     self._fetching.discard(chunk)
@@ -363,12 +367,7 @@ class CachedObject:
                 return False
             digest, token = found
             begin, end = self._range(chunk)
-            actual = Summing(self.strong or digest.sha256 is not None)
-            buffer = bytearray(min(_CHECK_PIECE, end - begin))
-            for start in range(begin, end, _CHECK_PIECE):
-                piece = memoryview(buffer)[: min(_CHECK_PIECE, end - start)]
-                self.readinto(start, piece)
-                actual.update(piece)
+            actual = self._summed(begin, end, Summing(self.strong or digest.sha256 is not None))
         finally:
             with self._lock:
                 if not self._pins.get(chunk):
@@ -393,35 +392,48 @@ class CachedObject:
         self.cache.records.forget_chunk(self.id, chunk)
         return False
 
-    def _get(self, chunk: int, *, reserved: bool, room: bool) -> None:
+    def _get(self, chunk: int, *, reserved: bool, room: bool, reading: int | None = None) -> None:
         """GET the chunk into its range of the file (nothing outside it), and check what came. A chunk
         this object version never gave before has nothing to be checked against: its bytes may be
-        answered as they are written (copy_arriving)."""
+        answered as they are written (copy_arriving); and when the read that began its fetch starts
+        well into it (`reading`), from there to its end first, then its first part (two GETs, one
+        after the other), and it is summed from the file once whole: that read's bytes come first,
+        not after those before them (docs/performance.md)."""
         begin, end = self._range(chunk)
         if not reserved:
             self.cache.reserve(self, chunk, end - begin, wait=room)
         expected = self._digests.get(chunk) or self.cache.records.sums_of(self.id, chunk)
         # Summed as strongly as anyone ever summed it: a SHA-256 kept by any process is the bar.
         summing = Summing(self.strong or (expected is not None and expected.sha256 is not None))
+        split = begin
+        if expected is None and reading is not None and reading - begin >= SPLIT_AT_LEAST:
+            split = min(end, reading - reading % mmap.PAGESIZE)
+        parts = [(split, end), (begin, split)] if split > begin else [(begin, end)]
+        COUNTERS.add(split_chunks=len(parts) - 1)
+        written_so_far: list[tuple[int, int]] = []  # [start, end) of each part begun, the last growing
         if expected is None:
             with self._lock:
-                self._arrived[chunk] = 0
+                self._arrived[chunk] = written_so_far
 
         def write(offset: int, piece: bytes) -> None:
-            summing.update(piece)
+            if len(parts) == 1:
+                summing.update(piece)
             view = memoryview(piece)
             while view:
                 written = os.pwrite(self.fd, view, offset)
                 view, offset = view[written:], offset + written
             if expected is None:
                 with self._lock:
-                    self._arrived[chunk] = offset - begin
+                    written_so_far[-1] = (written_so_far[-1][0], offset)
                     self._progress.notify_all()
 
         try:
-            COUNTERS.add(gets=1)
-            self._fetch_range(begin, end, write)
-            digest = summing.sums()
+            for start, stop in parts:
+                with self._lock:
+                    written_so_far.append((start, start))
+                COUNTERS.add(gets=1)
+                self._fetch_range(start, stop, write)
+            digest = (summing if len(parts) == 1 else self._summed(begin, end, summing)).sums()
             if expected is not None and not expected.agrees(digest):
                 COUNTERS.add(changed_chunks=1)
                 raise BadChunk(
@@ -464,11 +476,10 @@ class CachedObject:
         to the checksums of an earlier fetch (checked only once all have come), when its fetch ended
         without them, or at `until`. Copies are made under the object's lock, which a failed fetch
         takes before it frees the chunk's blocks: no copy ever reads a hole."""
-        begin = chunk * self.chunk_size
         with self._progress:
             while not self._present[chunk]:
                 arrived = self._arrived.get(chunk)
-                if arrived is not None and begin + arrived >= end:
+                if arrived is not None and any(low <= start and end <= high for low, high in arrived):
                     return self._copy(start, end)
                 if arrived is None and chunk not in self._inflight:
                     return None  # its fetch ended (a failure is met again the usual way)
@@ -514,6 +525,15 @@ class CachedObject:
     def _range(self, chunk: int) -> tuple[int, int]:
         begin = chunk * self.chunk_size
         return begin, min(self.version.size, begin + self.chunk_size)
+
+    def _summed(self, begin: int, end: int, summing: Summing) -> Summing:
+        """`summing` of bytes [begin, end) of the file, read back a piece at a time."""
+        buffer = bytearray(min(_CHECK_PIECE, end - begin))
+        for start in range(begin, end, _CHECK_PIECE):
+            piece = memoryview(buffer)[: min(_CHECK_PIECE, end - start)]
+            self.readinto(start, piece)
+            summing.update(piece)
+        return summing
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         done, size = 0, len(buffer)
