@@ -38,7 +38,7 @@ from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
 from .sources.cache import default_cache_dir
-from .sources.choosing import is_adapter
+from .sources.choosing import view_name
 from .sources.client import exists
 from .sources.finding import beside
 from .sources.index import is_index_name
@@ -287,8 +287,8 @@ class Source:
             companions = find_remote_companions(self.location, self.remote, warnings, weights)
         else:
             companions = find_companions(self.location, warnings, directories, weights)
-        adapter = bool(weights) and all(is_adapter(shard_name(weight)) for weight in weights)
-        return ViewSpec(companions, shards, warnings, directories, "adapter_model" if adapter else "model")
+        name = view_name([shard_name(weight) for weight in weights])
+        return ViewSpec(companions, shards, warnings, directories, name)
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""

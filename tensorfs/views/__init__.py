@@ -44,8 +44,9 @@ class ViewSpec:
     directories: dict[str, os.stat_result] = field(default_factory=dict)
     """The source's subdirectories that companions come from: their owners and permissions."""
     name: str = "model"
-    """What the synthesized files of the whole model are called: "model", or "adapter_model" for an
-    adapter (PEFT's loaders look for adapter_model.safetensors)."""
+    """What the synthesized files of the whole model are called, as its loader looks for them
+    (sources/choosing.view_name): "model", "adapter_model" for an adapter (PEFT's), or
+    "diffusion_pytorch_model" for a diffusers component."""
 
 
 ViewFile = SynthesizedFile | Companion | bytes
