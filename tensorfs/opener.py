@@ -34,6 +34,7 @@ from .integrity import Hasher, Integrity
 from .manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_manifest
 from .model import Model
 from .names import Layout
+from .pipelines import open_pipeline
 from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
@@ -42,7 +43,7 @@ from .sources.choosing import view_name
 from .sources.client import exists
 from .sources.finding import beside
 from .sources.index import is_index_name
-from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards
+from .sources.local import FoundShards, LocalDescription, LocalShard, find_pipeline, find_shards
 from .sources.remote import RemoteOpener
 from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, redact, unsupported_scheme
 from .tables import Shard, owners, restricted
@@ -283,12 +284,25 @@ class Source:
 
         warnings: list[str] = []
         directories: dict[str, os.stat_result] = {}
+        folders = self.components()
         if isinstance(self.location, str):
             companions = find_remote_companions(self.location, self.remote, warnings, weights)
         else:
-            companions = find_companions(self.location, warnings, directories, weights)
+            companions = find_companions(self.location, warnings, directories, weights, folders)
+        by_folder: dict[str, list[str]] = {folder: [] for folder in folders}
+        for weight in weights:
+            folder = os.path.basename(os.path.dirname(weight))
+            if folder in by_folder:
+                by_folder[folder].append(shard_name(weight))
+        components = {folder: view_name(names) for folder, names in by_folder.items()}
         name = view_name([shard_name(weight) for weight in weights])
-        return ViewSpec(companions, shards, warnings, directories, name)
+        return ViewSpec(companions, shards, warnings, directories, name, components)
+
+    def components(self) -> list[str]:
+        """A diffusers pipeline's component folders (pipelines.py); none for any other model."""
+        if isinstance(self.location, str):
+            return []
+        return find_pipeline(self.location) or []
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""
@@ -400,7 +414,16 @@ def _open(
     fallbacks: Fallbacks | None,
 ) -> Model:
     """The model at `path`: every shard found, read, validated and mapped, the rules across shards
-    checked; the selection's tensors. InvalidModelError naming every problem found."""
+    checked; the selection's tensors. InvalidModelError naming every problem found. A diffusers
+    pipeline's root is the models of its component folders, each opened so (pipelines.py)."""
+    components = find_pipeline(path) if isinstance(path, Path) else None
+    if components is not None:
+        root = Path(path)
+        if fallbacks is not None:
+            raise InvalidModelError([Problem(str(root), "a pipeline takes no fallback: name a component's folder")])
+        whole = Selection()
+        opening = functools.partial(_open, layout=layout, remote=remote, selection=whole, caches=caches, fallbacks=None)
+        return open_pipeline(root, components, lambda folder: opening(root / folder), selection, layout)
     problems: list[Problem] = []
     failed: dict[str, list[Problem]] = {}  # shards that could not be opened, by file name
     headers = caches.headers()

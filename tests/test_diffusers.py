@@ -1,86 +1,31 @@
 """diffusers' models as diffusers lays them out: a component folder (diffusion_pytorch_model.safetensors,
-its variants beside it), a Hugging Face cache snapshot's folder, and the refusals, read by diffusers
-itself from tensorfs's views and exports.
+its variants beside it), a Hugging Face cache snapshot's folder, a pipeline's root (model_index.json
+and its folders), and the refusals, read by diffusers itself from tensorfs's views and exports.
 
-The pipeline is made in the test (a tiny DDPM: a UNet2DModel from its config with random weights, and
-a scheduler) and what diffusers loads from the original folder is compared with what it loads from
-tensorfs's: every weight, bit for bit. Nothing is downloaded.
+The pipeline is made in the test (a tiny latent diffusion pipeline: a UNet2DModel and a VQModel from
+their configs with random weights, and a scheduler) and what diffusers loads from the original folder
+is compared with what it loads from tensorfs's: every weight, and the image it makes, bit for bit.
+Nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from diffusion_models import pipelines, weights, write_pipeline
 
 import tensorfs
 from conftest import Mounts
-from helpers import patience
-
-# Writes a tiny DDPM pipeline (save_pretrained; its float16 variant beside it, of other weights), or
-# says what diffusers loads from each folder given ("unet:PATH": UNet2DModel.from_pretrained, with
-# "unet@VARIANT:PATH" a variant): each weight's SHA-256.
-DIFFUSERS = """
-import hashlib, json, sys
-import torch
-from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
-command = sys.argv[1]
-def unet():
-    return UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
-                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
-                       norm_num_groups=4)
-def digests(module):
-    return {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for name, t in module.state_dict().items()}
-if command == "write":
-    torch.manual_seed(0)
-    DDPMPipeline(unet=unet(), scheduler=DDPMScheduler(num_train_timesteps=10)).save_pretrained(sys.argv[2])
-    torch.manual_seed(1)
-    half = DDPMPipeline(unet=unet(), scheduler=DDPMScheduler(num_train_timesteps=10)).to(torch.float16)
-    half.save_pretrained(sys.argv[2], variant="fp16")
-else:
-    for argument in sys.argv[2:]:
-        kind, _, path = argument.partition(":")
-        kind, _, variant = kind.partition("@")
-        model = UNet2DModel.from_pretrained(path, variant=variant or None)
-        print(json.dumps({"path": path, "weights": digests(model)}))
-"""
-
-
-def diffusers(command: str, *args: str) -> list[dict[str, object]]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DIFFUSERS_VERBOSITY": "error"}
-    done = subprocess.run(
-        [sys.executable, "-c", DIFFUSERS, command, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=patience(300),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
-
-
-def weights(*folders: str) -> list[object]:
-    """What UNet2DModel.from_pretrained loads from each folder ("PATH", or "@VARIANT:PATH"): each weight's SHA-256."""
-    return [
-        found["weights"]
-        for found in diffusers(
-            "load", *(f"unet{folder}" if folder.startswith("@") else f"unet:{folder}" for folder in folders)
-        )
-    ]
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny DDPM pipeline as save_pretrained writes it: model_index.json, scheduler/, unet/ (its
-    weights in float32, and an fp16 variant of other weights beside them)."""
-    made = tmp_path_factory.mktemp("diffusers") / "ddpm"
-    diffusers("write", str(made))
-    return made
+    """A tiny latent diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/,
+    unet/ and vqvae/ (each's weights in float32, and an fp16 variant of other weights beside them)."""
+    return write_pipeline(tmp_path_factory.mktemp("diffusers") / "ldm")
 
 
 def test_a_component_folder_with_its_variant_beside_it_is_one_model(
@@ -150,5 +95,72 @@ def test_variants_without_their_default_are_refused_in_one_line(pipeline: Path, 
         tensorfs.open_model(folder)
     assert str(raised.value) == (
         f"{folder}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
+        "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
+    )
+
+
+def view_files(view: Path) -> list[str]:
+    return sorted(path.relative_to(view).as_posix() for path in view.rglob("*") if path.is_file())
+
+
+PIPELINE_VIEW = [
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+    "vqvae/config.json",
+    "vqvae/diffusion_pytorch_model.safetensors",
+]
+"""A pipeline's view: its own files, each component's folder with its config and its weights named as
+diffusers looks for them (the variants beside them are not the model: not served)."""
+
+
+def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
+    pipeline: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """A pipeline's root (model_index.json, unet/, vqvae/, scheduler/): each component folder a model
+    of its own, its tensors under its folder, its files in its folder of the view; model_index.json
+    and scheduler/ come with them. DiffusionPipeline loads the same weights, and makes the same
+    image, from the view and from the export as from the original folder."""
+    mountpoint = mounts.mount(pipeline)
+    view = mountpoint / ".tensorfs" / "model"
+    assert view_files(view) == PIPELINE_VIEW
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet", "vqvae"]
+    with tensorfs.open_model(pipeline) as model:
+        assert {name.partition("/")[0] for name in model} == {"unet", "vqvae"}
+        assert {model.info(name).dtype for name in model} == {"F32"}
+        assert (mountpoint / "unet" / "conv_in.weight").read_bytes() == bytes(model.raw("unet/conv_in.weight"))
+    exported = mounts.run("export", str(pipeline), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    assert view_files(tmp_path / "exported") == PIPELINE_VIEW
+    original, mounted, written = pipelines(pipeline, view, tmp_path / "exported")
+    assert mounted == original and written == original
+
+
+def test_a_pipelines_selection_is_of_its_components_tensors(pipeline: Path, mounts: Mounts) -> None:
+    """--include matches the tensors' names under their folders: 'unet/*' is one component, served
+    as a selection is (named so that no loader takes it for the whole), the others left out."""
+    mountpoint = mounts.mount(pipeline, "--include", "unet/*")
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet"]
+    view = mountpoint / ".tensorfs" / "model"
+    assert view_files(view) == [
+        "model_index.json", "scheduler/scheduler_config.json", "unet/config.json", "unet/selected.safetensors",
+        "vqvae/config.json",
+    ]  # fmt: skip
+
+
+def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_folder(
+    pipeline: Path, tmp_path: Path
+) -> None:
+    """A component folder holding two variants and no plain file: the pipeline is refused in one line
+    naming that folder and its files."""
+    copy = tmp_path / "ldm"
+    shutil.copytree(pipeline, copy)
+    unet = copy / "unet"
+    (unet / "diffusion_pytorch_model.safetensors").rename(unet / "diffusion_pytorch_model.v2.safetensors")
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(copy)
+    assert str(raised.value) == (
+        f"{unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
         "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
     )

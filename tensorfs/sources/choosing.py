@@ -22,6 +22,10 @@ its index), as they would tell a loader.
 
 The view of a model (views/) is named as the loader of its folder expects (view_name): model.*
 for transformers' names, diffusion_pytorch_model.* for diffusers', adapter_model.* for an adapter.
+
+A diffusers pipeline's root (model_index.json, and no weights of its own) is several models: each
+folder of it that holds weights is a component, chosen by these same rules (component); the
+others (scheduler/, tokenizer/) hold only files that come with them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from .index import INDEX_NAME, is_index_name
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "Choice", "choose", "is_adapter", "is_model_file", "view_name",
+    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "PIPELINE_INDEX", "Choice", "choose", "component", "is_adapter",
+    "is_model_file", "is_pipeline", "view_name",
 ]  # fmt: skip
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -65,6 +70,8 @@ _VARIANT = re.compile(
 """transformers' and diffusers' names of a variant's files (save_pretrained(variant=V)):
 model.V.safetensors, its numbered parts model.V-00001-of-00002.safetensors,
 model.safetensors.index.V.json, and the same of pytorch_model.bin and of diffusion_pytorch_model."""
+PIPELINE_INDEX = "model_index.json"
+"""What marks a diffusers pipeline's root (DiffusionPipeline.from_pretrained reads it first)."""
 _DIFFUSERS_FILE = re.compile(r"diffusion_pytorch_model(?:\.[^./]+?)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)")
 """diffusers' weight files: diffusion_pytorch_model[.V][-0000k-of-0000n].safetensors (or .bin)."""
 _SHOWN = 4  # names a message lists before "..."
@@ -132,9 +139,23 @@ def view_name(weights: Collection[str]) -> str:
     names = [name.rpartition("/")[2] for name in weights]
     if names and all(map(is_adapter, names)):
         return "adapter_model"
-    if names and all(_DIFFUSERS_FILE.fullmatch(name) for name in names):
+    if names and all(name.startswith((f"{DIFFUSERS_NAME}.", f"{DIFFUSERS_NAME}-")) for name in names):
         return DIFFUSERS_NAME
     return "model"
+
+
+def is_pipeline(names: Collection[str]) -> bool:
+    """Whether a directory holding these names is a diffusers pipeline's root: model_index.json, and
+    no weights of its own (its models are in its folders)."""
+    return PIPELINE_INDEX in names and not any(is_weights_name(name) or is_index_name(name) for name in names)
+
+
+def component(names: Collection[str], where: str) -> Choice | None:
+    """The model of a pipeline's folder (as choose() says), or None for a folder without weights (a
+    scheduler's, a tokenizer's: its files come with the pipeline)."""
+    if not any(is_weights_name(name) or is_index_name(name) for name in names):
+        return None
+    return choose(names, where)
 
 
 def _chosen(name: str) -> Choice:

@@ -18,7 +18,7 @@ from ..formats import ShardHeader, gguf
 from ..headercache import WORTH_CACHING
 from ..identity import Identity
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
-from .choosing import choose, is_model_file
+from .choosing import choose, component, is_model_file, is_pipeline
 from .index import MAX_INDEX_BYTES, is_index_name, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
 from .shard import ShardData, Within
@@ -94,6 +94,33 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
     if parts is not None and len(parts) > 1:  # a part of a multi-file GGUF: the model is all of them
         return _split_parts(source, parts, problems)
     return FoundShards([source])
+
+
+def find_pipeline(source: Path) -> list[str] | None:
+    """The component folders of the diffusers pipeline whose root is `source` (those holding weights,
+    sorted), or None when it is none (choosing.is_pipeline). A folder is one of the root's own
+    directories, never a symlink to one elsewhere, nor what is mounted there (it may hang)."""
+    if not source.is_dir():
+        return None
+    try:
+        with ModelDirectory(source) as directory:
+            entries = sorted(directory.scan(), key=lambda entry: entry.name)
+            if not is_pipeline([entry.name for entry in entries]):
+                return None
+            mounted = mounted_under(directory.real)
+            found = []
+            for entry in entries:
+                if entry.name.startswith(".") or entry.name in mounted or not entry.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    names = [inner.name for inner in directory.scan(entry.name)]
+                except OSError:
+                    continue
+                if component(names, str(source / entry.name)) is not None:
+                    found.append(entry.name)
+            return found
+    except OSError:
+        return None
 
 
 def _split_parts(source: Path, parts: list[str], problems: list[Problem]) -> FoundShards:
