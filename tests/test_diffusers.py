@@ -14,11 +14,14 @@ import os
 import shutil
 from pathlib import Path
 
+import obstore
 import pytest
-from diffusion_models import pipelines, weights, write_pipeline
+from diffusion_models import diffusers, pipelines, weights, write_pipeline
 
 import tensorfs
 from conftest import Mounts
+from helpers import hub_api
+from servers import Nginx, SeaweedFS
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +29,22 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny latent diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/,
     unet/ and vqvae/ (each's weights in float32, and an fp16 variant of other weights beside them)."""
     return write_pipeline(tmp_path_factory.mktemp("diffusers") / "ldm")
+
+
+def view_files(view: Path) -> list[str]:
+    return sorted(path.relative_to(view).as_posix() for path in view.rglob("*") if path.is_file())
+
+
+PIPELINE_VIEW = [
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+    "vqvae/config.json",
+    "vqvae/diffusion_pytorch_model.safetensors",
+]
+"""A pipeline's view: its own files, each component's folder with its config and its weights named as
+diffusers looks for them (the variants beside them are not the model: not served)."""
 
 
 def test_a_component_folder_with_its_variant_beside_it_is_one_model(
@@ -57,7 +76,7 @@ def test_a_component_folder_with_its_variant_beside_it_is_one_model(
 def test_a_snapshot_folder_mounts_with_its_config(pipeline: Path, mounts: Mounts, tmp_path: Path) -> None:
     """A Hugging Face cache snapshot's component folder (snapshots/REV/unet, its files symlinks into
     the repository's ../../../blobs) is a model with its config.json; a link out of the repository
-    is still left out."""
+    is still left out. The snapshot itself mounts as the pipeline."""
     repository = tmp_path / "hub" / "models--org--ddpm"
     (repository / "blobs").mkdir(parents=True)
     snapshot = repository / "snapshots" / "0123abcd"
@@ -75,8 +94,15 @@ def test_a_snapshot_folder_mounts_with_its_config(pipeline: Path, mounts: Mounts
     assert "elsewhere.json: skipped: a symlink out of the model's directory" in mounts.log()
     named = mounts.mount(snapshot / "unet" / "diffusion_pytorch_model.safetensors") / ".tensorfs" / "model"
     assert sorted(os.listdir(named)) == ["config.json", "diffusion_pytorch_model.safetensors"]
-    original, mounted, by_file = weights(str(pipeline / "unet"), str(view), str(named))
-    assert mounted == original and by_file == original
+    whole = mounts.mount(snapshot) / ".tensorfs" / "model"
+    assert view_files(whole) == PIPELINE_VIEW
+    folders = [str(pipeline / "unet"), str(view), str(named)]
+    found = diffusers("load", *(f"unet:{folder}" for folder in folders), f"pipe:{pipeline}", f"pipe:{whole}")
+    original, mounted, by_file, pipeline_original, pipeline_mounted = found
+    assert mounted["weights"] == original["weights"] and by_file["weights"] == original["weights"]
+    assert (pipeline_mounted["weights"], pipeline_mounted["image"]) == (
+        pipeline_original["weights"], pipeline_original["image"],
+    )  # fmt: skip
 
 
 def test_variants_without_their_default_are_refused_in_one_line(pipeline: Path, tmp_path: Path) -> None:
@@ -97,22 +123,6 @@ def test_variants_without_their_default_are_refused_in_one_line(pipeline: Path, 
         f"{folder}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
         "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
     )
-
-
-def view_files(view: Path) -> list[str]:
-    return sorted(path.relative_to(view).as_posix() for path in view.rglob("*") if path.is_file())
-
-
-PIPELINE_VIEW = [
-    "model_index.json",
-    "scheduler/scheduler_config.json",
-    "unet/config.json",
-    "unet/diffusion_pytorch_model.safetensors",
-    "vqvae/config.json",
-    "vqvae/diffusion_pytorch_model.safetensors",
-]
-"""A pipeline's view: its own files, each component's folder with its config and its weights named as
-diffusers looks for them (the variants beside them are not the model: not served)."""
 
 
 def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
@@ -164,3 +174,40 @@ def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_fol
         f"{unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
         "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
     )
+
+
+def test_a_pipeline_on_the_hub_and_in_s3_mounts_as_its_components(
+    pipeline: Path,
+    mounts: Mounts,
+    nginx: Nginx,
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same pipeline as a Hub repository (its API lists the root and its folders) and under an S3
+    prefix (its listing): each mounts as the local one does, and DiffusionPipeline loads the same
+    weights and image from the views; a component's folder (hf://.../unet) mounts alone."""
+    hub = nginx.root / "diffusers" / "ldm" / "resolve" / "main"
+    shutil.copytree(pipeline, hub)
+    hub_api(nginx.root, "diffusers/ldm", hub)
+    store = seaweedfs.store(bucket)
+    for path in sorted(pipeline.rglob("*")):
+        if path.is_file():
+            obstore.put(store, f"ldm/{path.relative_to(pipeline).as_posix()}", path.read_bytes())
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    with monkeypatch.context() as env:
+        env.setenv("HF_ENDPOINT", nginx.url)
+        for key, value in seaweedfs.env().items():
+            env.setenv(key, value)
+        from_hub = mounts.mount("hf://diffusers/ldm", *cache)  # type: ignore[arg-type]
+        from_s3 = mounts.mount(f"s3://{bucket}/ldm", *cache, "--endpoint-url", seaweedfs.endpoint)  # type: ignore[arg-type]
+        unet = mounts.mount("hf://diffusers/ldm/unet", *cache) / ".tensorfs" / "model"  # type: ignore[arg-type]
+    views = [from_hub / ".tensorfs" / "model", from_s3 / ".tensorfs" / "model"]
+    for view in views:
+        assert view_files(view) == PIPELINE_VIEW
+    assert sorted(os.listdir(unet)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    original, *served = pipelines(pipeline, *views)
+    assert served == [original, original]
+    original_unet, served_unet = weights(str(pipeline / "unet"), str(unet))
+    assert served_unet == original_unet

@@ -42,8 +42,8 @@ from .index import INDEX_NAME, is_index_name
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "PIPELINE_INDEX", "Choice", "choose", "component", "is_adapter",
-    "is_model_file", "is_pipeline", "view_name",
+    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "NO_COMPONENT", "PIPELINE_INDEX", "Choice", "choose", "component",
+    "is_adapter", "is_model_file", "is_pipeline", "view_name",
 ]  # fmt: skip
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -72,6 +72,11 @@ model.V.safetensors, its numbered parts model.V-00001-of-00002.safetensors,
 model.safetensors.index.V.json, and the same of pytorch_model.bin and of diffusion_pytorch_model."""
 PIPELINE_INDEX = "model_index.json"
 """What marks a diffusers pipeline's root (DiffusionPipeline.from_pretrained reads it first)."""
+NO_COMPONENT = (
+    f"a diffusers pipeline's root ({PIPELINE_INDEX}) none of whose folders holds {WEIGHT_FILES} files: "
+    "name a component's folder"
+)
+"""Why a pipeline's root is no model: no folder of it is a component (or its folders cannot be listed)."""
 _DIFFUSERS_FILE = re.compile(r"diffusion_pytorch_model(?:\.[^./]+?)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)")
 """diffusers' weight files: diffusion_pytorch_model[.V][-0000k-of-0000n].safetensors (or .bin)."""
 _SHOWN = 4  # names a message lists before "..."
@@ -197,6 +202,8 @@ def _by_tensorfs(names: list[str]) -> Choice:
     chosen, ambiguous = pytorch.choose([name for name in weights if name.endswith(pytorch.SUFFIXES)])
     if ambiguous is not None:
         return Choice(problem=ambiguous)
+    if not chosen and PIPELINE_INDEX in names:
+        return Choice(problem=NO_COMPONENT)
     if not chosen:
         return Choice(problem=f"no {WEIGHT_FILES} files in this directory{_holding(names)}")
     return Choice(files=tuple(chosen))

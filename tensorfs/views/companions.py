@@ -437,7 +437,11 @@ MAX_SUBDIRECTORY_DEPTH = 2
 
 
 def find_remote_companions(
-    source: str, options: RemoteOptions, warnings: list[str], weights: Collection[ShardKey] = ()
+    source: str,
+    options: RemoteOptions,
+    warnings: list[str],
+    weights: Collection[ShardKey] = (),
+    components: Collection[str] = (),
 ) -> list[Companion]:
     """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
     one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
@@ -461,7 +465,7 @@ def find_remote_companions(
         except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
             log.info("%s; looking for the files loaders look for instead", exc)
     if listed is not None:
-        found = _listed(source, options, listed, warnings, {str(weight) for weight in weights})
+        found = _listed(source, options, listed, warnings, {str(weight) for weight in weights}, components)
         log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found) or "none")
         return found
     return _guessed(source, options, quick, warnings)
@@ -473,6 +477,7 @@ def _listed(
     listed: list[tuple[str, int, float, str | None]],
     warnings: list[str],
     own: set[str],
+    components: Collection[str] = (),
 ) -> list[Companion]:
     found: list[Companion] = []
     total = 0
@@ -483,7 +488,7 @@ def _listed(
             name = printable(path[:200])
             skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
             continue
-        if not is_companion(path):
+        if not is_companion(path, components):
             continue
         ref = beside(source, path, options)
         if ref.url in own:
