@@ -143,6 +143,10 @@ def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
     exported = mounts.run("export", str(pipeline), str(tmp_path / "exported"))
     assert exported.returncode == 0, exported.stderr
     assert view_files(tmp_path / "exported") == PIPELINE_VIEW
+    one_file = mounts.run("export", str(pipeline), str(tmp_path / "all.safetensors"))  # every tensor, by folder
+    assert one_file.returncode == 0, one_file.stderr
+    with tensorfs.open_model(tmp_path / "all.safetensors") as whole, tensorfs.open_model(pipeline) as model:
+        assert {name: bytes(whole.raw(name)) for name in whole} == {name: bytes(model.raw(name)) for name in model}
     original, mounted, written = pipelines(pipeline, view, tmp_path / "exported")
     assert mounted == original and written == original
 
@@ -163,7 +167,8 @@ def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_fol
     pipeline: Path, tmp_path: Path
 ) -> None:
     """A component folder holding two variants and no plain file: the pipeline is refused in one line
-    naming that folder and its files."""
+    naming that folder and its files. A root none of whose folders holds weights says it is a
+    pipeline's, and what to name instead."""
     copy = tmp_path / "ldm"
     shutil.copytree(pipeline, copy)
     unet = copy / "unet"
@@ -173,6 +178,14 @@ def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_fol
     assert str(raised.value) == (
         f"{unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
         "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
+    )
+    for folder in ("unet", "vqvae"):  # no component left: the root says it is a pipeline's, and what to name
+        shutil.rmtree(copy / folder)
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(copy)
+    assert str(raised.value) == (
+        f"{copy}: a diffusers pipeline's root (model_index.json) none of whose folders holds .safetensors, .gguf, "
+        ".bin, .pt or .pth files: name a component's folder"
     )
 
 
