@@ -13,13 +13,15 @@ from pathlib import Path
 from helpers import patience
 
 # Writes a tiny latent diffusion pipeline (save_pretrained; its float16 variant beside it, of other
-# weights), or says what diffusers loads from each folder given: "unet:PATH" (UNet2DModel, with
-# "unet@VARIANT:PATH" a variant) each weight's SHA-256; "pipe:PATH" (DiffusionPipeline) each weight's,
-# by component, and the SHA-256 of an image it makes in two steps from a fixed seed.
+# weights), or a tiny AutoencoderKL ("vae"), or says what diffusers loads from each folder given:
+# "unet:PATH" (UNet2DModel, with "unet@VARIANT:PATH" a variant) each weight's SHA-256; "single:CONFIG=FILE"
+# (AutoencoderKL.from_single_file, its config from the folder CONFIG) the same; "pipe:PATH"
+# (DiffusionPipeline) each weight's, by component, and the SHA-256 of an image it makes in two steps
+# from a fixed seed.
 DIFFUSERS = """
 import hashlib, json, sys
 import torch
-from diffusers import DDIMScheduler, DiffusionPipeline, LDMPipeline, UNet2DModel, VQModel
+from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, LDMPipeline, UNet2DModel, VQModel
 command = sys.argv[1]
 def pipeline():
     unet = UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
@@ -37,12 +39,22 @@ if command == "write":
     pipeline().save_pretrained(sys.argv[2])
     torch.manual_seed(1)
     pipeline().to(torch.float16).save_pretrained(sys.argv[2], variant="fp16")
+elif command == "vae":
+    torch.manual_seed(2)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), latent_channels=4,
+                  up_block_types=("UpDecoderBlock2D",), block_out_channels=(8,), layers_per_block=1, norm_num_groups=4,
+                  sample_size=8).save_pretrained(sys.argv[2])
 else:
     for argument in sys.argv[2:]:
         kind, _, path = argument.partition(":")
         kind, _, variant = kind.partition("@")
         if kind == "unet":
             print(json.dumps({"path": path, "weights": digests(UNet2DModel.from_pretrained(path, variant=variant or None))}))
+            continue
+        if kind == "single":
+            config, _, path = path.partition("=")
+            model = AutoencoderKL.from_single_file(path, config=config, local_files_only=True)
+            print(json.dumps({"path": path, "weights": digests(model)}))
             continue
         pipe = DiffusionPipeline.from_pretrained(path)
         pipe.set_progress_bar_config(disable=True)

@@ -224,3 +224,23 @@ def test_a_pipeline_on_the_hub_and_in_s3_mounts_as_its_components(
     assert served == [original, original]
     original_unet, served_unet = weights(str(pipeline / "unet"), str(unet))
     assert served_unet == original_unet
+
+
+def test_a_single_file_checkpoint_mounts_and_from_single_file_loads_it(mounts: Mounts, tmp_path: Path) -> None:
+    """A single .safetensors file (a checkpoint as from_single_file takes one, its config elsewhere) is
+    a model like any other: AutoencoderKL.from_single_file loads the same weights from the mount's
+    view of it, and from its export, as from the file itself."""
+    vae = tmp_path / "vae"
+    diffusers("vae", str(vae))
+    single = tmp_path / "checkpoints" / "tiny-vae.safetensors"
+    single.parent.mkdir()
+    shutil.copy(vae / "diffusion_pytorch_model.safetensors", single)
+    view = mounts.mount(single) / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["model.safetensors"]
+    exported = mounts.run("export", str(single), str(tmp_path / "exported.safetensors"))
+    assert exported.returncode == 0, exported.stderr
+    files = [single, view / "model.safetensors", tmp_path / "exported.safetensors"]
+    original, mounted, written = (
+        found["weights"] for found in diffusers("load", *(f"single:{vae}={f}" for f in files))
+    )
+    assert mounted == original and written == original
