@@ -20,7 +20,7 @@ from diffusion_models import diffusers, pipelines, weights, write_pipeline
 
 import tensorfs
 from conftest import Mounts
-from helpers import hub_api
+from helpers import hub_api, write_reference
 from servers import Nginx, SeaweedFS
 
 
@@ -244,3 +244,21 @@ def test_a_single_file_checkpoint_mounts_and_from_single_file_loads_it(mounts: M
         found["weights"] for found in diffusers("load", *(f"single:{vae}={f}" for f in files))
     )
     assert mounted == original and written == original
+
+
+def test_a_pipelines_folders_are_looked_into_up_to_a_bound(tmp_path: Path) -> None:
+    """A root with model_index.json and thousands of folders (another user's, say) is a walk bounded:
+    the first MAX_COMPONENTS folders are looked into, no more."""
+    from tensorfs.sources.choosing import MAX_COMPONENTS
+    from tensorfs.sources.local import find_pipeline
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "model_index.json").write_text("{}")
+    for k in range(MAX_COMPONENTS):
+        (root / f"a{k:04d}").mkdir()
+    (root / "unet").mkdir()
+    write_reference(root / "unet" / "diffusion_pytorch_model.safetensors", {"w": ("U8", [4], bytes(4))})
+    assert find_pipeline(root) == []
+    shutil.rmtree(root / "a0000")
+    assert find_pipeline(root) == ["unet"]

@@ -42,8 +42,8 @@ from .index import INDEX_NAME, is_index_name
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "NO_COMPONENT", "PIPELINE_INDEX", "Choice", "choose", "component",
-    "is_adapter", "is_model_file", "is_pipeline", "view_name",
+    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "MAX_COMPONENTS", "NO_COMPONENT", "PIPELINE_INDEX", "Choice",
+    "choose", "component", "is_adapter", "is_model_file", "is_pipeline", "view_name",
 ]  # fmt: skip
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -70,6 +70,8 @@ _VARIANT = re.compile(
 """transformers' and diffusers' names of a variant's files (save_pretrained(variant=V)):
 model.V.safetensors, its numbered parts model.V-00001-of-00002.safetensors,
 model.safetensors.index.V.json, and the same of pytorch_model.bin and of diffusion_pytorch_model."""
+MAX_COMPONENTS = 50
+"""The most folders of a pipeline's root that are looked into for its components (a walk bounded)."""
 PIPELINE_INDEX = "model_index.json"
 """What marks a diffusers pipeline's root (DiffusionPipeline.from_pretrained reads it first)."""
 NO_COMPONENT = (

@@ -13,7 +13,7 @@ import orjson
 from ..errors import AccessDenied, Problem, RemoteError, TooLarge
 from ..formats import is_weights_name
 from ..names import path_problem
-from .choosing import PIPELINE_INDEX, Choice, choose, component, is_pipeline
+from .choosing import MAX_COMPONENTS, PIPELINE_INDEX, Choice, choose, component, is_pipeline
 from .client import MAX_LISTED, exists, get_whole, list_objects, modified, reason_of
 from .index import MAX_INDEX_BYTES, is_index_name, parse_weight_map, shard_names
 from .store import ObjectRef, RemoteOptions, StoreSpec, store_spec
@@ -266,10 +266,6 @@ def _not_on_the_hub(source: str, options: RemoteOptions) -> str:
     if directory:
         return f"no directory {directory} in revision {revision} of {repo}"
     return f"{repo} has no revision {revision} (a branch, a tag or a commit)"
-
-
-MAX_COMPONENTS = 50
-"""The most folders of a pipeline's root that are looked into for its components."""
 
 
 def pipeline_folders(source: str, options: RemoteOptions) -> list[str] | None:
