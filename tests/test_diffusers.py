@@ -131,7 +131,8 @@ def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
     """A pipeline's root (model_index.json, unet/, vqvae/, scheduler/): each component folder a model
     of its own, its tensors under its folder, its files in its folder of the view; model_index.json
     and scheduler/ come with them. DiffusionPipeline loads the same weights, and makes the same
-    image, from the view and from the export as from the original folder."""
+    image, from the view and from the export as from the original folder; UNet2DModel loads the view's
+    unet/ as it loads the original's."""
     mountpoint = mounts.mount(pipeline)
     view = mountpoint / ".tensorfs" / "model"
     assert view_files(view) == PIPELINE_VIEW
@@ -147,8 +148,14 @@ def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
     assert one_file.returncode == 0, one_file.stderr
     with tensorfs.open_model(tmp_path / "all.safetensors") as whole, tensorfs.open_model(pipeline) as model:
         assert {name: bytes(whole.raw(name)) for name in whole} == {name: bytes(model.raw(name)) for name in model}
-    original, mounted, written = pipelines(pipeline, view, tmp_path / "exported")
-    assert mounted == original and written == original
+    loads = [f"pipe:{folder}" for folder in (pipeline, view, tmp_path / "exported")]
+    original, mounted, written, unet, unet_in_view = diffusers(
+        "load", *loads, f"unet:{pipeline / 'unet'}", f"unet:{view / 'unet'}"
+    )
+    assert [(found["weights"], found["image"]) for found in (mounted, written)] == [
+        (original["weights"], original["image"]),
+    ] * 2
+    assert unet_in_view["weights"] == unet["weights"]  # a component of the view is a model on its own
 
 
 def test_a_pipelines_selection_is_of_its_components_tensors(pipeline: Path, mounts: Mounts) -> None:
@@ -262,3 +269,30 @@ def test_a_pipelines_folders_are_looked_into_up_to_a_bound(tmp_path: Path) -> No
     assert find_pipeline(root) == []
     shutil.rmtree(root / "a0000")
     assert find_pipeline(root) == ["unet"]
+
+
+def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp_path: Path) -> None:
+    """A transformers component (text_encoder/model.safetensors) beside a diffusers one: each is found
+    by its loader's rules and its view's files named as its loader looks for them; a pipeline takes no
+    fallback (said in one line)."""
+    from tensorfs.opener import Source
+    from tensorfs.views import build_view
+
+    root = tmp_path / "root"
+    for folder, name in {"text_encoder": "model", "unet": "diffusion_pytorch_model"}.items():
+        (root / folder).mkdir(parents=True)
+        (root / folder / "config.json").write_text("{}")
+        write_reference(root / folder / f"{name}.safetensors", {"w": ("U8", [4], folder.encode()[:4])})
+    (root / "model_index.json").write_text("{}")
+    source = Source.named(root)
+    with source.open() as model:
+        assert model.names() == ["text_encoder/w", "unet/w"]
+        view = build_view(model, source.view_spec(0, model.shards))
+        assert sorted(view.files) == [
+            "model_index.json", "text_encoder/config.json", "text_encoder/model.safetensors", "unet/config.json",
+            "unet/diffusion_pytorch_model.safetensors",
+        ]  # fmt: skip
+        view.close()
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(root, fallback=[tmp_path / "elsewhere"])
+    assert str(raised.value) == f"{root}: a pipeline takes no fallback: name a component's folder"
