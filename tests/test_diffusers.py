@@ -77,7 +77,7 @@ def test_a_snapshot_folder_mounts_with_its_config(pipeline: Path, mounts: Mounts
     """A Hugging Face cache snapshot's component folder (snapshots/REV/unet, its files symlinks into
     the repository's ../../../blobs) is a model with its config.json; a link out of the repository
     is still left out. The snapshot itself mounts as the pipeline."""
-    repository = tmp_path / "hub" / "models--org--ddpm"
+    repository = tmp_path / "hub" / "models--org--ldm"
     (repository / "blobs").mkdir(parents=True)
     snapshot = repository / "snapshots" / "0123abcd"
     for path in sorted(pipeline.rglob("*")):
