@@ -34,15 +34,16 @@ from .integrity import Hasher, Integrity
 from .manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_manifest
 from .model import Model
 from .names import Layout
+from .pipelines import open_pipeline
 from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
 from .sources.cache import default_cache_dir
-from .sources.choosing import is_adapter
+from .sources.choosing import NO_COMPONENT, view_name
 from .sources.client import exists
-from .sources.finding import beside
+from .sources.finding import beside, pipeline_folders
 from .sources.index import is_index_name
-from .sources.local import FoundShards, LocalDescription, LocalShard, find_shards, missing
+from .sources.local import FoundShards, LocalDescription, LocalShard, find_pipeline, find_shards, missing
 from .sources.remote import RemoteOpener
 from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, location_problem, redact
 from .tables import Shard, owners, restricted
@@ -285,12 +286,28 @@ class Source:
 
         warnings: list[str] = []
         directories: dict[str, os.stat_result] = {}
+        folders = self.components(weights)
         if isinstance(self.location, str):
-            companions = find_remote_companions(self.location, self.remote, warnings, weights)
+            companions = find_remote_companions(self.location, self.remote, warnings, weights, folders)
         else:
-            companions = find_companions(self.location, warnings, directories, weights)
-        adapter = bool(weights) and all(is_adapter(shard_name(weight)) for weight in weights)
-        return ViewSpec(companions, shards, warnings, directories, "adapter_model" if adapter else "model")
+            companions = find_companions(self.location, warnings, directories, weights, folders)
+        by_folder: dict[str, list[str]] = {folder: [] for folder in folders}
+        for weight in weights:
+            folder = os.path.basename(os.path.dirname(weight))
+            if folder in by_folder:
+                by_folder[folder].append(shard_name(weight))
+        components = {folder: view_name(names) for folder, names in by_folder.items()}
+        name = view_name([shard_name(weight) for weight in weights])
+        return ViewSpec(companions, shards, warnings, directories, name, components)
+
+    def components(self, weights: Collection[ShardKey] = ()) -> list[str]:
+        """A diffusers pipeline's component folders (pipelines.py); none for any other model. A remote
+        model whose `weights` are all in its own directory is asked nothing more."""
+        if isinstance(self.location, str):
+            directory = beside(self.location, "x", self.remote).url.rpartition("/")[0]
+            if all(str(weight).rpartition("/")[0] == directory for weight in weights):
+                return []
+        return _components(self.location, self.remote) or []
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""
@@ -406,7 +423,37 @@ def _open(
 ) -> Model:
     """The model at `path`: every shard found, read, validated and mapped (a progress line on a
     terminal when asked), the rules across shards checked; the selection's tensors.
-    InvalidModelError naming every problem found."""
+    InvalidModelError naming every problem found. A diffusers pipeline's root is the models of its
+    component folders, each opened so (pipelines.py)."""
+    components = find_pipeline(path) if isinstance(path, Path) else None
+    if isinstance(path, str):  # a remote directory is asked whether it is a pipeline only once it is no model
+        try:
+            return _open_model(path, layout, remote, selection, caches, fallbacks, progress)
+        except InvalidModelError as exc:
+            components = _components(path, remote) if [p.reason for p in exc.problems] == [NO_COMPONENT] else None
+            if not components:
+                raise
+    if components:
+        if fallbacks is not None:
+            raise InvalidModelError([Problem(str(path), "a pipeline takes no fallback: name a component's folder")])
+        whole = Selection()
+        opening = functools.partial(
+            _open, layout=layout, remote=remote, selection=whole, caches=caches, fallbacks=None, progress=progress
+        )
+        return open_pipeline(path, components, lambda folder: opening(_folder(path, folder)), selection, layout)
+    return _open_model(path, layout, remote, selection, caches, fallbacks, progress)
+
+
+def _open_model(
+    path: Path | str,
+    layout: Layout,
+    remote: RemoteOptions,
+    selection: Selection,
+    caches: Caches,
+    fallbacks: Fallbacks | None,
+    progress: bool = False,
+) -> Model:
+    """The one model at `path` (see _open)."""
     problems: list[Problem] = []
     failed: dict[str, list[Problem]] = {}  # shards that could not be opened, by file name
     headers = caches.headers()
@@ -473,6 +520,18 @@ def _open(
                 if not shard.lent:
                     shard.data.close()
             raise
+
+
+def _components(path: Path | str, remote: RemoteOptions) -> list[str] | None:
+    """The component folders of the diffusers pipeline whose root `path` is (pipelines.py), or None."""
+    if isinstance(path, str):
+        return pipeline_folders(path, remote) if not remote.offline else None
+    return find_pipeline(path)
+
+
+def _folder(root: Path | str, folder: str) -> Path | str:
+    """A folder of a model's directory, local or remote."""
+    return root / folder if isinstance(root, Path) else f"{root.rstrip('/')}/{folder}"
 
 
 def _checks_key(source: ShardKey, found: FoundShards, opened: list[Shard], layout: Layout) -> str | None:

@@ -147,7 +147,8 @@ class ModelDirectory:
     """A model's directory, opened once: its files and subdirectories are opened beneath it.
 
     A Hugging Face cache snapshot (…/models--ORG--NAME/snapshots/REV) holds symlinks to its
-    repository's ../../blobs/: those are followed too, and nothing else out of the snapshot.
+    repository's ../../blobs/: those are followed too, and nothing else out of the snapshot; so are
+    those of a folder in a snapshot (snapshots/REV/unet, a pipeline's component), into the same blobs.
     """
 
     def __init__(self, path: Path) -> None:
@@ -156,9 +157,10 @@ class ModelDirectory:
         self.real = Path(os.readlink(f"/proc/self/fd/{self.fd}"))
         self._repository: int | None = None
         self._answered: set[int] = set()  # the mounts (by id) a walk from here found answering
-        if self.path.parent.name == "snapshots":
+        snapshot = next((path for path in (self.path, *self.path.parents) if path.parent.name == "snapshots"), None)
+        if snapshot is not None:
             with contextlib.suppress(OSError):
-                self._repository = os.open(self.path.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                self._repository = os.open(snapshot.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def open(self, relative: str, flags: int = READ_FLAGS) -> int:
         """The file at `relative` (a path in the directory), opened beneath it; OSError if it cannot

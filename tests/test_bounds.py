@@ -330,8 +330,9 @@ def test_a_listing_goes_through_at_most_100000_objects(hostile: HostileServer, m
     result = cli("validate", "--endpoint-url", hostile.url, "--remote-timeout", "600", "s3://bucket/many/")
     expected = (
         "error: s3://bucket/many/: over 100000 objects under this prefix; none of model.safetensors, "
-        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json is there: name the model's "
-        "file or index\n"
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json, "
+        "diffusion_pytorch_model.safetensors.index.json, diffusion_pytorch_model.safetensors, "
+        "diffusion_pytorch_model.bin, diffusion_pytorch_model.bin.index.json is there: name the model's file or index\n"
     )
     assert (result.returncode, result.stderr) == (1, expected)
     assert pages_listed(hostile) == 101

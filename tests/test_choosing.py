@@ -311,10 +311,15 @@ def test_without_a_listing_the_names_loaders_look_for_are_asked_after_in_their_o
     )
     assert asked == ["model.safetensors", "model.safetensors.index.json"]
     assert choose(None, "d", there("pytorch_model.bin")) == Choice(("pytorch_model.bin",))
+    # diffusers' names after transformers', in diffusers' order: a component folder's index before its file.
+    diffusers = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")
+    assert choose(None, "d", there(*diffusers)) == Choice(index="diffusion_pytorch_model.safetensors.index.json")
+    assert choose(None, "d", there(diffusers[0])) == Choice((diffusers[0],))
     nothing = choose(None, "d", there())
     assert nothing.problem == (
-        "none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json "
-        "is there: name the model's file or index"
+        "none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json, "
+        "diffusion_pytorch_model.safetensors.index.json, diffusion_pytorch_model.safetensors, "
+        "diffusion_pytorch_model.bin, diffusion_pytorch_model.bin.index.json is there: name the model's file or index"
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from diffusion_models import write_pipeline
 
 from conftest import Mounts, machine_lock, wait_until
 from helpers import patience, upload
@@ -54,6 +55,7 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("docs/commands.md", "tensorfs prefetch MODEL"): NO_EXAMPLE + "a synopsis of commands",
     ("docs/design.md", "tensorfs/"): NO_EXAMPLE + "the code map (test_layout holds the modules to it)",
     ("docs/design.md", "make test    install"): NO_EXAMPLE + "the make targets: `make test` is this suite",
+    ("docs/diffusers.md", "tensorfs mount ldm /mnt/ldm"): RUN_BY + "test_diffusers_a_pipeline",
     ("docs/fleet.md", "   node 1 .. node N"): NO_EXAMPLE + "a diagram (test_fleet rehearses the fleet)",
     ("docs/operating.md", "/tmp/w/demo2/mnt  up 0s"): NO_EXAMPLE + "what `tensorfs stats` shows, its figures "
     "those of one run (test_stats)",
@@ -471,6 +473,16 @@ def test_python_drop_in(work: Path) -> None:
     """`path`, `name` and `options` are what the prose under the block says they may be."""
     given = "path, name, options = 'demo/model', 'model.embed_tokens.weight', {'verify': True}\n"
     run_python("docs/python.md", "import tensorfs", work, given=given)
+
+
+def test_diffusers_a_pipeline(mounts: Mounts, work: Path) -> None:
+    """ldm: a tiny latent diffusion pipeline, made by diffusers (random weights); /mnt/ldm: a mountpoint."""
+    write_pipeline(work / "ldm")
+    mountpoint = mounts.watch(work / "ldm-mnt")
+    mountpoint.mkdir()
+    run_shell(in_place(block("docs/diffusers.md", "tensorfs mount ldm /mnt/ldm"), {"/mnt/ldm": str(mountpoint)}), work)
+    assert sorted(os.listdir(work / "ldm-copy")) == ["model_index.json", "scheduler", "unet", "vqvae"]
+    assert not os.path.ismount(mountpoint)
 
 
 def test_python_fallbacks(stores: tuple[dict[str, str], dict[str, str]], work: Path) -> None:

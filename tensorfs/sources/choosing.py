@@ -5,10 +5,13 @@ listing gives, or, where nothing lists, the names loaders look for, asked after 
 transformers' precedence first (modeling_utils' checkpoint choice, which accelerate's
 load_checkpoint_in_model agrees with on these names): model.safetensors; else
 model.safetensors.index.json (its shards); else pytorch_model.bin; else pytorch_model.bin.index.json.
+Then diffusers' for a component folder of a pipeline (ModelMixin.from_pretrained): its index
+diffusion_pytorch_model.safetensors.index.json first (diffusers looks for the index before the
+file), else diffusion_pytorch_model.safetensors, else diffusion_pytorch_model.bin, else its index.
 What lies beside the file chosen is not the model: a stale index, a variant (model.fp16.safetensors,
-loaded only with variant="fp16"), a GGUF (loaded only with gguf_file=). An adapter (PEFT's
-adapter_model.safetensors or .bin) is never part of the model: it is a file that comes with it
-(in a directory of its own, with no model beside it, it is the model).
+diffusion_pytorch_model.fp16.safetensors, loaded only with variant="fp16"), a GGUF (loaded only with
+gguf_file=). An adapter (PEFT's adapter_model.safetensors or .bin) is never part of the model: it is
+a file that comes with it (in a directory of its own, with no model beside it, it is the model).
 
 A directory holding none of those names is tensorfs's to read: its safetensors files are the shards
 of one model (with or without an index); else its GGUF (one, or the parts of one multi-file GGUF);
@@ -16,6 +19,13 @@ else its PyTorch checkpoint (formats/pytorch.py says which). Where that would be
 of several models: variants with no default, safetensors and GGUF files together, several GGUFs),
 the directory is refused in one line naming the files: the user names the one to open (its file, or
 its index), as they would tell a loader.
+
+The view of a model (views/) is named as the loader of its folder expects (view_name): model.*
+for transformers' names, diffusion_pytorch_model.* for diffusers', adapter_model.* for an adapter.
+
+A diffusers pipeline's root (model_index.json, and no weights of its own) is several models: each
+folder of it that holds weights is a component, chosen by these same rules (component); the
+others (scheduler/, tokenizer/) hold only files that come with them.
 """
 
 from __future__ import annotations
@@ -31,20 +41,46 @@ from .index import INDEX_NAME, is_index_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ADAPTER_NAMES", "LOOKED_FOR", "Choice", "choose", "is_adapter", "is_model_file"]
+__all__ = [
+    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "MAX_COMPONENTS", "NO_COMPONENT", "PIPELINE_INDEX", "Choice",
+    "choose", "component", "is_adapter", "is_model_file", "is_pipeline", "view_name",
+]  # fmt: skip
 
 SAFETENSORS_NAME = "model.safetensors"
-LOOKED_FOR = (SAFETENSORS_NAME, INDEX_NAME, pytorch.DEFAULT_NAME, pytorch.INDEX_NAME)
+TRANSFORMERS_NAMES = (SAFETENSORS_NAME, INDEX_NAME, pytorch.DEFAULT_NAME, pytorch.INDEX_NAME)
 """The names transformers looks for, in its order: the first that is there is the model."""
+DIFFUSERS_NAME = "diffusion_pytorch_model"
+DIFFUSERS_NAMES = (
+    f"{DIFFUSERS_NAME}.safetensors.index.json",
+    f"{DIFFUSERS_NAME}.safetensors",
+    f"{DIFFUSERS_NAME}.bin",
+    f"{DIFFUSERS_NAME}.bin.index.json",
+)
+"""The names diffusers looks for in a component folder, in its order (the index before the file)."""
+LOOKED_FOR = (*TRANSFORMERS_NAMES, *DIFFUSERS_NAMES)
+"""What loaders look for, transformers' names first: the first that is there is the model."""
 ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 """PEFT's adapter weights: kept beside a base model, loaded onto it, never part of it."""
 _VARIANT = re.compile(
-    r"model\.(?P<a>[^./]+?)(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.(?P<b>[^./]+)\.json"
-    r"|pytorch_model\.(?P<c>[^./]+?)(?:-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.(?P<d>[^./]+)\.json"
+    r"(?:diffusion_pytorch_)?model\.(?P<a>[^./]+?)(?:-\d{5}-of-\d{5})?\.safetensors"
+    r"|(?:diffusion_pytorch_)?model\.safetensors\.index\.(?P<b>[^./]+)\.json"
+    r"|(?:diffusion_)?pytorch_model\.(?P<c>[^./]+?)(?:-\d{5}-of-\d{5})?\.bin"
+    r"|(?:diffusion_)?pytorch_model\.bin\.index\.(?P<d>[^./]+)\.json"
 )
-"""transformers' names of a variant's files (save_pretrained(variant=V)): model.V.safetensors, its
-numbered parts model.V-00001-of-00002.safetensors, model.safetensors.index.V.json, and the same of
-pytorch_model.bin."""
+"""transformers' and diffusers' names of a variant's files (save_pretrained(variant=V)):
+model.V.safetensors, its numbered parts model.V-00001-of-00002.safetensors,
+model.safetensors.index.V.json, and the same of pytorch_model.bin and of diffusion_pytorch_model."""
+MAX_COMPONENTS = 50
+"""The most folders of a pipeline's root that are looked into for its components (a walk bounded)."""
+PIPELINE_INDEX = "model_index.json"
+"""What marks a diffusers pipeline's root (DiffusionPipeline.from_pretrained reads it first)."""
+NO_COMPONENT = (
+    f"a diffusers pipeline's root ({PIPELINE_INDEX}) none of whose folders holds {WEIGHT_FILES} files: "
+    "name a component's folder"
+)
+"""Why a pipeline's root is no model: no folder of it is a component (or its folders cannot be listed)."""
+_DIFFUSERS_FILE = re.compile(r"diffusion_pytorch_model(?:\.[^./]+?)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)")
+"""diffusers' weight files: diffusion_pytorch_model[.V][-0000k-of-0000n].safetensors (or .bin)."""
 _SHOWN = 4  # names a message lists before "..."
 
 
@@ -73,7 +109,7 @@ def is_model_file(name: str) -> bool:
     if is_adapter(name):
         return False
     if name.endswith(pytorch.SUFFIXES):
-        return pytorch.is_model_name(name) or _VARIANT.fullmatch(name) is not None
+        return pytorch.is_model_name(name) or any(rule.fullmatch(name) for rule in (_VARIANT, _DIFFUSERS_FILE))
     weights_index = is_index_name(name) and (".safetensors.index" in name or ".bin.index" in name)
     return is_weights_name(name) or weights_index
 
@@ -101,6 +137,32 @@ def choose(names: Collection[str] | None, where: str, exists: Callable[[str], bo
                 )  # fmt: skip
             return _chosen(name)
     return _by_tensorfs(sorted(present))
+
+
+def view_name(weights: Collection[str]) -> str:
+    """What the synthesized files of a model whose weight files are `weights` (their names) are
+    called, as the loader of its folder looks for them: "adapter_model" for an adapter (PEFT's),
+    "diffusion_pytorch_model" for diffusers' files (a pipeline's component), else "model"."""
+    names = [name.rpartition("/")[2] for name in weights]
+    if names and all(map(is_adapter, names)):
+        return "adapter_model"
+    if names and all(name.startswith((f"{DIFFUSERS_NAME}.", f"{DIFFUSERS_NAME}-")) for name in names):
+        return DIFFUSERS_NAME
+    return "model"
+
+
+def is_pipeline(names: Collection[str]) -> bool:
+    """Whether a directory holding these names is a diffusers pipeline's root: model_index.json, and
+    no weights of its own (its models are in its folders)."""
+    return PIPELINE_INDEX in names and not any(is_weights_name(name) or is_index_name(name) for name in names)
+
+
+def component(names: Collection[str], where: str) -> Choice | None:
+    """The model of a pipeline's folder (as choose() says), or None for a folder without weights (a
+    scheduler's, a tokenizer's: its files come with the pipeline)."""
+    if not any(is_weights_name(name) or is_index_name(name) for name in names):
+        return None
+    return choose(names, where)
 
 
 def _chosen(name: str) -> Choice:
@@ -142,6 +204,8 @@ def _by_tensorfs(names: list[str]) -> Choice:
     chosen, ambiguous = pytorch.choose([name for name in weights if name.endswith(pytorch.SUFFIXES)])
     if ambiguous is not None:
         return Choice(problem=ambiguous)
+    if not chosen and PIPELINE_INDEX in names:
+        return Choice(problem=NO_COMPONENT)
     if not chosen:
         return Choice(problem=f"no {WEIGHT_FILES} files in this directory{_holding(names)}")
     return Choice(files=tuple(chosen))

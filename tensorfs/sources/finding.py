@@ -13,12 +13,12 @@ import orjson
 from ..errors import AccessDenied, Problem, RemoteError, TooLarge
 from ..formats import is_weights_name
 from ..names import path_problem
-from .choosing import Choice, choose
+from .choosing import MAX_COMPONENTS, PIPELINE_INDEX, Choice, choose, component, is_pipeline
 from .client import MAX_LISTED, Deadline, exists, get_whole, list_objects, modified, reason_of
 from .index import MAX_INDEX_BYTES, is_index_name, parse_weight_map, shard_names
 from .store import ObjectRef, RemoteOptions, StoreSpec, store_spec
 
-__all__ = ["Listed", "Located", "beside", "files_of", "hub_listing", "listing_beside", "locate"]
+__all__ = ["Listed", "Located", "beside", "files_of", "hub_listing", "listing_beside", "locate", "pipeline_folders"]
 
 
 @dataclass
@@ -277,3 +277,32 @@ def _not_on_the_hub(source: str, options: RemoteOptions) -> str:
     if directory:
         return f"no directory {directory} in revision {revision} of {repo}"
     return f"{repo} has no revision {revision} (a branch, a tag or a commit)"
+
+
+def pipeline_folders(source: str, options: RemoteOptions) -> list[str] | None:
+    """The component folders (those holding weights, sorted) of the diffusers pipeline whose root is
+    the remote directory `source`, or None when it is none (choosing.is_pipeline): model_index.json
+    is asked for first (one HEAD), then the directory listed (S3's listing, or the Hub's API) one
+    level down. None too when the store cannot say (opening the directory as a model says why)."""
+    spec, key = store_spec(source, options)
+    if is_weights_name(key) or is_index_name(key) or (spec.kind != "s3" and not source.startswith("hf://")):
+        return None
+    try:
+        if not exists(beside(source, PIPELINE_INDEX, options)):
+            return None
+        listed = listing_beside(source, options, MAX_COMPONENTS) or hub_listing(source, options, MAX_COMPONENTS)
+    except (RemoteError, FileNotFoundError):
+        return None
+    by_folder: dict[str, list[str]] = {}
+    for path, *_ in listed or []:
+        if path_problem(path, max_depth=2) is None:  # the one gate of names from outside
+            folder, _, name = path.rpartition("/")
+            by_folder.setdefault(folder, []).append(name)
+    if not is_pipeline(by_folder.get("", [])):
+        return None
+    root = spec.url(key).rstrip("/")
+    return sorted(
+        folder
+        for folder, names in by_folder.items()
+        if folder and not folder.startswith(".") and component(names, f"{root}/{folder}") is not None
+    )

@@ -18,7 +18,7 @@ from ..formats import ShardHeader, gguf
 from ..headercache import WORTH_CACHING
 from ..identity import Identity
 from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
-from .choosing import choose, is_model_file
+from .choosing import MAX_COMPONENTS, choose, component, is_model_file, is_pipeline
 from .index import MAX_INDEX_BYTES, is_index_name, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
 from .shard import ShardData, Within
@@ -100,6 +100,37 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
     if parts is not None and len(parts) > 1:  # a part of a multi-file GGUF: the model is all of them
         return _split_parts(source, parts, problems)
     return FoundShards([source])
+
+
+def find_pipeline(source: Path) -> list[str] | None:
+    """The component folders of the diffusers pipeline whose root is `source` (those holding weights,
+    sorted), or None when it is none (choosing.is_pipeline). A folder is one of the root's own
+    directories, never a symlink to one elsewhere, nor what is mounted there (it may hang); the first
+    MAX_COMPONENTS of them are looked into."""
+    if not source.is_dir():
+        return None
+    try:
+        with ModelDirectory(source) as directory:
+            entries = sorted(directory.scan(), key=lambda entry: entry.name)
+            if not is_pipeline([entry.name for entry in entries]):
+                return None
+            mounted = mounted_under(directory.real)
+            folders = [
+                entry.name
+                for entry in entries
+                if not entry.name.startswith(".") and entry.name not in mounted and entry.is_dir(follow_symlinks=False)
+            ]
+            found = []
+            for name in folders[:MAX_COMPONENTS]:
+                try:
+                    names = [inner.name for inner in directory.scan(name)]
+                except OSError:
+                    continue
+                if component(names, str(source / name)) is not None:
+                    found.append(name)
+            return found
+    except OSError:
+        return None
 
 
 def _split_parts(source: Path, parts: list[str], problems: list[Problem]) -> FoundShards:

@@ -44,8 +44,12 @@ class ViewSpec:
     directories: dict[str, os.stat_result] = field(default_factory=dict)
     """The source's subdirectories that companions come from: their owners and permissions."""
     name: str = "model"
-    """What the synthesized files of the whole model are called: "model", or "adapter_model" for an
-    adapter (PEFT's loaders look for adapter_model.safetensors)."""
+    """What the synthesized files of the whole model are called, as its loader looks for them
+    (sources/choosing.view_name): "model", "adapter_model" for an adapter (PEFT's), or
+    "diffusion_pytorch_model" for a diffusers component."""
+    components: dict[str, str] = field(default_factory=dict)
+    """A pipeline's component folders, each with what its files are called: each is a folder of the
+    view holding its own tensors (named without the folder), as its loader looks for them."""
 
 
 ViewFile = SynthesizedFile | Companion | bytes
@@ -89,30 +93,50 @@ takes from a directory for the model's (it would load the selection's layers, th
 
 
 def build_view(model: Tables, spec: ViewSpec) -> ModelView:
-    names = model.sorted_names
-    count = spec.shards or _auto_count(model.nbytes)
-    metadata = shared_metadata(model)
     files: dict[str, ViewFile] = {c.path: c for c in spec.companions}
-    groups = [names] if count == 1 else split(names, [model.locate(name)[2] for name in names], count)
-    base = spec.name if model.selection.everything else PARTIAL_NAME
+    if not spec.components:
+        _add_weights(files, model, model.sorted_names, spec.name, spec.shards, "")
+    for folder, name in spec.components.items():  # a pipeline: each component in its folder
+        prefix = f"{folder}/"
+        names = [tensor for tensor in model.sorted_names if tensor.startswith(prefix)]
+        if names:
+            _add_weights(files, model, names, name, spec.shards, prefix)
+    return ModelView(files, spec.directories)
+
+
+def _add_weights(
+    files: dict[str, ViewFile], model: Tables, names: list[str], name: str, shards: int, prefix: str
+) -> None:
+    """The files of tensors `names` in `files`: named `name` (or as a selection's are), in `shards`
+    files (0 chooses), in the folder `prefix` names, their names there without it."""
+    sizes = [model.locate(tensor)[2] for tensor in names] if prefix or shards != 1 else []
+    total = sum(sizes) if prefix else model.nbytes
+    count = shards or _auto_count(total)
+    metadata = shared_metadata(model, names if prefix else None)
+    groups = [names] if count == 1 else split(names, sizes, count)
+    base = prefix + (name if model.selection.everything else PARTIAL_NAME)
     if model.format == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
-        files[f"{base}.gguf"] = SynthesizedFile(model, names, None)
+        files[f"{base}.gguf"] = SynthesizedFile(model, names, None, prefix)
     elif len(groups) == 1:
-        files[f"{base}.safetensors"] = SynthesizedFile(model, names, metadata)
+        files[f"{base}.safetensors"] = SynthesizedFile(model, names, metadata, prefix)
     else:
         weight_map: dict[str, str] = {}
         for k, group in enumerate(groups, 1):
             file_name = f"{base}-{k:05d}-of-{len(groups):05d}.safetensors"
-            files[file_name] = SynthesizedFile(model, group, metadata)
-            weight_map.update(dict.fromkeys(group, file_name))
-        index = f"{base}.safetensors.index.json" if model.selection.everything else PARTIAL_INDEX
-        files[index] = index_document(dict(sorted(weight_map.items())), model.nbytes)
-    return ModelView(files, spec.directories)
+            files[file_name] = SynthesizedFile(model, group, metadata, prefix)
+            weight_map.update({tensor.removeprefix(prefix): file_name.removeprefix(prefix) for tensor in group})
+        index = f"{base}.safetensors.index.json" if model.selection.everything else prefix + PARTIAL_INDEX
+        files[index] = index_document(dict(sorted(weight_map.items())), total)
 
 
-def shared_metadata(model: Tables) -> dict[str, str] | None:
-    """The shards' `__metadata__` when they all have the same (none when they differ)."""
-    found = list(model.metadata.values())
+def shared_metadata(model: Tables, names: list[str] | None = None) -> dict[str, str] | None:
+    """The shards' `__metadata__` when they all have the same (none when they differ): of every
+    shard, or of those holding `names`."""
+    if names is not None:
+        shards = dict.fromkeys(model.locate(name)[0] for name in names)
+        found = [dict(model.shard_header(shard).metadata or {}) for shard in shards]
+    else:
+        found = list(model.metadata.values())
     if not found or any(metadata != found[0] for metadata in found):
         return None
     return found[0] or None

@@ -233,14 +233,18 @@ def model_directory(source: Path) -> Path:
     return source if source.is_dir() else source.parent
 
 
-def is_companion(path: str) -> bool:
+def is_companion(path: str, components: Collection[str] = ()) -> bool:
     """Whether a file of a model's directory (its path there) comes with the model into its view, by
     its name: not the model's own weights or their index at the top of the directory, which the view
     makes itself (choosing.is_model_file: an adapter is a companion, and so are the weights of a
     subdirectory, a sentence-transformers module's), nor the manifest of the source's tensors (it
-    would not match a selection of them), nor hidden files."""
+    would not match a selection of them), nor hidden files. A pipeline's component folders
+    (`components`) are models of their own: their weights are the view's to make, as the top's are."""
     if any(part.startswith(".") for part in path.split("/")):
         return False
+    folder, _, name = path.rpartition("/")
+    if folder in components:
+        return not is_model_file(name)
     return "/" in path or not (is_model_file(path) or path == DEFAULT_MANIFEST)
 
 
@@ -262,6 +266,7 @@ def find_companions(
     warnings: list[str],
     directories: dict[str, os.stat_result] | None = None,
     weights: Collection[ShardKey] = (),
+    components: Collection[str] = (),
 ) -> list[Companion]:
     """The regular files beside a local model's weights (one level of subdirectories too), by path;
     `directories`, if given, gets each subdirectory's status (its owner and permissions).
@@ -273,7 +278,8 @@ def find_companions(
     or 30 s of scanning. A file in a subdirectory is no more readable than the subdirectory lets
     it be: its read bits are kept only where the directory grants search. What is_companion() says
     is none is left out, and so are the model's own files (`weights`: a checkpoint named model.pt
-    is weights by being the model, not by its name). Each is hashed as it is found: its content
+    is weights by being the model, not by its name), and the weights of a pipeline's component
+    folders (`components`). Each is hashed as it is found: its content
     is what it is served while it holds (see CompanionFiles).
     """
     root_path = model_directory(source).absolute()
@@ -284,17 +290,21 @@ def find_companions(
         return []
     own = {os.path.abspath(weight) for weight in weights}
     with root:
-        return _scan(root, warnings, directories, own)
+        return _scan(root, warnings, directories, own, components)
 
 
 def _scan(
-    root: ModelDirectory, warnings: list[str], directories: dict[str, os.stat_result] | None, own: set[str]
+    root: ModelDirectory,
+    warnings: list[str],
+    directories: dict[str, os.stat_result] | None,
+    own: set[str],
+    components: Collection[str],
 ) -> list[Companion]:
     deadline = time.monotonic() + SCAN_SECONDS
     skipped = Skipped()  # a directory another user fills with a million unreadable files: one warning a reason
     found: list[Companion] = []
     total = 0
-    for relative in _candidates(root, mounted_under(root.real), skipped):
+    for relative in _candidates(root, mounted_under(root.real), skipped, components):
         if os.path.abspath(root.path / relative) in own:
             continue
         shown = printable(str(root.path / relative))
@@ -348,7 +358,7 @@ def _scan(
     return found
 
 
-def _candidates(root: ModelDirectory, mounted: set[str], skipped: Skipped) -> list[str]:
+def _candidates(root: ModelDirectory, mounted: set[str], skipped: Skipped, components: Collection[str]) -> list[str]:
     names: list[str] = []
     try:
         top = sorted(root.scan(), key=lambda e: e.name)
@@ -367,7 +377,7 @@ def _candidates(root: ModelDirectory, mounted: set[str], skipped: Skipped) -> li
                 continue
             for e in inner:
                 path = f"{entry.name}/{e.name}"
-                if not is_companion(path) or e.is_dir(follow_symlinks=False):
+                if not is_companion(path, components) or e.is_dir(follow_symlinks=False):
                     continue
                 if path in mounted:
                     _mounted(root, path, skipped)
@@ -427,7 +437,11 @@ MAX_SUBDIRECTORY_DEPTH = 2
 
 
 def find_remote_companions(
-    source: str, options: RemoteOptions, warnings: list[str], weights: Collection[ShardKey] = ()
+    source: str,
+    options: RemoteOptions,
+    warnings: list[str],
+    weights: Collection[ShardKey] = (),
+    components: Collection[str] = (),
 ) -> list[Companion]:
     """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
     one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
@@ -451,7 +465,7 @@ def find_remote_companions(
         except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
             log.info("%s; looking for the files loaders look for instead", exc)
     if listed is not None:
-        found = _listed(source, options, listed, warnings, {str(weight) for weight in weights})
+        found = _listed(source, options, listed, warnings, {str(weight) for weight in weights}, components)
         log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found) or "none")
         return found
     return _guessed(source, options, quick, warnings)
@@ -463,6 +477,7 @@ def _listed(
     listed: list[tuple[str, int, float, str | None]],
     warnings: list[str],
     own: set[str],
+    components: Collection[str] = (),
 ) -> list[Companion]:
     found: list[Companion] = []
     total = 0
@@ -473,7 +488,7 @@ def _listed(
             name = printable(path[:200])
             skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
             continue
-        if not is_companion(path):
+        if not is_companion(path, components):
             continue
         ref = beside(source, path, options)
         if ref.url in own:

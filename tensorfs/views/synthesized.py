@@ -54,12 +54,14 @@ class SynthesizedFile:
     arrays: for 100k tensors, the header's bytes and a few MiB.
     """
 
-    def __init__(self, model: Tables, names: list[str], metadata: Mapping[str, str] | None) -> None:
+    def __init__(self, model: Tables, names: list[str], metadata: Mapping[str, str] | None, strip: str = "") -> None:
         self.model = model
         self.format = model.format
         """The file's format: the model's ("safetensors", "gguf")."""
         self._names = names
         self._metadata = dict(sorted(metadata.items())) if metadata else None
+        self._strip = strip
+        """What the names begin with that the file's header leaves out (a pipeline's component folder)."""
         self._lock = threading.Lock()  # the daemon's thread and a hashing or export thread may ask at once
         self._built = False
         self._header = b""
@@ -79,7 +81,9 @@ class SynthesizedFile:
             if self.format == gguf.NAME:
                 header, order, starts, ends, nbytes = _gguf_layout(self.model, self._names)
             else:
-                header, order, starts, ends, nbytes = _safetensors_layout(self.model, self._names, self._metadata)
+                header, order, starts, ends, nbytes = _safetensors_layout(
+                    self.model, self._names, self._metadata, self._strip
+                )
             self._header = header
             self._order = array("L", order)
             self._starts = array("Q", (starts[i] for i in order))
@@ -145,7 +149,7 @@ _Layout = tuple[bytes, list[int], list[int], list[int], int]
 """(header, file order -> index in names, each name's start and end from where the data starts, data bytes)."""
 
 
-def _safetensors_layout(model: Tables, names: list[str], metadata: Mapping[str, str] | None) -> _Layout:
+def _safetensors_layout(model: Tables, names: list[str], metadata: Mapping[str, str] | None, strip: str) -> _Layout:
     entries = [model.entry(name)[2] for name in names]
     order = sorted(range(len(names)), key=lambda i: (-_RANK[entries[i][DTYPE].name], names[i]))
     offset = 0
@@ -155,7 +159,7 @@ def _safetensors_layout(model: Tables, names: list[str], metadata: Mapping[str, 
         starts[i], ends[i] = offset, offset + end - begin
         offset += end - begin
     fields = [
-        f'{encode_basestring(names[i])}:{{"dtype":"{entries[i][DTYPE].name}",'
+        f'{encode_basestring(names[i].removeprefix(strip))}:{{"dtype":"{entries[i][DTYPE].name}",'
         f'"shape":[{",".join(map(str, entries[i][SHAPE]))}],"data_offsets":[{starts[i]},{ends[i]}]}}'
         for i in sorted(range(len(names)), key=names.__getitem__)
     ]

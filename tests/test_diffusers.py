@@ -1,0 +1,298 @@
+"""diffusers' models as diffusers lays them out: a component folder (diffusion_pytorch_model.safetensors,
+its variants beside it), a Hugging Face cache snapshot's folder, a pipeline's root (model_index.json
+and its folders), and the refusals, read by diffusers itself from tensorfs's views and exports.
+
+The pipeline is made in the test (a tiny latent diffusion pipeline: a UNet2DModel and a VQModel from
+their configs with random weights, and a scheduler) and what diffusers loads from the original folder
+is compared with what it loads from tensorfs's: every weight, and the image it makes, bit for bit.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import obstore
+import pytest
+from diffusion_models import diffusers, pipelines, weights, write_pipeline
+
+import tensorfs
+from conftest import Mounts
+from helpers import hub_api, write_reference
+from servers import Nginx, SeaweedFS
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny latent diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/,
+    unet/ and vqvae/ (each's weights in float32, and an fp16 variant of other weights beside them)."""
+    return write_pipeline(tmp_path_factory.mktemp("diffusers") / "ldm")
+
+
+def view_files(view: Path) -> list[str]:
+    return sorted(path.relative_to(view).as_posix() for path in view.rglob("*") if path.is_file())
+
+
+PIPELINE_VIEW = [
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+    "vqvae/config.json",
+    "vqvae/diffusion_pytorch_model.safetensors",
+]
+"""A pipeline's view: its own files, each component's folder with its config and its weights named as
+diffusers looks for them (the variants beside them are not the model: not served)."""
+
+
+def test_a_component_folder_with_its_variant_beside_it_is_one_model(
+    pipeline: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """unet/ holds diffusion_pytorch_model.safetensors and its .fp16 variant: the model is the first,
+    as diffusers loads it without variant=, its view and its export named as diffusers looks for
+    them; naming the variant's file opens the variant."""
+    unet = pipeline / "unet"
+    assert sorted(os.listdir(unet)) == [
+        "config.json", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors",
+    ]  # fmt: skip
+    with tensorfs.open_model(unet) as model:
+        assert model.shards == [unet / "diffusion_pytorch_model.safetensors"]
+        assert {model.info(name).dtype for name in model} == {"F32"}
+    with tensorfs.open_model(unet / "diffusion_pytorch_model.fp16.safetensors") as model:
+        assert {model.info(name).dtype for name in model} == {"F16"}
+    validated = mounts.run("validate", str(unet))
+    assert validated.returncode == 0, validated.stderr
+    view = mounts.mount(unet) / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    exported = mounts.run("export", str(unet), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    original, mounted, written, variant = weights(str(unet), str(view), str(tmp_path / "exported"), f"@fp16:{unet}")
+    assert mounted == original and written == original and variant != original
+
+
+def test_a_snapshot_folder_mounts_with_its_config(pipeline: Path, mounts: Mounts, tmp_path: Path) -> None:
+    """A Hugging Face cache snapshot's component folder (snapshots/REV/unet, its files symlinks into
+    the repository's ../../../blobs) is a model with its config.json; a link out of the repository
+    is still left out. The snapshot itself mounts as the pipeline."""
+    repository = tmp_path / "hub" / "models--org--ldm"
+    (repository / "blobs").mkdir(parents=True)
+    snapshot = repository / "snapshots" / "0123abcd"
+    for path in sorted(pipeline.rglob("*")):
+        if path.is_file():
+            relative = path.relative_to(pipeline)
+            blob = repository / "blobs" / relative.as_posix().replace("/", "-")
+            shutil.copy(path, blob)
+            (snapshot / relative).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / relative).symlink_to(Path(*[".."] * len(relative.parts), "..", "blobs", blob.name))
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (snapshot / "unet" / "elsewhere.json").symlink_to(tmp_path / "elsewhere.json")
+    view = mounts.mount(snapshot / "unet") / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert "elsewhere.json: skipped: a symlink out of the model's directory" in mounts.log()
+    named = mounts.mount(snapshot / "unet" / "diffusion_pytorch_model.safetensors") / ".tensorfs" / "model"
+    assert sorted(os.listdir(named)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    whole = mounts.mount(snapshot) / ".tensorfs" / "model"
+    assert view_files(whole) == PIPELINE_VIEW
+    folders = [str(pipeline / "unet"), str(view), str(named)]
+    found = diffusers("load", *(f"unet:{folder}" for folder in folders), f"pipe:{pipeline}", f"pipe:{whole}")
+    original, mounted, by_file, pipeline_original, pipeline_mounted = found
+    assert mounted["weights"] == original["weights"] and by_file["weights"] == original["weights"]
+    assert (pipeline_mounted["weights"], pipeline_mounted["image"]) == (
+        pipeline_original["weights"], pipeline_original["image"],
+    )  # fmt: skip
+
+
+def test_variants_without_their_default_are_refused_in_one_line(pipeline: Path, tmp_path: Path) -> None:
+    """A folder of two variants and no plain file: diffusers needs variant= to load either, and
+    tensorfs needs to be told which too, in one line naming the files (not a line per tensor)."""
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    shutil.copy(pipeline / "unet" / "config.json", folder)
+    shutil.copy(pipeline / "unet" / "diffusion_pytorch_model.fp16.safetensors", folder)
+    with tensorfs.open_model(folder) as model:  # a variant alone is the model
+        assert {model.info(name).dtype for name in model} == {"F16"}
+    shutil.copy(
+        pipeline / "unet" / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.v2.safetensors"
+    )
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(folder)
+    assert str(raised.value) == (
+        f"{folder}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
+        "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
+    )
+
+
+def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
+    pipeline: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """A pipeline's root (model_index.json, unet/, vqvae/, scheduler/): each component folder a model
+    of its own, its tensors under its folder, its files in its folder of the view; model_index.json
+    and scheduler/ come with them. DiffusionPipeline loads the same weights, and makes the same
+    image, from the view and from the export as from the original folder; UNet2DModel loads the view's
+    unet/ as it loads the original's."""
+    mountpoint = mounts.mount(pipeline)
+    view = mountpoint / ".tensorfs" / "model"
+    assert view_files(view) == PIPELINE_VIEW
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet", "vqvae"]
+    with tensorfs.open_model(pipeline) as model:
+        assert {name.partition("/")[0] for name in model} == {"unet", "vqvae"}
+        assert {model.info(name).dtype for name in model} == {"F32"}
+        assert (mountpoint / "unet" / "conv_in.weight").read_bytes() == bytes(model.raw("unet/conv_in.weight"))
+    exported = mounts.run("export", str(pipeline), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    assert view_files(tmp_path / "exported") == PIPELINE_VIEW
+    one_file = mounts.run("export", str(pipeline), str(tmp_path / "all.safetensors"))  # every tensor, by folder
+    assert one_file.returncode == 0, one_file.stderr
+    with tensorfs.open_model(tmp_path / "all.safetensors") as whole, tensorfs.open_model(pipeline) as model:
+        assert {name: bytes(whole.raw(name)) for name in whole} == {name: bytes(model.raw(name)) for name in model}
+    loads = [f"pipe:{folder}" for folder in (pipeline, view, tmp_path / "exported")]
+    original, mounted, written, unet, unet_in_view = diffusers(
+        "load", *loads, f"unet:{pipeline / 'unet'}", f"unet:{view / 'unet'}"
+    )
+    assert [(found["weights"], found["image"]) for found in (mounted, written)] == [
+        (original["weights"], original["image"]),
+    ] * 2
+    assert unet_in_view["weights"] == unet["weights"]  # a component of the view is a model on its own
+
+
+def test_a_pipelines_selection_is_of_its_components_tensors(pipeline: Path, mounts: Mounts) -> None:
+    """--include matches the tensors' names under their folders: 'unet/*' is one component, served
+    as a selection is (named so that no loader takes it for the whole), the others left out."""
+    mountpoint = mounts.mount(pipeline, "--include", "unet/*")
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet"]
+    view = mountpoint / ".tensorfs" / "model"
+    assert view_files(view) == [
+        "model_index.json", "scheduler/scheduler_config.json", "unet/config.json", "unet/selected.safetensors",
+        "vqvae/config.json",
+    ]  # fmt: skip
+
+
+def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_folder(
+    pipeline: Path, tmp_path: Path
+) -> None:
+    """A component folder holding two variants and no plain file: the pipeline is refused in one line
+    naming that folder and its files. A root none of whose folders holds weights says it is a
+    pipeline's, and what to name instead."""
+    copy = tmp_path / "ldm"
+    shutil.copytree(pipeline, copy)
+    unet = copy / "unet"
+    (unet / "diffusion_pytorch_model.safetensors").rename(unet / "diffusion_pytorch_model.v2.safetensors")
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(copy)
+    assert str(raised.value) == (
+        f"{unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
+        "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
+    )
+    for folder in ("unet", "vqvae"):  # no component left: the root says it is a pipeline's, and what to name
+        shutil.rmtree(copy / folder)
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(copy)
+    assert str(raised.value) == (
+        f"{copy}: a diffusers pipeline's root (model_index.json) none of whose folders holds .safetensors, .gguf, "
+        ".bin, .pt or .pth files: name a component's folder"
+    )
+
+
+def test_a_pipeline_on_the_hub_and_in_s3_mounts_as_its_components(
+    pipeline: Path,
+    mounts: Mounts,
+    nginx: Nginx,
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same pipeline as a Hub repository (its API lists the root and its folders) and under an S3
+    prefix (its listing): each mounts as the local one does, and DiffusionPipeline loads the same
+    weights and image from the views; a component's folder (hf://.../unet) mounts alone."""
+    hub = nginx.root / "diffusers" / "ldm" / "resolve" / "main"
+    shutil.copytree(pipeline, hub)
+    hub_api(nginx.root, "diffusers/ldm", hub)
+    store = seaweedfs.store(bucket)
+    for path in sorted(pipeline.rglob("*")):
+        if path.is_file():
+            obstore.put(store, f"ldm/{path.relative_to(pipeline).as_posix()}", path.read_bytes())
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    with monkeypatch.context() as env:
+        env.setenv("HF_ENDPOINT", nginx.url)
+        for key, value in seaweedfs.env().items():
+            env.setenv(key, value)
+        from_hub = mounts.mount("hf://diffusers/ldm", *cache)  # type: ignore[arg-type]
+        from_s3 = mounts.mount(f"s3://{bucket}/ldm", *cache, "--endpoint-url", seaweedfs.endpoint)  # type: ignore[arg-type]
+        unet = mounts.mount("hf://diffusers/ldm/unet", *cache) / ".tensorfs" / "model"  # type: ignore[arg-type]
+    views = [from_hub / ".tensorfs" / "model", from_s3 / ".tensorfs" / "model"]
+    for view in views:
+        assert view_files(view) == PIPELINE_VIEW
+    assert sorted(os.listdir(unet)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    original, *served = pipelines(pipeline, *views)
+    assert served == [original, original]
+    original_unet, served_unet = weights(str(pipeline / "unet"), str(unet))
+    assert served_unet == original_unet
+
+
+def test_a_single_file_checkpoint_mounts_and_from_single_file_loads_it(mounts: Mounts, tmp_path: Path) -> None:
+    """A single .safetensors file (a checkpoint as from_single_file takes one, its config elsewhere) is
+    a model like any other: AutoencoderKL.from_single_file loads the same weights from the mount's
+    view of it, and from its export, as from the file itself."""
+    vae = tmp_path / "vae"
+    diffusers("vae", str(vae))
+    single = tmp_path / "checkpoints" / "tiny-vae.safetensors"
+    single.parent.mkdir()
+    shutil.copy(vae / "diffusion_pytorch_model.safetensors", single)
+    view = mounts.mount(single) / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["model.safetensors"]
+    exported = mounts.run("export", str(single), str(tmp_path / "exported.safetensors"))
+    assert exported.returncode == 0, exported.stderr
+    files = [single, view / "model.safetensors", tmp_path / "exported.safetensors"]
+    original, mounted, written = (
+        found["weights"] for found in diffusers("load", *(f"single:{vae}={f}" for f in files))
+    )
+    assert mounted == original and written == original
+
+
+def test_a_pipelines_folders_are_looked_into_up_to_a_bound(tmp_path: Path) -> None:
+    """A root with model_index.json and thousands of folders (another user's, say) is a walk bounded:
+    the first MAX_COMPONENTS folders are looked into, no more."""
+    from tensorfs.sources.choosing import MAX_COMPONENTS
+    from tensorfs.sources.local import find_pipeline
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "model_index.json").write_text("{}")
+    for k in range(MAX_COMPONENTS):
+        (root / f"a{k:04d}").mkdir()
+    (root / "unet").mkdir()
+    write_reference(root / "unet" / "diffusion_pytorch_model.safetensors", {"w": ("U8", [4], bytes(4))})
+    assert find_pipeline(root) == []
+    shutil.rmtree(root / "a0000")
+    assert find_pipeline(root) == ["unet"]
+
+
+def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp_path: Path) -> None:
+    """A transformers component (text_encoder/model.safetensors) beside a diffusers one: each is found
+    by its loader's rules and its view's files named as its loader looks for them; a pipeline takes no
+    fallback (said in one line)."""
+    from tensorfs.opener import Source
+    from tensorfs.views import build_view
+
+    root = tmp_path / "root"
+    for folder, name in {"text_encoder": "model", "unet": "diffusion_pytorch_model"}.items():
+        (root / folder).mkdir(parents=True)
+        (root / folder / "config.json").write_text("{}")
+        write_reference(root / folder / f"{name}.safetensors", {"w": ("U8", [4], folder.encode()[:4])})
+    (root / "model_index.json").write_text("{}")
+    source = Source.named(root)
+    with source.open() as model:
+        assert model.names() == ["text_encoder/w", "unet/w"]
+        view = build_view(model, source.view_spec(0, model.shards))
+        assert sorted(view.files) == [
+            "model_index.json", "text_encoder/config.json", "text_encoder/model.safetensors", "unet/config.json",
+            "unet/diffusion_pytorch_model.safetensors",
+        ]  # fmt: skip
+        view.close()
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(root, fallback=[tmp_path / "elsewhere"])
+    assert str(raised.value) == f"{root}: a pipeline takes no fallback: name a component's folder"
