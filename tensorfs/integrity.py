@@ -208,6 +208,8 @@ class Integrity:
     verified: set[str] = field(default_factory=set)
     label: str = "the manifest"
     """How messages name the manifest (where it was read from)."""
+    signer: str = ""
+    """Who signed it, when it is a signature's digests (signed.py)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _hashing: dict[str, threading.Event] = field(default_factory=dict, repr=False)
 

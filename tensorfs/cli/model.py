@@ -19,6 +19,7 @@ from ..names import Layout
 from ..opener import Beside, Verify, hash_all
 from ..progress import Progress
 from ..selection import Selection
+from ..signing import Signature
 from ..sources.store import RemoteOptions
 from ..units import human_size, plural
 from .group import cli
@@ -30,6 +31,7 @@ from .options import (
     model_argument,
     remote_options,
     selection_options,
+    signature_options,
     source_of,
     view_files_option,
 )
@@ -39,12 +41,14 @@ from .output import OutputError, ended_by_signals, error_lines, table, write_fil
 @cli.command()
 @model_argument
 @layout_option
+@signature_options
 @selection_options
 @cache_options
 @remote_options
 def validate(
     path: Path | str,
     layout: Layout,
+    signature: Signature | None,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -56,25 +60,34 @@ def validate(
     taken from the cache of validated headers; --no-cache checks everything from scratch.
     Exit 0 when valid; exit 1 and one line per problem on stderr when not.
     """
-    with source_of(path, remote, no_cache).open(selection, layout) as model:
+    with source_of(path, remote, no_cache).open(selection, layout, signature=signature) as model:
+        signer = model.gate.integrity.signer
         click.echo(
             f"{printable(str(path))}: valid: {plural(len(model.shards), 'shard')}, "
             f"{plural(len(model), 'tensor')}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
             + ("" if selection.everything else f", selected by {printable(selection.describe())}")
+            + (f", signed by {signer} ({model.gate.integrity.label})" if signer else "")
         )
 
 
 @cli.command(name="ls")
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
+@signature_options
 @selection_options
 @cache_options
 @remote_options
 def ls_command(
-    path: Path | str, as_json: bool, selection: Selection, cache_dir: Path | None, no_cache: bool, remote: RemoteOptions
+    path: Path | str,
+    as_json: bool,
+    signature: Signature | None,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
 ) -> None:
     """List the tensors of MODEL: name, dtype, shape, size and shard."""
-    with source_of(path, remote, no_cache).open(selection) as model:
+    with source_of(path, remote, no_cache).open(selection, signature=signature) as model:
         if as_json:
             _ls_json(model)
         else:
@@ -131,6 +144,7 @@ def manifest(
 @click.argument("dest", type=click.Path(path_type=Path))
 @view_files_option("--shards", "A directory DEST: the model")
 @manifest_options("Write no tensor", "all before writing anything")
+@signature_options
 @selection_options
 @remote_options
 def export(
@@ -139,6 +153,7 @@ def export(
     shards: int,
     manifest_path: Path | str | None,
     verify: str | None,
+    signature: Signature | None,
     selection: Selection,
     cache_dir: Path | None,
     remote: RemoteOptions,
@@ -166,7 +181,8 @@ def export(
     refuse_existing(dest, "file" if one_file else "directory")
     source = source_of(path, remote)
     held_to = manifest_path if manifest_path is not None else Beside.IF_ANY
-    with source.open(selection, manifest=held_to, verify=cast(Verify | None, verify)) as model, ended_by_signals():
+    how = cast(Verify | None, verify)
+    with source.open(selection, manifest=held_to, verify=how, signature=signature) as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
         if one_file and dest.suffix != f".{model.view_format}":
             why = f"a {model.format} model is written as a .{model.view_format} file (or a directory)"
@@ -176,7 +192,7 @@ def export(
                 size = model.write_safetensors(dest, progress.advance, replace=False)
             done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
-            spec = source.view_spec(shards, model.shards)
+            spec = source.view_spec(shards, model.shards, model.signed)
             error_lines(spec.warnings, prefix="warning: ")
             view = build_view(model, spec)
             try:
@@ -201,12 +217,14 @@ def export(
     help=f"The manifest to check against (sha256sum or JSON; a file or a URL). Default: {DEFAULT_MANIFEST} in "
     "MODEL (in its directory, for a file).",
 )
+@signature_options
 @selection_options
 @cache_options
 @remote_options
 def verify(
     path: Path | str,
     manifest_path: Path | str | None,
+    signature: Signature | None,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -218,6 +236,14 @@ def verify(
     selection, the manifest may list other tensors too.
     """
     source = source_of(path, remote, no_cache)
+    if signature is not None:  # every tensor checked against the signed bytes of its file
+        if manifest_path is not None:
+            raise TensorfsError(f"{source.shown}: a signature is the model's manifest: not with --manifest too")
+        with source.open(selection, signature=signature, verify="all") as model:
+            integrity = model.gate.integrity
+            signer, label = printable(integrity.signer), printable(integrity.label)
+            click.echo(f"{printable(str(path))}: all {len(model)} tensors match {label}, signed by {signer}")
+        return
     # The model first: its errors name it, not the manifest beside it.
     with source.open(selection) as model:
         found = source.manifest(manifest_path, selection)

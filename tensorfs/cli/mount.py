@@ -15,6 +15,7 @@ import click
 from ..errors import TensorfsError, printable
 from ..names import Layout
 from ..selection import Selection
+from ..signing import Signature
 from ..sources.store import RemoteOptions
 from ..units import human_size
 from .group import cli
@@ -31,6 +32,7 @@ from .options import (
     manifest_options,
     remote_options,
     selection_options,
+    signature_options,
     source_of,
     view_files_option,
 )
@@ -105,6 +107,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "each byte read is held once.",
 )
 @manifest_options("Serve no tensor", "all before mounting")
+@signature_options
 @view_files_option("--view-shards", "The synthesized model in .tensorfs/model/")
 @click.option(
     "--log-format",
@@ -139,6 +142,7 @@ def mount(
     keep_source_pages: bool,
     manifest_path: Path | str | None,
     verify: str | None,
+    signature: Signature | None,
     view_shards: int,
     log_format: str,
     metrics: tuple[str, int] | str | None,
@@ -191,7 +195,8 @@ def mount(
             raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     # The model is validated after the daemon is forked: obstore (a remote model) cannot cross a fork.
-    ready = partial(prepare, model, selection, layout, manifest_path, cast(Verify | None, verify), view_shards, warn)
+    how = cast(Verify | None, verify)
+    ready = partial(prepare, model, selection, layout, manifest_path, how, view_shards, warn, signature)
     return mount_model(ready, mountpoint, options, announce)
 
 

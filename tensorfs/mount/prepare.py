@@ -11,6 +11,7 @@ from ..model import Model
 from ..names import Layout
 from ..opener import Beside, Source, Verify
 from ..selection import Selection
+from ..signing import Signature
 from ..views import ViewSpec
 
 
@@ -22,16 +23,17 @@ def prepare(
     verify: Verify | None,
     view_shards: int,
     warn: Callable[[str], None],
+    signature: Signature | None = None,
 ) -> tuple[Model, ViewSpec]:
     """The model validated (and with --verify all, verified), and its view's spec; what its fallbacks
     stand in for and the companion files left out are said through `warn`."""
     # The model first: its errors name it, not the manifest looked for beside it.
     held_to = manifest if manifest is not None else Beside.IF_ANY
-    model = source.open(selection, layout, manifest=held_to, verify=verify, progress=True)
+    model = source.open(selection, layout, manifest=held_to, verify=verify, progress=True, signature=signature)
     try:
         for stand_in in model.stand_ins:
             warn(stand_in)
-        view = source.view_spec(view_shards, model.shards)
+        view = source.view_spec(view_shards, model.shards, model.signed)
         for warning in view.warnings:
             warn(warning)
         model.gate.integrity.hasher.cache.close()  # the daemon opens its own connection
