@@ -23,7 +23,7 @@ from .errors import ShardChangedError, TensorfsError, printable
 from .formats import BEGIN, END, NAME, is_weights_name
 from .hashcache import HashCache
 from .identity import Identity, ShardKey
-from .integrity import HASH_WORKERS, Hasher, Integrity
+from .integrity import HASH_WORKERS, SIGNATURE_LABEL, Hasher, Integrity
 from .model import Model
 from .progress import Progress
 from .safefiles import ModelDirectory, NotRegular, mounted_under
@@ -71,7 +71,6 @@ def hold_model(
         if not one_file:
             check_local_files(signed, where, model.shards, cache, everything=everything)
     integrity = hold_to(model, signed, where, Hasher(model, cache), one_file=one_file, progress=progress)
-    integrity.signer = signed.signer
     if verify_all:
         integrity.check_many(model.names())
     model.gate.set_integrity(integrity)
@@ -133,7 +132,7 @@ def hold_to(
                 for digests in pool.map(one, todo):
                     expected.update(digests)
                     verified.update(digests)
-    return Integrity(hasher, expected, verified, f"the signature {signed.label}")
+    return Integrity(hasher, expected, verified, f"{SIGNATURE_LABEL}{signed.label}", signed.signer)
 
 
 def relative_name(directory: Path | str, shard: ShardKey, one_file: bool) -> str:

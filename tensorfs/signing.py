@@ -129,10 +129,6 @@ class SignedModel:
             for ignored in (*self.ignored, *GIT_PATHS)
         )
 
-    def describe(self) -> dict[str, Any]:
-        """What status, stats.json and the metrics say of it."""
-        return {"signature": self.label, "signer": self.signer, "method": self.method, "files": len(self.files)}
-
 
 def read_signature(
     where: Path | str, trust: Signature, remote: RemoteOptions | None = None, *, in_model: bool = False

@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 import tensorfs
 import tensorfs.identity
 from conftest import Mounts
-from helpers import cli
+from helpers import cli, free_port, scrape
 
 SIGNED_SHARD = 4096
 """The shard size of models signed in ranges here: a tensor spans several ranges."""
@@ -392,12 +392,26 @@ def test_a_mount_serves_a_signed_model_and_its_signed_companions(
     private, public = keys
     model = make_model(tmp_path / "model")
     sign(model, private, sharded=True)
-    mountpoint = mounts.mount(model, "--public-key", str(public), "--cache-dir", str(tmp_path / "cache"))
+    port = free_port()
+    mountpoint = mounts.mount(
+        model, "--public-key", str(public), "--cache-dir", str(tmp_path / "cache"), "--metrics", str(port)
+    )
     view = mountpoint / ".tensorfs" / "model"
     assert (view / "config.json").read_bytes() == (model / "config.json").read_bytes()
     assert (view / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
     assert not (view / "model.sig").exists()  # the signature leaves itself out: not served as the model's
     assert np.frombuffer((mountpoint / "small").read_bytes(), np.int16).tolist() == list(range(7))
+    # What the mount is held to, said by status, stats.json and the metrics.
+    signer = tensorfs.open_model(model, signature=held(public), cache=False)
+    with signer:
+        held_to = {"signature": str(model / "model.sig"), "signer": signer.gate.integrity.signer}
+    assert held_to["signer"].startswith("public key signer.pub (sha256:")
+    assert json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["integrity"]["signature"] == held_to
+    status = [json.loads(line) for line in mounts.run("status", "--json").stdout.splitlines()]
+    assert [entry["options"]["signature"] for entry in status if entry["mountpoint"] == str(mountpoint)] == [held_to]
+    assert f"{model}, signed by {held_to['signer']}" in mounts.run("status").stdout
+    labels = (("mountpoint", str(mountpoint)), ("signature", held_to["signature"]), ("signer", held_to["signer"]))
+    assert scrape(port)[("tensorfs_signature_info", tuple(sorted(labels)))] == 1
 
 
 @pytest.mark.mount

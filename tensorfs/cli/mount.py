@@ -261,6 +261,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
             shown_state, reason = "degraded", why
         healthy = healthy and shown_state == "ok"
         served = sum(counters["read_bytes"].values()) if counters is not None else None
+        signed = (record.get("options") or {}).get("signature")
         uptime = counters["uptime_seconds"] if counters is not None else None
         if as_json:
             document = {**record, "mountpoint": str(entry.mountpoint), "source": source}
@@ -284,7 +285,9 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
                 human_size(int(record["bytes"])) if isinstance(record.get("bytes"), int) else "-",
                 human_size(served) if served is not None else "-",
                 duration(uptime) if uptime is not None else "-",
-                printable(source) + (f"  ({printable(what_to_do)})" if what_to_do else ""),
+                printable(source)
+                + (f", signed by {printable(str(signed['signer']))}" if isinstance(signed, dict) else "")
+                + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )
     if not as_json:
