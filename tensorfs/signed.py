@@ -257,7 +257,7 @@ def check_local_files(
     shard_names = {relative_name(directory, shard, False) for shard in shards}
     problems: list[str] = []
     with ModelDirectory(directory) as root:
-        present = _walk(root)
+        present = _walk(root, directory)
         for relative in sorted(set(signed.files) - set(present)):
             problems.append(f"{printable(str(directory / relative))}: signed, but not in the model")
         for relative in present:
@@ -267,14 +267,14 @@ def check_local_files(
             weights = relative in shard_names or (not everything and is_weights_name(relative))
             if relative in signed.files and not weights:
                 try:
-                    _check_plain(root, relative, signed, cache)
+                    _check_plain(root, directory, relative, signed, cache)
                 except SignatureError as exc:
                     problems.append(str(exc))
     if problems:
         raise SignatureError("\n".join(problems))
 
 
-def _walk(root: ModelDirectory) -> list[str]:
+def _walk(root: ModelDirectory, directory: Path) -> list[str]:
     """Every file beneath the directory (what is not a directory: a link is a file, never followed),
     by path; what is mounted inside it is not entered."""
     mounted = mounted_under(root.real)
@@ -283,11 +283,11 @@ def _walk(root: ModelDirectory) -> list[str]:
     while todo:
         relative = todo.pop()
         if relative.count("/") >= MAX_DEPTH:
-            raise SignatureError(f"{printable(str(root.path / relative))}: over {MAX_DEPTH} directories deep")
+            raise SignatureError(f"{printable(str(directory / relative))}: over {MAX_DEPTH} directories deep")
         try:
             entries = list(root.scan(relative))
         except OSError as exc:
-            raise SignatureError(f"{printable(str(root.path / relative))}: cannot list: {exc.strerror}") from None
+            raise SignatureError(f"{printable(str(directory / relative))}: cannot list: {exc.strerror}") from None
         for entry in entries:
             path = f"{relative}/{entry.name}" if relative else entry.name
             if path in mounted:
@@ -297,13 +297,13 @@ def _walk(root: ModelDirectory) -> list[str]:
             else:
                 found.append(path)
             if len(found) > MAX_FILES:
-                raise SignatureError(f"{printable(str(root.path))}: over {MAX_FILES} files")
+                raise SignatureError(f"{printable(str(directory))}: over {MAX_FILES} files")
     return sorted(found)
 
 
-def _check_plain(root: ModelDirectory, relative: str, signed: SignedModel, cache: HashCache) -> None:
+def _check_plain(root: ModelDirectory, directory: Path, relative: str, signed: SignedModel, cache: HashCache) -> None:
     """A file of the model that is not a shard holds its signed bytes (the hash cache first)."""
-    shown = str(root.path / relative)
+    shown = str(directory / relative)
     signed_file = signed.files[relative]
     try:
         fd, status = root.open_regular(relative)
