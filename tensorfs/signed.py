@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from .errors import ShardChangedError, TensorfsError, printable
+from .errors import RemoteError, ShardChangedError, TensorfsError, printable
 from .formats import BEGIN, END, NAME, is_weights_name
 from .hashcache import HashCache
 from .identity import Identity, ShardKey
@@ -28,8 +28,8 @@ from .model import Model
 from .progress import Progress
 from .safefiles import ModelDirectory, NotRegular, mounted_under
 from .signing import DEFAULT_SIGNATURE, Signature, SignatureError, SignedFile, SignedModel, read_signature
-from .sources.finding import beside
-from .sources.store import RemoteOptions
+from .sources.finding import beside, listing_beside
+from .sources.store import RemoteOptions, redact
 
 if TYPE_CHECKING:
     from .views.companions import Companion
@@ -62,7 +62,12 @@ def hold_model(
     signed digests its manifest (hold_to). `everything`: no selection; `verify_all`: every tensor
     checked now."""
     signed = find_signature(trust, where, remote)
-    if isinstance(where, Path):
+    root: Path | str = where
+    if isinstance(where, str):  # the URL of the model's directory (that of its file or index)
+        root = beside(where, DEFAULT_SIGNATURE, remote).url.removesuffix(f"/{DEFAULT_SIGNATURE}")
+        if not one_file:
+            check_remote_files(signed, where, remote)
+    else:
         mine = trust.location if trust.location is not None else where / DEFAULT_SIGNATURE
         if isinstance(mine, Path):  # left out, as model_signing's verify leaves it out
             own = os.path.relpath(os.path.abspath(mine), os.path.abspath(where))
@@ -70,7 +75,7 @@ def hold_model(
                 signed = dataclasses.replace(signed, ignored=(*signed.ignored, own))
         if not one_file:
             check_local_files(signed, where, model.shards, cache, everything=everything)
-    integrity = hold_to(model, signed, where, Hasher(model, cache), one_file=one_file, progress=progress)
+    integrity = hold_to(model, signed, root, Hasher(model, cache), one_file=one_file, progress=progress)
     if verify_all:
         integrity.check_many(model.names())
     model.gate.set_integrity(integrity)
@@ -112,7 +117,7 @@ def hold_to(
     verified: set[str] = set()
     todo: list[tuple[ShardKey, SignedFile]] = []
     for shard, entries in model.by_shard().items():
-        relative = relative_name(directory, shard, one_file)
+        relative = "." if one_file and "." in signed.files else relative_name(directory, shard)
         signed_file = signed.files.get(relative)
         if signed_file is None:
             raise SignatureError(f"{printable(str(shard))}: not covered by the signature {signed.label}")
@@ -135,11 +140,9 @@ def hold_to(
     return Integrity(hasher, expected, verified, f"{SIGNATURE_LABEL}{signed.label}", signed.signer)
 
 
-def relative_name(directory: Path | str, shard: ShardKey, one_file: bool) -> str:
-    """How a signature names a file of the model: its path from the model's directory ("." for a
-    model that is one file, as model_signing names it)."""
-    if one_file:
-        return "."
+def relative_name(directory: Path | str, shard: ShardKey) -> str:
+    """How a signature names a file of the model: its path from the model's directory (a model
+    signed as one file is ".", as model_signing names it)."""
     if isinstance(shard, Path):
         return PurePosixPath(os.path.relpath(shard, directory)).as_posix()
     return shard.removeprefix(str(directory).rstrip("/") + "/")
@@ -254,7 +257,7 @@ def check_local_files(
     tensors) holds its signed bytes: hashed once, then known by the hash cache. SignatureError, one
     line a file, naming each that is missing, unsigned or not the signed one. Not `everything` (a
     selection): weights files are the model's, hashed when their tensors are served, if they are."""
-    shard_names = {relative_name(directory, shard, False) for shard in shards}
+    shard_names = {relative_name(directory, shard) for shard in shards}
     problems: list[str] = []
     with ModelDirectory(directory) as root:
         present = _walk(root, directory)
@@ -270,6 +273,34 @@ def check_local_files(
                     _check_plain(root, directory, relative, signed, cache)
                 except SignatureError as exc:
                     problems.append(str(exc))
+    if problems:
+        raise SignatureError("\n".join(problems))
+
+
+def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) -> None:
+    """A model in a store that lists (S3) holds the files signed, and no other, in its directory and
+    its subdirectories one level down (a store that does not list, HTTP or the Hub, is not asked).
+    SignatureError, one line a file, naming each missing or unsigned."""
+    from .views.companions import MAX_SUBDIRECTORIES
+
+    try:
+        listed = listing_beside(source, remote, MAX_SUBDIRECTORIES)
+    except RemoteError as exc:
+        raise SignatureError(str(exc)) from None
+    if listed is None:
+        return
+    present = {path for path, _, _, _ in listed}
+    base = beside(source, DEFAULT_SIGNATURE, remote).url.removesuffix(DEFAULT_SIGNATURE)
+    problems = [
+        f"{printable(base + relative)}: signed, but not in the model"
+        for relative in sorted(set(signed.files) - present)
+        if relative.count("/") <= 1
+    ]
+    problems += [
+        f"{printable(base + relative)}: not covered by the signature {signed.label}"
+        for relative in sorted(present)
+        if relative not in signed.files and not signed.is_ignored(relative)
+    ]
     if problems:
         raise SignatureError("\n".join(problems))
 
@@ -326,30 +357,34 @@ def _check_plain(root: ModelDirectory, directory: Path, relative: str, signed: S
 
 
 def signed_content(
-    signed: SignedModel, relative: str, read: Callable[[], bytes], content_digest: bytes | None = None
+    signed: SignedModel,
+    relative: str,
+    shown: str,
+    read: Callable[[], bytes],
+    content_digest: bytes | None = None,
 ) -> None:
-    """A companion file is served only with its signed bytes. `content_digest`: the SHA-256 of the
-    content a local one is served while it holds, which must be the signed file's (read only when the
-    signature signed ranges of it); without one (a remote file), the content `read` gives is checked.
-    SignatureError naming it if not."""
+    """A companion file (`relative` in the model's directory; `shown`, as messages name it) is served
+    only with its signed bytes. `content_digest`: the SHA-256 of the content a local one is served
+    while it holds, which must be the signed file's (read only when the signature signed ranges of
+    it); without one (a remote file), the content `read` gives is checked. SignatureError if not."""
     signed_file = signed.files.get(relative)
     if signed_file is None:
-        raise SignatureError(f"{printable(relative)}: not covered by the signature {signed.label}")
+        raise SignatureError(f"{printable(shown)}: not covered by the signature {signed.label}")
     if signed_file.whole and content_digest is not None:
         if content_digest.hex() != signed_file.ranges[0][2]:
             raise SignatureError(
-                f"{printable(relative)}: hashes to {content_digest.hex()}, not to {signed_file.ranges[0][2]} as "
+                f"{printable(shown)}: bytes hash to {content_digest.hex()}, not to {signed_file.ranges[0][2]} as "
                 f"the signature {signed.label} says"
             )
         return
     data = read()
     if content_digest is not None and hashlib.sha256(data).digest() != content_digest:
-        raise SignatureError(f"{printable(relative)}: changed while it was checked")
+        raise SignatureError(f"{printable(shown)}: changed while it was checked")
 
     def from_memory(offset: int, buffer: memoryview) -> None:
         buffer[:] = data[offset : offset + len(buffer)]
 
-    check_file(from_memory, len(data), signed_file, relative, signed.label)
+    check_file(from_memory, len(data), signed_file, shown, signed.label)
 
 
 def signed_companions(signed: SignedModel, companions: Iterable[Companion], *, remote: bool) -> list[Companion]:
@@ -379,14 +414,14 @@ def signed_companions(signed: SignedModel, companions: Iterable[Companion], *, r
 
         try:
             if isinstance(origin, LocalOrigin):
-                signed_content(signed, companion.path, read, origin.digest)
+                signed_content(signed, companion.path, str(origin.directory / companion.path), read, origin.digest)
             else:
-                signed_content(signed, companion.path, read)
+                signed_content(signed, companion.path, redact(origin.ref.url), read)
         except TensorfsError as exc:
             problems.append(str(exc))
     for relative in sorted(set(signed.files) - listed if remote else ()):
         if is_companion(relative):
-            problems.append(f"{printable(relative)}: signed, but not beside the model")
+            problems.append(f"{printable(relative)}: signed, but not beside the model ({signed.label})")
     if problems:
         raise SignatureError("\n".join(problems))
     return kept

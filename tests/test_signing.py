@@ -10,8 +10,10 @@ import datetime
 import errno
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +28,8 @@ import tensorfs
 import tensorfs.identity
 from conftest import Mounts
 from helpers import cli, free_port, scrape
+from servers import Nginx, SeaweedFS
+from tensorfs.sources.store import RemoteOptions
 
 SIGNED_SHARD = 4096
 """The shard size of models signed in ranges here: a tensor spans several ranges."""
@@ -426,3 +430,77 @@ def test_a_companion_changed_under_a_mount_is_not_served(
     with pytest.raises(OSError) as caught:
         (mountpoint / ".tensorfs" / "model" / "config.json").read_bytes()
     assert caught.value.errno in (errno.EIO, errno.ESTALE)
+
+
+# -- remote models ---------------------------------------------------------------------------------------
+
+
+def put_tree(store: Any, prefix: str, directory: Path) -> None:
+    """Every file of `directory`, subdirectories too, into a store under `prefix/`."""
+    import obstore
+
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            obstore.put(store, f"{prefix}/{path.relative_to(directory).as_posix()}", path.read_bytes())
+
+
+def test_a_signed_model_in_s3_is_held_to_its_signature(
+    seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    store = seaweedfs.store(bucket)
+    put_tree(store, "signed", model)
+    remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=tmp_path / "cache")
+    url = f"s3://{bucket}/signed"
+    with tensorfs.open_model(url, signature=held(public), remote=remote) as opened:
+        assert opened.gate.integrity.verified == {"big", "small", "head", "empty"}  # read once, whole
+        assert opened.array("small").tolist() == list(range(7))
+    common = ["--public-key", str(public), "--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "c2")]
+    result = cli("export", url, str(tmp_path / "out"), *common)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    assert (tmp_path / "out" / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
+    # Each tampering in the bucket, refused in one line naming the object.
+    import obstore
+
+    obstore.put(store, "signed/config.json", b'{"model_type": "another"}\n')
+    result = cli("export", url, str(tmp_path / "out2"), *common)
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"error: s3://{bucket}/signed/config.json: not the file signed"
+    )
+    obstore.put(store, "signed/config.json", (model / "config.json").read_bytes())
+    obstore.put(store, "signed/extra.txt", b"planted")
+    with pytest.raises(tensorfs.SignatureError, match=rf"^s3://{bucket}/signed/extra.txt: not covered by the sig"):
+        tensorfs.open_model(url, signature=held(public), remote=remote)
+    obstore.delete(store, "signed/extra.txt")
+    weights = bytearray((model / "model-00002-of-00002.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    obstore.put(store, "signed/model-00002-of-00002.safetensors", bytes(weights))
+    with pytest.raises(tensorfs.SignatureError, match=r"model-00002-of-00002.safetensors: bytes \[\d+, \d+\) hash"):
+        tensorfs.open_model(url, signature=held(public), remote=remote)
+
+
+def test_a_signed_model_over_http_is_held_to_its_signature(
+    nginx: Nginx, tmp_path: Path, keys: tuple[Path, Path], request: pytest.FixtureRequest
+) -> None:
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    name = request.node.name
+    served = nginx.root / name
+    shutil.copytree(model, served)
+    try:
+        index = f"{nginx.url}/{name}/model.safetensors.index.json"
+        remote = RemoteOptions(cache_dir=tmp_path / "cache")
+        with tensorfs.open_model(index, signature=held(public), remote=remote) as opened:
+            assert opened.array("small").tolist() == list(range(7))
+            assert opened.gate.integrity.label == f"the signature {nginx.url}/{name}/model.sig"
+        flip_last_byte(served / "model-00001-of-00002.safetensors")
+        with pytest.raises(tensorfs.SignatureError, match=r"model-00001-of-00002\.safetensors: bytes hash to"):
+            tensorfs.open_model(index, signature=held(public), remote=RemoteOptions(cache_dir=tmp_path / "cache2"))
+    finally:
+        shutil.rmtree(served)
