@@ -187,7 +187,7 @@ class Source:
         is held to instead of a manifest (see signed.py).
         """
         selection = selection or Selection()
-        if signature is not None and (verify == "off" or not (manifest is None or isinstance(manifest, Beside))):
+        if signature is not None and (verify == "off" or manifest not in (None, Beside.IF_ANY)):
             why = "--verify off" if verify == "off" else "a manifest"
             raise SignatureError(f"{self.shown}: a signature is the model's manifest: not with {why} too")
         model = self._open_tables(selection, layout)

@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from .errors import RemoteError, ShardChangedError, TensorfsError, printable
-from .formats import BEGIN, END, NAME, is_weights_name
+from .formats import BEGIN, END, NAME, Entry, is_weights_name
 from .hashcache import HashCache
 from .identity import Identity, ShardKey
 from .integrity import HASH_WORKERS, SIGNATURE_LABEL, Hasher, Integrity
@@ -115,7 +115,7 @@ def hold_to(
     cache = hasher.cache
     expected: dict[str, str] = {}
     verified: set[str] = set()
-    todo: list[tuple[ShardKey, SignedFile]] = []
+    todo: list[tuple[ShardKey, list[Entry], SignedFile]] = []
     for shard, entries in model.by_shard().items():
         relative = "." if one_file and "." in signed.files else relative_name(directory, shard)
         signed_file = signed.files.get(relative)
@@ -123,14 +123,17 @@ def hold_to(
             raise SignatureError(f"{printable(str(shard))}: not covered by the signature {signed.label}")
         found = _remembered(cache, model.identity(shard), signed_file, [(e[BEGIN], e[END]) for e in entries])
         if found is None:
-            todo.append((shard, signed_file))
+            todo.append((shard, entries, signed_file))
         else:
             expected.update({entry[NAME]: found[entry[BEGIN], entry[END]] for entry in entries})
     if todo:
-        total = sum(model.shard_header(shard).file_size for shard, _ in todo)
-        with Progress(total, "checking the signed files", enabled=None if progress else False) as line:
+        total = sum(model.shard_header(shard).file_size for shard, _, _ in todo)
+        # A file in a store is read whole for it, once: the line says so.
+        remote = any(isinstance(shard, str) for shard, _, _ in todo)
+        label = "reading the signed files whole, once" if remote else "hashing the signed files, once"
+        with Progress(total, label, enabled=None if progress else False) as line:
 
-            def one(job: tuple[ShardKey, SignedFile]) -> dict[str, str]:
+            def one(job: tuple[ShardKey, list[Entry], SignedFile]) -> dict[str, str]:
                 return _hash_shard(model, cache, signed, *job, line.advance)
 
             with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
@@ -166,13 +169,14 @@ def _hash_shard(
     cache: HashCache,
     signed: SignedModel,
     shard: ShardKey,
+    entries: list[Entry],
     signed_file: SignedFile,
     advance: Callable[[int], None],
 ) -> dict[str, str]:
     """Hash a shard whole against the signature; its tensors' digests (kept in the hash cache)."""
     header = model.shard_header(shard)
     start = header.data_start
-    tensors = [(start + e[BEGIN], start + e[END], e[NAME]) for e in model.by_shard()[shard]]
+    tensors = [(start + e[BEGIN], start + e[END], e[NAME]) for e in entries]
     identity = model.identity(shard)
     digests = check_file(
         lambda offset, buffer: model.readinto(shard, offset, buffer),

@@ -176,7 +176,10 @@ def verify_signature(data: bytes, label: str, trust: Signature) -> SignedModel:
         ) from None
     if said.getvalue().strip():
         log.warning("%s: %s", label, " ".join(said.getvalue().split()))
-    return _signed(verified, signed_manifest, label, _signer(trust, signature))
+    try:
+        return _signed(verified, signed_manifest, label, _signer(trust, signature))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a statement signed, but not one it reads
+        raise SignatureError(f"{label}: its statement is not one of a model's files: {_reason(exc)}") from None
 
 
 def _parsed(data: bytes, sign_sigstore_pb: Any) -> Any:

@@ -309,6 +309,11 @@ def test_the_verification_material_is_needed_once(tmp_path: Path, keys: tuple[Pa
     )
     with pytest.raises(tensorfs.SignatureError, match="neither given"):
         tensorfs.Signature()
+    result = cli("verify", str(model), "--public-key", str(keys[1]), "--manifest", str(model / "config.json"))
+    assert result.returncode == 1
+    assert result.stderr == f"error: {model}: a signature is the model's manifest: not with a manifest too\n"
+    with pytest.raises(tensorfs.SignatureError, match="not with a manifest too"):
+        tensorfs.open_model(model, signature=held(keys[1]), verify=True)
 
 
 def test_a_key_that_is_no_key_is_named(tmp_path: Path, keys: tuple[Path, Path]) -> None:

@@ -237,9 +237,7 @@ def verify(
     """
     source = source_of(path, remote, no_cache)
     if signature is not None:  # every tensor checked against the signed bytes of its file
-        if manifest_path is not None:
-            raise TensorfsError(f"{source.shown}: a signature is the model's manifest: not with --manifest too")
-        with source.open(selection, signature=signature, verify="all") as model:
+        with source.open(selection, manifest=manifest_path, signature=signature, verify="all") as model:
             integrity = model.gate.integrity
             signer, label = printable(integrity.signer), printable(integrity.label)
             click.echo(f"{printable(str(path))}: all {len(model)} tensors match {label}, signed by {signer}")
