@@ -245,8 +245,6 @@ def signature_options(command: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         signature = None
         if signature_path is not None or public_key is not None or certificate_chain:
-            if public_key is None and not certificate_chain:
-                raise click.UsageError("--signature is verified with --public-key or --certificate-chain")
             try:
                 signature = Signature(public_key, certificate_chain, signature_path)
             except SignatureError as exc:
