@@ -290,7 +290,7 @@ def test_a_signature_must_be_there(tmp_path: Path, keys: tuple[Path, Path]) -> N
     assert result.stderr == f"error: {model / 'model.sig'}: no signature here; name one (--signature FILE|URL)\n"
 
 
-def test_a_signature_named_elsewhere_is_left_out_of_nothing(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+def test_a_signature_kept_apart_from_the_model(tmp_path: Path, keys: tuple[Path, Path]) -> None:
     """A signature kept apart from the model: its files are the model's, none left out."""
     private, public = keys
     model = make_model(tmp_path / "model")
