@@ -17,6 +17,7 @@ from .memmaps import memmap
 from .model import Model
 from .prefetch import Prefetch
 from .selection import Selection
+from .signing import Signature, SignatureError
 from .sources.store import RemoteOptions
 
 __version__ = "0.1.0"
@@ -33,6 +34,8 @@ __all__ = [
     "SafeOpen",
     "Selection",
     "ShardHeader",
+    "Signature",
+    "SignatureError",
     "SliceError",
     "TensorInfo",
     "TensorNotFound",

@@ -55,6 +55,8 @@ class ModelSnapshot:
     verified: frozenset[str] = frozenset()
     hash_cache: Path | None = None
     """Where the hashes of its tensors are kept (None: not kept)."""
+    signer: str = ""
+    """Who signed the manifest in force, when it is a signature's digests."""
 
 
 def snapshot(model: Model) -> ModelSnapshot:
@@ -93,6 +95,7 @@ def snapshot(model: Model) -> ModelSnapshot:
         integrity.label,
         frozenset(integrity.verified),
         cache.directory if cache.enabled else None,
+        integrity.signer,
     )
 
 
@@ -119,7 +122,7 @@ def reopen(saved: ModelSnapshot) -> Model:
     fallbacks = Fallbacks(saved.fallback, open_model) if saved.fallback is not None else None
     model = Model(source, opened, owners(opened), saved.layout, saved.selection, fallbacks=fallbacks)
     hasher = Hasher(model, HashCache(saved.hash_cache))
-    model.gate.set_integrity(Integrity(hasher, saved.expected, set(saved.verified), saved.label))
+    model.gate.set_integrity(Integrity(hasher, saved.expected, set(saved.verified), saved.label, saved.signer))
     return model
 
 

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 20  # read a tensor in pieces this large: they stay in the CPU's cache between read and hash
 HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _SAVE_EVERY = 5.0  # seconds between commits of new hashes while a model is hashed
+SIGNATURE_LABEL = "the signature "
+"""How messages name a signature whose digests are in force (then comes where it was read from)."""
 CACHE_MIN_BYTES = 256 << 10
 """Smaller tensors are hashed again rather than cached: storing a row costs a good part of hashing them."""
 
@@ -220,8 +222,16 @@ class Integrity:
     verified: set[str] = field(default_factory=set)
     label: str = "the manifest"
     """How messages name the manifest (where it was read from)."""
+    signer: str = ""
+    """Who signed it, when it is a signature's digests (signed.py: its label is SIGNATURE_LABEL + where)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _hashing: dict[str, threading.Event] = field(default_factory=dict, repr=False)
+
+    def signature(self) -> dict[str, str] | None:
+        """The signature in force and who signed it, as status, stats.json and the metrics say them."""
+        if not self.signer:
+            return None
+        return {"signature": self.label.removeprefix(SIGNATURE_LABEL), "signer": self.signer}
 
     def digest(self, name: str) -> str:
         """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread).

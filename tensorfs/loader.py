@@ -45,7 +45,7 @@ def safe_open(
     filename: str | os.PathLike[str], framework: str, device: Any = "cpu", *, backend: str = "mmap", **options: Any
 ) -> SafeOpen:
     """`safetensors.safe_open(filename, framework, device="cpu", *, backend="mmap")`, over anything
-    open_model opens, with its options keyword-only beside them (verify=, include=, exclude=,
+    open_model opens, with its options keyword-only beside them (verify=, signature=, include=, exclude=,
     layers=, remote=, cache=, fallback=). `framework`: "np"/"numpy" or "pt"/"torch"; `backend`:
     "mmap" (tensors over the shards' bytes) or "pread" (each tensor read from its file into memory
     of its own)."""

@@ -137,15 +137,39 @@ def read_manifest(path: Path | str, remote: RemoteOptions | None = None, *, in_m
     `in_model`: the manifest found in a model's directory, which someone else may control: a
     regular file beneath it, opened once, never blocking.
     """
+    data = read_document(path, remote, in_model=in_model, limit=MAX_MANIFEST_BYTES, what="a manifest")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
+    return parse_manifest(text, str(path))
+
+
+def read_document(
+    path: Path | str,
+    remote: RemoteOptions | None,
+    *,
+    in_model: bool,
+    limit: int,
+    what: str,
+    error: type[TensorfsError] = ManifestError,
+) -> bytes:
+    """The bytes of a small document a model is held to (`what`: a manifest, a signature) in `path`:
+    a file, a pipe or a URL, at most `limit` bytes; `error` (one line naming it) when it cannot be read.
+
+    `in_model`: found in a model's directory, which someone else may control: a regular file
+    beneath it, opened once, never blocking.
+    """
+    too_large = f"over {limit >> 20} MiB, too large to be {what}"
     if is_remote(path):
         assert isinstance(path, str)
         try:
-            data = read_url(path, remote or RemoteOptions(), MAX_MANIFEST_BYTES)
+            data = read_url(path, remote or RemoteOptions(), limit)
         except TooLarge:
-            raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest") from None
+            raise error(f"{redact(path)}: {too_large}") from None
         except (RemoteError, FileNotFoundError) as exc:
             shown = redact(path)
-            raise ManifestError(str(exc) if str(exc).startswith(shown) else f"{shown}: {exc}") from None
+            raise error(str(exc) if str(exc).startswith(shown) else f"{shown}: {exc}") from None
     else:
         path = Path(path)
         try:
@@ -157,20 +181,16 @@ def read_manifest(path: Path | str, remote: RemoteOptions | None = None, *, in_m
                 kind = os.fstat(fd).st_mode
                 if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
                     os.close(fd)
-                    raise ManifestError(f"{path}: not a regular file or a pipe")
+                    raise error(f"{path}: not a regular file or a pipe")
             try:
-                data = read_bounded(fd, MAX_MANIFEST_BYTES)
+                data = read_bounded(fd, limit)
             finally:
                 os.close(fd)
         except NotRegular:
-            raise ManifestError(f"{path}: not a regular file") from None
+            raise error(f"{path}: not a regular file") from None
         except OSError as exc:
             why = "a symlink out of the model's directory" if exc.errno == errno.EXDEV else exc.strerror
-            raise ManifestError(f"{path}: cannot read: {why}") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: over {MAX_MANIFEST_BYTES >> 20} MiB, too large to be a manifest")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ManifestError(f"{path}: not UTF-8 text") from None
-    return parse_manifest(text, str(path))
+            raise error(f"{path}: cannot read: {why}") from None
+    if len(data) > limit:
+        raise error(f"{printable(str(path))}: {too_large}")
+    return data

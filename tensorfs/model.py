@@ -26,6 +26,8 @@ from .views.export import write_safetensors
 if TYPE_CHECKING:
     import numpy as np
 
+    from .signing import SignedModel
+
 __all__ = ["Model"]
 
 _BRINGERS = 4  # threads bringing tensors in ahead of use: one reads in order (prefetch.Lane), the others hash
@@ -56,6 +58,8 @@ class Model(Tables):
         """Where its headers are kept, when they all are (a daemon reads them back from there)."""
         self.stand_ins: list[str] = []
         """What its fallbacks stand in for since it was opened (shards missing or invalid), one line each."""
+        self.signed: SignedModel | None = None
+        """The signature it is held to (its digests are the gate's manifest), if any (opener.py)."""
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None  # the threads that bring tensors in (made when asked)
         self._pool_made = threading.Lock()

@@ -38,6 +38,7 @@ from .pipelines import open_pipeline
 from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
+from .signing import Signature, SignatureError, SignedModel
 from .sources.cache import default_cache_dir
 from .sources.choosing import NO_COMPONENT, view_name
 from .sources.client import exists
@@ -179,6 +180,7 @@ class Source:
         manifest: Path | str | Beside | None = None,
         verify: Verify | None = None,
         progress: bool = False,
+        signature: Signature | None = None,
     ) -> Model:
         """Validate every header and map the shards (see open_model): the selection's tensors.
 
@@ -186,11 +188,18 @@ class Source:
         model (Beside); None for none. `verify` ("open" by default): "all" hashes every tensor
         before the model is returned (InvalidModelError naming every mismatch), "off" puts no
         manifest in force; "open" or "all" said explicitly needs a manifest. `progress`: a progress
-        line on a terminal while validating the shards and while hashing.
+        line on a terminal while validating the shards and while hashing. `signature`: the signature
+        (and what verifies it) the model is held to instead of a manifest (see signed.py).
         """
         selection = selection or Selection()
+        if signature is not None and (verify == "off" or manifest not in (None, Beside.IF_ANY)):
+            why = "--verify off" if verify == "off" else "a manifest"
+            raise SignatureError(f"{self.shown}: a signature is the model's manifest: not with {why} too")
         model = self._open_tables(selection, layout, progress)
         try:
+            if signature is not None:
+                self._hold_to_signature(model, signature, selection, progress, verify == "all")
+                return model
             found = None
             if verify != "off" and manifest is not None:
                 given = None if isinstance(manifest, Beside) else manifest
@@ -219,6 +228,16 @@ class Source:
             model.close()
             raise
         return model
+
+    def _hold_to_signature(
+        self, model: Model, trust: Signature, selection: Selection, progress: bool, verify_all: bool
+    ) -> None:
+        """Put a verified signature in force on the model's gate (signed.py)."""
+        from .signed import hold_model
+
+        where = self.location if isinstance(self.location, str) else Path(self.directory)
+        one_file, everything = self.is_one_shard, selection.everything
+        hold_model(model, trust, where, self.remote, self.cache.hashes(), one_file, everything, progress, verify_all)
 
     def _open_tables(self, selection: Selection, layout: Layout, progress: bool = False) -> Model:
         caches = self.cache
@@ -277,10 +296,13 @@ class Source:
         return Manifest(str(found), digests, lists_more)
 
     # -- what comes with it ---------------------------------------------------------------------------
-    def view_spec(self, shards: int = 0, weights: Collection[ShardKey] = ()) -> ViewSpec:
+    def view_spec(
+        self, shards: int = 0, weights: Collection[ShardKey] = (), signed: SignedModel | None = None
+    ) -> ViewSpec:
         """What a view of the model holds besides its tensors: its companion files (those left out
         are the spec's warnings; `weights`, the model's own files, never one), and how many
-        synthesized files (`shards`: 0 chooses)."""
+        synthesized files (`shards`: 0 chooses). `signed`: the signature the model is held to, which
+        each companion's bytes must be the signed ones of (SignatureError naming those that are not)."""
         from .views import ViewSpec
         from .views.companions import find_companions, find_remote_companions
 
@@ -291,6 +313,10 @@ class Source:
             companions = find_remote_companions(self.location, self.remote, warnings, weights, folders)
         else:
             companions = find_companions(self.location, warnings, directories, weights, folders)
+        if signed is not None:
+            from .signed import signed_companions
+
+            companions = signed_companions(signed, companions, remote=self.is_remote)
         by_folder: dict[str, list[str]] = {folder: [] for folder in folders}
         for weight in weights:
             folder = os.path.basename(os.path.dirname(weight))
@@ -335,6 +361,7 @@ def open_model(
     cache: bool | str | os.PathLike[str] = True,
     verify: bool | str | os.PathLike[str] | None = None,
     fallback: Sequence[str | os.PathLike[str]] = (),
+    signature: Signature | None = None,
 ) -> Model:
     """Validate every header of the model at `path` and map its shards.
 
@@ -365,6 +392,12 @@ def open_model(
     shard cannot give its bytes (or gives bytes that fail the manifest), and for a shard missing or
     invalid; a fallback's copy is taken only when its dtype and shape agree, and under `verify` only
     when its bytes match the manifest (see tensorfs.fallback).
+
+    `signature`: an OpenSSF Model Signing signature the model is held to instead of a manifest
+    (`tensorfs.Signature(public_key="key.pub")`: model.sig beside the model; `location=` another):
+    verified before anything is returned (SignatureError, naming the file and why, if it does not),
+    a local model's files exactly those signed, and no tensor handed out before the signed bytes
+    of its file prove it (the first open hashes each file whole; the hash cache spares a later one).
     """
     manifest: Path | str | Beside | None = None
     if verify is True:
@@ -379,7 +412,7 @@ def open_model(
         remote = dataclasses.replace(remote, cache_dir=Path(caches).absolute())
     source = Source.named(path, remote, caches=caches is not False, fallback=fallback)
     selection = Selection(include, exclude, layers)  # type: ignore[arg-type]  # it takes one glob too
-    return source.open(selection, layout, manifest=manifest)
+    return source.open(selection, layout, manifest=manifest, signature=signature)
 
 
 def _location(location: str | os.PathLike[str]) -> Path | str:

@@ -72,6 +72,10 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("docs/python.md", 'with tensorfs.open_model("demo/model") as model:'): RUN_BY + "test_python_the_model",
     ("docs/python.md", "handle = model.prefetch"): RUN_BY + "test_python_ahead_of_use",
     ("docs/remote.md", "tensorfs mount s3://bucket/models/llama"): RUN_BY + "test_remote_mounts",
+    ("docs/signing.md", "$ openssl ecparam"): RUN_BY + "test_signing_examples",
+    ("docs/signing.md", "tensorfs mount demo/model /mnt/weights --public-key"): RUN_BY + "test_signing_examples",
+    ("docs/signing.md", "import tensorfs"): RUN_BY + "test_signing_examples",
+    ("docs/signing.md", "$ echo '{}' > demo/model/config.json"): RUN_BY + "test_signing_examples",
     ("docs/remote.md", "  --endpoint-url URL"): NO_EXAMPLE + "a synopsis of options",
     ("docs/remote.md", "tensorfs prefetch MODEL"): NO_EXAMPLE + "a synopsis of commands",
 }
@@ -525,3 +529,29 @@ def test_python_ahead_of_use(work: Path) -> None:
     """`model`: the demo's, open."""
     given = "import tensorfs\nmodel = tensorfs.open_model('demo/model')\n"
     run_python("docs/python.md", "handle = model.prefetch", work, given=given)
+
+
+# -- signing.md -------------------------------------------------------------------------------------
+
+
+def test_signing_examples(mounts: Mounts, work: Path) -> None:
+    """In order, as a user would: the key made and the model signed, the mount (/mnt/weights: a
+    mountpoint of the test's), Python, the model changed. The key's fingerprint is this run's."""
+    transcript = commands_and_output(block("docs/signing.md", "$ openssl ecparam"))
+    for command, expected in transcript:
+        if command.startswith("tensorfs validate"):
+            import hashlib
+
+            pem = (work / "key.pub").read_bytes()
+            expected = expected.replace("sha256:74ad99d9f60b8845", f"sha256:{hashlib.sha256(pem).hexdigest()[:16]}")
+        done = run_shell(f"{command} 2>&1", work, check=False)
+        assert done.stdout == expected, (command, done.stdout)
+    mountpoint = mounts.watch(work / "weights")
+    mountpoint.mkdir()
+    mount = block("docs/signing.md", "tensorfs mount demo/model /mnt/weights")
+    done = run_shell(in_place(mount, {"/mnt/weights": str(mountpoint)}), work)
+    assert f"{work / 'demo' / 'model'}, signed by public key key.pub" in done.stdout
+    run_python("docs/signing.md", "import tensorfs", work)
+    for command, expected in commands_and_output(block("docs/signing.md", "$ echo '{}' > demo/model/config.json")):
+        done = run_shell(f"{command} 2>&1", work, check=False)
+        assert done.stdout == expected, (command, done.stdout)

@@ -76,7 +76,11 @@ def test_every_view_of_the_counters_agrees(mounts: Mounts, tmp_path: Path) -> No
 
     for snapshot in (from_file, from_command):
         assert snapshot["read_bytes"]["tensor"] == len(tensors["a"]) + len(tensors["b"])  # each byte once
-        assert snapshot["integrity"] == {"verified": 3, "verify_failures": 1}  # a, b and gone; bad
+        assert snapshot["integrity"] == {
+            "verified": 3,
+            "verify_failures": 1,
+            "signature": None,
+        }  # a, b and gone; bad; no signature
         errors = {(e["op"], e["errno"]): e["count"] for e in snapshot["errors"]}
         assert errors[("open", errno.EIO)] >= 1 and errors[("read", errno.EIO)] >= 1
         assert snapshot["tensors_opened"] == 3  # a, b and gone (bad was refused at open)

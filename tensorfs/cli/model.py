@@ -19,6 +19,7 @@ from ..names import Layout
 from ..opener import Beside, Verify, hash_all
 from ..progress import Progress
 from ..selection import Selection
+from ..signing import Signature
 from ..sources.store import RemoteOptions
 from ..units import human_size, plural
 from .group import cli
@@ -33,6 +34,7 @@ from .options import (
     quiet_option,
     remote_options,
     selection_options,
+    signature_options,
     source_of,
     view_files_option,
 )
@@ -43,6 +45,7 @@ from .output import OutputError, ended_by_signals, error_lines, table, write_fil
 @model_argument
 @layout_option
 @quiet_option
+@signature_options
 @selection_options
 @cache_options
 @remote_options
@@ -50,6 +53,7 @@ def validate(
     path: Path | str,
     layout: Layout,
     quiet: bool,
+    signature: Signature | None,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -61,25 +65,34 @@ def validate(
     taken from the cache of validated headers; --no-cache checks everything from scratch.
     Exit 0 when valid; exit 1 and one line per problem on stderr when not.
     """
-    with source_of(path, remote, no_cache).open(selection, layout, progress=not quiet) as model:
+    with source_of(path, remote, no_cache).open(selection, layout, progress=not quiet, signature=signature) as model:
+        signer = model.gate.integrity.signer
         click.echo(
             f"{printable(str(path))}: valid: {plural(len(model.shards), 'shard')}, "
             f"{plural(len(model), 'tensor')}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
             + ("" if selection.everything else f", selected by {printable(selection.describe())}")
+            + (f", signed by {signer} ({model.gate.integrity.label})" if signer else "")
         )
 
 
 @cli.command(name="ls", short_help="List the tensors of MODEL: name, dtype, shape, size and shard.")
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tensor and line, as in its .meta.json.")
+@signature_options
 @selection_options
 @cache_options
 @remote_options
 def ls_command(
-    path: Path | str, as_json: bool, selection: Selection, cache_dir: Path | None, no_cache: bool, remote: RemoteOptions
+    path: Path | str,
+    as_json: bool,
+    signature: Signature | None,
+    selection: Selection,
+    cache_dir: Path | None,
+    no_cache: bool,
+    remote: RemoteOptions,
 ) -> None:
     """List the tensors of MODEL: name, dtype, shape, size and shard."""
-    with source_of(path, remote, no_cache).open(selection) as model:
+    with source_of(path, remote, no_cache).open(selection, signature=signature) as model:
         if as_json:
             _ls_json(model)
         else:
@@ -141,6 +154,7 @@ def manifest(
 @view_files_option("A directory DEST: the model")
 @manifest_options("Write no tensor", "all before writing anything")
 @quiet_option
+@signature_options
 @selection_options
 @remote_options
 def export(
@@ -150,6 +164,7 @@ def export(
     manifest_path: Path | str | None,
     verify: str | None,
     quiet: bool,
+    signature: Signature | None,
     selection: Selection,
     cache_dir: Path | None,
     remote: RemoteOptions,
@@ -178,7 +193,8 @@ def export(
     refuse_existing(dest, "file" if one_file else "directory")
     held_to = manifest_path if manifest_path is not None else Beside.IF_ANY
     verifying = cast(Verify | None, verify)
-    with source.open(selection, manifest=held_to, verify=verifying, progress=not quiet) as model, ended_by_signals():
+    opened = source.open(selection, manifest=held_to, verify=verifying, progress=not quiet, signature=signature)
+    with opened as model, ended_by_signals():
         tensors = plural(len(model), "tensor")
         if one_file and dest.suffix != f".{model.view_format}":
             why = f"a {model.format} model is written as a .{model.view_format} file (or a directory)"
@@ -188,7 +204,7 @@ def export(
                 size = model.write_safetensors(dest, progress.advance, replace=False)
             done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
-            spec = source.view_spec(view_shards, model.shards)
+            spec = source.view_spec(view_shards, model.shards, model.signed)
             error_lines(spec.warnings, prefix="warning: ")
             view = build_view(model, spec)
             try:
@@ -214,6 +230,7 @@ def export(
     "MODEL (in its directory, for a file).",
 )
 @quiet_option
+@signature_options
 @selection_options
 @cache_options
 @remote_options
@@ -221,6 +238,7 @@ def verify(
     path: Path | str,
     manifest_path: Path | str | None,
     quiet: bool,
+    signature: Signature | None,
     selection: Selection,
     cache_dir: Path | None,
     no_cache: bool,
@@ -232,6 +250,12 @@ def verify(
     selection, the manifest may list other tensors too.
     """
     source = source_of(path, remote, no_cache)
+    if signature is not None:  # every tensor checked against the signed bytes of its file
+        with source.open(selection, manifest=manifest_path, signature=signature, verify="all") as model:
+            integrity = model.gate.integrity
+            signer, label = printable(integrity.signer), printable(integrity.label)
+            click.echo(f"{printable(str(path))}: all {len(model)} tensors match {label}, signed by {signer}")
+        return
     # The model first: its errors name it, not the manifest beside it.
     with source.open(selection, progress=not quiet) as model:
         found = source.manifest(manifest_path, selection)

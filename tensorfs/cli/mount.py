@@ -15,6 +15,7 @@ import click
 from ..errors import TensorfsError, printable
 from ..names import Layout
 from ..selection import Selection
+from ..signing import Signature
 from ..sources.store import RemoteOptions
 from ..units import human_size
 from .group import cli
@@ -31,6 +32,7 @@ from .options import (
     manifest_options,
     remote_options,
     selection_options,
+    signature_options,
     source_of,
     view_files_option,
 )
@@ -105,6 +107,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     "each byte read is held once.",
 )
 @manifest_options("Serve no tensor", "all before mounting")
+@signature_options
 @view_files_option("The synthesized model in .tensorfs/model/")
 @click.option(
     "--log-format",
@@ -139,6 +142,7 @@ def mount(
     keep_source_pages: bool,
     manifest_path: Path | str | None,
     verify: str | None,
+    signature: Signature | None,
     view_shards: int,
     log_format: str,
     metrics: tuple[str, int] | str | None,
@@ -194,7 +198,9 @@ def mount(
 
     # The model is validated after the daemon is forked: obstore (a remote model) cannot cross a fork.
     verifying = cast(Verify | None, verify)
-    ready = partial(prepare, model, selection, layout, manifest_path, verifying, view_shards, warn, not quiet)
+    ready = partial(
+        prepare, model, selection, layout, manifest_path, verifying, view_shards, warn, not quiet, signature
+    )
     return mount_model(ready, mountpoint, options, announce)
 
 
@@ -259,6 +265,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
             shown_state, reason = "degraded", why
         healthy = healthy and shown_state == "ok"
         served = sum(counters["read_bytes"].values()) if counters is not None else None
+        signed = (record.get("options") or {}).get("signature")
         uptime = counters["uptime_seconds"] if counters is not None else None
         if as_json:
             document = {**record, "mountpoint": str(entry.mountpoint), "source": source}
@@ -282,7 +289,9 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
                 human_size(int(record["bytes"])) if isinstance(record.get("bytes"), int) else "-",
                 human_size(served) if served is not None else "-",
                 duration(uptime) if uptime is not None else "-",
-                printable(source) + (f"  ({printable(what_to_do)})" if what_to_do else ""),
+                printable(source)
+                + (f", signed by {printable(str(signed['signer']))}" if isinstance(signed, dict) else "")
+                + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )
     if not as_json:

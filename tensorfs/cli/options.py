@@ -17,6 +17,7 @@ from ..manifest import DEFAULT_MANIFEST
 from ..names import LAYOUTS
 from ..opener import Source
 from ..selection import Selection, parse_layers
+from ..signing import DEFAULT_SIGNATURE, Signature, SignatureError
 from ..sources.store import RemoteOptions, is_remote, location_problem, redact
 
 READAHEAD_LIMIT_KB = 1 << 20
@@ -235,6 +236,53 @@ def manifest_options(serve: str, all_before: str) -> Callable[[Callable[..., Any
         )(command)
 
     return apply
+
+
+def signature_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--signature, --public-key and --certificate-chain, as one Signature `signature` (None: none given)."""
+
+    @functools.wraps(command)
+    def with_signature(
+        *args: Any,
+        signature_path: Path | str | None,
+        public_key: Path | None,
+        certificate_chain: tuple[Path, ...],
+        **kwargs: Any,
+    ) -> Any:
+        signature = None
+        if signature_path is not None or public_key is not None or certificate_chain:
+            try:
+                signature = Signature(public_key, certificate_chain, signature_path)
+            except SignatureError as exc:
+                raise click.UsageError(str(exc)) from None
+        return command(*args, signature=signature, **kwargs)
+
+    options = [
+        click.option(
+            "--signature",
+            "signature_path",
+            type=ModelLocation(),
+            metavar="FILE|URL",
+            help=f"Hold MODEL to this OpenSSF Model Signing signature instead of a manifest: its files exactly those "
+            f"signed, each tensor served only from signed bytes. Default, with --public-key or --certificate-chain: "
+            f"{DEFAULT_SIGNATURE} in MODEL.",
+        ),
+        click.option(
+            "--public-key",
+            type=click.Path(path_type=Path, dir_okay=False),
+            help="Verify the signature with this PEM public key (an elliptic-curve key's: model_signing's `key`).",
+        ),
+        click.option(
+            "--certificate-chain",
+            type=click.Path(path_type=Path, dir_okay=False),
+            multiple=True,
+            help="Verify the signature's certificate against these PEM certificates (repeatable; model_signing's "
+            "`certificate`).",
+        ),
+    ]
+    for option in reversed(options):
+        with_signature = option(with_signature)
+    return with_signature
 
 
 def cache_options(command: Callable[..., Any]) -> Callable[..., Any]:

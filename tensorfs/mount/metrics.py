@@ -107,6 +107,14 @@ class _Collector:
         yield counter("tensorfs_tensors_verified", "Tensors whose hash matched the manifest.", integrity["verified"])
         failures = integrity["verify_failures"]
         yield counter("tensorfs_verification_failures", "Tensors refused: not the manifest's hash.", failures)
+        if integrity.get("signature") is not None:
+            signed = GaugeMetricFamily(
+                "tensorfs_signature_info",
+                "The signature the mount is held to, and its signer.",
+                labels=[*where, "signature", "signer"],
+            )
+            signed.add_metric([mnt, integrity["signature"]["signature"], integrity["signature"]["signer"]], 1)
+            yield signed
         fallback = snapshot["fallback"]
         by_source = [*where, "source"]
         reads_from = CounterMetricFamily("tensorfs_fallback_reads", "Reads served from a fallback.", labels=by_source)

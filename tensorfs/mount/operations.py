@@ -84,6 +84,7 @@ class TensorOperations(pyfuse3.Operations):
         self.tree = tree
         self.gate = tree.model.gate
         self.stats = Stats(tree.model.nbytes)
+        self.stats.signature = self.gate.integrity.signature()  # what the mount is held to, if signed
         self.stats.sources.update(counters or {})
         self.reporter = MountReporter(tree, self.stats, invalidate)
         self.gate.reporter = self.reporter

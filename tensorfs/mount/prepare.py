@@ -11,6 +11,7 @@ from ..model import Model
 from ..names import Layout
 from ..opener import Beside, Source, Verify
 from ..selection import Selection
+from ..signing import Signature
 from ..views import ViewSpec
 
 
@@ -23,17 +24,18 @@ def prepare(
     view_shards: int,
     warn: Callable[[str], None],
     progress: bool = True,
+    signature: Signature | None = None,
 ) -> tuple[Model, ViewSpec]:
     """The model validated (and with --verify all, verified: a progress line on a terminal for both
     unless not `progress`), and its view's spec; what its fallbacks stand in for and the companion
     files left out are said through `warn`."""
     # The model first: its errors name it, not the manifest looked for beside it.
     held_to = manifest if manifest is not None else Beside.IF_ANY
-    model = source.open(selection, layout, manifest=held_to, verify=verify, progress=progress)
+    model = source.open(selection, layout, manifest=held_to, verify=verify, progress=progress, signature=signature)
     try:
         for stand_in in model.stand_ins:
             warn(stand_in)
-        view = source.view_spec(view_shards, model.shards)
+        view = source.view_spec(view_shards, model.shards, model.signed)
         for warning in view.warnings:
             warn(warning)
         model.gate.integrity.hasher.cache.close()  # the daemon opens its own connection

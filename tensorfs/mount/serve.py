@@ -165,6 +165,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions) -> dict[str, 
             "keep_source_pages": options.keep_source_pages,
             "debug": options.debug,
             "manifest": integrity.expected is not None,
+            "signature": integrity.signature(),
             "hash_cache": str(integrity.hasher.cache.directory) if integrity.hasher.cache.enabled else None,
             "remote": options.remote,
             "fallback": []

@@ -48,6 +48,8 @@ class Stats:
         self.prefetch_bytes = 0
         self.verified = 0
         self.verify_failures = 0
+        self.signature: dict[str, str] | None = None
+        """The signature the mount is held to and who signed it (None: none)."""
         self.open_files = 0
         self.opened_tensors: set[str] = set()
         self._touched: dict[object, bytearray] = {}  # per shard, a byte per MiB: 1 read, 2 read ahead
@@ -141,7 +143,11 @@ class Stats:
             "prefetch_bytes": self.prefetch_bytes,
             "prefetch_ahead_bytes": self.prefetch_ahead_bytes,
             "prefetch_hit_bytes": self.prefetch_hit_bytes,
-            "integrity": {"verified": self.verified, "verify_failures": self.verify_failures},
+            "integrity": {
+                "verified": self.verified,
+                "verify_failures": self.verify_failures,
+                "signature": self.signature,
+            },
             "changed_shards": len(self.changed),
             "fallback": {
                 "tensors": dict(self.fallback_tensors),

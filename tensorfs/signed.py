@@ -1,0 +1,431 @@
+"""Holding a model to a verified signature (signing.py): its files are exactly the signed ones, and
+the signer's digests are the gate's manifest.
+
+A signature gives each file's SHA-256 (or its ranges'), not each tensor's; the gate checks
+tensors. So a file is hashed whole once (a progress line; a remote one is read once), its ranges
+compared with the signed digests, and the digests of its tensors, taken in the same pass, become
+what the gate holds them to; they are kept in the hash cache with a row saying that the file of
+this identity matched what the signature says of it, so that a later open of the unchanged file
+is lazy again (the hash cache's own trust: an unchanged identity is unchanged bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from .errors import RemoteError, ShardChangedError, TensorfsError, printable
+from .formats import BEGIN, END, NAME, Entry, is_weights_name
+from .hashcache import HashCache
+from .identity import Identity, ShardKey
+from .integrity import HASH_WORKERS, SIGNATURE_LABEL, Hasher, Integrity
+from .model import Model
+from .progress import Progress
+from .safefiles import ModelDirectory, NotRegular, mounted_under
+from .signing import DEFAULT_SIGNATURE, Signature, SignatureError, SignedFile, SignedModel, read_signature
+from .sources.finding import beside, listing_beside
+from .sources.store import RemoteOptions, redact
+
+if TYPE_CHECKING:
+    from .views.companions import Companion
+
+_CHUNK = 1 << 20
+FILE_SPAN = (-1, -1)
+"""The hash cache's row for a whole file (no tensor's span is negative): what the signature said of
+the file when the file of that identity was found to match it (SignedFile.key)."""
+MAX_FILES = 100_000
+MAX_DEPTH = 32
+"""The most a local model's directory is walked for its files: past either, it is refused."""
+
+_Reader = Callable[[int, memoryview], None]
+"""Fill a buffer with a file's bytes from an offset (ShardChangedError when they are gone)."""
+
+
+def hold_model(
+    model: Model,
+    trust: Signature,
+    where: Path | str,
+    remote: RemoteOptions,
+    cache: HashCache,
+    one_file: bool,
+    everything: bool,
+    progress: bool,
+    verify_all: bool,
+) -> None:
+    """Put the verified signature `trust` names (else model.sig beside the model) in force on its gate:
+    a local model's files exactly those signed (`where`: its directory, or a remote one's URL), the
+    signed digests its manifest (hold_to). `everything`: no selection; `verify_all`: every tensor
+    checked now."""
+    signed = find_signature(trust, where, remote)
+    root: Path | str = where
+    if isinstance(where, str):  # the URL of the model's directory (that of its file or index)
+        root = beside(where, DEFAULT_SIGNATURE, remote).url.removesuffix(f"/{DEFAULT_SIGNATURE}")
+        if not one_file:
+            check_remote_files(signed, where, remote)
+    else:
+        mine = trust.location if trust.location is not None else where / DEFAULT_SIGNATURE
+        if isinstance(mine, Path):  # left out, as model_signing's verify leaves it out
+            own = os.path.relpath(os.path.abspath(mine), os.path.abspath(where))
+            if not own.startswith(".."):
+                signed = dataclasses.replace(signed, ignored=(*signed.ignored, own))
+        if not one_file:
+            check_local_files(signed, where, model.shards, cache, everything=everything)
+    integrity = hold_to(model, signed, root, Hasher(model, cache), one_file=one_file, progress=progress)
+    if verify_all:
+        integrity.check_many(model.names())
+    model.gate.set_integrity(integrity)
+    model.signed = signed
+
+
+def find_signature(trust: Signature, where: Path | str, remote: RemoteOptions) -> SignedModel:
+    """The signature `trust` names, else model.sig beside the model (`where`: its directory or URL), verified."""
+    if trust.location is not None:
+        return read_signature(trust.location, trust, remote)
+    if isinstance(where, str):
+        return read_signature(beside(where, DEFAULT_SIGNATURE, remote).url, trust, remote)
+    try:  # asked of the directory, never of what a mount or a link there leads to (it may hang)
+        with ModelDirectory(where) as directory:
+            there = directory.has(DEFAULT_SIGNATURE)
+    except OSError:
+        there = False
+    if not there:
+        shown = printable(str(where / DEFAULT_SIGNATURE))
+        raise SignatureError(f"{shown}: no signature here; name one (--signature FILE|URL)")
+    return read_signature(where / DEFAULT_SIGNATURE, trust, remote, in_model=True)
+
+
+def hold_to(
+    model: Model,
+    signed: SignedModel,
+    directory: Path | str,
+    hasher: Hasher,
+    *,
+    one_file: bool,
+    progress: bool = False,
+) -> Integrity:
+    """The gate's integrity under `signed`: every tensor's SHA-256 as the signed bytes of its file
+    make it. Each shard whose identity the hash cache does not know to match the signature is hashed
+    whole first; SignatureError, naming the file, for a shard the signature does not name or whose
+    bytes are not the signed ones."""
+    cache = hasher.cache
+    expected: dict[str, str] = {}
+    verified: set[str] = set()
+    todo: list[tuple[ShardKey, list[Entry], SignedFile]] = []
+    for shard, entries in model.by_shard().items():
+        relative = "." if one_file and "." in signed.files else relative_name(directory, shard)
+        signed_file = signed.files.get(relative)
+        if signed_file is None:
+            raise SignatureError(f"{printable(str(shard))}: not covered by the signature {signed.label}")
+        found = _remembered(cache, model.identity(shard), signed_file, [(e[BEGIN], e[END]) for e in entries])
+        if found is None:
+            todo.append((shard, entries, signed_file))
+        else:
+            expected.update({entry[NAME]: found[entry[BEGIN], entry[END]] for entry in entries})
+    if todo:
+        total = sum(model.shard_header(shard).file_size for shard, _, _ in todo)
+        # A file in a store is read whole for it, once: the line says so.
+        remote = any(isinstance(shard, str) for shard, _, _ in todo)
+        label = "reading the signed files whole, once" if remote else "hashing the signed files, once"
+        with Progress(total, label, enabled=None if progress else False) as line:
+
+            def one(job: tuple[ShardKey, list[Entry], SignedFile]) -> dict[str, str]:
+                return _hash_shard(model, cache, signed, *job, line.advance)
+
+            with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
+                for digests in pool.map(one, todo):
+                    expected.update(digests)
+                    verified.update(digests)
+    return Integrity(hasher, expected, verified, f"{SIGNATURE_LABEL}{signed.label}", signed.signer)
+
+
+def relative_name(directory: Path | str, shard: ShardKey) -> str:
+    """How a signature names a file of the model: its path from the model's directory (a model
+    signed as one file is ".", as model_signing names it)."""
+    if isinstance(shard, Path):
+        return PurePosixPath(os.path.relpath(shard, directory)).as_posix()
+    return shard.removeprefix(str(directory).rstrip("/") + "/")
+
+
+def _remembered(
+    cache: HashCache, identity: Identity | None, signed_file: SignedFile, spans: list[tuple[int, int]]
+) -> dict[tuple[int, int], str] | None:
+    """The tensors' digests the hash cache keeps for a file of this identity found to match what the
+    signature says of it; None when it does not know them all."""
+    if identity is None or not cache.enabled:
+        return None
+    found = cache.get_many(identity, [FILE_SPAN, *spans])
+    if found.get(FILE_SPAN) != signed_file.key() or not all(span in found for span in spans):
+        return None
+    return found
+
+
+def _hash_shard(
+    model: Model,
+    cache: HashCache,
+    signed: SignedModel,
+    shard: ShardKey,
+    entries: list[Entry],
+    signed_file: SignedFile,
+    advance: Callable[[int], None],
+) -> dict[str, str]:
+    """Hash a shard whole against the signature; its tensors' digests (kept in the hash cache)."""
+    header = model.shard_header(shard)
+    start = header.data_start
+    tensors = [(start + e[BEGIN], start + e[END], e[NAME]) for e in entries]
+    identity = model.identity(shard)
+    digests = check_file(
+        lambda offset, buffer: model.readinto(shard, offset, buffer),
+        header.file_size,
+        signed_file,
+        str(shard),
+        signed.label,
+        tensors,
+        advance,
+    )
+    if identity is not None:
+        by_span = {(begin - start, end - start): digests[name] for begin, end, name in tensors}
+        cache.put_many(identity, {**by_span, FILE_SPAN: signed_file.key()})
+    return digests
+
+
+def check_file(
+    read: _Reader,
+    size: int,
+    signed_file: SignedFile,
+    shown: str,
+    label: str,
+    tensors: Iterable[tuple[int, int, str]] = (),
+    advance: Callable[[int], None] | None = None,
+) -> dict[str, str]:
+    """Hash a file of `size` bytes in one pass: each signed range (or the whole) compared with the
+    signature's digest, and the SHA-256 of each of `tensors` ((begin, end, name), absolute) taken on
+    the way. SignatureError naming the file and the range when its bytes are not the signed ones."""
+    why = signed_file.mismatch(size)
+    if why is not None:
+        raise SignatureError(f"{printable(shown)}: not the file signed: {why} (the signature {label})")
+    pending = sorted(tensors)
+    active: list[tuple[int, int, str, hashlib._Hash]] = []
+    digests: dict[str, str] = {}
+    buffer = memoryview(bytearray(_CHUNK))
+    nxt = 0
+    for begin, end, want in signed_file.ranges:
+        end = size if end is None else end
+        digest = hashlib.sha256()
+        for offset in range(begin, end, _CHUNK):
+            piece = buffer[: min(_CHUNK, end - offset)]
+            try:
+                read(offset, piece)
+            except ShardChangedError as exc:
+                raise SignatureError(f"{printable(shown)}: changed while it was checked: {exc}") from None
+            digest.update(piece)
+            stop = offset + len(piece)
+            while nxt < len(pending) and pending[nxt][0] < stop:
+                active.append((*pending[nxt], hashlib.sha256()))
+                nxt += 1
+            still = []
+            for t_begin, t_end, name, t_digest in active:
+                t_digest.update(piece[max(t_begin, offset) - offset : min(t_end, stop) - offset])
+                if t_end <= stop:
+                    digests[name] = t_digest.hexdigest()
+                else:
+                    still.append((t_begin, t_end, name, t_digest))
+            active = still
+            if advance is not None:
+                advance(len(piece))
+        if digest.hexdigest() != want:
+            span = "" if signed_file.whole else f" [{begin}, {end})"
+            raise SignatureError(
+                f"{printable(shown)}: bytes{span} hash to {digest.hexdigest()}, not to {want} as the signature "
+                f"{label} says"
+            )
+    for _, _, name, t_digest in active:
+        digests[name] = t_digest.hexdigest()
+    for _, _, name in pending[nxt:]:  # empty tensors at the very end of the file
+        digests[name] = hashlib.sha256().hexdigest()
+    return digests
+
+
+# -- the files of the model ------------------------------------------------------------------------
+
+
+def check_local_files(
+    signed: SignedModel, directory: Path, shards: Iterable[ShardKey], cache: HashCache, *, everything: bool = True
+) -> None:
+    """A local model's directory holds exactly the files signed (but those the signature leaves out,
+    itself among them), and each that is not one of the model's shards (theirs are hashed with their
+    tensors) holds its signed bytes: hashed once, then known by the hash cache. SignatureError, one
+    line a file, naming each that is missing, unsigned or not the signed one. Not `everything` (a
+    selection): weights files are the model's, hashed when their tensors are served, if they are."""
+    shard_names = {relative_name(directory, shard) for shard in shards}
+    problems: list[str] = []
+    with ModelDirectory(directory) as root:
+        present = _walk(root, directory)
+        for relative in sorted(set(signed.files) - set(present)):
+            problems.append(f"{printable(str(directory / relative))}: signed, but not in the model")
+        for relative in present:
+            if relative not in signed.files and not signed.is_ignored(relative):
+                problems.append(f"{printable(str(directory / relative))}: not covered by the signature {signed.label}")
+        for relative in present:
+            weights = relative in shard_names or (not everything and is_weights_name(relative))
+            if relative in signed.files and not weights:
+                try:
+                    _check_plain(root, directory, relative, signed, cache)
+                except SignatureError as exc:
+                    problems.append(str(exc))
+    if problems:
+        raise SignatureError("\n".join(problems))
+
+
+def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) -> None:
+    """A model in a store that lists (S3) holds the files signed, and no other, in its directory and
+    its subdirectories one level down (a store that does not list, HTTP or the Hub, is not asked).
+    SignatureError, one line a file, naming each missing or unsigned."""
+    from .views.companions import MAX_SUBDIRECTORIES
+
+    try:
+        listed = listing_beside(source, remote, MAX_SUBDIRECTORIES)
+    except RemoteError as exc:
+        raise SignatureError(str(exc)) from None
+    if listed is None:
+        return
+    present = {path for path, _, _, _ in listed}
+    base = beside(source, DEFAULT_SIGNATURE, remote).url.removesuffix(DEFAULT_SIGNATURE)
+    problems = [
+        f"{printable(base + relative)}: signed, but not in the model"
+        for relative in sorted(set(signed.files) - present)
+        if relative.count("/") <= 1
+    ]
+    problems += [
+        f"{printable(base + relative)}: not covered by the signature {signed.label}"
+        for relative in sorted(present)
+        if relative not in signed.files and not signed.is_ignored(relative)
+    ]
+    if problems:
+        raise SignatureError("\n".join(problems))
+
+
+def _walk(root: ModelDirectory, directory: Path) -> list[str]:
+    """Every file beneath the directory (what is not a directory: a link is a file, never followed),
+    by path; what is mounted inside it is not entered."""
+    mounted = mounted_under(root.real)
+    found: list[str] = []
+    todo = [""]
+    while todo:
+        relative = todo.pop()
+        if relative.count("/") >= MAX_DEPTH:
+            raise SignatureError(f"{printable(str(directory / relative))}: over {MAX_DEPTH} directories deep")
+        try:
+            entries = list(root.scan(relative))
+        except OSError as exc:
+            raise SignatureError(f"{printable(str(directory / relative))}: cannot list: {exc.strerror}") from None
+        for entry in entries:
+            path = f"{relative}/{entry.name}" if relative else entry.name
+            if path in mounted:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                todo.append(path)
+            else:
+                found.append(path)
+            if len(found) > MAX_FILES:
+                raise SignatureError(f"{printable(str(directory))}: over {MAX_FILES} files")
+    return sorted(found)
+
+
+def _check_plain(root: ModelDirectory, directory: Path, relative: str, signed: SignedModel, cache: HashCache) -> None:
+    """A file of the model that is not a shard holds its signed bytes (the hash cache first)."""
+    shown = str(directory / relative)
+    signed_file = signed.files[relative]
+    try:
+        fd, status = root.open_regular(relative)
+    except (NotRegular, OSError) as exc:
+        why = "not a regular file" if isinstance(exc, NotRegular) else exc.strerror
+        raise SignatureError(f"{printable(shown)}: cannot be checked: {why}") from None
+    try:
+        identity = Identity.of(status)
+        if _remembered(cache, identity, signed_file, []) is not None:
+            return
+
+        def read(offset: int, buffer: memoryview) -> None:
+            if os.preadv(fd, [buffer], offset) != len(buffer):
+                raise ShardChangedError(f"{shown}: shorter than when opened")
+
+        check_file(read, status.st_size, signed_file, shown, signed.label)
+        cache.put_many(identity, {FILE_SPAN: signed_file.key()})
+    finally:
+        os.close(fd)
+
+
+def signed_content(
+    signed: SignedModel,
+    relative: str,
+    shown: str,
+    read: Callable[[], bytes],
+    content_digest: bytes | None = None,
+) -> None:
+    """A companion file (`relative` in the model's directory; `shown`, as messages name it) is served
+    only with its signed bytes. `content_digest`: the SHA-256 of the content a local one is served
+    while it holds, which must be the signed file's (read only when the signature signed ranges of
+    it); without one (a remote file), the content `read` gives is checked. SignatureError if not."""
+    signed_file = signed.files.get(relative)
+    if signed_file is None:
+        raise SignatureError(f"{printable(shown)}: not covered by the signature {signed.label}")
+    if signed_file.whole and content_digest is not None:
+        if content_digest.hex() != signed_file.ranges[0][2]:
+            raise SignatureError(
+                f"{printable(shown)}: bytes hash to {content_digest.hex()}, not to {signed_file.ranges[0][2]} as "
+                f"the signature {signed.label} says"
+            )
+        return
+    data = read()
+    if content_digest is not None and hashlib.sha256(data).digest() != content_digest:
+        raise SignatureError(f"{printable(shown)}: changed while it was checked")
+
+    def from_memory(offset: int, buffer: memoryview) -> None:
+        buffer[:] = data[offset : offset + len(buffer)]
+
+    check_file(from_memory, len(data), signed_file, shown, signed.label)
+
+
+def signed_companions(signed: SignedModel, companions: Iterable[Companion], *, remote: bool) -> list[Companion]:
+    """The companion files a view serves are the signed ones, with their signed bytes (a local one is
+    served only while it holds what it held when found; a remote one is read once here); beside a
+    remote model (whose files were not listed when it was opened), no companion the signature names
+    is missing. SignatureError, one line a file, if not. The companions to serve: those the signature
+    leaves out (itself among them) are not."""
+    from .views.companions import CompanionFiles, LocalOrigin, is_companion
+
+    problems: list[str] = []
+    listed: set[str] = set()
+    kept: list[Companion] = []
+    for companion in companions:
+        if signed.is_ignored(companion.path) and companion.path not in signed.files:
+            continue
+        listed.add(companion.path)
+        kept.append(companion)
+        origin = companion.origin
+
+        def read(companion: Companion = companion) -> bytes:
+            files = CompanionFiles([companion])
+            try:
+                return files.read(companion.path, 0, companion.size)
+            finally:
+                files.close()
+
+        try:
+            if isinstance(origin, LocalOrigin):
+                signed_content(signed, companion.path, str(origin.directory / companion.path), read, origin.digest)
+            else:
+                signed_content(signed, companion.path, redact(origin.ref.url), read)
+        except TensorfsError as exc:
+            problems.append(str(exc))
+    for relative in sorted(set(signed.files) - listed if remote else ()):
+        if is_companion(relative):
+            problems.append(f"{printable(relative)}: signed, but not beside the model ({signed.label})")
+    if problems:
+        raise SignatureError("\n".join(problems))
+    return kept

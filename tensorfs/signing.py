@@ -1,0 +1,233 @@
+"""Signed models (OpenSSF Model Signing, the `model-signing` package): a signature read and verified
+offline with the material a user has (a public key, or a certificate chain), through the library's
+own types and cryptography, never a parser of bundles or envelopes of tensorfs's own; what it
+proves is the signer's digests of every file of the model (whole files, or their ranges when they
+were hashed in shards), without hashing any file: holding a model to them is signed.py's.
+
+model-signing is an optional extra (`pip install tensorfs[signing]`): it is imported only when a
+signature is verified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from .errors import TensorfsError, printable
+from .manifest import read_document
+from .sources.store import RemoteOptions, is_remote, redact
+
+if TYPE_CHECKING:
+    from model_signing import manifest as signed_manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIGNATURE = "model.sig"
+"""The signature looked for beside a model (model_signing's own default name)."""
+MAX_SIGNATURE_BYTES = 256 << 20
+"""A signature lists a digest per file (or per range of a file): one past this is no signature."""
+GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
+"""What model_signing leaves out of every model it hashes (its hashing.Config's git paths)."""
+
+
+class SignatureError(TensorfsError):
+    """A signature that cannot be read, does not verify, or that the model does not match."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A signature to hold a model to, and what verifies it (offline: a public key, or a certificate
+    chain whose root the user trusts): `Signature(public_key="key.pub")` takes model.sig beside the
+    model, `location=` names another (a file or a URL)."""
+
+    public_key: Path | None = None
+    """The PEM public key of an elliptic-curve key (model_signing's `key` method)."""
+    certificate_chain: tuple[Path, ...] = ()
+    """PEM certificates the signing certificate must chain to (model_signing's `certificate` method)."""
+    location: Path | str | None = None
+    """A file or a URL; None: model.sig beside the model."""
+
+    def __init__(
+        self,
+        public_key: str | os.PathLike[str] | None = None,
+        certificate_chain: Iterable[str | os.PathLike[str]] = (),
+        location: str | os.PathLike[str] | None = None,
+    ) -> None:
+        chain = tuple(Path(path) for path in certificate_chain)
+        if (public_key is None) == (not chain):
+            raise SignatureError(
+                "a signature is verified with a public key or a certificate chain (one of them): "
+                f"{'neither' if public_key is None else 'both'} given"
+            )
+        if location is not None and not (isinstance(location, str) and is_remote(location)):
+            location = Path(location)
+        object.__setattr__(self, "public_key", None if public_key is None else Path(public_key))
+        object.__setattr__(self, "certificate_chain", chain)
+        object.__setattr__(self, "location", location)
+
+
+@dataclass(frozen=True)
+class SignedFile:
+    """What a signature says of one file: its digest, or its ranges' (hashed in shards)."""
+
+    ranges: tuple[tuple[int, int | None, str], ...]
+    """(start, end, hex SHA-256), in order; one (0, None, digest) for a file hashed whole."""
+
+    @property
+    def whole(self) -> bool:
+        return len(self.ranges) == 1 and self.ranges[0][1] is None
+
+    def key(self) -> str:
+        """One string for all it says (what the hash cache remembers a file was found to match)."""
+        if self.whole:
+            return self.ranges[0][2]
+        text = "".join(f"{start} {end} {digest}\n" for start, end, digest in self.ranges)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def mismatch(self, size: int) -> str | None:
+        """Why a file of `size` bytes cannot be the one signed (its ranges do not tile it), if so."""
+        if self.whole:
+            return None
+        expected = 0
+        for start, end, _ in self.ranges:
+            if start != expected or end is None or end < start:
+                return f"the signature's ranges of it are not contiguous (at byte {start})"
+            expected = end
+        if expected != size:
+            return f"it is {size} bytes; the signature says {expected}"
+        return None
+
+
+@dataclass(frozen=True)
+class SignedModel:
+    """A verified signature: who signed, and the digests of every file it covers."""
+
+    label: str
+    """Where the signature was read from (no secret)."""
+    signer: str
+    """Who signed, as messages and the mount's status say it."""
+    method: str
+    """How the signer hashed the files: "files" (whole) or "shards" (ranges)."""
+    files: Mapping[str, SignedFile]
+    """Path relative to the model's directory ("." for a model that is one file) -> what is signed of it."""
+    ignored: tuple[str, ...]
+    """Paths the signer left out (and model_signing's git paths), relative to the model's directory;
+    the signature's own path there too, as model_signing's verify leaves it out."""
+
+    def is_ignored(self, relative: str) -> bool:
+        """Whether a file of the model is one the signature leaves out (itself among them)."""
+        parts = PurePosixPath(relative).parts
+        return any(
+            parts[: len(PurePosixPath(ignored).parts)] == PurePosixPath(ignored).parts
+            for ignored in (*self.ignored, *GIT_PATHS)
+        )
+
+
+def read_signature(
+    where: Path | str, trust: Signature, remote: RemoteOptions | None = None, *, in_model: bool = False
+) -> SignedModel:
+    """The signature at `where` (a file, or a URL; `in_model`: found beside the model), verified with
+    `trust`'s material. SignatureError, one line naming the file and the reason, when it cannot be
+    read, is not a model signature, or does not verify."""
+    data = read_document(
+        where, remote, in_model=in_model, limit=MAX_SIGNATURE_BYTES, what="a signature", error=SignatureError
+    )
+    shown = printable(redact(str(where)))
+    return verify_signature(data, shown, trust)
+
+
+def verify_signature(data: bytes, label: str, trust: Signature) -> SignedModel:
+    """The signature `data` (a sigstore bundle as model_signing writes it), verified with `trust`'s
+    material: the statement's signature checked by the library's cryptography, then its digests."""
+    try:
+        from model_signing import manifest as signed_manifest
+        from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb
+    except ImportError:
+        raise SignatureError(
+            f"{label}: verifying a signature needs the model-signing package: pip install 'tensorfs[signing]'"
+        ) from None
+    verifier: Any
+    material = trust.public_key if trust.public_key is not None else trust.certificate_chain[0]
+    try:
+        if trust.public_key is not None:
+            verifier = sign_ec_key.Verifier(trust.public_key)
+        else:
+            verifier = sign_certificate.Verifier(list(trust.certificate_chain))
+    except Exception as exc:  # the library's own words for a key or a certificate it cannot use
+        raise SignatureError(f"{printable(str(material))}: cannot verify with it: {_reason(exc)}") from None
+    try:
+        signature = _parsed(data, sign_sigstore_pb)
+    except Exception as exc:  # anything the library's reader refuses: not a signature it wrote
+        raise SignatureError(f"{label}: not a model signature (a sigstore bundle): {_reason(exc)}") from None
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):  # it prints a warning on stdout, which is a command's output
+            verified = verifier.verify(signature)
+    except Exception as exc:  # InvalidSignature, a chain that does not verify, a statement it refuses
+        raise SignatureError(
+            f"{label}: does not verify with {printable(str(material))}: {_reason(exc) or 'the signature is not its'}"
+        ) from None
+    if said.getvalue().strip():
+        log.warning("%s: %s", label, " ".join(said.getvalue().split()))
+    try:
+        return _signed(verified, signed_manifest, label, _signer(trust, signature))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a statement signed, but not one it reads
+        raise SignatureError(f"{label}: its statement is not one of a model's files: {_reason(exc)}") from None
+
+
+def _parsed(data: bytes, sign_sigstore_pb: Any) -> Any:
+    """The library's Signature of `data`: its reader takes a path, given one to the bytes already read
+    (a memory file: nothing written anywhere, nothing read twice from outside)."""
+    fd = os.memfd_create("model.sig", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as whole:  # a file object writes it all (a write may be short)
+            whole.write(data)
+        return sign_sigstore_pb.Signature.read(Path(f"/proc/self/fd/{fd}"))
+    finally:
+        os.close(fd)
+
+
+def _signer(trust: Signature, signature: Any) -> str:
+    """Who signed: the key's SHA-256 (as model_signing hints it), or the signing certificate's subject."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    if trust.public_key is not None:
+        key = serialization.load_pem_public_key(trust.public_key.read_bytes())
+        pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return f"public key {printable(trust.public_key.name)} (sha256:{hashlib.sha256(pem).hexdigest()[:16]})"
+    leaf = signature.bundle.verification_material.x509_certificate_chain.certificates[0].raw_bytes
+    return f"certificate {printable(x509.load_der_x509_certificate(leaf).subject.rfc4514_string())}"
+
+
+def _signed(verified: signed_manifest.Manifest, signed_manifest: Any, label: str, signer: str) -> SignedModel:
+    """The digests of a verified statement, by file, through the library's own types."""
+    serialization = verified.serialization_type
+    method, hash_type = serialization.get("method"), serialization.get("hash_type")
+    if hash_type != "sha256":
+        raise SignatureError(f"{label}: files hashed with {printable(str(hash_type))}; tensorfs checks SHA-256 only")
+    kind = signed_manifest.SerializationType.from_args(serialization)
+    ranges: dict[str, list[tuple[int, int | None, str]]] = {}
+    for descriptor in verified.resource_descriptors():
+        key = kind.new_item(descriptor.identifier, descriptor.digest).key
+        path = str(key.path)
+        if method == "shards":
+            ranges.setdefault(path, []).append((int(key.start), int(key.end), descriptor.digest.digest_hex))
+        else:
+            ranges.setdefault(path, []).append((0, None, descriptor.digest.digest_hex))
+    files = {path: SignedFile(tuple(sorted(spans, key=lambda span: span[0]))) for path, spans in ranges.items()}
+    ignored = tuple(str(path) for path in serialization.get("ignore_paths", ()))
+    return SignedModel(label, signer, str(method), files, ignored)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception of the library as one line (its message, else its kind)."""
+    text = " ".join(str(exc).split())
+    return printable(text[:300]) if text else type(exc).__name__

@@ -1,0 +1,510 @@
+"""Signed models (OpenSSF Model Signing): models signed here with keys made here (model_signing's own
+signing API; cryptography makes the keys), held to their signature through the loader, export and a
+mount; every tampering refused in one line naming the file; and agreement with model_signing's own
+verify on the same models, both ways."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import errno
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from model_signing import hashing, signing, verifying
+from safetensors.numpy import save_file
+
+import tensorfs
+import tensorfs.identity
+from conftest import Mounts
+from helpers import cli, free_port, scrape
+from servers import Nginx, SeaweedFS
+from tensorfs.sources.store import RemoteOptions
+
+SIGNED_SHARD = 4096
+"""The shard size of models signed in ranges here: a tensor spans several ranges."""
+
+
+def make_key(where: Path) -> tuple[Path, Path]:
+    """A P-256 key pair in PEM files: (private, public)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = where.with_suffix(".key"), where.with_suffix(".pub")
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return private, public
+
+
+def hashing_config(sharded: bool) -> hashing.Config:
+    """How the models here are hashed: whole files or ranges; the signature itself left out, as
+    model_signing's command line leaves it out."""
+    config = hashing.Config().set_ignored_paths(paths=["model.sig"])
+    return config.use_shard_serialization(shard_size=SIGNED_SHARD) if sharded else config
+
+
+def sign(model: Path, private: Path, *, sharded: bool = False, signature: Path | None = None) -> Path:
+    where = signature or model / "model.sig"
+    config = signing.Config().use_elliptic_key_signer(private_key=private).set_hashing_config(hashing_config(sharded))
+    config.sign(model, where)
+    return where
+
+
+def library_accepts(model: Path, public: Path, signature: Path, *, sharded: bool = False) -> bool:
+    """model_signing's own verify (it hashes every file). Its hashing configuration is named, not
+    guessed: 1.1.1 cannot guess a sharded one back (the shard size comes back a float)."""
+    config = verifying.Config().use_elliptic_key_verifier(public_key=public)
+    try:
+        config.set_hashing_config(hashing_config(sharded)).verify(model, signature)
+    except Exception:  # its refusals are ValueErrors, and cryptography's and OpenSSL's own
+        return False
+    return True
+
+
+def make_model(directory: Path) -> Path:
+    """A signed-to-be model: two shards (a tensor of several signed ranges, small ones, an empty one),
+    an index, config.json and a tokenizer in a subdirectory."""
+    directory.mkdir()
+    rng = np.random.default_rng(7)
+    save_file(
+        {"big": rng.random(5000, dtype=np.float32), "small": np.arange(7, dtype=np.int16)},
+        directory / "model-00001-of-00002.safetensors",
+    )
+    save_file(
+        {"head": rng.random((30, 20), dtype=np.float32), "empty": np.zeros((0, 3), dtype=np.float32)},
+        directory / "model-00002-of-00002.safetensors",
+    )
+    weight_map = {
+        "big": "model-00001-of-00002.safetensors",
+        "small": "model-00001-of-00002.safetensors",
+        "head": "model-00002-of-00002.safetensors",
+        "empty": "model-00002-of-00002.safetensors",
+    }
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text('{"model_type": "test"}\n')
+    (directory / "tokenizer").mkdir()
+    (directory / "tokenizer" / "vocab.txt").write_text("a\nb\n")
+    return directory
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> tuple[Path, Path]:
+    return make_key(tmp_path / "signer")
+
+
+def held(public: Path, location: Path | None = None) -> tensorfs.Signature:
+    return tensorfs.Signature(public_key=public, location=location)
+
+
+# -- opening a signed model --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "shards"])
+def test_a_signed_model_is_hashed_once_then_opened_lazily(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, sharded: bool
+) -> None:
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private, sharded=sharded)
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
+        integrity = opened.gate.integrity
+        assert integrity.verified == {"big", "small", "head", "empty"}  # every shard hashed whole, once
+        assert "public key signer.pub (sha256:" in integrity.signer
+        assert integrity.label == f"the signature {model / 'model.sig'}"
+        expected = dict(integrity.expected or {})
+    with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
+        integrity = opened.gate.integrity
+        assert integrity.verified == set() and integrity.hasher.bytes_hashed == 0  # lazy: the hash cache knew
+        assert integrity.expected == expected
+        assert opened.array("small").tolist() == list(range(7))
+        # Only the tensor read was hashed (a small one is hashed again rather than cached), against the
+        # digest the first open took from the signed bytes.
+        assert integrity.hasher.bytes_hashed == opened.info("small").nbytes and integrity.verified == {"small"}
+
+
+def test_a_weight_changed_after_the_first_open_is_refused_by_the_next(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, signature=held(public), cache=cache):
+        pass
+    flip_last_byte(model / "model-00002-of-00002.safetensors")  # a new identity: the cache's row is not its
+    with pytest.raises(tensorfs.SignatureError, match=r"model-00002-of-00002.safetensors: bytes hash to [0-9a-f]{64}"):
+        tensorfs.open_model(model, signature=held(public), cache=cache)
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# -- tampering: every way refused, through the loader, export and a mount, as model_signing refuses it ----
+
+
+def weight_byte(model: Path, signature: Path, other: Path) -> str:
+    flip_last_byte(model / "model-00001-of-00002.safetensors")
+    return "model-00001-of-00002.safetensors: bytes"
+
+
+def config_changed(model: Path, signature: Path, other: Path) -> str:
+    (model / "config.json").write_text('{"model_type": "another"}\n')
+    return "config.json: bytes hash to"
+
+
+def file_added(model: Path, signature: Path, other: Path) -> str:
+    (model / "tokenizer" / "merges.txt").write_text("a b\n")
+    return "tokenizer/merges.txt: not covered by the signature"
+
+
+def file_removed(model: Path, signature: Path, other: Path) -> str:
+    (model / "tokenizer" / "vocab.txt").unlink()
+    return "tokenizer/vocab.txt: signed, but not in the model"
+
+
+def statement_edited(model: Path, signature: Path, other: Path) -> str:
+    """The signed statement says another digest for config.json (the signature left as it was)."""
+    bundle = json.loads(signature.read_text())
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    for resource in statement["predicate"]["resources"]:
+        if resource["name"] == "config.json":
+            resource["digest"] = "0" * 64
+    bundle["dsseEnvelope"]["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
+    signature.write_text(json.dumps(bundle))
+    return "model.sig: does not verify with"
+
+
+def another_key(model: Path, signature: Path, other: Path) -> str:
+    """Signed again, by someone else's key: the model is as it was."""
+    sign(model, other)
+    return "model.sig: does not verify with"
+
+
+def not_a_signature(model: Path, signature: Path, other: Path) -> str:
+    signature.write_text('{"mediaType": "application/vnd.dev.sigstore.bundle.v0.3+json"}')
+    return "model.sig: not a model signature"
+
+
+TAMPERINGS: list[Callable[[Path, Path, Path], str]] = [
+    weight_byte,
+    config_changed,
+    file_added,
+    file_removed,
+    statement_edited,
+    another_key,
+    not_a_signature,
+]
+
+
+def tampered(tmp_path: Path, keys: tuple[Path, Path], tamper: Callable[[Path, Path, Path], str]) -> tuple[Path, str]:
+    private, _ = keys
+    other, _ = make_key(tmp_path / "other")
+    model = make_model(tmp_path / "model")
+    said = tamper(model, sign(model, private), other)
+    return model, said
+
+
+@pytest.mark.parametrize("tamper", TAMPERINGS, ids=lambda tamper: tamper.__name__)
+def test_tampering_is_refused_by_the_loader(
+    tmp_path: Path, keys: tuple[Path, Path], tamper: Callable[[Path, Path, Path], str]
+) -> None:
+    model, said = tampered(tmp_path, keys, tamper)
+    with pytest.raises(tensorfs.SignatureError) as caught:
+        tensorfs.load_file(model, framework="np", signature=held(keys[1]), cache=False)
+    assert said in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("tamper", TAMPERINGS, ids=lambda tamper: tamper.__name__)
+def test_tampering_is_refused_by_export(
+    tmp_path: Path, keys: tuple[Path, Path], tamper: Callable[[Path, Path, Path], str]
+) -> None:
+    model, said = tampered(tmp_path, keys, tamper)
+    result = cli("export", str(model), str(tmp_path / "out"), "--public-key", str(keys[1]))
+    assert result.returncode == 1 and result.stdout == ""
+    assert said in result.stderr and len(result.stderr.splitlines()) == 1
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("tamper", [weight_byte, config_changed, file_added, another_key], ids=lambda t: t.__name__)
+def test_tampering_is_refused_by_a_mount(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path], tamper: Callable[[Path, Path, Path], str]
+) -> None:
+    model, said = tampered(tmp_path, keys, tamper)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mounts.attempt(model, "--public-key", str(keys[1]), "--no-cache", mountpoint=mountpoint)
+    assert result.returncode != 0 and said in result.stderr
+    assert not os.path.ismount(mountpoint)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "shards"])
+@pytest.mark.parametrize("tamper", [None, *TAMPERINGS], ids=lambda t: "untouched" if t is None else t.__name__)
+def test_tensorfs_accepts_exactly_what_model_signing_accepts(
+    tmp_path: Path,
+    keys: tuple[Path, Path],
+    tamper: Callable[[Path, Path, Path], str] | None,
+    sharded: bool,
+) -> None:
+    private, public = keys
+    other, _ = make_key(tmp_path / "other")
+    model = make_model(tmp_path / "model")
+    signature = sign(model, private, sharded=sharded)
+    if tamper is not None:
+        if tamper is another_key:
+            sign(model, other, sharded=sharded)
+        else:
+            tamper(model, signature, other)
+    theirs = library_accepts(model, public, signature, sharded=sharded)
+    result = cli("verify", str(model), "--public-key", str(public), "--no-cache")
+    assert (result.returncode == 0) == theirs == (tamper is None), result.stderr
+
+
+# -- the signature's own refusals ---------------------------------------------------------------------
+
+
+def test_a_signature_must_be_there(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    model = make_model(tmp_path / "model")
+    result = cli("validate", str(model), "--public-key", str(keys[1]))
+    assert result.returncode == 1
+    assert result.stderr == f"error: {model / 'model.sig'}: no signature here; name one (--signature FILE|URL)\n"
+
+
+def test_a_signature_kept_apart_from_the_model(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """A signature kept apart from the model: its files are the model's, none left out."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    apart = tmp_path / "apart.sig"
+    sign(model, private, signature=apart)
+    result = cli("validate", str(model), "--public-key", str(public), "--signature", str(apart))
+    assert result.returncode == 0, result.stderr
+    assert "signed by public key signer.pub (sha256:" in result.stdout and str(apart) in result.stdout
+
+
+def test_the_verification_material_is_needed_once(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    model = make_model(tmp_path / "model")
+    result = cli("ls", str(model), "--signature", str(model / "model.sig"))
+    assert result.returncode == 2
+    assert "a signature is verified with a public key or a certificate chain (one of them): neither" in result.stderr
+    with pytest.raises(tensorfs.SignatureError, match="neither given"):
+        tensorfs.Signature()
+    result = cli("verify", str(model), "--public-key", str(keys[1]), "--manifest", str(model / "config.json"))
+    assert result.returncode == 1
+    assert result.stderr == f"error: {model}: a signature is the model's manifest: not with a manifest too\n"
+    with pytest.raises(tensorfs.SignatureError, match="not with a manifest too"):
+        tensorfs.open_model(model, signature=held(keys[1]), verify=True)
+
+
+def test_a_key_that_is_no_key_is_named(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    private, _ = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    result = cli("ls", str(model), "--public-key", str(model / "config.json"))
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"error: {model / 'config.json'}: cannot verify with it:"
+    )
+    assert len(result.stderr.splitlines()) == 1
+
+
+# -- a certificate chain ---------------------------------------------------------------------------------
+
+
+def certificate(
+    subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[str, ec.EllipticCurvePrivateKey] | None, *, ca: bool
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, issuer_key = issuer if issuer is not None else (subject, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=not ca,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def write_pem(path: Path, cert: x509.Certificate) -> Path:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def test_a_certificate_signed_model_is_held_to_its_chain(tmp_path: Path) -> None:
+    root_key, leaf_key, stranger_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    root = write_pem(tmp_path / "root.pem", certificate("Test Root", root_key, None, ca=True))
+    leaf = write_pem(tmp_path / "leaf.pem", certificate("Model Publisher", leaf_key, ("Test Root", root_key), ca=False))
+    stranger = write_pem(tmp_path / "stranger.pem", certificate("Test Root", stranger_key, None, ca=True))
+    private = tmp_path / "leaf.key"
+    private.write_bytes(
+        leaf_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    model = make_model(tmp_path / "model")
+    config = signing.Config().set_hashing_config(hashing_config(False))
+    config.use_certificate_signer(private_key=private, signing_certificate=leaf, certificate_chain=[root]).sign(
+        model, model / "model.sig"
+    )
+    result = cli("validate", str(model), "--certificate-chain", str(root), "--no-cache")
+    assert result.returncode == 0, result.stderr
+    assert "signed by certificate CN=Model Publisher" in result.stdout
+    result = cli("validate", str(model), "--certificate-chain", str(stranger), "--no-cache")
+    assert result.returncode == 1 and result.stderr.startswith(f"error: {model / 'model.sig'}: does not verify with")
+    assert len(result.stderr.splitlines()) == 1
+
+
+# -- a mount -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.mount
+def test_a_mount_serves_a_signed_model_and_its_signed_companions(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    port = free_port()
+    mountpoint = mounts.mount(
+        model, "--public-key", str(public), "--cache-dir", str(tmp_path / "cache"), "--metrics", str(port)
+    )
+    view = mountpoint / ".tensorfs" / "model"
+    assert (view / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    assert (view / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
+    assert not (view / "model.sig").exists()  # the signature leaves itself out: not served as the model's
+    assert np.frombuffer((mountpoint / "small").read_bytes(), np.int16).tolist() == list(range(7))
+    # What the mount is held to, said by status, stats.json and the metrics.
+    signer = tensorfs.open_model(model, signature=held(public), cache=False)
+    with signer:
+        held_to = {"signature": str(model / "model.sig"), "signer": signer.gate.integrity.signer}
+    assert held_to["signer"].startswith("public key signer.pub (sha256:")
+    assert json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())["integrity"]["signature"] == held_to
+    status = [json.loads(line) for line in mounts.run("status", "--json").stdout.splitlines()]
+    assert [entry["options"]["signature"] for entry in status if entry["mountpoint"] == str(mountpoint)] == [held_to]
+    assert f"{model}, signed by {held_to['signer']}" in mounts.run("status").stdout
+    labels = (("mountpoint", str(mountpoint)), ("signature", held_to["signature"]), ("signer", held_to["signer"]))
+    assert scrape(port)[("tensorfs_signature_info", tuple(sorted(labels)))] == 1
+
+
+@pytest.mark.mount
+def test_a_companion_changed_under_a_mount_is_not_served(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    mountpoint = mounts.mount(model, "--public-key", str(public), "--no-cache")
+    (model / "config.json").write_text('{"model_type": "evil"}\n')
+    with pytest.raises(OSError) as caught:
+        (mountpoint / ".tensorfs" / "model" / "config.json").read_bytes()
+    assert caught.value.errno in (errno.EIO, errno.ESTALE)
+
+
+# -- remote models ---------------------------------------------------------------------------------------
+
+
+def put_tree(store: Any, prefix: str, directory: Path) -> None:
+    """Every file of `directory`, subdirectories too, into a store under `prefix/`."""
+    import obstore
+
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            obstore.put(store, f"{prefix}/{path.relative_to(directory).as_posix()}", path.read_bytes())
+
+
+def test_a_signed_model_in_s3_is_held_to_its_signature(
+    seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    store = seaweedfs.store(bucket)
+    put_tree(store, "signed", model)
+    remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=tmp_path / "cache")
+    url = f"s3://{bucket}/signed"
+    with tensorfs.open_model(url, signature=held(public), remote=remote) as opened:
+        assert opened.gate.integrity.verified == {"big", "small", "head", "empty"}  # read once, whole
+        assert opened.array("small").tolist() == list(range(7))
+    common = ["--public-key", str(public), "--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "c2")]
+    result = cli("export", url, str(tmp_path / "out"), *common)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    assert (tmp_path / "out" / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
+    # Each tampering in the bucket, refused in one line naming the object.
+    import obstore
+
+    obstore.put(store, "signed/config.json", b'{"model_type": "another"}\n')
+    result = cli("export", url, str(tmp_path / "out2"), *common)
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"error: s3://{bucket}/signed/config.json: not the file signed"
+    )
+    obstore.put(store, "signed/config.json", (model / "config.json").read_bytes())
+    obstore.put(store, "signed/extra.txt", b"planted")
+    with pytest.raises(tensorfs.SignatureError, match=rf"^s3://{bucket}/signed/extra.txt: not covered by the sig"):
+        tensorfs.open_model(url, signature=held(public), remote=remote)
+    obstore.delete(store, "signed/extra.txt")
+    weights = bytearray((model / "model-00002-of-00002.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    obstore.put(store, "signed/model-00002-of-00002.safetensors", bytes(weights))
+    with pytest.raises(tensorfs.SignatureError, match=r"model-00002-of-00002.safetensors: bytes \[\d+, \d+\) hash"):
+        tensorfs.open_model(url, signature=held(public), remote=remote)
+
+
+def test_a_signed_model_over_http_is_held_to_its_signature(
+    nginx: Nginx, tmp_path: Path, keys: tuple[Path, Path], request: pytest.FixtureRequest
+) -> None:
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    name = request.node.name
+    served = nginx.root / name
+    shutil.copytree(model, served)
+    try:
+        index = f"{nginx.url}/{name}/model.safetensors.index.json"
+        remote = RemoteOptions(cache_dir=tmp_path / "cache")
+        with tensorfs.open_model(index, signature=held(public), remote=remote) as opened:
+            assert opened.array("small").tolist() == list(range(7))
+            assert opened.gate.integrity.label == f"the signature {nginx.url}/{name}/model.sig"
+        flip_last_byte(served / "model-00001-of-00002.safetensors")
+        with pytest.raises(tensorfs.SignatureError, match=r"model-00001-of-00002\.safetensors: bytes hash to"):
+            tensorfs.open_model(index, signature=held(public), remote=RemoteOptions(cache_dir=tmp_path / "cache2"))
+    finally:
+        shutil.rmtree(served)
