@@ -12,7 +12,9 @@ writes through a shared mapping; the kernel moves the file's mtime and ctime at 
 write to each clean page, so check() also compares the shard's size and times with what was last
 seen. The mtime can be set back (utime); the ctime cannot, but a chmod moves it as a write does, and
 nothing tells the two apart (the inode's change counter, statx's STATX_CHANGE_COOKIE, is the
-kernel's own: not given to user space), so a chmod, a chown or a touch is a change too.
+kernel's own: not given to user space), so a chmod, a chown or a touch is a change too. One ctime
+move is told apart: one with a new link count and nothing else (the file unlinked, or its path
+replaced by a rename: the mount keeps serving the file it validated).
 Not seen: writes to pages a shared mapping has dirtied already and that were not yet written back
 (no fault, so no new time; see docs/guarantees.md).
 """
@@ -70,7 +72,7 @@ class ShardWatch:
         self._shards: dict[int, list[Hashable]] = {}  # watch descriptor -> the files it watches
         self._fds: dict[Hashable, int] = {}
         self.paths: list[Hashable] = []
-        self._seen: dict[Hashable, tuple[int, int, int]] = {}  # size, mtime_ns, ctime_ns
+        self._seen: dict[Hashable, Status] = {}
         self._unchecked: list[Hashable] = []  # since validation: compared at the next changes()
         self._checked_at: dict[Hashable, float] = {}
         self._fd = -1
@@ -128,7 +130,7 @@ class ShardWatch:
         if now == before:
             return []
         self._seen[path] = now
-        return [Change.CONTENT]
+        return [Change.CONTENT] if _bytes_may_differ(before, now) else []
 
     def changes(self) -> list[tuple[Hashable, Change]]:
         """Every change reported since the last call, in order; [] at once when there is none."""
@@ -157,6 +159,8 @@ class ShardWatch:
                     found.extend((path, change) for path in self.paths for change in self.check(path, at_once=True))
                     continue
                 for path in self._shards.get(wd, ()):
+                    if mask & IN_ATTRIB:  # a chmod, a touch, a hidden write, or a link count: its status tells
+                        found.extend((path, change) for change in self.check(path, at_once=True))
                     found.extend((path, change) for change in _changes_of(mask))
                 if mask & IN_IGNORED:
                     self._shards.pop(wd, None)  # the watch is gone (file deleted, or its file system unmounted)
@@ -178,17 +182,29 @@ def _os_error(what: str) -> OSError:
     return OSError(code, f"{what}: {os.strerror(code)}")
 
 
-def _times(fd: int) -> tuple[int, int, int]:
+Status = tuple[int, int, int, int]
+"""What tells a file's changes: its size, mtime_ns, ctime_ns and link count."""
+
+
+def _times(fd: int) -> Status:
     return _times_of(os.fstat(fd))
 
 
-def _times_of(st: os.stat_result) -> tuple[int, int, int]:
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+def _times_of(st: os.stat_result) -> Status:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink
+
+
+def _bytes_may_differ(before: Status, now: Status) -> bool:
+    """A new size, mtime or ctime; but a ctime moved with the link count and nothing else is an
+    unlink, a link, or the path replaced by a rename (the bytes are the same)."""
+    if now[:2] != before[:2]:
+        return True
+    return now[2] != before[2] and now[3] == before[3]
 
 
 def _changes_of(mask: int) -> list[Change]:
     changes = []
-    if mask & (IN_MODIFY | IN_ATTRIB):  # a chmod is told from a write through a mapping by nothing
+    if mask & IN_MODIFY:
         changes.append(Change.CONTENT)
     if mask & IN_MOVE_SELF:
         changes.append(Change.MOVED)
