@@ -766,25 +766,29 @@ owner = importlib.import_module(module_name)
 for part in filter(None, owner_path.split(".")):
     owner = getattr(owner, part)
 real = getattr(owner, name)
+when = eval("lambda *args, **kwargs: " + sys.argv[2])
 def held(*args, **kwargs):
-    if not held.said:
+    if not held.said and when(*args, **kwargs):
         held.said = True
         print("held", flush=True)
         sys.stdin.readline()
     return real(*args, **kwargs)
 held.said = False
 setattr(owner, name, held)
-sys.exit(tensorfs.cli.main(sys.argv[2:]))
+sys.exit(tensorfs.cli.main(sys.argv[3:]))
 """
+WRITING = "args[0].label == 'writing'"
+"""A HeldCommand's `when` for a Progress's advance: held in an export's write, not in its validation."""
 
 
 class HeldCommand(_TalkingChild):
     """`tensorfs ARGS...` in its own process, held the first time it calls `point` (module:Class.name,
-    or module:name): it says "held" there and goes on once told to go; `ended()` waits for its end."""
+    or module:name) with arguments for which the expression `when` (of `args` and `kwargs`) holds: it
+    says "held" there and goes on once told to go; `ended()` waits for its end."""
 
-    def __init__(self, point: str, *args: str) -> None:
+    def __init__(self, point: str, *args: str, when: str = "True") -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-c", HELD_COMMAND, point, *args],
+            [sys.executable, "-c", HELD_COMMAND, point, when, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
