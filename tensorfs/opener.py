@@ -1,6 +1,6 @@
 """Opening a model, one way for the CLI, the mount and the library: a model as a user names it (a path
-or a URL), its caches, its shards found, read, validated together and mapped, its fallbacks, its
-manifest put in force, and what comes with it (its companion files).
+or a URL), its caches, its shards found, read, validated together and mapped (opening.py), its
+fallbacks, its manifest put in force, and what comes with it (its companion files).
 
 Every command, the mount and the in-process API start from a Source (open_model makes one), and go
 down through Source.open: nothing above this module knows how a model's parts are found, and where
@@ -9,45 +9,37 @@ tensorfs's caches are is decided here alone (Caches).
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import functools
-import hashlib
 import logging
 import os
-from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from .assembly import check_model
 from .errors import AccessDenied, InvalidModelError, Problem, RemoteError, printable
 from .fallback import Fallbacks, FallbackSpec
 from .formats import is_weights_name
-from .gcpause import gc_paused
 from .hashcache import HashCache
-from .headercache import WORTH_CACHING, HeaderCache
+from .headercache import HeaderCache
 from .identity import ShardKey, shard_name
 from .integrity import Hasher, Integrity
 from .manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_manifest
 from .model import Model
 from .names import Layout
-from .pipelines import open_pipeline
+from .opening import open_location, pipeline_components
 from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
 from .signing import Signature, SignatureError, SignedModel
 from .sources.cache import default_cache_dir
-from .sources.choosing import NO_COMPONENT, view_name
+from .sources.choosing import view_name
 from .sources.client import exists
-from .sources.finding import beside, pipeline_folders
+from .sources.finding import beside
 from .sources.index import is_index_name
-from .sources.local import FoundShards, LocalDescription, LocalShard, find_pipeline, find_shards, missing
-from .sources.remote import RemoteOpener
+from .sources.local import missing
 from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, location_problem, redact
-from .tables import Shard, owners, restricted
 
 if TYPE_CHECKING:
     from .views import ViewSpec
@@ -248,7 +240,8 @@ class Source:
             )
             fallbacks = Fallbacks(spec, _open_fallback)
         try:
-            return _open(self.location, layout, caches.remote(self.remote), selection, caches, fallbacks, progress)
+            remote = caches.remote(self.remote)
+            return open_location(self.location, layout, remote, selection, caches.headers, fallbacks, progress)
         except BaseException:
             if fallbacks is not None:
                 fallbacks.close()
@@ -333,7 +326,7 @@ class Source:
             directory = beside(self.location, "x", self.remote).url.rpartition("/")[0]
             if all(str(weight).rpartition("/")[0] == directory for weight in weights):
                 return []
-        return _components(self.location, self.remote) or []
+        return pipeline_components(self.location, self.remote) or []
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""
@@ -440,204 +433,3 @@ def hash_all(model: Model, hasher: Hasher, *, progress: bool = False, proving: b
 def _open_fallback(location: str | Path, **how: Any) -> Model:
     """A fallback, opened as any model (its own fallbacks none)."""
     return open_model(location, **how)
-
-
-# -- finding, reading, validating and mapping the shards --------------------------------------------
-
-
-def _open(
-    path: Path | str,
-    layout: Layout,
-    remote: RemoteOptions,
-    selection: Selection,
-    caches: Caches,
-    fallbacks: Fallbacks | None,
-    progress: bool = False,
-) -> Model:
-    """The model at `path`: every shard found, read, validated and mapped (a progress line on a
-    terminal when asked), the rules across shards checked; the selection's tensors.
-    InvalidModelError naming every problem found. A diffusers pipeline's root is the models of its
-    component folders, each opened so (pipelines.py)."""
-    components = find_pipeline(path) if isinstance(path, Path) else None
-    if isinstance(path, str):  # a remote directory is asked whether it is a pipeline only once it is no model
-        try:
-            return _open_model(path, layout, remote, selection, caches, fallbacks, progress)
-        except InvalidModelError as exc:
-            components = _components(path, remote) if [p.reason for p in exc.problems] == [NO_COMPONENT] else None
-            if not components:
-                raise
-    if components:
-        if fallbacks is not None:
-            raise InvalidModelError([Problem(str(path), "a pipeline takes no fallback: name a component's folder")])
-        whole = Selection()
-        opening = functools.partial(
-            _open, layout=layout, remote=remote, selection=whole, caches=caches, fallbacks=None, progress=progress
-        )
-        return open_pipeline(path, components, lambda folder: opening(_folder(path, folder)), selection, layout)
-    return _open_model(path, layout, remote, selection, caches, fallbacks, progress)
-
-
-def _open_model(
-    path: Path | str,
-    layout: Layout,
-    remote: RemoteOptions,
-    selection: Selection,
-    caches: Caches,
-    fallbacks: Fallbacks | None,
-    progress: bool = False,
-) -> Model:
-    """The one model at `path` (see _open)."""
-    problems: list[Problem] = []
-    failed: dict[str, list[Problem]] = {}  # shards that could not be opened, by file name
-    headers = caches.headers()
-    found: FoundShards | None = None  # a local model's files
-    with gc_paused(), contextlib.closing(headers):
-        # Every problem is collected, of every shard and across shards, before any is reported.
-        if isinstance(path, str) and is_remote(path):
-            try:
-                opener = RemoteOpener(path, remote, problems)
-            except RemoteError as exc:
-                raise InvalidModelError([Problem(path, str(exc).removeprefix(f"{path}: "))]) from None
-            source: ShardKey = path
-            opener.cache.db()  # the objects' cache must be usable (RemoteError if not), before the headers'
-            opener.headers = headers if headers.enabled else None
-            located = opener.located
-            opened = _open_shards(opener.shards, opener.open, problems, failed, progress)
-            weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
-        else:
-            source = Path(path)
-            found = find_shards(source, problems, headers)
-            weight_map, index_label = found.weight_map, found.index_label
-            open_local = functools.partial(LocalShard.open, cache=headers, directory=found.directory)
-            try:
-                opened = _open_shards([(p, str(p)) for p in found.paths], open_local, problems, failed, progress)
-            finally:
-                found.close()
-            failed.update({name: [problem] for name, problem in found.missing.items()})
-            done = None
-        stand_ins: list[str] = []
-        if fallbacks is not None and failed:
-            opened += _lent_by(fallbacks, failed, problems, stand_ins)
-        try:
-            checks = None
-            if headers.enabled and found is not None and sum(s.header.data_start for s in opened) >= WORTH_CACHING:
-                checks = _checks_key(source, found, opened, layout)
-            owner = owners(opened) if checks is not None and headers.get("model", checks) == len(opened) else None
-            if owner is None:
-                if weight_map is None and index_label is not None:  # the index was known, the model not
-                    again = find_shards(Path(source), [])  # (its own problems are known: none)
-                    again.close()
-                    weight_map = again.weight_map
-                owner = check_model(opened, weight_map, index_label, layout, problems)
-                if checks is not None and not problems:
-                    headers.put("model", checks, len(opened))
-            if problems:
-                raise InvalidModelError(problems)
-            if done is not None:
-                done()
-            if selection.everything:
-                model = Model(source, opened, owner, layout, fallbacks=fallbacks)
-                if headers.enabled and found is not None and not failed:
-                    model.header_cache = headers.directory
-            else:
-                kept, owner = restricted(opened, selection, str(path))
-                paths = {shard.header.path for shard in kept}
-                for shard in opened:
-                    if shard.header.path not in paths and not shard.lent:
-                        shard.data.close()  # nothing selected in it: neither mapped nor read any further
-                model = Model(source, kept, owner, layout, selection, fallbacks=fallbacks)
-            model.stand_ins = stand_ins
-            return model
-        except BaseException:
-            for shard in opened:
-                if not shard.lent:
-                    shard.data.close()
-            raise
-
-
-def _components(path: Path | str, remote: RemoteOptions) -> list[str] | None:
-    """The component folders of the diffusers pipeline whose root `path` is (pipelines.py), or None."""
-    if isinstance(path, str):
-        return pipeline_folders(path, remote) if not remote.offline else None
-    return find_pipeline(path)
-
-
-def _folder(root: Path | str, folder: str) -> Path | str:
-    """A folder of a model's directory, local or remote."""
-    return root / folder if isinstance(root, Path) else f"{root.rstrip('/')}/{folder}"
-
-
-def _checks_key(source: ShardKey, found: FoundShards, opened: list[Shard], layout: Layout) -> str | None:
-    """What names a local model's checks across shards: its files' identities, the layout; None
-    when some file has no identity known (then the model is checked whole)."""
-    if found.index_label is not None and found.index_key is None:
-        return None
-    files: list[str] = []
-    for shard in opened:
-        description = shard.data.describe()
-        if not isinstance(description, LocalDescription):
-            return None
-        if not description.identity.settled():
-            return None
-        files += [os.path.abspath(description.path), description.identity.key()]
-    text = "\0".join([os.path.abspath(str(source)), layout, found.index_key or "", *files])
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def _open_shards(
-    shards: list[tuple[Any, str]],
-    open_one: Callable[..., Any],
-    problems: list[Problem],
-    failed: dict[str, list[Problem]],
-    progress: bool = False,
-) -> list[Shard]:
-    """Read, validate and map every shard, in parallel (`progress`: a line on a terminal counting
-    them); problems of all shards are collected (and those of each shard that failed in `failed`, by
-    its file name).
-
-    `open_one(where, label)` returns (header, ShardData) or raises InvalidModelError.
-    """
-    counted = Progress(len(shards), "validating", quiet=not (progress and shards), unit="shard")
-
-    def attempt(shard: tuple[Any, str]) -> Shard | InvalidModelError:
-        try:
-            header, data = open_one(*shard)
-        except InvalidModelError as exc:
-            return exc
-        finally:
-            counted.advance(1)
-        return Shard(header, data)
-
-    with counted:
-        if len(shards) <= 1:
-            results = [attempt(shard) for shard in shards]
-        else:
-            with ThreadPoolExecutor(max_workers=min(_MAX_READERS, len(shards))) as pool:
-                results = list(pool.map(attempt, shards))
-    opened: list[Shard] = []
-    for (_, label), result in zip(shards, results, strict=True):
-        if isinstance(result, InvalidModelError):
-            problems.extend(result.problems)
-            failed[shard_name(label)] = list(result.problems)
-        else:
-            opened.append(result)
-    return opened
-
-
-def _lent_by(
-    fallbacks: Fallbacks, failed: dict[str, list[Problem]], problems: list[Problem], said: list[str]
-) -> list[Shard]:
-    """The fallbacks' shards that stand in for those that failed (each of the same file name), their
-    problems taken back and said as warnings (also in `said`); a shard no fallback has keeps its problems."""
-    lent: list[Shard] = []
-    for name, its_problems in failed.items():
-        found = fallbacks.shard_named(name)
-        if found is None:
-            continue
-        index, header, data = found
-        lent.append(Shard(header, data, lent=True))
-        for problem in its_problems:
-            problems.remove(problem)
-        said.append(f"{printable(str(its_problems[0]))}; its tensors are served from fallback {fallbacks.shown(index)}")
-        log.warning("%s", said[-1])
-    return lent

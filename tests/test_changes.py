@@ -402,12 +402,12 @@ def test_hashing_a_shard_that_shrank_is_an_error_not_a_crash(model_dir: Path) ->
 MANIFEST_OF_A_SHRINKING_SHARD = """
 import os, sys
 import tensorfs.cli, tensorfs.opener
-real = tensorfs.opener._open
+real = tensorfs.opener.open_location
 def open_then_shrink(*args, **kwargs):
     model = real(*args, **kwargs)
     os.truncate(sys.argv[2], int(sys.argv[3]))
     return model
-tensorfs.opener._open = open_then_shrink
+tensorfs.opener.open_location = open_then_shrink
 sys.exit(tensorfs.cli.main(["manifest", "--no-cache", sys.argv[1]]))
 """
 
