@@ -385,6 +385,9 @@ class Mounts:
         return self.log_file.read_text() if self.log_file.exists() else ""
 
     def cleanup(self) -> None:
+        """Every mount unmounted and its daemon ended, all of them even when one fails to end (then
+        the first failure is raised, once the rest are gone)."""
+        failures: list[BaseException] = []
         for mountpoint in self.mountpoints:
             pid = None
             with contextlib.suppress(AssertionError, ValueError, KeyError):
@@ -395,9 +398,14 @@ class Mounts:
             if mount_at(mountpoint) is not None:
                 subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
             if pid is not None:
-                wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10, kill=pid)
+                try:
+                    wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10, kill=pid)
+                except pytest.fail.Exception as exc:  # what the daemon was doing says why
+                    failures.append(pytest.fail.Exception(f"{exc}; its log ends:\n{self.log()[-4000:]}"))
         for daemon in self.adopted:  # its daemon is gone: it reports, and ends
             daemon.stop()
+        if failures:
+            raise failures[0]
 
 
 def wait_until(condition: Callable[[], bool], *, what: str, timeout: float = 10.0, kill: int | None = None) -> None:
