@@ -384,6 +384,17 @@ class Mounts:
     def log(self) -> str:
         return self.log_file.read_text() if self.log_file.exists() else ""
 
+    def _stacks_of(self, pid: int) -> str:
+        """The log of a daemon that does not end, with every thread's stack in it: SIGABRT has
+        faulthandler (mount/logs.py) write them there; then SIGKILL, so that nothing is left."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+        with contextlib.suppress(pytest.fail.Exception):
+            wait_until(lambda: not pid_alive(pid), what=f"daemon {pid} to abort", timeout=5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return self.log()
+
     def cleanup(self) -> None:
         """Every mount unmounted and its daemon ended, all of them even when one fails to end (then
         the first failure is raised, once the rest are gone)."""
@@ -399,9 +410,9 @@ class Mounts:
                 subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
             if pid is not None:
                 try:
-                    wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10, kill=pid)
-                except pytest.fail.Exception as exc:  # what the daemon was doing says why
-                    failures.append(pytest.fail.Exception(f"{exc}; its log ends:\n{self.log()[-4000:]}"))
+                    wait_until(lambda pid=pid: not pid_alive(pid), what=f"daemon {pid} to exit", timeout=10)
+                except pytest.fail.Exception as exc:
+                    failures.append(pytest.fail.Exception(f"{exc}; its log ends:\n{self._stacks_of(pid)[-8000:]}"))
         for daemon in self.adopted:  # its daemon is gone: it reports, and ends
             daemon.stop()
         if failures:

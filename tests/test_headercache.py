@@ -17,7 +17,7 @@ import pytest
 
 import tensorfs
 import tensorfs.identity
-import tensorfs.opener
+import tensorfs.opening
 import tensorfs.sources.local
 from conftest import Mounts, wait_until
 from helpers import (
@@ -46,7 +46,7 @@ def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 def small_headers_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small test files are cached here (in this process): leaving them out has a test of its own."""
     monkeypatch.setattr(tensorfs.sources.local, "WORTH_CACHING", 0)
-    monkeypatch.setattr(tensorfs.opener, "WORTH_CACHING", 0)
+    monkeypatch.setattr(tensorfs.opening, "WORTH_CACHING", 0)
 
 
 def long_headers(directory: Path) -> None:
@@ -88,7 +88,7 @@ def parsed(monkeypatch: pytest.MonkeyPatch) -> tuple[Calls, Calls, Calls]:
     return (
         Calls(monkeypatch, tensorfs.sources.local, "read_header_fd"),
         Calls(monkeypatch, tensorfs.sources.local, "parse_weight_map"),
-        Calls(monkeypatch, tensorfs.opener, "check_model"),
+        Calls(monkeypatch, tensorfs.opening, "check_model"),
     )
 
 
@@ -303,7 +303,7 @@ def test_a_cache_that_cannot_be_used_is_one_warning(
 def test_small_headers_are_validated_afresh_without_the_database(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for module in (tensorfs.sources.local, tensorfs.opener):
+    for module in (tensorfs.sources.local, tensorfs.opening):
         monkeypatch.setattr(module, "WORTH_CACHING", headercache.WORTH_CACHING)
     headers, index, checks = parsed(monkeypatch)
     cache = tmp_path / "cache"
