@@ -249,6 +249,25 @@ def test_a_byte_changed_in_one_signed_range_is_refused_when_its_tensor_is_read(
     assert not library_accepts(model, public, model / "model.sig", sharded=True)
 
 
+def test_a_tensor_of_a_changed_signed_range_is_not_served_from_a_fallback(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """Its signed digest was never established: nothing could hold a fallback's copy to it."""
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    flip_byte(model / "model.safetensors", tensor_offset(model, "t5") + RANGED_ELEMENTS * 2)
+    other = tmp_path / "other"
+    other.mkdir()
+    forged = {f"t{i}": np.full(RANGED_ELEMENTS, 9, dtype=np.float32) for i in range(RANGED_TENSORS)}
+    save_file(forged, other / "model.safetensors")
+    with tensorfs.open_model(model, signature=held(public), cache=False, fallback=[other]) as opened:
+        with pytest.raises(tensorfs.IntegrityError, match=r"tensor 't5': bytes \[\d+, \d+\) hash to"):
+            opened.array("t5")
+        assert opened.gate.copy("t5") is None
+        assert opened.array("t4").tolist() == [4.0] * RANGED_ELEMENTS
+
+
 @pytest.mark.mount
 def test_a_mount_refuses_a_tensor_of_a_changed_signed_range_and_serves_the_others(
     mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
