@@ -37,16 +37,12 @@ from .sources.store import RemoteOptions, redact
 if TYPE_CHECKING:
     from .views.companions import Companion
 
-_CHUNK = 1 << 20
 FILE_SPAN = (-1, -1)
 """The hash cache's row for a whole file (no tensor's span is negative): what the signature said of
 the file when the file of that identity was found to match it (SignedFile.key)."""
 MAX_FILES = 100_000
 MAX_DEPTH = 32
 """The most a local model's directory is walked for its files: past either, it is refused."""
-
-_Reader = Callable[[int, memoryview], None]
-"""Fill a buffer with a file's bytes from an offset (ShardChangedError when they are gone)."""
 
 
 def hold_model(

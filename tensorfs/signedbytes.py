@@ -78,7 +78,7 @@ def check_file(
         check_size(signed_file, size, shown, label)
         ranges = signed_file.ranges
     pending = sorted(tensors)
-    active: list[tuple[int, int, str, Any]] = []
+    active: list[tuple[int, int, str, hashlib._Hash]] = []
     digests: dict[str, str] = {}
     buffer = memoryview(bytearray(_CHUNK))
     nxt = 0

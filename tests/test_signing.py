@@ -266,6 +266,11 @@ def test_a_tensor_of_a_changed_signed_range_is_not_served_from_a_fallback(
             opened.array("t5")
         assert opened.gate.copy("t5") is None
         assert opened.array("t4").tolist() == [4.0] * RANGED_ELEMENTS
+        # A read of its file failed a moment ago: another tensor's would go to the fallback at once,
+        # but an unproven one can go nowhere else: its own file is asked.
+        opened.gate.failed(model / "model.safetensors")
+        assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
+        assert opened.gate.copy("t3") is None
 
 
 @pytest.mark.mount
