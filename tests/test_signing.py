@@ -204,7 +204,7 @@ def test_a_model_signed_by_ranges_is_checked_range_by_range_as_its_tensors_are_r
         assert reads.since() == SIGNED_SHARD < size // 100
         assert opened.gate.integrity.expected == {}
         assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
-        # t3's ranges, whole (t3 lies inside 65 or 66 of them), hashed once for the range and the tensor.
+        # The 65 ranges holding t3's bytes, whole, read once for the ranges' digests and the tensor's.
         assert nbytes < reads.since() <= nbytes + 2 * SIGNED_SHARD
         assert opened.gate.integrity.verified == {"t3"}
         assert set(opened.gate.integrity.expected or {}) == {"t3"}
