@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from .formats import Entry, ShardHeader
 from .hashcache import HashCache
 from .headercache import HeaderCache
 from .identity import ShardKey
-from .integrity import Hasher, Integrity
+from .integrity import Hasher, Integrity, Pending
 from .model import Model
 from .names import Layout
 from .opener import open_model
@@ -49,7 +48,7 @@ class ModelSnapshot:
     """Where the headers left out of `shards` are."""
     fallback: FallbackSpec | None = None
     """The model's fallbacks (opened again, when needed, where it is reopened)."""
-    expected: Mapping[str, str] | None = None
+    expected: dict[str, str] | None = None
     """The manifest in force, its label, and the tensors verified already."""
     label: str = ""
     verified: frozenset[str] = frozenset()
@@ -57,6 +56,8 @@ class ModelSnapshot:
     """Where the hashes of its tensors are kept (None: not kept)."""
     signer: str = ""
     """Who signed the manifest in force, when it is a signature's digests."""
+    pending: Pending | None = None
+    """Where the values the manifest lacks come from (files signed by ranges)."""
 
 
 def snapshot(model: Model) -> ModelSnapshot:
@@ -96,6 +97,7 @@ def snapshot(model: Model) -> ModelSnapshot:
         frozenset(integrity.verified),
         cache.directory if cache.enabled else None,
         integrity.signer,
+        integrity.pending,
     )
 
 
@@ -122,7 +124,9 @@ def reopen(saved: ModelSnapshot) -> Model:
     fallbacks = Fallbacks(saved.fallback, open_model) if saved.fallback is not None else None
     model = Model(source, opened, owners(opened), saved.layout, saved.selection, fallbacks=fallbacks)
     hasher = Hasher(model, HashCache(saved.hash_cache))
-    model.gate.set_integrity(Integrity(hasher, saved.expected, set(saved.verified), saved.label, saved.signer))
+    expected = None if saved.expected is None else dict(saved.expected)  # its own: pending adds to it
+    integrity = Integrity(hasher, expected, set(saved.verified), saved.label, saved.signer, saved.pending)
+    model.gate.set_integrity(integrity)
     return model
 
 

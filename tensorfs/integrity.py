@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import IntegrityError, ShardChangedError, printable
 from .formats import BEGIN, END, NAME, Entry
@@ -211,19 +211,36 @@ class Hasher:
         return buffer
 
 
+class Pending(Protocol):
+    """Tensors whose manifest value is known only once bytes of their file are checked: a file
+    signed by ranges (signedbytes.SignedRanges). Picklable: a mount's daemon is handed it."""
+
+    def establish(
+        self, names: list[str], hasher: Hasher, progress: Callable[[int], None] | None = None
+    ) -> dict[str, str]:
+        """Check the bytes these tensors' values rest on (read through `hasher`'s model); the SHA-256
+        of each, and of every other tensor those bytes hold whole. IntegrityError naming the file,
+        a tensor and the bytes that are not the signed ones."""
+        ...
+
+
 @dataclass
 class Integrity:
     """What a mount (or an open model) knows of its tensors' hashes: the hasher, the manifest's
     values, what is verified."""
 
     hasher: Hasher
-    expected: Mapping[str, str] | None = None
-    """The manifest: tensor -> hex SHA-256. With one, no tensor is served before it matches."""
+    expected: dict[str, str] | None = None
+    """The manifest: tensor -> hex SHA-256. With one, no tensor is served before it matches (a
+    tensor `pending` holds gets its value when it is first checked)."""
     verified: set[str] = field(default_factory=set)
     label: str = "the manifest"
     """How messages name the manifest (where it was read from)."""
     signer: str = ""
     """Who signed it, when it is a signature's digests (signed.py: its label is SIGNATURE_LABEL + where)."""
+    pending: Pending | None = None
+    """Where the values the manifest lacks come from, as their tensors are first checked (None: it
+    lacks none)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _hashing: dict[str, threading.Event] = field(default_factory=dict, repr=False)
 
@@ -236,8 +253,37 @@ class Integrity:
     def digest(self, name: str) -> str:
         """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread).
         Under a manifest, proving (see Hasher.hash_all)."""
+        if self.unproven(name):
+            return self.establish([name])[name]
         proving = self.expected is not None
         return self.hasher.cached([name], proving=proving).get(name) or self.hasher.hash_one(name)
+
+    def hash_all(self, names: Iterable[str], progress: Callable[[int], None] | None = None) -> dict[str, str]:
+        """The tensors' actual SHA-256s (see Hasher.hash_all; proving under a manifest), those whose value
+        the manifest lacks established on the way (IntegrityError if the bytes it rests on are not
+        the signed ones)."""
+        names = list(names)
+        found = self.establish([name for name in names if self.unproven(name)], progress)
+        rest = [name for name in names if name not in found]
+        if rest:
+            found.update(self.hasher.hash_all(rest, progress, proving=self.expected is not None))
+        return {name: found[name] for name in names}
+
+    def unproven(self, name: str) -> bool:
+        """Whether the manifest lacks the tensor's value: `pending` establishes it from its own file
+        (no fallback's copy can be held to it before)."""
+        return self.pending is not None and self.expected is not None and name not in self.expected
+
+    def establish(self, names: list[str], progress: Callable[[int], None] | None = None) -> dict[str, str]:
+        """The values of these unproven tensors (and of the others the bytes checked hold), from their
+        files' checked bytes, put in the manifest; their actual SHA-256s, since they are the same."""
+        if not names:
+            return {}
+        assert self.pending is not None and self.expected is not None
+        found = self.pending.establish(names, self.hasher, progress)
+        with self._lock:
+            self.expected.update(found)
+        return found
 
     def check(self, name: str) -> None:
         """Verify one tensor against the manifest, once (blocking: its bytes are hashed unless the hash
@@ -272,7 +318,7 @@ class Integrity:
             return
         todo = [name for name in names if name not in self.verified]
         if todo:
-            self._compare(self.hasher.hash_all(todo, progress))
+            self._compare(self.hash_all(todo, progress))
 
     def _compare(self, actual: Mapping[str, str]) -> None:
         assert self.expected is not None

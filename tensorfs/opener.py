@@ -390,7 +390,7 @@ def open_model(
     (`tensorfs.Signature(public_key="key.pub")`: model.sig beside the model; `location=` another):
     verified before anything is returned (SignatureError, naming the file and why, if it does not),
     a local model's files exactly those signed, and no tensor handed out before the signed bytes
-    of its file prove it (the first open hashes each file whole; the hash cache spares a later one).
+    of its file prove it (hashed whole at first open, or each range as first read; the hash cache after).
     """
     manifest: Path | str | Beside | None = None
     if verify is True:

@@ -2,11 +2,13 @@
 the signer's digests are the gate's manifest.
 
 A signature gives each file's SHA-256 (or its ranges'), not each tensor's; the gate checks
-tensors. So a file is hashed whole once (a progress line; a remote one is read once), its ranges
-compared with the signed digests, and the digests of its tensors, taken in the same pass, become
-what the gate holds them to; they are kept in the hash cache with a row saying that the file of
-this identity matched what the signature says of it, so that a later open of the unchanged file
-is lazy again (the hash cache's own trust: an unchanged identity is unchanged bytes).
+tensors. So a file signed whole is hashed whole once (a progress line; a remote one is read once),
+its digest compared with the signed one, and the digests of its tensors, taken in the same pass,
+become what the gate holds them to; they are kept in the hash cache with a row saying that the
+file of this identity matched what the signature says of it, so that a later open of the unchanged
+file is lazy again (the hash cache's own trust: an unchanged identity is unchanged bytes). A file
+signed by ranges is not read whole: its ranges are checked as its tensors are first read
+(signedbytes.SignedRanges).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .integrity import HASH_WORKERS, SIGNATURE_LABEL, Hasher, Integrity
 from .model import Model
 from .progress import Progress
 from .safefiles import ModelDirectory, NotRegular, mounted_under
+from .signedbytes import SignedRanges, check_file
 from .signing import DEFAULT_SIGNATURE, Signature, SignatureError, SignedFile, SignedModel, read_signature
 from .sources.finding import beside, listing_beside
 from .sources.store import RemoteOptions, redact
@@ -34,16 +37,12 @@ from .sources.store import RemoteOptions, redact
 if TYPE_CHECKING:
     from .views.companions import Companion
 
-_CHUNK = 1 << 20
 FILE_SPAN = (-1, -1)
 """The hash cache's row for a whole file (no tensor's span is negative): what the signature said of
 the file when the file of that identity was found to match it (SignedFile.key)."""
 MAX_FILES = 100_000
 MAX_DEPTH = 32
 """The most a local model's directory is walked for its files: past either, it is refused."""
-
-_Reader = Callable[[int, memoryview], None]
-"""Fill a buffer with a file's bytes from an offset (ShardChangedError when they are gone)."""
 
 
 def hold_model(
@@ -75,7 +74,8 @@ def hold_model(
                 signed = dataclasses.replace(signed, ignored=(*signed.ignored, own))
         if not one_file:
             check_local_files(signed, where, model.shards, cache, everything=everything)
-    integrity = hold_to(model, signed, root, Hasher(model, cache), one_file=one_file, progress=progress)
+    hasher = Hasher(model, cache)
+    integrity = hold_to(model, signed, root, hasher, one_file=one_file, progress=progress, lazy=not verify_all)
     if verify_all:
         integrity.check_many(model.names())
     model.gate.set_integrity(integrity)
@@ -107,22 +107,27 @@ def hold_to(
     *,
     one_file: bool,
     progress: bool = False,
+    lazy: bool = True,
 ) -> Integrity:
     """The gate's integrity under `signed`: every tensor's SHA-256 as the signed bytes of its file
     make it. Each shard whose identity the hash cache does not know to match the signature is hashed
-    whole first; SignatureError, naming the file, for a shard the signature does not name or whose
-    bytes are not the signed ones."""
+    whole first, but for a shard signed by ranges when `lazy` (its ranges checked as its tensors are
+    first read, those holding no tensor's bytes now: signedbytes.SignedRanges); SignatureError,
+    naming the file, for a shard the signature does not name or whose bytes are not the signed ones."""
     cache = hasher.cache
     expected: dict[str, str] = {}
     verified: set[str] = set()
     todo: list[tuple[ShardKey, list[Entry], SignedFile]] = []
+    ranged: dict[ShardKey, SignedFile] = {}
     for shard, entries in model.by_shard().items():
         relative = "." if one_file and "." in signed.files else relative_name(directory, shard)
         signed_file = signed.files.get(relative)
         if signed_file is None:
             raise SignatureError(f"{printable(str(shard))}: not covered by the signature {signed.label}")
         found = _remembered(cache, model.identity(shard), signed_file, [(e[BEGIN], e[END]) for e in entries])
-        if found is None:
+        if found is None and lazy and not signed_file.whole:
+            ranged[shard] = signed_file
+        elif found is None:
             todo.append((shard, entries, signed_file))
         else:
             expected.update({entry[NAME]: found[entry[BEGIN], entry[END]] for entry in entries})
@@ -140,7 +145,10 @@ def hold_to(
                 for digests in pool.map(one, todo):
                     expected.update(digests)
                     verified.update(digests)
-    return Integrity(hasher, expected, verified, f"{SIGNATURE_LABEL}{signed.label}", signed.signer)
+    pending = SignedRanges(ranged, signed.label) if ranged else None
+    if pending is not None:
+        expected.update(pending.open(hasher))
+    return Integrity(hasher, expected, verified, f"{SIGNATURE_LABEL}{signed.label}", signed.signer, pending)
 
 
 def relative_name(directory: Path | str, shard: ShardKey) -> str:
@@ -190,63 +198,6 @@ def _hash_shard(
     if identity is not None:
         by_span = {(begin - start, end - start): digests[name] for begin, end, name in tensors}
         cache.put_many(identity, {**by_span, FILE_SPAN: signed_file.key()})
-    return digests
-
-
-def check_file(
-    read: _Reader,
-    size: int,
-    signed_file: SignedFile,
-    shown: str,
-    label: str,
-    tensors: Iterable[tuple[int, int, str]] = (),
-    advance: Callable[[int], None] | None = None,
-) -> dict[str, str]:
-    """Hash a file of `size` bytes in one pass: each signed range (or the whole) compared with the
-    signature's digest, and the SHA-256 of each of `tensors` ((begin, end, name), absolute) taken on
-    the way. SignatureError naming the file and the range when its bytes are not the signed ones."""
-    why = signed_file.mismatch(size)
-    if why is not None:
-        raise SignatureError(f"{printable(shown)}: not the file signed: {why} (the signature {label})")
-    pending = sorted(tensors)
-    active: list[tuple[int, int, str, hashlib._Hash]] = []
-    digests: dict[str, str] = {}
-    buffer = memoryview(bytearray(_CHUNK))
-    nxt = 0
-    for begin, end, want in signed_file.ranges:
-        end = size if end is None else end
-        digest = hashlib.sha256()
-        for offset in range(begin, end, _CHUNK):
-            piece = buffer[: min(_CHUNK, end - offset)]
-            try:
-                read(offset, piece)
-            except ShardChangedError as exc:
-                raise SignatureError(f"{printable(shown)}: changed while it was checked: {exc}") from None
-            digest.update(piece)
-            stop = offset + len(piece)
-            while nxt < len(pending) and pending[nxt][0] < stop:
-                active.append((*pending[nxt], hashlib.sha256()))
-                nxt += 1
-            still = []
-            for t_begin, t_end, name, t_digest in active:
-                t_digest.update(piece[max(t_begin, offset) - offset : min(t_end, stop) - offset])
-                if t_end <= stop:
-                    digests[name] = t_digest.hexdigest()
-                else:
-                    still.append((t_begin, t_end, name, t_digest))
-            active = still
-            if advance is not None:
-                advance(len(piece))
-        if digest.hexdigest() != want:
-            span = "" if signed_file.whole else f" [{begin}, {end})"
-            raise SignatureError(
-                f"{printable(shown)}: bytes{span} hash to {digest.hexdigest()}, not to {want} as the signature "
-                f"{label} says"
-            )
-    for _, _, name, t_digest in active:
-        digests[name] = t_digest.hexdigest()
-    for _, _, name in pending[nxt:]:  # empty tensors at the very end of the file
-        digests[name] = hashlib.sha256().hexdigest()
     return digests
 
 

@@ -26,6 +26,8 @@ from safetensors.numpy import save_file
 
 import tensorfs
 import tensorfs.identity
+import tensorfs.opener
+import tensorfs.tables
 from conftest import Mounts
 from helpers import cli, free_port, scrape
 from servers import Nginx, SeaweedFS
@@ -111,14 +113,13 @@ def held(public: Path, location: Path | None = None) -> tensorfs.Signature:
 # -- opening a signed model --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["files", "shards"])
-def test_a_signed_model_is_hashed_once_then_opened_lazily(
-    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, sharded: bool
+def test_a_model_signed_by_files_is_hashed_once_then_opened_lazily(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
     private, public = keys
     model = make_model(tmp_path / "model")
-    sign(model, private, sharded=sharded)
+    sign(model, private)
     cache = tmp_path / "cache"
     with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
         integrity = opened.gate.integrity
@@ -134,6 +135,185 @@ def test_a_signed_model_is_hashed_once_then_opened_lazily(
         # Only the tensor read was hashed (a small one is hashed again rather than cached), against the
         # digest the first open took from the signed bytes.
         assert integrity.hasher.bytes_hashed == opened.info("small").nbytes and integrity.verified == {"small"}
+
+
+# -- a model signed by ranges: each range checked as its tensors are first read --------------------------
+
+RANGED_TENSORS = 8
+RANGED_ELEMENTS = 65536
+"""The tensors of a model signed by ranges here: each 256 KiB of float32 (big enough for the hash
+cache to keep its digest), over 64 signed ranges of 4 KiB."""
+
+
+def make_ranged_model(directory: Path) -> Path:
+    """One weights file of RANGED_TENSORS tensors t0, t1, ... in file order, metadata in its header,
+    and config.json."""
+    directory.mkdir()
+    tensors = {f"t{i}": np.full(RANGED_ELEMENTS, i, dtype=np.float32) for i in range(RANGED_TENSORS)}
+    save_file(tensors, directory / "model.safetensors", metadata={"note": "aaaa"})
+    (directory / "config.json").write_text('{"model_type": "test"}\n')
+    return directory
+
+
+def tensor_offset(model: Path, name: str) -> int:
+    """Where tensor `name`'s bytes begin in model.safetensors."""
+    with tensorfs.open_model(model / "model.safetensors", cache=False) as opened:
+        return opened.info(name).offset
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+class CountedReads:
+    """The bytes read from the model's files to hash them (every check reads through Tables.readinto)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.bytes = 0
+        original = tensorfs.tables.Tables.readinto
+
+        def counted(tables: tensorfs.tables.Tables, shard: Any, offset: int, buffer: memoryview) -> None:
+            self.bytes += len(buffer)
+            original(tables, shard, offset, buffer)
+
+        monkeypatch.setattr(tensorfs.tables.Tables, "readinto", counted)
+
+    def since(self) -> int:
+        """The bytes read since the last call."""
+        count, self.bytes = self.bytes, 0
+        return count
+
+
+def test_a_model_signed_by_ranges_is_checked_range_by_range_as_its_tensors_are_read(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    size = (model / "model.safetensors").stat().st_size
+    nbytes = RANGED_ELEMENTS * 4
+    reads = CountedReads(monkeypatch)
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
+        # Opening read the range holding the header, nothing more.
+        assert reads.since() == SIGNED_SHARD < size // 100
+        assert opened.gate.integrity.expected == {}
+        assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
+        # The 65 ranges holding t3's bytes, whole, read once for the ranges' digests and the tensor's.
+        assert nbytes < reads.since() <= nbytes + 2 * SIGNED_SHARD
+        assert opened.gate.integrity.verified == {"t3"}
+        assert set(opened.gate.integrity.expected or {}) == {"t3"}
+    with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
+        # A later open: the hash cache knew the header's range and t3's, for this identity of the file.
+        assert reads.since() == 0
+        assert set(opened.gate.integrity.expected or {}) == {"t3"}
+        assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
+        assert reads.since() == 0  # its digest, too, was the cache's
+        assert opened.array("t5").tolist() == [5.0] * RANGED_ELEMENTS
+        assert nbytes < reads.since() <= nbytes + 2 * SIGNED_SHARD
+    every = tensorfs.opener.Source.named(model, RemoteOptions(cache_dir=cache))
+    with every.open(signature=held(public), verify="all") as opened:
+        assert reads.since() == size  # --verify all: every range checked at open, whatever the cache knows
+        assert opened.gate.integrity.verified == {f"t{i}" for i in range(RANGED_TENSORS)}
+
+
+def test_a_byte_changed_in_one_signed_range_is_refused_when_its_tensor_is_read(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    weights = model / "model.safetensors"
+    flip_byte(weights, tensor_offset(model, "t5") + RANGED_ELEMENTS * 2)  # in t5's own ranges
+    with tensorfs.open_model(model, signature=held(public), cache=False) as opened:
+        assert opened.array("t4").tolist() == [4.0] * RANGED_ELEMENTS  # its ranges are clean
+        for _ in range(2):  # and again: refused as it was
+            with pytest.raises(tensorfs.IntegrityError) as caught:
+                opened.array("t5")
+            said = str(caught.value)
+            assert said.startswith(f"{weights}: tensor 't5': bytes [")
+            assert " hash to " in said and f"as the signature {model / 'model.sig'} says" in said
+            assert len(said.splitlines()) == 1
+        assert opened.array("t6").tolist() == [6.0] * RANGED_ELEMENTS
+    with tensorfs.safe_open(model, "np", signature=held(public), cache=False) as f:
+        assert f.get_tensor("t0").tolist() == [0.0] * RANGED_ELEMENTS
+        with pytest.raises(tensorfs.IntegrityError, match=r"tensor 't5': bytes \[\d+, \d+\) hash to"):
+            f.get_tensor("t5")
+    with pytest.raises(tensorfs.IntegrityError, match=r"tensor 't5': bytes \[\d+, \d+\) hash to"):
+        tensorfs.load_file(model, framework="np", signature=held(public), cache=False)
+    assert not library_accepts(model, public, model / "model.sig", sharded=True)
+
+
+def test_a_tensor_of_a_changed_signed_range_is_not_served_from_a_fallback(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """Its signed digest was never established: nothing could hold a fallback's copy to it."""
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    flip_byte(model / "model.safetensors", tensor_offset(model, "t5") + RANGED_ELEMENTS * 2)
+    other = tmp_path / "other"
+    other.mkdir()
+    forged = {f"t{i}": np.full(RANGED_ELEMENTS, 9, dtype=np.float32) for i in range(RANGED_TENSORS)}
+    save_file(forged, other / "model.safetensors")
+    with tensorfs.open_model(model, signature=held(public), cache=False, fallback=[other]) as opened:
+        with pytest.raises(tensorfs.IntegrityError, match=r"tensor 't5': bytes \[\d+, \d+\) hash to"):
+            opened.array("t5")
+        assert opened.gate.copy("t5") is None
+        assert opened.array("t4").tolist() == [4.0] * RANGED_ELEMENTS
+        # A read of its file failed a moment ago: another tensor's would go to the fallback at once,
+        # but an unproven one can go nowhere else: its own file is asked.
+        opened.gate.failed(model / "model.safetensors")
+        assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
+        assert opened.gate.copy("t3") is None
+
+
+@pytest.mark.mount
+def test_a_mount_refuses_a_tensor_of_a_changed_signed_range_and_serves_the_others(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    flip_byte(model / "model.safetensors", tensor_offset(model, "t5") + RANGED_ELEMENTS * 2)
+    mountpoint = mounts.mount(model, "--public-key", str(public), "--no-cache")
+    assert np.frombuffer((mountpoint / "t4").read_bytes(), np.float32).tolist() == [4.0] * RANGED_ELEMENTS
+    with pytest.raises(OSError) as caught:
+        (mountpoint / "t5").read_bytes()
+    assert caught.value.errno == errno.EIO
+    view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
+    with view.open("rb") as file, pytest.raises(OSError) as caught:  # the synthesized file: t5's bytes too
+        file.read()
+    assert caught.value.errno == errno.EIO
+    assert np.frombuffer((mountpoint / "t6").read_bytes(), np.float32).tolist() == [6.0] * RANGED_ELEMENTS
+    assert "tensor 't5' in shard" in mounts.log()
+
+
+@pytest.mark.mount
+def test_a_header_changed_under_a_signature_of_ranges_is_refused_at_open(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data.replace(b'"note":"aaaa"', b'"note":"bbbb"', 1))  # still a valid header
+    assert weights.read_bytes() != data
+    said = f"{weights}: bytes [0, {SIGNED_SHARD}) hash to "
+    with pytest.raises(tensorfs.SignatureError) as caught:
+        tensorfs.open_model(model, signature=held(public), cache=False)
+    assert str(caught.value).startswith(said) and len(str(caught.value).splitlines()) == 1
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = mounts.attempt(model, "--public-key", str(public), "--no-cache", mountpoint=mountpoint)
+    assert result.returncode != 0 and said in result.stderr
+    assert not os.path.ismount(mountpoint)
 
 
 def test_a_weight_changed_after_the_first_open_is_refused_by_the_next(
@@ -461,8 +641,12 @@ def test_a_signed_model_in_s3_is_held_to_its_signature(
     remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=tmp_path / "cache")
     url = f"s3://{bucket}/signed"
     with tensorfs.open_model(url, signature=held(public), remote=remote) as opened:
-        assert opened.gate.integrity.verified == {"big", "small", "head", "empty"}  # read once, whole
+        # Signed by ranges: at open, only the ranges holding a header are read (the second file's one
+        # range holds it all); each tensor of the first is checked as it is read.
+        integrity = opened.gate.integrity
+        assert integrity.verified == set() and set(integrity.expected or {}) == {"head", "empty"}
         assert opened.array("small").tolist() == list(range(7))
+        assert integrity.verified == {"small"} and "big" not in (integrity.expected or {})
     common = ["--public-key", str(public), "--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "c2")]
     result = cli("export", url, str(tmp_path / "out"), *common)
     assert result.returncode == 0, result.stderr
@@ -481,6 +665,17 @@ def test_a_signed_model_in_s3_is_held_to_its_signature(
     with pytest.raises(tensorfs.SignatureError, match=rf"^s3://{bucket}/signed/extra.txt: not covered by the sig"):
         tensorfs.open_model(url, signature=held(public), remote=remote)
     obstore.delete(store, "signed/extra.txt")
+    first = bytearray((model / "model-00001-of-00002.safetensors").read_bytes())
+    first[len(first) // 2] ^= 0xFF  # in a range of "big" alone
+    obstore.put(store, "signed/model-00001-of-00002.safetensors", bytes(first))
+    again = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=tmp_path / "cache3")
+    with tensorfs.open_model(url, signature=held(public), remote=again) as opened:
+        assert opened.array("small").tolist() == list(range(7))
+        with pytest.raises(tensorfs.IntegrityError, match=r"model-00001-of-00002.safetensors: tensor 'big': bytes \["):
+            opened.array("big")
+    obstore.put(
+        store, "signed/model-00001-of-00002.safetensors", (model / "model-00001-of-00002.safetensors").read_bytes()
+    )
     weights = bytearray((model / "model-00002-of-00002.safetensors").read_bytes())
     weights[-1] ^= 0xFF
     obstore.put(store, "signed/model-00002-of-00002.safetensors", bytes(weights))

@@ -141,6 +141,8 @@ class Gate:
             try:
                 answer = yield from serve(place)
             except UNREADABLE as exc:
+                if self.integrity.unproven(name):
+                    raise  # its value rests on its own file's signed bytes: no copy can be held to it
                 place = yield from self.router.switched(place, exc, self._expected_of)
                 continue
             if answer is not None:
@@ -173,7 +175,7 @@ class Gate:
             generations = {name: self._state_of(name).generation for name in todo}
         if not todo:
             return
-        actual = self.integrity.hasher.hash_all(todo, progress)
+        actual = self.integrity.hash_all(todo, progress)
         with self._lock:
             self._notice()
             bad = []
@@ -265,7 +267,7 @@ class Gate:
                 state = self._files.seen(place.data)
                 if place.copy is None:
                     failing = self.router.failing(place.shard, low, high)
-                    if failing is not None:
+                    if failing is not None and not self.integrity.unproven(place.name):
                         raise failing  # to its fallback at once
                     assert state is not None
                     self._refuse_if_changed(place.name, state)
@@ -324,6 +326,12 @@ class Gate:
                         self._bad[place.name] = (generation, refused)
                         self.reporter.unverifiable(place.name, place.shard, str(exc))
                 raise refused from None
+            except IntegrityError as exc:  # bytes its value rests on are not the signed ones (Integrity.pending)
+                with self._lock:
+                    if self._bad.get(place.name, (-1,))[0] != generation:
+                        self._bad[place.name] = (generation, exc)
+                        self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "")
+                raise
         copied: str = yield "verify", functools.partial(sha256_of, place.data, place.start, place.end)
         return copied
 
