@@ -29,7 +29,7 @@ import tensorfs.identity
 import tensorfs.opener
 import tensorfs.tables
 from conftest import Mounts
-from helpers import cli, free_port, scrape
+from helpers import cli, free_port, hub_api, scrape
 from servers import Nginx, SeaweedFS
 from tensorfs.sources.store import RemoteOptions
 
@@ -703,3 +703,30 @@ def test_a_signed_model_over_http_is_held_to_its_signature(
             tensorfs.open_model(index, signature=held(public), remote=RemoteOptions(cache_dir=tmp_path / "cache2"))
     finally:
         shutil.rmtree(served)
+
+
+def test_a_signed_model_on_the_hub_is_held_to_its_signature(
+    nginx: Nginx, tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same from a Hub repository (hf://, the Hub's API on nginx): model.sig is found in the
+    repository and the loader held to it; a weight changed there is refused, naming its file."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    repo = "signed/hub-model"
+    files = nginx.root / repo / "resolve" / "main"
+    shutil.copytree(model, files)
+    hub_api(nginx.root, repo, files)
+    monkeypatch.setenv("HF_ENDPOINT", nginx.url)
+    try:
+        remote = RemoteOptions(cache_dir=tmp_path / "cache")
+        with tensorfs.open_model(f"hf://{repo}", signature=held(public), remote=remote) as opened:
+            assert opened.array("small").tolist() == list(range(7))
+            assert opened.gate.integrity.label.startswith("the signature ")
+            assert opened.gate.integrity.label.endswith("/model.sig")
+        flip_last_byte(files / "model-00001-of-00002.safetensors")
+        with pytest.raises(tensorfs.SignatureError, match=r"model-00001-of-00002\.safetensors: bytes hash to"):
+            tensorfs.open_model(f"hf://{repo}", signature=held(public), remote=RemoteOptions(cache_dir=tmp_path / "c2"))
+    finally:
+        shutil.rmtree(nginx.root / "signed")
+        shutil.rmtree(nginx.root / "api" / "models" / "signed")
