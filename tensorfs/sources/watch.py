@@ -7,14 +7,15 @@ without blocking: the gate drains them before it hands out a tensor's bytes, so 
 finished before a request reached the daemon (or a call the library) is known when it is answered.
 
 Any change the kernel reports of a file is taken for a change of its bytes (Change.CONTENT): a
-new size, mtime or ctime, and every inotify event but a move or a deletion. inotify does not see
-writes through a shared mapping; the kernel moves the file's mtime and ctime at the first such
-write to each clean page, so check() also compares the shard's size and times with what was last
-seen. The mtime can be set back (utime); the ctime cannot, but a chmod moves it as a write does, and
-nothing tells the two apart (the inode's change counter, statx's STATX_CHANGE_COOKIE, is the
-kernel's own: not given to user space), so a chmod, a chown or a touch is a change too. One ctime
-move is told apart: one with a new link count and nothing else (the file unlinked, or its path
-replaced by a rename: the mount keeps serving the file it validated).
+new size, mtime or ctime, and every inotify event but a move or a deletion (an IN_ATTRIB as the
+file's status tells, below). inotify does not see writes through a shared mapping; the kernel
+moves the file's mtime and ctime at the first such write to each clean page, so check() also
+compares the shard's size and times with what was last seen. The mtime can be set back (utime);
+the ctime cannot, but a chmod moves it as a write does, and nothing tells the two apart (the
+inode's change counter, statx's STATX_CHANGE_COOKIE, is the kernel's own: not given to user
+space), so a chmod, a chown or a touch is a change too. One ctime move is told apart: one with a
+new link count and nothing else (the file unlinked, or its path replaced by a rename: the mount
+keeps serving the file it validated).
 Not seen: writes to pages a shared mapping has dirtied already and that were not yet written back
 (no fault, so no new time; see docs/guarantees.md).
 """
