@@ -845,16 +845,50 @@ def daemon_process(mountpoint: Path) -> dict[str, int]:
     return process
 
 
-def daemon_resources(pid: int) -> tuple[int, int]:
-    """(open file descriptors, memory mappings but its threads' stacks) of a process.
+# glibc's malloc gives threads arenas of their own, each a heap reserved 64 MiB at a time (HEAP_MAX_SIZE
+# on 64-bit) at a 64 MiB boundary: the part in use readable, the rest PROT_NONE. It keeps them all.
+MALLOC_HEAP = 64 << 20
 
-    Worker threads come and go with the load (trio keeps idle ones a while), each with a stack
-    and its guard page: two mappings that are no leak.
+
+def daemon_resources(pid: int) -> tuple[int, int]:
+    """(open file descriptors, memory mappings but threads' stacks and malloc's arenas) of a process.
+
+    Worker threads come and go with the load (trio keeps idle ones a while), each with a stack and its
+    guard page, which glibc keeps mapped after the thread ends (its stack cache, up to 40 MiB); a new
+    thread may be given an arena of malloc's, kept for good. Neither is a leak; the rest is counted:
+    what was mapped by hand or by malloc for a big buffer, and every file mapping.
     """
-    status = Path(f"/proc/{pid}/status").read_text()
-    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
-    maps = len(Path(f"/proc/{pid}/maps").read_text().splitlines())
-    return len(os.listdir(f"/proc/{pid}/fd")), maps - 2 * (threads - 1)
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    spans = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        start, end = (int(address, 16) for address in fields[0].split("-"))
+        spans.append((start, end, fields[1], len(fields) == 6))
+    counted = 0
+    for i, (start, end, mode, named) in enumerate(spans):
+        after = spans[i + 1] if i + 1 < len(spans) else None
+        before = spans[i - 1] if i > 0 else None
+        joined_after = after is not None and after[0] == end and not after[3]
+        joined_before = before is not None and before[1] == start and not before[3]
+        if named:
+            counted += 1
+        elif mode == "---p" and joined_after and after is not None and after[2] == "rw-p":
+            continue  # a thread stack's guard
+        elif mode == "rw-p" and joined_before and before is not None and before[2] == "---p" and start % MALLOC_HEAP:
+            continue  # the stack above its guard
+        elif mode == "rw-p" and start % MALLOC_HEAP == 0:
+            continue  # an arena's heap, in use
+        elif (
+            mode == "---p"
+            and joined_before
+            and before is not None
+            and before[0] % MALLOC_HEAP == 0
+            and end % MALLOC_HEAP == 0
+        ):
+            continue  # the rest of its 64 MiB
+        else:
+            counted += 1
+    return len(os.listdir(f"/proc/{pid}/fd")), counted
 
 
 def descriptors_but_sockets(pid: int) -> int:

@@ -9,6 +9,8 @@ import os
 import random
 import signal
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -115,6 +117,39 @@ def kill_mid_read(daemon: int, victim: HandshakeReader) -> None:
         assert victim.process.wait(timeout=patience(30)) == -signal.SIGKILL
     finally:
         victim.stop()
+
+
+# A process whose threads came and went, then mapped a MiB by hand: the count leaves out the threads'
+# stacks (glibc keeps them mapped when they end) and malloc's arenas, and sees the MiB.
+THREADS_THEN_A_MAPPING = """
+import mmap, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+from helpers import daemon_resources
+pid = os.getpid()
+_, before = daemon_resources(pid)
+def work() -> None:
+    kept = [bytearray(1000) for _ in range(1000)]  # from an arena of its own, if malloc gives it one
+threads = [threading.Thread(target=work) for _ in range(6)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+_, after_threads = daemon_resources(pid)
+by_hand = mmap.mmap(-1, 1 << 20)
+_, after_mapping = daemon_resources(pid)
+print(before, after_threads, after_mapping)
+"""
+
+
+def test_the_leak_count_sees_a_mapping_not_threads_that_came_and_went() -> None:
+    said = subprocess.run(
+        [sys.executable, "-c", THREADS_THEN_A_MAPPING, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    before, after_threads, after_mapping = map(int, said.split())
+    assert after_threads == before and after_mapping == before + 1, said
 
 
 def test_no_leaks_after_many_opens_killed_readers_and_forgets(mounts: Mounts, model_dir: Path) -> None:
