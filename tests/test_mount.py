@@ -261,6 +261,10 @@ def test_options_that_break_tensorfs_are_refused(
             "fallback=https://user:password@example.com/m/model.safetensors",
             "https://***@example.com/m/model.safetensors: option 'fallback': credentials in a URL are never sent",
         ),
+        (  # FUSE's own option: refused by the URL's rule alone, else libfuse and /proc/mounts keep it
+            "fsname=https://user:password@example.com/m",
+            "https://***@example.com/m: option 'fsname': credentials in a URL are never sent",
+        ),
         ("allow_other,fallback=/elsewhere/model", "option 'fallback': not FUSE's: give it as --fallback"),
         ("manifest=/elsewhere/m.sha256", "option 'manifest': not FUSE's: give it as --manifest"),
     ],
@@ -268,7 +272,7 @@ def test_options_that_break_tensorfs_are_refused(
 def test_mount_options_pass_the_gate_of_the_flags(
     mounts: Mounts, model_dir: Path, tmp_path: Path, option: str, said: str
 ) -> None:
-    """-o with a URL that carries credentials is refused as --fallback refuses it (not handed to
+    """-o with a URL that carries credentials, in any option, is refused as --fallback refuses it (not handed to
     libfuse, whose "fuse_session_new() failed" said nothing, and whose record would keep them); a
     tensorfs option given as -o is told to be given as its flag."""
     mountpoint = tmp_path / "mnt"
