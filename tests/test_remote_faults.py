@@ -60,6 +60,8 @@ def test_a_server_that_stops_and_comes_back(mounts: Mounts, own_nginx: Nginx, tm
     mountpoint = mounts.mount(url, "--remote-timeout", "2", "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
     pid = mounts.daemon_pid(mountpoint)
     assert (mountpoint / "t00").read_bytes() == expected["t00"]
+    # Its reads were answered as their bytes came: the rest of its two chunks is waited for here.
+    wait_until(lambda: remote_stats(mountpoint)["fetched_bytes"] >= 16 * MIB, what="t00's chunks to be cached")
     own_nginx.stop()
     assert errno_of_reading(mountpoint / "t07") == errno.EIO  # within the timeout: the reader is not left hanging
     assert pid_alive(pid)

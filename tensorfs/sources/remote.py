@@ -24,7 +24,7 @@ from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..formats import ShardHeader
 from ..identity import Identity, settled
-from .cache import CachedObject, ChunkCache, NoRoomNow, default_cache_dir
+from .cache import CachedObject, CacheFull, ChunkCache, NoRoomNow, default_cache_dir
 from .fetching import COUNTERS, Fetcher, failed_future, wait
 from .index import missing_shard
 from .pages import Handover
@@ -148,15 +148,20 @@ class RemoteShard(ShardData):
         stalling for a chunk's transfer (counted: `arriving_reads`). A read that begins a chunk's
         fetch does not read further ahead (its first bytes do not share the link with the window);
         one that joins a fetch under way follows its run as a reader's own request does
-        (_read_ahead), so the window stays ahead of it. A fetch that fails before the read's bytes
-        came fails the read, as any reader waiting on it fails."""
+        (_read_ahead), so the window stays ahead of it; one across two chunks is copied so only
+        where it begins no fetch itself. A fetch that fails before the read's bytes came fails the
+        read, as any reader waiting on it fails (for want of room: the claim settles it)."""
         first, last = self._chunks(start, end) if end > start else (0, -1)
+        chunks = range(first, last + 1)
         coming = False
-        if end > start and not self.options.offline:
-            joined = any(self.cached.coming(chunk) for chunk in range(first, last + 1))
+        joined = [chunk for chunk in chunks if self.cached.coming(chunk)]
+        # A read across chunks begins no fetch here: those it would begin are claimed and pinned
+        # first (ensure_pinned), so that readers sharing a small cache wait their turn.
+        across = first != last and (not joined or not all(c in joined or self.cached.present(c) for c in chunks))
+        if end > start and not self.options.offline and not across:
             futures = [
                 future
-                for chunk in range(first, last + 1)
+                for chunk in chunks
                 if (future := self.cached.fetching(chunk, self._pool, reading=start if chunk == first else None))
                 is not None
             ]
@@ -167,11 +172,12 @@ class RemoteShard(ShardData):
                         COUNTERS.add(arriving_reads=1)
                     self._read_ahead(start, end, not joined, within)
                     return copied
-                # Not copied: the chunks have come (or are held to checksums), or a fetch failed.
+                # Not copied: the chunks have come (or are held to checksums), or a fetch failed: a
+                # failure of the store's is the read's; one for want of room is the claim's to settle.
                 failed = [
                     exc
                     for future in futures
-                    if isinstance(exc := future.exception(), Exception) and not isinstance(exc, NoRoomNow)
+                    if isinstance(exc := future.exception(), Exception) and not isinstance(exc, NoRoomNow | CacheFull)
                 ]
                 if failed:
                     wait([failed_future(failed[0])])  # raised as a waiter on the fetch has it raised
