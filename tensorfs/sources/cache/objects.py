@@ -102,6 +102,9 @@ class CachedObject:
         self._fetching: set[int] = set()  # chunks whose fetch lock this process holds until they are recorded
         self._arrived: dict[int, list[tuple[int, int]]] = {}
         """Chunks being fetched whose bytes may be answered as they come: the ranges written so far."""
+        self._awaited: list[tuple[int, int, int]] = []
+        """(chunk, start, end) of the bytes each copy waits for (copy_arriving): a piece written wakes
+        the copies only when it completes one, not every copy for every piece."""
         self._progress = threading.Condition(self._lock)
         self.fd = open_held(path, version.size)
         try:
@@ -425,8 +428,10 @@ class CachedObject:
                 view, offset = view[written:], offset + written
             if expected is None:
                 with self._lock:
-                    written_so_far[-1] = (written_so_far[-1][0], offset)
-                    self._progress.notify_all()
+                    low = written_so_far[-1][0]
+                    written_so_far[-1] = (low, offset)
+                    if any(c == chunk and low <= a and b <= offset for c, a, b in self._awaited):
+                        self._progress.notify_all()
 
         try:
             for start, stop in parts:
@@ -494,7 +499,17 @@ class CachedObject:
                     left = until - time.monotonic()
                     if left <= 0:
                         return None
-                    self._progress.wait(left)
+                    wanted = [
+                        (c, max(start, c * self.chunk_size), min(end, (c + 1) * self.chunk_size))
+                        for c in chunks
+                        if not self._present[c]
+                    ]
+                    self._awaited += wanted
+                    try:
+                        self._progress.wait(left)
+                    finally:
+                        for item in wanted:
+                            self._awaited.remove(item)
                 if all(self._present[chunk] for chunk in chunks):
                     return None
                 for chunk in chunks:
