@@ -482,10 +482,10 @@ class CachedObject:
         chunks present here, or being fetched with its part of the range written already. None when
         every chunk is here (answer from the mapping), when a chunk's bytes are held to the
         checksums of an earlier fetch (checked only once all have come), when a fetch ended without
-        them, when a chunk here was evicted meanwhile, or at `until`. Waiters are woken as each
-        piece is written. Copies are made under the object's lock, which a failed fetch takes
-        before it frees the chunk's blocks (no copy ever reads a hole), with the chunks present
-        pinned for the copy (no other process evicts them under it)."""
+        them, when a chunk here was evicted meanwhile, or at `until`. It is woken by the piece
+        written that completes its bytes (or a fetch's end). Copies are made under the object's
+        lock, which a failed fetch takes before it frees the chunk's blocks (no copy ever reads a
+        hole), with the chunks present pinned for the copy (no other process evicts them under it)."""
         chunks = range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)
         pinned: list[int] = []
         try:
