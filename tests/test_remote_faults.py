@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import obstore
@@ -59,6 +60,8 @@ def test_a_server_that_stops_and_comes_back(mounts: Mounts, own_nginx: Nginx, tm
     mountpoint = mounts.mount(url, "--remote-timeout", "2", "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
     pid = mounts.daemon_pid(mountpoint)
     assert (mountpoint / "t00").read_bytes() == expected["t00"]
+    # Its reads were answered as their bytes came: the rest of its two chunks is waited for here.
+    wait_until(lambda: remote_stats(mountpoint)["fetched_bytes"] >= 16 * MIB, what="t00's chunks to be cached")
     own_nginx.stop()
     assert errno_of_reading(mountpoint / "t07") == errno.EIO  # within the timeout: the reader is not left hanging
     assert pid_alive(pid)
@@ -376,6 +379,110 @@ def test_a_get_held_mid_body_is_eio_within_the_remote_timeout(mounts: Mounts, ng
         assert direct_read(mountpoint / "t01", 2 * MIB)[0] == expected["t01"][2 * MIB : 2 * MIB + (64 << 10)]
         for name in ("t01", "t02"):
             assert (mountpoint / name).read_bytes() == expected[name], name
+    finally:
+        proxy.close()
+
+
+def in_a_thread(read: Callable[[], tuple[bytes | int, float]]) -> tuple[threading.Thread, list[bytes | int]]:
+    """`read` begun on a thread of its own: the thread, and where its bytes (or errno) will be."""
+    outcome: list[bytes | int] = []
+    thread = threading.Thread(target=lambda: outcome.append(read()[0]))
+    thread.start()
+    return thread, outcome
+
+
+def test_a_read_in_a_chunk_being_fetched_is_answered_as_its_bytes_come(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """A read that lands in a chunk another read's GET is bringing in already is answered once its
+    own bytes have been written, not when the whole chunk has (a reader that caught up with the
+    read-ahead stalled for a chunk's transfer each time): the GET held mid-body 3 MiB in, a read 1
+    MiB in returns the model's bytes while the rest is still held (answering after the chunk, it
+    waited for as long as the GET was held), counted (`arriving_reads`), and the read-ahead goes on
+    for it: the next chunk is asked for."""
+    expected = big_model(nginx.root / "joined", tensors=1, size=12 * MIB)["t00"]  # two chunks
+    proxy = StallingProxy(nginx.port)
+    try:
+        mountpoint = mounts.mount(proxy.url("joined/m.safetensors"), "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+        proxy.stall_after(3 * MIB)
+        assert direct_read(mountpoint / "t00", 0, 4096)[0] == expected[:4096]  # begins the chunk's GET
+        before, requests = remote_stats(mountpoint), proxy.requests
+        assert before["arriving_reads"] == 0  # that read began its chunk's fetch: it joined none
+        reader, got = in_a_thread(lambda: direct_read(mountpoint / "t00", MIB))
+        try:
+            reader.join(patience(30))
+            assert not reader.is_alive(), "the read waits for the rest of the chunk"
+            assert got == [expected[MIB : MIB + (64 << 10)]]
+            after = remote_stats(mountpoint)
+            assert after["arriving_reads"] == 1 and after["fetched_bytes"] == 0  # no chunk has all come
+            assert proxy.holding.wait(patience(30))  # and the rest of the chunk is still held
+            wait_until(lambda: proxy.requests > requests, what="the next chunk to be asked for")
+        finally:
+            proxy.release()
+            reader.join()
+        assert (mountpoint / "t00").read_bytes() == expected
+    finally:
+        proxy.close()
+
+
+def test_a_fetch_that_fails_after_a_read_had_its_bytes(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """A read answered from a chunk still coming keeps its bytes when the chunk's GET fails after
+    them (held mid-body past --remote-timeout): they were written as this object version's GET sent
+    them, in a chunk with nothing to be checked against (it never came before), and an answer is
+    not taken back. The chunk is not kept: the failure is counted, nothing of it is recorded, and
+    once the store's bytes flow it is fetched again and read byte-exact."""
+    expected = big_model(nginx.root / "failed-after", tensors=1, size=4 * MIB)["t00"]  # one chunk
+    proxy = StallingProxy(nginx.port)
+    try:
+        options = ["--cache-dir", str(tmp_path / "cache"), "--remote-timeout", str(TIMEOUT)]
+        mountpoint = mounts.mount(proxy.url("failed-after/m.safetensors"), *options)  # type: ignore[arg-type]
+        proxy.stall_after(3 * MIB)
+        assert direct_read(mountpoint / "t00", 0, 4096)[0] == expected[:4096]  # begins the chunk's GET
+        failures = remote_stats(mountpoint)["fetch_failures"]
+        got = direct_read(mountpoint / "t00", MIB)[0]  # joins it
+        assert got == expected[MIB : MIB + (64 << 10)]
+        counted = remote_stats(mountpoint)
+        assert counted["arriving_reads"] == 1 and counted["fetch_failures"] == failures  # answered first
+        wait_until(
+            lambda: remote_stats(mountpoint)["fetch_failures"] > failures,
+            what="the held GET to fail",
+            timeout=2 * TIMEOUT + 10,
+        )
+        gets = remote_stats(mountpoint)["gets"]
+        assert remote_stats(mountpoint)["fetched_bytes"] == 0  # nothing of the chunk kept
+        proxy.release()
+        assert (mountpoint / "t00").read_bytes() == expected
+        assert remote_stats(mountpoint)["gets"] > gets  # fetched again
+    finally:
+        proxy.close()
+
+
+def test_a_fetch_that_fails_before_a_read_had_its_bytes(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None:
+    """A read waiting in a chunk still coming for bytes that have not come yet gets EIO when the
+    chunk's GET fails (held mid-body past --remote-timeout): never zeros, nor the bytes before; no
+    second GET is hidden in that read (it fails with the fetch it joined); a retry once the store's
+    bytes flow reads them exactly."""
+    expected = big_model(nginx.root / "failed-before", tensors=1, size=4 * MIB)["t00"]  # one chunk
+    proxy = StallingProxy(nginx.port)
+    try:
+        options = ["--cache-dir", str(tmp_path / "cache"), "--remote-timeout", str(TIMEOUT)]
+        mountpoint = mounts.mount(proxy.url("failed-before/m.safetensors"), *options)  # type: ignore[arg-type]
+        proxy.stall_after(MIB)
+        assert direct_read(mountpoint / "t00", 0, 4096)[0] == expected[:4096]  # begins the chunk's GET
+        before = remote_stats(mountpoint)
+        reader, got = in_a_thread(lambda: direct_read(mountpoint / "t00", 2 * MIB))
+        try:
+            wait_until(lambda: reads_in_handlers(mountpoint) == 1, what="the read to wait in the daemon")
+            reader.join(patience(2 * TIMEOUT + 10))
+            assert not reader.is_alive(), "the read outlived the GET it waited on"
+            assert got == [errno.EIO], got
+        finally:
+            proxy.release()
+            reader.join()
+        after = remote_stats(mountpoint)
+        assert after["fetch_failures"] == before["fetch_failures"] + 1 and after["gets"] == before["gets"]
+        assert after["arriving_reads"] == 0
+        assert direct_read(mountpoint / "t00", 2 * MIB)[0] == expected[2 * MIB : 2 * MIB + (64 << 10)]
     finally:
         proxy.close()
 

@@ -3,8 +3,8 @@ read through the mount and its cache, against obstore downloading the same bytes
 
 The bars (the remote-models issue and the download-speed issue): a first read of the model through
 the mount >= 0.9x obstore downloading the same objects into files with the same concurrency and
-chunk size (what a user has after a download), on loopback and through a distant link (25 ms each
-way, 200 MB/s shared: link.py), with the daemon's CPU per GiB <= 1.2x the downloader's; the first
+chunk size (what a user has after a download) on loopback, >= 0.95x through a distant link (25 ms
+each way, 200 MB/s shared: link.py), with the daemon's CPU per GiB <= 1.2x the downloader's; the first
 4 KiB of a cold small tensor through the link within 2 round trips at the median; a re-read from
 the cache >= 0.9x a local shard's first read; one 4 MiB tensor fetches its own chunks alone (two at
 most) + the headers; a 20-shard model mounts with at most 2 GETs a shard, in at most 3x the time it
@@ -15,6 +15,7 @@ synced and, as root, the page cache dropped.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -97,11 +98,18 @@ def download(url: str, objects: list[tuple[str, int]], into: Path | None = None)
 
 
 def first_read(
-    mounter: Mounter, url: str, cache: Path, names: list[str], nbytes: int, held: list[tuple[int, int]] | None = None
+    mounter: Mounter,
+    url: str,
+    cache: Path,
+    names: list[str],
+    nbytes: int,
+    held: list[tuple[int, int]] | None = None,
+    counted: list[tuple[int, int]] | None = None,
 ) -> tuple[float, float, tuple[int, int]]:
     """Reading `names` (`nbytes` in all) through a fresh mount of `url` with the cache `cache`:
     bytes/s, the daemon's CPU seconds, and its RssAnon (KiB) before and after. `held`: where to add
-    what the page cache holds after, of the cache's files and of the mounted files (bytes)."""
+    what the page cache holds after, of the cache's files and of the mounted files (bytes);
+    `counted`: where to add (reads answered from chunks still coming, tensor reads) (stats.json)."""
     with mounter.mounted(url, "--cache-dir", str(cache)) as (mnt, pid):
         before, cpu = rss_anon_kib(pid), cpu_seconds(pid)
         start = time.perf_counter()
@@ -109,6 +117,9 @@ def first_read(
             read_file(mnt / name)
         rate = nbytes / (time.perf_counter() - start)
         measured = rate, cpu_seconds(pid) - cpu, (before, rss_anon_kib(pid))
+        if counted is not None:
+            stats = json.loads((mnt / ".tensorfs" / "stats.json").read_bytes())
+            counted.append((stats["sources"]["remote"]["arriving_reads"], stats["reads"]["tensor"]))
         if held is not None:
             time.sleep(2.5)  # the daemon records its chunks each second, then lets go of what it served
             files = sorted((cache / "objects").iterdir())
@@ -254,11 +265,12 @@ def _through_a_link(config: Config, report: Report, mounter: Mounter, server: Ng
         out(f"through a link of {link.delay * 1e3:g} ms each way, {link.rate / 1e6:g} MB/s shared ...")
         url = f"{link.url()}/model/model.safetensors.index.json"
         saved, first = [], []
+        counted: list[tuple[int, int]] = []
         for i in range(config.repeat):
             quiesce(work / f"link{i - 1}" if i else None, big_shards)
             saved.append(download(link.url(), objects, work / "download")[0])
             quiesce(None, big_shards)
-            first.append(first_read(mounter, url, work / f"link{i}", big, model_bytes)[0])
+            first.append(first_read(mounter, url, work / f"link{i}", big, model_bytes, counted=counted)[0])
         quiesce(work / f"link{config.repeat - 1}")
         # A cold small tensor's first 4 KiB, tensors far apart (each its own chunk), the mount made.
         firsts = []
@@ -273,9 +285,12 @@ def _through_a_link(config: Config, report: Report, mounter: Mounter, server: Ng
         round_trip = link.round_trip
     report.add("link_download_files", "through the link: obstore download into files (baseline)",
                f"{median(saved) / 1e9:.3f} GB/s", None, "", gbps=median(saved) / 1e9)  # fmt: skip
+    arriving, reads = counted[-1]
     report.add("link_first_read", "  ... first read through the mount", f"{median(first) / 1e9:.3f} GB/s",
-               median(first) / median(saved), ">= 0.9x download into files", gbps=median(first) / 1e9,
-               at_least=0.9)  # fmt: skip
+               median(first) / median(saved), ">= 0.95x download into files", gbps=median(first) / 1e9,
+               at_least=0.95, arriving_reads=arriving, reads=reads)  # fmt: skip
+    report.add("link_arriving_reads", "  ... reads answered from chunks still coming (last try)",
+               f"{arriving} of {reads}", None, "(reported)", arriving_reads=arriving, reads=reads)  # fmt: skip
     report.add("link_first_byte", "  ... first 4 KiB of a cold small tensor: median / max",
                f"{median(firsts) * 1e3:.0f} / {max(firsts) * 1e3:.0f} ms", median(firsts) / round_trip,
                "<= 2 round trips at the median", median_ms=median(firsts) * 1e3, max_ms=max(firsts) * 1e3,

@@ -27,7 +27,7 @@ class RemoteCounters:
 
     NAMES = (
         "gets", "fetched_bytes", "fetch_failures", "cache_hits", "evicted_chunks", "evicted_bytes",
-        "chunks_checked", "bad_chunks", "changed_chunks", "split_chunks",
+        "chunks_checked", "bad_chunks", "changed_chunks", "split_chunks", "arriving_reads",
     )  # fmt: skip
 
     def __init__(self) -> None:

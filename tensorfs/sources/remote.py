@@ -24,8 +24,8 @@ from .. import formats
 from ..errors import InvalidModelError, Problem, ShardChangedError
 from ..formats import ShardHeader
 from ..identity import Identity, settled
-from .cache import CachedObject, ChunkCache, default_cache_dir
-from .fetching import Fetcher, wait
+from .cache import CachedObject, CacheFull, ChunkCache, NoRoomNow, default_cache_dir
+from .fetching import COUNTERS, Fetcher, failed_future, wait
 from .index import missing_shard
 from .pages import Handover
 from .shard import ShardData, Within
@@ -140,27 +140,48 @@ class RemoteShard(ShardData):
         return max(end, -(-end // size) * size)
 
     def pinned_or_copied(self, start: int, end: int, *, within: Within = None) -> bytes | None:
-        """A read within one chunk that nothing is fetching yet is answered with a copy of its bytes as
-        soon as they have been written, not when the whole chunk has come: a cold tensor's first
-        bytes cost a round trip, not a chunk's transfer, nor that of the bytes before them in their
-        chunk, which come after them (see CachedObject.copy_arriving and _get for which chunks). A
-        chunk fetched already, ahead of a reader that caught up with it, is waited for whole, as it
-        is mapped, and the reader's requests in a chunk still coming follow its run without reading
-        further ahead (the mount's window asks for that): a reader of one tensor fetches only its
-        tensor's chunks."""
+        """A read in a chunk still coming is answered with a copy of its bytes as soon as they have
+        been written, not when the whole chunk has come (see CachedObject.copy_arriving and _get for
+        which chunks): a cold tensor's first bytes cost a round trip, not a chunk's transfer, nor
+        that of the bytes before them in their chunk, which come after them; and a reader that
+        caught up with the read-ahead (or another reader) reads each piece as it lands instead of
+        stalling for a chunk's transfer (counted: `arriving_reads`). A read that begins a chunk's
+        fetch does not read further ahead (its first bytes do not share the link with the window);
+        one that joins a fetch under way follows its run as a reader's own request does
+        (_read_ahead), so the window stays ahead of it; one across two chunks is copied so only
+        where it begins no fetch itself. A fetch that fails before the read's bytes came fails the
+        read, as any reader waiting on it fails (for want of room: the claim settles it)."""
         first, last = self._chunks(start, end) if end > start else (0, -1)
-        coming = any(self.cached.coming(chunk) for chunk in range(first, last + 1))
-        if (
-            first == last
-            and not coming
-            and not self.options.offline
-            and self.cached.fetching(first, self._pool, reading=start) is not None
-        ):
-            copied = self.cached.copy_arriving(first, start, end, time.monotonic() + self.options.timeout)
-            if copied is not None:
-                self._read_ahead(start, end, True, within)
-                return copied
-            coming = True
+        chunks = range(first, last + 1)
+        coming = False
+        joined = [chunk for chunk in chunks if self.cached.coming(chunk)]
+        # A read across chunks begins no fetch here: those it would begin are claimed and pinned
+        # first (ensure_pinned), so that readers sharing a small cache wait their turn.
+        across = first != last and (not joined or not all(c in joined or self.cached.present(c) for c in chunks))
+        if end > start and not self.options.offline and not across:
+            futures = [
+                future
+                for chunk in chunks
+                if (future := self.cached.fetching(chunk, self._pool, reading=start if chunk == first else None))
+                is not None
+            ]
+            if futures:
+                copied = self.cached.copy_arriving(start, end, time.monotonic() + self.options.timeout)
+                if copied is not None:
+                    if joined:
+                        COUNTERS.add(arriving_reads=1)
+                    self._read_ahead(start, end, not joined, within)
+                    return copied
+                # Not copied: the chunks have come (or are held to checksums), or a fetch failed: a
+                # failure of the store's is the read's; one for want of room is the claim's to settle.
+                failed = [
+                    exc
+                    for future in futures
+                    if isinstance(exc := future.exception(), Exception) and not isinstance(exc, NoRoomNow | CacheFull)
+                ]
+                if failed:
+                    wait([failed_future(failed[0])])  # raised as a waiter on the fetch has it raised
+                coming = True
         self.ensure_pinned(start, end, ahead=coming, within=within)
         return None
 

@@ -102,6 +102,9 @@ class CachedObject:
         self._fetching: set[int] = set()  # chunks whose fetch lock this process holds until they are recorded
         self._arrived: dict[int, list[tuple[int, int]]] = {}
         """Chunks being fetched whose bytes may be answered as they come: the ranges written so far."""
+        self._awaited: list[tuple[int, int, int]] = []
+        """(chunk, start, end) of the bytes each copy waits for (copy_arriving): a piece written wakes
+        the copies only when it completes one, not every copy for every piece."""
         self._progress = threading.Condition(self._lock)
         self.fd = open_held(path, version.size)
         try:
@@ -274,6 +277,7 @@ class CachedObject:
             if not gone:
                 self._present[chunk] = 1
             waited = self._inflight.pop(chunk, None)
+            self._progress.notify_all()  # a copy waiting on the chunk (copy_arriving) looks again
         if waited is not None:
             waited.set_result(None)
 
@@ -424,8 +428,10 @@ class CachedObject:
                 view, offset = view[written:], offset + written
             if expected is None:
                 with self._lock:
-                    written_so_far[-1] = (written_so_far[-1][0], offset)
-                    self._progress.notify_all()
+                    low = written_so_far[-1][0]
+                    written_so_far[-1] = (low, offset)
+                    if any(c == chunk and low <= a and b <= offset for c, a, b in self._awaited):
+                        self._progress.notify_all()
 
         try:
             for start, stop in parts:
@@ -470,24 +476,64 @@ class CachedObject:
         else:
             self.recorded([chunk])
 
-    def copy_arriving(self, chunk: int, start: int, end: int, until: float) -> bytes | None:
-        """A copy of [start, end) (in `chunk`) as soon as its bytes are written, while the chunk is
-        still coming; None when the chunk is here (answer from the mapping), when its bytes are held
-        to the checksums of an earlier fetch (checked only once all have come), when its fetch ended
-        without them, or at `until`. Copies are made under the object's lock, which a failed fetch
-        takes before it frees the chunk's blocks: no copy ever reads a hole."""
-        with self._progress:
-            while not self._present[chunk]:
-                arrived = self._arrived.get(chunk)
-                if arrived is not None and any(low <= start and end <= high for low, high in arrived):
-                    return self._copy(start, end)
-                if arrived is None and chunk not in self._inflight:
-                    return None  # its fetch ended (a failure is met again the usual way)
-                left = until - time.monotonic()
-                if left <= 0:
+    def copy_arriving(self, start: int, end: int, until: float) -> bytes | None:
+        """A copy of [start, end) as soon as its bytes are in the file, while a chunk of it is still
+        coming (fetched for this read, or already by the read-ahead or another reader): each of its
+        chunks present here, or being fetched with its part of the range written already. None when
+        every chunk is here (answer from the mapping), when a chunk's bytes are held to the
+        checksums of an earlier fetch (checked only once all have come), when a fetch ended without
+        them, when a chunk here was evicted meanwhile, or at `until`. It is woken by the piece
+        written that completes its bytes (or a fetch's end). Copies are made under the object's
+        lock, which a failed fetch takes before it frees the chunk's blocks (no copy ever reads a
+        hole), with the chunks present pinned for the copy (no other process evicts them under it)."""
+        chunks = range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)
+        pinned: list[int] = []
+        try:
+            with self._progress:
+                while not self._written(chunks, start, end):
+                    if any(
+                        self._arrived.get(c) is None and c not in self._inflight and not self._present[c]
+                        for c in chunks
+                    ):
+                        return None  # a fetch ended without them (a failure is the caller's to tell)
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        return None
+                    wanted = [
+                        (c, max(start, c * self.chunk_size), min(end, (c + 1) * self.chunk_size))
+                        for c in chunks
+                        if not self._present[c]
+                    ]
+                    self._awaited += wanted
+                    try:
+                        self._progress.wait(left)
+                    finally:
+                        for item in wanted:
+                            self._awaited.remove(item)
+                if all(self._present[chunk] for chunk in chunks):
                     return None
-                self._progress.wait(left)
-        return None
+                for chunk in chunks:
+                    if self._present[chunk]:
+                        if not self._pins.get(chunk) and not self._hold(chunk):
+                            return None  # evicted by another process just now
+                        self._pins[chunk] = self._pins.get(chunk, 0) + 1
+                        pinned.append(chunk)
+                return self._copy(start, end)
+        finally:
+            if pinned:
+                self.let_go(pinned)
+
+    def _written(self, chunks: range, start: int, end: int) -> bool:
+        """Whether each of `chunks` is present here or has its part of [start, end) written by the
+        fetch under way (one with nothing to check against). Called with the object's lock held."""
+        for chunk in chunks:
+            if self._present[chunk]:
+                continue
+            low, high = max(start, chunk * self.chunk_size), min(end, (chunk + 1) * self.chunk_size)
+            arrived = self._arrived.get(chunk)
+            if arrived is None or not any(a <= low and high <= b for a, b in arrived):
+                return False
+        return True
 
     def _copy(self, start: int, end: int) -> bytes:
         """Bytes [start, end) of the file, read into new bytes (none zeroed first: a read's answer)."""
