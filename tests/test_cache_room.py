@@ -4,6 +4,7 @@ about to become evictable, instead of being told at once that the disk is full."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -16,8 +17,9 @@ import pytest
 
 from conftest import missing_root, require, wait_until
 from helpers import MIB, patience
+from tensorfs.sources.cache import CacheFull
 from tensorfs.sources.cache.chunks import ChunkCache
-from tensorfs.sources.cache.objects import CacheFull
+from tensorfs.sources.cache.full import full
 from tensorfs.sources.store import ObjectRef, ObjectVersion, StoreSpec
 
 SPEC = StoreSpec("http", "http://store", "http://store", timeout=5)
@@ -96,3 +98,72 @@ def test_a_read_waits_for_chunks_being_recorded_on_a_full_disk(tmp_path: Path, m
     finally:
         go.set()
         subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def test_the_database_on_a_full_disk_is_a_full_disk(tmp_path: Path) -> None:
+    """SQLite's refusal for want of room ("database or disk is full") is the cache's own for a full
+    disk, as the file's ENOSPC is: one refusal and one message whichever wrote first (a mount's reads
+    said SQLite's words when a row's write met the full disk before a chunk's blocks did), and the
+    claim's wait for room applies to it. Both the database made on a full disk and a write to it."""
+    require("root (it mounts a small tmpfs)", missing_root())
+    directory = tmp_path / "small-disk"
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(directory)], check=True)
+    try:
+        cache = ChunkCache(directory / "cache")
+        cache.open_object(version("a"), None, MIB, fetch)  # the database made, with room
+        said = rf"^the cache disk is full \({re.escape(str(directory / 'cache'))}\)$"
+        with pytest.raises(CacheFull, match=said), cache.records.transaction() as db:
+            db.execute(  # a row bigger than the disk's room left
+                "INSERT INTO models VALUES (?, ?, ?)", ("big", "x" * (4 * MIB), 0.0)
+            )
+        fresh = directory / "fresh"
+        fill(directory)
+        with pytest.raises(CacheFull, match=r"^the cache disk is full"):
+            ChunkCache(fresh).open_object(version("b"), None, MIB, fetch)
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Take every block of the disk `directory` is on (a file written until the disk says no)."""
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(bytes(64 << 10))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_chunks_whose_rows_met_a_full_disk_are_recorded_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save whose rows the disk had no room for keeps its chunks to be saved again (they are
+    recorded, so evictable, once there is room) and says so once while it lasts. Given up, as they
+    were, their blocks stayed taken with no row to evict them by: a cache disk filled by others and
+    then freed stayed full for the daemon (a mount's reads EIO after the room came back)."""
+    cache = ChunkCache(tmp_path / "cache")
+    cached = cache.open_object(version("a"), None, MIB, fetch)
+    commit = cache.records.commit
+    refusals: list[int] = []
+
+    def no_room(*args: Any) -> None:
+        refusals.append(1)
+        raise full(cache.directory)
+
+    with ThreadPoolExecutor(1) as executor:
+        cached.ensure_pinned(0, 0, executor)
+    cached.let_go([0])
+    monkeypatch.setattr(cache.records, "commit", no_room)
+    assert cache.save(wait=True) is False and cache.save(wait=True) is False and len(refusals) == 2
+    assert cache.pending(cached.id, 0) and cache.records.recorded(cached.id, 0) is None
+    assert [r.getMessage() for r in caplog.records].count(
+        f"could not record chunks in the cache: the cache disk is full ({cache.directory}) (recorded once there is room)"
+    ) == 1
+    monkeypatch.setattr(cache.records, "commit", commit)  # room again
+    assert cache.save(wait=True) is True
+    assert not cache.pending(cached.id, 0) and cache.records.recorded(cached.id, 0) is not None
+    cache.let_go(cached)
+    cached.close()
+    cache.close()

@@ -7,7 +7,8 @@ locks.py     the lock protocol every process keeps in the cache's files
 """
 
 from .chunks import OBJECTS_DIR, CacheEntry, ChunkCache, default_cache_dir, object_id
-from .objects import CachedObject, CacheFull, Fetch, NoRoomNow
+from .full import CacheFull, NoRoomNow
+from .objects import CachedObject, Fetch
 
 __all__ = [
     "OBJECTS_DIR",

@@ -57,8 +57,9 @@ from ...safefiles import UnsafeLocation, check_private_file, make_private_file, 
 from ...syscalls import punch_hole
 from ...units import human_size
 from ..fetching import COUNTERS
+from .full import CacheFull, NoRoomNow
 from .locks import can_remove, holders, in_use_elsewhere, let_go_chunk, let_go_room, take_room, take_to_evict
-from .objects import ROOM_WAIT, SAVE_AT_LEAST_EVERY, CachedObject, CacheFull, Fetch, NoRoomNow
+from .objects import ROOM_WAIT, SAVE_AT_LEAST_EVERY, CachedObject, Fetch
 from .records import DB_NAME, ChunkSum, Pending, Records
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class ChunkCache:
         self._room = threading.Condition(self._lock)  # told when pinned chunks are let go, or rows saved
         self._waiting_for_room = 0
         self._touched: dict[str, set[int]] = {}  # chunks served, their use not yet committed
+        self._full_said = False  # a save found no room for its rows, and said so
         self._saved_at = time.monotonic()
         self._timer: threading.Timer | None = None  # a save to come, for chunks written meanwhile
         self._room_fd = -1  # the lock file every process takes to make room (a bounded cache)
@@ -209,7 +211,8 @@ class ChunkCache:
         """Record what was written (flushed to disk first: the row never comes before the bytes) and used.
 
         The flush runs with no lock held, so fetches go on meanwhile; one save at a time: False when
-        another thread saves just now (and this one did not), unless `wait`: then after it.
+        another thread saves just now (and this one did not), unless `wait`: then after it; False too
+        when the disk had no room for the rows: the chunks wait to be saved again, as before.
         """
         if not self._saving.acquire(blocking=wait):
             return False
@@ -223,22 +226,33 @@ class ChunkCache:
                 pending = {oid: chunks for oid, chunks in pending.items() if written[oid] is not None}
                 files = [os.dup(cached.fd) for cached in written.values() if cached is not None and cached.fd >= 0]
                 self._recording += bool(pending)
+            saved = True
             try:
                 if pending or touched:
-                    self._commit(pending, touched, files)
+                    saved = self._commit(pending, touched, files)
             finally:
-                for oid, chunks in pending.items():  # recorded (or given up): others may fetch them now
-                    cached = written[oid]
-                    if cached is not None:
-                        cached.recorded(chunks)
+                if saved:
+                    for oid, chunks in pending.items():  # recorded (or given up): others may fetch them now
+                        cached = written[oid]
+                        if cached is not None:
+                            cached.recorded(chunks)
                 with self._lock:
+                    if not saved:
+                        # No room for their rows: still this process's to record (their fetch locks
+                        # held), evictable once recorded. Given up, their blocks would stay taken
+                        # with nothing to evict them by, and a full disk would stay full.
+                        for oid, chunks in pending.items():
+                            self._pending.setdefault(oid, {}).update(chunks)
+                        for oid, used in touched.items():
+                            self._touched.setdefault(oid, set()).update(used)
                     self._recording -= bool(pending)
                     self._room.notify_all()
         finally:
             self._saving.release()
-        return True
+        return saved
 
-    def _commit(self, pending: Pending, touched: dict[str, set[int]], files: list[int]) -> None:
+    def _commit(self, pending: Pending, touched: dict[str, set[int]], files: list[int]) -> bool:
+        """Flush the files, then write the rows; False when the disk had no room for them."""
         try:
             for fd in files:
                 os.fdatasync(fd)  # the bytes on disk before the rows that say they are
@@ -250,8 +264,15 @@ class ChunkCache:
                 os.close(fd)
         try:
             self.records.commit(pending, touched)
+        except CacheFull as exc:
+            if not self._full_said:  # once while it lasts: every save meets it again
+                log.warning("could not record chunks in the cache: %s (recorded once there is room)", exc)
+            self._full_said = True
+            return False
         except RemoteError as exc:
             log.warning("could not record chunks in the cache: %s (they will be fetched again)", exc)
+        self._full_said = False
+        return True
 
     # -- room -------------------------------------------------------------------------------
     @contextlib.contextmanager

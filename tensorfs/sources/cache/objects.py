@@ -21,6 +21,7 @@ from ...errors import ObjectChanged, RemoteError, printable
 from ...syscalls import fallocate, punch_hole
 from ..fetching import COUNTERS, failed_future, wait
 from ..pages import Pages
+from .full import CacheFull, NoRoomNow, disk_full, full
 from .locks import hold_chunk, let_go_chunk, let_go_fetch, open_held, take_fetch
 from .records import ChunkSum, Records, Summing, new_token
 
@@ -41,14 +42,6 @@ SPLIT_AT_LEAST = 1 << 20
 Fetch = Callable[[int, int, Callable[[int, bytes], object]], None]
 """Bytes [start, end) of exactly this version of an object, handed to write(offset, piece) as they
 come (ObjectChanged if the store has another version now, RemoteError if it cannot give them)."""
-
-
-class CacheFull(RemoteError):
-    """No room in the cache for a chunk: everything in it is in use, or its disk is full."""
-
-
-class NoRoomNow(RemoteError):
-    """No room in the cache at this moment, for a fetch that does not wait for some (one ahead of readers)."""
 
 
 class BadChunk(RemoteError):
@@ -453,8 +446,8 @@ class CachedObject:
             with contextlib.suppress(OSError):
                 punch_hole(self.fd, begin, end - begin)  # nothing half-written stays, nor its blocks
             if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise CacheFull(f"{self.version.url}: the cache disk is full ({self.cache.directory})") from None
+                if disk_full(exc):
+                    raise full(self.cache.directory, self.version.url) from None
                 raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
             raise
         COUNTERS.add(fetched_bytes=end - begin)
@@ -560,8 +553,8 @@ class CachedObject:
         try:
             fallocate(self.fd, 0, offset, nbytes)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise CacheFull(f"{self.version.url}: the cache disk is full ({self.cache.directory})") from None
+            if disk_full(exc):
+                raise full(self.cache.directory, self.version.url) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
                 raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
 

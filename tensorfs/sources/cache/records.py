@@ -25,6 +25,7 @@ from typing import Any
 import crc32c
 
 from ...errors import RemoteError
+from .full import disk_full, full
 
 __all__ = ["DB_NAME", "ChunkSum", "Records", "Summing", "new_token"]
 
@@ -120,10 +121,15 @@ class Records:
                 )
                 db.execute(f"PRAGMA user_version={SCHEMA}")
         except (sqlite3.Error, OSError) as exc:
+            if disk_full(exc):
+                raise full(self.directory) from None
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise RemoteError(f"cannot use the cache {self.directory}: {reason}") from None
         self._db, self._pid = db, os.getpid()
         return db
+
+    def _failure(self, exc: sqlite3.Error) -> RemoteError:
+        return full(self.directory) if disk_full(exc) else RemoteError(f"the cache {self.directory}: {exc}")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -133,7 +139,7 @@ class Records:
                 with db:
                     yield db
             except sqlite3.Error as exc:
-                raise RemoteError(f"the cache {self.directory}: {exc}") from None
+                raise self._failure(exc) from None
 
     # -- objects -------------------------------------------------------------------------------
     def object_opened(
@@ -191,7 +197,7 @@ class Records:
                     (oid, chunk),
                 ).fetchone()
             except sqlite3.Error as exc:
-                raise RemoteError(f"the cache {self.directory}: {exc}") from None
+                raise self._failure(exc) from None
         return (ChunkSum(row[0], row[1]), int(row[2])) if row is not None else None
 
     def sums_of(self, oid: str, chunk: int) -> ChunkSum | None:
