@@ -47,7 +47,8 @@ class DType:
         """The little-endian numpy dtype (ml_dtypes for bf16/fp8); None for packed F4/F6."""
         if self.numpy_name is None:
             return None
-        import ml_dtypes  # noqa: F401  (registers bfloat16 and the fp8 names with numpy)
+        if not self.numpy_name.startswith(("<", "|")):  # numpy's own need no ml_dtypes (0.7-1.6 s cold)
+            import ml_dtypes  # noqa: F401  (registers bfloat16 and the fp8 names with numpy)
         import numpy as np
 
         return np.dtype(self.numpy_name)

@@ -573,6 +573,24 @@ def test_nothing_is_left_behind(many: tuple[Path, dict[str, bytes]]) -> None:
     assert len(private_mappings_of(path)) == maps
 
 
+def test_ml_dtypes_is_imported_only_for_its_dtypes(tmp_path: Path) -> None:
+    """A model of numpy's own dtypes is read without importing ml_dtypes (its import is most of a
+    cold first tensor's time); a BF16 tensor imports it."""
+    import subprocess
+
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2], random_bytes(8, 0)), "b": ("BF16", [2], random_bytes(4, 1))})
+    code = (
+        "import sys, tensorfs\n"
+        "with tensorfs.safe_open(sys.argv[1], 'np') as f:\n"
+        "    f.get_tensor('w')\n"
+        "    print('ml_dtypes' in sys.modules)\n"
+        "    print(f.get_tensor('b').dtype)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "bfloat16"]
+
+
 def test_torch_is_imported_only_for_torch_tensors(tmp_path: Path) -> None:
     import subprocess
 
