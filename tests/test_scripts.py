@@ -289,6 +289,7 @@ def test_bench_remote_quick_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> No
     assert report["notes"] == []  # nothing skipped (nginx is there)
     assert figures(report) == {
         "download", "download_cpu", "download_files", "link_download_files", "link_first_byte", "link_first_read",
+        "link_arriving_reads",
         "local_first_read", "one_tensor", "remote_cpu", "remote_first_read", "remote_mount", "remote_mount_gets",
         "remote_open_latency", "remote_page_cache", "remote_reread", "remote_rss", "remote_stat_latency",
         "bucket_download", "bucket_s3fs", "bucket_rclone_off", "bucket_rclone_full", "bucket_tensorfs",
@@ -296,6 +297,7 @@ def test_bench_remote_quick_runs(fuse: None, nginx: Nginx, tmp_path: Path) -> No
         "bucket_tensorfs_switches",
     }  # fmt: skip
     assert report["remote_first_read"]["gbps"] > 0
+    assert report["link_arriving_reads"]["reads"] > 0 and "reads answered from chunks still coming" in result.stdout
     assert report["one_tensor"]["bytes"] <= 2 * 8 * MIB  # reading one tensor fetched its own chunks alone
     assert "first read of a remote model through the mount" in result.stdout
     # The bucket: tensorfs's mount, s3fs and rclone's and a download, each read whole, each's CPU counted.
