@@ -20,7 +20,7 @@ from diffusion_models import diffusers, pipelines, weights, write_pipeline
 
 import tensorfs
 from conftest import Mounts
-from helpers import hub_api, write_reference
+from helpers import cli, hub_api, write_reference
 from servers import Nginx, SeaweedFS
 
 
@@ -168,6 +168,38 @@ def test_a_pipelines_selection_is_of_its_components_tensors(pipeline: Path, moun
         "model_index.json", "scheduler/scheduler_config.json", "unet/config.json", "unet/selected.safetensors",
         "vqvae/config.json",
     ]  # fmt: skip
+
+
+def test_a_pipelines_exclusion_and_its_refusals_through_the_commands(
+    pipeline: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """--exclude 'vqvae/*' leaves that component's weights out (its config stays, as a selection's
+    does); --layers of a pipeline none of whose names is of a numbered layer (a UNet's down_blocks.0
+    is not one) is refused saying so; a pipeline the library refuses is refused by the commands in
+    one line: exit 1, no traceback."""
+    mountpoint = mounts.mount(pipeline, "--exclude", "vqvae/*")
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet"]
+    assert view_files(mountpoint / ".tensorfs" / "model") == [
+        "model_index.json", "scheduler/scheduler_config.json", "unet/config.json", "unet/selected.safetensors",
+        "vqvae/config.json",
+    ]  # fmt: skip
+    listed = cli("ls", str(pipeline), "--layers", "0-0")
+    assert (listed.returncode, listed.stderr) == (
+        1,
+        f"error: {pipeline}: --layers 0-0 selects no layer (it has no numbered layers)\n",
+    )
+    copy = tmp_path / "ldm"
+    shutil.copytree(pipeline, copy)
+    unet = copy / "unet"
+    (unet / "diffusion_pytorch_model.safetensors").rename(unet / "diffusion_pytorch_model.v2.safetensors")
+    for command in (["validate", str(copy)], ["mount", str(copy), str(tmp_path / "mnt")]):
+        (tmp_path / "mnt").mkdir(exist_ok=True)
+        refused = cli(*command)
+        assert refused.returncode == 1 and refused.stdout == "", refused
+        assert refused.stderr == (
+            f"error: {unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
+            "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)\n"
+        )
 
 
 def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_folder(
