@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -69,6 +71,21 @@ class InvalidModelError(TensorfsError, SafetensorError):
     def __init__(self, problems: Iterable[Problem]) -> None:
         self.problems: tuple[Problem, ...] = tuple(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class ModelNotFound(InvalidModelError, FileNotFoundError):
+    """A model named by a path that is not there: a FileNotFoundError too (errno ENOENT, its
+    filename), as safetensors raises for a file that is not there."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__([problem])
+        self.errno, self.strerror, self.filename = errno.ENOENT, os.strerror(errno.ENOENT), problem.file
+
+    def __str__(self) -> str:  # the problem's line, not OSError's "[Errno 2] ..."
+        return "\n".join(str(p) for p in self.problems)
+
+    def __reduce__(self) -> tuple[type[ModelNotFound], tuple[Problem]]:
+        return type(self), (self.problems[0],)
 
 
 class TensorNotFound(TensorfsError, KeyError, SafetensorError):

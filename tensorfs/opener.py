@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from .errors import AccessDenied, InvalidModelError, Problem, RemoteError, printable
+from .errors import AccessDenied, InvalidModelError, ModelNotFound, Problem, RemoteError, printable
 from .fallback import Fallbacks, FallbackSpec
 from .formats import is_weights_name
 from .hashcache import HashCache
@@ -128,7 +128,7 @@ class Source:
         where = _location(location)
         absent = missing(where) if isinstance(where, Path) else None
         if absent is not None:  # said now, before anything else is looked at (a mount's mountpoint)
-            raise InvalidModelError([absent])
+            raise ModelNotFound(absent)
         return cls(where, remote or RemoteOptions(), caches, tuple(map(_location, fallback)))
 
     @property

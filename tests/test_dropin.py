@@ -5,7 +5,9 @@ take."""
 
 from __future__ import annotations
 
+import errno
 import inspect
+import pickle
 import subprocess
 import sys
 from collections.abc import Callable
@@ -329,6 +331,36 @@ def test_a_file_safetensors_refuses_is_a_safetensor_error_from_tensorfs(tmp_path
         with pytest.raises(safetensors.SafetensorError) as sliced:
             opened.get_slice("w")[None]
         assert isinstance(sliced.value, IndexError)
+
+
+def test_a_file_not_there_is_a_file_not_found_error_as_from_safetensors(tmp_path: Path) -> None:
+    """Code written for safetensors catches FileNotFoundError for a file that is not there: tensorfs's
+    refusal of it is one too (its errno and filename), still an InvalidModelError, its message the
+    one line tensorfs says, and the same error again once pickled (as a worker process hands it on)."""
+    import safetensors.numpy
+
+    import tensorfs.numpy
+    import tensorfs.torch
+
+    path = tmp_path / "not-there.safetensors"
+    with pytest.raises(FileNotFoundError):
+        safetensors.numpy.load_file(path)
+    reads: list[tuple[Callable[..., Any], tuple[Any, ...]]] = [
+        (tensorfs.load_file, (path,)),
+        (tensorfs.numpy.load_file, (path,)),
+        (tensorfs.torch.load_file, (path,)),
+        (tensorfs.safe_open, (path, "np")),
+        (tensorfs.open_model, (tmp_path / "no-folder",)),
+    ]
+    for read, arguments in reads:
+        with pytest.raises(FileNotFoundError) as raised:
+            read(*arguments)
+        error = raised.value
+        assert isinstance(error, tensorfs.ModelNotFound) and isinstance(error, tensorfs.InvalidModelError)
+        assert (error.errno, error.filename) == (errno.ENOENT, str(arguments[0]))
+        assert str(error) == f"{arguments[0]}: no such file or directory"
+        again = pickle.loads(pickle.dumps(error))
+        assert (type(again), str(again), again.errno) == (tensorfs.ModelNotFound, str(error), errno.ENOENT)
 
 
 def test_without_safetensors_the_errors_are_tensorfs_own(tmp_path: Path) -> None:
