@@ -2,10 +2,11 @@
 its variants beside it), a Hugging Face cache snapshot's folder, a pipeline's root (model_index.json
 and its folders), and the refusals, read by diffusers itself from tensorfs's views and exports.
 
-The pipeline is made in the test (a tiny latent diffusion pipeline: a UNet2DModel and a VQModel from
-their configs with random weights, and a scheduler) and what diffusers loads from the original folder
-is compared with what it loads from tensorfs's: every weight, and the image it makes, bit for bit.
-Nothing is downloaded.
+The pipelines are made in the test (a tiny latent diffusion pipeline: a UNet2DModel and a VQModel from
+their configs with random weights, and a scheduler; a tiny Stable Diffusion pipeline: a
+UNet2DConditionModel, an AutoencoderKL, transformers' CLIPTextModel and a CLIPTokenizer of a tiny
+vocabulary) and what diffusers loads from the original folder is compared with what it loads from
+tensorfs's: every weight, and the image it makes, bit for bit. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import obstore
 import pytest
-from diffusion_models import diffusers, pipelines, weights, write_pipeline
+from diffusion_models import diffusers, pipelines, stable_diffusions, weights, write_pipeline, write_stable_diffusion
 
 import tensorfs
 from conftest import Mounts
@@ -29,6 +30,14 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny latent diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/,
     unet/ and vqvae/ (each's weights in float32, and an fp16 variant of other weights beside them)."""
     return write_pipeline(tmp_path_factory.mktemp("diffusers") / "ldm")
+
+
+@pytest.fixture(scope="module")
+def stable_diffusion(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Stable Diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/,
+    unet/ and vae/ (diffusers' weights), text_encoder/ (transformers' model.safetensors of a
+    CLIPTextModel) and tokenizer/ (a CLIPTokenizer's files, no weights)."""
+    return write_stable_diffusion(tmp_path_factory.mktemp("diffusers") / "sd")
 
 
 def view_files(view: Path) -> list[str]:
@@ -45,6 +54,25 @@ PIPELINE_VIEW = [
 ]
 """A pipeline's view: its own files, each component's folder with its config and its weights named as
 diffusers looks for them (the variants beside them are not the model: not served)."""
+
+
+STABLE_DIFFUSION_VIEW = [
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    "text_encoder/config.json",
+    "text_encoder/model.safetensors",
+    "tokenizer/merges.txt",
+    "tokenizer/tokenizer.json",
+    "tokenizer/tokenizer_config.json",
+    "tokenizer/vocab.json",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+    "vae/config.json",
+    "vae/diffusion_pytorch_model.safetensors",
+]
+"""A Stable Diffusion pipeline's view: every file of its folder, each component's weights named as its
+own loader looks for them (transformers' model.safetensors in text_encoder/), the tokenizer's files as
+they are."""
 
 
 def test_a_component_folder_with_its_variant_beside_it_is_one_model(
@@ -328,3 +356,28 @@ def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp
     with pytest.raises(tensorfs.InvalidModelError) as raised:
         tensorfs.open_model(root, fallback=[tmp_path / "elsewhere"])
     assert str(raised.value) == f"{root}: a pipeline takes no fallback: name a component's folder"
+
+
+def test_a_stable_diffusion_pipeline_with_its_text_encoder_and_tokenizer_loads_from_a_mount(
+    stable_diffusion: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """A Stable Diffusion pipeline's root (unet/ and vae/ diffusers' models, text_encoder/ a transformers
+    model, tokenizer/ and scheduler/ files only): its view and its export hold every file of the folder
+    (text_encoder/model.safetensors, tokenizer/'s files byte for byte), and StableDiffusionPipeline loads
+    from each the same weights of the unet, the vae and the text encoder, the same token ids of the
+    prompt, and makes the same image of it, bit for bit, as from the original folder."""
+    assert view_files(stable_diffusion) == STABLE_DIFFUSION_VIEW
+    mountpoint = mounts.mount(stable_diffusion)
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "text_encoder", "unet", "vae"]
+    view = mountpoint / ".tensorfs" / "model"
+    exported = mounts.run("export", str(stable_diffusion), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    for folder in (view, tmp_path / "exported"):
+        assert view_files(folder) == STABLE_DIFFUSION_VIEW
+        for name in STABLE_DIFFUSION_VIEW:
+            if not name.endswith(".safetensors"):
+                assert (folder / name).read_bytes() == (stable_diffusion / name).read_bytes(), name
+    original, mounted, written = stable_diffusions(stable_diffusion, view, tmp_path / "exported")
+    assert mounted == original and written == original
+    found = original[0]
+    assert isinstance(found, dict) and {name.partition("/")[0] for name in found} == {"text_encoder", "unet", "vae"}
