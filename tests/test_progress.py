@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from signed_models import make_key, sign
 
 from helpers import MIB, TENSORFS, cli, patience, random_bytes, write_reference
 from servers import Nginx
@@ -101,6 +102,17 @@ def test_manifest(model: Path) -> None:
 
 def test_verify(model: Path) -> None:
     shows(lambda _: ["verify", "--no-cache", str(model)], ["validating", "hashing"])
+
+
+def test_verify_of_a_signed_model(model: Path, tmp_path: Path) -> None:
+    """Held to a signature, every file hashed against it: the same lines."""
+    (model / DEFAULT_MANIFEST).unlink()  # a signature is the model's manifest: none beside it
+    private, public = make_key(tmp_path / "signer")
+    sign(model, private)
+    shows(
+        lambda _: ["verify", "--no-cache", "--public-key", str(public), str(model)],
+        ["validating", "hashing the signed files, once"],
+    )
 
 
 def test_export(model: Path, tmp_path: Path) -> None:

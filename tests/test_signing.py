@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import datetime
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -21,8 +22,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from model_signing import hashing, signing, verifying
+from model_signing import signing, verifying
 from safetensors.numpy import save_file
+from signed_models import SIGNED_SHARD, hashing_config, make_key, sign
 
 import tensorfs
 import tensorfs.identity
@@ -32,36 +34,6 @@ from conftest import Mounts
 from helpers import cli, free_port, hub_api, scrape
 from servers import Nginx, SeaweedFS
 from tensorfs.sources.store import RemoteOptions
-
-SIGNED_SHARD = 4096
-"""The shard size of models signed in ranges here: a tensor spans several ranges."""
-
-
-def make_key(where: Path) -> tuple[Path, Path]:
-    """A P-256 key pair in PEM files: (private, public)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = where.with_suffix(".key"), where.with_suffix(".pub")
-    private.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
-    return private, public
-
-
-def hashing_config(sharded: bool) -> hashing.Config:
-    """How the models here are hashed: whole files or ranges; the signature itself left out, as
-    model_signing's command line leaves it out."""
-    config = hashing.Config().set_ignored_paths(paths=["model.sig"])
-    return config.use_shard_serialization(shard_size=SIGNED_SHARD) if sharded else config
-
-
-def sign(model: Path, private: Path, *, sharded: bool = False, signature: Path | None = None) -> Path:
-    where = signature or model / "model.sig"
-    config = signing.Config().use_elliptic_key_signer(private_key=private).set_hashing_config(hashing_config(sharded))
-    config.sign(model, where)
-    return where
 
 
 def library_accepts(model: Path, public: Path, signature: Path, *, sharded: bool = False) -> bool:
@@ -292,6 +264,35 @@ def test_a_mount_refuses_a_tensor_of_a_changed_signed_range_and_serves_the_other
     assert caught.value.errno == errno.EIO
     assert np.frombuffer((mountpoint / "t6").read_bytes(), np.float32).tolist() == [6.0] * RANGED_ELEMENTS
     assert "tensor 't5' in shard" in mounts.log()
+
+
+@pytest.mark.mount
+def test_a_mounts_sums_of_a_model_signed_by_ranges_are_the_signed_bytes(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """A .sha256 sidecar of a tensor not read yet, and SHA256SUMS, read first on a mount held to a
+    signature of ranges: its ranges checked then, the values the bytes' own; a tensor of a changed
+    range has EIO for its sidecar and for SHA256SUMS (its value never established)."""
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    names = [f"t{i}" for i in range(RANGED_TENSORS)]
+    actual = {
+        name: hashlib.sha256(np.full(RANGED_ELEMENTS, i, np.float32).tobytes()).hexdigest()
+        for i, name in enumerate(names)
+    }
+    mountpoint = mounts.mount(model, "--public-key", str(public), "--no-cache")
+    assert (mountpoint / "t6.sha256").read_text().split()[0] == actual["t6"]
+    sums = (mountpoint / ".tensorfs" / "SHA256SUMS").read_text().splitlines()
+    assert sorted(line.split()[0] for line in sums) == sorted(actual.values())
+    flip_byte(model / "model.safetensors", tensor_offset(model, "t5") + RANGED_ELEMENTS * 2)
+    again = mounts.mount(model, "--public-key", str(public), "--no-cache")
+    assert (again / "t4.sha256").read_text().split()[0] == actual["t4"]
+    for refused in (again / "t5.sha256", again / ".tensorfs" / "SHA256SUMS"):
+        with pytest.raises(OSError) as caught:
+            refused.read_bytes()
+        assert caught.value.errno == errno.EIO, refused
+    assert "bug" not in mounts.log()
 
 
 @pytest.mark.mount

@@ -251,7 +251,9 @@ def verify(
     """
     source = source_of(path, remote, no_cache)
     if signature is not None:  # every tensor checked against the signed bytes of its file
-        with source.open(selection, manifest=manifest_path, signature=signature, verify="all") as model:
+        with source.open(
+            selection, manifest=manifest_path, signature=signature, verify="all", progress=not quiet
+        ) as model:
             integrity = model.gate.integrity
             signer, label = printable(integrity.signer), printable(integrity.label)
             click.echo(f"{printable(str(path))}: all {len(model)} tensors match {label}, signed by {signer}")

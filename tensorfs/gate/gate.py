@@ -223,6 +223,17 @@ class Gate:
         when a shard changed in place without a manifest, before or while they were hashed."""
         return self.digests.of_all(names)
 
+    def manifest_values(self, names: list[str]) -> Plan[dict[str, str]]:
+        """The manifest's values of these tensors (one must be in force): those a signature's ranges
+        hold, and not known yet, established first (their ranges read and checked: IntegrityError if
+        they are not the signed bytes). What a .sha256 sidecar or SHA256SUMS says under a manifest."""
+        expected = self.integrity.expected
+        assert expected is not None
+        unproven = [name for name in names if self.integrity.unproven(name)]
+        if unproven:
+            yield "verify", functools.partial(self.integrity.establish, unproven)
+        return {name: expected[name] for name in names}
+
     # -- changes to the files --------------------------------------------------------------------
     def watch_fd(self) -> int:
         """The descriptor that becomes readable when a watched file changes (-1: none to wait on)."""

@@ -155,19 +155,18 @@ class Sums:
 
     async def sidecar_digest(self, name: str) -> str:
         """What a .sha256 sidecar says: the manifest's value when there is one, else the bytes' hash."""
-        expected = self.gate.expected
-        if expected is not None:
-            return expected[name]
+        if self.gate.expected is not None:
+            values: dict[str, str] = await self._drive(self.gate.manifest_values([name]))
+            return values[name]
         digest: str = await self._drive(self.gate.digest(name))
         return digest
 
     async def sha256sums(self) -> bytes:
         """SHA256SUMS: the manifest's values, or every tensor's hash (hashing what is not known)."""
         self.gate.notice_changes()
-        expected = self.gate.expected
-        if expected is not None:
+        if self.gate.expected is not None:
             if self._sums is None:
-                self._sums = self.tree.sha256sums(expected)
+                self._sums = self.tree.sha256sums(await self._drive(self.gate.manifest_values(self.tree.names)))
             return self._sums
         changed = self.gate.changed_shards()
         if changed:
