@@ -36,3 +36,25 @@ def test_folder_markers_are_never_files_at_any_depth(hostile: HostileServer, s3_
     hostile.lies.append(Lie("size", "bkt/m/", 6))  # the prefix's own marker holding bytes (as some tools write)
     spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
+
+
+def test_empty_objects_the_listing_leaves_out_are_never_asked_after(
+    hostile: HostileServer, s3_keys: None, tmp_path: Path
+) -> None:
+    """An empty object may be a folder marker, which a HEAD tells: asked only of the entries the
+    model's directory keeps (not of those deeper than a subdirectory, nor in hidden folders), so
+    that a prefix of many empty files deep down costs no request apiece."""
+    model = hostile.root / "bkt" / "m"
+    (model / "1_Pooling").mkdir(parents=True)
+    write_reference(model / "model.safetensors", {"w": ("U8", [4], bytes(4))})
+    (model / "1_Pooling" / "config.json").write_text("{}")
+    (model / "1_Pooling" / "empty.txt").write_bytes(b"")  # kept: a HEAD says it is a file
+    for folder in ("deep/a/b", ".git/objects"):
+        (model / folder).mkdir(parents=True)
+        for n in range(20):
+            (model / folder / f"{n}.txt").write_bytes(b"")
+    remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
+    spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
+    assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "1_Pooling/empty.txt"]
+    heads = [name for method, name, *_ in hostile.requests if method == "HEAD" and name.endswith(".txt")]
+    assert heads == ["bkt/m/1_Pooling/empty.txt"]

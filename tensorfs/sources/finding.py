@@ -162,16 +162,16 @@ def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0)
     found: Listed = []
     inner: set[str] = set()
     for entry in files_of(entries):
-        if entry[1] == 0:
-            deadline.check(spec.url(top), "listing")
-            if not exists(ObjectRef(spec, top + entry[0])):
-                continue  # a folder marker (`m/2_Dense/`): the client dropped its '/', and there is no `m/2_Dense`
         parts = entry[0].split("/")
         if len(parts) > 2:
             continue
+        if len(parts) == 2 and (parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories)):
+            continue
+        if entry[1] == 0:  # asked of the entries kept only: a HEAD apiece, within the listing's deadline
+            deadline.check(spec.url(top), "listing")
+            if not exists(ObjectRef(spec, top + entry[0])):
+                continue  # a folder marker (`m/2_Dense/`): the client dropped its '/', and there is no `m/2_Dense`
         if len(parts) == 2:
-            if parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories):
-                continue
             inner.add(parts[0])
         found.append(entry)
     return found
