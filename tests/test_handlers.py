@@ -183,10 +183,10 @@ def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> Non
         with tensorfs.open_model(shard) as model:
             expected = {"big": hashlib.sha256(DATA).hexdigest(), "other": hashlib.sha256(b"abcd").hexdigest()}
             model.gate.set_integrity(Integrity(Hasher(model), expected if manifest else None))
-            dropped: list[tuple[list[int], bool]] = []
+            dropped: list[list[int]] = []
             ops = TensorOperations(
                 Tree(model, "slash", {}),
-                invalidate=lambda inodes, attr_only, dropped=dropped: dropped.append((sorted(inodes), attr_only)),
+                invalidate=lambda inodes, dropped=dropped: dropped.append(sorted(inodes)),
             )
             everything = sorted([*ops.tree.inodes_of(shard), ops.tree.sums_inode])
             big, other = ops.tree.tensor_inode("big"), ops.tree.tensor_inode("other")
@@ -197,13 +197,13 @@ def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> Non
                 assert bytes(run(ops.read, fh, 16, 16)) == DATA[16:32]
             else:
                 assert errno_of(ops.read, fh, 16, 16) == errno.EIO
-            assert dropped == [(everything, False)]  # its pages and attributes asked for again
+            assert dropped == [everything]  # its pages and attributes asked for again
             assert run(ops.getattr, big, None).st_mode == stat.S_IFREG | 0o440
             with open(shard, "r+b") as f:  # what `dd conv=notrunc` does
                 f.seek(model.info("big").offset + 100)
                 f.write(b"\0" * 8)
             assert errno_of(ops.read, fh, 0, 16) == errno.EIO  # no manifest: refused; with one: mismatch
-            assert dropped[1:] == [(everything, False)]
+            assert dropped[1:] == [everything]
             if manifest:  # the shard's other tensor is verified again, and served
                 assert bytes(run(ops.read, run(ops.open, other, os.O_RDONLY, None).fh, 0, 4)) == b"abcd"
             else:  # the whole shard is no longer what was validated

@@ -75,7 +75,8 @@ class Router:
             return None
         ago = time.monotonic() - since
         if ago >= RETRY_AFTER:
-            del self._failed_at[shard]
+            with self._lock:  # bring_in asks outside the gate's lock: another may have let it go already
+                self._failed_at.pop(shard, None)
             return None
         data = self.tables.shard_data(shard)
         if end > start and data.held(start, end):

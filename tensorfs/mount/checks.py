@@ -22,8 +22,8 @@ from .tree import Tree
 
 log = logging.getLogger("tensorfs.mount.operations")  # the log lines of the request handlers they answer for
 
-Invalidate = Callable[[Sequence[int], bool], None]
-"""Tells the kernel to drop what it caches of these inodes (all, or attributes only); blocking."""
+Invalidate = Callable[[Sequence[int]], None]
+"""Tells the kernel to drop what it caches of these inodes (pages and attributes); blocking."""
 
 Drive = Callable[[Plan[Any]], Awaitable[Any]]
 """How the mount drives one of the gate's plans (its blocking steps on worker threads)."""
@@ -119,7 +119,7 @@ class MountReporter(Reporter):
         if self.invalidate is None:
             return
         if self.nursery is None:  # not serving (tests): at once
-            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], False)
+            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode])
             return
         self._invalidations.add(shard)
         if shard not in self._invalidating:
@@ -132,7 +132,7 @@ class MountReporter(Reporter):
             while shard in self._invalidations:
                 self._invalidations.discard(shard)
                 inodes = [*self.tree.inodes_of(shard), self.tree.sums_inode]
-                await trio.to_thread.run_sync(self.invalidate, inodes, False)
+                await trio.to_thread.run_sync(self.invalidate, inodes)
         finally:
             self._invalidating.discard(shard)
 

@@ -205,11 +205,11 @@ def fsname(source: ShardKey) -> str:
     return "".join(out)
 
 
-def _invalidate(inodes: Sequence[int], attr_only: bool) -> None:
-    """Have the kernel forget what it caches of `inodes` (called from a worker thread)."""
+def _invalidate(inodes: Sequence[int]) -> None:
+    """Have the kernel forget what it caches of `inodes`, pages and attributes (called from a worker thread)."""
     for inode in inodes:
         try:
-            pyfuse3.invalidate_inode(inode, attr_only)
+            pyfuse3.invalidate_inode(inode, attr_only=False)
         except OSError as exc:
             if exc.errno != errno.ENOENT:  # ENOENT: the kernel holds nothing of it
                 log.warning("could not invalidate inode %d: %s", inode, exc.strerror)

@@ -473,9 +473,9 @@ class CachedObject:
         """A copy of [start, end) as soon as its bytes are in the file, while a chunk of it is still
         coming (fetched for this read, or already by the read-ahead or another reader): each of its
         chunks present here, or being fetched with its part of the range written already. None when
-        every chunk is here (answer from the mapping), when a chunk's bytes are held to the
-        checksums of an earlier fetch (checked only once all have come), when a fetch ended without
-        them, when a chunk here was evicted meanwhile, or at `until`. It is woken by the piece
+        every chunk is here (answer from the mapping; a chunk whose bytes are held to the checksums
+        of an earlier fetch, checked only once all have come, is waited for whole), when a fetch
+        ended without them, when a chunk here was evicted meanwhile, or at `until`. It is woken by the piece
         written that completes its bytes (or a fetch's end). Copies are made under the object's
         lock, which a failed fetch takes before it frees the chunk's blocks (no copy ever reads a
         hole), with the chunks present pinned for the copy (no other process evicts them under it)."""
