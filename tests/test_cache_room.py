@@ -3,6 +3,7 @@ about to become evictable, instead of being told at once that the disk is full."
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import tensorfs.sources.cache.chunks
 from conftest import missing_root, require, wait_until
 from helpers import MIB, patience
 from tensorfs.sources.cache import CacheFull
@@ -136,34 +138,78 @@ def fill(directory: Path) -> None:
             pass
 
 
+@pytest.mark.parametrize("where", ["rows", "flush"])
 def test_chunks_whose_rows_met_a_full_disk_are_recorded_once_there_is_room(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A save whose rows the disk had no room for keeps its chunks to be saved again (they are
-    recorded, so evictable, once there is room) and says so once while it lasts. Given up, as they
-    were, their blocks stayed taken with no row to evict them by: a cache disk filled by others and
-    then freed stayed full for the daemon (a mount's reads EIO after the room came back)."""
+    """A save the disk had no room for, its rows' or the flush of its chunks' bytes before them,
+    keeps its chunks to be saved again (they are recorded, so evictable, once there is room) and says
+    so once while it lasts. Given up, as they were, their blocks stayed taken with no row to evict
+    them by: a cache disk filled by others and then freed stayed full for the daemon (a mount's reads
+    EIO after the room came back)."""
     cache = ChunkCache(tmp_path / "cache")
     cached = cache.open_object(version("a"), None, MIB, fetch)
-    commit = cache.records.commit
     refusals: list[int] = []
 
     def no_room(*args: Any) -> None:
         refusals.append(1)
-        raise full(cache.directory)
+        if where == "rows":
+            raise full(cache.directory)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with ThreadPoolExecutor(1) as executor:
         cached.ensure_pinned(0, 0, executor)
     cached.let_go([0])
-    monkeypatch.setattr(cache.records, "commit", no_room)
-    assert cache.save(wait=True) is False and cache.save(wait=True) is False and len(refusals) == 2
-    assert cache.pending(cached.id, 0) and cache.records.recorded(cached.id, 0) is None
-    assert [r.getMessage() for r in caplog.records].count(
-        f"could not record chunks in the cache: the cache disk is full ({cache.directory}) (recorded once there is room)"
-    ) == 1
-    monkeypatch.setattr(cache.records, "commit", commit)  # room again
-    assert cache.save(wait=True) is True
+    with monkeypatch.context() as patched:
+        if where == "rows":
+            patched.setattr(cache.records, "commit", no_room)
+        else:
+            patched.setattr(tensorfs.sources.cache.chunks.os, "fdatasync", no_room)
+        assert cache.save(wait=True) is False and cache.save(wait=True) is False and len(refusals) == 2
+        assert cache.pending(cached.id, 0) and cache.records.recorded(cached.id, 0) is None
+        assert [r.getMessage() for r in caplog.records].count(
+            f"could not record chunks in the cache: the cache disk is full ({cache.directory}) (recorded once there is room)"
+        ) == 1
+    assert cache.save(wait=True) is True  # room again
     assert not cache.pending(cached.id, 0) and cache.records.recorded(cached.id, 0) is not None
     cache.let_go(cached)
     cached.close()
     cache.close()
+
+
+def test_a_read_on_a_full_disk_whose_chunks_cannot_be_recorded_is_refused_without_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks waiting to be recorded are soon evictable, so a read finding no room waits for their
+    save; not once a save had no room for their rows: saving them again frees nothing till room
+    comes, and every read on the full disk waited out its whole deadline (ROOM_WAIT) for nothing.
+    Now it tries the save once and is told the disk is full (counted: the saves it tried)."""
+    require("root (it mounts a small tmpfs)", missing_root())
+    directory = tmp_path / "small-disk"
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(directory)], check=True)
+    try:
+        cache = ChunkCache(directory / "cache")
+        refusals: list[int] = []
+
+        def no_room(*args: Any) -> None:
+            refusals.append(1)
+            raise full(cache.directory)
+
+        monkeypatch.setattr(cache.records, "commit", no_room)
+        with ThreadPoolExecutor(1) as executor:
+            first = cache.open_object(version("a"), None, MIB, fetch)
+            first.ensure_pinned(0, 0, executor)
+            first.let_go([0])
+            assert cache.save(wait=True) is False
+            second = cache.open_object(version("b"), None, MIB, fetch)
+            fill(directory)
+            with pytest.raises(CacheFull, match=r"the cache disk is full"):
+                cache.claim(second, 0, 0, time.monotonic() + patience(20))
+            assert len(refusals) <= 2, len(refusals)  # the first save, and one more at most
+            for cached in (first, second):
+                cache.let_go(cached)
+                cached.close()
+        cache.close()
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)

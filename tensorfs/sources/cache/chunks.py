@@ -57,7 +57,7 @@ from ...safefiles import UnsafeLocation, check_private_file, make_private_file, 
 from ...syscalls import punch_hole
 from ...units import human_size
 from ..fetching import COUNTERS
-from .full import CacheFull, NoRoomNow
+from .full import CacheFull, NoRoomNow, disk_full, full
 from .locks import can_remove, holders, in_use_elsewhere, let_go_chunk, let_go_room, take_room, take_to_evict
 from .objects import ROOM_WAIT, SAVE_AT_LEAST_EVERY, CachedObject, Fetch
 from .records import DB_NAME, ChunkSum, Pending, Records
@@ -257,6 +257,8 @@ class ChunkCache:
             for fd in files:
                 os.fdatasync(fd)  # the bytes on disk before the rows that say they are
         except OSError as exc:
+            if disk_full(exc):  # as for the rows: kept to be saved once there is room
+                return self._no_room(full(self.directory))
             log.warning("could not flush the cache files: %s (their new chunks will be fetched again)", exc.strerror)
             pending = {}
         finally:
@@ -265,10 +267,7 @@ class ChunkCache:
         try:
             self.records.commit(pending, touched)
         except CacheFull as exc:
-            if not self._full_said:  # once while it lasts: every save meets it again
-                log.warning("could not record chunks in the cache: %s (recorded once there is room)", exc)
-            self._full_said = True
-            return False
+            return self._no_room(exc)
         except RemoteError as exc:
             log.warning("could not record chunks in the cache: %s (they will be fetched again)", exc)
         self._full_said = False
@@ -366,14 +365,22 @@ class ChunkCache:
                 raise disk_full
             self._await_room(requester, deadline)
 
+    def _no_room(self, exc: CacheFull) -> bool:
+        """A save the disk had no room for (False): said once while it lasts, every save meeting it again."""
+        if not self._full_said:
+            log.warning("could not record chunks in the cache: %s (recorded once there is room)", exc)
+        self._full_said = True
+        return False
+
     def _soon_evictable(self) -> bool:
         """Whether chunks of this process will soon be evictable: a fetch under way (its chunk's blocks
         taken), or chunks fetched and not yet recorded (evictable once saved, which waiting for room
         does), or being recorded by a save under way (out of what waits to be saved, not yet in the
-        records: a reader right after a fetch met them so, and was told the disk was full)."""
+        records: a reader right after a fetch met them so, and was told the disk was full). Not those
+        the last save had no room to record: till room comes, saving them frees nothing."""
         with self._lock:
             objects = list(self._objects.values())
-            if self._pending or self._recording:
+            if (self._pending and not self._full_said) or self._recording:
                 return True
         return any(cached.busy() for cached in objects)
 
