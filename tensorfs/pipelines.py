@@ -14,14 +14,19 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from .errors import InvalidModelError, Problem
-from .formats import NAME, ShardHeader
+from .formats import NAME, ShardHeader, gguf
 from .identity import ShardKey
 from .model import Model
 from .names import Layout
 from .selection import Selection
 from .tables import Shard, owners, restricted
 
-__all__ = ["open_pipeline"]
+__all__ = ["GGUF_COMPONENT", "open_pipeline"]
+
+GGUF_COMPONENT = (
+    "a GGUF file in a pipeline's component folder: diffusers loads no component from one (from_single_file "
+    "does): name the file to mount it alone"
+)
 
 
 def open_pipeline(
@@ -42,6 +47,12 @@ def open_pipeline(
                 opened.append((folder, open_component(folder)))
             except InvalidModelError as exc:
                 problems.extend(exc.problems)
+                continue
+            problems += [
+                Problem(str(shard.header.path), GGUF_COMPONENT)
+                for shard in opened[-1][1].opened_shards()
+                if shard.header.format == gguf.NAME
+            ]
         if problems:
             raise InvalidModelError(problems)
         shards = [

@@ -18,11 +18,13 @@ from pathlib import Path
 import obstore
 import pytest
 from diffusion_models import diffusers, pipelines, stable_diffusions, weights, write_pipeline, write_stable_diffusion
+from gguf_files import write_gguf
 
 import tensorfs
 from conftest import Mounts
 from helpers import cli, hub_api, write_reference
 from servers import Nginx, SeaweedFS
+from tensorfs.pipelines import GGUF_COMPONENT
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +236,8 @@ def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_fol
     pipeline: Path, tmp_path: Path
 ) -> None:
     """A component folder holding two variants and no plain file: the pipeline is refused in one line
-    naming that folder and its files. A root none of whose folders holds weights says it is a
+    naming that folder and its files; one holding a GGUF (no loader of a component reads one), naming
+    the file. A root none of whose folders holds weights says it is a
     pipeline's, and what to name instead."""
     copy = tmp_path / "ldm"
     shutil.copytree(pipeline, copy)
@@ -246,6 +249,12 @@ def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_fol
         f"{unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
         "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)"
     )
+    for variant in unet.glob("*.safetensors"):
+        variant.unlink()
+    write_gguf(unet / "unet.gguf", {"w": ("F32", [4])})  # diffusers loads no component from a GGUF
+    with pytest.raises(tensorfs.InvalidModelError) as raised:
+        tensorfs.open_model(copy)
+    assert str(raised.value) == f"{unet / 'unet.gguf'}: {GGUF_COMPONENT}"
     for folder in ("unet", "vqvae"):  # no component left: the root says it is a pipeline's, and what to name
         shutil.rmtree(copy / folder)
     with pytest.raises(tensorfs.InvalidModelError) as raised:
