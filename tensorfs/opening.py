@@ -31,7 +31,7 @@ from .sources.finding import pipeline_folders
 from .sources.local import FoundShards, LocalDescription, LocalShard, find_pipeline, find_shards
 from .sources.remote import RemoteOpener
 from .sources.store import RemoteOptions, is_remote
-from .tables import Shard, owners, restricted
+from .tables import Shard, opened_for, owners
 
 log = logging.getLogger(__name__)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
@@ -139,11 +139,7 @@ def _open_model(
                 if headers.enabled and found is not None and not failed:
                     model.header_cache = headers.directory
             else:
-                kept, owner = restricted(opened, selection, str(path))
-                paths = {shard.header.path for shard in kept}
-                for shard in opened:
-                    if shard.header.path not in paths and not shard.lent:
-                        shard.data.close()  # nothing selected in it: neither mapped nor read any further
+                kept, owner = opened_for(opened, selection, str(path))
                 model = Model(source, kept, owner, layout, selection, fallbacks=fallbacks)
             model.stand_ins = stand_ins
             return model

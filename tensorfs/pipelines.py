@@ -19,7 +19,7 @@ from .identity import ShardKey
 from .model import Model
 from .names import Layout
 from .selection import Selection
-from .tables import Shard, owners, restricted
+from .tables import Shard, opened_for, owners
 
 __all__ = ["GGUF_COMPONENT", "open_pipeline"]
 
@@ -69,15 +69,11 @@ def open_pipeline(
     try:
         if selection.everything:
             return Model(source, shards, owners(shards), layout)
-        kept, owner = restricted(shards, selection, str(source))
+        kept, owner = opened_for(shards, selection, str(source))
     except BaseException:
         for shard in shards:
             shard.data.close()
         raise
-    paths = {shard.header.path for shard in kept}
-    for shard in shards:
-        if shard.header.path not in paths:
-            shard.data.close()  # nothing selected in it
     return Model(source, kept, owner, layout, selection)
 
 

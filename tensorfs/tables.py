@@ -207,6 +207,17 @@ def owners(shards: list[Shard]) -> dict[str, Shard]:
     return owner
 
 
+def opened_for(shards: list[Shard], selection: Selection, label: str) -> tuple[list[Shard], dict[str, Shard]]:
+    """restricted(), for shards just opened for the selection: those left with nothing selected are
+    closed (neither mapped nor read any further), but for those lent (their lender closes them)."""
+    kept, owner = restricted(shards, selection, label)
+    paths = {shard.header.path for shard in kept}
+    for shard in shards:
+        if shard.header.path not in paths and not shard.lent:
+            shard.data.close()
+    return kept, owner
+
+
 def restricted(shards: list[Shard], selection: Selection, label: str) -> tuple[list[Shard], dict[str, Shard]]:
     """The shards' headers cut down to the selected tensors (shards left with none dropped), and their owners."""
     kept: list[Shard] = []
