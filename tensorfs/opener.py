@@ -36,7 +36,7 @@ from .signing import Signature, SignatureError, SignedModel
 from .sources.cache import default_cache_dir
 from .sources.choosing import view_name
 from .sources.client import exists
-from .sources.finding import beside
+from .sources.finding import beside, directory_url
 from .sources.index import is_index_name
 from .sources.local import missing
 from .sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, location_problem, redact
@@ -323,7 +323,7 @@ class Source:
         """A diffusers pipeline's component folders (pipelines.py); none for any other model. A remote
         model whose `weights` are all in its own directory is asked nothing more."""
         if isinstance(self.location, str):
-            directory = beside(self.location, "x", self.remote).url.rpartition("/")[0]
+            directory = directory_url(self.location, self.remote)
             if all(str(weight).rpartition("/")[0] == directory for weight in weights):
                 return []
         return pipeline_components(self.location, self.remote) or []

@@ -31,7 +31,7 @@ from .progress import Progress
 from .safefiles import ModelDirectory, NotRegular, mounted_under
 from .signedbytes import SignedRanges, check_file
 from .signing import DEFAULT_SIGNATURE, Signature, SignatureError, SignedFile, SignedModel, read_signature
-from .sources.finding import beside, listing_beside
+from .sources.finding import beside, directory_url, listing_beside
 from .sources.store import RemoteOptions, redact
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def hold_model(
     signed = find_signature(trust, where, remote)
     root: Path | str = where
     if isinstance(where, str):  # the URL of the model's directory (that of its file or index)
-        root = beside(where, DEFAULT_SIGNATURE, remote).url.removesuffix(f"/{DEFAULT_SIGNATURE}")
+        root = directory_url(where, remote)
         if not one_file:
             check_remote_files(signed, where, remote)
     else:
@@ -123,7 +123,7 @@ def hold_to(
         relative = "." if one_file and "." in signed.files else relative_name(directory, shard)
         signed_file = signed.files.get(relative)
         if signed_file is None:
-            raise SignatureError(f"{printable(str(shard))}: not covered by the signature {signed.label}")
+            raise SignatureError(_unsigned(str(shard), signed))
         found = _remembered(cache, model.identity(shard), signed_file, [(e[BEGIN], e[END]) for e in entries])
         if found is None and lazy and not signed_file.whole:
             ranged[shard] = signed_file
@@ -216,11 +216,7 @@ def check_local_files(
     problems: list[str] = []
     with ModelDirectory(directory) as root:
         present = _walk(root, directory)
-        for relative in sorted(set(signed.files) - set(present)):
-            problems.append(f"{printable(str(directory / relative))}: signed, but not in the model")
-        for relative in present:
-            if relative not in signed.files and not signed.is_ignored(relative):
-                problems.append(f"{printable(str(directory / relative))}: not covered by the signature {signed.label}")
+        problems += _coverage(signed, present, lambda relative: str(directory / relative))
         for relative in present:
             weights = relative in shard_names or (not everything and is_weights_name(relative))
             if relative in signed.files and not weights:
@@ -230,6 +226,27 @@ def check_local_files(
                     problems.append(str(exc))
     if problems:
         raise SignatureError("\n".join(problems))
+
+
+def _unsigned(shown: str, signed: SignedModel) -> str:
+    return f"{printable(shown)}: not covered by the signature {signed.label}"
+
+
+def _coverage(
+    signed: SignedModel, present: Iterable[str], shown: Callable[[str], str], depth: int | None = None
+) -> list[str]:
+    """A line for each file signed and not present (within `depth` subdirectories, when the files
+    present are only known so far), and for each present that the signature neither names nor
+    leaves out; `shown(relative)` is how a message names a file."""
+    present = set(present)
+    missing = [name for name in sorted(set(signed.files) - present) if depth is None or name.count("/") <= depth]
+    problems = [f"{printable(shown(name))}: signed, but not in the model" for name in missing]
+    problems += [
+        _unsigned(shown(name), signed)
+        for name in sorted(present)
+        if name not in signed.files and not signed.is_ignored(name)
+    ]
+    return problems
 
 
 def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) -> None:
@@ -244,18 +261,9 @@ def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) 
         raise SignatureError(str(exc)) from None
     if listed is None:
         return
-    present = {path for path, _, _, _ in listed}
-    base = beside(source, DEFAULT_SIGNATURE, remote).url.removesuffix(DEFAULT_SIGNATURE)
-    problems = [
-        f"{printable(base + relative)}: signed, but not in the model"
-        for relative in sorted(set(signed.files) - present)
-        if relative.count("/") <= 1
-    ]
-    problems += [
-        f"{printable(base + relative)}: not covered by the signature {signed.label}"
-        for relative in sorted(present)
-        if relative not in signed.files and not signed.is_ignored(relative)
-    ]
+    base = directory_url(source, remote)
+    # The listing reaches one level of subdirectories down: a file signed deeper is not looked for.
+    problems = _coverage(signed, [path for path, *_ in listed], lambda relative: f"{base}/{relative}", depth=1)
     if problems:
         raise SignatureError("\n".join(problems))
 
@@ -324,7 +332,7 @@ def signed_content(
     it); without one (a remote file), the content `read` gives is checked. SignatureError if not."""
     signed_file = signed.files.get(relative)
     if signed_file is None:
-        raise SignatureError(f"{printable(shown)}: not covered by the signature {signed.label}")
+        raise SignatureError(_unsigned(shown, signed))
     if signed_file.whole and content_digest is not None:
         if content_digest.hex() != signed_file.ranges[0][2]:
             raise SignatureError(

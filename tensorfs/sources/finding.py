@@ -140,6 +140,12 @@ def beside(source: str, name: str, options: RemoteOptions) -> ObjectRef:
     return ObjectRef(spec, f"{key}/{name}" if key else name)
 
 
+def directory_url(source: str, options: RemoteOptions) -> str:
+    """The URL of a remote model's directory (its prefix, or its file's or index's directory), which
+    names in it are relative to; no '/' at its end."""
+    return beside(source, "x", options).url.removesuffix("/x")
+
+
 Listed = list[tuple[str, int, float, str | None]]
 """Objects of a model's directory: (path in it, size, mtime, ETag if known)."""
 
