@@ -229,7 +229,17 @@ class Source:
 
         where = self.location if isinstance(self.location, str) else Path(self.directory)
         one_file, everything = self.is_one_shard, selection.everything
-        hold_model(model, trust, where, self.remote, self.cache.hashes(), one_file, everything, progress, verify_all)
+        hold_model(
+            model,
+            trust,
+            where,
+            self.remote,
+            self.cache.hashes(),
+            one_file=one_file,
+            everything=everything,
+            progress=progress,
+            verify_all=verify_all,
+        )
 
     def _open_tables(self, selection: Selection, layout: Layout, progress: bool = False) -> Model:
         caches = self.cache

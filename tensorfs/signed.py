@@ -51,6 +51,7 @@ def hold_model(
     where: Path | str,
     remote: RemoteOptions,
     cache: HashCache,
+    *,
     one_file: bool,
     everything: bool,
     progress: bool,
