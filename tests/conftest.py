@@ -448,8 +448,8 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 
 
 @pytest.fixture(scope="session")
-def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
-    """One nginx for the session: each test serves a directory of its own under its root."""
+def session_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
+    """One nginx for the session (see nginx)."""
     if shutil.which("nginx") is None:
         require("nginx", "not installed (apt-get install nginx-light)")
     server = Nginx(tmp_path_factory.mktemp("nginx"), locations=PRIVATE + MOVED + NO_ETAG + GUARDED + BROKEN + HUB_API)
@@ -458,6 +458,23 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def nginx(session_nginx: Nginx) -> Iterator[Nginx]:
+    """The session's nginx, each test serving what it writes under its root: what a test made there
+    is gone when it ends, so that tests of other files on the same worker may use the same names
+    (the locations nginx is configured with have fixed ones: private/, api/, ...)."""
+    before = set(os.listdir(session_nginx.root))
+    try:
+        yield session_nginx
+    finally:
+        for name in set(os.listdir(session_nginx.root)) - before:
+            path = session_nginx.root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 @pytest.fixture
