@@ -358,6 +358,34 @@ def test_a_listing_ends_at_the_remote_timeout(
     assert 5 <= pages_listed(hostile) <= 8  # (the client may ask for a page or two ahead)
 
 
+class HeadClock(PageClock):
+    """A clock that moves a second with each HEAD the server has answered."""
+
+    def monotonic(self) -> float:
+        return self.start + sum(method == "HEAD" for method, *_ in self.server.requests)
+
+
+def test_the_heads_that_tell_folder_markers_end_at_the_remote_timeout(
+    hostile: HostileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's directory in S3 holding 30 empty objects, each a HEAD to tell from a folder marker,
+    each HEAD taking a second of the clock the listing reads: the listing ends at 5 s in all, within
+    the listing's one deadline, not after 30 HEADs."""
+    from tensorfs.sources import client, finding
+
+    model = hostile.root / "bucket" / "m"
+    model.mkdir(parents=True)
+    write_reference(model / "model.safetensors", {"w": ("U8", [4], bytes(4))})
+    for k in range(30):
+        (model / f"empty{k:02d}.txt").write_bytes(b"")
+    for key, value in {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(client, "time", HeadClock(hostile))
+    with pytest.raises(RemoteError, match=r"^s3://bucket/m/: listing took over 5 s$"):
+        finding.listing_beside("s3://bucket/m", RemoteOptions(endpoint_url=hostile.url, timeout=5))
+    assert 5 <= sum(method == "HEAD" for method, *_ in hostile.requests) <= 7
+
+
 class HubClock(PageClock):
     """A clock that moves a second with each answer of the Hub's listing API the server has sent."""
 
