@@ -47,9 +47,8 @@ class DType:
         """The little-endian numpy dtype (ml_dtypes for bf16/fp8); None for packed F4/F6."""
         if self.numpy_name is None:
             return None
-        if not self.numpy_name.startswith(
-            ("<", "|")
-        ):  # numpy's own need no ml_dtypes: its import is slow (docs/performance.md)
+        # numpy's own dtypes need no ml_dtypes, whose import is slow (docs/performance.md)
+        if not self.numpy_name.startswith(("<", "|")):
             import ml_dtypes  # noqa: F401  (registers bfloat16 and the fp8 names with numpy)
         import numpy as np
 
