@@ -59,6 +59,21 @@ def wait_http(
             time.sleep(0.05)
 
 
+DIES_WITH_ITS_STARTER = ["setpriv", "--pdeathsig", "KILL"]
+"""What a server's command begins with: the kernel kills it when the thread that started it ends, so
+that a test run killed (SIGKILL, its fixtures' stops never run) leaves no server behind. Kept across
+the exec()s that follow (unshare, sh's exec of weed), not by a child forked (nginx's worker)."""
+
+
+def _nginx_dies_whole() -> list[str]:
+    """DIES_WITH_ITS_STARTER, and as root nginx's master the first process of a PID namespace of its
+    own, killed with unshare (--kill-child): its worker, left running by a master killed, goes with
+    the namespace."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return DIES_WITH_ITS_STARTER
+    return [*DIES_WITH_ITS_STARTER, "unshare", "--pid", "--fork", "--kill-child"]
+
+
 def stop(process: subprocess.Popen[bytes], signum: int = signal.SIGKILL) -> None:
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -82,8 +97,8 @@ def start_nginx(directory: Path, config: str) -> subprocess.Popen[bytes]:
     (what it says at startup, a refused configuration, goes to `directory`/error.log)."""
     (directory / "nginx.conf").write_text(config)
     return subprocess.Popen(
-        ["nginx", "-p", str(directory), "-c", str(directory / "nginx.conf"), "-e", str(directory / "error.log"),
-         "-g", "daemon off;"],
+        [*_nginx_dies_whole(), "nginx", "-p", str(directory), "-c", str(directory / "nginx.conf"), "-e",
+         str(directory / "error.log"), "-g", "daemon off;"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
 
@@ -186,13 +201,13 @@ def start_weed(directory: Path, arguments: Sequence[str], *, tmp: Path, log: Pat
     weed = weed_binary()
     directory, tmp = directory.resolve(), tmp.resolve()
     tmp.mkdir(parents=True, exist_ok=True)
-    command = [weed, *arguments]
+    command = [*DIES_WITH_ITS_STARTER, weed, *arguments]
     if weed_private():
         placeholder = directory / ".bin" / "weed"
         placeholder.parent.mkdir(exist_ok=True)
         placeholder.touch()
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PRIVATE_TMP, "sh",
-                   str(directory), weed, str(tmp), *arguments]  # fmt: skip
+        command = [*DIES_WITH_ITS_STARTER, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   _PRIVATE_TMP, "sh", str(directory), weed, str(tmp), *arguments]  # fmt: skip
     with open(log, "ab") as out:
         return subprocess.Popen(
             command, cwd=directory, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
