@@ -22,7 +22,7 @@ import urllib.request
 import zipfile
 import zlib
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1199,3 +1199,15 @@ def write_through_a_mapping(path: Path, offset: int) -> None:
     after = path.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert after.st_ctime_ns != before.st_ctime_ns
+
+
+@contextlib.contextmanager
+def small_disk(directory: Path, size: str) -> Iterator[Path]:
+    """`directory` (made) a tmpfs of `size` ("3m") for the block, unmounted after (lazily: a daemon
+    may still hold a file of it). Root only."""
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(directory)], check=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import pytest
 
 import tensorfs.sources.cache.chunks
 from conftest import missing_root, require, wait_until
-from helpers import MIB, patience
+from helpers import MIB, patience, small_disk
 from tensorfs.sources.cache import CacheFull
 from tensorfs.sources.cache.chunks import ChunkCache
 from tensorfs.sources.cache.full import full
@@ -42,64 +41,61 @@ def test_a_read_waits_for_chunks_being_recorded_on_a_full_disk(tmp_path: Path, m
     where it was told "the cache disk is full" at once, and once the row is written the chunk is
     evicted for it and the read goes on."""
     require("root (it mounts a small tmpfs)", missing_root())
-    directory = tmp_path / "small-disk"
-    directory.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(directory)], check=True)
-    try:
-        cache = ChunkCache(directory / "cache")
-        committing, go = threading.Event(), threading.Event()
-        commit = cache.records.commit
+    with small_disk(tmp_path / "small-disk", "3m") as directory:
+        try:
+            cache = ChunkCache(directory / "cache")
+            committing, go = threading.Event(), threading.Event()
+            commit = cache.records.commit
 
-        def held_commit(*args: Any) -> None:  # the save under way, held between taking and recording
-            committing.set()
-            assert go.wait(patience(60))
-            commit(*args)
+            def held_commit(*args: Any) -> None:  # the save under way, held between taking and recording
+                committing.set()
+                assert go.wait(patience(60))
+                commit(*args)
 
-        monkeypatch.setattr(cache.records, "commit", held_commit)
-        with ThreadPoolExecutor(2) as executor:
-            first = cache.open_object(version("a"), None, MIB, fetch)
-            first.ensure_pinned(0, 0, executor)
-            first.let_go([0])
-            saving = threading.Thread(target=cache.save, kwargs={"wait": True})
-            saving.start()
-            assert committing.wait(patience(30))
-            second = cache.open_object(version("b"), None, MIB, fetch)
-            # The disk taken by another file, but for less than a chunk (room for the records' rows).
-            disk = os.statvfs(directory)
-            (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
-            attempts: list[int] = []
-            allocate = second.allocate
+            monkeypatch.setattr(cache.records, "commit", held_commit)
+            with ThreadPoolExecutor(2) as executor:
+                first = cache.open_object(version("a"), None, MIB, fetch)
+                first.ensure_pinned(0, 0, executor)
+                first.let_go([0])
+                saving = threading.Thread(target=cache.save, kwargs={"wait": True})
+                saving.start()
+                assert committing.wait(patience(30))
+                second = cache.open_object(version("b"), None, MIB, fetch)
+                # The disk taken by another file, but for less than a chunk (room for the records' rows).
+                disk = os.statvfs(directory)
+                (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
+                attempts: list[int] = []
+                allocate = second.allocate
 
-            def counted(offset: int, nbytes: int) -> None:
-                attempts.append(offset)
-                allocate(offset, nbytes)
+                def counted(offset: int, nbytes: int) -> None:
+                    attempts.append(offset)
+                    allocate(offset, nbytes)
 
-            monkeypatch.setattr(second, "allocate", counted)
-            outcome: list[object] = []
+                monkeypatch.setattr(second, "allocate", counted)
+                outcome: list[object] = []
 
-            def claim() -> None:
-                try:
-                    outcome.append(cache.claim(second, 0, 0, time.monotonic() + patience(30)))
-                except CacheFull as exc:
-                    outcome.append(exc)
+                def claim() -> None:
+                    try:
+                        outcome.append(cache.claim(second, 0, 0, time.monotonic() + patience(30)))
+                    except CacheFull as exc:
+                        outcome.append(exc)
 
-            reader = threading.Thread(target=claim)
-            reader.start()
-            # Past the second attempt (where it gave up at once), or done: no room came meanwhile.
-            wait_until(lambda: len(attempts) >= 3 or bool(outcome), what="the read's third try for room")
-            assert not outcome, outcome  # still waiting, not told the disk is full
+                reader = threading.Thread(target=claim)
+                reader.start()
+                # Past the second attempt (where it gave up at once), or done: no room came meanwhile.
+                wait_until(lambda: len(attempts) >= 3 or bool(outcome), what="the read's third try for room")
+                assert not outcome, outcome  # still waiting, not told the disk is full
+                go.set()
+                reader.join(patience(30))
+                saving.join(patience(30))
+                assert outcome == [{0}]  # the chunk just recorded was evicted for it
+                second.let_go([0])
+                for cached in (first, second):
+                    cache.let_go(cached)
+                    cached.close()
+            cache.close()
+        finally:
             go.set()
-            reader.join(patience(30))
-            saving.join(patience(30))
-            assert outcome == [{0}]  # the chunk just recorded was evicted for it
-            second.let_go([0])
-            for cached in (first, second):
-                cache.let_go(cached)
-                cached.close()
-        cache.close()
-    finally:
-        go.set()
-        subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
 def test_the_database_on_a_full_disk_is_a_full_disk(tmp_path: Path) -> None:
@@ -108,10 +104,7 @@ def test_the_database_on_a_full_disk_is_a_full_disk(tmp_path: Path) -> None:
     said SQLite's words when a row's write met the full disk before a chunk's blocks did), and the
     claim's wait for room applies to it. Both the database made on a full disk and a write to it."""
     require("root (it mounts a small tmpfs)", missing_root())
-    directory = tmp_path / "small-disk"
-    directory.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(directory)], check=True)
-    try:
+    with small_disk(tmp_path / "small-disk", "2m") as directory:
         cache = ChunkCache(directory / "cache")
         cache.open_object(version("a"), None, MIB, fetch)  # the database made, with room
         said = rf"^the cache disk is full \({re.escape(str(directory / 'cache'))}\)$"
@@ -123,8 +116,6 @@ def test_the_database_on_a_full_disk_is_a_full_disk(tmp_path: Path) -> None:
         fill(directory)
         with pytest.raises(CacheFull, match=r"^the cache disk is full"):
             ChunkCache(fresh).open_object(version("b"), None, MIB, fetch)
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
 def fill(directory: Path) -> None:
@@ -185,10 +176,7 @@ def test_a_read_on_a_full_disk_whose_chunks_cannot_be_recorded_is_refused_withou
     comes, and every read on the full disk waited out its whole deadline (ROOM_WAIT) for nothing.
     Now it tries the save once and is told the disk is full (counted: the saves it tried)."""
     require("root (it mounts a small tmpfs)", missing_root())
-    directory = tmp_path / "small-disk"
-    directory.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(directory)], check=True)
-    try:
+    with small_disk(tmp_path / "small-disk", "3m") as directory:
         cache = ChunkCache(directory / "cache")
         refusals: list[int] = []
 
@@ -211,5 +199,3 @@ def test_a_read_on_a_full_disk_whose_chunks_cannot_be_recorded_is_refused_withou
                 cache.let_go(cached)
                 cached.close()
         cache.close()
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)

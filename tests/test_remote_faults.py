@@ -42,6 +42,7 @@ from helpers import (
     reads_in_handlers,
     reap,
     remote_stats,
+    small_disk,
     threads_of,
 )
 from servers import DroppingProxy, HostileServer, Lie, Nginx, SeaweedFS, StallingProxy
@@ -212,10 +213,7 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
     cached is served on, the daemon lives) until there is room again."""
     require("root (it mounts a small tmpfs)", missing_root())
     expected = big_model(nginx.root / "full", tensors=8)
-    cache = tmp_path / "small-disk"
-    cache.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m,mode=0700", "tmpfs", str(cache)], check=True)
-    try:
+    with small_disk(tmp_path / "small-disk", "20m") as cache:
         mountpoint = mounts.mount(f"{nginx.url}/full/m.safetensors", "--cache-dir", str(cache))  # type: ignore[arg-type]
         pid = mounts.daemon_pid(mountpoint)
         for name, data in expected.items():
@@ -244,8 +242,6 @@ def test_a_full_cache_disk(mounts: Mounts, nginx: Nginx, tmp_path: Path) -> None
         for name, data in expected.items():
             assert (mountpoint / name).read_bytes() == data, name
         assert mounts.run("umount", str(mountpoint)).returncode == 0
-    finally:
-        subprocess.run(["umount", "-l", str(cache)], check=False)
 
 
 def blocks_on_disk(cache: Path) -> int:
