@@ -51,7 +51,10 @@ lint: install
 # Most tests wait (on servers, timeouts, processes) more than they compute: two workers halve the run
 # on two cores; a file's tests stay together on one (its fixtures are set up once).
 TEST_WORKERS ?= 2
+# The package compiled to bytecode first, as an installed one is: an editable install is not, and under
+# PYTHONDONTWRITEBYTECODE each of the suite's `tensorfs` processes would compile every module it imports.
 test: install lint $(TEST_FILES)/.fetched
+	$(PY) -m compileall -q tensorfs
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 demo: install

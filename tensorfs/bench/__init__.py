@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 from ..files import write_whole
-from .common import Config, Report
+from .common import Config, Report, compile_package
 
 __all__ = ["SUITES", "Config", "Report", "main"]
 
@@ -54,7 +54,10 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
         from .fleet import run
     else:
         raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
+    uncompiled = compile_package()
     report = run(config)
+    if uncompiled is not None:
+        report.notes.append(uncompiled)
     print(report.table())
     if json_path is not None:
         document = {"config": {"suite": suite, **config.settings(suite)}, **report.data, "notes": report.notes}

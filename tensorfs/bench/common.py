@@ -160,6 +160,19 @@ class Report:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+def compile_package() -> str | None:
+    """tensorfs's modules compiled to bytecode before anything is timed, as an installed package's
+    are (pip compiles them as it installs): a checkout installed in place is not, and with
+    PYTHONDONTWRITEBYTECODE set (as on these machines) every `tensorfs` process the benchmark starts
+    would compile every module it imports again (docs/performance.md). A note when they cannot be."""
+    import compileall
+
+    package = Path(__file__).resolve().parent.parent
+    if compileall.compile_dir(package, quiet=2):
+        return None
+    return f"tensorfs's modules could not all be compiled under {package}: each command timed compiled them first"
+
+
 def gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s"
 
