@@ -187,6 +187,10 @@ def _mount_in_background(
         except BrokenPipeError:
             pass  # the daemon died: its status says why
         tensors, nbytes = len(model), model.nbytes  # while the daemon takes the model over, not before
+    # The command's copy of the model (a cycle: its gate and hasher refer back to it) is freed while
+    # the daemon takes the model over, not at exit, after the daemon has answered.
+    del model, view, handover
+    gc.collect()
     message = _read_line(status_read, READY_TIMEOUT)
     os.close(status_read)
     if message == READY:
