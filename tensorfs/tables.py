@@ -179,7 +179,8 @@ class Tables:
         return self._shards[shard].data.identity()
 
     def flush(self) -> None:
-        """Record in their caches what was fetched for remote shards (a second's worth is kept back)."""
+        """Record in their caches what was fetched for remote shards (a second's worth is kept back),
+        and let go of the source's pages a mount has served (the page-cache handover)."""
         for shard in self._shards.values():
             shard.data.flush()
 

@@ -234,8 +234,9 @@ async def _run(
 
 
 async def _flush_caches(operations: TensorOperations) -> None:
-    """Every second: let go of ranges held for replies sent (when reads stop, no read does it), and
-    record fetched chunks in the cache (other processes see them)."""
+    """Every second: let go of ranges held for replies sent (when reads stop, no read does it),
+    record fetched chunks in the cache (other processes see them), and let go of the source's pages
+    served since (off the thread that answers reads)."""
     while True:
         await trio.sleep(1.0)
         operations.release_replied()

@@ -8,6 +8,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -294,6 +295,8 @@ class LocalShard(ShardData):
         self.view = memoryview(self._mapping)
         self._pages: Pages | None = None
         self._handover: Handover | None = None
+        self._served: list[tuple[int, int]] = []  # units served whole, let go at the next flush
+        self._letting_go = threading.Lock()  # a unit is let go only while the mapping is there
         self._closed = False
 
     @classmethod
@@ -390,8 +393,20 @@ class LocalShard(ShardData):
             return  # its address may be another mapping's now
         if self._handover is None:
             self._handover = Handover(len(self.view))
-        for first, last in self._handover.served(start, end):
-            self.pages.let_go(self._fd, first, last)
+        whole = self._handover.served(start, end)
+        if whole:
+            with self._letting_go:
+                self._served += whole
+
+    def flush(self) -> None:
+        """Let go of the pages served whole since the last flush: off the thread that answers reads,
+        for dropping pages costs about 0.1 ms a unit (docs/performance.md), as a remote shard's are."""
+        with self._letting_go:
+            served, self._served = self._served, []
+            for first, last in served:
+                if self._closed:
+                    return  # its address may be another mapping's now
+                self.pages.let_go(self._fd, first, last)
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Read the file, not the mapping: a mapped page whose bytes were cut from the file kills the
@@ -430,7 +445,8 @@ class LocalShard(ShardData):
         return self._fd, self._validated.st_size
 
     def close(self) -> None:
-        self._closed = True
+        with self._letting_go:
+            self._closed = True
         self.close_private(lambda: None)  # a file's mapping needs nothing kept open: it goes with its last view
         with contextlib.suppress(OSError):
             os.close(self._fd)

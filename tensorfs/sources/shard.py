@@ -106,7 +106,8 @@ class ShardData(ABC):
 
     def served(self, start: int, end: int) -> None:  # noqa: B027 - a source may keep its pages
         """A mount's reply of [start, end) has gone: the kernel keeps those bytes in the mounted file's
-        own pages, and the source's copy of them may go (pages.Handover). On the mount's thread."""
+        own pages, and the source's copy of them may go (pages.Handover), at the next flush(). On the
+        mount's thread: it only counts."""
 
     def window_end(self, end: int, prefetch: int) -> int:
         """Where the window brought in after a read that ends at `end` ends: `prefetch` bytes on."""
@@ -184,7 +185,8 @@ class ShardData(ABC):
         keeps the SHA-256 of every chunk it fetches, and refuses a chunk that comes otherwise)."""
 
     def flush(self) -> None:  # noqa: B027 - most sources have nothing to flush
-        """Make what was fetched into a cache known to other processes, and safe from a crash."""
+        """Make what was fetched into a cache known to other processes, and safe from a crash; let go
+        of the pages a mount has served whole since (see served()). Called off the serving thread."""
 
     @abstractmethod
     def describe(self) -> object:
