@@ -403,7 +403,8 @@ class LocalShard(ShardData):
         for dropping pages costs about 0.1 ms a unit (docs/performance.md), as a remote shard's are."""
         with self._letting_go:
             served, self._served = self._served, []
-            for first, last in served:
+        for first, last in served:
+            with self._letting_go:  # a unit at a time: a read counting what it served waits for one at most
                 if self._closed:
                     return  # its address may be another mapping's now
                 self.pages.let_go(self._fd, first, last)
