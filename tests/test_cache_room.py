@@ -41,10 +41,10 @@ def test_a_read_waits_for_chunks_being_recorded_on_a_full_disk(tmp_path: Path, m
     where it was told "the cache disk is full" at once, and once the row is written the chunk is
     evicted for it and the read goes on."""
     require("root (it mounts a small tmpfs)", missing_root())
+    committing, go = threading.Event(), threading.Event()
     with small_disk(tmp_path / "small-disk", "3m") as directory:
         try:
             cache = ChunkCache(directory / "cache")
-            committing, go = threading.Event(), threading.Event()
             commit = cache.records.commit
 
             def held_commit(*args: Any) -> None:  # the save under way, held between taking and recording

@@ -295,7 +295,6 @@ class LocalShard(ShardData):
         self.view = memoryview(self._mapping)
         self._pages: Pages | None = None
         self._handover: Handover | None = None
-        self._served: list[tuple[int, int]] = []  # units served whole, let go at the next flush
         self._letting_go = threading.Lock()  # a unit is let go only while the mapping is there
         self._closed = False
 
@@ -393,18 +392,14 @@ class LocalShard(ShardData):
             return  # its address may be another mapping's now
         if self._handover is None:
             self._handover = Handover(len(self.view))
-        whole = self._handover.served(start, end)
-        if whole:
-            with self._letting_go:
-                self._served += whole
+        self._handover.served(start, end)
 
     def flush(self) -> None:
         """Let go of the pages served whole since the last flush: off the thread that answers reads,
         for dropping pages costs about 0.1 ms a unit (docs/performance.md), as a remote shard's are."""
-        with self._letting_go:
-            served, self._served = self._served, []
-        for first, last in served:
-            with self._letting_go:  # a unit at a time: a read counting what it served waits for one at most
+        handover = self._handover
+        for first, last in handover.taken() if handover is not None else []:
+            with self._letting_go:  # a unit at a time: close() waits for one at most
                 if self._closed:
                     return  # its address may be another mapping's now
                 self.pages.let_go(self._fd, first, last)

@@ -15,6 +15,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 
 from ..syscalls import libc
 
@@ -150,9 +151,11 @@ class Handover:
     def __init__(self, size: int) -> None:
         self.size = size
         self._served: dict[int, int] = {}  # unit -> bytes served of it since it was last let go
+        self._whole: list[tuple[int, int]] = []  # units served whole, not taken yet
+        self._lock = threading.Lock()  # counted on the serving thread, taken on another
 
     def served(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Count [start, end) served; the ranges of the units it completed, to let go of."""
+        """Count [start, end) served; the ranges of the units it completed, kept until taken()."""
         whole = []
         unit = HANDOVER_UNIT
         for first in range(start - start % unit, min(end, self.size), unit):
@@ -163,4 +166,13 @@ class Handover:
                 whole.append((first, last))
             else:
                 self._served[first] = count
+        if whole:
+            with self._lock:
+                self._whole += whole
+        return whole
+
+    def taken(self) -> list[tuple[int, int]]:
+        """The units served whole since the last call, to let go of (off the thread that serves)."""
+        with self._lock:
+            whole, self._whole = self._whole, []
         return whole

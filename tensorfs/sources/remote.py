@@ -81,7 +81,6 @@ class RemoteShard(ShardData):
         self._window = 0  # chunks fetched ahead of a sequential reader
         self._across = False  # the run went on from one tensor into the next: read ahead past its end
         self._handover = Handover(cached.version.size)
-        self._served: list[tuple[int, int]] = []  # units served whole, let go once flushed (clean)
         # Never so far ahead that the window evicts what the reader is on (two chunks: a read may span two).
         room = None if cached.cache.limit is None else cached.cache.limit // cached.chunk_size - 2
         self._most_ahead = options.concurrency if room is None else min(options.concurrency, room)
@@ -284,16 +283,12 @@ class RemoteShard(ShardData):
         self.cached.strong = True
 
     def served(self, start: int, end: int) -> None:
-        whole = self._handover.served(start, end)
-        if whole:
-            with self._lock:
-                self._served += whole
+        self._handover.served(start, end)
 
     def flush(self) -> None:
         """Record what was fetched; then let go of the pages served whole before: written back by then
         (a dirty page cannot be dropped)."""
-        with self._lock:
-            served, self._served = self._served, []
+        served = self._handover.taken()
         self.cached.cache.save(wait=bool(served))
         for first, last in served:
             if self.cached.fd < 0:

@@ -109,15 +109,15 @@ def _add_weights(
 ) -> None:
     """The files of tensors `names` in `files`: named `name` (or as a selection's are), in `shards`
     files (0 chooses), in the folder `prefix` names, their names there without it."""
-    # Each tensor's size is looked up only where it is needed (100k lookups: tens of ms of a remount).
-    sizes = [model.locate(tensor)[2] for tensor in names] if prefix else None
-    total = model.nbytes if sizes is None else sum(sizes)
+
+    def sizes() -> list[int]:  # looked up only where needed: 100k lookups are tens of ms of a remount
+        return [model.locate(tensor)[2] for tensor in names]
+
+    component = sizes() if prefix else None
+    total = model.nbytes if component is None else sum(component)
     count = shards or _auto_count(total)
     metadata = shared_metadata(model, names if prefix else None)
-    if count == 1:
-        groups = [names]
-    else:
-        groups = split(names, sizes if sizes is not None else [model.locate(tensor)[2] for tensor in names], count)
+    groups = [names] if count == 1 else split(names, component if component is not None else sizes(), count)
     base = prefix + (name if model.selection.everything else PARTIAL_NAME)
     if model.format == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
         files[f"{base}.gguf"] = SynthesizedFile(model, names, None, prefix)
