@@ -3,6 +3,7 @@ and torch tensors, every byte of them through the model's gate (gate.py)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -63,6 +64,9 @@ class Model(Tables):
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None  # the threads that bring tensors in (made when asked)
         self._pool_made = threading.Lock()
+        if parent is None:  # a reader going through the model front to back goes on from each shard into the next
+            for before, after in itertools.pairwise(self.shards):
+                self.shard_data(before).goes_on_into(self.shard_data(after), self.shard_header(after).data_start)
 
     def select(self, selection: Selection) -> Model:
         """This model restricted to the tensors `selection` picks (of those it holds).

@@ -31,6 +31,7 @@ from helpers import (
     reference_table,
     remote_stats,
     sharded_every_dtype,
+    sharded_model,
     upload,
     write_reference,
 )
@@ -264,8 +265,9 @@ def test_validation_takes_at_most_two_gets_a_shard(nginx: Nginx, tmp_path: Path)
 
 def _chunk_bytes(model: tensorfs.Model, name: str, chunk: int = 8 * MIB) -> int:
     """The bytes of the chunks that hold tensor `name`: what reading it alone may fetch."""
-    _, offset, nbytes = model.locate(name)
-    return (((offset + nbytes - 1) // chunk) - (offset // chunk) + 1) * chunk
+    shard, offset, nbytes = model.locate(name)
+    end = min(model.shard_data(shard).status().st_size, ((offset + nbytes - 1) // chunk + 1) * chunk)
+    return end - offset // chunk * chunk
 
 
 def test_one_tensor_read_fetches_its_chunks_only(nginx: Nginx, tmp_path: Path) -> None:
@@ -364,6 +366,104 @@ def test_the_read_ahead_keeps_requests_in_flight(mounts: Mounts, nginx: Nginx, t
             gate.release()
             reader.join()
         assert outcome == [data] and gate.failure is None
+    finally:
+        gate.close()
+
+
+def test_a_reader_catching_up_with_its_window_keeps_going_on(nginx: Nginx, tmp_path: Path) -> None:
+    """Ranges asked for behind where the run asked for so far ends continue it: a mount asks for a
+    window ahead of its reader first (up to the tensor's end), then the reader's own reads come,
+    within that window. Those kept the run going, with the window ahead of it growing past the
+    tensor's end into the next; taken for a new run, they had it start again from one chunk, within
+    the tensor only (a link idled at every tensor's end, docs/performance.md). Driven here as a mount
+    drives a remote shard: t0 read whole, t1 begun, its window asked for, then reads within it."""
+    directory = nginx.root / "catching-up"
+    directory.mkdir()
+    sizes = {"t0": 8 * MIB, "t1": 40 * MIB, "t2": 80 * MIB}
+    write_reference(directory / "m.safetensors", {n: ("U8", [size], bytes(size)) for n, size in sizes.items()})
+    gate = RequestGate(nginx.port)
+    try:
+        with tensorfs.open_model(gate.url("catching-up/m.safetensors"), remote=options(tmp_path)) as model:
+            shard = model.locate("t1")[0]
+            data = model.shard_data(shard)
+            places = {name: model.locate(name)[1:] for name in sizes}
+            within = {name: (offset, offset + nbytes) for name, (offset, nbytes) in places.items()}
+            t1, t2 = within["t1"], within["t2"]
+            data.ensure(*within["t0"], within=within["t0"])
+            data.ensure(t1[0], t1[0] + MIB, within=t1)  # on from where t0 ended: a reader going on
+            data.ensure(t1[0] + MIB, t1[1], within=t1)  # the mount's window ahead of it
+            for mib in range(2, 12, 2):  # the reader's own reads, within that window
+                data.ensure(t1[0] + mib * MIB, t1[0] + (mib + 1) * MIB, within=t1)
+            first_of_t2 = -(-t2[0] // (8 * MIB)) * (8 * MIB)  # the first chunk wholly t2's
+
+            def asked_of_t2() -> int:
+                return sum(1 for _, at in gate.ranges if at is not None and at >= first_of_t2)
+
+            # The window grows to 8 chunks, 7 of them past t1's last: taken for a new run, the reader's
+            # reads had it fetch no more of t2 than the 2 chunks asked for with t1's window.
+            wait_until(lambda: asked_of_t2() >= 6, what="the window past t1's end into t2")
+    finally:
+        gate.close()
+
+
+def test_a_reader_going_on_into_the_next_shard_finds_its_chunks_coming(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """A reader going through a model front to back does not meet each shard's first bytes cold,
+    one chunk alone in flight (a distant link idled at every shard's start, docs/performance.md):
+    its window runs on past the end of a shard into the next one's first chunks. Reading shard 1's
+    tensors in order through a mount, shard 2's chunks are asked for before anything of shard 2
+    is read; a reader of shard 1's last tensor alone asked nothing of shard 2."""
+    directory = nginx.root / "going-on"
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    data = sharded_model(directory, {first: {f"a{i}": 6 * MIB for i in range(6)}, second: {"b0": 24 * MIB}})
+    gate = RequestGate(nginx.port)
+    try:
+        url = gate.url("going-on/model.safetensors.index.json")
+        mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"))  # type: ignore[arg-type]
+        with tensorfs.open_model(directory) as model:
+            own = _chunk_bytes(model, "a5")
+        since = len(gate.ranges)
+
+        def asked_of_second() -> int:
+            return sum(1 for path, at in gate.ranges[since:] if path.endswith(second) and at is not None)
+
+        assert (mountpoint / "a5").read_bytes() == data["a5"]
+        wait_until(lambda: remote_stats(mountpoint)["fetched_bytes"] >= own, what="a5's chunks")
+        assert asked_of_second() == 0  # one tensor's reader: no further than its chunks
+        for name in ["a0", "a1", "a2", "a3", "a4"]:
+            assert (mountpoint / name).read_bytes() == data[name]
+        wait_until(lambda: asked_of_second() >= 3, what="shard 2's chunks, asked for ahead of its reader")
+        assert (mountpoint / "b0").read_bytes() == data["b0"]
+    finally:
+        gate.close()
+
+
+def test_a_reader_going_on_into_the_next_shard_keeps_its_window(nginx: Nginx, tmp_path: Path) -> None:
+    """A reader going on from the end of one shard into the next goes on with the window it had
+    there: its first read in the next shard continues the run its window began ahead of it, not a
+    run of its own that starts again from no chunk ahead, within its tensor only (a distant link
+    idled at every shard's start, docs/performance.md). In-process, two GETs at once: the window's
+    lead-in into shard 2 is at most its first two chunks; the reader's first read there (its first
+    MiB) asks for the third."""
+    directory = nginx.root / "window-on"
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    sharded_model(directory, {first: {"a0": 6 * MIB, "a1": 6 * MIB}, second: {"b0": 40 * MIB}})
+    gate = RequestGate(nginx.port)
+    try:
+        url = gate.url("window-on/model.safetensors.index.json")
+        with tensorfs.open_model(url, remote=options(tmp_path, concurrency=2)) as model:
+            for name in ["a0", "a1", "b0"]:  # as a mount asks: each tensor's first MiB, then the rest
+                shard, start, nbytes = model.locate(name)
+                within = (start, start + nbytes)
+                model.shard_data(shard).ensure(start, start + MIB, within=within)
+                if name != "b0":
+                    model.shard_data(shard).ensure(start + MIB, start + nbytes, within=within)
+
+            def third_chunk_asked() -> bool:
+                return any(path.endswith(second) and (at or 0) >= 16 * MIB for path, at in gate.ranges)
+
+            wait_until(third_chunk_asked, what="shard 2's third chunk, ahead of the reader's first read there")
     finally:
         gate.close()
 

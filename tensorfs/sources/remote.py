@@ -4,8 +4,8 @@ A remote shard's bytes are its cache file's: mapped read-only like a local shard
 present chunk by chunk (GETs on the fetch threads, then madvise) before anything reads them.
 A reader that keeps on where the last one stopped is sequential, however many tensor files it
 opens on the way: the chunks ahead of it are fetched before it asks (the window doubles each
-time, up to as many chunks as there are fetch threads); any other reader fetches only what it
-reads.
+time, up to as many chunks as there are fetch threads), into the next shard when it reaches the
+end of one; any other reader fetches only what it reads.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ class RemoteShard(ShardData):
         self._pool = Fetcher.pool(options.concurrency)
         self._lock = threading.Lock()
         self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
+        self._run_start = self._frontier  # and where it began
         self._window = 0  # chunks fetched ahead of a sequential reader
         self._across = False  # the run went on from one tensor into the next: read ahead past its end
+        self._then: tuple[RemoteShard, int] | None = None  # the shard read after this one, and where its data starts
         self._handover = Handover(cached.version.size)
         # Never so far ahead that the window evicts what the reader is on (two chunks: a read may span two).
         room = None if cached.cache.limit is None else cached.cache.limit // cached.chunk_size - 2
@@ -227,21 +229,45 @@ class RemoteShard(ShardData):
         """
         size = self.cached.chunk_size
         with self._lock:
-            continues = self._frontier - size <= start <= self._frontier + size
+            # Behind the frontier is the run still: a reader catching up with its own window.
+            continues = self._run_start - size <= start <= self._frontier + size
             if within is not None and start == within[0] and self._frontier == start:
                 self._across = True  # a tensor's first bytes, where the one before ended: a reader going on
             elif not continues:
                 self._across = False
+            if not continues:
+                self._run_start = start
             self._frontier = max(self._frontier, end) if continues else end
             if ahead:
                 return
             self._window = min(max(1, 2 * self._window), self._most_ahead) if continues else 0
             first, window = (self._frontier - 1) // size + 1, self._window
             last = self.cached.chunks if within is None or self._across else (within[1] - 1) // size + 1
+            then = self._then if self._across else None  # past the end of this shard: into the next
         if self.options.offline:
             return
         for chunk in range(first, min(last, first + window)):
             # Not waited for (a failure is met again if it is read), nor for room: ahead of readers.
+            self.cached.fetching(chunk, self._pool, room=False)
+        if then is not None and first + window > last:
+            then[0]._lead_in(then[1], first + window - last, window)
+
+    def goes_on_into(self, then: ShardData, data_start: int) -> None:
+        if isinstance(then, RemoteShard):
+            self._then = then, data_start
+
+    def _lead_in(self, start: int, chunks: int, window: int) -> None:
+        """A reader going on through the shard before has its window past that shard's end: the
+        first `chunks` of this one's data (from `start`) are fetched, and a run begun where the
+        data starts, at that `window`: the reader's first read here continues it (going on from
+        where the run ends, as from one tensor into the next) instead of starting one with no chunk
+        ahead of it (docs/performance.md)."""
+        size = self.cached.chunk_size
+        with self._lock:
+            if not self._run_start - size <= start <= self._frontier + size:
+                self._run_start, self._frontier, self._window = start, start, window
+            first = start // size
+        for chunk in range(first, min(self.cached.chunks, first + chunks)):
             self.cached.fetching(chunk, self._pool, room=False)
 
     def prefetch(self, progress: Callable[[int], None] | None = None, chunks: Iterable[int] | None = None) -> None:

@@ -109,6 +109,11 @@ class ShardData(ABC):
         own pages, and the source's copy of them may go (pages.Handover), at the next flush(). On the
         mount's thread: it only counts."""
 
+    def goes_on_into(self, then: ShardData, data_start: int) -> None:  # noqa: B027 - a source may read ahead alone
+        """`then` is the shard after this one in its model (its data starting at `data_start`): a
+        reader going through the model front to back goes on into it, and a source may fetch its
+        first bytes ahead of that reader."""
+
     def window_end(self, end: int, prefetch: int) -> int:
         """Where the window brought in after a read that ends at `end` ends: `prefetch` bytes on."""
         return end + prefetch
