@@ -468,6 +468,42 @@ def test_a_reader_going_on_into_the_next_shard_keeps_its_window(nginx: Nginx, tm
         gate.close()
 
 
+def test_a_reader_going_on_into_the_next_shard_leaves_its_reader_alone(nginx: Nginx, tmp_path: Path) -> None:
+    """A reader going on past its shard's end has the next shard's first chunks fetched, but does
+    not take over the run of a reader already in that shard: that reader's window goes on growing
+    ahead of it. Taken over, its next read was a new run's, with no chunk ahead of it (four loaders
+    streaming a shard each reset each other's window at every shard's end). In-process, two GETs
+    at once: B reads on from 16 MiB into shard 2 (its window at one chunk), A reads shard 1 to its
+    end, then B's next read asks for the chunk two ahead of it (its window at two)."""
+    directory = nginx.root / "alone"
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    sharded_model(directory, {first: {"a0": 6 * MIB, "a1": 6 * MIB}, second: {"b0": 16 * MIB, "b1": 40 * MIB}})
+    gate = RequestGate(nginx.port)
+    try:
+        url = gate.url("alone/model.safetensors.index.json")
+        with tensorfs.open_model(url, remote=options(tmp_path, concurrency=2)) as model:
+
+            def read(name: str, begin: int, end: int) -> None:
+                shard, start, nbytes = model.locate(name)
+                model.shard_data(shard).ensure(start + begin, start + end, within=(start, start + nbytes))
+
+            read("b1", 0, MIB)  # B: a run of its own in shard 2
+            read("b1", MIB, 2 * MIB)
+            for name in ["a0", "a1"]:  # A: shard 1 front to back, its window past the end
+                read(name, 0, MIB)
+                read(name, MIB, 6 * MIB)
+            read("b1", 2 * MIB, 3 * MIB)  # B goes on
+            _, b1, _ = model.locate("b1")
+            two_ahead = ((b1 + 3 * MIB - 1) // (8 * MIB) + 2) * (8 * MIB)
+
+            def asked_two_ahead() -> bool:
+                return any(path.endswith(second) and (at or 0) >= two_ahead for path, at in gate.ranges)
+
+            wait_until(asked_two_ahead, what="the chunk two ahead of B, its window grown")
+    finally:
+        gate.close()
+
+
 def read_or_error(path: Path) -> bytes | OSError:
     """The file's bytes, or the error reading it failed with (from a thread)."""
     try:

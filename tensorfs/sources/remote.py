@@ -258,13 +258,14 @@ class RemoteShard(ShardData):
 
     def _lead_in(self, start: int, chunks: int, window: int) -> None:
         """A reader going on through the shard before has its window past that shard's end: the
-        first `chunks` of this one's data (from `start`) are fetched, and a run begun where the
-        data starts, at that `window`: the reader's first read here continues it (going on from
-        where the run ends, as from one tensor into the next) instead of starting one with no chunk
-        ahead of it (docs/performance.md)."""
+        first `chunks` of this one's data (from `start`) are fetched, and, unless a reader here
+        has asked for more already, a run begun where the data starts, at that `window`: the
+        reader's first read here continues it (going on from where the run ends, as from one
+        tensor into the next) instead of starting one with no chunk ahead of it
+        (docs/performance.md). Another reader's run here is its own: never taken over."""
         size = self.cached.chunk_size
         with self._lock:
-            if not self._run_start - size <= start <= self._frontier + size:
+            if self._frontier <= start:
                 self._run_start, self._frontier, self._window = start, start, window
             first = start // size
         for chunk in range(first, min(self.cached.chunks, first + chunks)):
