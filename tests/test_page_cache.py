@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,37 @@ def _pages(size: int) -> int:
     return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+ATTEMPTS = 3
+"""This machine's kernel lets a few clean pages of files just read go while other processes write,
+with no reclaim counted: 5 of 600 rounds of reading four 8 MiB plain files, beside a loop writing
+2 GB and two busy cores, found 4 to 34 scattered pages of them gone. No lock keeps every writer
+away, so a page cache holding less than a test expects is dropped, read into and measured again, up
+to ATTEMPTS times: a mount that does not keep what it serves falls short every time. Only what must
+be held is measured again; what must be let go (the source's pages) is never retried."""
+
+
+def _held(read: Callable[[], None], measure: Callable[[], object], expected: object) -> None:
+    """read() (it checks the bytes it reads), then measure() is `expected` (what the page cache holds)."""
+    seen = []
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            drop_caches()
+        read()
+        got = measure()
+        if got == expected:
+            return
+        seen.append(got)
+    pytest.fail(f"the page cache held {seen} in {ATTEMPTS} reads, never {expected}")
+
+
+def _read_whole(files: list[Path], data: dict[str, bytes]) -> Callable[[], None]:
+    def read() -> None:
+        for path, expected in zip(files, data.values(), strict=True):
+            assert path.read_bytes() == expected
+
+    return read
+
+
 def test_a_unit_is_let_go_once_all_of_it_was_served() -> None:
     unit = HANDOVER_UNIT
     served = Handover(3 * unit + 100)
@@ -62,13 +94,12 @@ def test_a_model_read_through_a_mount_is_held_once(
     shard = tmp_path / "model" / "model.safetensors"
     mountpoint = mounts.mount(tmp_path / "model", *(["--keep-source-pages"] if keep else []))
     files = [mountpoint / name for name in data]
-    for path, expected in zip(files, data.values(), strict=True):
-        assert path.read_bytes() == expected
     nbytes = sum(map(len, data.values()))
-    assert resident_bytes(files) == nbytes
+    read = _read_whole(files, data)
     if keep:
-        assert resident_bytes([shard]) >= nbytes
+        _held(read, lambda: (resident_bytes(files), resident_bytes([shard]) >= nbytes), (nbytes, True))
     else:  # the last replies are let go of by the next request, or within a second
+        _held(read, lambda: resident_bytes(files), nbytes)
         wait_until(lambda: resident_bytes([shard]) <= HANDOVER_UNIT, what="the shard's pages to be let go")
     for path, expected in zip(files, data.values(), strict=True):  # what the kernel kept is right
         assert np.memmap(path, dtype=np.uint8, mode="r").tobytes() == expected
@@ -83,8 +114,11 @@ def test_the_synthesized_model_is_held_once(mounts: Mounts, tmp_path: Path, drop
     shard = tmp_path / "model" / "model.safetensors"
     mountpoint = mounts.mount(tmp_path / "model")
     view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
-    assert {name: array.tobytes() for name, array in load(view.read_bytes()).items()} == data
-    assert resident_bytes([view]) == _pages(view.stat().st_size)
+
+    def read() -> None:
+        assert {name: array.tobytes() for name, array in load(view.read_bytes()).items()} == data
+
+    _held(read, lambda: resident_bytes([view]), _pages(view.stat().st_size))
     wait_until(lambda: resident_bytes([shard]) <= HANDOVER_UNIT, what="the shard's pages to be let go")
 
 
@@ -96,9 +130,7 @@ def test_a_remote_model_is_held_once(mounts: Mounts, nginx: Nginx, tmp_path: Pat
     url = f"{nginx.url}/held-once/model.safetensors"
     mountpoint = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
     files = [mountpoint / name for name in data]
-    for path, expected in zip(files, data.values(), strict=True):
-        assert path.read_bytes() == expected
-    assert resident_bytes(files) == sum(map(len, data.values()))
+    _held(_read_whole(files, data), lambda: resident_bytes(files), sum(map(len, data.values())))
     (cached,) = (cache / "objects").iterdir()
     wait_until(lambda: resident_bytes([cached]) <= HANDOVER_UNIT, what="the cache file's pages to be let go")
     again = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
