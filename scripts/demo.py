@@ -102,11 +102,13 @@ def main(argv: list[str]) -> int:
         f"import tensorfs; a = tensorfs.memmap('{embed}/weight'); print(type(a).__name__, a.dtype, a.shape, a[0, :4])"
     )
     run(f'python -c "{code}"', here)
-    # The same model as a model directory, for loaders that open one (safetensors, transformers, ...).
+    # The same model as its own folder, byte for byte, for loaders that open one (safetensors, transformers, ...).
     view = f"{demo}/mnt/.tensorfs/model"
     run(f"ls -l {view}", here)
+    last = "model-00003-of-00003.safetensors"
+    run(f"cd {demo} && sha256sum model/{last} mnt/.tensorfs/model/{last}", here)
     code = (
-        f"from safetensors import safe_open; f = safe_open('{view}/model.safetensors', framework='np'); "
+        f"from safetensors import safe_open; f = safe_open('{view}/{last}', framework='np'); "
         "print(len(f.keys()), 'tensors;', f.get_tensor('model.norm.weight')[:4])"
     )
     run(f'python -c "{code}"', here)

@@ -208,7 +208,7 @@ class Model(Tables):
 
         self._check_open()
         self.gate.verify_many(self.sorted_names)
-        return write_safetensors(self, Path(path), self.gate.copy_into, progress, replace=replace)
+        return write_safetensors(self, self.gate, Path(path), progress, replace=replace)
 
     # -- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

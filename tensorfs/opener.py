@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from .errors import AccessDenied, InvalidModelError, ModelNotFound, Problem, RemoteError, printable
 from .fallback import Fallbacks, FallbackSpec
+from .folder import Others, ViewRequest, open_others, relative_path, synthesized_because
 from .formats import is_weights_name
 from .hashcache import HashCache
 from .headercache import HeaderCache
@@ -32,7 +33,7 @@ from .opening import open_location, pipeline_components
 from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
-from .signing import Signature, SignatureError, SignedModel
+from .signing import Signature, SignatureError
 from .sources.cache import default_cache_dir
 from .sources.choosing import view_name
 from .sources.client import exists
@@ -299,35 +300,104 @@ class Source:
         return Manifest(str(found), digests, lists_more)
 
     # -- what comes with it ---------------------------------------------------------------------------
-    def view_spec(
-        self, shards: int = 0, weights: Collection[ShardKey] = (), signed: SignedModel | None = None
-    ) -> ViewSpec:
-        """What a view of the model holds besides its tensors: its companion files (those left out
-        are the spec's warnings; `weights`, the model's own files, never one), and how many
-        synthesized files (`shards`: 0 chooses). `signed`: the signature the model is held to, which
-        each companion's bytes must be the signed ones of (SignatureError naming those that are not)."""
-        from .views import ViewSpec
-        from .views.companions import find_companions, find_remote_companions
+    def view(self, model: Model, request: ViewRequest | None = None) -> tuple[ViewSpec, Others]:
+        """What the view of `model` (opened from this source) holds besides its tensors, and the models
+        opened for it (the other weights files of its folder: the caller closes them).
 
-        warnings: list[str] = []
-        directories: dict[str, os.stat_result] = {}
-        folders = self.components(weights)
+        The view of a whole model is its own folder (folder.py), unless the `request` is "merged" or
+        cuts its tensors into files, or the model is a PyTorch checkpoint (read as safetensors, unless
+        the request is "folder"); a selection's is synthesized. Companion files
+        left out are the spec's warnings. A model held to a signature has its files' bytes held to
+        it: each companion's must be the signed one (SignatureError naming those that are not), the
+        other weights files' are held to it as the model's are, and the signature itself is served
+        in the folder, as it was verified."""
+        from .views import ViewSpec
+        from .views.local_files import find_companions
+        from .views.remote_files import find_remote_companions
+
+        request = request or ViewRequest()
+        why = synthesized_because(model, request)
+        weights = model.shards
+        folders = [] if why is None else self.components(weights)
         if isinstance(self.location, str):
-            companions = find_remote_companions(self.location, self.remote, warnings, weights, folders)
+            found = find_remote_companions(
+                self.location, self.remote, folder=why is None, own=weights, components=folders
+            )
         else:
-            companions = find_companions(self.location, warnings, directories, weights, folders)
+            found = find_companions(self.location, folder=why is None, own=weights, components=folders)
+        signed = model.signed
+        companions = found.companions
         if signed is not None:
             from .signed import signed_companions
 
-            companions = signed_companions(signed, companions, remote=self.is_remote)
-        by_folder: dict[str, list[str]] = {folder: [] for folder in folders}
-        for weight in weights:
-            folder = os.path.basename(os.path.dirname(weight))
-            if folder in by_folder:
-                by_folder[folder].append(shard_name(weight))
-        components = {folder: view_name(names) for folder, names in by_folder.items()}
-        name = view_name([shard_name(weight) for weight in weights])
-        return ViewSpec(companions, shards, warnings, directories, name, components)
+            companions = signed_companions(signed, companions, remote=self.is_remote, with_signature=why is None)
+        warnings = found.warnings
+        if why is not None:
+            by_folder: dict[str, list[str]] = {name: [] for name in folders}
+            for weight in weights:
+                name = os.path.basename(os.path.dirname(weight))
+                if name in by_folder:
+                    by_folder[name].append(shard_name(weight))
+            components = {name: view_name(files) for name, files in by_folder.items()}
+            name = view_name([shard_name(weight) for weight in weights])
+            note = self._note(model)
+            spec = ViewSpec(
+                companions, request.shards, warnings, found.directories, name, components, why=why, note=note
+            )
+            if signed is not None:
+                warnings.append(
+                    f"the view of {self.shown} is synthesized ({why}): the signature {signed.label} covers the "
+                    "model's files, not the view's"
+                )
+            return spec, Others()
+        directory = self.folder
+        places = {relative_path(directory, shard.header.path): (0, k) for k, shard in enumerate(model.opened_shards())}
+        integrity = model.gate.integrity
+        manifest = integrity.label if integrity.expected is not None and signed is None else None
+        # Beside a model named by its file, other weights files are other models: not the folder's to open.
+        beside_it = [] if self.is_one_shard else [path for path in found.weights if path not in places]
+        others = open_others(
+            beside_it,
+            directory,
+            locate=self._in_folder,
+            layout=model.layout,
+            remote=self.cache.remote(self.remote),
+            headers=self.cache.headers,
+            signed=signed,
+            hashes=self.cache.hashes(),
+            manifest=manifest,
+        )
+        warnings += others.warnings
+        spec = ViewSpec(companions, 0, warnings, found.directories, folder=True, weights={**places, **others.places})
+        return spec, others
+
+    @property
+    def folder(self) -> Path | str:
+        """The model's folder: its directory (that of its file or index), or its directory's URL."""
+        if isinstance(self.location, str):
+            return directory_url(self.location, self.remote)
+        from .views.local_files import model_directory
+
+        return Path(os.path.abspath(model_directory(self.location)))
+
+    def _in_folder(self, path: str) -> Path | str:
+        """Where a file of the model's folder is (its path, or its URL)."""
+        if isinstance(self.location, str):
+            return beside(self.location, path, self.remote).url
+        folder = self.folder
+        assert isinstance(folder, Path)
+        return folder / path
+
+    def _note(self, model: Model) -> dict[str, str | None]:
+        """What a synthesized view's note says besides why: the source, the selection, the signature."""
+        signed = model.signed
+        return {
+            "source": self.shown,
+            "selection": None if model.selection.everything else model.selection.describe(),
+            "signature": None
+            if signed is None
+            else f"the signature {signed.label} covers the source's files, not these",
+        }
 
     def components(self, weights: Collection[ShardKey] = ()) -> list[str]:
         """A diffusers pipeline's component folders (pipelines.py); none for any other model. A remote

@@ -62,18 +62,14 @@ def hold_model(
     signed digests its manifest (hold_to). `everything`: no selection; `verify_all`: every tensor
     checked now."""
     signed = find_signature(trust, where, remote)
-    root: Path | str = where
-    if isinstance(where, str):  # the URL of the model's directory (that of its file or index)
-        root = directory_url(where, remote)
-        if not one_file:
+    root: Path | str = directory_url(where, remote) if isinstance(where, str) else where
+    own = signature_path(trust, root)
+    if own is not None:  # never a file it covers, wherever it lies, whatever the signer left out
+        signed = dataclasses.replace(signed, ignored=(*signed.ignored, own), path=own)
+    if not one_file:
+        if isinstance(where, str):
             check_remote_files(signed, where, remote)
-    else:
-        mine = trust.location if trust.location is not None else where / DEFAULT_SIGNATURE
-        if isinstance(mine, Path):  # left out, as model_signing's verify leaves it out
-            own = os.path.relpath(os.path.abspath(mine), os.path.abspath(where))
-            if not own.startswith(".."):
-                signed = dataclasses.replace(signed, ignored=(*signed.ignored, own))
-        if not one_file:
+        else:
             check_local_files(signed, where, model.shards, cache, everything=everything)
     hasher = Hasher(model, cache)
     integrity = hold_to(model, signed, root, hasher, one_file=one_file, progress=progress, lazy=not verify_all)
@@ -81,6 +77,21 @@ def hold_model(
         integrity.check_many(model.names())
     model.gate.set_integrity(integrity)
     model.signed = signed
+
+
+def signature_path(trust: Signature, root: Path | str) -> str | None:
+    """The path of the signature `trust` names (else model.sig beside the model) in the model's
+    directory (`root`: its path or its URL), when it lies there."""
+    if trust.location is None:
+        return DEFAULT_SIGNATURE
+    if isinstance(trust.location, Path):
+        if not isinstance(root, Path):
+            return None
+        own = os.path.relpath(os.path.abspath(trust.location), os.path.abspath(root))
+        return None if own.startswith("..") else PurePosixPath(Path(own)).as_posix()
+    prefix = str(root).rstrip("/") + "/"
+    url = trust.location
+    return url.removeprefix(prefix) if isinstance(root, str) and url.startswith(prefix) else None
 
 
 def find_signature(trust: Signature, where: Path | str, remote: RemoteOptions) -> SignedModel:
@@ -254,7 +265,7 @@ def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) 
     """A model in a store that lists (S3) holds the files signed, and no other, in its directory and
     its subdirectories one level down (a store that does not list, HTTP or the Hub, is not asked).
     SignatureError, one line a file, naming each missing or unsigned."""
-    from .views.companions import MAX_SUBDIRECTORIES
+    from .views.remote_files import MAX_SUBDIRECTORIES
 
     try:
         listed = listing_beside(source, remote, MAX_SUBDIRECTORIES)
@@ -351,22 +362,21 @@ def signed_content(
     check_file(from_memory, len(data), signed_file, shown, signed.label)
 
 
-def signed_companions(signed: SignedModel, companions: Iterable[Companion], *, remote: bool) -> list[Companion]:
+def signed_companions(
+    signed: SignedModel, companions: Iterable[Companion], *, remote: bool, with_signature: bool = False
+) -> list[Companion]:
     """The companion files a view serves are the signed ones, with their signed bytes (a local one is
     served only while it holds what it held when found; a remote one is read once here); beside a
     remote model (whose files were not listed when it was opened), no companion the signature names
     is missing. SignatureError, one line a file, if not. The companions to serve: those the signature
-    leaves out (itself among them) are not."""
-    from .views.companions import CompanionFiles, LocalOrigin, is_companion
+    leaves out are not, but for the signature itself `with_signature` (a view of the model's folder),
+    whose bytes must be those verified."""
+    from .views.companions import CompanionFiles, LocalOrigin, in_view, is_weights_file
 
     problems: list[str] = []
     listed: set[str] = set()
     kept: list[Companion] = []
     for companion in companions:
-        if signed.is_ignored(companion.path) and companion.path not in signed.files:
-            continue
-        listed.add(companion.path)
-        kept.append(companion)
         origin = companion.origin
 
         def read(companion: Companion = companion) -> bytes:
@@ -376,15 +386,33 @@ def signed_companions(signed: SignedModel, companions: Iterable[Companion], *, r
             finally:
                 files.close()
 
+        shown = str(origin.directory / companion.path) if isinstance(origin, LocalOrigin) else redact(origin.ref.url)
+        if companion.path == signed.path and companion.path not in signed.files:
+            if with_signature:
+                try:
+                    digest = origin.digest if isinstance(origin, LocalOrigin) else hashlib.sha256(read()).digest()
+                except TensorfsError as exc:
+                    problems.append(str(exc))
+                    continue
+                if digest.hex() != signed.digest:
+                    problems.append(f"{printable(shown)}: changed since it was verified")
+                    continue
+                kept.append(companion)
+            continue
+        if signed.is_ignored(companion.path) and companion.path not in signed.files:
+            continue
+        listed.add(companion.path)
+        kept.append(companion)
         try:
             if isinstance(origin, LocalOrigin):
-                signed_content(signed, companion.path, str(origin.directory / companion.path), read, origin.digest)
+                signed_content(signed, companion.path, shown, read, origin.digest)
             else:
-                signed_content(signed, companion.path, redact(origin.ref.url), read)
+                signed_content(signed, companion.path, shown, read)
         except TensorfsError as exc:
             problems.append(str(exc))
     for relative in sorted(set(signed.files) - listed if remote else ()):
-        if is_companion(relative):
+        # (in a folder's view, the weights files are served as models of their own: not companions)
+        if in_view(relative, folder=with_signature) and not (with_signature and is_weights_file(relative)):
             problems.append(f"{printable(relative)}: signed, but not beside the model ({signed.label})")
     if problems:
         raise SignatureError("\n".join(problems))

@@ -11,6 +11,7 @@ signature is verified.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import logging
@@ -120,6 +121,10 @@ class SignedModel:
     ignored: tuple[str, ...]
     """Paths the signer left out (and model_signing's git paths), relative to the model's directory;
     the signature's own path there too, as model_signing's verify leaves it out."""
+    digest: str = ""
+    """The SHA-256 of the signature's bytes, as they were verified."""
+    path: str | None = None
+    """The signature's own path in the model's directory, when it lies there (signed.hold_model)."""
 
     def is_ignored(self, relative: str) -> bool:
         """Whether a file of the model is one the signature leaves out (itself among them)."""
@@ -177,9 +182,10 @@ def verify_signature(data: bytes, label: str, trust: Signature) -> SignedModel:
     if said.getvalue().strip():
         log.warning("%s: %s", label, " ".join(said.getvalue().split()))
     try:
-        return _signed(verified, signed_manifest, label, _signer(trust, signature))
+        signed = _signed(verified, signed_manifest, label, _signer(trust, signature))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a statement signed, but not one it reads
         raise SignatureError(f"{label}: its statement is not one of a model's files: {_reason(exc)}") from None
+    return dataclasses.replace(signed, digest=hashlib.sha256(data).hexdigest())
 
 
 def _parsed(data: bytes, sign_sigstore_pb: Any) -> Any:

@@ -23,7 +23,7 @@ from .names import Layout
 from .selection import Selection, layer_of
 from .sources.shard import ShardData
 
-__all__ = ["Shard", "Tables", "owners", "restricted"]
+__all__ = ["Shard", "Tables", "file_runs", "owners", "restricted"]
 
 _begin = itemgetter(0)
 
@@ -198,6 +198,28 @@ class Tables:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {str(self.source)!r}: {len(self._shards)} shards, {len(self)} tensors>"
+
+
+def file_runs(header: ShardHeader) -> tuple[list[tuple[int, int, str]], list[tuple[int, int]]]:
+    """A shard file cut into what its tensors hold and what no tensor holds (its header, the padding
+    between tensors, a checkpoint's zip records), as absolute [start, end) runs in file order: each
+    byte once (tensors that share bytes, a checkpoint's views of one storage, are had from the first
+    that holds them; empty tensors hold none)."""
+    start = header.data_start
+    held: list[tuple[int, int, str]] = []
+    gaps: list[tuple[int, int]] = []
+    reached = 0
+    for entry in sorted(header.entries, key=lambda e: (e[0], e[1])):
+        begin, end = start + entry[0], start + entry[1]
+        if end <= max(reached, begin):
+            continue
+        if begin > reached:
+            gaps.append((reached, begin))
+        held.append((max(begin, reached), end, entry[NAME]))
+        reached = end
+    if reached < header.file_size:
+        gaps.append((reached, header.file_size))
+    return held, gaps
 
 
 def owners(shards: list[Shard]) -> dict[str, Shard]:

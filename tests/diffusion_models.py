@@ -13,14 +13,19 @@ from pathlib import Path
 from helpers import patience
 
 # Writes a tiny latent diffusion pipeline (save_pretrained; its float16 variant beside it, of other
-# weights), or a tiny Stable Diffusion pipeline ("sd"), or a tiny AutoencoderKL ("vae"), or says what
-# diffusers loads from each folder given: "unet:PATH" (UNet2DModel, with "unet@VARIANT:PATH" a variant)
-# each weight's SHA-256; "single:CONFIG=FILE" (AutoencoderKL.from_single_file, its config from the folder
-# CONFIG) the same; "pipe:PATH" (DiffusionPipeline) each weight's, by component, and the SHA-256 of an
-# image it makes in two steps from a fixed seed; "sd:PATH" (StableDiffusionPipeline) the same, of the
-# unet, vae and text_encoder, and the token ids its tokenizer makes of the prompt it draws.
+# weights), or a tiny AutoencoderKL ("vae"), or a LoRA of a Stable Diffusion pipeline's unet ("lora BASE
+# DIR": DIR/pytorch_lora_weights.safetensors), or says what diffusers loads from each folder given:
+# "unet:PATH" (UNet2DModel, with "unet@VARIANT:PATH" a variant; "cunet": UNet2DConditionModel) each
+# weight's SHA-256;
+# "single:CONFIG=FILE" (AutoencoderKL.from_single_file, its config from the folder CONFIG) the same;
+# "pipe:PATH" (DiffusionPipeline, "pipe@VARIANT:PATH" a variant) each weight's, by component, and the
+# SHA-256 of an image it makes in two steps from a fixed seed; "sd:PATH" (StableDiffusionPipeline) the
+# same, of the unet, vae and text_encoder, and the token ids its tokenizer makes of the prompt it draws;
+# "sdw@VARIANT:PATH" its weights only, or the kind of error it raises; "lora:BASE|DIR|NAME" the weights of
+# the unet of the pipeline at BASE with the LoRA of DIR (load_lora_weights, weight_name=NAME if given),
+# and the image it makes.
 DIFFUSERS = """
-import hashlib, json, sys
+import hashlib, json, os, sys
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, LDMPipeline, UNet2DModel, VQModel
 command = sys.argv[1]
@@ -33,42 +38,6 @@ def pipeline():
                     num_vq_embeddings=16, vq_embed_dim=3, sample_size=8)
     return LDMPipeline(vqvae=vqvae, unet=unet, scheduler=DDIMScheduler(num_train_timesteps=10))
 PROMPT = "a photo of a cat"
-def byte_characters():  # CLIP's byte-level alphabet: each of the 256 bytes as the character its BPE sees
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [byte for byte in range(256) if byte not in printable]
-    code = dict(zip(printable + others, printable + [256 + k for k in range(len(others))]))
-    return [chr(code[byte]) for byte in range(256)]
-def stable_diffusion(folder):
-    import os, tempfile
-    from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-    characters = byte_characters()
-    merges = ["c a", "ca t</w>"]
-    tokens = ["<|startoftext|>", "<|endoftext|>", *characters, *(c + "</w>" for c in characters),
-              *(merge.replace(" ", "") for merge in merges)]
-    files = {"vocab.json": json.dumps({token: k for k, token in enumerate(tokens)}),
-             "merges.txt": "#version: 0.2\\n" + "\\n".join(merges) + "\\n"}
-    with tempfile.TemporaryDirectory() as vocabulary:
-        for name, text in files.items():
-            with open(os.path.join(vocabulary, name), "w", encoding="utf-8") as file:
-                file.write(text)
-        tokenizer = CLIPTokenizer.from_pretrained(vocabulary, model_max_length=16)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tokens), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=16, projection_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=1))
-    unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16, attention_head_dim=2, norm_num_groups=4)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
-                        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
-    StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=DDIMScheduler(num_train_timesteps=10),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False).save_pretrained(folder)
-    for name, text in files.items():  # beside tokenizer.json, as a Hub repository's tokenizer/ holds them
-        with open(os.path.join(folder, "tokenizer", name), "w", encoding="utf-8") as file:
-            file.write(text)
 def digests(module, prefix=""):
     return {prefix + name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
             for name, t in module.state_dict().items()}
@@ -77,9 +46,19 @@ if command == "write":
     pipeline().save_pretrained(sys.argv[2])
     torch.manual_seed(1)
     pipeline().to(torch.float16).save_pretrained(sys.argv[2], variant="fp16")
-elif command == "sd":
-    torch.manual_seed(3)
-    stable_diffusion(sys.argv[2])
+elif command == "lora":
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    pipe = StableDiffusionPipeline.from_pretrained(sys.argv[2])
+    pipe.unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    torch.manual_seed(6)
+    for name, parameter in pipe.unet.named_parameters():
+        if "lora_" in name:  # (lora_B starts at zeros: a LoRA that changes nothing would prove nothing)
+            parameter.data.normal_(0, 0.5)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet))
+    StableDiffusionPipeline.save_lora_weights(sys.argv[3], unet_lora_layers=layers, safe_serialization=True)
 elif command == "vae":
     torch.manual_seed(2)
     AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), latent_channels=4,
@@ -89,13 +68,36 @@ else:
     for argument in sys.argv[2:]:
         kind, _, path = argument.partition(":")
         kind, _, variant = kind.partition("@")
-        if kind == "unet":
-            print(json.dumps({"path": path, "weights": digests(UNet2DModel.from_pretrained(path, variant=variant or None))}))
+        if kind in ("unet", "cunet"):
+            from diffusers import UNet2DConditionModel
+            kind_of = UNet2DModel if kind == "unet" else UNet2DConditionModel
+            print(json.dumps({"path": path, "weights": digests(kind_of.from_pretrained(path, variant=variant or None))}))
             continue
         if kind == "single":
             config, _, path = path.partition("=")
             model = AutoencoderKL.from_single_file(path, config=config, local_files_only=True)
             print(json.dumps({"path": path, "weights": digests(model)}))
+            continue
+        if kind == "sdw":
+            from diffusers import StableDiffusionPipeline
+            try:
+                pipe = StableDiffusionPipeline.from_pretrained(path, variant=variant or None)
+            except Exception as exc:
+                print(json.dumps({"path": path, "error": type(exc).__name__}))
+                continue
+            weights = {**digests(pipe.unet, "unet/"), **digests(pipe.vae, "vae/"), **digests(pipe.text_encoder, "text_encoder/")}
+            print(json.dumps({"path": path, "weights": weights}))
+            continue
+        if kind == "lora":
+            from diffusers import StableDiffusionPipeline
+            base, lora, weight_name = path.split("|")
+            pipe = StableDiffusionPipeline.from_pretrained(base)
+            pipe.load_lora_weights(lora, weight_name=weight_name or None)
+            pipe.set_progress_bar_config(disable=True)
+            image = pipe(PROMPT, num_inference_steps=2, height=16, width=16, generator=torch.Generator().manual_seed(0),
+                         output_type="np").images
+            print(json.dumps({"path": path, "weights": digests(pipe.unet, "unet/"),
+                              "image": hashlib.sha256(image.tobytes()).hexdigest()}))
             continue
         if kind == "sd":
             from diffusers import StableDiffusionPipeline
@@ -107,8 +109,11 @@ else:
             print(json.dumps({"path": path, "weights": weights, "tokens": pipe.tokenizer(PROMPT).input_ids,
                               "image": hashlib.sha256(image.tobytes()).hexdigest()}))
             continue
-        pipe = DiffusionPipeline.from_pretrained(path)
+        pipe = DiffusionPipeline.from_pretrained(path, variant=variant or None)
         pipe.set_progress_bar_config(disable=True)
+        if variant:  # float16 on the CPU: its weights only
+            print(json.dumps({"path": path, "weights": {**digests(pipe.unet, "unet/"), **digests(pipe.vqvae, "vqvae/")}}))
+            continue
         image = pipe(num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images
         weights = {**digests(pipe.unet, "unet/"), **digests(pipe.vqvae, "vqvae/")}
         print(json.dumps({"path": path, "weights": weights, "image": hashlib.sha256(image.tobytes()).hexdigest()}))
@@ -148,12 +153,21 @@ def write_pipeline(directory: Path) -> Path:
     return directory
 
 
-def write_stable_diffusion(directory: Path) -> Path:
-    """A tiny Stable Diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/, unet/
-    and vae/ (diffusers' weights), text_encoder/ (a CLIPTextModel: transformers' model.safetensors) and
-    tokenizer/ (a CLIPTokenizer of a tiny byte-level vocabulary: tokenizer.json, and the vocab.json and
-    merges.txt it was made from beside it), all in float32; no safety checker."""
-    diffusers("sd", str(directory))
+def write_stable_diffusion(directory: Path, *, variant: bool = False) -> Path:
+    """A tiny Stable Diffusion pipeline as save_pretrained writes it (scripts/tiny_pipeline.py, the docs'
+    own): model_index.json, scheduler/, unet/ and vae/ (diffusers' weights), text_encoder/ (a
+    CLIPTextModel: transformers' model.safetensors) and tokenizer/ (a CLIPTokenizer of a tiny byte-level
+    vocabulary: tokenizer.json, and the vocab.json and merges.txt it was made from beside it), all in
+    float32, no safety checker; with `variant`, a float16 variant of other weights beside each
+    component's (diffusion_pytorch_model.fp16.safetensors, model.fp16.safetensors)."""
+    script = Path(__file__).parent.parent / "scripts" / "tiny_pipeline.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(directory), *([] if variant else ["--no-variant"])],
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     return directory
 
 
@@ -162,3 +176,24 @@ def stable_diffusions(*folders: Path) -> list[tuple[object, object, object]]:
     component: unet/, vae/, text_encoder/; the token ids of its prompt; the SHA-256 of its image of it)."""
     loads = diffusers("load", *(f"sd:{folder}" for folder in folders))
     return [(found["weights"], found["tokens"], found["image"]) for found in loads]
+
+
+def write_lora(base: Path, directory: Path) -> Path:
+    """A LoRA of the unet of the Stable Diffusion pipeline at `base`, as diffusers saves one:
+    `directory`/pytorch_lora_weights.safetensors."""
+    diffusers("lora", str(base), str(directory))
+    return directory / "pytorch_lora_weights.safetensors"
+
+
+def variant_weights(*folders: str, variant: str = "fp16") -> list[dict[str, object]]:
+    """What StableDiffusionPipeline.from_pretrained(folder, variant=) loads from each folder: each weight's
+    SHA-256, by component ("weights"), or the kind of error it raises ("error")."""
+    found = diffusers("load", *(f"sdw@{variant}:{folder}" for folder in folders))
+    return [{key: value for key, value in one.items() if key != "path"} for one in found]
+
+
+def with_lora(base: Path, *loras: tuple[Path, str]) -> list[tuple[object, object]]:
+    """What the Stable Diffusion pipeline at `base` holds with each LoRA (its folder, the weight_name given,
+    '' for none) loaded onto it: (its unet's weights' SHA-256s, the SHA-256 of the image it makes)."""
+    found = diffusers("load", *(f"lora:{base}|{lora}|{name}" for lora, name in loras))
+    return [(one["weights"], one["image"]) for one in found]

@@ -92,7 +92,7 @@ def test_a_hung_mount_inside_the_model_directory_is_never_entered(mounts: Mounts
         assert result.returncode == 0, result.stderr
         assert f"warning: {model / 'onnx'}: skipped: another file system is mounted there" in result.stderr
         assert (mountpoint / "w").read_bytes() == expected
-        assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
+        assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "m.safetensors"]
     finally:
         os.kill(hung, signal.SIGCONT)
 
@@ -419,18 +419,18 @@ def test_the_hubs_discovery_ends_at_the_remote_timeout_in_all(
 def test_the_companion_scan_stops_after_30_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model directory of 40 companion files, each taking a second of the scan's clock: those of
     the first 30 s are found, and the rest are skipped with one warning that says so."""
-    from tensorfs.views import companions
+    from tensorfs.views import local_files
 
     directory = tmp_path / "model"
     directory.mkdir()
     write_reference(directory / "m.safetensors", {"w": ("U8", [16], bytes(16))})
     for i in range(40):
         (directory / f"c{i:02d}.json").write_text("{}")
-    warnings: list[str] = []
-    monkeypatch.setattr(companions, "time", SteppingClock(1.0))
-    found = companions.find_companions(directory, warnings)
+    monkeypatch.setattr(local_files, "time", SteppingClock(1.0))
+    scanned = local_files.find_companions(directory)
+    found = scanned.companions
     assert 25 <= len(found) < 40 and [c.path for c in found] == [f"c{i:02d}.json" for i in range(len(found))]
-    assert warnings == [
+    assert scanned.warnings == [
         f"{directory / f'c{len(found):02d}.json'} and the files after it: skipped: the scan took over 30 s"
     ]
 
@@ -440,19 +440,20 @@ def test_a_naming_file_longer_than_announced_is_refused_as_it_comes(hostile: Hos
     beside a model served over plain HTTP: it is read whole, at most 1 MiB. A server whose HEAD
     says a few bytes and whose GET then sends 2 MiB: refused, not followed (the module it names is
     never asked for), with a warning that says why."""
-    from tensorfs.views.companions import find_remote_companions
+    from tensorfs.views.remote_files import find_remote_companions
 
     write_reference(hostile.root / "m.safetensors", {"w": ("U8", [16], bytes(16))})
     (hostile.root / "config.json").write_text('{"auto_map": {"AutoModel": "modeling_x.Model"}}')
     for module in ("modeling_x.py", "modeling_y.py"):
         (hostile.root / module).write_text("MODEL = 1\n")
     options = RemoteOptions(cache_dir=tmp_path / "cache")
-    warnings: list[str] = []
-    found = find_remote_companions(f"{hostile.url}/m.safetensors", options, warnings)
+    scanned = find_remote_companions(f"{hostile.url}/m.safetensors", options)
+    found, warnings = scanned.companions, scanned.warnings
     assert {"config.json", "modeling_x.py"} <= {c.path for c in found} and warnings == []  # told honestly: followed
     grown = b'{"auto_map": {"AutoModel": "modeling_y.Model"}, "pad": "' + b"x" * (2 * MIB) + b'"}'
     hostile.lies.append(Lie("body", "config.json", ("GET", grown)))
-    found = find_remote_companions(f"{hostile.url}/m.safetensors", options, warnings)
+    scanned = find_remote_companions(f"{hostile.url}/m.safetensors", options)
+    found, warnings = scanned.companions, scanned.warnings
     assert "modeling_y.py" not in {c.path for c in found}
     assert not any(name == "modeling_y.py" for _, name, _, _ in hostile.requests)
     config = f"{hostile.url}/config.json"

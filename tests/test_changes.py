@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -226,18 +226,32 @@ def test_a_shard_overwritten_in_place_is_refused_until_remounted(mounts: Mounts,
     assert (mountpoint / "t2.1").read_bytes() == model_bytes(model_dir)["t2.1"] != expected["t2.1"]
 
 
-def test_the_view_of_a_shard_overwritten_in_place_is_refused(mounts: Mounts, model_dir: Path) -> None:
+@pytest.mark.parametrize("merged", [False, True], ids=["folder", "merged"])
+def test_the_view_of_a_shard_overwritten_in_place_is_refused(mounts: Mounts, model_dir: Path, merged: bool) -> None:
+    """A shard written in place under a mount (no manifest): the view's bytes of its tensors are
+    refused, in its own file as it is (whose header stays served as validated) and in a merged file;
+    another shard's tensors are served on."""
     expected = model_bytes(model_dir)
-    mountpoint = mounts.mount(model_dir)
-    view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
-    served = view.read_bytes()  # and kept in the kernel's cache
-    length = int.from_bytes(served[:8], "little")
-    header = json.loads(served[8 : 8 + length])
+    mountpoint = mounts.mount(model_dir, *(["--view", "merged"] if merged else []))
+    folder = mountpoint / ".tensorfs" / "model"
+
+    def file_of(name: str) -> Path:
+        return folder / ("model.safetensors" if merged else f"s{name[1]}.safetensors")
+
+    def header_of(file: Path) -> tuple[int, dict[str, Any]]:
+        with open(file, "rb") as opened:
+            length = int.from_bytes(opened.read(8), "little")
+            return length, json.loads(opened.read(length))
+
+    headers = {name: header_of(file_of(name)) for name in ("t0.1", "t2.1", "t2.2")}
+    for name in headers:
+        file_of(name).read_bytes()  # and kept in the kernel's cache
 
     def read_of(name: str) -> bytes | int:
+        length, header = headers[name]
         begin, end = header[name]["data_offsets"]
         try:
-            with open(view, "rb", buffering=0) as file:
+            with open(file_of(name), "rb", buffering=0) as file:
                 return os.pread(file.fileno(), end - begin, 8 + length + begin)
         except OSError as exc:
             return exc.errno or 0

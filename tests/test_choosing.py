@@ -110,7 +110,8 @@ def test_a_directory_is_the_model_transformers_loads_from_it(
     folder: Path, mounts: Mounts, caplog: pytest.LogCaptureFixture
 ) -> None:
     """model.safetensors, not the index beside it (nor its variant): in-process, by `validate`, and in
-    the mount's view, which transformers loads the same weights from."""
+    the mount's view, the model's folder as it is, which transformers loads the same weights from
+    (and the same variant, with variant="fp16")."""
     expected = loaded(folder)
     assert expected != loaded(folder.parent / "stale")
     with caplog.at_level(logging.WARNING):
@@ -126,8 +127,10 @@ def test_a_directory_is_the_model_transformers_loads_from_it(
     assert validated.returncode == 0 and "1 shard" in validated.stdout, validated.stdout + validated.stderr
     mountpoint = mounts.mount(folder)
     view = mountpoint / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(view)) == sorted(os.listdir(folder))  # every file, the stale ones too
+    assert all((view / name).read_bytes() == (folder / name).read_bytes() for name in os.listdir(folder))
     assert loaded(view) == expected
+    assert loaded(view, "fp16") == loaded(folder, "fp16")
     # Naming a file chooses it, as variant= or naming the index tells a loader.
     assert served(folder / "model.fp16.safetensors") == loaded(folder, "fp16")
     assert served(folder / "model.safetensors.index.json") == loaded(folder.parent / "stale")

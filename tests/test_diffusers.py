@@ -1,6 +1,7 @@
 """diffusers' models as diffusers lays them out: a component folder (diffusion_pytorch_model.safetensors,
 its variants beside it), a Hugging Face cache snapshot's folder, a pipeline's root (model_index.json
-and its folders), and the refusals, read by diffusers itself from tensorfs's views and exports.
+and its folders), a LoRA, and the refusals, read by diffusers itself from tensorfs's views and exports
+(the model's own folder, every file under its own name with its own bytes), with and without variant=.
 
 The pipelines are made in the test (a tiny latent diffusion pipeline: a UNet2DModel and a VQModel from
 their configs with random weights, and a scheduler; a tiny Stable Diffusion pipeline: a
@@ -11,13 +12,24 @@ tensorfs's: every weight, and the image it makes, bit for bit. Nothing is downlo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
 import obstore
 import pytest
-from diffusion_models import diffusers, pipelines, stable_diffusions, weights, write_pipeline, write_stable_diffusion
+from diffusion_models import (
+    diffusers,
+    pipelines,
+    stable_diffusions,
+    variant_weights,
+    weights,
+    with_lora,
+    write_lora,
+    write_pipeline,
+    write_stable_diffusion,
+)
 from gguf_files import write_gguf
 
 import tensorfs
@@ -32,6 +44,13 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny latent diffusion pipeline as save_pretrained writes it: model_index.json, scheduler/,
     unet/ and vqvae/ (each's weights in float32, and an fp16 variant of other weights beside them)."""
     return write_pipeline(tmp_path_factory.mktemp("diffusers") / "ldm")
+
+
+@pytest.fixture(scope="module")
+def sd_variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Stable Diffusion pipeline with a float16 variant of other weights beside each
+    component's (the layout of the Hub's Stable Diffusion repositories)."""
+    return write_stable_diffusion(tmp_path_factory.mktemp("diffusers") / "sd", variant=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +69,21 @@ PIPELINE_VIEW = [
     "model_index.json",
     "scheduler/scheduler_config.json",
     "unet/config.json",
+    "unet/diffusion_pytorch_model.fp16.safetensors",
     "unet/diffusion_pytorch_model.safetensors",
     "vqvae/config.json",
+    "vqvae/diffusion_pytorch_model.fp16.safetensors",
     "vqvae/diffusion_pytorch_model.safetensors",
 ]
-"""A pipeline's view: its own files, each component's folder with its config and its weights named as
-diffusers looks for them (the variants beside them are not the model: not served)."""
+"""A pipeline's view: its folder, every file under its own name with its own bytes (the variants too:
+diffusers loads them with variant="fp16")."""
+
+
+def same_files(folder: Path, source: Path) -> None:
+    """Every file of `folder` is the file of `source` at the same path, byte for byte (its SHA-256)."""
+    for name in view_files(folder):
+        served, original = (folder / name).read_bytes(), (source / name).read_bytes()
+        assert hashlib.sha256(served).digest() == hashlib.sha256(original).digest(), name
 
 
 STABLE_DIFFUSION_VIEW = [
@@ -81,12 +109,12 @@ def test_a_component_folder_with_its_variant_beside_it_is_one_model(
     pipeline: Path, mounts: Mounts, tmp_path: Path
 ) -> None:
     """unet/ holds diffusion_pytorch_model.safetensors and its .fp16 variant: the model is the first,
-    as diffusers loads it without variant=, its view and its export named as diffusers looks for
-    them; naming the variant's file opens the variant."""
+    as diffusers loads it without variant=; its view and its export are the folder as it is, from which
+    diffusers loads the same weights as from the original, with variant="fp16" and without; naming the
+    variant's file opens the variant, its view holding that file under its own name."""
     unet = pipeline / "unet"
-    assert sorted(os.listdir(unet)) == [
-        "config.json", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors",
-    ]  # fmt: skip
+    files = ["config.json", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors"]
+    assert sorted(os.listdir(unet)) == files
     with tensorfs.open_model(unet) as model:
         assert model.shards == [unet / "diffusion_pytorch_model.safetensors"]
         assert {model.info(name).dtype for name in model} == {"F32"}
@@ -95,18 +123,27 @@ def test_a_component_folder_with_its_variant_beside_it_is_one_model(
     validated = mounts.run("validate", str(unet))
     assert validated.returncode == 0, validated.stderr
     view = mounts.mount(unet) / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert sorted(os.listdir(view)) == files
     exported = mounts.run("export", str(unet), str(tmp_path / "exported"))
     assert exported.returncode == 0, exported.stderr
-    assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "diffusion_pytorch_model.safetensors"]
-    original, mounted, written, variant = weights(str(unet), str(view), str(tmp_path / "exported"), f"@fp16:{unet}")
+    assert sorted(os.listdir(tmp_path / "exported")) == files
+    for folder in (view, tmp_path / "exported"):
+        same_files(folder, unet)
+    named = mounts.mount(unet / "diffusion_pytorch_model.fp16.safetensors") / ".tensorfs" / "model"
+    assert sorted(os.listdir(named)) == ["config.json", "diffusion_pytorch_model.fp16.safetensors"]
+    folders = (str(unet), str(view), str(tmp_path / "exported"))
+    original, mounted, written, variant, mounted_variant, written_variant, named_variant = weights(
+        *folders, *(f"@fp16:{folder}" for folder in (*folders, str(named)))
+    )
     assert mounted == original and written == original and variant != original
+    assert mounted_variant == variant and written_variant == variant and named_variant == variant
 
 
 def test_a_snapshot_folder_mounts_with_its_config(pipeline: Path, mounts: Mounts, tmp_path: Path) -> None:
     """A Hugging Face cache snapshot's component folder (snapshots/REV/unet, its files symlinks into
-    the repository's ../../../blobs) is a model with its config.json; a link out of the repository
-    is still left out. The snapshot itself mounts as the pipeline."""
+    the repository's ../../../blobs) is a model with its config.json and its variant, as they are; a
+    link out of the repository is still left out. The snapshot itself mounts as the pipeline, from
+    whose view diffusers loads the variant as from the snapshot."""
     repository = tmp_path / "hub" / "models--org--ldm"
     (repository / "blobs").mkdir(parents=True)
     snapshot = repository / "snapshots" / "0123abcd"
@@ -120,19 +157,25 @@ def test_a_snapshot_folder_mounts_with_its_config(pipeline: Path, mounts: Mounts
     (tmp_path / "elsewhere.json").write_text("{}")
     (snapshot / "unet" / "elsewhere.json").symlink_to(tmp_path / "elsewhere.json")
     view = mounts.mount(snapshot / "unet") / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    files = ["config.json", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors"]
+    assert sorted(os.listdir(view)) == files
     assert "elsewhere.json: skipped: a symlink out of the model's directory" in mounts.log()
     named = mounts.mount(snapshot / "unet" / "diffusion_pytorch_model.safetensors") / ".tensorfs" / "model"
     assert sorted(os.listdir(named)) == ["config.json", "diffusion_pytorch_model.safetensors"]
     whole = mounts.mount(snapshot) / ".tensorfs" / "model"
     assert view_files(whole) == PIPELINE_VIEW
+    same_files(whole, pipeline)
     folders = [str(pipeline / "unet"), str(view), str(named)]
-    found = diffusers("load", *(f"unet:{folder}" for folder in folders), f"pipe:{pipeline}", f"pipe:{whole}")
-    original, mounted, by_file, pipeline_original, pipeline_mounted = found
+    found = diffusers(
+        "load", *(f"unet:{folder}" for folder in folders), f"pipe:{pipeline}", f"pipe:{whole}",
+        f"pipe@fp16:{snapshot}", f"pipe@fp16:{whole}",
+    )  # fmt: skip
+    original, mounted, by_file, pipeline_original, pipeline_mounted, variant, variant_mounted = found
     assert mounted["weights"] == original["weights"] and by_file["weights"] == original["weights"]
     assert (pipeline_mounted["weights"], pipeline_mounted["image"]) == (
         pipeline_original["weights"], pipeline_original["image"],
     )  # fmt: skip
+    assert variant_mounted["weights"] == variant["weights"] != pipeline_original["weights"]
 
 
 def test_variants_without_their_default_are_refused_in_one_line(pipeline: Path, tmp_path: Path) -> None:
@@ -159,13 +202,14 @@ def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
     pipeline: Path, mounts: Mounts, tmp_path: Path
 ) -> None:
     """A pipeline's root (model_index.json, unet/, vqvae/, scheduler/): each component folder a model
-    of its own, its tensors under its folder, its files in its folder of the view; model_index.json
-    and scheduler/ come with them. DiffusionPipeline loads the same weights, and makes the same
-    image, from the view and from the export as from the original folder; UNet2DModel loads the view's
-    unet/ as it loads the original's."""
+    of its own, its tensors under its folder; its view and its export are the pipeline's folder, every
+    file as it is (the variants too). DiffusionPipeline loads the same weights, and makes the same image,
+    from the view and from the export as from the original folder, and the same variant with
+    variant="fp16"; UNet2DModel loads the view's unet/ as it loads the original's."""
     mountpoint = mounts.mount(pipeline)
     view = mountpoint / ".tensorfs" / "model"
     assert view_files(view) == PIPELINE_VIEW
+    same_files(view, pipeline)
     assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet", "vqvae"]
     with tensorfs.open_model(pipeline) as model:
         assert {name.partition("/")[0] for name in model} == {"unet", "vqvae"}
@@ -174,17 +218,21 @@ def test_a_pipeline_mounts_as_its_components_and_diffusers_loads_it(
     exported = mounts.run("export", str(pipeline), str(tmp_path / "exported"))
     assert exported.returncode == 0, exported.stderr
     assert view_files(tmp_path / "exported") == PIPELINE_VIEW
+    same_files(tmp_path / "exported", pipeline)
     one_file = mounts.run("export", str(pipeline), str(tmp_path / "all.safetensors"))  # every tensor, by folder
     assert one_file.returncode == 0, one_file.stderr
     with tensorfs.open_model(tmp_path / "all.safetensors") as whole, tensorfs.open_model(pipeline) as model:
         assert {name: bytes(whole.raw(name)) for name in whole} == {name: bytes(model.raw(name)) for name in model}
-    loads = [f"pipe:{folder}" for folder in (pipeline, view, tmp_path / "exported")]
-    original, mounted, written, unet, unet_in_view = diffusers(
+    folders = (pipeline, view, tmp_path / "exported")
+    loads = [f"pipe:{folder}" for folder in folders] + [f"pipe@fp16:{folder}" for folder in folders]
+    original, mounted, written, variant, mounted_variant, written_variant, unet, unet_in_view = diffusers(
         "load", *loads, f"unet:{pipeline / 'unet'}", f"unet:{view / 'unet'}"
     )
     assert [(found["weights"], found["image"]) for found in (mounted, written)] == [
         (original["weights"], original["image"]),
     ] * 2
+    assert mounted_variant["weights"] == variant["weights"] and written_variant["weights"] == variant["weights"]
+    assert variant["weights"] != original["weights"]
     assert unet_in_view["weights"] == unet["weights"]  # a component of the view is a model on its own
 
 
@@ -195,8 +243,8 @@ def test_a_pipelines_selection_is_of_its_components_tensors(pipeline: Path, moun
     assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet"]
     view = mountpoint / ".tensorfs" / "model"
     assert view_files(view) == [
-        "model_index.json", "scheduler/scheduler_config.json", "unet/config.json", "unet/selected.safetensors",
-        "vqvae/config.json",
+        "model_index.json", "scheduler/scheduler_config.json", "tensorfs-view.json", "unet/config.json",
+        "unet/selected.safetensors", "vqvae/config.json",
     ]  # fmt: skip
 
 
@@ -210,8 +258,8 @@ def test_a_pipelines_exclusion_and_its_refusals_through_the_commands(
     mountpoint = mounts.mount(pipeline, "--exclude", "vqvae/*")
     assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet"]
     assert view_files(mountpoint / ".tensorfs" / "model") == [
-        "model_index.json", "scheduler/scheduler_config.json", "unet/config.json", "unet/selected.safetensors",
-        "vqvae/config.json",
+        "model_index.json", "scheduler/scheduler_config.json", "tensorfs-view.json", "unet/config.json",
+        "unet/selected.safetensors", "vqvae/config.json",
     ]  # fmt: skip
     listed = cli("ls", str(pipeline), "--layers", "0-0")
     assert (listed.returncode, listed.stderr) == (
@@ -275,8 +323,9 @@ def test_a_pipeline_on_the_hub_and_in_s3_mounts_as_its_components(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The same pipeline as a Hub repository (its API lists the root and its folders) and under an S3
-    prefix (its listing): each mounts as the local one does, and DiffusionPipeline loads the same
-    weights and image from the views; a component's folder (hf://.../unet) mounts alone."""
+    prefix (its listing): each mounts as the local one does, its view the pipeline's folder as it is,
+    and DiffusionPipeline loads the same weights and image from the views, and the same variant with
+    variant="fp16"; a component's folder (hf://.../unet) mounts alone."""
     hub = nginx.root / "diffusers" / "ldm" / "resolve" / "main"
     shutil.copytree(pipeline, hub)
     hub_api(nginx.root, "diffusers/ldm", hub)
@@ -295,11 +344,18 @@ def test_a_pipeline_on_the_hub_and_in_s3_mounts_as_its_components(
     views = [from_hub / ".tensorfs" / "model", from_s3 / ".tensorfs" / "model"]
     for view in views:
         assert view_files(view) == PIPELINE_VIEW
-    assert sorted(os.listdir(unet)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+        same_files(view, pipeline)
+    assert sorted(os.listdir(unet)) == [
+        "config.json", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors",
+    ]  # fmt: skip
     original, *served = pipelines(pipeline, *views)
     assert served == [original, original]
-    original_unet, served_unet = weights(str(pipeline / "unet"), str(unet))
-    assert served_unet == original_unet
+    variants = diffusers("load", *(f"pipe@fp16:{folder}" for folder in (pipeline, *views)))
+    assert [found["weights"] for found in variants[1:]] == [variants[0]["weights"]] * 2
+    original_unet, served_unet, original_variant, served_variant = weights(
+        str(pipeline / "unet"), str(unet), f"@fp16:{pipeline / 'unet'}", f"@fp16:{unet}"
+    )
+    assert served_unet == original_unet and served_variant == original_variant
 
 
 def test_a_single_file_checkpoint_mounts_and_from_single_file_loads_it(mounts: Mounts, tmp_path: Path) -> None:
@@ -312,10 +368,11 @@ def test_a_single_file_checkpoint_mounts_and_from_single_file_loads_it(mounts: M
     single.parent.mkdir()
     shutil.copy(vae / "diffusion_pytorch_model.safetensors", single)
     view = mounts.mount(single) / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["model.safetensors"]
+    assert sorted(os.listdir(view)) == ["tiny-vae.safetensors"]  # its own name, its own bytes
+    assert (view / "tiny-vae.safetensors").read_bytes() == single.read_bytes()
     exported = mounts.run("export", str(single), str(tmp_path / "exported.safetensors"))
     assert exported.returncode == 0, exported.stderr
-    files = [single, view / "model.safetensors", tmp_path / "exported.safetensors"]
+    files = [single, view / "tiny-vae.safetensors", tmp_path / "exported.safetensors"]
     original, mounted, written = (
         found["weights"] for found in diffusers("load", *(f"single:{vae}={f}" for f in files))
     )
@@ -344,6 +401,7 @@ def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp
     """A transformers component (text_encoder/model.safetensors) beside a diffusers one: each is found
     by its loader's rules and its view's files named as its loader looks for them; a pipeline takes no
     fallback (said in one line)."""
+    from tensorfs.folder import ViewRequest
     from tensorfs.opener import Source
     from tensorfs.views import build_view
 
@@ -356,12 +414,18 @@ def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp
     source = Source.named(root)
     with source.open() as model:
         assert model.names() == ["text_encoder/w", "unet/w"]
-        view = build_view(model, source.view_spec(0, model.shards))
-        assert sorted(view.files) == [
-            "model_index.json", "text_encoder/config.json", "text_encoder/model.safetensors", "unet/config.json",
-            "unet/diffusion_pytorch_model.safetensors",
-        ]  # fmt: skip
-        view.close()
+        for request in (ViewRequest(), ViewRequest("merged")):  # the folder as it is, and synthesized
+            spec, others = source.view(model, request)
+            view = build_view(model, model.gate, spec)
+            assert (sorted(view.files), others.models) == (
+                sorted([
+                    "model_index.json", "text_encoder/config.json", "text_encoder/model.safetensors",
+                    "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+                    *(["tensorfs-view.json"] if request.choice else []),
+                ]),
+                [],
+            )  # fmt: skip
+            view.close()
     with pytest.raises(tensorfs.InvalidModelError) as raised:
         tensorfs.open_model(root, fallback=[tmp_path / "elsewhere"])
     assert str(raised.value) == f"{root}: a pipeline takes no fallback: name a component's folder"
@@ -390,3 +454,62 @@ def test_a_stable_diffusion_pipeline_with_its_text_encoder_and_tokenizer_loads_f
     assert mounted == original and written == original
     found = original[0]
     assert isinstance(found, dict) and {name.partition("/")[0] for name in found} == {"text_encoder", "unet", "vae"}
+
+
+def test_a_stable_diffusion_pipelines_variant_loads_from_its_view_and_export(
+    sd_variants: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """Most diffusion models are loaded as their fp16 variant: StableDiffusionPipeline.from_pretrained
+    (view, variant="fp16") loads from the mount's view and from the export the weights it loads from
+    the original folder (and without variant=, the plain ones), and so does
+    UNet2DConditionModel.from_pretrained(view/unet, variant="fp16"); every file of both is the source's."""
+    view = mounts.mount(sd_variants) / ".tensorfs" / "model"
+    exported = mounts.run("export", str(sd_variants), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    for folder in (view, tmp_path / "exported"):
+        assert view_files(folder) == view_files(sd_variants)
+        same_files(folder, sd_variants)
+    assert "unet/diffusion_pytorch_model.fp16.safetensors" in view_files(view)
+    folders = [str(sd_variants), str(view), str(tmp_path / "exported")]
+    variant, mounted, written = variant_weights(*folders, variant="fp16")
+    plain, mounted_plain, written_plain = variant_weights(*folders, variant="")
+    assert mounted == variant and written == variant and "weights" in variant
+    assert mounted_plain == plain and written_plain == plain and plain != variant
+    unets = diffusers("load", *(f"cunet@fp16:{folder}/unet" for folder in folders))
+    assert [found["weights"] for found in unets[1:]] == [unets[0]["weights"]] * 2
+
+
+def test_a_pipeline_of_variants_alone_behaves_as_the_original(
+    sd_variants: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """A pipeline whose components hold only their fp16 variant: from_pretrained(variant="fp16") loads
+    the same weights from the view as from the original, and from_pretrained without variant= fails
+    on both alike (the files keep their names: the view never passes one for the other)."""
+    only = tmp_path / "sd-fp16"
+    shutil.copytree(sd_variants, only)
+    for plain in [path for path in only.rglob("*.safetensors") if ".fp16." not in path.name]:
+        plain.unlink()
+    view = mounts.mount(only) / ".tensorfs" / "model"
+    assert view_files(view) == view_files(only)
+    same_files(view, only)
+    original, mounted = variant_weights(str(only), str(view), variant="fp16")
+    assert mounted == original and "weights" in original
+    original_plain, mounted_plain = variant_weights(str(only), str(view), variant="")
+    assert "error" in original_plain and mounted_plain["error"] == original_plain["error"]
+
+
+def test_a_lora_is_served_under_its_own_name(sd_variants: Path, mounts: Mounts, tmp_path: Path) -> None:
+    """A LoRA in a folder of its own is served as pytorch_lora_weights.safetensors, as diffusers saved
+    it: load_lora_weights(view, weight_name=that name) (and without weight_name) puts the same weights
+    on the pipeline, and makes the same image, as from the original folder; the export too."""
+    lora = write_lora(sd_variants, tmp_path / "lora")
+    view = mounts.mount(lora.parent) / ".tensorfs" / "model"
+    assert os.listdir(view) == [lora.name] and (view / lora.name).read_bytes() == lora.read_bytes()
+    exported = mounts.run("export", str(lora.parent), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    assert os.listdir(tmp_path / "exported") == [lora.name]
+    loads = [(folder, name) for folder in (lora.parent, view, tmp_path / "exported") for name in (lora.name, "")]
+    original, *served = with_lora(sd_variants, *loads)
+    assert served == [original] * 5
+    base = stable_diffusions(sd_variants)[0]
+    assert base[2] != original[1]  # the LoRA changes the image: it was put on

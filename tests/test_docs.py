@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from diffusion_models import write_pipeline
 
 from conftest import Mounts, machine_lock, wait_until
 from helpers import patience, upload
@@ -55,7 +54,7 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("docs/commands.md", "tensorfs prefetch MODEL"): NO_EXAMPLE + "a synopsis of commands",
     ("docs/design.md", "tensorfs/"): NO_EXAMPLE + "the code map (test_layout holds the modules to it)",
     ("docs/design.md", "make test    install"): NO_EXAMPLE + "the make targets: `make test` is this suite",
-    ("docs/diffusers.md", "tensorfs mount ldm /mnt/ldm"): RUN_BY + "test_diffusers_a_pipeline",
+    ("docs/diffusers.md", "python scripts/tiny_pipeline.py sd"): RUN_BY + "test_diffusers_a_pipeline",
     ("docs/fleet.md", "   node 1 .. node N"): NO_EXAMPLE + "a diagram (test_fleet rehearses the fleet)",
     ("docs/operating.md", "/tmp/w/demo2/mnt  up 0s"): NO_EXAMPLE + "what `tensorfs stats` shows, its figures "
     "those of one run (test_stats)",
@@ -76,6 +75,8 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("docs/signing.md", "tensorfs mount demo/model /mnt/weights --public-key"): RUN_BY + "test_signing_examples",
     ("docs/signing.md", "import tensorfs"): RUN_BY + "test_signing_examples",
     ("docs/signing.md", "$ echo '{}' > demo/model/config.json"): RUN_BY + "test_signing_examples",
+    ("docs/signing.md", "tensorfs export demo/model demo/copy --public-key"): RUN_BY + "test_signing_examples",
+    ("docs/signing.md", "from model_signing import hashing, verifying"): RUN_BY + "test_signing_examples",
     ("docs/remote.md", "  --endpoint-url URL"): NO_EXAMPLE + "a synopsis of options",
     ("docs/remote.md", "tensorfs prefetch MODEL"): NO_EXAMPLE + "a synopsis of commands",
 }
@@ -480,12 +481,15 @@ def test_python_drop_in(work: Path) -> None:
 
 
 def test_diffusers_a_pipeline(mounts: Mounts, work: Path) -> None:
-    """ldm: a tiny latent diffusion pipeline, made by diffusers (random weights); /mnt/ldm: a mountpoint."""
-    write_pipeline(work / "ldm")
-    mountpoint = mounts.watch(work / "ldm-mnt")
+    """scripts/tiny_pipeline.py: the repository's (the block runs where the pipeline and its copy may be
+    written); /mnt/sd: a mountpoint."""
+    mountpoint = mounts.watch(work / "sd-mnt")
     mountpoint.mkdir()
-    run_shell(in_place(block("docs/diffusers.md", "tensorfs mount ldm /mnt/ldm"), {"/mnt/ldm": str(mountpoint)}), work)
-    assert sorted(os.listdir(work / "ldm-copy")) == ["model_index.json", "scheduler", "unet", "vqvae"]
+    places = {"/mnt/sd": str(mountpoint), "scripts/tiny_pipeline.py": str(ROOT / "scripts" / "tiny_pipeline.py")}
+    run_shell(in_place(block("docs/diffusers.md", "python scripts/tiny_pipeline.py sd"), places), work)
+    copied = sorted(path.relative_to(work / "sd-copy") for path in (work / "sd-copy").rglob("*") if path.is_file())
+    assert copied == sorted(path.relative_to(work / "sd") for path in (work / "sd").rglob("*") if path.is_file())
+    assert "unet/diffusion_pytorch_model.fp16.safetensors" in map(str, copied)
     assert not os.path.ismount(mountpoint)
 
 
@@ -536,7 +540,8 @@ def test_python_ahead_of_use(work: Path) -> None:
 
 def test_signing_examples(mounts: Mounts, work: Path) -> None:
     """In order, as a user would: the key made and the model signed, the mount (/mnt/weights: a
-    mountpoint of the test's), Python, the model changed. The key's fingerprint is this run's."""
+    mountpoint of the test's), Python, the export verified again by model_signing (its command line
+    and its library), the model changed. The key's fingerprint is this run's."""
     transcript = commands_and_output(block("docs/signing.md", "$ openssl ecparam"))
     for command, expected in transcript:
         if command.startswith("tensorfs validate"):
@@ -552,6 +557,11 @@ def test_signing_examples(mounts: Mounts, work: Path) -> None:
     done = run_shell(in_place(mount, {"/mnt/weights": str(mountpoint)}), work)
     assert f"{work / 'demo' / 'model'}, signed by public key key.pub" in done.stdout
     run_python("docs/signing.md", "import tensorfs", work)
+    verified = run_shell(block("docs/signing.md", "tensorfs export demo/model demo/copy --public-key"), work)
+    assert verified.stdout.endswith("Verification succeeded\n"), verified.stdout
+    copied = sorted(path.name for path in (work / "demo" / "copy").iterdir())
+    assert copied == sorted(path.name for path in (work / "demo" / "model").iterdir()) and "model.sig" in copied
+    run_python("docs/signing.md", "from model_signing import hashing, verifying", work)
     for command, expected in commands_and_output(block("docs/signing.md", "$ echo '{}' > demo/model/config.json")):
         done = run_shell(f"{command} 2>&1", work, check=False)
         assert done.stdout == expected, (command, done.stdout)

@@ -256,15 +256,19 @@ def test_security_of_the_mount(mounts: Mounts, model_dir: Path) -> None:
     assert "default_permissions" in super_options.split(",")
     assert "allow_other" not in super_options.split(",")
     assert any(m.mountpoint == mountpoint and m.fstype == FSTYPE for m in mount_table())
-    # every file as readable as its shard, every directory as the model's directory; nothing writable
+    # every file as readable as its shard (a file of the view: as its source file), every directory as
+    # the model's directory; nothing writable
     shard_bits = {stat.S_IMODE(p.stat().st_mode) & 0o444 for p in model_dir.glob("*.safetensors")}
     assert shard_bits == {0o400}  # the reference writer makes 0600 files
+    view = mountpoint / ".tensorfs" / "model"
     for directory, subdirs, files in os.walk(mountpoint):
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o555
         for name in files:
             mode = os.lstat(Path(directory) / name).st_mode
             # index.json lists every shard's tensors; daemon.json and stats.json only the daemon's own numbers
             wanted = 0o444 if name in ("daemon.json", "stats.json") else 0o400
+            if Path(directory) == view:
+                wanted = stat.S_IMODE((model_dir / name).stat().st_mode) & 0o444
             assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == wanted, name
         assert all(not os.path.islink(Path(directory) / d) for d in subdirs)
 
@@ -290,7 +294,7 @@ def stacked_source(mounts: Mounts, tmp_path: Path) -> tuple[Path, int, bytes]:
     with open(shard, "ab") as f:
         f.write(small)
     lower = mounts.mount(source, "--no-cache")
-    return lower / ".tensorfs" / "model" / "model.safetensors", mounts.daemon_pid(lower), small
+    return lower / ".tensorfs" / "model" / "a.safetensors", mounts.daemon_pid(lower), small
 
 
 def hold_in_a_handler(mountpoint: Path, lower_pid: int, reader: OneRead) -> None:

@@ -39,6 +39,7 @@ from tensorfs.manifest import format_manifest
 from tensorfs.opener import Source
 from tensorfs.selection import Selection
 from tensorfs.sources.store import RemoteOptions
+from tensorfs.views.remote_files import find_remote_companions
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -379,7 +380,7 @@ def test_s3_folder_markers_are_directories_not_files(
     assert (view / "1_Pooling").is_dir() and (view / "1_Pooling" / "config.json").read_bytes() == pooling
     assert (view / "2_Dense").is_dir() and (view / "2_Dense" / "config.json").read_bytes() == b"{}"
     remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=cache)
-    spec = tensorfs.opener.Source.named(url, remote).view_spec()
+    spec = find_remote_companions(url, remote)
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "2_Dense/config.json", "config.json"]
 
 

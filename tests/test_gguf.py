@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -734,7 +735,7 @@ def test_real_files_mount_with_their_metadata(mounts: Mounts) -> None:
     metadata = json.loads((mountpoint / ".tensorfs" / "metadata.json").read_bytes())
     tokens = metadata["shards"][largest.name]["tokenizer.ggml.tokens"]
     assert metadata["format"] == "gguf" and len(tokens) > 200_000 and all(isinstance(t, str) for t in tokens)
-    assert (mountpoint / ".tensorfs" / "model" / "model.gguf").read_bytes() == largest.read_bytes()
+    assert (mountpoint / ".tensorfs" / "model" / largest.name).read_bytes() == largest.read_bytes()
 
 
 def test_tensorfs_refuses_what_modelvet_refuses(tmp_path: Path) -> None:
@@ -763,7 +764,10 @@ def test_a_multi_file_gguf_is_one_model(mounts: Mounts, tmp_path: Path) -> None:
     for source in (directory, directory / parts[0], directory / parts[2]):  # the directory, or any part
         with tensorfs.open_model(source) as model:
             assert {name: bytes(model.raw(name)) for name in model} == written
-    mountpoint = mounts.mount(directory / parts[0])
+    folder = mounts.mount(directory / parts[0]) / ".tensorfs" / "model"  # the parts as they are
+    assert sorted(os.listdir(folder)) == parts
+    assert all((folder / part).read_bytes() == (directory / part).read_bytes() for part in parts)
+    mountpoint = mounts.mount(directory / parts[0], "--view", "merged")  # one GGUF of them all
     view = mountpoint / ".tensorfs" / "model" / "model.gguf"
     reader = GGUFReader(str(view))
     assert {t.name: t.data.tobytes() for t in reader.tensors} == written

@@ -248,7 +248,7 @@ def test_a_synthesized_layout_is_made_off_the_request_thread(tmp_path: Path, mon
 
     monkeypatch.setattr(SynthesizedFile, "build", recorded)
     with tensorfs.open_model(tmp_path / "m.safetensors") as model:
-        view = build_view(model, ViewSpec(shards=2))
+        view = build_view(model, model.gate, ViewSpec(shards=2))
         ops = TensorOperations(Tree(model, "slash", {}, view=view))
         control = run(ops.lookup, ROOT_INODE, b".tensorfs", None).st_ino
         directory = run(ops.lookup, control, b"model", None).st_ino

@@ -76,7 +76,7 @@ class Truth:
     root: Path
     tensors: dict[str, bytes]
     view: dict[str, bytes]
-    """The files of .tensorfs/model/ and of an export: the model in one safetensors file, the companions."""
+    """The files of .tensorfs/model/ and of an export: the model's folder, every file as it is."""
     manifest: Path
     """The truth's manifest (sha256sum lines), kept locally: what the byte-serving commands are held to."""
 
@@ -105,9 +105,7 @@ def truth(tmp_path_factory: pytest.TempPathFactory) -> Truth:
     manifest.write_text("".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n" for name, data in tensors.items()))
     for directory in (model, listed):  # beside each model too: the manifest in force by default
         (directory / "tensors.sha256").write_bytes(manifest.read_bytes())
-    with tensorfs.open_model(model, cache=False) as opened:
-        opened.write_safetensors(root / "view.safetensors")
-    view = {"model.safetensors": (root / "view.safetensors").read_bytes(), **COMPANIONS}
+    view = {path.relative_to(model).as_posix(): path.read_bytes() for path in model.rglob("*") if path.is_file()}
     return Truth(root / "served", tensors, view, manifest)
 
 
@@ -131,6 +129,9 @@ class Run:
     code: int
     stdout: str
     stderr: str
+    tensors_in: dict[str, dict[str, str] | None] = field(default_factory=dict)
+    """What each safetensors file handed out holds, by what its header says: each tensor's SHA-256
+    (None: its header is not one)."""
     bytes_out: dict[str, bytes | str | None] = field(default_factory=dict)
     """What it handed out, by tensor or view file: bytes (or their SHA-256, in hex), or None where it
     refused (EIO, an error)."""
@@ -225,17 +226,30 @@ def export(at: Place, truth: Truth) -> Run:
     return run
 
 
-# Reads each file it is given, whole, in a process of its own: {path: sha256, or the errno of the failure}.
+# Reads each file it is given, whole, in a process of its own: {"files": {path: sha256, or the errno of the
+# failure}, "tensors": {path: of a safetensors file, the SHA-256 of each tensor its header says it holds,
+# or null when its header is not one}}.
 READER = """
 import hashlib, json, sys
-found = {}
+found, tensors = {}, {}
 for path in sys.argv[1:]:
     try:
         with open(path, "rb") as file:
-            found[path] = hashlib.sha256(file.read()).hexdigest()
+            data = file.read()
     except OSError as exc:
         found[path] = exc.errno
-print(json.dumps(found))
+        continue
+    found[path] = hashlib.sha256(data).hexdigest()
+    if path.endswith(".safetensors"):
+        try:
+            n = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8 : 8 + n])
+            held = {name: hashlib.sha256(data[8 + n + t["data_offsets"][0] : 8 + n + t["data_offsets"][1]]).hexdigest()
+                    for name, t in header.items() if name != "__metadata__"}
+        except Exception:
+            held = None
+        tensors[path] = held
+print(json.dumps({"files": found, "tensors": tensors}))
 """
 
 
@@ -257,12 +271,15 @@ def mount(at: Place, truth: Truth) -> Run:
             [sys.executable, "-c", READER, *map(str, files)], capture_output=True, text=True, timeout=HANG_GUARD,
             check=True,
         )  # fmt: skip
-        for path, found in json.loads(read.stdout).items():
+        answers = json.loads(read.stdout)
+        for path, found in answers["files"].items():
             in_view = Path(path).is_relative_to(view)
             name = str(Path(path).relative_to(view if in_view else mountpoint))
             assert found in (5, 2) or isinstance(found, str), f"{path}: errno {found}, not EIO"  # EIO, or bytes
             refused = found in (5, 2)  # EIO; or, of a tensor, not there (a store that left its shard out)
             run.bytes_out[f"view/{name}" if in_view else name] = None if refused else found  # their SHA-256
+            if not refused and path in answers["tensors"]:
+                run.tensors_in[f"view/{name}"] = answers["tensors"][path]
     finally:
         unmounted = at.cli("umount", str(mountpoint))
         assert unmounted.returncode == 0, unmounted.stderr
@@ -283,7 +300,11 @@ def prefetch(at: Place, truth: Truth) -> Run:
     run = Run("prefetch", runs[0].code, done.stdout, done.stderr)
     check_lines(Run("export --offline", offline.returncode, offline.stdout, offline.stderr), at, truth)
     if offline.returncode == 0:
-        exported = safetensors_tensors((dest / "model.safetensors").read_bytes())
+        exported = {
+            name: data
+            for file in dest.glob("*.safetensors")
+            for name, data in safetensors_tensors(file.read_bytes()).items()
+        }
         run.bytes_out = {name: data if data == truth.tensors.get(name) else b"?" for name, data in exported.items()}
     return run
 
@@ -384,7 +405,8 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
     mounts a hostile user left, stopped, which are theirs and not the command's)."""
     check_lines(run, at, truth)
     # A companion has no manifest: what the store says of its bytes (its size, other bytes, other
-    # ranges, another file's through a redirect), it says of it consistently, is all there is of them.
+    # ranges, another file's through a redirect), it says of it consistently, is all there is of them;
+    # nor do a weights file's bytes that no tensor holds (its tensors' are held to the manifest).
     unvouched = {
         lie.target.partition(f"{MODEL}/")[2] or lie.target.partition(f"{LISTED}/")[2]
         for lie in lies
@@ -397,7 +419,13 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
             continue  # refused
         key = name.removeprefix("load_file ").removeprefix("safe_open ").removeprefix("view/")
         if name.startswith("view/") or run.command == "export":
-            if key != "model.safetensors" and (key in unvouched or everything):
+            if key.endswith(".safetensors"):  # whatever its header says, a tensor in it has the truth's bytes
+                held = run.tensors_in.get(name) if isinstance(handed, str) else _tensors_in(handed)
+                truths = {t: sha(data) for t, data in truth.tensors.items()}
+                assert held is not None and all(truths.get(t) == h for t, h in held.items()), (
+                    f"{run.command}: other tensors than the truth's in {name}"
+                )
+            if key in unvouched or everything:
                 continue
             expected = truth.view.get(key, listed.get(key))
         else:
@@ -414,6 +442,20 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
         pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) not in planted and _runs_in(int(pid), at.work)
     ]
     assert not daemons, f"{run.command}: left processes {[_cmdline(int(pid)) for pid in daemons]}"
+
+
+def _tensors_in(data: bytes) -> dict[str, str] | None:
+    """Each tensor's SHA-256, by what a safetensors file's header says it holds (None: no header)."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        return {
+            name: sha(data[8 + n + t["data_offsets"][0] : 8 + n + t["data_offsets"][1]])
+            for name, t in header.items()
+            if name != "__metadata__"
+        }
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _files(top: Path, mounted: set[str]) -> list[Path]:
@@ -954,19 +996,17 @@ def test_a_listed_file_without_a_size_is_left_out(
     """The Hub's listing says -1 (or nothing, or true) for a file's size: the file is left out, with
     one warning (the export wrote it empty; the mount's view could not be listed: EIO)."""
     server.lies = lies_of("listing-negative", truth, MODEL)
-    said = "skipped: the listing gives it no size, or a negative one (and 2 more files skipped: no size)"
+    said = "skipped: the listing gives it no size, or a negative one (and 4 more files skipped: no size)"
     try:
         at = place("hub", server, tmp_path, mounts)
         done = at.cli("export", *at.options, at.source, str(tmp_path / "out"))
         assert (done.returncode, done.stderr) == (0, f"warning: hf://{MODEL}@main/config.json: {said}\n")
-        assert sorted(os.listdir(tmp_path / "out")) == [
-            "1_Pooling",
-            "model.safetensors",
-        ]  # its folder's file listed alone
+        assert sorted(os.listdir(tmp_path / "out")) == ["1_Pooling", SHARD1, SHARD2]  # its folder's file listed alone
         run = mount(at, truth)
         assert run.code == 0 and set(run.bytes_out) == {
             *truth.tensors,
-            "view/model.safetensors",
+            f"view/{SHARD1}",
+            f"view/{SHARD2}",
             "view/1_Pooling/config.json",
         }
     finally:
@@ -1028,7 +1068,9 @@ def test_an_export_is_held_to_the_manifest_beside_the_model(truth: Truth, tmp_pa
     for options in (["--manifest", str(truth.manifest)], ["--verify", "off"]):
         done = at.cli("export", *at.options, *options, str(model), str(tmp_path / options[0]))
         assert done.returncode == 0, done.stderr
-        exported = safetensors_tensors((tmp_path / options[0] / "model.safetensors").read_bytes())
+        files = sorted((tmp_path / options[0]).glob("*.safetensors"))
+        assert [file.name for file in files] == [SHARD1, SHARD2]  # the model's own files
+        exported = {name: data for file in files for name, data in safetensors_tensors(file.read_bytes()).items()}
         assert exported == truth.tensors
 
 

@@ -332,7 +332,7 @@ def test_a_sha256_is_hashed_in_a_worker_thread_while_other_reads_are_answered(mo
         f.write(small)
     lower = mounts.mount(source, "--no-cache")
     lower_pid = mounts.daemon_pid(lower)
-    view = lower / ".tensorfs" / "model" / "model.safetensors"
+    view = lower / ".tensorfs" / "model" / "a.safetensors"
     upper = mounts.mount(view, "--no-cache", "--log-file", str(tmp_path / "upper.log"))
     mounts.mountpoints.reverse()  # the upper mount holds the lower one's file: it goes first
     pid = mounts.daemon_pid(upper)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import tensorfs
 from helpers import write_reference
 from servers import HostileServer, Lie
 from tensorfs.sources.store import RemoteOptions
+from tensorfs.views.remote_files import find_remote_companions
 
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}
 
@@ -31,10 +31,10 @@ def test_folder_markers_are_never_files_at_any_depth(hostile: HostileServer, s3_
     (model / "1_Pooling" / "config.json").write_text("{}")
     hostile.lies += [Lie("name", "bkt/m", marker) for marker in ("", "1_Pooling/", "2_Dense/")]
     remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
-    spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
+    spec = find_remote_companions("s3://bkt/m", remote)
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
     hostile.lies.append(Lie("size", "bkt/m/", 6))  # the prefix's own marker holding bytes (as some tools write)
-    spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
+    spec = find_remote_companions("s3://bkt/m", remote)
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
 
 
@@ -54,7 +54,7 @@ def test_empty_objects_the_listing_leaves_out_are_never_asked_after(
         for n in range(20):
             (model / folder / f"{n}.txt").write_bytes(b"")
     remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
-    spec = tensorfs.opener.Source.named("s3://bkt/m", remote).view_spec()
+    spec = find_remote_companions("s3://bkt/m", remote)
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "1_Pooling/empty.txt"]
     heads = [name for method, name, *_ in hostile.requests if method == "HEAD" and name.endswith(".txt")]
     assert heads == ["bkt/m/1_Pooling/empty.txt"]

@@ -28,7 +28,7 @@ from conftest import Mounts, drop_caches
 from helpers import MIB, errno_of_reading, hub_api, model_bytes, patience, random_bytes, write_reference
 from servers import Nginx
 from tensorfs.manifest import format_manifest
-from tensorfs.views import PARTIAL_INDEX
+from tensorfs.views import NOTE_NAME, PARTIAL_INDEX
 
 
 def minilm() -> Path:
@@ -180,7 +180,7 @@ def test_a_companion_whose_name_is_not_utf8_is_listed_and_served(mounts: Mounts,
         f.write(b"not utf-8 named\n")
     mountpoint = mounts.mount(model)
     view = os.fsencode(mountpoint / ".tensorfs" / "model")
-    assert sorted(os.listdir(view)) == [name, b"model.safetensors"]
+    assert sorted(os.listdir(view)) == [name, b"m.safetensors"]
     with open(os.path.join(view, name), "rb") as f:
         assert f.read() == b"not utf-8 named\n"
 
@@ -243,6 +243,7 @@ def test_accelerate_takes_no_stage_for_the_whole_model(mounts: Mounts, llama: Pa
         "selected-00001-of-00002.safetensors",
         "selected-00002-of-00002.safetensors",
         PARTIAL_INDEX,
+        NOTE_NAME,  # not *.index.json either
     ]
     assert run(ACCELERATE, llama, stage / PARTIAL_INDEX) == f"loaded {len(kept)} of {len(names)}\n"
 
@@ -318,7 +319,8 @@ def test_transformers_takes_no_gguf_stage_for_the_whole_model(mounts: Mounts, tm
     tiny_llama_gguf(tmp_path / "tiny.gguf", 4)
     whole = mounts.mount(tmp_path / "tiny.gguf") / ".tensorfs" / "model"
     stage = mounts.mount(tmp_path / "tiny.gguf", "--layers", "2-3") / ".tensorfs" / "model"
-    assert run(GGUF, whole, "model.gguf") == "loaded 4 layers\n"
+    assert "tiny.gguf" in os.listdir(whole)  # the model's own file, beside what its folder holds
+    assert run(GGUF, whole, "tiny.gguf") == "loaded 4 layers\n"
     assert run(GGUF, stage, "selected.gguf") == (
         "refused: GGUF model with architecture part-of-a-model is not supported yet.\n"
     )

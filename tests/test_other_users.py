@@ -67,9 +67,10 @@ while True:
 SCANNER = """
 import sys
 from pathlib import Path
-from tensorfs.views.companions import CompanionError, CompanionFiles, find_companions
+from tensorfs.views.companions import CompanionError, CompanionFiles
+from tensorfs.views.local_files import find_companions
 for _ in range(int(sys.argv[2])):
-    found = find_companions(Path(sys.argv[1]), [])
+    found = find_companions(Path(sys.argv[1])).companions
     files = CompanionFiles(found)
     for companion in found:
         try:

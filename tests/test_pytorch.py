@@ -774,7 +774,9 @@ def test_a_views_companions_are_never_the_models_own_file(mounts: Mounts, tmp_pa
         dest = tmp_path / f"export-{source.name}"
         done = mounts.run("export", str(source), str(dest))
         assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
-        assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors", "training_args.bin"]
+        assert sorted(p.name for p in dest.iterdir()) == [
+            "config.json", "model.safetensors", "tensorfs-view.json", "training_args.bin",
+        ]  # fmt: skip
         assert (dest / "training_args.bin").read_bytes() == (model / "training_args.bin").read_bytes()
 
 
@@ -810,11 +812,17 @@ def test_transformers_loads_a_real_models_checkpoint_through_the_view(mounts: Mo
     config.save_pretrained(directory)
     torch.save(original.state_dict(), directory / "pytorch_model.bin")
     mountpoint = mounts.mount(directory)
-    assert sorted(os.listdir(mountpoint / ".tensorfs" / "model")) == ["config.json", "model.safetensors"]
-    loaded = LlamaForCausalLM.from_pretrained(mountpoint / ".tensorfs" / "model").eval()
+    view = mountpoint / ".tensorfs" / "model"
+    assert sorted(os.listdir(view)) == ["config.json", "model.safetensors", "tensorfs-view.json"]  # converted
+    assert json.loads((view / "tensorfs-view.json").read_text())["synthesized"].startswith("a PyTorch checkpoint")
+    folder = mounts.mount(directory, "--view", "folder") / ".tensorfs" / "model"  # the checkpoint as it is
+    assert sorted(os.listdir(folder)) == ["config.json", "pytorch_model.bin"]
+    assert (folder / "pytorch_model.bin").read_bytes() == (directory / "pytorch_model.bin").read_bytes()
     ids = torch.randint(0, 128, (2, 9))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, original(ids).logits)
+    for served in (view, folder):
+        loaded = LlamaForCausalLM.from_pretrained(served).eval()
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, original(ids).logits)
 
 
 # -- remote ---------------------------------------------------------------------------------------------

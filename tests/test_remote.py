@@ -672,7 +672,10 @@ def test_mount_an_s3_model(
     cache = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
     mountpoint = mounts.mount(f"s3://{bucket}/m", *cache)  # type: ignore[arg-type]
     view = mountpoint / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["1_Pooling", "config.json", "model.safetensors"]  # the listing's
+    assert sorted(os.listdir(view)) == [  # the listing's: the model's folder
+        "1_Pooling", "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]  # fmt: skip
     assert (view / "config.json").read_bytes() == (directory / "config.json").read_bytes()
     assert (view / "1_Pooling" / "config.json").read_bytes() == b'{"pooling": 1}'
     for name, data in expected.items():

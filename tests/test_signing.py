@@ -588,7 +588,7 @@ def test_a_mount_serves_a_signed_model_and_its_signed_companions(
     view = mountpoint / ".tensorfs" / "model"
     assert (view / "config.json").read_bytes() == (model / "config.json").read_bytes()
     assert (view / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
-    assert not (view / "model.sig").exists()  # the signature leaves itself out: not served as the model's
+    assert (view / "model.sig").read_bytes() == (model / "model.sig").read_bytes()  # the folder's, as it was verified
     assert np.frombuffer((mountpoint / "small").read_bytes(), np.int16).tolist() == list(range(7))
     # What the mount is held to, said by status, stats.json and the metrics.
     signer = tensorfs.open_model(model, signature=held(public), cache=False)
@@ -731,3 +731,136 @@ def test_a_signed_model_on_the_hub_is_held_to_its_signature(
     finally:
         shutil.rmtree(nginx.root / "signed")
         shutil.rmtree(nginx.root / "api" / "models" / "signed")
+
+
+# -- what comes out of a mount or an export: the signed files, still signed --------------------------------
+
+
+def signed_folder(directory: Path, private: Path, *, sharded: bool, by_library: bool = False) -> Path:
+    """make_model's model with a variant beside it (a weights file that is not the model's), signed:
+    through the hashing configuration of the tests (the signature left out, as model_signing's command
+    line leaves it out), or `by_library` as model_signing's library signs with its defaults (nothing
+    left out: its verify of the folder then names model.sig an extra file, unless told to leave it out)."""
+    model = make_model(directory)
+    save_file({"small": np.arange(7, dtype=np.float16)}, model / "model.fp16.safetensors")
+    if by_library:
+        signing.Config().use_elliptic_key_signer(private_key=private).sign(model, model / "model.sig")
+    else:
+        sign(model, private, sharded=sharded)
+    return model
+
+
+def still_verifies(folder: Path, source: Path, public: Path, *, sharded: bool) -> None:
+    """`folder` holds the source's files, each byte for byte, model.sig among them, and model_signing's
+    own verify accepts it: its library (the signature left out of what it hashes), and for files
+    signed whole its command line (1.1.1's cannot verify a signature of ranges, of the original either)."""
+    names = sorted(path.relative_to(source).as_posix() for path in source.rglob("*") if path.is_file())
+    assert sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()) == names
+    for name in names:
+        assert (folder / name).read_bytes() == (source / name).read_bytes(), name
+    assert library_accepts(folder, public, folder / "model.sig", sharded=sharded)
+    if not sharded:
+        verified = cli_of("model_signing", "verify", "key", str(folder), "--signature", str(folder / "model.sig"),
+                          "--public_key", str(public))  # fmt: skip
+        assert verified.returncode == 0 and "Verification succeeded" in verified.stdout, verified.stdout
+
+
+def cli_of(command: str, *args: str) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [str(Path(sys.executable).parent / command), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "ranges"])
+def test_a_signed_models_view_and_export_are_the_signed_files(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path], sharded: bool
+) -> None:
+    """The view of a signed model and its export are the signed folder: every file (the variant beside
+    the model, served through a gate held to the signature too) under its own name with its own bytes,
+    model.sig as it was verified; model_signing verifies both again. A selection's view is synthesized:
+    its note and a warning say the signature does not cover it."""
+    private, public = keys
+    model = signed_folder(tmp_path / "model", private, sharded=sharded)
+    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
+    view = mounts.mount(model, *common) / ".tensorfs" / "model"
+    still_verifies(view, model, public, sharded=sharded)
+    exported = mounts.run("export", *common, str(model), str(tmp_path / "exported"))
+    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
+    still_verifies(tmp_path / "exported", model, public, sharded=sharded)
+    selected = mounts.run("export", *common, "--include", "small", str(model), str(tmp_path / "selected"))
+    assert selected.returncode == 0, selected.stderr
+    assert selected.stderr == (
+        f"warning: the view of {model} is synthesized (a selection of the model's tensors (--include 'small')): "
+        f"the signature {model / 'model.sig'} covers the model's files, not the view's\n"
+    )
+    note = json.loads((tmp_path / "selected" / "tensorfs-view.json").read_text())
+    assert note["signature"] == f"the signature {model / 'model.sig'} covers the source's files, not these"
+    assert not (tmp_path / "selected" / "model.sig").exists()
+
+
+@pytest.mark.mount
+def test_a_signed_models_variant_is_held_to_the_signature_in_its_view(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """The variant beside a signed model is served through a gate of its own, held to the signature
+    as the model is: a byte of its tensor changed under the mount is refused (EIO, logged), the
+    model's files served on."""
+    from tensorfs.opener import Source
+
+    private, public = keys
+    model = signed_folder(tmp_path / "model", private, sharded=True)
+    source = Source.named(model, caches=False)
+    with source.open(signature=held(public)) as opened:
+        spec, others = source.view(opened)
+        try:
+            assert [other.signed for other in others.models] == [opened.signed]  # the model's signature
+            assert spec.weights["model.fp16.safetensors"][0] == 1  # the first other model's
+        finally:
+            others.close()
+    view = mounts.mount(model, "--public-key", str(public), "--no-cache") / ".tensorfs" / "model"
+    variant = model / "model.fp16.safetensors"
+    flip_byte(variant, tensor_offset_of(variant, "small"))
+    with pytest.raises(OSError) as caught:
+        (view / "model.fp16.safetensors").read_bytes()
+    assert caught.value.errno == errno.EIO
+    assert (view / "model-00001-of-00002.safetensors").read_bytes() == (
+        model / "model-00001-of-00002.safetensors"
+    ).read_bytes()
+    assert "tensor 'small' in shard" in mounts.log() and "model.fp16.safetensors" in mounts.log()
+
+
+def tensor_offset_of(file: Path, name: str) -> int:
+    with tensorfs.open_model(file, cache=False) as opened:
+        return opened.info(name).offset
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("by_library", [False, True], ids=["cli-config", "library-defaults"])
+def test_a_signed_model_from_s3_is_the_signed_folder_in_its_view_and_export(
+    mounts: Mounts,
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    tmp_path: Path,
+    keys: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    by_library: bool,
+) -> None:
+    """A signed model in a bucket, model.sig beside it: signed as the command line signs (the signature
+    left out) or with the library's defaults (nothing left out: the signature is still never a file it
+    must cover). Its view and its export are the signed files, which model_signing verifies again."""
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    private, public = keys
+    model = signed_folder(tmp_path / "model", private, sharded=False, by_library=by_library)
+    put_tree(seaweedfs.store(bucket), f"signed-{by_library}", model)
+    url = f"s3://{bucket}/signed-{by_library}"
+    common = ["--public-key", str(public), "--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "c")]
+    view = mounts.mount(url, *common) / ".tensorfs" / "model"  # type: ignore[arg-type]
+    still_verifies(view, model, public, sharded=False)
+    exported = cli("export", url, str(tmp_path / "exported"), *common)
+    assert exported.returncode == 0, exported.stderr
+    still_verifies(tmp_path / "exported", model, public, sharded=False)

@@ -218,15 +218,15 @@ def test_meta_size_adds_up_to_the_meta_json(tmp_path: Path) -> None:
 
 def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model, tmp_path: Path) -> None:
     from tensorfs.views import Companion, SynthesizedFile, ViewSpec, build_view
-    from tensorfs.views.companions import find_companions
+    from tensorfs.views.local_files import find_companions
 
     source = tmp_path / "companions"
     (source / "sub").mkdir(parents=True)
     (source / "config.json").write_bytes(b"{}")
     (source / "sub" / "x.txt").write_bytes(b"x")
     os.utime(source / "config.json", ns=(5, 5))
-    companions = find_companions(source, [])
-    view = build_view(model, ViewSpec(companions, 2))
+    companions = find_companions(source).companions
+    view = build_view(model, model.gate, ViewSpec(companions, 2))
     tree = Tree(model, "slash", {"index.json": lambda: index_json(model)}, view=view)
     paths = walk(tree)
     assert [p for p in paths if p.startswith(".tensorfs/")] == [
@@ -239,6 +239,7 @@ def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model
         ".tensorfs/model/model.safetensors.index.json",
         ".tensorfs/model/sub",
         ".tensorfs/model/sub/x.txt",
+        ".tensorfs/model/tensorfs-view.json",
     ]
     assert len(set(paths.values())) == len(paths) and tree.inode_count == len(paths) + 1  # the root too
     for path, inode in paths.items():

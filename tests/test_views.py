@@ -1,5 +1,6 @@
-"""The model directory view (.tensorfs/model/): synthesized safetensors files and companion files,
-read by the reference reader; and the same files written to disk (export, Model.write_safetensors)."""
+"""The model directory view (.tensorfs/model/): the model's own folder (its weights files as they are,
+its companion files), and synthesized safetensors files (a selection, --view merged), read by the
+reference reader; and the same files written to disk (export, Model.write_safetensors)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import safetensors
 from safetensors import safe_open
 
 import tensorfs
-from conftest import Mounts, wait_until
+from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
     every_dtype_tensors,
@@ -59,7 +60,7 @@ def test_a_synthesized_file_is_what_the_reference_writer_lays_out(tmp_path: Path
     tensors["b.u8"] = ("U8", [3], b"xyz")  # an odd size before other one-byte tensors
     write_reference(tmp_path / "a.safetensors", tensors, {"format": "pt"})
     with tensorfs.open_model(tmp_path / "a.safetensors") as model:
-        synthesized = SynthesizedFile(model, model.sorted_names, {"format": "pt"})
+        synthesized = SynthesizedFile(model, model.gate, model.sorted_names, {"format": "pt"})
         data = assemble(model, synthesized, 0, synthesized.size)
         assert len(data) == synthesized.size
         for start in range(0, synthesized.size, 41):  # any range is covered by its pieces, in order
@@ -119,7 +120,20 @@ def test_write_safetensors_and_export(mounts: Mounts, tmp_path: Path, selected: 
         f"{base}-00002-of-00003.safetensors",
         f"{base}-00003-of-00003.safetensors",
         index_name,
+        "tensorfs-view.json",  # the note: synthesized, and why
     ]
+    note = json.loads((tmp_path / "out" / "tensorfs-view.json").read_text())
+    why = (
+        f"a selection of the model's tensors ({' '.join(f'--include {g!r}' for g in include)})"
+        if selected
+        else ("the model's tensors in 3 files (--view-shards 3)")
+    )
+    assert note == {
+        "synthesized": why,
+        "source": str(tmp_path / "m"),
+        "selection": why[len("a selection of the model's tensors (") : -1] if selected else None,
+        "signature": None,
+    }
     assert mounts.run("validate", str(tmp_path / "out")).returncode == 0
     index = json.loads((tmp_path / "out" / index_name).read_text())
     assert sorted(index["weight_map"]) == names
@@ -183,7 +197,7 @@ def test_a_signal_leaves_no_half_written_export(tmp_path: Path) -> None:
         pytest.raises(SystemExit) as caught,
         _ended_by_signals(),
     ):
-        write_view(build_view(model, ViewSpec()), tmp_path / "out", model.gate.copy_into, terminated)
+        write_view(build_view(model, model.gate, ViewSpec()), tmp_path / "out", terminated)
     assert caught.value.code == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
 
@@ -265,9 +279,14 @@ def companion_model(directory: Path) -> dict[str, bytes]:
 
 
 def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> None:
+    """The view of a whole model is its folder: each shard and the index under its own name with its
+    own bytes (reads within a tensor, across tensors and across the header alike), the manifest and
+    the companion files beside them (no more readable than their sources; a symlink out of the
+    folder, a file over 64 MiB, a hidden one and one two levels down left out). --view merged serves
+    the model's tensors as one synthesized file instead, as write_safetensors writes it."""
     expected = companion_model(tmp_path / "m")
     manifest = mounts.run("manifest", "-o", str(tmp_path / "m" / "tensors.sha256"), str(tmp_path / "m"))
-    assert manifest.returncode == 0  # of the source's tensors: not for the view, whose may be a selection
+    assert manifest.returncode == 0
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     result = mounts.attempt(tmp_path / "m", "--log-file", str(mounts.log_file), mountpoint=mountpoint)
@@ -281,8 +300,11 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
         "closed",
         "config.json",
         "inside.txt",
-        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
         "private.json",
+        "tensors.sha256",
         "tokenizer.json",
     ]
     assert stat.S_IMODE((view / "private.json").stat().st_mode) == 0o400  # no more readable than its source
@@ -290,26 +312,44 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     assert stat.S_IMODE((view / "closed").stat().st_mode) == 0o500  # as the source's directory
     assert stat.S_IMODE((view / "closed" / "open.json").stat().st_mode) == 0o400  # nobody else could reach it
     assert os.listdir(view / "1_Pooling") == ["config.json"]
-    for name in ("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json"):
+    for name in ("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json", "tensors.sha256"):
         assert (view / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
     assert (view / "inside.txt").read_bytes() == b"# a model\n"
-    with safe_open(str(view / "model.safetensors"), framework="np") as loaded:  # it maps the file
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        source = (tmp_path / "m" / name).read_bytes()
+        mode = stat.S_IMODE((tmp_path / "m" / name).stat().st_mode) & 0o444  # its read bits: the mount is read-only
+        assert stat.S_IMODE((view / name).stat().st_mode) == mode
+        with open(view / name, "rb") as file:  # reads within and across tensors, and across the header
+            for start in [0, 5, 1000, 4096 - 3, len(source) - 7, *range(0, len(source), 3 * MIB + 17)]:
+                file.seek(start)
+                assert file.read(MIB + 13) == source[start : start + MIB + 13], (name, start)
+        assert (view / name).read_bytes() == source
+    with safe_open(str(view / "model-00002-of-00002.safetensors"), framework="np") as loaded:  # it maps the file
+        assert {name: loaded.get_tensor(name).tobytes() for name in loaded.keys()}.items() <= expected.items()  # noqa: SIM118
+    assert mounts.run("validate", str(view)).returncode == 0
+
+    merged = mounts.mount(tmp_path / "m", "--view", "merged") / ".tensorfs" / "model"
+    assert sorted(os.listdir(merged)) == [
+        "1_Pooling", "README.md", "closed", "config.json", "inside.txt", "model.safetensors", "private.json",
+        "tensorfs-view.json", "tokenizer.json",
+    ]  # fmt: skip
+    with safe_open(str(merged / "model.safetensors"), framework="np") as loaded:  # it maps the file
         assert sorted(loaded.keys()) == sorted(expected)
         assert loaded.metadata() is None  # the shards' metadata differ
-    served = (view / "model.safetensors").read_bytes()
+    served = (merged / "model.safetensors").read_bytes()
     assert {name: bytes(t["data"]) for name, t in safetensors.deserialize(served)} == expected
     with tensorfs.open_model(tmp_path / "m") as model:
         model.write_safetensors(tmp_path / "same.safetensors")
     assert served == (tmp_path / "same.safetensors").read_bytes()
-    with open(view / "model.safetensors", "rb") as file:  # reads that cross tensors and the header
+    with open(merged / "model.safetensors", "rb") as file:  # reads that cross tensors and the header
         for start in [0, 5, 1000, 4096 - 3, len(served) - 7, *range(0, len(served), 3 * MIB + 17)]:
             file.seek(start)
             assert file.read(MIB + 13) == served[start : start + MIB + 13]
-    assert mounts.run("validate", str(view)).returncode == 0
 
 
 def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
-    from tensorfs.views.companions import CompanionFiles, find_companions
+    from tensorfs.views.companions import CompanionFiles
+    from tensorfs.views.local_files import find_companions
 
     repo = tmp_path / "hub" / "models--org--name"
     (repo / "blobs").mkdir(parents=True)
@@ -320,19 +360,20 @@ def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
         (snapshot / name).symlink_to(Path("../../blobs") / f"hash-{name}")
     (tmp_path / "elsewhere.txt").write_text("not the model's")
     (snapshot / "elsewhere.txt").symlink_to(tmp_path / "elsewhere.txt")
-    warnings: list[str] = []
-    found = find_companions(snapshot, warnings)
-    files = CompanionFiles(found)
-    assert [(c.path, files.read(c.path, 0, c.size)) for c in found] == [("config.json", b'{"a": 1}')]
+    found = find_companions(snapshot)
+    files = CompanionFiles(found.companions)
+    assert [(c.path, files.read(c.path, 0, c.size)) for c in found.companions] == [("config.json", b'{"a": 1}')]
     files.close()
-    assert warnings == [f"{snapshot / 'elsewhere.txt'}: skipped: a symlink out of the model's directory"]
+    assert found.warnings == [f"{snapshot / 'elsewhere.txt'}: skipped: a symlink out of the model's directory"]
+    folder = find_companions(snapshot, folder=True)  # of the folder: its weights named, to be opened as models
+    assert ([c.path for c in folder.companions], folder.weights) == (["config.json"], ["model.safetensors"])
 
 
 def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: Path) -> None:
     """Another user fills the model's directory with thousands of files none may read (symlinks out
     of it, a subdirectory's files past their limit): one warning a reason, the first as it is and a
     count of the others, never a line each (a million files made a million lines)."""
-    from tensorfs.views.companions import find_companions
+    from tensorfs.views.local_files import find_companions
 
     model = tmp_path / "m"
     model.mkdir()
@@ -343,10 +384,9 @@ def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: 
     for k in range(2):
         with open(model / f"big{k}.bin", "wb") as big:  # sparse: costs nothing
             big.truncate((64 << 20) + 1)
-    warnings: list[str] = []
-    found = find_companions(model, warnings)
-    assert [c.path for c in found] == ["config.json"]
-    assert warnings == [
+    found = find_companions(model)
+    assert [c.path for c in found.companions] == ["config.json"]
+    assert found.warnings == [
         f"{model / 'big0.bin'}: skipped: {(64 << 20) + 1} bytes, over 64 MiB (and 1 more files skipped: over 64 MiB)",
         f"{model / 'out0000.json'}: skipped: a symlink out of the model's directory (and 2999 more files skipped: "
         "a symlink out of the model's directory)",
@@ -371,7 +411,13 @@ def test_view_shards_and_a_selection(mounts: Mounts, tmp_path: Path) -> None:
         "selected-00001-of-00002.safetensors",
         "selected-00002-of-00002.safetensors",
         "selected.safetensors.index.partial.json",  # not *.index.json: accelerate takes any for the model's
+        "tensorfs-view.json",
     ]
+    note = json.loads((view / "tensorfs-view.json").read_text())
+    assert (note["synthesized"], note["selection"]) == (
+        "a selection of the model's tensors (--layers 1-3)",
+        "--layers 1-3",
+    )
     index = json.loads((view / "selected.safetensors.index.partial.json").read_text())
     assert index["weight_map"] == {
         "model.layers.1.w": "selected-00001-of-00002.safetensors",
@@ -410,3 +456,40 @@ def test_the_view_serves_no_byte_a_manifest_refuses(mounts: Mounts, tmp_path: Pa
         file.seek(after)
         assert file.read() == tensors["c"][2][after - start - 4 * MIB :]
     wait_until(lambda: "tensor 'b' in shard" in mounts.log(), what="the refusal in the log")
+
+
+def test_the_weights_files_beside_a_model_are_validated_and_gated(mounts: Mounts, tmp_path: Path) -> None:
+    """The weights files of the model's folder that are not the model (a variant, an adapter) are
+    served under their own names, each opened and validated as a model of its own; one that is not a
+    valid file is left out, with a warning naming it and why; under the model's manifest they are
+    said to be covered by none. A change of the files (a chmod): the model's tensors are verified
+    again and served with the bytes no tensor holds as they were validated, the others' (no manifest)
+    refused."""
+    directory = tmp_path / "m"
+    directory.mkdir()
+    write_reference(directory / "model.safetensors", {"w": ("F32", [4], random_bytes(16, 1))})
+    write_reference(directory / "model.fp16.safetensors", {"w": ("F16", [4], random_bytes(8, 2))})
+    write_reference(directory / "adapter_model.safetensors", {"lora_A": ("F32", [2], random_bytes(8, 3))})
+    (directory / "broken.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
+    manifest = mounts.run("manifest", "-o", str(directory / "tensors.sha256"), str(directory))
+    assert manifest.returncode == 0, manifest.stderr
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    done = mounts.attempt(directory, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+    assert done.returncode == 0, done.stderr
+    assert f"warning: {directory / 'broken.safetensors'}: left out of the view: " in done.stderr
+    assert (
+        "warning: adapter_model.safetensors, model.fp16.safetensors: weights files beside the model, not covered by "
+        f"{directory / 'tensors.sha256'}: served as validated, their tensors unchecked\n"
+    ) in done.stderr
+    view = mountpoint / ".tensorfs" / "model"
+    served = ["adapter_model.safetensors", "model.fp16.safetensors", "model.safetensors", "tensors.sha256"]
+    assert sorted(os.listdir(view)) == served
+    for name in served:
+        assert (view / name).read_bytes() == (directory / name).read_bytes(), name
+    subprocess.run(["chmod", "-R", "a+rX", str(directory)], check=True)
+    drop_caches()
+    assert (view / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
+    with pytest.raises(OSError) as caught:
+        (view / "model.fp16.safetensors").read_bytes()
+    assert caught.value.errno == errno.EIO  # its tensor: changed in place, no manifest to tell

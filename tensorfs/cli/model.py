@@ -11,6 +11,7 @@ import click
 
 from ..errors import InvalidModelError, TensorfsError, printable
 from ..files import refuse_existing
+from ..folder import ViewRequest
 from ..formats import shape_text
 from ..identity import shard_name
 from ..manifest import DEFAULT_MANIFEST, format_manifest
@@ -36,7 +37,7 @@ from .options import (
     selection_options,
     signature_options,
     source_of,
-    view_files_option,
+    view_options,
 )
 from .output import OutputError, ended_by_signals, error_lines, table, write_file
 
@@ -151,7 +152,7 @@ def manifest(
 @model_argument
 @click.argument("dest", type=click.Path(path_type=Path))
 @hidden_alias("--shards", "--view-shards", type=VIEW_FILES)
-@view_files_option("A directory DEST: the model")
+@view_options("A directory DEST")
 @manifest_options("Write no tensor", "all before writing anything")
 @quiet_option
 @signature_options
@@ -160,7 +161,7 @@ def manifest(
 def export(
     path: Path | str,
     dest: Path,
-    view_shards: int,
+    view: ViewRequest,
     manifest_path: Path | str | None,
     verify: str | None,
     quiet: bool,
@@ -169,16 +170,18 @@ def export(
     cache_dir: Path | None,
     remote: RemoteOptions,
 ) -> None:
-    """Write MODEL's tensors (or a selection of them) as a new model at DEST.
+    """Write MODEL (or a selection of its tensors) as a new model at DEST.
 
     DEST ending in .safetensors (.gguf for a GGUF model; a PyTorch checkpoint is written as
-    safetensors, without torch and without running its pickle): one file. Otherwise a new directory
-    holding what .tensorfs/model/ of a mount holds: model.safetensors (or
-    model-0000K-of-0000N.safetensors and an index; a GGUF model's model.gguf; a selection's are
-    named selected) and the model's companion files (config.json, tokenizer files, ...). Streamed,
-    with a progress line on a terminal; written whole or not at all. Held to its manifest as a mount
-    is (--manifest, else tensors.sha256 beside the model if there): a tensor whose bytes do not match
-    fails the export.
+    safetensors, without torch and without running its pickle): its tensors in one file. Otherwise a
+    new directory holding what .tensorfs/model/ of a mount holds: the model's own folder, every file
+    under its own name with its own bytes (its signature too); or, for a selection, a PyTorch
+    checkpoint or --view merged, a synthesized model.safetensors (or model-0000K-of-0000N.safetensors
+    and an index; a GGUF model's model.gguf; a selection's are named selected) beside the model's
+    companion files (config.json, tokenizer files, ...) and a note saying so. Streamed, with a
+    progress line on a terminal; written whole or not at all. Held to its manifest (or signature) as
+    a mount is (--manifest, else tensors.sha256 beside the model if there): a tensor whose bytes do
+    not match fails the export.
     """
     from ..views import build_view
     from ..views.export import view_bytes, write_view
@@ -186,8 +189,9 @@ def export(
     source = source_of(path, remote)  # the model's name checked first, then DEST's
     shown = printable(str(dest))
     one_file = dest.name.endswith((".safetensors", ".gguf"))
-    if one_file and view_shards:
-        raise TensorfsError(f"{shown}: --view-shards needs a directory DEST (a {dest.suffix} DEST is one file)")
+    if one_file and (view.shards or view.choice is not None):
+        given = "--view-shards" if view.shards else "--view"
+        raise TensorfsError(f"{shown}: {given} needs a directory DEST (a {dest.suffix} DEST is one file)")
     # Never over anything, the source's own files least of all: said now, before the model is opened;
     # the writer's own rename never replaces what comes meanwhile either.
     refuse_existing(dest, "file" if one_file else "directory")
@@ -204,15 +208,18 @@ def export(
                 size = model.write_safetensors(dest, progress.advance, replace=False)
             done = f"wrote {shown}: {tensors}, {human_size(size)}"
         else:
-            spec = source.view_spec(view_shards, model.shards, model.signed)
-            error_lines(spec.warnings, prefix="warning: ")
-            view = build_view(model, spec)
+            spec, others = source.view(model, view)
             try:
-                with Progress(view_bytes(view), "writing", quiet=quiet) as progress:
-                    write_view(view, dest, model.gate.copy_into, progress.advance)
+                error_lines(spec.warnings, prefix="warning: ")
+                files = build_view(model, model.gate, spec, [(other, other.gate) for other in others.models])
+                try:
+                    with Progress(view_bytes(files), "writing", quiet=quiet) as progress:
+                        write_view(files, dest, progress.advance)
+                finally:
+                    files.close()
             finally:
-                view.close()
-            done = f"wrote {shown}/: {tensors}, {plural(len(view.files), 'file')}"
+                others.close()
+            done = f"wrote {shown}/: {tensors}, {plural(len(files.files), 'file')}"
     try:
         click.echo(done)
     except OutputError as exc:  # the model is written: say so, for the exit code says something failed

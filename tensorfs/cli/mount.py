@@ -13,6 +13,7 @@ from typing import Any, cast
 import click
 
 from ..errors import TensorfsError, printable
+from ..folder import ViewRequest
 from ..names import Layout
 from ..selection import Selection
 from ..signing import Signature
@@ -34,7 +35,7 @@ from .options import (
     selection_options,
     signature_options,
     source_of,
-    view_files_option,
+    view_options,
 )
 from .output import OutputError, error_lines, table
 
@@ -108,7 +109,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
 )
 @manifest_options("Serve no tensor", "all before mounting")
 @signature_options
-@view_files_option("The synthesized model in .tensorfs/model/")
+@view_options("What .tensorfs/model/ holds")
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
@@ -143,7 +144,7 @@ def mount(
     manifest_path: Path | str | None,
     verify: str | None,
     signature: Signature | None,
-    view_shards: int,
+    view: ViewRequest,
     log_format: str,
     metrics: tuple[str, int] | str | None,
     selection: Selection,
@@ -182,7 +183,7 @@ def mount(
         log_format=log_format,
     )
 
-    from ..mount.prepare import prepare
+    from ..mount.prepare import Opening, prepare
     from ..opener import Verify
 
     def warn(warning: str) -> None:
@@ -197,10 +198,8 @@ def mount(
             raise OutputError(exc.cause, f"mounted {printable(str(mountpoint))}, but ") from None
 
     # The model is validated after the daemon is forked: obstore (a remote model) cannot cross a fork.
-    verifying = cast(Verify | None, verify)
-    ready = partial(
-        prepare, model, selection, layout, manifest_path, verifying, view_shards, warn, not quiet, signature
-    )
+    opening = Opening(selection, layout, manifest_path, cast(Verify | None, verify), signature, view)
+    ready = partial(prepare, model, opening, warn, not quiet)
     return mount_model(ready, mountpoint, options, announce)
 
 
@@ -266,6 +265,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
         healthy = healthy and shown_state == "ok"
         served = sum(counters["read_bytes"].values()) if counters is not None else None
         signed = (record.get("options") or {}).get("signature")
+        view = str((record.get("options") or {}).get("view") or "folder")
         uptime = counters["uptime_seconds"] if counters is not None else None
         if as_json:
             document = {**record, "mountpoint": str(entry.mountpoint), "source": source}
@@ -291,6 +291,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
                 duration(uptime) if uptime is not None else "-",
                 printable(source)
                 + (f", signed by {printable(str(signed['signer']))}" if isinstance(signed, dict) else "")
+                + (f"; its view {printable(view)}" if view != "folder" else "")
                 + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )

@@ -317,16 +317,39 @@ def hidden_alias(old: str, new: str, **option: Any) -> Callable[[Callable[..., A
 VIEW_FILES = click.IntRange(0, 99999)
 
 
-def view_files_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """--view-shards: how many files the synthesized model is cut into (`what` says where it is)."""
-    return click.option(
-        "--view-shards",
-        type=VIEW_FILES,
-        metavar="N",
-        default=0,
-        help=f"{what} is cut into this many files (at most one a tensor), with an index when more than one. "
-        "Default (0): one up to 20 GiB of tensors, else files of at most 5 GiB.",
-    )
+def view_options(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--view and --view-shards: what the model's view is (`where` says where it is), passed on as one
+    `view` (a ViewRequest)."""
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def with_view(*args: Any, **kwargs: Any) -> Any:
+            from ..folder import ViewRequest
+
+            kwargs["view"] = ViewRequest(kwargs.pop("view"), kwargs.pop("view_shards"))
+            return command(*args, **kwargs)
+
+        shards = click.option(
+            "--view-shards",
+            type=VIEW_FILES,
+            metavar="N",
+            default=0,
+            help="The model's tensors in this many synthesized files (at most one a tensor), with an index when "
+            "more than one, instead of the model's own files. Default (0), with --view merged: one up to "
+            "20 GiB of tensors, else files of at most 5 GiB.",
+        )
+        view = click.option(
+            "--view",
+            type=click.Choice(["folder", "merged"]),
+            default=None,
+            help=f"{where}: 'folder', the model's own folder, every file under its own name with its own bytes "
+            "(the default; a PyTorch checkpoint's is read as safetensors unless asked); 'merged', its tensors "
+            "in one synthesized safetensors file (a GGUF's: one GGUF) beside its other files. A selection's "
+            "is always synthesized.",
+        )
+        return view(shards(with_view))
+
+    return apply
 
 
 def source_of(

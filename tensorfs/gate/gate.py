@@ -16,12 +16,13 @@ from ..identity import ShardKey
 from ..integrity import Hasher, Integrity, sha256_of
 from ..sources.shard import ShardData
 from ..sources.watch import Change
-from ..tables import Tables
+from ..tables import Tables, file_runs
 from .digests import Digests
 from .files import Seen, WatchedFiles
 from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, run
 from .reporter import Reporter
 from .router import Router
+from .untensored import UntensoredBytes
 
 T = TypeVar("T")
 
@@ -49,6 +50,8 @@ class Gate:
         """Which fallback copy each tensor is served from, the next one that agrees, the retry rule."""
         self.digests = Digests(self._lock, lambda: self.integrity, self._generations)
         """Tensors' SHA-256s as they are now, each hashed once however many ask."""
+        self._kept: dict[ShardKey, UntensoredBytes] = {}
+        """The bytes of shard files that no tensor holds, kept as validated (read_untensored)."""
         self.closed = False
 
     # -- the manifest --------------------------------------------------------------------------
@@ -131,6 +134,54 @@ class Gate:
             return place if self._generation(place) == generation else None
 
         return (yield from self._served(name, serve))
+
+    def read_untensored(self, shard: ShardKey, offset: int, buffer: memoryview) -> Plan[None]:
+        """Fill `buffer` with bytes of a shard's file from `offset` that no tensor holds (its header,
+        the padding between tensors, a checkpoint's zip records; all within one such run): a view
+        serving the file as it is. They are the bytes of the file that was validated when the model
+        was opened (its table was read from them then; under a signature they were proven then: the
+        file's digest, or the ranges that hold them), kept from their first read (keep_untensored)
+        while the file is unchanged; Refused when it changed in place before that."""
+        kept = self._kept.get(shard)
+        if kept is None:
+            yield "read", functools.partial(self.keep_untensored, shard)
+            kept = self._kept[shard]
+        kept.copy(offset, buffer)
+
+    def copy_untensored(self, shard: ShardKey, offset: int, buffer: memoryview) -> None:
+        """read_untensored(), blocking."""
+        run(self.read_untensored(shard, offset, buffer))
+
+    def keep_untensored(self, shard: ShardKey) -> None:
+        """Read and keep the bytes of a shard's file that no tensor holds (blocking), now, while it is
+        the file validated: read_untensored() gives them from then on, whatever becomes of the file
+        (a chmod is a change: its tensors are then held again to what they are held to, and these
+        stay the validated ones). Refused when the file changed in place since it was opened."""
+        if shard in self._kept:
+            return
+        data = self.tables.shard_data(shard)
+        self._untensored_as_opened(shard, data)
+        _, gaps = file_runs(self.tables.shard_header(shard))
+        kept = UntensoredBytes(gaps)
+        try:
+            kept.fill(data.readinto)
+        except TensorfsError as exc:
+            raise ShardChangedError(
+                f"{printable(str(shard))}: its bytes other than its tensors' cannot be read: {exc}"
+            ) from None
+        self._untensored_as_opened(shard, data)  # written while it was read: not the bytes validated
+        with self._lock:
+            self._kept.setdefault(shard, kept)
+
+    def _untensored_as_opened(self, shard: ShardKey, data: ShardData) -> None:
+        with self._lock:
+            self._notice(data)
+            state = self._files.seen(data)
+            if state is not None and (state.changed or state.generation):
+                raise Refused(
+                    f"{printable(str(shard))}: changed in place since it was opened, before its bytes other than its "
+                    "tensors' were read: they are not served (mount or open it again)"
+                )
 
     def _served(self, name: str, serve: Callable[[Place], Plan[T | None]]) -> Plan[T]:
         """`serve(place)` of where the tensor's bytes are had, until it answers: again from where they

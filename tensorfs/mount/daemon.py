@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import MountError, TensorfsError, printable
 from ..gcpause import gc_paused
-from ..handover import reopen, snapshot
+from ..handover import ModelSnapshot, reopen, snapshot
 from ..model import Model
 from ..sources.store import redact
 from ..units import human_size, plural
@@ -34,6 +34,7 @@ from ..views import ViewSpec
 from .logs import default_log_file, setup_logging
 from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
 from .options import READY, MountOptions
+from .prepare import Served
 from .runtime import mountpoint_lock, remove_record
 
 log = logging.getLogger("tensorfs")
@@ -108,7 +109,7 @@ def check_fuse_device(device: str = FUSE_DEVICE) -> None:
         ) from None
 
 
-Prepare = Callable[[], tuple[Model, ViewSpec]]
+Prepare = Callable[[], Served]
 """Validates the model (and verifies it, if asked), after the daemon is forked: what `mount` serves,
 held to its manifest, and what its model directory view holds besides its tensors."""
 
@@ -139,7 +140,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             return _mount_in_background(prepare, mountpoint, options, lock, announce)
         from .serve import serve
 
-        model, view = prepare()
+        served = prepare()
 
         def notify(message: str) -> None:
             if message == READY:
@@ -150,7 +151,7 @@ def mount(prepare: Prepare, mountpoint: Path, options: MountOptions, announce: A
             else:
                 print(f"error: {redact(message)}", file=sys.stderr, flush=True)
 
-        return serve(model, mountpoint, options, view, notify)
+        return serve(served, mountpoint, options, notify)
     finally:
         locked.close()
 
@@ -172,24 +173,27 @@ def _mount_in_background(
     os.close(model_read)
     os.close(status_write)
     try:
-        model, view = prepare()
+        served = prepare()
     except BaseException:
         os.close(model_write)  # the daemon reads nothing, and leaves
         os.close(status_read)
         os.waitpid(pid, 0)
         raise
-    with model:
+    try:
         with gc_paused():  # 100k entries: pausing the GC halves the time this takes
-            handover = pickle.dumps((snapshot(model), view), protocol=5)
+            others = [snapshot(other) for other in served.others]
+            handover = pickle.dumps((snapshot(served.model), others, served.view), protocol=5)
         try:
             with os.fdopen(model_write, "wb") as pipe:
                 pipe.write(handover)
         except BrokenPipeError:
             pass  # the daemon died: its status says why
-        tensors, nbytes = len(model), model.nbytes  # while the daemon takes the model over, not before
+        tensors, nbytes = len(served.model), served.model.nbytes  # while the daemon takes the model over
+    finally:
+        served.close()
     # The command's copy of the model (a cycle: its gate and hasher refer back to it) is freed while
     # the daemon takes the model over, not at exit, after the daemon has answered.
-    del model, view, handover
+    del served, handover
     gc.collect()
     message = _read_line(status_read, READY_TIMEOUT)
     os.close(status_read)
@@ -239,12 +243,12 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
         if not handover:
             return 0  # the model was refused: the command says why
         with gc_paused():
-            saved, view = pickle.loads(handover)
+            saved, others, view = pickle.loads(handover)
             del handover
-            model = reopen(saved)
+            served = reopen_served(saved, others, view)
         os.chdir("/")  # hold no directory busy: the one `tensorfs mount` ran in may be unmounted later
         gc.freeze()  # what the daemon holds lives as long as it does: no collection need look at it again
-        return serve(model, mountpoint, options, view, notify)
+        return serve(served, mountpoint, options, notify)
     except TensorfsError as exc:
         log.error("%s", exc)
         notify(str(exc).splitlines()[0])
@@ -253,6 +257,19 @@ def _daemon(model_read: int, status_write: int, mountpoint: Path, options: Mount
         log.exception("daemon failed")
         notify(f"the daemon failed: {exc!r}")
         return 1
+
+
+def reopen_served(saved: ModelSnapshot, others: list[ModelSnapshot], view: ViewSpec) -> Served:
+    """What the command prepared, mapped again in the daemon (refusing any file that changed since)."""
+    model = reopen(saved)
+    opened: list[Model] = []
+    try:
+        opened += [reopen(other) for other in others]
+    except BaseException:
+        for done in (model, *opened):
+            done.close()
+        raise
+    return Served(model, view, opened)
 
 
 def _read_line(fd: int, timeout: float) -> str | None:

@@ -21,22 +21,25 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, assert_never, get_args
+from typing import TYPE_CHECKING, TypeVar, assert_never, get_args
 
 import pyfuse3
 import trio
 
 from ..errors import TensorfsError, printable
-from ..gate import Answer, Outcome, Place, Plan, StepKind, next_step
+from ..gate import Answer, Gate, Outcome, Place, Plan, StepKind, next_step
 from ..identity import ShardKey
 from ..integrity import HASH_WORKERS
 from ..names import STATS_NAME
 from ..sources.shard import ShardData
-from ..views import Companion, Piece, SynthesizedFile
+from ..views import Companion, Piece, SynthesizedFile, Untensored, WeightsFile
 from .checks import Invalidate, MountReporter, Sums
 from .handlers import handler, not_implemented, read_only
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 log = logging.getLogger(__name__)
 
@@ -74,26 +77,32 @@ class TensorOperations(pyfuse3.Operations):
         trace: bool = False,
         keep_source_pages: bool = False,
         counters: Mapping[str, Callable[[], dict[str, int | float]]] | None = None,
+        others: Sequence[Model] = (),
     ) -> None:
         """`prefetch`: bytes brought into memory ahead of a sequential reader; `invalidate`: how the
         kernel is told to drop what it caches (see MountReporter); `trace`: log every request
         (--debug); `counters`: more counters for stats.json and the metrics, by the name of what
         counts; `keep_source_pages`: leave the sources' pages in memory once the kernel holds what
-        was read of them in the mounted files' pages (two copies of each byte read)."""
+        was read of them in the mounted files' pages (two copies of each byte read); `others`: the
+        models whose files the view serves besides the tree's (the other weights files of its folder)."""
         super().__init__()
         self.tree = tree
         self.gate = tree.model.gate
+        self.gates = [self.gate, *(other.gate for other in others)]
+        """Every gate whose bytes the mount serves: the tree's model's first."""
         self.stats = Stats(tree.model.nbytes)
         self.stats.signature = self.gate.integrity.signature()  # what the mount is held to, if signed
         self.stats.sources.update(counters or {})
         self.reporter = MountReporter(tree, self.stats, invalidate)
-        self.gate.reporter = self.reporter
+        for gate in self.gates:
+            gate.reporter = self.reporter
         self.sums = Sums(tree, self.gate, self._drive)
         self.reporter.on_change = self.sums.forget
         self.prefetch = prefetch
         self.trace = trace
         self.hand_over = not keep_source_pages
         self._spans: dict[int, _OpenTensor] = {}  # open tensor files by inode
+        self._other_spans: dict[tuple[int, str], _OpenTensor] = {}  # the others' tensors the view serves, by gate
         # Threads for each kind of blocking step of the gate's plans: readers waiting on their bytes
         # (and the window ahead of them), hashing, switching to fallbacks; and windows ahead of readers.
         self._limiters = {kind: trio.CapacityLimiter(_threads_for(kind)) for kind in get_args(StepKind)}
@@ -115,13 +124,28 @@ class TensorOperations(pyfuse3.Operations):
 
     async def watch_changes(self) -> None:
         """Apply changes to the files as they happen, between requests too (run in the nursery)."""
-        self.gate.notice_changes()  # what happened since validation is told at once, not at the first read
-        fd = self.gate.watch_fd()
+        async with trio.open_nursery() as nursery:
+            for gate in self.gates:
+                nursery.start_soon(self._watch, gate)
+
+    async def _watch(self, gate: Gate) -> None:
+        gate.notice_changes()  # what happened since validation is told at once, not at the first read
+        fd = gate.watch_fd()
         if fd < 0:
             return
         while True:
             await trio.lowlevel.wait_readable(fd)
-            self.gate.notice_changes()
+            gate.notice_changes()
+
+    def notice_changes(self) -> None:
+        """Apply every change to the files reported so far, of every gate."""
+        for gate in self.gates:
+            gate.notice_changes()
+
+    def flush_sources(self) -> None:
+        """Record what was fetched for remote shards, and let go of the sources' pages served (blocking)."""
+        for gate in self.gates:
+            gate.tables.flush()
 
     async def _drive(self, plan: Plan[T], held: list[_Held] | None = None) -> T:
         """Run one of the gate's plans as gate.run() does (next_step, Outcome.of): its quick steps
@@ -192,7 +216,7 @@ class TensorOperations(pyfuse3.Operations):
         after the change's invalidation went by), and what the answer needs made (synthesized files'
         layouts, control files' bytes) on a worker thread: at 100k tensors, or a GGUF's long arrays,
         that takes longer than this thread may stall (docs/performance.md)."""
-        self.gate.notice_changes()
+        self.notice_changes()
         for file in self.tree.unbuilt(inode, listing=listing):
             await trio.to_thread.run_sync(file.build)
 
@@ -294,8 +318,8 @@ class TensorOperations(pyfuse3.Operations):
             kind = "sidecar"
         elif node.kind is Kind.VIEW:
             found = self.tree.view_file(fh)
-            if isinstance(found, SynthesizedFile):
-                return "view", await self._read_synthesized(found, off, size)
+            if isinstance(found, SynthesizedFile | WeightsFile):
+                return "view", await self._read_made_of_tensors(found, off, size)
             if isinstance(found, Companion):  # read from its file (or through the cache), off this thread
                 assert self.tree.view is not None
                 read = functools.partial(self.tree.view.companions.read, found.path, off, size)
@@ -314,31 +338,50 @@ class TensorOperations(pyfuse3.Operations):
         span = self._spans.get(inode)
         if span is None:
             shard, offset, _ = self.tree.model.locate(name)
-            span = self._spans[inode] = _OpenTensor(name, shard, offset)
+            span = self._spans[inode] = _OpenTensor(name, shard, offset, self.gate)
         return span
 
-    async def _read_synthesized(self, file: SynthesizedFile, off: int, size: int) -> bytes | memoryview:
-        """Bytes of a synthesized safetensors file: within one tensor, read as that tensor's file is
-        (a slice of the mapping, no copy); across tensors or the header, assembled from reads of the
-        shard files (never of the mappings), each through the gate."""
+    def _view_span(self, file: SynthesizedFile | WeightsFile, name: str) -> _OpenTensor:
+        """The open-file state of a tensor a file of the view serves: the tree's own when the file is
+        of the tree's model, else one of its own model's (made on first use)."""
+        if file.gate is self.gate:
+            return self._span_of(name)
+        key = (id(file.gate), name)
+        span = self._other_spans.get(key)
+        if span is None:
+            shard, offset, _ = file.model.locate(name)
+            span = self._other_spans[key] = _OpenTensor(name, shard, offset, file.gate)
+        return span
+
+    async def _read_made_of_tensors(
+        self, file: SynthesizedFile | WeightsFile, off: int, size: int
+    ) -> bytes | memoryview:
+        """Bytes of a file of the view made of tensors (synthesized, or a weights file served as it
+        is): within one tensor, read as that tensor's file is (a slice of the mapping, no copy);
+        across tensors, the header or the bytes no tensor holds, assembled from reads of the shard
+        files (never of the mappings), each through the file's gate."""
         pieces = list(file.pieces(off, off + size))
         if len(pieces) == 1 and isinstance(pieces[0], Piece):
             only = pieces[0]
-            span = self._span_of(only.tensor)
+            span = self._view_span(file, only.tensor)
             return await self._read_tensor(span, only.shard_offset - span.origin, only.end - only.start)
         reply = bytearray()
         for piece in pieces:
             if isinstance(piece, bytes):
                 reply += piece
+            elif isinstance(piece, Untensored):
+                buffer = bytearray(piece.end - piece.start)
+                await self._drive(file.gate.read_untensored(piece.shard, piece.start, memoryview(buffer)))
+                reply += buffer
             else:
-                reply += await self._copied(self._span_of(piece.tensor), piece)
+                reply += await self._copied(self._view_span(file, piece.tensor), piece)
         return bytes(reply)
 
     async def _copied(self, span: _OpenTensor, piece: Piece) -> bytearray:
         """A piece of a tensor's bytes, read from its file (never the mapping), through the gate."""
         buffer = bytearray(piece.end - piece.start)
         begin = piece.shard_offset - span.origin  # where in the tensor
-        place = await self._drive(self.gate.read_into(span.name, begin, memoryview(buffer)))
+        place = await self._drive(span.gate.read_into(span.name, begin, memoryview(buffer)))
         low = place.start + begin
         self._touch(span, place, low, low + len(buffer))
         if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
@@ -361,7 +404,7 @@ class TensorOperations(pyfuse3.Operations):
         previous, self._replied = self._replied, []
         try:
             present = functools.partial(self._present, span)
-            grant = await self._drive(self.gate.read(span.name, off, off + size, present), previous)
+            grant = await self._drive(span.gate.read(span.name, off, off + size, present), previous)
         finally:
             self._let_go(previous)
         place, low, high = grant.place, grant.low, grant.high
@@ -497,6 +540,8 @@ class _OpenTensor:
     """Its own shard (the model's)."""
     origin: int
     """Where its bytes start in its own shard."""
+    gate: Gate
+    """The gate of the model that holds it (the tree's, or another whose file the view serves)."""
     window: ShardData | None = None
     """The source the window below is of (its own shard's, or its fallback copy's)."""
     ready_from: int = 0

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
@@ -30,25 +30,27 @@ from ..names import STATS_NAME
 from ..sources.remote import open_connections
 from ..syscalls import libc
 from ..units import plural
-from ..views import ViewSpec, build_view
+from ..views import ModelView, ViewSpec, WeightsFile, build_view
 from .contents import index_json, metadata_json
 from .logs import reopen_logs
 from .metrics import describe as describe_address
 from .metrics import serve_metrics
 from .operations import TensorOperations
 from .options import READY, MountOptions
+from .prepare import Served
 from .runtime import process_start, remove_record, write_record
 from .tree import Tree
 
 log = logging.getLogger("tensorfs")
 
 
-def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec, notify: Callable[[str], None]) -> int:
+def serve(served: Served, mountpoint: Path, options: MountOptions, notify: Callable[[str], None]) -> int:
     """Mount, serve until unmounted or signalled, unmount. `notify` hears READY or an error."""
     _return_big_buffers()
+    model, view = served.model, served.view
     # Meanwhile the store's connections are opened: the mount says it is ready once they are (or soon after).
     connecting = open_connections(model.shard_data(shard) for shard in model.shards)
-    record = _record(model, mountpoint, options)
+    record = _record(model, mountpoint, options, view)
     control = {
         "index.json": lambda: index_json(model),
         "metadata.json": lambda: metadata_json(model),
@@ -57,7 +59,9 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec,
     control[STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
     for warning in view.warnings:
         log.warning("%s", warning)
-    tree = Tree(model, options.layout, control, options.ownership, build_view(model, view))
+    others = [(other, other.gate) for other in served.others]
+    files = build_view(model, model.gate, view, others)
+    tree = Tree(model, options.layout, control, options.ownership, files)
     hasher = model.gate.integrity.hasher
     counters: dict[str, Callable[[], dict[str, int | float]]] = {
         "hashes": lambda: {
@@ -77,7 +81,9 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec,
         trace=options.debug,
         counters=counters,
         keep_source_pages=options.keep_source_pages,
+        others=served.others,
     )
+    _keep_untensored(files)  # once the gates report to the mount: a change seen meanwhile is said
     fuse_options = set(pyfuse3.default_options) | {f"fsname={fsname(model.source)}", "subtype=tensorfs", "ro"}
     fuse_options |= set(options.fuse_options)
     if options.debug and options.foreground:
@@ -120,10 +126,29 @@ def serve(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec,
     systemd_notify(b"STOPPING=1")
     stop_metrics()
     pyfuse3.close(unmount=True)
-    model.close()  # what remote shards fetched is recorded in their cache
+    served.close()  # what remote shards fetched is recorded in their cache
     remove_record(mountpoint, os.getpid())
     log.info("unmounted %s", mountpoint)
     return 0
+
+
+def _keep_untensored(view: ModelView) -> None:
+    """The bytes no tensor holds of each local weights file the view serves as it is, read now, while
+    the files are those validated (the daemon refused any that changed): a chmod of the model's files
+    later is a change of them, and these bytes must still be the validated ones (Gate.keep_untensored).
+    A remote object's are read at their first read (its version is pinned: it cannot change in place,
+    and nothing is fetched for a view nobody reads); one that cannot be read now, at its first read,
+    if its file is unchanged then."""
+    files = [file for file in view.files.values() if isinstance(file, WeightsFile) and isinstance(file.shard, Path)]
+
+    def keep(file: WeightsFile) -> None:
+        try:
+            file.gate.keep_untensored(file.shard)
+        except TensorfsError as exc:
+            log.warning("%s", exc)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
+        list(pool.map(keep, files))
 
 
 def _return_big_buffers() -> None:
@@ -141,7 +166,7 @@ def _return_big_buffers() -> None:
 _M_ARENA_MAX = -8
 
 
-def _record(model: Model, mountpoint: Path, options: MountOptions) -> dict[str, Any]:
+def _record(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec) -> dict[str, Any]:
     """What the daemon says of itself: in its runtime record and in .tensorfs/daemon.json."""
     integrity = model.gate.integrity
     return {
@@ -172,6 +197,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions) -> dict[str, 
             if model.fallbacks is None
             else [model.fallbacks.shown(i) for i in range(len(model.fallbacks))],
             "selection": None if model.selection.everything else model.selection.as_json(),
+            "view": "folder" if view.folder else f"synthesized: {view.why}",
             "metrics": None if options.metrics is None else describe_address(options.metrics),
         },
         "in_force": {"readahead_kb": None, "max_background": None},
@@ -240,7 +266,7 @@ async def _flush_caches(operations: TensorOperations) -> None:
     while True:
         await trio.sleep(1.0)
         operations.release_replied()
-        await trio.to_thread.run_sync(operations.tree.model.flush)
+        await trio.to_thread.run_sync(operations.flush_sources)
 
 
 async def _handle_signals() -> None:

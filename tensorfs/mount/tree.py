@@ -28,7 +28,7 @@ from ..formats import BEGIN, END, NAME
 from ..identity import ShardKey, shard_name
 from ..manifest import sha256sum_line
 from ..names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
-from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile
+from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile, WeightsFile
 from .contents import checkable, entry_meta_size, meta_json, meta_size, sha256_line
 
 if TYPE_CHECKING:
@@ -255,7 +255,10 @@ class Tree:
         return Access(self.access.uid, self.access.gid, file_mode, self.access.dir_mode)
 
     def refresh_shard(self, shard: ShardKey) -> bool:
-        """Take the shard file's owner, permissions and mtime again; whether any of them changed."""
+        """Take the shard file's owner, permissions and mtime again; whether any of them changed (a
+        file of another model the view serves as it is: its status is taken at every ask)."""
+        if shard not in self._shard_access:
+            return True
         st = self.model.shard_data(shard).status()
         access = Access.of(st, self.ownership)
         if access == self._shard_access[shard] and st.st_mtime_ns == self._shard_mtime_ns[shard]:
@@ -267,16 +270,18 @@ class Tree:
 
     def inodes_of(self, shard: ShardKey) -> list[int]:
         """The inodes of every file with bytes of the shard: its tensors' files and their two sidecars,
-        and the synthesized files of the view."""
-        first = [self.tensor_inode(entry[NAME]) for entry in self.model.shard_header(shard).entries]
-        inodes = [inode + which for inode in first for which in range(3)]
+        and the view's files made of tensors (synthesized, or the shard's own file)."""
+        inodes: list[int] = []
+        if shard in self._shard_access:  # (not: a shard of another model whose file the view serves)
+            first = [self.tensor_inode(entry[NAME]) for entry in self.model.shard_header(shard).entries]
+            inodes += [inode + which for inode in first for which in range(3)]
         if self.view is not None:
             for index, node in enumerate(self._static):
                 if node.kind is not Kind.VIEW or node.in_view is None:
                     continue
                 content = self.view.files[node.in_view]
                 # A file never read has nothing in the kernel's cache to drop.
-                if isinstance(content, SynthesizedFile) and content.built and content.draws_on(shard):
+                if isinstance(content, SynthesizedFile | WeightsFile) and content.built and content.draws_on(shard):
                     inodes.append(self.control_dir_inode + index)
         return inodes
 
@@ -463,6 +468,9 @@ class Tree:
             mtime = self.mtime_ns
             if isinstance(content, SynthesizedFile):
                 access, size = self._sums_access, content.size  # made of the shards: readable as they all are
+            elif isinstance(content, WeightsFile):  # the shard's own file: as it is
+                st = content.status()
+                mtime, size, access = st.st_mtime_ns, content.size, Access.of(st, self.ownership)
             elif isinstance(content, Companion):
                 mtime, size = content.mtime_ns, content.size
                 if content.status is not None:  # no more readable than the source's file
@@ -525,11 +533,12 @@ class Tree:
         found: list[Buildable] = [self._control_files[n.path] for n in nodes if n.kind is Kind.CONTROL]
         if self.view is not None:
             views = [self.view.files[n.in_view] for n in nodes if n.kind is Kind.VIEW and n.in_view is not None]
-            found += [file for file in views if isinstance(file, SynthesizedFile)]
+            found += [file for file in views if isinstance(file, SynthesizedFile | WeightsFile)]
         return [file for file in found if not file.built]
 
     def view_file(self, inode: int) -> ViewFile:
-        """What a file of the view is: a synthesized safetensors file, a companion file, or bytes."""
+        """What a file of the view is: a synthesized safetensors file, a weights file as it is, a
+        companion file, or bytes."""
         static = self._view_node(inode)
         if static is None or static.in_view is None or static.kind is not Kind.VIEW or self.view is None:
             raise NoSuchEntry(f"inode {inode} is not a file of the view")

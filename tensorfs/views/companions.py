@@ -1,15 +1,12 @@
-"""The files that come with a model's weights (config.json, tokenizer files, modules.json, ...).
+"""The files that come with a model's weights (config.json, tokenizer files, modules.json, an index,
+the signature, ...) and how they are served; what of a model's folder its view takes (in_view), and
+which of those files are weights (is_weights_file: in a view of the folder, the weights files beside
+the model's, a variant, an adapter, a LoRA, a module's weights, are opened as models of their own).
 
-Found at mount, from the top level of the model's directory and its subdirectories one level
-down (a subdirectory's weights too: a sentence-transformers module's; and an adapter beside the
-model, PEFT's), and served from where they are, when they are read: a local file through a
-descriptor opened beneath the model's directory (and only while it holds what it held when found:
-its content decides, not its times), a remote one through the chunk cache, like the weights. The
-daemon holds none of their bytes.
-
-Where a store cannot list a directory, what loaders look for is looked for: the Hub's API lists a
-repository's files; over plain HTTP the well-known names are asked for, and then the files the
-model's own files name (modules.json's modules, the custom code of config.json's auto_map).
+They are found at mount (local_files.py, remote_files.py) and served from where they are, when
+they are read: a local file through a descriptor opened beneath the model's directory (and only
+while it holds what it held when found: its content decides, not its times), a remote one through
+the chunk cache, like the weights. The daemon holds none of their bytes.
 """
 
 from __future__ import annotations
@@ -19,23 +16,18 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from ..errors import RemoteError, TensorfsError, TooLarge, printable
-from ..identity import Identity, ShardKey
+from ..errors import RemoteError, TensorfsError
+from ..formats import is_weights_name, pytorch
+from ..identity import Identity
 from ..manifest import DEFAULT_MANIFEST
-from ..names import path_problem
-from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
-from ..sources.choosing import ADAPTER_NAMES, is_model_file
-from ..sources.client import get_whole, head
-from ..sources.finding import beside, hub_listing, listing_beside
+from ..safefiles import ModelDirectory, why_refused
+from ..sources.choosing import is_adapter, is_model_file
+from ..sources.client import head
 from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions
 
 log = logging.getLogger(__name__)
@@ -225,25 +217,47 @@ class Skipped:
         ]
 
 
-# -- local models ---------------------------------------------------------------------------
+# -- what a folder holds ----------------------------------------------------------------------
 
 
-def model_directory(source: Path) -> Path:
-    """The directory a local model's other files live in (its own, or that of its file or index)."""
-    return source if source.is_dir() else source.parent
+@dataclass
+class FolderFiles:
+    """What a model's directory holds besides the model's own weights, as a view takes it."""
+
+    companions: list[Companion] = dataclasses.field(default_factory=list)
+    weights: list[str] = dataclasses.field(default_factory=list)
+    """Weights files that are not the model's (a view of the folder only), by path: each is opened and
+    validated as a model of its own, and served through its gate."""
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """Files left out, and why (one line a reason)."""
+    directories: dict[str, os.stat_result] = dataclasses.field(default_factory=dict)
+    """The subdirectories files come from (a local model's): their owners and permissions."""
 
 
-def is_companion(path: str, components: Collection[str] = ()) -> bool:
-    """Whether a file of a model's directory (its path there) comes with the model into its view, by
-    its name: not the model's own weights or their index at the top of the directory, which the view
-    makes itself (choosing.is_model_file: an adapter is a companion, and so are the weights of a
-    subdirectory, a sentence-transformers module's), nor the manifest of the source's tensors (it
-    would not match a selection of them), nor hidden files. A pipeline's component folders
-    (`components`) are models of their own: their weights are the view's to make, as the top's are."""
+def is_weights_file(path: str) -> bool:
+    """Whether a file of a model's folder is weights a view serves through a gate of its own, by its
+    name: a safetensors or GGUF file, a checkpoint named as a model's (choosing.is_model_file), an
+    adapter's. Other .bin, .pt and .pth files (ONNX external data, an optimizer's state) are plain files."""
+    name = path.rpartition("/")[2]
+    if name.endswith(pytorch.SUFFIXES):
+        return is_model_file(name) or is_adapter(name)
+    return is_weights_name(name)
+
+
+def in_view(path: str, *, folder: bool, components: Collection[str] = ()) -> bool:
+    """Whether a file of a model's directory (its path there) is in the model's view, by its name:
+    never a hidden one. In a view of the model's own folder, every other file is (its weights among
+    them). A synthesized view makes its own weights: not the model's own weights or their index at
+    the top of the directory (choosing.is_model_file: an adapter is a companion, and so are the
+    weights of a subdirectory, a sentence-transformers module's), nor the manifest of the source's
+    tensors (it would not match a selection of them), nor the weights of a pipeline's component
+    folders (`components`), which are models of their own."""
     if any(part.startswith(".") for part in path.split("/")):
         return False
-    folder, _, name = path.rpartition("/")
-    if folder in components:
+    if folder:
+        return True
+    where, _, name = path.rpartition("/")
+    if where in components:
         return not is_model_file(name)
     return "/" in path or not (is_model_file(path) or path == DEFAULT_MANIFEST)
 
@@ -259,338 +273,3 @@ def content_digest(fd: int, size: int) -> bytes:
         digest.update(chunk)
         offset += len(chunk)
     return digest.digest()
-
-
-def find_companions(
-    source: Path,
-    warnings: list[str],
-    directories: dict[str, os.stat_result] | None = None,
-    weights: Collection[ShardKey] = (),
-    components: Collection[str] = (),
-) -> list[Companion]:
-    """The regular files beside a local model's weights (one level of subdirectories too), by path;
-    `directories`, if given, gets each subdirectory's status (its owner and permissions).
-
-    Each file is opened once, beneath the model's directory (see safefiles): a symlink that leads
-    out of it (but for a Hugging Face cache snapshot's links to its repository's blobs) is left out
-    with a warning, and so is a file that cannot be read, one over 64 MiB, what is mounted inside
-    the directory (never looked into: it may hang), and what goes past 1000 files, 256 MiB in all
-    or 30 s of scanning. A file in a subdirectory is no more readable than the subdirectory lets
-    it be: its read bits are kept only where the directory grants search. What is_companion() says
-    is none is left out, and so are the model's own files (`weights`: a checkpoint named model.pt
-    is weights by being the model, not by its name), and the weights of a pipeline's component
-    folders (`components`). Each is hashed as it is found: its content
-    is what it is served while it holds (see CompanionFiles).
-    """
-    root_path = model_directory(source).absolute()
-    try:
-        root = ModelDirectory(root_path)
-    except OSError as exc:
-        warnings.append(f"{printable(str(root_path))}: companion files skipped: {exc.strerror}")
-        return []
-    own = {os.path.abspath(weight) for weight in weights}
-    with root:
-        return _scan(root, warnings, directories, own, components)
-
-
-def _scan(
-    root: ModelDirectory,
-    warnings: list[str],
-    directories: dict[str, os.stat_result] | None,
-    own: set[str],
-    components: Collection[str],
-) -> list[Companion]:
-    deadline = time.monotonic() + SCAN_SECONDS
-    skipped = Skipped()  # a directory another user fills with a million unreadable files: one warning a reason
-    found: list[Companion] = []
-    total = 0
-    for relative in _candidates(root, mounted_under(root.real), skipped, components):
-        if os.path.abspath(root.path / relative) in own:
-            continue
-        shown = printable(str(root.path / relative))
-        if len(found) == MAX_COMPANIONS:
-            warnings.append(f"{shown} and the files after it: skipped: over {MAX_COMPANIONS} companion files")
-            break
-        if time.monotonic() > deadline:
-            warnings.append(f"{shown} and the files after it: skipped: the scan took over {SCAN_SECONDS:g} s")
-            break
-        try:
-            fd, st = root.open_regular(relative)
-        except NotRegular:
-            continue
-        except OSError as exc:
-            why = printable(why_refused(exc))
-            skipped.add(why, f"{shown}: skipped: {why}")
-            continue
-        try:  # served later through a descriptor opened again, only while it holds what it holds now
-            if st.st_size > MAX_COMPANION_BYTES:
-                skipped.add("over 64 MiB", f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
-                continue
-            if total + st.st_size > MAX_COMPANIONS_TOTAL:
-                skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
-                continue
-            digest = content_digest(fd, st.st_size)
-            if Identity.of(os.fstat(fd)) != Identity.of(st):
-                skipped.add("written to", f"{shown}: skipped: written to while it was being read")
-                continue
-        except OSError as exc:
-            why = f"cannot read: {exc.strerror}"
-            skipped.add(why, f"{shown}: skipped: {why}")
-            continue
-        finally:
-            os.close(fd)
-        identity, mtime_ns = Identity.of(st), st.st_mtime_ns
-        subdirectory = relative.rpartition("/")[0]
-        if subdirectory:
-            try:
-                where = root.status(subdirectory)
-            except OSError as exc:
-                why = printable(why_refused(exc))
-                skipped.add(why, f"{shown}: skipped: {why}")
-                continue
-            if directories is not None:
-                directories[subdirectory] = where
-            searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
-            st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
-        total += st.st_size
-        found.append(Companion(relative, st.st_size, mtime_ns, st, LocalOrigin(root.path, identity, digest)))
-    warnings.extend(skipped.said())
-    return found
-
-
-def _candidates(root: ModelDirectory, mounted: set[str], skipped: Skipped, components: Collection[str]) -> list[str]:
-    names: list[str] = []
-    try:
-        top = sorted(root.scan(), key=lambda e: e.name)
-    except OSError:
-        return names
-    for entry in top:
-        if entry.name.startswith(".") or not (is_companion(entry.name) or entry.is_dir(follow_symlinks=False)):
-            continue
-        if entry.name in mounted:
-            _mounted(root, entry.name, skipped)
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            try:
-                inner = sorted(root.scan(entry.name), key=lambda e: e.name)
-            except OSError:
-                continue
-            for e in inner:
-                path = f"{entry.name}/{e.name}"
-                if not is_companion(path, components) or e.is_dir(follow_symlinks=False):
-                    continue
-                if path in mounted:
-                    _mounted(root, path, skipped)
-                    continue
-                names.append(path)
-        else:
-            names.append(entry.name)
-    return names
-
-
-def _mounted(root: ModelDirectory, relative: str, skipped: Skipped) -> None:
-    why = "another file system is mounted there"
-    skipped.add(why, f"{printable(str(root.path / relative))}: skipped: {why}")
-
-
-# -- remote models ----------------------------------------------------------------------------
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-)
-WELL_KNOWN = (
-    "config.json",
-    "generation_config.json",
-    *TOKENIZER_FILES,
-    "preprocessor_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-    "adapter_config.json",
-    *ADAPTER_NAMES,
-    "README.md",
-)
-"""What loaders look for beside the weights: asked for where a store cannot list a directory
-(plain HTTP). sentence-transformers' modules.json and their own configs are among them, and PEFT's
-adapter beside its base model."""
-MODULE_FILES = ("config.json", "sentence_bert_config.json", "model.safetensors", "pytorch_model.bin", *TOKENIZER_FILES)
-"""What a module of modules.json may hold in its folder (a Pooling's config, a Transformer's tokenizer,
-a Dense layer's weights)."""
-
-COMPANION_TIMEOUT = 10.0
-"""Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
-MAX_SUBDIRECTORIES = 50
-MAX_SUBDIRECTORY_DEPTH = 2
-"""A companion's path: a file of the model's directory, or of a subdirectory of it (one level)."""
-
-
-def find_remote_companions(
-    source: str,
-    options: RemoteOptions,
-    warnings: list[str],
-    weights: Collection[ShardKey] = (),
-    components: Collection[str] = (),
-) -> list[Companion]:
-    """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
-    one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
-    files the model's own files name; the same limits as for a local model, each look bounded by
-    COMPANION_TIMEOUT. Nothing with --offline (the cache keeps only the weights).
-
-    Which were found, and which looked for and not there, is logged.
-    """
-    if options.offline:
-        warnings.append(f"{printable(source)}: companion files are not fetched with --offline")
-        return []
-    quick = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
-    try:
-        listed = listing_beside(source, quick, MAX_SUBDIRECTORIES)
-    except RemoteError as exc:
-        warnings.append(f"companion files skipped: {exc}")
-        return []
-    if listed is None:
-        try:
-            listed = hub_listing(source, quick, MAX_SUBDIRECTORIES)
-        except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
-            log.info("%s; looking for the files loaders look for instead", exc)
-    if listed is not None:
-        found = _listed(source, options, listed, warnings, {str(weight) for weight in weights}, components)
-        log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found) or "none")
-        return found
-    return _guessed(source, options, quick, warnings)
-
-
-def _listed(
-    source: str,
-    options: RemoteOptions,
-    listed: list[tuple[str, int, float, str | None]],
-    warnings: list[str],
-    own: set[str],
-    components: Collection[str] = (),
-) -> list[Companion]:
-    found: list[Companion] = []
-    total = 0
-    skipped = Skipped()
-    for path, size, mtime, etag in sorted(listed):
-        why = path_problem(path, MAX_SUBDIRECTORY_DEPTH)  # the one gate of names from outside
-        if why is not None:
-            name = printable(path[:200])
-            skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
-            continue
-        if not is_companion(path, components):
-            continue
-        ref = beside(source, path, options)
-        if ref.url in own:
-            continue
-        shown = printable(ref.url)
-        if size < 0:  # a lying listing's (-1: none at all)
-            skipped.add("no size", f"{shown}: skipped: the listing gives it no size, or a negative one")
-        elif size > MAX_COMPANION_BYTES:
-            skipped.add("over 64 MiB", f"{shown}: skipped: {size} bytes, over 64 MiB")
-        elif total + size > MAX_COMPANIONS_TOTAL:
-            skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
-        elif len(found) == MAX_COMPANIONS:
-            skipped.add("too many", f"{shown}: skipped: over {MAX_COMPANIONS} companion files")
-        else:
-            total += size
-            version = ObjectVersion(ref, etag, size, mtime) if etag is not None else None
-            mtime_ns = int((mtime or time.time()) * 1e9)
-            found.append(Companion(path, size, mtime_ns, None, RemoteOrigin(ref, options, version)))
-    warnings.extend(skipped.said())
-    return found
-
-
-def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, warnings: list[str]) -> list[Companion]:
-    """Plain HTTP: the well-known names that are there, then what modules.json and the configs name."""
-    looked: dict[str, ObjectVersion | None] = {}
-
-    def look(paths: Iterable[str]) -> None:
-        wanted = [path for path in dict.fromkeys(paths) if path not in looked and is_companion(path)]
-
-        def one(path: str) -> tuple[str, ObjectVersion | str | None]:
-            try:
-                return path, head(beside(source, path, quick))
-            except RemoteError as exc:
-                return path, f"{printable(str(exc))}: skipped"
-
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            for path, answer in pool.map(one, wanted[: MAX_COMPANIONS - len(looked)]):
-                if isinstance(answer, str):
-                    warnings.append(answer)
-                    looked[path] = None
-                else:
-                    looked[path] = answer
-
-    look(WELL_KNOWN)
-    look(_named(source, quick, looked, warnings))
-    found: list[Companion] = []
-    total = 0
-    for path, version in sorted(looked.items()):
-        if version is None:
-            continue
-        shown = printable(version.url)
-        if version.size > MAX_COMPANION_BYTES:
-            warnings.append(f"{shown}: skipped: {version.size} bytes, over 64 MiB")
-        elif total + version.size > MAX_COMPANIONS_TOTAL:
-            warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
-        else:
-            total += version.size
-            mtime_ns = int((version.mtime or time.time()) * 1e9)
-            ref = version.ref
-            found.append(Companion(path, version.size, mtime_ns, None, RemoteOrigin(ref, options, version)))
-    absent = sorted(path for path, version in looked.items() if version is None)
-    log.info(
-        "companion files of %s: found %s; looked for and not there: %s",
-        printable(source),
-        ", ".join(c.path for c in found) or "none",
-        ", ".join(absent) or "none",
-    )
-    return found
-
-
-def _named(
-    source: str, options: RemoteOptions, looked: dict[str, ObjectVersion | None], warnings: list[str]
-) -> list[str]:
-    """The files that the model's own files found so far name: each module of modules.json (its
-    config.json, and any well-known file in its folder), and the Python files of auto_map."""
-    named: list[str] = []
-    for document_name in ("modules.json", "config.json", "tokenizer_config.json"):
-        version = looked.get(document_name)
-        if version is None or version.size > MAX_NAMING_FILE:
-            continue
-        try:
-            document = orjson.loads(get_whole(version.ref, MAX_NAMING_FILE))
-        except (RemoteError, TooLarge, FileNotFoundError, orjson.JSONDecodeError) as exc:
-            warnings.append(f"{printable(version.url)}: not followed: {exc}")
-            continue
-        if document_name == "modules.json" and isinstance(document, list):
-            for module in document:
-                folder = module.get("path") if isinstance(module, dict) else None
-                if isinstance(folder, str) and _plain_name(folder):  # its files: one level down
-                    named += [f"{folder}/{name}" for name in MODULE_FILES]
-        elif isinstance(document, dict) and isinstance(document.get("auto_map"), dict):
-            for value in document["auto_map"].values():
-                for reference in value if isinstance(value, list) else [value]:
-                    if isinstance(reference, str) and "." in reference:
-                        module_name = reference.rpartition("--")[2].rpartition(".")[0]
-                        if _plain_name(f"{module_name}.py", MAX_SUBDIRECTORY_DEPTH):
-                            named.append(f"{module_name}.py")
-    return named
-
-
-def _plain_name(path: str, depth: int = 1) -> bool:
-    """Whether a name a model's file gives is one to look for: a plain relative path of at most
-    `depth` parts (names.path_problem, the one gate of names from outside), and no backslash (a
-    separator to some servers)."""
-    return path_problem(path, depth) is None and "\\" not in path

@@ -29,6 +29,7 @@ from ..identity import ShardKey
 from ..selection import layer_of
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..gate import Gate
     from ..tables import Tables
 
 _RANK = {name: rank for rank, name in enumerate(DTYPES)}  # the reference's dtype order, narrowest first
@@ -47,16 +48,20 @@ class Piece:
 
 
 class SynthesizedFile:
-    """One file holding `names` (tensors of `model`): safetensors in the reference writer's layout, or,
-    for a GGUF model, a GGUF.
+    """One file holding `names` (tensors of `model`, their bytes handed out by `gate`): safetensors in
+    the reference writer's layout, or, for a GGUF model, a GGUF.
 
     The layout is made on first use (a mount that nobody reads it from pays nothing), and kept in
     arrays: for 100k tensors, the header's bytes and a few MiB.
     """
 
-    def __init__(self, model: Tables, names: list[str], metadata: Mapping[str, str] | None, strip: str = "") -> None:
+    def __init__(
+        self, model: Tables, gate: Gate, names: list[str], metadata: Mapping[str, str] | None, strip: str = ""
+    ) -> None:
         self.model = model
-        self.format = model.format
+        self.gate = gate
+        """What hands out the tensors' bytes (the model's gate: a selection's is its parent's)."""
+        self.format = self.model.format
         """The file's format: the model's ("safetensors", "gguf")."""
         self._names = names
         self._metadata = dict(sorted(metadata.items())) if metadata else None

@@ -1,0 +1,249 @@
+"""The files beside a remote model's weights, found for its view: every one a listing shows (S3, and
+the Hub's API), else (plain HTTP) the names loaders look for and those the model's own files name,
+each look bounded; served through the chunk cache (companions.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+
+from ..errors import RemoteError, TooLarge, printable
+from ..identity import ShardKey
+from ..manifest import DEFAULT_MANIFEST
+from ..names import path_problem
+from ..signing import DEFAULT_SIGNATURE
+from ..sources.choosing import ADAPTER_NAMES
+from ..sources.client import get_whole, head
+from ..sources.finding import beside, hub_listing, listing_beside
+from ..sources.store import ObjectVersion, RemoteOptions
+from .companions import (
+    MAX_COMPANION_BYTES,
+    MAX_COMPANIONS,
+    MAX_COMPANIONS_TOTAL,
+    MAX_NAMING_FILE,
+    Companion,
+    FolderFiles,
+    RemoteOrigin,
+    Skipped,
+    in_view,
+    is_weights_file,
+)
+
+__all__ = ["MAX_SUBDIRECTORIES", "WELL_KNOWN", "find_remote_companions"]
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+WELL_KNOWN = (
+    "config.json",
+    "generation_config.json",
+    *TOKENIZER_FILES,
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "adapter_config.json",
+    *ADAPTER_NAMES,
+    "README.md",
+)
+"""What loaders look for beside the weights: asked for where a store cannot list a directory
+(plain HTTP). sentence-transformers' modules.json and their own configs are among them, and PEFT's
+adapter beside its base model."""
+FOLDER_FILES = ("model.safetensors.index.json", DEFAULT_MANIFEST, DEFAULT_SIGNATURE)
+"""Asked for too where a view is the model's folder: its index, its manifest, its signature."""
+MODULE_FILES = ("config.json", "sentence_bert_config.json", "model.safetensors", "pytorch_model.bin", *TOKENIZER_FILES)
+"""What a module of modules.json may hold in its folder (a Pooling's config, a Transformer's tokenizer,
+a Dense layer's weights)."""
+
+COMPANION_TIMEOUT = 10.0
+"""Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
+MAX_SUBDIRECTORIES = 50
+MAX_SUBDIRECTORY_DEPTH = 2
+"""A companion's path: a file of the model's directory, or of a subdirectory of it (one level)."""
+
+
+def find_remote_companions(
+    source: str,
+    options: RemoteOptions,
+    *,
+    folder: bool = False,
+    own: Collection[ShardKey] = (),
+    components: Collection[str] = (),
+) -> FolderFiles:
+    """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
+    one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
+    files the model's own files name; the same limits as for a local model, each look bounded by
+    COMPANION_TIMEOUT. In a view of the folder (`folder`), the weights files that are not the
+    model's (`own`) are named, not read (FolderFiles.weights). Nothing with --offline (the cache
+    keeps only the weights).
+
+    Which were found, and which looked for and not there, is logged.
+    """
+    if options.offline:
+        return FolderFiles(warnings=[f"{printable(source)}: companion files are not fetched with --offline"])
+    quick = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
+    try:
+        listed = listing_beside(source, quick, MAX_SUBDIRECTORIES)
+    except RemoteError as exc:
+        return FolderFiles(warnings=[f"companion files skipped: {exc}"])
+    if listed is None:
+        try:
+            listed = hub_listing(source, quick, MAX_SUBDIRECTORIES)
+        except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
+            log.info("%s; looking for the files loaders look for instead", exc)
+    mine = {str(weight) for weight in own}
+    if listed is not None:
+        found = _listed(source, options, listed, mine, folder, components)
+        log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found.companions) or "none")
+    else:
+        found = _guessed(source, options, quick, mine, folder)
+    return found
+
+
+def _listed(
+    source: str,
+    options: RemoteOptions,
+    listed: list[tuple[str, int, float, str | None]],
+    own: set[str],
+    folder: bool,
+    components: Collection[str] = (),
+) -> FolderFiles:
+    found = FolderFiles()
+    total = 0
+    skipped = Skipped()
+    for path, size, mtime, etag in sorted(listed):
+        why = path_problem(path, MAX_SUBDIRECTORY_DEPTH)  # the one gate of names from outside
+        if why is not None:
+            name = printable(path[:200])
+            skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
+            continue
+        if not in_view(path, folder=folder, components=components):
+            continue
+        ref = beside(source, path, options)
+        if ref.url in own:
+            continue
+        shown = printable(ref.url)
+        if len(found.companions) + len(found.weights) == MAX_COMPANIONS:
+            skipped.add("too many", f"{shown}: skipped: over {MAX_COMPANIONS} files beside the model")
+        elif folder and is_weights_file(path):
+            found.weights.append(path)  # opened, validated and served as a model of its own
+        elif size < 0:  # a lying listing's (-1: none at all)
+            skipped.add("no size", f"{shown}: skipped: the listing gives it no size, or a negative one")
+        elif size > MAX_COMPANION_BYTES:
+            skipped.add("over 64 MiB", f"{shown}: skipped: {size} bytes, over 64 MiB")
+        elif total + size > MAX_COMPANIONS_TOTAL:
+            skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
+        else:
+            total += size
+            version = ObjectVersion(ref, etag, size, mtime) if etag is not None else None
+            mtime_ns = int((mtime or time.time()) * 1e9)
+            found.companions.append(Companion(path, size, mtime_ns, None, RemoteOrigin(ref, options, version)))
+    found.warnings.extend(skipped.said())
+    return found
+
+
+def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, own: set[str], folder: bool) -> FolderFiles:
+    """Plain HTTP: the well-known names that are there, then what modules.json and the configs name."""
+    looked: dict[str, ObjectVersion | None] = {}
+    found = FolderFiles()
+
+    def look(paths: Iterable[str]) -> None:
+        wanted = [path for path in dict.fromkeys(paths) if path not in looked and in_view(path, folder=folder)]
+        wanted = [path for path in wanted if beside(source, path, quick).url not in own]
+
+        def one(path: str) -> tuple[str, ObjectVersion | str | None]:
+            try:
+                return path, head(beside(source, path, quick))
+            except RemoteError as exc:
+                return path, f"{printable(str(exc))}: skipped"
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for path, answer in pool.map(one, wanted[: MAX_COMPANIONS - len(looked)]):
+                if isinstance(answer, str):
+                    found.warnings.append(answer)
+                    looked[path] = None
+                else:
+                    looked[path] = answer
+
+    look((*WELL_KNOWN, *(FOLDER_FILES if folder else ())))
+    look(_named(source, quick, looked, found.warnings))
+    total = 0
+    for path, version in sorted(looked.items()):
+        if version is None:
+            continue
+        shown = printable(version.url)
+        if folder and is_weights_file(path):
+            found.weights.append(path)
+        elif version.size > MAX_COMPANION_BYTES:
+            found.warnings.append(f"{shown}: skipped: {version.size} bytes, over 64 MiB")
+        elif total + version.size > MAX_COMPANIONS_TOTAL:
+            found.warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
+        else:
+            total += version.size
+            mtime_ns = int((version.mtime or time.time()) * 1e9)
+            ref = version.ref
+            found.companions.append(Companion(path, version.size, mtime_ns, None, RemoteOrigin(ref, options, version)))
+    absent = sorted(path for path, version in looked.items() if version is None)
+    log.info(
+        "companion files of %s: found %s; looked for and not there: %s",
+        printable(source),
+        ", ".join([*(c.path for c in found.companions), *found.weights]) or "none",
+        ", ".join(absent) or "none",
+    )
+    return found
+
+
+def _named(
+    source: str, options: RemoteOptions, looked: dict[str, ObjectVersion | None], warnings: list[str]
+) -> list[str]:
+    """The files that the model's own files found so far name: each module of modules.json (its
+    config.json, and any well-known file in its folder), and the Python files of auto_map."""
+    named: list[str] = []
+    for document_name in ("modules.json", "config.json", "tokenizer_config.json"):
+        version = looked.get(document_name)
+        if version is None or version.size > MAX_NAMING_FILE:
+            continue
+        try:
+            document = orjson.loads(get_whole(version.ref, MAX_NAMING_FILE))
+        except (RemoteError, TooLarge, FileNotFoundError, orjson.JSONDecodeError) as exc:
+            warnings.append(f"{printable(version.url)}: not followed: {exc}")
+            continue
+        if document_name == "modules.json" and isinstance(document, list):
+            for module in document:
+                folder = module.get("path") if isinstance(module, dict) else None
+                if isinstance(folder, str) and _plain_name(folder):  # its files: one level down
+                    named += [f"{folder}/{name}" for name in MODULE_FILES]
+        elif isinstance(document, dict) and isinstance(document.get("auto_map"), dict):
+            for value in document["auto_map"].values():
+                for reference in value if isinstance(value, list) else [value]:
+                    if isinstance(reference, str) and "." in reference:
+                        module_name = reference.rpartition("--")[2].rpartition(".")[0]
+                        if _plain_name(f"{module_name}.py", MAX_SUBDIRECTORY_DEPTH):
+                            named.append(f"{module_name}.py")
+    return named
+
+
+def _plain_name(path: str, depth: int = 1) -> bool:
+    """Whether a name a model's file gives is one to look for: a plain relative path of at most
+    `depth` parts (names.path_problem, the one gate of names from outside), and no backslash (a
+    separator to some servers)."""
+    return path_problem(path, depth) is None and "\\" not in path
