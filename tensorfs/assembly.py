@@ -4,7 +4,7 @@ in two shards, the index agrees with the shards, names that are safe paths and d
 from __future__ import annotations
 
 from . import formats
-from .errors import Problem
+from .errors import Problem, printable
 from .formats import NAME
 from .identity import shard_name
 from .names import Layout, collisions, name_problems
@@ -51,14 +51,7 @@ def check_model(
         problems += mixed
         return owner
     if len(owner) != sum(len(shard.header.entries) for shard in shards):
-        first: dict[str, Shard] = {}
-        for shard in shards:
-            for entry in shard.header.entries:
-                holder = first.setdefault(entry[NAME], shard)
-                if holder is not shard:
-                    problems.append(
-                        Problem(shard.label, f"is also in shard {shard_name(holder.header.path)}", entry[NAME])
-                    )
+        problems += _held_twice(shards)
     bad_names = name_problems(owner, layout)
     for name, reason in bad_names:
         problems.append(Problem(owner[name].label, reason, name))
@@ -76,3 +69,29 @@ def check_model(
     for name, reason in collisions(valid, layout):
         problems.append(Problem(owner[name].label, reason, name))
     return owner
+
+
+def _held_twice(shards: list[Shard]) -> list[Problem]:
+    """A tensor in two shards: said of the tensor; many tensors of one shard in another (the files of
+    two models side by side: two LoRAs, two checkpoints), said once of the pair of files."""
+    first: dict[str, int] = {}
+    again: dict[tuple[int, int], list[str]] = {}  # (the shard, the one holding them first) -> names
+    for k, shard in enumerate(shards):
+        for entry in shard.header.entries:
+            holder = first.setdefault(entry[NAME], k)
+            if holder != k:
+                again.setdefault((k, holder), []).append(entry[NAME])
+    problems: list[Problem] = []
+    for (k, h), names in again.items():
+        label, other = shards[k].label, shard_name(shards[h].header.path)
+        if len(names) == 1:
+            problems.append(Problem(label, f"is also in shard {other}", names[0]))
+        else:
+            problems.append(
+                Problem(
+                    label,
+                    f"{len(names)} of its tensors ('{printable(names[0])}' ...) are also in shard {other}: the "
+                    "files of two models? name the one to open",
+                )
+            )
+    return problems

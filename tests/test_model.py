@@ -344,3 +344,17 @@ def test_info_fields(tmp_path: Path) -> None:
         assert list(model) == ["a", "b"]
         with pytest.raises(KeyError):
             model.info("c")
+
+
+def test_the_files_of_two_models_side_by_side_are_refused_in_one_line(tmp_path: Path) -> None:
+    """Two LoRAs (or checkpoints) of the same tensors in one folder: one line naming both files, not
+    one a tensor (64 lines for two of Stable Diffusion's LoRAs)."""
+    tensors = {f"lora.{k}": ("U8", [1], bytes([k])) for k in range(64)}
+    write_reference(tmp_path / "a_lora.safetensors", tensors)
+    write_reference(tmp_path / "b_lora.safetensors", tensors)
+    with pytest.raises(InvalidModelError) as caught:
+        tensorfs.open_model(tmp_path)
+    assert str(caught.value) == (
+        f"{tmp_path / 'b_lora.safetensors'}: 64 of its tensors ('lora.0' ...) are also in shard a_lora.safetensors: "
+        "the files of two models? name the one to open"
+    )
