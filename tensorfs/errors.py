@@ -105,13 +105,23 @@ class SliceError(TensorfsError, IndexError, SafetensorError):
 class IntegrityError(TensorfsError):
     """A tensor's bytes do not hash to what its manifest says."""
 
-    def __init__(self, message: str, tensor: str | None = None, expected: str | None = None, actual: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        tensor: str | None = None,
+        expected: str | None = None,
+        actual: str | None = None,
+        span: tuple[int, int] | None = None,
+    ):
         super().__init__(message)
         self.tensor = tensor
         self.expected = expected
         """The manifest's SHA-256 (hex)."""
         self.actual = actual
         """The SHA-256 the bytes have (hex)."""
+        self.span = span
+        """The bytes [start, end) of the file that are not the signed ones, when a signature's range
+        (not the tensor's own bytes) was what they failed."""
 
 
 class MountError(TensorfsError):

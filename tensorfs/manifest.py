@@ -156,6 +156,7 @@ def read_document(
 ) -> bytes:
     """The bytes of a small document a model is held to (`what`: a manifest, a signature) in `path`:
     a file, a pipe or a URL, at most `limit` bytes; `error` (one line naming it) when it cannot be read.
+    One read from a URL is kept in the cache, and with --offline taken from there (no store asked).
 
     `in_model`: found in a model's directory, which someone else may control: a regular file
     beneath it, opened once, never blocking.
@@ -163,12 +164,24 @@ def read_document(
     too_large = f"over {limit >> 20} MiB, too large to be {what}"
     if is_remote(path):
         assert isinstance(path, str)
+        options = remote or RemoteOptions()
+        from .sources.cache import default_cache_dir
+        from .sources.remote import remember_document, remembered_document
+
+        shown = redact(path)
         try:
-            data = read_url(path, remote or RemoteOptions(), limit)
+            if options.offline:  # asked of no store: as it was read last, from the cache
+                found = remembered_document(path, options)
+                if found is None:
+                    cache = options.cache_dir or default_cache_dir()
+                    raise error(f"{shown}: --offline: the cache {printable(str(cache))} never had it")
+                data = found
+            else:
+                data = read_url(path, options, limit)
+                remember_document(path, options, data)
         except TooLarge:
-            raise error(f"{redact(path)}: {too_large}") from None
+            raise error(f"{shown}: {too_large}") from None
         except (RemoteError, FileNotFoundError) as exc:
-            shown = redact(path)
             raise error(str(exc) if str(exc).startswith(shown) else f"{shown}: {exc}") from None
     else:
         path = Path(path)
@@ -183,6 +196,8 @@ def read_document(
                     os.close(fd)
                     raise error(f"{path}: not a regular file or a pipe")
             try:
+                if os.fstat(fd).st_size > limit:  # said before a byte of it is read (a pipe says 0: read, bounded)
+                    raise error(f"{printable(str(path))}: {too_large}")
                 data = read_bounded(fd, limit)
             finally:
                 os.close(fd)

@@ -33,7 +33,7 @@ from .opening import open_location, pipeline_components
 from .progress import Progress
 from .safefiles import ModelDirectory
 from .selection import Selection
-from .signing import Signature, SignatureError
+from .signing import DEFAULT_SIGNATURE, Signature, SignatureError
 from .sources.cache import default_cache_dir
 from .sources.choosing import view_name
 from .sources.client import exists
@@ -319,19 +319,31 @@ class Source:
         why = synthesized_because(model, request)
         weights = model.shards
         folders = [] if why is None else self.components(weights)
+        signed = model.signed
+        # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
+        wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
         if isinstance(self.location, str):
             found = find_remote_companions(
-                self.location, self.remote, folder=why is None, own=weights, components=folders
+                self.location, self.remote, folder=why is None, own=weights, components=folders, wanted=wanted or ()
             )
         else:
-            found = find_companions(self.location, folder=why is None, own=weights, components=folders)
-        signed = model.signed
+            found = find_companions(self.location, folder=why is None, own=weights, components=folders, wanted=wanted)
         companions = found.companions
         if signed is not None:
             from .signed import signed_companions
 
-            companions = signed_companions(signed, companions, remote=self.is_remote, with_signature=why is None)
+            # (offline, no companion is fetched: none is missing for that)
+            remote = self.is_remote and not self.remote.offline
+            companions = signed_companions(signed, companions, remote=remote, with_signature=why is None)
         warnings = found.warnings
+        unverified = (
+            None if signed is not None else next((c.path for c in companions if c.path == DEFAULT_SIGNATURE), None)
+        )
+        if unverified is not None:  # said once: the view serves it as any file, and nothing checked it
+            warnings.append(
+                f"{printable(redact(str(self._in_folder(unverified))))}: a signature beside the model, not verified "
+                "(--public-key or --certificate-chain holds the model to it): served as any file of the folder"
+            )
         if why is not None:
             by_folder: dict[str, list[str]] = {name: [] for name in folders}
             for weight in weights:
@@ -342,8 +354,9 @@ class Source:
             name = view_name([shard_name(weight) for weight in weights])
             note = self._note(model)
             spec = ViewSpec(
-                companions, request.shards, warnings, found.directories, name, components, why=why, note=note
-            )
+                companions, request.shards, warnings, found.directories, name, components, why=why, note=note,
+                unverified=unverified,
+            )  # fmt: skip
             if signed is not None:
                 warnings.append(
                     f"the view of {self.shown} is synthesized ({why}): the signature {signed.label} covers the "
@@ -368,7 +381,10 @@ class Source:
             manifest=manifest,
         )
         warnings += others.warnings
-        spec = ViewSpec(companions, 0, warnings, found.directories, folder=True, weights={**places, **others.places})
+        weights_files = {**places, **others.places}
+        spec = ViewSpec(
+            companions, 0, warnings, found.directories, folder=True, weights=weights_files, unverified=unverified
+        )
         return spec, others
 
     @property
@@ -391,8 +407,9 @@ class Source:
     def _note(self, model: Model) -> dict[str, str | None]:
         """What a synthesized view's note says besides why: the source, the selection, the signature."""
         signed = model.signed
+        where = self.location if isinstance(self.location, str) else os.path.abspath(self.location)
         return {
-            "source": self.shown,
+            "source": printable(redact(str(where))),  # (a note read elsewhere: no path relative to a shell)
             "selection": None if model.selection.everything else model.selection.describe(),
             "signature": None
             if signed is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -43,6 +43,8 @@ the file when the file of that identity was found to match it (SignedFile.key)."
 MAX_FILES = 100_000
 MAX_DEPTH = 32
 """The most a local model's directory is walked for its files: past either, it is refused."""
+MAX_SAID = 10
+"""The most files a refusal names, one line each (then how many more)."""
 
 
 def hold_model(
@@ -68,7 +70,8 @@ def hold_model(
         signed = dataclasses.replace(signed, ignored=(*signed.ignored, own), path=own)
     if not one_file:
         if isinstance(where, str):
-            check_remote_files(signed, where, remote)
+            if not remote.offline:  # (offline, no store is asked: only what the cache holds is served)
+                check_remote_files(signed, where, remote)
         else:
             check_local_files(signed, where, model.shards, cache, everything=everything)
     hasher = Hasher(model, cache)
@@ -206,6 +209,7 @@ def _hash_shard(
         signed.label,
         tensors,
         advance,
+        refused=model.shard_data(shard).refused,
     )
     if identity is not None:
         by_span = {(begin - start, end - start): digests[name] for begin, end, name in tensors}
@@ -237,7 +241,7 @@ def check_local_files(
                 except SignatureError as exc:
                     problems.append(str(exc))
     if problems:
-        raise SignatureError("\n".join(problems))
+        raise refusal(problems)
 
 
 def _unsigned(shown: str, signed: SignedModel) -> str:
@@ -245,20 +249,33 @@ def _unsigned(shown: str, signed: SignedModel) -> str:
 
 
 def _coverage(
-    signed: SignedModel, present: Iterable[str], shown: Callable[[str], str], depth: int | None = None
+    signed: SignedModel, present: Mapping[str, int], shown: Callable[[str], str], depth: int | None = None
 ) -> list[str]:
     """A line for each file signed and not present (within `depth` subdirectories, when the files
     present are only known so far), and for each present that the signature neither names nor
-    leaves out; `shown(relative)` is how a message names a file."""
-    present = set(present)
-    missing = [name for name in sorted(set(signed.files) - present) if depth is None or name.count("/") <= depth]
+    leaves out (`present`: each file's size, -1 unknown); `shown(relative)` is how a message names a
+    file. An empty file a signature of ranges names no range of is signed as model_signing signs it
+    (its shard serializer makes no item of one, and its verify takes it so)."""
+    missing = [name for name in sorted(set(signed.files) - set(present)) if depth is None or name.count("/") <= depth]
     problems = [f"{printable(shown(name))}: signed, but not in the model" for name in missing]
     problems += [
         _unsigned(shown(name), signed)
         for name in sorted(present)
-        if name not in signed.files and not signed.is_ignored(name)
+        if name not in signed.files and not signed.is_ignored(name) and not _empty_of_ranges(signed, present[name])
     ]
     return problems
+
+
+def _empty_of_ranges(signed: SignedModel, size: int) -> bool:
+    return size == 0 and signed.method == "shards"
+
+
+def refusal(problems: list[str]) -> SignatureError:
+    """What refuses a model, one line a file, for so many (a statement naming a million files the
+    model lacks made a million lines): the first ones, then how many more."""
+    if len(problems) > MAX_SAID:
+        problems = [*problems[:MAX_SAID], f"... and {len(problems) - MAX_SAID:,} more"]
+    return SignatureError("\n".join(problems))
 
 
 def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) -> None:
@@ -268,43 +285,51 @@ def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) 
     from .views.remote_files import MAX_SUBDIRECTORIES
 
     try:
-        listed = listing_beside(source, remote, MAX_SUBDIRECTORIES)
+        listed = listing_beside(source, remote, MAX_SUBDIRECTORIES, whole=True)  # a cut one: never taken for all
     except RemoteError as exc:
-        raise SignatureError(str(exc)) from None
+        raise SignatureError(f"{exc}: the signature {signed.label} cannot be checked against it") from None
     if listed is None:
         return
     base = directory_url(source, remote)
     # The listing reaches one level of subdirectories down: a file signed deeper is not looked for.
-    problems = _coverage(signed, [path for path, *_ in listed], lambda relative: f"{base}/{relative}", depth=1)
+    present = {path: size for path, size, *_ in listed}
+    problems = _coverage(signed, present, lambda relative: f"{base}/{relative}", depth=1)
     if problems:
-        raise SignatureError("\n".join(problems))
+        raise refusal(problems)
 
 
-def _walk(root: ModelDirectory, directory: Path) -> list[str]:
+def _walk(root: ModelDirectory, directory: Path) -> dict[str, int]:
     """Every file beneath the directory (what is not a directory: a link is a file, never followed),
-    by path; what is mounted inside it is not entered."""
+    by path, with its size (-1: a link's, not known); what is mounted inside it is not entered."""
     mounted = mounted_under(root.real)
-    found: list[str] = []
+    found: dict[str, int] = {}
     todo = [""]
     while todo:
         relative = todo.pop()
         if relative.count("/") >= MAX_DEPTH:
             raise SignatureError(f"{printable(str(directory / relative))}: over {MAX_DEPTH} directories deep")
         try:
-            entries = list(root.scan(relative))
+            for entry in root.scan(relative):  # (each looked at while its directory is open)
+                path = f"{relative}/{entry.name}" if relative else entry.name
+                if path in mounted:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(path)
+                else:
+                    found[path] = _size_of(entry)
+                if len(found) > MAX_FILES:
+                    raise SignatureError(f"{printable(str(directory))}: over {MAX_FILES} files")
         except OSError as exc:
             raise SignatureError(f"{printable(str(directory / relative))}: cannot list: {exc.strerror}") from None
-        for entry in entries:
-            path = f"{relative}/{entry.name}" if relative else entry.name
-            if path in mounted:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                todo.append(path)
-            else:
-                found.append(path)
-            if len(found) > MAX_FILES:
-                raise SignatureError(f"{printable(str(directory))}: over {MAX_FILES} files")
-    return sorted(found)
+    return dict(sorted(found.items()))
+
+
+def _size_of(entry: os.DirEntry[str]) -> int:
+    """A regular file's size, as listed (-1 for anything else: a link is not followed)."""
+    try:
+        return entry.stat(follow_symlinks=False).st_size if entry.is_file(follow_symlinks=False) else -1
+    except OSError:
+        return -1
 
 
 def _check_plain(root: ModelDirectory, directory: Path, relative: str, signed: SignedModel, cache: HashCache) -> None:
@@ -403,6 +428,8 @@ def signed_companions(
             continue
         listed.add(companion.path)
         kept.append(companion)
+        if companion.path not in signed.files and _empty_of_ranges(signed, companion.size):
+            continue  # signed as model_signing signs it (see _coverage)
         try:
             if isinstance(origin, LocalOrigin):
                 signed_content(signed, companion.path, shown, read, origin.digest)
@@ -415,5 +442,5 @@ def signed_companions(
         if in_view(relative, folder=with_signature) and not (with_signature and is_weights_file(relative)):
             problems.append(f"{printable(relative)}: signed, but not beside the model ({signed.label})")
     if problems:
-        raise SignatureError("\n".join(problems))
+        raise refusal(problems)
     return kept

@@ -68,12 +68,14 @@ def check_file(
     tensors: Iterable[tuple[int, int, str]] = (),
     advance: Callable[[int], None] | None = None,
     ranges: Iterable[tuple[int, int | None, str]] | None = None,
+    refused: Callable[[int, int], object] | None = None,
 ) -> dict[str, str]:
     """Hash a file of `size` bytes in one pass: each signed range (or the whole) compared with the
     signature's digest, and the SHA-256 of each of `tensors` ((begin, end, name), absolute) taken on
     the way. `ranges`: only these consecutive ones of the signed ranges (which tile the file: the
     caller checked), `tensors` lying wholly inside them. SignedBytesMismatch (a SignatureError)
-    naming the file and the range when its bytes are not the signed ones."""
+    naming the file and the range when its bytes are not the signed ones, `refused(start, end)`
+    told of them first (ShardData.refused: a cache forgets them)."""
     if ranges is None:
         check_size(signed_file, size, shown, label)
         ranges = signed_file.ranges
@@ -107,6 +109,8 @@ def check_file(
             if advance is not None:
                 advance(len(piece))
         if digest.hexdigest() != want:
+            if refused is not None:
+                refused(begin, end)
             span = "" if signed_file.whole else f" [{begin}, {end})"
             reason = f"bytes{span} hash to {digest.hexdigest()}, not to {want} as the signature {label} says"
             raise SignedBytesMismatch(shown, reason, (begin, end), want, digest.hexdigest())
@@ -197,7 +201,7 @@ class SignedRanges:
             except SignedBytesMismatch as exc:
                 name = next((n for n in names if self._holds(hasher, n, job[0], exc.span)), names[0])
                 said = f"{printable(str(job[0]))}: tensor '{printable(name)}': {exc.reason}"
-                raise IntegrityError(said, name, exc.expected, exc.actual) from None
+                raise IntegrityError(said, name, exc.expected, exc.actual, exc.span) from None
             except SignatureError as exc:  # its bytes gone while read: as the gate says of a tensor's
                 raise ShardChangedError(str(exc)) from None
 
@@ -230,7 +234,10 @@ class SignedRanges:
             model.readinto(shard, offset, buffer)
 
         signed_file = self.files[shard]
-        digests = check_file(read, header.file_size, signed_file, str(shard), self.label, inside, advance, ranges)
+        refused = model.shard_data(shard).refused
+        digests = check_file(
+            read, header.file_size, signed_file, str(shard), self.label, inside, advance, ranges, refused
+        )
         identity = model.identity(shard)
         if identity is not None and hasher.cache.enabled:
             start = header.data_start

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -153,7 +154,7 @@ def verify_signature(data: bytes, label: str, trust: Signature) -> SignedModel:
     material: the statement's signature checked by the library's cryptography, then its digests."""
     try:
         from model_signing import manifest as signed_manifest
-        from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb
+        from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb, signing
     except ImportError:
         raise SignatureError(
             f"{label}: verifying a signature needs the model-signing package: pip install 'tensorfs[signing]'"
@@ -174,18 +175,39 @@ def verify_signature(data: bytes, label: str, trust: Signature) -> SignedModel:
     said = io.StringIO()
     try:
         with contextlib.redirect_stdout(said):  # it prints a warning on stdout, which is a command's output
-            verified = verifier.verify(signature)
-    except Exception as exc:  # InvalidSignature, a chain that does not verify, a statement it refuses
+            payload_type, payload = verifier._verify_signed_content(signature)  # the signature only
+    except Exception as exc:  # InvalidSignature, a chain that does not verify, a key that is not the signer's
         raise SignatureError(
             f"{label}: does not verify with {printable(str(material))}: {_reason(exc) or 'the signature is not its'}"
         ) from None
     if said.getvalue().strip():
         log.warning("%s: %s", label, " ".join(said.getvalue().split()))
-    try:
-        signed = _signed(verified, signed_manifest, label, _signer(trust, signature))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a statement signed, but not one it reads
-        raise SignatureError(f"{label}: its statement is not one of a model's files: {_reason(exc)}") from None
+    try:  # what was signed, read by the library's own reader
+        statement = _statement(payload_type, payload, signing)
+        verified = signing.dsse_payload_to_manifest(statement)
+        signed = _signed(verified, statement, signed_manifest, label, _signer(trust, signature))
+    except SignatureError:
+        raise
+    except Exception as exc:  # signed as it is, and no statement of a model's files
+        raise SignatureError(f"{label}: its statement is malformed: {_malformed(exc)}") from None
     return dataclasses.replace(signed, digest=hashlib.sha256(data).hexdigest())
+
+
+def _statement(payload_type: str, payload: bytes, signing: Any) -> dict[str, Any]:
+    """The in-toto statement a verified envelope carries (as model_signing's Verifier.verify reads it)."""
+    if payload_type != signing._IN_TOTO_JSON_PAYLOAD_TYPE:
+        raise ValueError(f"its payload is {printable(str(payload_type))[:100]}, not an in-toto statement")
+    statement = json.loads(payload)
+    if not isinstance(statement, dict) or statement.get("_type") != signing._IN_TOTO_STATEMENT_TYPE:
+        raise ValueError("its payload is not an in-toto statement")
+    return statement
+
+
+def _malformed(exc: BaseException) -> str:
+    """What is wrong with a statement, as a line (a missing key named as such, not as Python says it)."""
+    if isinstance(exc, KeyError) and exc.args:
+        return f"it has no {printable(str(exc.args[0]))!r}"
+    return _reason(exc)
 
 
 def _parsed(data: bytes, sign_sigstore_pb: Any) -> Any:
@@ -213,8 +235,15 @@ def _signer(trust: Signature, signature: Any) -> str:
     return f"certificate {printable(x509.load_der_x509_certificate(leaf).subject.rfc4514_string())}"
 
 
-def _signed(verified: signed_manifest.Manifest, signed_manifest: Any, label: str, signer: str) -> SignedModel:
-    """The digests of a verified statement, by file, through the library's own types."""
+def _signed(
+    verified: signed_manifest.Manifest, statement: dict[str, Any], signed_manifest: Any, label: str, signer: str
+) -> SignedModel:
+    """The digests of a verified statement, by file, through the library's own types; SignatureError
+    for what the library's own reading lets pass and no model's signature says: a file (or a range)
+    named twice (the library keeps the last digest: a false one first passed), a range of no bytes."""
+    twice = _named_twice(statement)
+    if twice is not None:
+        raise SignatureError(f"{label}: its statement names {printable(twice)} twice: no signer's tool writes that")
     serialization = verified.serialization_type
     method, hash_type = serialization.get("method"), serialization.get("hash_type")
     if hash_type != "sha256":
@@ -225,12 +254,34 @@ def _signed(verified: signed_manifest.Manifest, signed_manifest: Any, label: str
         key = kind.new_item(descriptor.identifier, descriptor.digest).key
         path = str(key.path)
         if method == "shards":
-            ranges.setdefault(path, []).append((int(key.start), int(key.end), descriptor.digest.digest_hex))
+            start, end = int(key.start), int(key.end)
+            if end <= start:
+                raise SignatureError(
+                    f"{label}: its statement signs bytes [{start}, {end}) of {printable(path)}: no bytes"
+                )
+            ranges.setdefault(path, []).append((start, end, descriptor.digest.digest_hex))
         else:
             ranges.setdefault(path, []).append((0, None, descriptor.digest.digest_hex))
     files = {path: SignedFile(tuple(sorted(spans, key=lambda span: span[0]))) for path, spans in ranges.items()}
     ignored = tuple(str(path) for path in serialization.get("ignore_paths", ()))
     return SignedModel(label, signer, str(method), files, ignored)
+
+
+def _named_twice(statement: dict[str, Any]) -> str | None:
+    """A name the statement gives two items (a file, or a file's range), if it does: its resources,
+    or an older statement's subjects."""
+    predicate = statement.get("predicate")
+    items = predicate.get("resources") if isinstance(predicate, dict) else None
+    if not isinstance(items, list):
+        items = statement.get("subject")
+    seen: set[str] = set()
+    for item in items if isinstance(items, list) else ():
+        name = item.get("name") if isinstance(item, dict) else None
+        if isinstance(name, str):
+            if name in seen:
+                return name
+            seen.add(name)
+    return None
 
 
 def _reason(exc: BaseException) -> str:

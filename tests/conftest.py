@@ -121,6 +121,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     _say_the_fuzz_seed(config)
+    from test_layout import LONG_LINES, long_modules
+
+    for name, lines in sorted(long_modules(LONG_LINES).items()):
+        terminalreporter.write_line(f"warning: {name} is {lines} lines, over {LONG_LINES}: split it along its jobs")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -322,24 +326,35 @@ class Mounts:
         return cli(*args, timeout=timeout)
 
     def mount(
-        self, source: Path, *options: str, mountpoint: Path | None = None, command: Sequence[str] = MOUNT_COMMAND
+        self,
+        source: Path | str,
+        *options: str,
+        mountpoint: Path | None = None,
+        command: Sequence[str] = MOUNT_COMMAND,
+        cwd: Path | None = None,
     ) -> Path:
-        """Mount `source` with `command` (`tensorfs mount`, or what runs it: see helpers.CacheBlocks)."""
+        """Mount `source` with `command` (`tensorfs mount`, or what runs it: see helpers.CacheBlocks),
+        run in `cwd` (a relative `source` is of it, as a user types one)."""
         if mountpoint is None:
             mountpoint = self.tmp_path / f"mnt{len(self.mountpoints)}"
             mountpoint.mkdir()
         result = self.attempt(
-            source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint, command=command
+            source, "--log-file", str(self.log_file), *options, mountpoint=mountpoint, command=command, cwd=cwd
         )
         assert result.returncode == 0, result.stderr + self.log()
         assert os.path.ismount(mountpoint)
         return mountpoint
 
     def attempt(
-        self, source: Path | str, *options: str, mountpoint: Path, command: Sequence[str] = MOUNT_COMMAND
+        self,
+        source: Path | str,
+        *options: str,
+        mountpoint: Path,
+        command: Sequence[str] = MOUNT_COMMAND,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run `tensorfs mount`, which may be refused (the caller checks how). Its mountpoint is taken
-        care of first, so that a mount expected to be refused but made all the same is taken away."""
+        """Run `tensorfs mount` (in `cwd`), which may be refused (the caller checks how). Its mountpoint
+        is taken care of first, so that a mount expected to be refused but made all the same is taken away."""
         self.watch(mountpoint)
         return subprocess.run(
             [*command, *options, str(source), str(mountpoint)],
@@ -347,6 +362,7 @@ class Mounts:
             text=True,
             timeout=patience(120),
             check=False,
+            cwd=cwd,
         )
 
     def watch(self, mountpoint: Path) -> Path:

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 import tensorfs.sources.cache.chunks
-from conftest import missing_root, require, wait_until
-from helpers import MIB, patience, small_disk
+from conftest import Mounts, missing_root, require, wait_until
+from helpers import MIB, patience, random_bytes, small_disk, write_reference
+from servers import Nginx
 from tensorfs.sources.cache import CacheFull
 from tensorfs.sources.cache.chunks import ChunkCache
 from tensorfs.sources.cache.full import full
@@ -173,7 +174,7 @@ def test_a_read_on_a_full_disk_whose_chunks_cannot_be_recorded_is_refused_withou
 ) -> None:
     """Chunks waiting to be recorded are soon evictable, so a read finding no room waits for their
     save; not once a save had no room for their rows: saving them again frees nothing till room
-    comes, and every read on the full disk waited out its whole deadline (ROOM_WAIT) for nothing.
+    comes, and every read on the full disk waited out its whole deadline (then ROOM_WAIT, 10 s) for nothing.
     Now it tries the save once and is told the disk is full (counted: the saves it tried)."""
     require("root (it mounts a small tmpfs)", missing_root())
     with small_disk(tmp_path / "small-disk", "3m") as directory:
@@ -199,3 +200,40 @@ def test_a_read_on_a_full_disk_whose_chunks_cannot_be_recorded_is_refused_withou
                 cache.let_go(cached)
                 cached.close()
         cache.close()
+
+
+@pytest.mark.mount
+def test_readers_of_a_model_larger_than_the_cache_disk_wait_for_room_and_get_exact_bytes(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """Four readers of a 64 MiB model over HTTP through a mount whose cache is on an empty 20 MiB
+    disk (two chunks' room, no --cache-size): each read waits for the chunks the others hold to be let
+    go, and every byte comes back exact (39-64 of the 256 reads were refused as "the cache disk is
+    full", at once or after a while, while a lone reader was exact)."""
+    require("root (it mounts a small tmpfs)", missing_root())
+    tensors = {f"t{k}": random_bytes(8 * MIB, 70 + k) for k in range(8)}
+    served = nginx.root / f"room-{os.getpid()}"
+    served.mkdir()
+    write_reference(served / "model.safetensors", {name: ("U8", [len(data)], data) for name, data in tensors.items()})
+    with small_disk(tmp_path / "small-disk", "20m") as directory:
+        mountpoint = mounts.mount(f"{nginx.url}/{served.name}/model.safetensors", "--cache-dir", str(directory))  # type: ignore[arg-type]
+
+        def reader(k: int) -> list[str]:
+            wrong = []
+            order = list(tensors)[k:] + list(tensors)[:k]  # each its own order: they meet in every chunk
+            for name in order:
+                with open(mountpoint / name, "rb", buffering=0) as file:
+                    for offset in range(0, 8 * MIB, MIB):
+                        try:
+                            got = os.pread(file.fileno(), MIB, offset)
+                        except OSError as exc:
+                            wrong.append(f"{name}@{offset}: {exc}")
+                            continue
+                        if got != tensors[name][offset : offset + MIB]:
+                            same = got == tensors[name][offset : offset + len(got)]
+                            wrong.append(f"{name}@{offset}: {len(got)} bytes, {'a part' if same else 'other bytes'}")
+            return wrong
+
+        with ThreadPoolExecutor(4) as pool:
+            found = [line for lines in pool.map(reader, range(4)) for line in lines]
+        assert found == [], (found[:5], mounts.log()[-3000:])

@@ -535,3 +535,47 @@ def test_sums_hashed_while_their_shard_was_written_are_refused(tmp_path: Path, m
         sums = run(model.gate.digest_all(names))
         assert sums["s1.t0"] != hashlib.sha256(data["s1.t0"]).hexdigest()  # the bytes as they are now
         assert sums["s0.t0"] == hashlib.sha256(data["s0.t0"]).hexdigest()
+
+
+# -- a store that lied once: what the manifest refused is not kept ------------------------------------------
+
+
+def lie_about_t0(hostile: HostileServer) -> None:
+    """Other bytes in t0's first chunk, under the object's ETag (a resumed GET given another object's
+    bytes looks so): the first fetch of that chunk caches them."""
+    served = (hostile.root / "m.safetensors").read_bytes()
+    lied = served[:MIB] + bytes(b ^ 0xA5 for b in served[MIB : 2 * MIB]) + served[2 * MIB :]
+    hostile.lies.append(Lie("body", "m.safetensors", lied))
+
+
+def test_bytes_a_manifest_refused_are_fetched_again_in_process(hostile: HostileServer, tmp_path: Path) -> None:
+    """A store lies once: the manifest refuses t0 (IntegrityError), and its chunks are not kept: once
+    the store is honest again (same URL, same ETag), the same open model reads t0 exact, and so does a
+    new one from the same cache (the cache kept the lie, and every later read was refused)."""
+    expected = four_tensors(hostile.root / "m.safetensors")
+    verify = manifest_of(expected, tmp_path / "m.sha256")
+    url = f"{hostile.url}/m.safetensors"
+    options = RemoteOptions(cache_dir=tmp_path / "cache")
+    lie_about_t0(hostile)
+    with tensorfs.open_model(url, remote=options, cache=False, verify=verify) as model:
+        with pytest.raises(IntegrityError, match="tensor 't0': its bytes hash to"):
+            model.raw("t0")
+        hostile.lies.clear()
+        assert bytes(model.raw("t0")) == expected["t0"]
+    with tensorfs.open_model(url, remote=options, cache=False, verify=verify) as model:
+        assert {name: bytes(model.raw(name)) for name in model} == expected
+
+
+@pytest.mark.mount
+def test_bytes_a_manifest_refused_are_fetched_again_through_a_mount(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    expected = four_tensors(hostile.root / "m.safetensors")
+    verify = manifest_of(expected, tmp_path / "m.sha256")
+    url = f"{hostile.url}/m.safetensors"
+    lie_about_t0(hostile)
+    mountpoint = mounts.mount(url, "--cache-dir", str(tmp_path / "cache"), "--manifest", str(verify))  # type: ignore[arg-type]
+    assert errno_of_reading(mountpoint / "t0") == errno.EIO
+    hostile.lies.clear()
+    assert (mountpoint / "t0").read_bytes() == expected["t0"]  # fetched again: no remount, no cache cleared
+    assert "tensor 't0' in shard" in mounts.log()

@@ -110,12 +110,19 @@ def test_no_import_cycles() -> None:
     assert cycles(import_graph(types=True)) == []
 
 
-MAX_LINES = 600
+LONG_LINES = 600
+"""Past this, a module is said to be long at the end of the run (conftest): split it along its jobs."""
+MAX_LINES = 750
+"""Past this, one fails the suite: a size is a symptom of a module doing several jobs, not a goal."""
 
 
-def test_no_module_is_over_600_lines() -> None:
-    over = {name: n for name, (path, _) in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert over == {}
+def long_modules(limit: int) -> dict[str, int]:
+    """The package's modules over `limit` lines, and how many lines each has."""
+    return {name: n for name, (path, _) in _modules().items() if (n := len(path.read_text().splitlines())) > limit}
+
+
+def test_no_module_is_over_750_lines() -> None:
+    assert long_modules(MAX_LINES) == {}
 
 
 def test_each_layer_imports_only_those_below_it() -> None:

@@ -5,6 +5,7 @@ Every server runs on 127.0.0.1, started by the session's fixtures and always sto
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -961,3 +962,57 @@ def test_remote_concurrency_bounds_the_requests_in_flight(mounts: Mounts, nginx:
         assert gate.most_in_flight == 2, gate.ranges[before:]
     finally:
         gate.close()
+
+
+def test_a_chunk_fetched_again_is_not_answered_before_it_is_checked(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path
+) -> None:
+    """A chunk fetched once, evicted, and fetched again from a store that changed the object in place
+    (same ETag: nginx's is the mtime and size, the mtime put back): its bytes are held to the sums the
+    first fetch recorded, so a read is not answered from them as they come (as a chunk no fetch gave
+    before is), but once the whole chunk came and was checked: the GET held mid-body, the read waits;
+    let go, it is refused (EIO), never a byte of the other bytes."""
+    directory = nginx.root / "again"
+    directory.mkdir()
+    data = random_bytes(4 * MIB, 16)
+    shard = directory / "m.safetensors"
+    write_reference(shard, {"t": ("U8", [4 * MIB], data)})  # one chunk (of 8 MiB)
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    proxy = StallingProxy(nginx.port)
+    try:
+        first = mounts.mount(proxy.url("again/m.safetensors"), *cache)  # type: ignore[arg-type]
+        assert (first / "t").read_bytes() == data  # fetched, its sums recorded
+        assert cli("umount", str(first)).returncode == 0
+        again = mounts.mount(proxy.url("again/m.safetensors"), *cache)  # type: ignore[arg-type]
+        # Evicted while the object is in use (so it stays cached, with its sums): fetched again when wanted.
+        assert cli("cache", "prune", *cache).returncode == 0
+        stat = shard.stat()
+        served = shard.read_bytes()
+        start = len(served) - len(data)
+        shard.write_bytes(served[:start] + bytes(b ^ 0x3C for b in served[start:]))  # the header as it was
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same ETag
+        drop_caches()  # the kernel's pages of the first mount's reads are not this mount's, but be sure
+        proxy.stall_after(MIB)
+        got: list[bytes | OSError] = []
+        with open(again / "t", "rb", buffering=0) as f:
+
+            def first_bytes() -> None:
+                try:
+                    got.append(os.pread(f.fileno(), 4096, 0))
+                except OSError as exc:
+                    got.append(exc)
+
+            reader = threading.Thread(target=first_bytes)
+            reader.start()
+            try:
+                assert proxy.holding.wait(patience(30))  # its first MiB came, the rest is held
+                assert reader.is_alive() and got == [], got  # not answered from what came so far
+            finally:
+                proxy.release()
+                reader.join()
+        said = (
+            "the data" if got and got[0] == data[:4096] else "other bytes" if got and isinstance(got[0], bytes) else got
+        )
+        assert len(got) == 1 and isinstance(got[0], OSError) and got[0].errno == errno.EIO, said
+    finally:
+        proxy.close()

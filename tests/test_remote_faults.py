@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import mmap
 import os
@@ -19,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,7 @@ from helpers import (
     errno_of_reading,
     file_mappings,
     patience,
+    random_bytes,
     random_range_reads,
     random_shard,
     reads_in_handlers,
@@ -44,6 +47,7 @@ from helpers import (
     remote_stats,
     small_disk,
     threads_of,
+    write_reference,
 )
 from servers import DroppingProxy, HostileServer, Lie, Nginx, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import pid_alive
@@ -759,3 +763,26 @@ def test_a_failure_that_mentions_416_is_not_taken_for_an_empty_object(monkeypatc
     spec, key = store_spec("s3://bucket/m.safetensors", RemoteOptions(endpoint_url="http://127.0.0.1:1"))
     with pytest.raises(RemoteError, match=r"the server answered 500 Internal Server Error$"):
         read_first_bytes(ObjectRef(spec, key), lambda first, size: size)
+
+
+@pytest.mark.mount
+def test_readers_waiting_on_a_stalled_chunk_each_wait_one_timeout(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path
+) -> None:
+    """Five readers of tensors in one chunk whose body stalls, under a manifest (each tensor hashed
+    before it is served): they all wait on the one fetch of the chunk, and are all answered (EIO)
+    when it fails; one fetch failed, not one after another (they were answered in waves, a timeout
+    each: two hashing threads, each waiting out the stall in turn)."""
+    tensors = {f"t{k}": random_bytes(MIB, 90 + k) for k in range(5)}
+    write_reference(hostile.root / "m.safetensors", {name: ("U8", [MIB], data) for name, data in tensors.items()})
+    sums = tmp_path / "m.sha256"
+    sums.write_text("".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n" for name, data in tensors.items()))
+    mountpoint = mounts.mount(
+        f"{hostile.url}/m.safetensors",  # type: ignore[arg-type]
+        *("--cache-dir", str(tmp_path / "cache"), "--manifest", str(sums), "--remote-timeout", "6"),
+    )
+    hostile.lies.append(Lie("body", "m.safetensors", "stall"))  # (its header was read at the mount)
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(lambda name: errno_of_reading(mountpoint / name), tensors))
+    assert answers == [errno.EIO] * 5
+    assert remote_stats(mountpoint)["fetch_failures"] == 1  # one fetch failed, and answered them all

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from model_signing import signing, verifying
 from safetensors.numpy import save_file
-from signed_models import SIGNED_SHARD, hashing_config, make_key, sign
+from signed_models import SIGNED_SHARD, hashing_config, make_key, resign, sign
 
 import tensorfs
 import tensorfs.identity
@@ -32,7 +32,7 @@ import tensorfs.opener
 import tensorfs.tables
 from conftest import Mounts
 from helpers import cli, free_port, hub_api, scrape
-from servers import Nginx, SeaweedFS
+from servers import HostileServer, Lie, Nginx, SeaweedFS
 from tensorfs.sources.store import RemoteOptions
 
 
@@ -259,11 +259,14 @@ def test_a_mount_refuses_a_tensor_of_a_changed_signed_range_and_serves_the_other
         (mountpoint / "t5").read_bytes()
     assert caught.value.errno == errno.EIO
     view = mountpoint / ".tensorfs" / "model" / "model.safetensors"
-    with view.open("rb") as file, pytest.raises(OSError) as caught:  # the synthesized file: t5's bytes too
+    with view.open("rb") as file, pytest.raises(OSError) as caught:  # the view's file: t5's bytes too
         file.read()
     assert caught.value.errno == errno.EIO
     assert np.frombuffer((mountpoint / "t6").read_bytes(), np.float32).tolist() == [6.0] * RANGED_ELEMENTS
-    assert "tensor 't5' in shard" in mounts.log()
+    # Logged as what it is: a signed range's digest (not the tensor's own, said as a manifest's).
+    said = f"{model / 'model.safetensors'}: tensor 't5': bytes ["
+    assert said in mounts.log() and f"as the signature {model / 'model.sig'} says: refused (EIO)" in mounts.log()
+    assert "does not match the manifest" not in mounts.log()
 
 
 @pytest.mark.mount
@@ -450,6 +453,7 @@ def test_tensorfs_accepts_exactly_what_model_signing_accepts(
     private, public = keys
     other, _ = make_key(tmp_path / "other")
     model = make_model(tmp_path / "model")
+    (model / "empty.txt").write_bytes(b"")  # signed by files; by ranges, named by none, and signed all the same
     signature = sign(model, private, sharded=sharded)
     if tamper is not None:
         if tamper is another_key:
@@ -737,12 +741,18 @@ def test_a_signed_model_on_the_hub_is_held_to_its_signature(
 
 
 def signed_folder(directory: Path, private: Path, *, sharded: bool, by_library: bool = False) -> Path:
-    """make_model's model with a variant beside it (a weights file that is not the model's), signed:
+    """make_model's model with a variant beside it (a weights file that is not the model's), a hidden
+    file three levels down and a file two levels down (the signature names them all), signed:
     through the hashing configuration of the tests (the signature left out, as model_signing's command
     line leaves it out), or `by_library` as model_signing's library signs with its defaults (nothing
     left out: its verify of the folder then names model.sig an extra file, unless told to leave it out)."""
     model = make_model(directory)
     save_file({"small": np.arange(7, dtype=np.float16)}, model / "model.fp16.safetensors")
+    # What `hf download --local-dir` leaves (hidden, three levels down), and a file two levels down.
+    (model / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (model / ".cache" / "huggingface" / "download" / "config.json.metadata").write_text("0123abcd\n")
+    (model / "onnx" / "text_encoder").mkdir(parents=True)
+    (model / "onnx" / "text_encoder" / "config.json").write_text("{}\n")
     if by_library:
         signing.Config().use_elliptic_key_signer(private_key=private).sign(model, model / "model.sig")
     else:
@@ -864,3 +874,352 @@ def test_a_signed_model_from_s3_is_the_signed_folder_in_its_view_and_export(
     exported = cli("export", url, str(tmp_path / "exported"), *common)
     assert exported.returncode == 0, exported.stderr
     still_verifies(tmp_path / "exported", model, public, sharded=False)
+
+
+# -- the paths a user types ------------------------------------------------------------------------------
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("how", ["relative", "dotdot", "symlinked"])
+def test_a_model_signed_by_ranges_mounts_by_the_path_a_user_types(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path], how: str
+) -> None:
+    """docs/signing.md's `tensorfs mount m2 mnt --public-key k.pub`, run in the model's parent
+    directory with a cold hash cache: the model named relatively (or through `..`, or through a
+    symlinked directory) is held to its signature of ranges, and every tensor and .sha256 is served
+    (the daemon leaves the working directory: the signed files were keyed by the path as typed, then
+    looked up by its absolute form, and every tensor answered EIO)."""
+    private, public = keys
+    work = tmp_path / "work"
+    work.mkdir()
+    model = make_ranged_model(work / "m2")
+    sign(model, private, sharded=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "link").symlink_to(work, target_is_directory=True)
+    cwd, name = {
+        "relative": (work, "m2"),
+        "dotdot": (work / "m2", "../m2"),
+        "symlinked": (tmp_path / "elsewhere", "link/m2"),
+    }[how]
+    mountpoint = mounts.mount(name, "--public-key", str(public), "--cache-dir", str(tmp_path / "cold"), cwd=cwd)
+    with tensorfs.open_model(model, cache=False) as opened:
+        expected = {tensor: bytes(opened.raw(tensor)) for tensor in opened}
+    for tensor, data in expected.items():
+        assert (mountpoint / tensor).read_bytes() == data, tensor
+        assert (mountpoint / f"{tensor}.sha256").read_text().split()[0] == hashlib.sha256(data).hexdigest()
+    assert "bug in" not in mounts.log() and "Traceback" not in mounts.log()
+
+
+def test_bytes_a_signature_refused_are_fetched_again(
+    hostile: HostileServer, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """A model signed by ranges over HTTP, from a store that lies once: other bytes in a tensor's
+    range are refused when it is read, and in the range of the header at open; once the store is
+    honest again (same URL, same ETag) the same cache serves the signed bytes: what a signature
+    refused was not kept (it was, and the model stayed refused until the cache was cleared)."""
+    private, public = keys
+    model = make_ranged_model(hostile.root / "m")
+    sign(model, private, sharded=True)
+    url = f"{hostile.url}/m/model.safetensors"
+    remote = RemoteOptions(cache_dir=tmp_path / "cache")
+    served = (model / "model.safetensors").read_bytes()
+    t3 = tensor_offset(model, "t3")
+    lied = bytearray(served)
+    lied[t3 + 100] ^= 0xFF  # in a range of t3 alone
+    hostile.lies.append(Lie("body", "m/model.safetensors", bytes(lied)))
+    signature = tensorfs.Signature(public_key=public, location=model / "model.sig")
+    with tensorfs.open_model(url, signature=signature, remote=remote, cache=False) as opened:
+        with pytest.raises(tensorfs.IntegrityError, match=r"tensor 't3': bytes \["):
+            opened.array("t3")
+        hostile.lies.clear()
+        assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
+    header = bytearray(served)
+    end = 8 + int.from_bytes(served[:8], "little")
+    assert header[end - 1 : end] == b" "  # the writer's padding
+    header[end - 1] = ord("\t")  # the header's JSON as valid, one byte of it another
+    hostile.lies.append(Lie("body", "m/model.safetensors", bytes(header)))
+    again = RemoteOptions(cache_dir=tmp_path / "cache-2")
+    with pytest.raises(tensorfs.SignatureError, match=r"bytes \[0, \d+\) hash to"):
+        tensorfs.open_model(url, signature=signature, remote=again, cache=False)
+    hostile.lies.clear()
+    with tensorfs.open_model(url, signature=signature, remote=again, cache=False) as opened:
+        assert opened.array("t0").tolist() == [0.0] * RANGED_ELEMENTS
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "ranges"])
+def test_an_offline_remount_of_a_signed_model_asks_the_store_nothing(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, keys: tuple[Path, Path], sharded: bool
+) -> None:
+    """A signed model over HTTP, mounted once (its signature read, kept in the cache with the chunks),
+    then with --offline: held to the same signature, every tensor served, and no request made of
+    the store (it asked for model.sig, and was refused after --remote-timeout)."""
+    private, public = keys
+    model = make_model(hostile.root / "m")
+    sign(model, private, sharded=sharded)
+    url = f"{hostile.url}/m/model.safetensors.index.json"
+    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache"), "--remote-timeout", "5"]
+    online = mounts.mount(url, *common)  # type: ignore[arg-type]
+    names = ["big", "small", "head", "empty"]
+    expected = {name: (online / name).read_bytes() for name in names}
+    assert cli("umount", str(online)).returncode == 0
+    hostile.requests.clear()
+    offline = mounts.mount(url, *common, "--offline")  # type: ignore[arg-type]
+    assert {name: (offline / name).read_bytes() for name in names} == expected
+    assert "signed by" in cli("status", str(offline)).stdout
+    assert hostile.requests == []
+
+
+# -- what a statement may say, and how a refusal says it -------------------------------------------------
+
+
+def resources_of(statement: dict[str, Any]) -> list[dict[str, str]]:
+    resources: list[dict[str, str]] = statement["predicate"]["resources"]
+    return resources
+
+
+def test_a_statement_naming_a_file_twice_is_refused(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """config.json named twice, a false digest first: model_signing's reader keeps the last (and its
+    verify passes); tensorfs refuses the statement, naming the file."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+
+    def twice(statement: dict[str, Any]) -> None:
+        config = next(r for r in resources_of(statement) if r["name"] == "config.json")
+        resources_of(statement).insert(0, {**config, "digest": "0" * 64})
+
+    resign(sign(model, private), private, twice)
+    with pytest.raises(tensorfs.SignatureError, match=r"model.sig: its statement names config.json twice"):
+        tensorfs.open_model(model, signature=held(public), cache=False)
+
+
+def test_a_range_of_no_bytes_is_refused(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """A statement of ranges with a range of no bytes (any digest): model_signing's verify refuses it,
+    and so do validate and mount (they took it)."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+
+    def empty_range(statement: dict[str, Any]) -> None:
+        resources_of(statement).append(
+            {"name": "model-00001-of-00002.safetensors:100:100", "algorithm": "sha256", "digest": "0" * 64}
+        )
+
+    resign(sign(model, private, sharded=True), private, empty_range)
+    result = cli("validate", str(model), "--public-key", str(public), "--no-cache")
+    assert (
+        result.returncode == 1
+        and "signs bytes [100, 100) of model-00001-of-00002.safetensors: no bytes" in result.stderr
+    )
+    assert not library_accepts(model, public, model / "model.sig", sharded=True)
+
+
+def test_ranges_that_do_not_tile_a_file_are_refused(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """A statement of ranges that leaves a gap in a file (one of its ranges taken out): the file is not
+    the one signed, said at open."""
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+
+    def gap(statement: dict[str, Any]) -> None:
+        ranged = [r for r in resources_of(statement) if r["name"].startswith("model.safetensors:")]
+        resources_of(statement).remove(ranged[len(ranged) // 2])
+
+    resign(sign(model, private, sharded=True), private, gap)
+    with pytest.raises(
+        tensorfs.SignatureError, match=r"not the file signed: the signature's ranges of it are not contiguous"
+    ):
+        tensorfs.open_model(model, signature=held(public), cache=False)
+
+
+def test_bytes_after_a_range_signed_files_last_range_are_refused(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """Bytes appended to a file signed by ranges (config.json, which nothing else validates): its
+    ranges still hash as signed, and its size says it is not the file signed."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    size = (model / "config.json").stat().st_size
+    with (model / "config.json").open("ab") as file:
+        file.write(b" ")
+    with pytest.raises(tensorfs.SignatureError) as caught:
+        tensorfs.open_model(model, signature=held(public), cache=False)
+    assert str(caught.value) == (
+        f"{model / 'config.json'}: not the file signed: it is {size + 1} bytes; the signature says {size} "
+        f"(the signature {model / 'model.sig'})"
+    )
+
+
+def test_a_malformed_statement_is_said_to_be_one(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """Signed as it is, with no serialization: the signature verifies, its statement is malformed (it
+    was said not to verify, in Python's words: "'serialization'")."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    resign(sign(model, private), private, lambda statement: statement["predicate"].pop("serialization"))
+    with pytest.raises(tensorfs.SignatureError) as caught:
+        tensorfs.open_model(model, signature=held(public), cache=False)
+    assert str(caught.value) == f"{model / 'model.sig'}: its statement is malformed: it has no 'serialization'"
+
+
+def test_a_refusal_names_the_first_files_then_counts_the_others(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """A statement naming 50 files the model lacks: ten lines naming them, then how many more (a
+    million made a million lines)."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+
+    def lacking(statement: dict[str, Any]) -> None:
+        resources_of(statement).extend(
+            {"name": f"gone/{k:03d}.json", "algorithm": "sha256", "digest": "0" * 64} for k in range(50)
+        )
+
+    resign(sign(model, private), private, lacking)
+    result = cli("validate", str(model), "--public-key", str(public), "--no-cache")
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 11, result.stderr
+    assert lines[0] == f"error: {model / 'gone' / '000.json'}: signed, but not in the model"
+    assert lines[-1] == "error: ... and 40 more"
+
+
+def test_a_signature_too_large_is_refused_before_it_is_read(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tensorfs.manifest
+    from tensorfs.signing import MAX_SIGNATURE_BYTES
+
+    model = make_model(tmp_path / "model")
+    with open(model / "model.sig", "wb") as sig:  # sparse: costs nothing
+        sig.truncate(MAX_SIGNATURE_BYTES + 1)
+
+    def never(*args: object) -> bytes:
+        raise AssertionError("read")
+
+    monkeypatch.setattr(tensorfs.manifest, "read_bounded", never)
+    with pytest.raises(tensorfs.SignatureError, match=r"model.sig: over 256 MiB, too large to be a signature"):
+        tensorfs.open_model(model, signature=held(keys[1]), cache=False)
+
+
+def test_a_changed_signature_over_unchanged_files_is_not_taken_from_the_hash_cache(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hash cache knows each file matched the signature it was opened with; a signature that says
+    otherwise of the same files is held to what it says (each row keyed by what the signature said)."""
+    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    signature = sign(model, private)
+    cache = tmp_path / "cache"
+    with tensorfs.open_model(model, signature=held(public), cache=cache):
+        pass  # every file hashed and found to match: remembered
+
+    def other_weights(statement: dict[str, Any]) -> None:
+        for resource in resources_of(statement):
+            if resource["name"] == "model-00002-of-00002.safetensors":
+                resource["digest"] = "1" * 64
+
+    resign(signature, private, other_weights)
+    with pytest.raises(tensorfs.SignatureError, match=r"model-00002-of-00002.safetensors: bytes hash to"):
+        tensorfs.open_model(model, signature=held(public), cache=cache)
+
+
+def test_a_signature_with_verify_off_is_refused(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    model = make_model(tmp_path / "model")
+    sign(model, keys[0])
+    result = cli("export", str(model), str(tmp_path / "out"), "--public-key", str(keys[1]), "--verify", "off")
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"error: {model}: a signature is the model's manifest: not with --verify off too\n",
+    )
+
+
+def test_an_empty_file_of_a_model_signed_by_ranges_is_signed_as_model_signing_says(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """model_signing's shard serializer names no range of an empty file, and its verify accepts the
+    model: so does tensorfs (it called the file unsigned); the view serves it."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    (model / "empty.txt").write_bytes(b"")
+    signature = sign(model, private, sharded=True)
+    assert library_accepts(model, public, signature, sharded=True)
+    result = cli("verify", str(model), "--public-key", str(public), "--no-cache")
+    assert result.returncode == 0, result.stderr
+    exported = cli("export", str(model), str(tmp_path / "out"), "--public-key", str(public))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "out" / "empty.txt").read_bytes() == b""
+
+
+def test_what_a_signed_model_in_s3_lacks_or_cannot_list_is_refused(
+    seaweedfs: SeaweedFS, bucket: str, tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signed file one level down deleted from the bucket: refused by the library (its listing says
+    it is not there); a prefix of more objects than a listing takes: its cut listing is never compared
+    with the signature as if it were the whole (a present model.safetensors was called "signed, but
+    not in the model")."""
+    import obstore
+
+    import tensorfs.sources.client
+    import tensorfs.sources.finding
+
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    store = seaweedfs.store(bucket)
+    put_tree(store, "deep", model)
+    remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=tmp_path / "cache")
+    with tensorfs.open_model(f"s3://{bucket}/deep", signature=held(public), remote=remote):
+        pass
+    obstore.delete(store, "deep/tokenizer/vocab.txt")
+    with pytest.raises(tensorfs.SignatureError, match=r"deep/tokenizer/vocab.txt: signed, but not in the model"):
+        tensorfs.open_model(f"s3://{bucket}/deep", signature=held(public), remote=remote)
+    put_tree(store, "cut", model)
+    monkeypatch.setattr(tensorfs.sources.client, "MAX_LISTED", 3)
+    monkeypatch.setattr(tensorfs.sources.finding, "MAX_LISTED", 3)
+    with pytest.raises(tensorfs.SignatureError) as caught:
+        tensorfs.open_model(f"s3://{bucket}/cut", signature=held(public), remote=remote)
+    assert str(caught.value) == (
+        f"s3://{bucket}/cut/: over 3 objects: its listing, cut there, is not the whole: the signature "
+        f"s3://{bucket}/cut/model.sig cannot be checked against it"
+    )
+
+
+def test_a_signed_companion_missing_beside_a_model_over_http_is_refused(
+    nginx: Nginx, tmp_path: Path, keys: tuple[Path, Path], request: pytest.FixtureRequest
+) -> None:
+    """Over plain HTTP nothing lists: the files a signature names are asked for by name, so a signed
+    companion that is not there (tokenizer/vocab.txt, config.json) is said to be missing when the
+    model's view is made (an export), not passed over."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    served = nginx.root / request.node.name
+    shutil.copytree(model, served)
+    index = f"{nginx.url}/{request.node.name}/model.safetensors.index.json"
+    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
+    done = cli("export", index, str(tmp_path / "whole"), *common)
+    assert done.returncode == 0, done.stderr
+    assert (
+        tmp_path / "whole" / "tokenizer" / "vocab.txt"
+    ).read_bytes() == b"a\nb\n"  # asked for: the signature names it
+    (served / "tokenizer" / "vocab.txt").unlink()
+    done = cli("export", index, str(tmp_path / "out"), *common)
+    assert (done.returncode, done.stderr) == (
+        1,
+        f"error: tokenizer/vocab.txt: signed, but not beside the model ({nginx.url}/{request.node.name}/model.sig)\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.mount
+def test_a_signature_beside_a_model_mounted_without_a_key_is_said_unverified(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    model = make_model(tmp_path / "model")
+    sign(model, keys[0])
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    done = mounts.attempt(model, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stderr.count("not verified") == 1 and f"warning: {model / 'model.sig'}: a signature beside" in done.stderr
+    )
+    assert f"{model}; model.sig not verified" in cli("status", str(mountpoint)).stdout
+    assert (mountpoint / ".tensorfs" / "model" / "model.sig").read_bytes() == (model / "model.sig").read_bytes()

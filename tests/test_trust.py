@@ -340,8 +340,9 @@ def test_a_chunk_another_process_answers_from_is_not_evicted(nginx: Nginx, tmp_p
         assert len(held) == 2 and len(cached_chunks(cache)) > 2
         assert cli("cache", "prune", "--cache-dir", str(cache)).returncode == 0
         assert cached_chunks(cache) == held  # the others go; those in use stay
-        started = time.monotonic()
-        full = cli("manifest", "--cache-dir", str(cache), "--cache-size", "2M", "--chunk-mb", "1", url)
+        started = time.monotonic()  # (it waits for room as long as for the store: --remote-timeout)
+        full = cli("manifest", "--cache-dir", str(cache), "--cache-size", "2M", "--chunk-mb", "1",
+                   "--remote-timeout", "5", url)  # fmt: skip
         assert full.returncode == 1 and time.monotonic() - started < patience(60)
         assert f"processes {os.getpid()} use it too" in full.stderr, full.stderr
         shard.unpin(offset, offset + MIB)

@@ -266,6 +266,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
         served = sum(counters["read_bytes"].values()) if counters is not None else None
         signed = (record.get("options") or {}).get("signature")
         view = str((record.get("options") or {}).get("view") or "folder")
+        unverified = (record.get("options") or {}).get("unverified_signature")
         uptime = counters["uptime_seconds"] if counters is not None else None
         if as_json:
             document = {**record, "mountpoint": str(entry.mountpoint), "source": source}
@@ -292,6 +293,7 @@ def status(mountpoints: tuple[Path, ...], as_json: bool, timeout: float) -> int:
                 printable(source)
                 + (f", signed by {printable(str(signed['signer']))}" if isinstance(signed, dict) else "")
                 + (f"; its view {printable(view)}" if view != "folder" else "")
+                + (f"; {printable(str(unverified))} not verified" if unverified else "")
                 + (f"  ({printable(what_to_do)})" if what_to_do else ""),
             )
         )

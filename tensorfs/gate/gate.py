@@ -19,7 +19,7 @@ from ..sources.watch import Change
 from ..tables import Tables, file_runs
 from .digests import Digests
 from .files import Seen, WatchedFiles
-from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, run
+from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, StepKind, run
 from .reporter import Reporter
 from .router import Router
 from .untensored import UntensoredBytes
@@ -240,8 +240,8 @@ class Gate:
             errors = {
                 name: self._mismatch(name, self.tables.locate(name)[0], actual[name], expected[name]) for name in bad
             }
-            for name, error in errors.items():
-                self._bad[name] = (generations[name], error)
+        for name, error in errors.items():
+            run(self._refuse_bytes(self.place(name), error, generations[name]))
         if bad:
             raise errors[min(bad)]
 
@@ -363,23 +363,42 @@ class Gate:
                         self.router.verified.add(place.name)
                     return
                 if place.copy is not None:
-                    raise IntegrityError(
+                    error = IntegrityError(
                         f"{place.data.label} (fallback {place.copy.source}): tensor '{printable(place.name)}': "
                         f"its bytes hash to {actual}, not to {expected[place.name]} as {self.integrity.label} says",
                         place.name,
                         expected[place.name],
                         actual,
                     )
-                error = self._mismatch(place.name, place.shard, actual, expected[place.name])
+                else:
+                    error = self._mismatch(place.name, place.shard, actual, expected[place.name])
+            yield from self._refuse_bytes(place, error, generation)
+            raise error
+
+    def _refuse_bytes(self, place: Place, error: IntegrityError, generation: int) -> Plan[None]:
+        """Bytes of the place proven wrong (`error`): its source forgets the copy it keeps of them (a
+        remote object's chunks, and those of the signed range they failed), so that the next read has
+        them again; else (a file's own bytes) the tensor is refused without hashing it again until its
+        shard changes."""
+        start, end = (place.start, place.end) if error.span is None else (
+            min(place.start, error.span[0]), max(place.end, error.span[1])
+        )  # fmt: skip
+        forgot = yield "read", functools.partial(place.data.refused, start, end)
+        with self._lock:
+            if forgot:
+                self.digests.forget([place.name])  # what they hashed to is no answer for what comes next
+            elif place.copy is None:
                 self._bad[place.name] = (generation, error)
-                raise error
 
     def _hash_of(self, place: Place, generation: int) -> Plan[str]:
         """The SHA-256 of the place's bytes (a tensor in its own shard: the hash cache first, and one
         hashing however many readers wait for it)."""
+        # Hashing a remote tensor waits on its chunks more than it computes: on the readers' threads, so
+        # that readers waiting on one stalled chunk all wait its one timeout together, not a few at a time.
+        kind: StepKind = "read" if place.data.needs_ensure else "verify"
         if place.copy is None:
             try:
-                digest: str = yield "verify", functools.partial(self.digests.shared, place.name, generation)
+                digest: str = yield kind, functools.partial(self.digests.shared, place.name, generation)
                 return digest
             except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
                 with self._lock:
@@ -390,11 +409,14 @@ class Gate:
                 raise refused from None
             except IntegrityError as exc:  # bytes its value rests on are not the signed ones (Integrity.pending)
                 with self._lock:
-                    if self._bad.get(place.name, (-1,))[0] != generation:
-                        self._bad[place.name] = (generation, exc)
-                        self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "")
+                    known = self._bad.get(place.name, (-1,))[0] == generation
+                    if not known:
+                        how = str(exc) if exc.span is not None else None  # a range's digest, not the tensor's
+                        self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "", how)
+                if not known:
+                    yield from self._refuse_bytes(place, exc, generation)
                 raise
-        copied: str = yield "verify", functools.partial(sha256_of, place.data, place.start, place.end)
+        copied: str = yield kind, functools.partial(sha256_of, place.data, place.start, place.end)
         return copied
 
     def _present(self, place: Place, low: int, high: int) -> Plan[bytes | None]:

@@ -16,8 +16,9 @@ class Reporter:
     def verified(self, name: str) -> None:
         """A tensor's bytes matched the manifest."""
 
-    def mismatch(self, name: str, shard: ShardKey, actual: str, expected: str) -> None:
-        """A tensor's bytes do not match the manifest (said once per tensor until its shard changes)."""
+    def mismatch(self, name: str, shard: ShardKey, actual: str, expected: str, said: str | None = None) -> None:
+        """A tensor's bytes do not match the manifest (said once per tensor until its shard changes);
+        `said`, when what they failed is not the tensor's own digest (a signature's range): how."""
 
     def unverifiable(self, name: str, shard: ShardKey, why: str) -> None:
         """A tensor's bytes could not be read to be hashed (said once, as a mismatch)."""

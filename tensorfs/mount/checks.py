@@ -47,8 +47,15 @@ class MountReporter(Reporter):
     def verified(self, name: str) -> None:
         self.stats.verified += 1
 
-    def mismatch(self, name: str, shard: ShardKey, actual: str, expected: str) -> None:
+    def mismatch(self, name: str, shard: ShardKey, actual: str, expected: str, said: str | None = None) -> None:
         self.stats.verify_failures += 1
+        if said is not None:  # a signature's range, not the tensor's digest: said as the range's
+            log.error(
+                "%s: refused (EIO)",
+                printable(said),
+                extra={"fields": {"tensor": name, "shard": str(shard), "errno": "EIO"}},
+            )
+            return
         log.error(
             "tensor '%s' in shard %s does not match the manifest (sha256 %s, expected %s): refused (EIO)",
             printable(name),

@@ -198,6 +198,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpe
             else [model.fallbacks.shown(i) for i in range(len(model.fallbacks))],
             "selection": None if model.selection.everything else model.selection.as_json(),
             "view": "folder" if view.folder else f"synthesized: {view.why}",
+            "unverified_signature": view.unverified,
             "metrics": None if options.metrics is None else describe_address(options.metrics),
         },
         "in_force": {"readahead_kb": None, "max_background": None},

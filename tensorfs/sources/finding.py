@@ -150,17 +150,22 @@ Listed = list[tuple[str, int, float, str | None]]
 """Objects of a model's directory: (path in it, size, mtime, ETag if known)."""
 
 
-def listing_beside(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
+def listing_beside(
+    source: str, options: RemoteOptions, subdirectories: int = 0, *, whole: bool = False
+) -> Listed | None:
     """The objects in a remote model's directory, and those of its first `subdirectories`
     subdirectories (not hidden) one level down, for a store that lists (S3); None for one that does
-    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left out."""
+    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left
+    out, but for a caller that needs the `whole` of it (RemoteError then, saying so)."""
     spec, _ = store_spec(source, options)
     if spec.kind != "s3":
         return None
     directory = beside(source, "x", options).key.rpartition("/")[0]
     top = f"{directory}/" if directory else ""
     deadline = Deadline.after(spec.timeout)  # the listing's, and the HEADs that tell its markers
-    listed, _ = list_objects(spec, top, deadline)
+    listed, cut = list_objects(spec, top, deadline)
+    if cut and whole:
+        raise RemoteError(f"{spec.url(top)}: over {MAX_LISTED:,} objects: its listing, cut there, is not the whole")
     entries = [
         (str(meta["path"]).removeprefix(top), int(meta["size"]), modified(meta), str(meta.get("e_tag") or "") or None)
         for meta in listed

@@ -307,7 +307,12 @@ class LocalShard(ShardData):
         `directory`: the model's directory the shard was found in, which it is opened beneath (a
         symlink out of it is refused). With a cache, a file unchanged since its header was validated
         (same device, inode, size, mtime and ctime) is not read or validated again.
+
+        The shard is known by its absolute path from here on (its key: every table of the model is
+        keyed by it, here and in a daemon, which leaves the working directory); `label` names it in
+        messages as the user named it.
         """
+        path = Path(os.path.abspath(path))
         try:
             path.name.encode("utf-8")
         except UnicodeEncodeError:  # .meta.json and index.json name shards in JSON, which is Unicode

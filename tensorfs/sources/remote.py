@@ -10,6 +10,7 @@ end of one; any other reader fetches only what it reads.
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 import os
@@ -62,6 +63,24 @@ def shared_cache(options: RemoteOptions) -> ChunkCache:
         if cache is None:
             cache = _caches[key] = ChunkCache(directory, options.cache_size)
         return cache
+
+
+def remember_document(url: str, options: RemoteOptions, data: bytes) -> None:
+    """A small document a model is held to (its signature, a manifest), read from `url`: kept in the
+    cache, for a later --offline, which asks no store anything."""
+    encoded = base64.b64encode(data).decode("ascii")
+    shared_cache(options).remember_model(f"{_DOCUMENT}{url}", {"document": encoded})
+
+
+def remembered_document(url: str, options: RemoteOptions) -> bytes | None:
+    """The document last read from `url` (remember_document), if the cache has it."""
+    found = shared_cache(options).recall_model(f"{_DOCUMENT}{url}")
+    encoded = found.get("document") if found is not None else None
+    return base64.b64decode(encoded) if isinstance(encoded, str) else None
+
+
+_DOCUMENT = "document "
+"""What the cache's models table names documents by (its models are named by their URLs alone)."""
 
 
 class RemoteShard(ShardData):
@@ -308,6 +327,12 @@ class RemoteShard(ShardData):
 
     def hold_to_manifest(self) -> None:
         self.cached.strong = True
+
+    def refused(self, start: int, end: int) -> bool:
+        if end <= start:
+            return False
+        size = self.cached.chunk_size
+        return self.cached.cache.drop(self.cached, range(start // size, -(-end // size)))
 
     def served(self, start: int, end: int) -> None:
         self._handover.served(start, end)

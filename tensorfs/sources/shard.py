@@ -189,6 +189,13 @@ class ShardData(ABC):
         """A manifest is in force: bytes that come again must be those that passed it (a remote shard
         keeps the SHA-256 of every chunk it fetches, and refuses a chunk that comes otherwise)."""
 
+    def refused(self, start: int, end: int) -> bool:
+        """Bytes [start, end) were proven not the model's (a manifest or a signature refused them): a
+        source that keeps a copy of them (a remote object's chunk cache) forgets it, so that the next
+        read has them again from where they come from. Whether it did (a file's bytes are its own:
+        there is nothing to have again until it changes)."""
+        return False
+
     def flush(self) -> None:  # noqa: B027 - most sources have nothing to flush
         """Make what was fetched into a cache known to other processes, and safe from a crash; let go
         of the pages a mount has served whole since (see served()). Called off the serving thread."""

@@ -76,6 +76,9 @@ class ViewSpec:
     """Why a synthesized view is synthesized (a selection, a conversion, merged when asked)."""
     note: dict[str, str | None] = field(default_factory=dict)
     """What a synthesized view's note says besides why: the source, the selection, the signature."""
+    unverified: str | None = None
+    """A signature the view serves that nothing verified (a model.sig beside a model mounted without a
+    key), by its path: said at mount, and by status."""
 
 
 ViewFile = SynthesizedFile | WeightsFile | Companion | bytes

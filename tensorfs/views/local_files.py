@@ -36,7 +36,12 @@ def model_directory(source: Path) -> Path:
 
 
 def find_companions(
-    source: Path, *, folder: bool = False, own: Collection[ShardKey] = (), components: Collection[str] = ()
+    source: Path,
+    *,
+    folder: bool = False,
+    own: Collection[ShardKey] = (),
+    components: Collection[str] = (),
+    wanted: Collection[str] | None = None,
 ) -> FolderFiles:
     """The regular files beside a local model's weights (one level of subdirectories too), by path,
     and each subdirectory's status (its owner and permissions).
@@ -51,6 +56,10 @@ def find_companions(
     model.pt is weights by being the model, not by its name). In a view of the folder (`folder`),
     the other weights files are named (FolderFiles.weights), not read. Each companion is hashed as
     it is found: its content is what it is served while it holds (see CompanionFiles).
+
+    `wanted`: files to take too, by path, where the scan does not reach (a signature's: at any
+    depth, hidden ones too; the model's directory holds exactly those and what the signature leaves
+    out, its check said).
     """
     root_path = model_directory(source).absolute()
     try:
@@ -59,15 +68,22 @@ def find_companions(
         return FolderFiles(warnings=[f"{printable(str(root_path))}: companion files skipped: {exc.strerror}"])
     mine = {os.path.abspath(weight) for weight in own}
     with root:
-        return _scan(root, mine, folder, components)
+        return _scan(root, mine, folder, components, wanted)
 
 
-def _scan(root: ModelDirectory, own: set[str], folder: bool, components: Collection[str]) -> FolderFiles:
+def _scan(
+    root: ModelDirectory, own: set[str], folder: bool, components: Collection[str], wanted: Collection[str] | None
+) -> FolderFiles:
     deadline = time.monotonic() + SCAN_SECONDS
     skipped = Skipped()  # a directory another user fills with a million unreadable files: one warning a reason
     found = FolderFiles()
     total = 0
-    for relative in _candidates(root, mounted_under(root.real), skipped, folder, components):
+    mounted = mounted_under(root.real)
+    candidates = _candidates(root, mounted, skipped, folder, components)
+    if wanted is not None:  # and those of a signature a scan does not reach (hidden, or deeper)
+        scanned = set(candidates)
+        candidates += [path for path in _taken(wanted, mounted, folder, components) if path not in scanned]
+    for relative in candidates:
         if os.path.abspath(root.path / relative) in own:
             continue
         shown = printable(str(root.path / relative))
@@ -125,10 +141,26 @@ def _scan(root: ModelDirectory, own: set[str], folder: bool, components: Collect
     return found
 
 
+def _taken(wanted: Collection[str], mounted: set[str], folder: bool, components: Collection[str]) -> list[str]:
+    """The files wanted that a view takes, the top's first (what a loader needs most lies there),
+    none beneath what is mounted inside the directory."""
+    kept = [
+        path
+        for path in wanted
+        if (folder or in_view(path, folder=False, components=components))
+        and not any(path == place or path.startswith(place + "/") for place in mounted)
+    ]
+    return sorted(kept, key=lambda path: (path.count("/"), path))
+
+
 def _candidates(
     root: ModelDirectory, mounted: set[str], skipped: Skipped, folder: bool, components: Collection[str]
 ) -> list[str]:
+    """The files of the directory and of its subdirectories one level down that a view takes: the
+    top's first (what a loader needs most lies there: a bound past which files are left out keeps
+    them), then each subdirectory's."""
     names: list[str] = []
+    inner_names: list[str] = []
     try:
         top = sorted(root.scan(), key=lambda e: e.name)
     except OSError:
@@ -152,10 +184,10 @@ def _candidates(
                 if path in mounted:
                     _mounted(root, path, skipped)
                     continue
-                names.append(path)
+                inner_names.append(path)
         else:
             names.append(entry.name)
-    return names
+    return names + inner_names
 
 
 def _mounted(root: ModelDirectory, relative: str, skipped: Skipped) -> None:

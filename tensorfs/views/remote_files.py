@@ -79,6 +79,8 @@ COMPANION_TIMEOUT = 10.0
 MAX_SUBDIRECTORIES = 50
 MAX_SUBDIRECTORY_DEPTH = 2
 """A companion's path: a file of the model's directory, or of a subdirectory of it (one level)."""
+MAX_WANTED_DEPTH = 32
+"""A wanted file's (a signature names it) path: as deep as a signed local model's directory is walked."""
 
 
 def find_remote_companions(
@@ -88,13 +90,15 @@ def find_remote_companions(
     folder: bool = False,
     own: Collection[ShardKey] = (),
     components: Collection[str] = (),
+    wanted: Collection[str] = (),
 ) -> FolderFiles:
     """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
     one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
     files the model's own files name; the same limits as for a local model, each look bounded by
     COMPANION_TIMEOUT. In a view of the folder (`folder`), the weights files that are not the
-    model's (`own`) are named, not read (FolderFiles.weights). Nothing with --offline (the cache
-    keeps only the weights).
+    model's (`own`) are named, not read (FolderFiles.weights). `wanted`: files looked for too where
+    a listing does not show them (a signature's: at any depth; over plain HTTP, asked for by name).
+    Nothing with --offline (the cache keeps only the weights).
 
     Which were found, and which looked for and not there, is logged.
     """
@@ -112,10 +116,17 @@ def find_remote_companions(
             log.info("%s; looking for the files loaders look for instead", exc)
     mine = {str(weight) for weight in own}
     if listed is not None:
-        found = _listed(source, options, listed, mine, folder, components)
+        shown = {path for path, *_ in listed}
+        deeper = [path for path in wanted if path not in shown and path.count("/") >= MAX_SUBDIRECTORY_DEPTH]
+        found = _listed(source, options, listed, mine, folder, components, set(wanted))
+        if deeper:  # below what the listing reaches: asked for by name
+            extra = _guessed(source, options, quick, mine, folder, deeper, guess=False)
+            found.companions += extra.companions
+            found.weights += extra.weights
+            found.warnings += extra.warnings
         log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found.companions) or "none")
     else:
-        found = _guessed(source, options, quick, mine, folder)
+        found = _guessed(source, options, quick, mine, folder, wanted)
     return found
 
 
@@ -126,17 +137,18 @@ def _listed(
     own: set[str],
     folder: bool,
     components: Collection[str] = (),
+    wanted: Collection[str] = (),
 ) -> FolderFiles:
     found = FolderFiles()
     total = 0
     skipped = Skipped()
-    for path, size, mtime, etag in sorted(listed):
+    for path, size, mtime, etag in sorted(listed, key=lambda row: (row[0].count("/"), row[0])):  # the top's first
         why = path_problem(path, MAX_SUBDIRECTORY_DEPTH)  # the one gate of names from outside
         if why is not None:
             name = printable(path[:200])
             skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
             continue
-        if not in_view(path, folder=folder, components=components):
+        if not (path in wanted or in_view(path, folder=folder, components=components)):
             continue
         ref = beside(source, path, options)
         if ref.url in own:
@@ -161,14 +173,30 @@ def _listed(
     return found
 
 
-def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, own: set[str], folder: bool) -> FolderFiles:
-    """Plain HTTP: the well-known names that are there, then what modules.json and the configs name."""
+def _guessed(
+    source: str,
+    options: RemoteOptions,
+    quick: RemoteOptions,
+    own: set[str],
+    folder: bool,
+    wanted: Collection[str] = (),
+    *,
+    guess: bool = True,
+) -> FolderFiles:
+    """Plain HTTP: the well-known names that are there (`guess`), then what modules.json and the
+    configs name, and the `wanted` (a signature's files: hidden or deep ones too, their names passed
+    through the one gate of names from outside first)."""
     looked: dict[str, ObjectVersion | None] = {}
     found = FolderFiles()
+    named = {path for path in wanted if path_problem(path, MAX_WANTED_DEPTH) is None and "\\" not in path}
 
     def look(paths: Iterable[str]) -> None:
-        wanted = [path for path in dict.fromkeys(paths) if path not in looked and in_view(path, folder=folder)]
-        wanted = [path for path in wanted if beside(source, path, quick).url not in own]
+        asked = [
+            path
+            for path in dict.fromkeys(paths)
+            if path not in looked and (path in named or in_view(path, folder=folder))
+        ]
+        asked = [path for path in asked if beside(source, path, quick).url not in own]
 
         def one(path: str) -> tuple[str, ObjectVersion | str | None]:
             try:
@@ -177,15 +205,17 @@ def _guessed(source: str, options: RemoteOptions, quick: RemoteOptions, own: set
                 return path, f"{printable(str(exc))}: skipped"
 
         with ThreadPoolExecutor(max_workers=8) as pool:
-            for path, answer in pool.map(one, wanted[: MAX_COMPANIONS - len(looked)]):
+            for path, answer in pool.map(one, asked[: MAX_COMPANIONS - len(looked)]):
                 if isinstance(answer, str):
                     found.warnings.append(answer)
                     looked[path] = None
                 else:
                     looked[path] = answer
 
-    look((*WELL_KNOWN, *(FOLDER_FILES if folder else ())))
-    look(_named(source, quick, looked, found.warnings))
+    if guess:
+        look((*WELL_KNOWN, *(FOLDER_FILES if folder else ())))
+        look(_named(source, quick, looked, found.warnings))
+    look(sorted(named))
     total = 0
     for path, version in sorted(looked.items()):
         if version is None:

@@ -1,6 +1,7 @@
 """The local cache of remote objects (chunks.py says what it promises).
 
-chunks.py    ChunkCache: one cache directory as this process uses it; its bound, eviction, saving
+chunks.py    ChunkCache: one cache directory as this process uses it: what waits for room, saving
+room.py      its room: the lock every process takes to make it, its bound, what is evicted for it
 objects.py   CachedObject: one object version's file: presence, pins, fetches and their checks
 records.py   what is recorded in SQLite, and the checksums chunks are kept with
 locks.py     the lock protocol every process keeps in the cache's files

@@ -1,6 +1,7 @@
 """The local cache of remote objects: one sparse file per object version, what is present recorded in
 SQLite; this process's view of it (ChunkCache), one object's file in it (objects.py), what is
-recorded (records.py), the locks every process takes in it (locks.py).
+recorded (records.py), its room and what is evicted for it (room.py), the locks every process takes
+in it (locks.py).
 
 Layout of a cache directory (this user's alone; shared safely by several processes):
 
@@ -41,26 +42,23 @@ The cache knows nothing of stores: an object is opened with the way to fetch its
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import RemoteError
-from ...safefiles import UnsafeLocation, check_private_file, make_private_file, private_directory
-from ...syscalls import punch_hole
-from ...units import human_size
-from ..fetching import COUNTERS
+from ...safefiles import UnsafeLocation, make_private_file, private_directory
 from .full import CacheFull, NoRoomNow, disk_full, full
-from .locks import can_remove, holders, in_use_elsewhere, let_go_chunk, let_go_room, take_room, take_to_evict
-from .objects import ROOM_WAIT, SAVE_AT_LEAST_EVERY, CachedObject, Fetch
+from .locks import can_remove, in_use_elsewhere
+from .objects import SAVE_AT_LEAST_EVERY, CachedObject, Fetch
 from .records import DB_NAME, ChunkSum, Pending, Records
+from .room import OBJECTS_DIR, Room
 
 if TYPE_CHECKING:
     from ..store import ObjectVersion
@@ -68,10 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["OBJECTS_DIR", "CacheEntry", "ChunkCache", "default_cache_dir", "object_id"]
 
 log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cache's messages
-
-OBJECTS_DIR = "objects"
-ROOM_LOCK = "room.lock"
-_BLOCK = 4096  # the unit a file system allocates in
 
 
 def default_cache_dir() -> Path:
@@ -111,15 +105,12 @@ class ChunkCache:
         self._pending: Pending = {}  # chunks written, not yet recorded
         self._recording = 0  # saves under way that record chunks (taken out of _pending, not yet recorded)
         self._saving = threading.Lock()
-        self._room = threading.Condition(self._lock)  # told when pinned chunks are let go, or rows saved
-        self._waiting_for_room = 0
         self._touched: dict[str, set[int]] = {}  # chunks served, their use not yet committed
         self._full_said = False  # a save found no room for its rows, and said so
         self._saved_at = time.monotonic()
         self._timer: threading.Timer | None = None  # a save to come, for chunks written meanwhile
-        self._room_fd = -1  # the lock file every process takes to make room (a bounded cache)
-        self._room_pid = 0
-        self._room_mutex = threading.Lock()  # and its threads one at a time (a lock file's lock is the process's)
+        self.room = Room(directory, limit, self.records, self._objects, self._lock)
+        """The cache's room: its lock, its bound, what is evicted for it."""
 
     def check_directory(self) -> None:
         """The directory must be this user's alone (UnsafeLocation, a RemoteError, if not): made if missing."""
@@ -246,7 +237,7 @@ class ChunkCache:
                         for oid, used in touched.items():
                             self._touched.setdefault(oid, set()).update(used)
                     self._recording -= bool(pending)
-                    self._room.notify_all()
+                    self.room.condition.notify_all()
         finally:
             self._saving.release()
         return saved
@@ -274,40 +265,6 @@ class ChunkCache:
         return True
 
     # -- room -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _room_lock(self) -> Iterator[None]:
-        """Held (by one thread of one process at a time) while room is made and a chunk's blocks taken."""
-        self.records.db()
-        with self._room_mutex:
-            if self._room_fd < 0 or self._room_pid != os.getpid():
-                path = self.directory / ROOM_LOCK
-                try:
-                    check_private_file(path, what="the cache's lock file")
-                    self._room_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                except (OSError, UnsafeLocation) as exc:
-                    why = getattr(exc, "strerror", None) or exc
-                    raise RemoteError(f"cannot use the cache {self.directory}: {why}") from None
-                self._room_pid = os.getpid()
-            fd = self._room_fd
-            take_room(fd)
-            try:
-                yield
-            finally:
-                let_go_room(fd)
-
-    def _fits(self, requester: CachedObject, nbytes: int) -> bool:
-        """Whether `nbytes` more fit under the bound, once least recently used chunks that nobody
-        uses are evicted to make room (call with the room lock held)."""
-        if self.limit is None:
-            return True
-        need = -(-nbytes // _BLOCK) * _BLOCK  # whole blocks
-        held = self.disk_usage()
-        if held + need > self.limit:
-            slack = min(self.limit // 16, 8 * requester.chunk_size)
-            self._evict(held + need - self.limit + slack)
-            held = self.disk_usage()
-        return held + need <= self.limit
-
     def reserve(self, requester: CachedObject, chunk: int, nbytes: int, *, wait: bool = True) -> None:
         """Take the blocks of a chunk about to be fetched (freeing least recently used chunks first
         to keep under the bound). The blocks are taken at once (fallocate), so that every process
@@ -316,10 +273,10 @@ class ChunkCache:
         With no room, `wait` waits for chunks in use to be let go (a while: then CacheFull, as when
         the disk is full); without `wait`, NoRoomNow at once (a fetch ahead of readers).
         """
-        deadline = time.monotonic() + ROOM_WAIT
+        deadline = time.monotonic() + requester.room_wait
         while True:
-            with self._room_lock():
-                if self._fits(requester, nbytes):
+            with self.room.locked():
+                if self.room.fits(requester, nbytes):
                     requester.allocate(chunk * requester.chunk_size, nbytes)
                     return
             if not wait:
@@ -338,11 +295,11 @@ class ChunkCache:
         chunks waits to be recorded (the disk is full of what is not the cache's, or of what is in use)."""
         disk_full: CacheFull | None = None
         while True:
-            with self._room_lock():  # no eviction anywhere meanwhile: what is present stays so
+            with self.room.locked():  # no eviction anywhere meanwhile: what is present stays so
                 pinned, missing = requester.pin_present(first, last)
                 need = sum(map(requester.chunk_bytes, missing))
-                freed = self._evict(need) if disk_full is not None else 0
-                if self._fits(requester, need):
+                freed = self.room.evict(need) if disk_full is not None else 0
+                if self.room.fits(requester, need):
                     try:
                         for chunk in missing:
                             requester.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
@@ -374,15 +331,16 @@ class ChunkCache:
 
     def _soon_evictable(self) -> bool:
         """Whether chunks of this process will soon be evictable: a fetch under way (its chunk's blocks
-        taken), or chunks fetched and not yet recorded (evictable once saved, which waiting for room
-        does), or being recorded by a save under way (out of what waits to be saved, not yet in the
-        records: a reader right after a fetch met them so, and was told the disk was full). Not those
-        the last save had no room to record: till room comes, saving them frees nothing."""
+        taken), chunks its readers hold (let go once read: four readers through a disk with room for
+        two chunks take turns), or chunks fetched and not yet recorded (evictable once saved, which
+        waiting for room does), or being recorded by a save under way (out of what waits to be saved,
+        not yet in the records: a reader right after a fetch met them so, and was told the disk was
+        full). Not those the last save had no room to record: till room comes, saving them frees nothing."""
         with self._lock:
             objects = list(self._objects.values())
             if (self._pending and not self._full_said) or self._recording:
                 return True
-        return any(cached.busy() for cached in objects)
+        return any(cached.busy() or cached.pinned_bytes() for cached in objects)
 
     def _await_room(self, requester: CachedObject, deadline: float) -> None:
         """Wait a moment for room (chunks let go, or this process's new chunks saved, which makes them
@@ -394,39 +352,48 @@ class ChunkCache:
         if unsaved and self.save():
             return
         with self._lock:
-            self._wait_for_room(deadline - time.monotonic())
-
-    def _wait_for_room(self, left: float) -> None:
-        """Wait (the lock held) until chunks are let go or saved, or a moment passes."""
-        self._waiting_for_room += 1
-        try:
-            self._room.wait(max(0.0, min(left, 0.1)))
-        finally:
-            self._waiting_for_room -= 1
+            self.room.wait(deadline - time.monotonic())
 
     @property
     def waiting_for_room(self) -> int:
         """Fetches waiting for chunks in use to be let go."""
-        return self._waiting_for_room
+        return self.room.waiting
 
     def room_freed(self) -> None:
         """Chunks were let go: a fetch waiting for room may find it now."""
-        if self._waiting_for_room:
-            with self._lock:
-                self._room.notify_all()
+        self.room.freed()
 
     def disk_usage(self) -> int:
-        """Bytes the object files hold on disk (their blocks): every process's chunks, recorded or not."""
-        total = 0
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.directory / OBJECTS_DIR) as entries:
-            for entry in entries:
-                with contextlib.suppress(OSError):
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-        return total
+        return self.room.disk_usage()
+
+    def what_holds(self, requester: CachedObject) -> str:
+        return self.room.what_holds(requester)
 
     def forget_chunk(self, oid: str, chunk: int) -> None:
         """Drop a chunk's row (its file's bytes are not those it was recorded with): fetched again."""
         self.records.forget_chunk(oid, chunk)
+
+    def drop(self, cached: CachedObject, chunks: Iterable[int]) -> bool:
+        """The chunks hold bytes proven not to be the object's (a manifest or a signature refused them):
+        recorded first (their fetch locks go), then evicted, so that the next read fetches them again,
+        held to nothing they were summed to (their first checksums forgotten too). Whether every one
+        was: one a reader holds now stays present to it, its row forgotten (no other process answers
+        from it), until it is let go and evicted as any other."""
+        self.save(wait=True)
+        wanted = sorted(set(chunks))
+        with self.room.locked():
+            evicted = {
+                chunk
+                for chunk, _, _ in self.room.evict_from(
+                    cached.id, [(chunk, cached.chunk_size, cached.chunk_bytes(chunk)) for chunk in wanted], 1 << 62
+                )
+            }
+        for chunk in wanted:
+            if chunk not in evicted:
+                self.records.forget_chunk(cached.id, chunk)
+        self.records.forget_sums(cached.id, wanted)
+        cached.forget_sums(wanted)
+        return len(evicted) == len(wanted)
 
     def let_go(self, cached: CachedObject) -> bool:
         """One user of `cached` fewer: True when it was the last (its file is then closed by the caller)."""
@@ -438,95 +405,6 @@ class ChunkCache:
                 del self._objects[cached.id]
             return True
 
-    def what_holds(self, requester: CachedObject) -> str:
-        """Why no room could be made: what holds the cache, in words."""
-        assert self.limit is not None
-        mine = sum(cached.pinned_bytes() for cached in self._objects.values())
-        others = sorted(
-            {pid for oid in self._in_use_by_others() for pid in holders(self.directory / OBJECTS_DIR / oid)}
-        )
-        by = f"readers in this process hold {human_size(mine)}" if mine else "no reader of this process holds any"
-        if others:
-            by += f"; processes {', '.join(map(str, others))} use it too (their chunks in use stay)"
-        return (
-            f"{requester.version.url}: no room in the cache {self.directory} ({human_size(self.limit)}, "
-            f"{human_size(self.disk_usage())} on disk) for another chunk of {human_size(requester.chunk_size)}: "
-            f"{by}; raise --cache-size, or read less at once"
-        )
-
-    def _in_use_by_others(self) -> list[str]:
-        found = []
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.directory / OBJECTS_DIR) as entries:
-            for entry in entries:
-                if self._in_use(entry.name, others_only=True):
-                    found.append(entry.name)
-        return found
-
-    def _evict(self, wanted: int) -> int:
-        """Punch out least recently used chunks, `wanted` bytes' worth if there are; the bytes freed."""
-        freed, kept = 0, 0  # kept: rows passed over (in use), which the next query skips by its offset
-        while freed < wanted:
-            rows = self.records.least_used(kept)
-            if not rows:
-                break
-            by_object: dict[str, list[tuple[int, int, int]]] = {}
-            for oid, chunk, chunk_size, nbytes in rows:
-                by_object.setdefault(oid, []).append((chunk, chunk_size, nbytes))
-            for oid, chunks in by_object.items():
-                evicted = self._evict_from(oid, chunks, wanted - freed)
-                freed += sum(nbytes for _, _, nbytes in evicted)
-                COUNTERS.add(evicted_chunks=len(evicted), evicted_bytes=sum(nbytes for _, _, nbytes in evicted))
-                kept += len(chunks) - len(evicted)
-                if freed >= wanted:
-                    break
-        return freed
-
-    def _evict_from(self, oid: str, chunks: list[tuple[int, int, int]], wanted: int) -> list[tuple[int, int, int]]:
-        """Evict the object's chunks (chunk, chunk size, its bytes; least recently used first) that
-        nobody uses now, up to `wanted` bytes: those evicted."""
-        ours = self._objects.get(oid)
-        if ours is not None:
-            fd, close = ours.fd, False
-        else:
-            try:
-                fd, close = os.open(self.directory / OBJECTS_DIR / oid, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), True
-            except FileNotFoundError:  # the file is gone: so are its chunks
-                self.records.forget_chunks(oid)
-                return chunks
-            except OSError as exc:
-                log.warning("could not evict from the cache file %s: %s", oid, exc.strerror)
-                return []
-        evicted: list[tuple[int, int, int]] = []
-        try:
-            for chunk, chunk_size, nbytes in chunks:
-                if ours is not None and not ours.take(chunk):
-                    continue  # pinned, or being fetched, here
-                gone = False
-                try:
-                    if not take_to_evict(fd, chunk):
-                        continue  # another process answers from it now
-                    try:
-                        # Its record first, before the lock goes: whoever takes the lock next sees it gone (and a
-                        # chunk not punched after all is only blocks left over, never a hole that is recorded).
-                        with self.records.transaction() as db:
-                            db.execute("DELETE FROM chunks WHERE object=? AND chunk=?", (oid, chunk))
-                        gone = True
-                        punch_hole(fd, chunk * chunk_size, chunk_size)
-                    finally:
-                        let_go_chunk(fd, chunk)
-                finally:
-                    if ours is not None:
-                        ours.taken(chunk, gone)
-                evicted.append((chunk, chunk_size, nbytes))
-                if sum(n for _, _, n in evicted) >= wanted:
-                    break
-        except OSError as exc:
-            log.warning("could not evict from the cache file %s: %s", oid, exc.strerror)
-        finally:
-            if close:
-                os.close(fd)
-        return evicted
-
     # -- what `tensorfs cache` shows and does -----------------------------------------------
     def entries(self) -> list[CacheEntry]:
         return [
@@ -534,10 +412,8 @@ class ChunkCache:
             for oid, url, etag, size, used, cached in self.records.objects()
         ]
 
-    def _in_use(self, oid: str, *, others_only: bool = False) -> bool:
-        if oid in self._objects and not others_only:
-            return True
-        return in_use_elsewhere(self.directory / OBJECTS_DIR / oid)
+    def _in_use(self, oid: str) -> bool:
+        return oid in self._objects or in_use_elsewhere(self.directory / OBJECTS_DIR / oid)
 
     def prune(self, max_size: int) -> int:
         """Evict least recently used chunks until the cache holds at most `max_size` bytes; bytes freed.
@@ -547,8 +423,8 @@ class ChunkCache:
         """
         self.save(wait=True)
         held = self.records.count()
-        with self._room_lock():
-            freed = self._evict(held - max_size) if held > max_size else 0
+        with self.room.locked():
+            freed = self.room.evict(held - max_size) if held > max_size else 0
         for oid in self.records.empty_objects():
             if oid not in self._objects:
                 self._remove_unused(oid)
@@ -582,8 +458,4 @@ class ChunkCache:
             timer.cancel()
         self.save(wait=True)
         self.records.close()
-        with self._room_mutex:
-            if self._room_fd >= 0 and self._room_pid == os.getpid():
-                with contextlib.suppress(OSError):
-                    os.close(self._room_fd)
-            self._room_fd = -1
+        self.room.close()

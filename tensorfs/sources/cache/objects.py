@@ -32,7 +32,6 @@ __all__ = ["CacheFull", "CachedObject", "Fetch", "NoRoomNow"]
 
 log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cache's messages
 
-ROOM_WAIT = 10.0  # seconds a fetch waits for chunks in use to be let go before it fails (cache too small)
 SAVE_AT_LEAST_EVERY = 1.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
 _FETCH_WAIT = 0.01  # seconds between looks at a chunk another process is fetching
 _CHECK_PIECE = 1 << 20  # a chunk is read back in pieces this large to be checked
@@ -65,6 +64,7 @@ class Cache(Protocol):
     def touch(self, cached: CachedObject, chunks: range) -> None: ...
     def save(self, *, wait: bool = False) -> bool: ...
     def let_go(self, cached: CachedObject) -> bool: ...
+    def drop(self, cached: CachedObject, chunks: Iterable[int]) -> bool: ...
 
 
 class CachedObject:
@@ -197,9 +197,10 @@ class CachedObject:
         """Make chunks first..last present and pin them (blocking: a worker thread): room for all that
         are missing is claimed at once, each is pinned before it is fetched (see ChunkCache.claim).
 
-        CacheFull when there is no room in time; a fetch's own error as it is (wait()).
+        CacheFull when there is no room in time (--remote-timeout: readers of a cache too small for
+        them all take turns); a fetch's own error as it is (wait()).
         """
-        deadline = time.monotonic() + ROOM_WAIT
+        deadline = time.monotonic() + self.room_wait
         for _ in range(8):
             claimed = self.cache.claim(self, first, last, deadline)
             started = [
@@ -275,6 +276,11 @@ class CachedObject:
             waited.set_result(None)
 
     # -- fetching -------------------------------------------------------------------------
+    @property
+    def room_wait(self) -> float:
+        """How long a fetch waits for room in the cache: as long as for the store (--remote-timeout)."""
+        return self.version.ref.spec.timeout
+
     def busy(self) -> bool:
         """Whether a fetch (or a check) of any of its chunks is under way in this process."""
         with self._lock:
@@ -539,6 +545,14 @@ class CachedObject:
             pieces.append(piece)
             offset += len(piece)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def forget_sums(self, chunks: Iterable[int]) -> None:
+        """Forget what these chunks were summed to: their next fetch is held to nothing they held
+        (ChunkCache.drop: bytes proven not the object's)."""
+        with self._lock:
+            for chunk in chunks:
+                self._digests.pop(chunk, None)
+                self._tokens.pop(chunk, None)
 
     def recorded(self, chunks: Iterable[int]) -> None:
         """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""

@@ -245,6 +245,12 @@ class Records:
         with contextlib.suppress(RemoteError), self.transaction() as db:
             db.execute("DELETE FROM chunks WHERE object=? AND chunk=?", (oid, chunk))
 
+    def forget_sums(self, oid: str, chunks: list[int]) -> None:
+        """Drop what these chunks summed to when they first came: those bytes were proven not the
+        object's (a manifest or a signature refused them), and the next to come are held to nothing of them."""
+        with self.transaction() as db:
+            db.executemany("DELETE FROM digests WHERE object=? AND chunk=?", [(oid, chunk) for chunk in chunks])
+
     def forget_chunks(self, oid: str) -> None:
         """Drop the rows of every chunk of an object (its file is gone)."""
         with self.transaction() as db:
