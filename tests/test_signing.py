@@ -880,19 +880,26 @@ def test_a_signed_model_from_s3_is_the_signed_folder_in_its_view_and_export(
 
 
 @pytest.mark.mount
-@pytest.mark.parametrize("how", ["relative", "dotdot", "symlinked"])
+@pytest.mark.parametrize("how", ["relative", "dotdot", "symlinked", "pipeline"])
 def test_a_model_signed_by_ranges_mounts_by_the_path_a_user_types(
     mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path], how: str
 ) -> None:
     """docs/signing.md's `tensorfs mount m2 mnt --public-key k.pub`, run in the model's parent
     directory with a cold hash cache: the model named relatively (or through `..`, or through a
-    symlinked directory) is held to its signature of ranges, and every tensor and .sha256 is served
-    (the daemon leaves the working directory: the signed files were keyed by the path as typed, then
-    looked up by its absolute form, and every tensor answered EIO)."""
+    symlinked directory; or a pipeline's root) is held to its signature of ranges, and every tensor
+    and .sha256 is served (the daemon leaves the working directory: the signed files were keyed by
+    the path as typed, then looked up by its absolute form, and every tensor answered EIO)."""
     private, public = keys
     work = tmp_path / "work"
     work.mkdir()
-    model = make_ranged_model(work / "m2")
+    if how == "pipeline":
+        model = work / "m2"
+        model.mkdir()
+        make_ranged_model(model / "unet")
+        (model / "unet" / "model.safetensors").rename(model / "unet" / "diffusion_pytorch_model.safetensors")
+        (model / "model_index.json").write_text('{"unet": ["diffusers", "UNet2DModel"]}\n')
+    else:
+        model = make_ranged_model(work / "m2")
     sign(model, private, sharded=True)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "link").symlink_to(work, target_is_directory=True)
@@ -900,10 +907,12 @@ def test_a_model_signed_by_ranges_mounts_by_the_path_a_user_types(
         "relative": (work, "m2"),
         "dotdot": (work / "m2", "../m2"),
         "symlinked": (tmp_path / "elsewhere", "link/m2"),
+        "pipeline": (work, "m2"),
     }[how]
     mountpoint = mounts.mount(name, "--public-key", str(public), "--cache-dir", str(tmp_path / "cold"), cwd=cwd)
     with tensorfs.open_model(model, cache=False) as opened:
         expected = {tensor: bytes(opened.raw(tensor)) for tensor in opened}
+    assert len(expected) == RANGED_TENSORS
     for tensor, data in expected.items():
         assert (mountpoint / tensor).read_bytes() == data, tensor
         assert (mountpoint / f"{tensor}.sha256").read_text().split()[0] == hashlib.sha256(data).hexdigest()
