@@ -81,8 +81,11 @@ class ModelNotFound(InvalidModelError, FileNotFoundError):
         super().__init__([problem])
         self.errno, self.strerror, self.filename = errno.ENOENT, os.strerror(errno.ENOENT), problem.file
 
-    def __str__(self) -> str:  # the problem's line, not OSError's "[Errno 2] ..."
-        return "\n".join(str(p) for p in self.problems)
+    def __str__(self) -> str:  # safetensors' words (code written for it matches them), not OSError's "[Errno 2] ..."
+        return f"No such file or directory: {printable(self.problems[0].file)}"
+
+    def lines(self) -> list[str]:  # the CLI's: the file first, as every other line it prints
+        return [str(p) for p in self.problems]
 
     def __reduce__(self) -> tuple[type[ModelNotFound], tuple[Problem]]:
         return type(self), (self.problems[0],)
@@ -128,8 +131,23 @@ class MountError(TensorfsError):
     """A mount or unmount could not be done (bad mountpoint, FUSE unavailable, daemon failed)."""
 
 
-class ModelClosedError(TensorfsError):
-    """A model's data was asked for after the model was closed."""
+class ModelClosedError(TensorfsError, SafetensorError):
+    """A model's data was asked for after the model was closed: a SafetensorError too, in
+    safetensors' words ("File is closed"), as its closed handle raises."""
+
+    def __init__(self, source: object) -> None:
+        super().__init__(
+            f"File is closed: model {printable(str(source))} was closed; its tensors can no longer be read"
+        )
+        self.source = source
+
+    def __reduce__(self) -> tuple[type[ModelClosedError], tuple[object]]:
+        return type(self), (self.source,)
+
+
+class RefusedArgument(TensorfsError, ValueError, SafetensorError):
+    """A framework, a device or a backend safetensors does not take either: a SafetensorError too, as
+    its refusal is, said as it says it ("framework jax is invalid"), then why."""
 
 
 class ShardChangedError(TensorfsError):

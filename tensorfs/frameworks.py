@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .dtypes import DType
-from .errors import TensorfsError
+from .errors import RefusedArgument, TensorfsError, printable
 
 FRAMEWORKS = {"np": "np", "numpy": "np", "pt": "pt", "torch": "pt"}
 """The framework names safetensors takes that tensorfs serves, and which of the two each is."""
@@ -40,10 +40,12 @@ halved (as safetensors gives it); F6 comes as its raw uint8 bytes."""
 
 
 def framework_of(framework: str) -> str:
-    """'np' or 'pt' for a framework name safetensors takes; TensorfsError for any other."""
+    """'np' or 'pt' for a framework name safetensors takes; RefusedArgument for any other."""
     found = FRAMEWORKS.get(framework)
     if found is None:
-        raise TensorfsError(f"framework {framework!r} is not one tensorfs serves: 'pt' (torch) or 'np' (numpy)")
+        raise RefusedArgument(
+            f"framework {printable(str(framework))} is invalid: tensorfs serves 'pt' (torch) or 'np' (numpy)"
+        )
     return found
 
 
@@ -53,13 +55,16 @@ def check_device(framework: str, device: Any) -> None:
     if str(device) == "cpu":
         return
     if framework == "np":
-        raise TensorfsError(f"device {device!r}: numpy arrays live on the CPU; use framework='pt' for another device")
+        raise RefusedArgument(
+            f"Device {printable(str(device))} is not supported for framework numpy: numpy arrays live on the CPU; "
+            "use framework='pt' for another device"
+        )
     torch = import_torch()
     try:
         torch.device(device)
     except (RuntimeError, TypeError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TensorfsError(f"device {device!r} is not one torch knows: {reason}") from None
+        raise RefusedArgument(f"device {printable(str(device))} is invalid: torch does not know it: {reason}") from None
 
 
 def make_tensor(buffer: memoryview, dtype: DType, shape: Sequence[int], framework: str, device: Any = "cpu") -> Any:

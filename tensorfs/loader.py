@@ -20,8 +20,10 @@ import os
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from .dtypes import DTYPE_NAMED
-from .errors import InvalidModelError, Problem, SliceError, TensorfsError
+from .errors import InvalidModelError, Problem, RefusedArgument, SliceError, printable
 from .formats import safetensors
 from .formats.table import shape_problems
 from .frameworks import FRAMEWORKS, check_device, framework_of, given_as_bytes, make_tensor
@@ -38,7 +40,7 @@ BACKENDS = ("mmap", "pread")
 def check_backend(backend: str) -> None:
     """A backend safetensors takes, or the one-line error it makes of any other."""
     if backend not in BACKENDS:
-        raise TensorfsError(f"backend {backend!r} is invalid: 'mmap' or 'pread', as safetensors takes")
+        raise RefusedArgument(f"backend {printable(repr(backend))} is invalid: 'mmap' or 'pread', as safetensors takes")
 
 
 def safe_open(
@@ -72,10 +74,12 @@ class SafeOpen:
 
     def keys(self) -> list[str]:
         """Every tensor name, sorted."""
+        self.model._check_open()
         return self.model.names()
 
     def offset_keys(self) -> list[str]:
         """Every tensor name in the order of the bytes: by shard, then by offset in it."""
+        self.model._check_open()
         return [entry[2] for shard in self.model.shards for entry in self.model.shard_header(shard).entries]
 
     def metadata(self) -> dict[str, str] | None:
@@ -143,9 +147,11 @@ class TensorSlice:
         """The dtype's name ("F32", "BF16", ...; a GGUF's "Q4_K" ...)."""
         return DTYPE_NAMED[self._info.dtype].name
 
-    def _refused(self, key: Any, why: str) -> SliceError:
-        """The error a slice of this tensor `key` gets, saying the model, the tensor, the slice and why."""
-        return SliceError(str(Problem(str(self._opened.model.source), f"slice {_written(key)}: {why}", self._name)))
+    def _refused(self, key: Any, why: str, said: str | None = None) -> SliceError:
+        """The error a slice of this tensor `key` gets: what safetensors says of it (`said`, when it
+        raises its SafetensorError), then the model, the tensor, the slice and why."""
+        detail = str(Problem(str(self._opened.model.source), f"slice {_written(key)}: {why}", self._name))
+        return SliceError(detail if said is None else f"{said} ({detail})")
 
     def __getitem__(self, key: Any) -> Any:
         opened = self._opened
@@ -161,8 +167,8 @@ class TensorSlice:
         if opened.framework == "np":
             try:
                 index = numpy_index(key, whole.shape)
-            except ValueError as exc:
-                raise self._refused(key, str(exc)) from None
+            except RefusedIndex as exc:
+                raise self._refused(key, str(exc), exc.said) from None
             part = whole[(*index, ...)]  # an element too: a 0-d array of its bytes, as the reference gives
             return part.copy() if opened.backend == "pread" else part  # not the whole tensor's memory held
         part = whole[key]  # torch's indexing, as safetensors' torch slices
@@ -191,8 +197,8 @@ def load_file(
     their bytes with the shards' files (copy-on-write), as safetensors' do (backend="pread": their own)."""
     kind = framework_of(framework)
     if isinstance(device, str) and device in FRAMEWORKS:  # load_file(path, "np"): the device's place
-        raise TensorfsError(
-            f"device {device!r}: load_file's second argument is the device, as safetensors.torch.load_file's; "
+        raise RefusedArgument(
+            f"device {device} is invalid: load_file's second argument is the device, as safetensors.torch.load_file's; "
             f"for {'numpy arrays' if FRAMEWORKS[device] == 'np' else 'torch tensors'} pass framework={device!r}"
         )
     check_device(kind, device)
@@ -224,64 +230,148 @@ def load(data: bytes | bytearray | memoryview, *, framework: str = "pt") -> dict
     return {name: make_tensor(own[begin:end], dtype, shape, kind) for begin, end, name, dtype, shape in header.entries}
 
 
+class RefusedIndex(ValueError):
+    """A key safetensors' numpy slices do not take: why, and `said`, what safetensors says of it (None
+    where it raises no SafetensorError: a TypeError, an OverflowError, a crash)."""
+
+    def __init__(self, why: str, said: str | None = None) -> None:
+        super().__init__(why)
+        self.said = said
+
+
+_I64 = 1 << 63
+"""safetensors reads an index as a 64-bit int: one past it is no index."""
+
+
 def numpy_index(key: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...]:
     """`key` as safetensors' numpy slices take it, for a tensor of `shape`: ints (a bool is 0 or 1)
     within the dimension (negative from its end), slices of a step of 1 or more whose start is in
     the dimension and whose stop is from the start to its end (no negative bound), and one `...`;
-    `[]` is `[0:0]`. ValueError saying why for anything else (None, a list, an array, a float, a
-    bound out of the dimension), where safetensors raises its SafetensorError."""
+    `[]` is `[0:0]`. RefusedIndex saying why for anything else (None, a list, an array, a float, a
+    bound out of the dimension), with safetensors' words where it raises its SafetensorError: the
+    key is taken in its order (its ellipses, each item in turn, their count, then each one's bounds
+    from the last)."""
     if isinstance(key, list):
         if key:
-            raise ValueError("a list of indices is not a slice safetensors takes")
+            raise RefusedIndex(
+                "a list of indices is not a slice safetensors takes", "Non empty lists are not implemented"
+            )
         key = slice(0, 0)
     items = key if isinstance(key, tuple) else (key,)
-    ellipses = [at for at, item in enumerate(items) if item is Ellipsis]  # by identity: an array's == is not a bool
-    if len(ellipses) > 1:
-        raise ValueError("only one ellipsis (...) is allowed")
-    given = len(items) - len(ellipses)
-    if given > len(shape):
-        raise ValueError(f"{given} indices for {len(shape)} dimensions")
-    if ellipses:  # every dimension between, each a slice of it whole (the dimensions after the key's are not)
-        at = ellipses[0]
-        items = (*items[:at], *[slice(None)] * (len(shape) - given), *items[at + 1 :])
+    given = sum(item is not Ellipsis for item in items)  # by identity: an array's == is not a bool
+    if len(items) - given > 1:
+        raise RefusedIndex("only one ellipsis (...) is allowed", "Only one ellipsis (...) is allowed in slice index")
     index: list[int | slice] = []
-    for dim, item in enumerate(items):
-        size = shape[dim]
+    for item in items:
+        if item is Ellipsis:
+            spread = max(0, len(shape) - given)  # the dimensions the other items leave, each whole
+            index += [slice(None)] * spread
+            continue
+        dim = len(index)
+        size = shape[dim] if dim < len(shape) else 0
         if isinstance(item, slice):
-            start, stop, step = (
-                _bound(part, default)
-                for part, default in zip((item.start, item.stop, item.step), (0, size, 1), strict=True)
+            index.append(_slice_of(item, dim, size))
+            continue
+        value = _integer(item)
+        if value is None:
+            raise RefusedIndex(
+                f"{item!r} is not an index: an int, a slice or ... is",
+                f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis",
             )
-            if step < 1:
-                raise ValueError(f"a slice's step must be 1 or more, not {step}")
-            if not 0 <= start < size or not start <= stop <= size:
-                raise ValueError(
-                    f"{start}:{stop} is not within dimension #{dim} of size {size} (safetensors' numpy slices take a "
-                    f"start from 0 to {size - 1} and a stop from the start to {size})"
-                )
-            index.append(slice(start, stop, step))
-        else:
-            position = _bound(item, None)
-            if not -size <= position < size:
-                raise ValueError(f"index {position} is out of bounds for dimension #{dim} of size {size}")
-            index.append(position)
-    return tuple(index)
+        if value < -size:
+            raise RefusedIndex(
+                f"index {value} is out of bounds for dimension #{dim} of size {size}",
+                f"Invalid index {value} for dimension {dim} of size {size}",
+            )
+        index.append(value + size if value < 0 else value)
+    written = f"[{', '.join(map(_written_item, index))}] with shape [{', '.join(map(str, shape))}]"
+    if given > len(shape):
+        raise RefusedIndex(
+            f"{given} indices for {len(shape)} dimensions",
+            f"Error during slicing {written}: more slicing indexes than dimensions in tensor",
+        )
+    # Last dimension first, as safetensors checks them (the dimensions after the key's: whole).
+    for dim, (item, size) in reversed(list(enumerate(zip(index, shape, strict=False)))):
+        beyond: int | None = item if isinstance(item, int) and item >= size else None
+        if isinstance(item, slice):  # safetensors names the start past the end, else the last index taken
+            start = item.start or 0
+            beyond = start if start >= size else item.stop - 1 if item.stop is not None and item.stop > size else None
+        if beyond is not None:
+            out = f"index {beyond} out of bounds for tensor dimension #{dim} of size {size}"
+            why = f"index {item} is out of bounds for dimension #{dim} of size {size}"
+            raise RefusedIndex(
+                why if isinstance(item, int) else _not_within(item, dim, size), f"Error during slicing {written}: {out}"
+            )
+    taken: list[int | slice] = []
+    for dim, (item, size) in enumerate(zip(index, shape, strict=False)):
+        if isinstance(item, slice):
+            start, stop = item.start or 0, size if item.stop is None else item.stop
+            if start > stop:  # (safetensors takes it, then fails to make it: no error of its own)
+                raise RefusedIndex(_not_within(item, dim, size))
+            item = slice(start, stop, item.step or 1)
+        taken.append(item)
+    return tuple(taken)
 
 
-def _bound(value: Any, default: int | None) -> int:
-    """An index or a slice's bound as an int (None: `default`); ValueError for what is neither."""
-    if value is None and default is not None:
-        return default
-    if isinstance(value, bool):
-        return int(value)
+def _slice_of(item: slice, dim: int, size: int) -> slice:
+    """A slice of the key as safetensors reads it: its bounds and step ints or None, the step 1 or
+    more, no bound negative or past 64 bits (RefusedIndex: safetensors' step error, or its
+    OverflowError)."""
+    start, stop, step = (_bound(part) for part in (item.start, item.stop, item.step))
+    taken = slice(start, stop, step)
+    if any(bound is not None and not 0 <= bound < _I64 for bound in (start, stop)):  # its bounds first
+        raise RefusedIndex(_not_within(taken, dim, size))
+    if step is not None and step < 1:
+        raise RefusedIndex(
+            f"a slice's step must be 1 or more, not {step}", f"Slice step must be a positive integer, got {step}"
+        )
+    return taken
+
+
+def _not_within(item: slice, dim: int, size: int) -> str:
+    """Why a slice's bounds are refused, and what safetensors' numpy slices take of the dimension."""
+    start, stop = 0 if item.start is None else item.start, size if item.stop is None else item.stop
+    return (
+        f"{start}:{stop} is not within dimension #{dim} of size {size} (safetensors' numpy slices take a start "
+        f"from 0 to {size - 1} and a stop from the start to {size})"
+    )
+
+
+def _written_item(item: int | slice) -> str:
+    """One item of a key as safetensors' messages write it: an int from 0, a slice's bounds as given
+    and its step unless 1."""
+    if isinstance(item, int):
+        return str(item)
+    written = ":".join("" if bound is None else str(bound) for bound in (item.start, item.stop))
+    return written + ("" if item.step in (None, 1) else f":{item.step}")
+
+
+def _integer(item: Any) -> int | None:
+    """An index as safetensors reads one (an int, a bool, anything with __index__ but numpy's bool,
+    within 64 bits), else None."""
+    if isinstance(item, np.bool_):
+        return None
+    try:
+        value = operator.index(item)
+    except TypeError:
+        return None
+    return value if -_I64 <= value < _I64 else None
+
+
+def _bound(value: Any) -> int | None:
+    """A slice's bound or step: an int, or None; RefusedIndex for anything else (safetensors: a TypeError)."""
+    if value is None:
+        return None
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{value!r} is not an index: an int, a slice or ... is") from None
+        raise RefusedIndex(f"{value!r} is not an index: an int, a slice or ... is") from None
 
 
 def _written(key: Any) -> str:
-    """A slice's key as it was written: [3:1], [..., 0], [::2]."""
+    """A slice's key as it was written: [3:1], [..., 0], [::2], [0, 1] (a list)."""
+    if isinstance(key, list):
+        return repr(key)
     items = key if isinstance(key, tuple) else (key,)
 
     def one(item: Any) -> str:

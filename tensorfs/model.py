@@ -213,7 +213,7 @@ class Model(Tables):
     # -- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
-            raise ModelClosedError(f"model {self.source} is closed: its tensors can no longer be read")
+            raise ModelClosedError(self.source)
 
     @property
     def closed(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import inspect
 import pickle
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -85,7 +86,7 @@ def test_load_file_takes_the_device_second_and_says_so_to_who_meant_the_framewor
         message = str(raised.value)
         assert "second argument is the device" in message and f"framework={framework!r}" in message, message
         assert "\n" not in message
-    with pytest.raises(tensorfs.TensorfsError, match="device 'gpu0' is not one torch knows"):
+    with pytest.raises(safetensors.SafetensorError, match="device gpu0 is invalid: torch does not know it"):
         tensorfs.load_file(path, "gpu0")
     for call in (tensorfs.load_file, lambda path, **kw: tensorfs.safe_open(path, "pt", **kw)):
         with pytest.raises(tensorfs.TensorfsError, match="backend 'uring' is invalid: 'mmap' or 'pread'"):
@@ -229,7 +230,12 @@ def test_numpy_slices_take_what_safetensors_takes_and_torch_slices_are_torchs(
             elif framework == "np":
                 assert isinstance(got, tensorfs.SliceError) and isinstance(got, IndexError), got
                 message = str(got)
-                assert message.startswith(f"{sliced}: tensor '{name}': slice [") and "\n" not in message
+                ours = f"{sliced}: tensor '{name}': slice ["
+                if isinstance(expected, safetensors.SafetensorError):  # its words first: code matches on them
+                    assert message.startswith(f"{expected} ({ours}"), (key, message, expected)
+                else:  # (an OverflowError, a TypeError, a panic: nothing of its own to say)
+                    assert message.startswith(ours), (key, message, expected)
+                assert "\n" not in message
             else:
                 assert type(got) is type(expected), (got, expected)
 
@@ -333,10 +339,121 @@ def test_a_file_safetensors_refuses_is_a_safetensor_error_from_tensorfs(tmp_path
         assert isinstance(sliced.value, IndexError)
 
 
+def test_a_closed_handle_raises_what_safetensors_raises(tmp_path: Path) -> None:
+    """Every call on a handle used after its `with` block raises a SafetensorError, as safetensors'
+    does ("File is closed"): keys() answered, and the others raised an error no SafetensorError."""
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2, 3], random_bytes(24, 1))})
+    calls: dict[str, Callable[[Any], Any]] = {
+        "keys": lambda f: f.keys(),
+        "offset_keys": lambda f: f.offset_keys(),
+        "metadata": lambda f: f.metadata(),
+        "get_tensor": lambda f: f.get_tensor("w"),
+        "get_slice": lambda f: f.get_slice("w"),
+    }
+    for framework in ("np", "pt"):
+        with tensorfs.safe_open(path, framework) as ours, safetensors.safe_open(str(path), framework) as theirs:
+            sliced = ours.get_slice("w")
+        for name, call in calls.items():
+            with pytest.raises(safetensors.SafetensorError, match=r"^File is closed"):
+                call(theirs)
+            with pytest.raises(
+                safetensors.SafetensorError, match="^" + re.escape(f"File is closed: model {path} was closed")
+            ) as raised:
+                call(ours)
+            assert isinstance(raised.value, tensorfs.ModelClosedError), name
+        with pytest.raises(safetensors.SafetensorError, match=r"^File is closed"):
+            ours.get_tensors()
+        with pytest.raises(safetensors.SafetensorError, match=r"^File is closed"):
+            sliced[0]
+        again = pickle.loads(pickle.dumps(raised.value))
+        assert (type(again), str(again)) == (tensorfs.ModelClosedError, str(raised.value))
+
+
+def test_a_framework_or_a_device_safetensors_refuses_is_a_safetensor_error(tmp_path: Path) -> None:
+    """An unknown framework or device is a SafetensorError from tensorfs, as from safetensors (it
+    was a plain TensorfsError), in its words, then why; from safe_open, load_file and the model."""
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [2, 3], random_bytes(24, 1))})
+    refused: list[tuple[Callable[[], Any], Callable[[], Any], str]] = [
+        (
+            lambda: safetensors.safe_open(str(path), "jax2"),
+            lambda: tensorfs.safe_open(path, "jax2"),
+            "framework jax2 is invalid",
+        ),
+        (
+            lambda: safetensors.safe_open(str(path), "pt", device="tpu9"),
+            lambda: tensorfs.safe_open(path, "pt", device="tpu9"),
+            "device tpu9 is invalid",
+        ),
+        (
+            lambda: safetensors.safe_open(str(path), "np", device="cuda:0"),
+            lambda: tensorfs.safe_open(path, "np", device="cuda:0"),
+            "Device cuda:0 is not supported for framework numpy",
+        ),
+        (
+            lambda: safetensors.torch.load_file(path, device="tpu9"),
+            lambda: tensorfs.load_file(path, device="tpu9"),
+            "device tpu9 is invalid",
+        ),
+        (
+            lambda: safetensors.torch.load_file(path, "np"),
+            lambda: tensorfs.load_file(path, "np"),
+            "device np is invalid",
+        ),
+        (
+            lambda: safetensors.safe_open(str(path), "pt", backend="uring"),
+            lambda: tensorfs.safe_open(path, "pt", backend="uring"),
+            "backend 'uring' is invalid",
+        ),
+    ]
+    for theirs, ours, said in refused:
+        with pytest.raises(safetensors.SafetensorError):
+            theirs()
+        with pytest.raises(safetensors.SafetensorError, match="^" + re.escape(said)) as raised:
+            ours()
+        assert isinstance(raised.value, tensorfs.TensorfsError) and "\n" not in str(raised.value)
+    with tensorfs.open_model(path) as model, pytest.raises(safetensors.SafetensorError, match=r"^framework tf is"):
+        model.tensor("w", "tf")
+    with pytest.raises(safetensors.SafetensorError, match=r"^framework jax2 is invalid"):
+        tensorfs.load_file(path, framework="jax2")
+
+
+def test_a_refused_slice_is_said_in_safetensors_words_then_tensorfs(tmp_path: Path) -> None:
+    """Code written for safetensors matches on its words for a refused numpy slice: tensorfs says
+    them first, then the file, the tensor, the slice as written (a list as a list: [0, 1], not
+    [[0, 1]]) and why. The differential test above holds every key to this; these are the kinds."""
+    path = tmp_path / "m.safetensors"
+    write_reference(path, {"w": ("F32", [3, 4], random_bytes(48, 1))})
+    keys: list[tuple[Any, str]] = [
+        ([0, 1], "[0, 1]"),
+        ((0, None), "[0, None]"),
+        ((slice(0, 2, -1),), "[0:2:-1]"),
+        ((Ellipsis, Ellipsis), "[..., ...]"),
+        ((-5,), "[-5]"),
+        ((0, 0, 0), "[0, 0, 0]"),
+        ((Ellipsis, 9), "[..., 9]"),
+        ((slice(1, 10), 0), "[1:10, 0]"),
+    ]
+    with tensorfs.safe_open(path, "np") as ours, safetensors.safe_open(str(path), "np") as theirs:
+        for key, written in keys:
+            with pytest.raises(safetensors.SafetensorError) as expected:
+                theirs.get_slice("w")[key]
+            with pytest.raises(tensorfs.SliceError) as raised:
+                ours.get_slice("w")[key]
+            message = str(raised.value)
+            assert message.startswith(f"{expected.value} ({path}: tensor 'w': slice {written}: "), message
+        assert (
+            str(expected.value)
+            == "Error during slicing [1:10, 0] with shape [3, 4]: index 9 out of bounds for tensor dimension #0 of size 3"
+        )
+
+
 def test_a_file_not_there_is_a_file_not_found_error_as_from_safetensors(tmp_path: Path) -> None:
     """Code written for safetensors catches FileNotFoundError for a file that is not there: tensorfs's
-    refusal of it is one too (its errno and filename), still an InvalidModelError, its message the
-    one line tensorfs says, and the same error again once pickled (as a worker process hands it on)."""
+    refusal of it is one too (its errno and filename), still an InvalidModelError, its message
+    safetensors' (code matches on it), and the same error again once pickled (as a worker process
+    hands it on)."""
     import safetensors.numpy
 
     import tensorfs.numpy
@@ -358,7 +475,8 @@ def test_a_file_not_there_is_a_file_not_found_error_as_from_safetensors(tmp_path
         error = raised.value
         assert isinstance(error, tensorfs.ModelNotFound) and isinstance(error, tensorfs.InvalidModelError)
         assert (error.errno, error.filename) == (errno.ENOENT, str(arguments[0]))
-        assert str(error) == f"{arguments[0]}: no such file or directory"
+        assert str(error) == f"No such file or directory: {arguments[0]}"  # safetensors' words
+        assert error.lines() == [f"{arguments[0]}: no such file or directory"]  # the CLI's: the file first
         again = pickle.loads(pickle.dumps(error))
         assert (type(again), str(again), again.errno) == (tensorfs.ModelNotFound, str(error), errno.ENOENT)
 

@@ -512,7 +512,7 @@ def test_no_dtype_packs_more_elements_a_byte_than_the_shape_rule_counts() -> Non
 def test_bad_requests_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "m.safetensors"
     write_reference(path, {"w": ("F32", [2], random_bytes(8, 0))})
-    with pytest.raises(tensorfs.TensorfsError, match="framework 'tf' is not one tensorfs serves"):
+    with pytest.raises(tensorfs.TensorfsError, match="framework tf is invalid: tensorfs serves"):
         tensorfs.safe_open(path, "tf")
     with pytest.raises(tensorfs.TensorfsError, match="numpy arrays live on the CPU"):
         tensorfs.safe_open(path, "np", device="cuda:0")

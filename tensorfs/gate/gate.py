@@ -312,7 +312,7 @@ class Gate:
     def check_open(self) -> None:
         """ModelClosedError once the model is closed."""
         if self.closed:
-            raise ModelClosedError(f"model {self.tables.source} is closed: its tensors can no longer be read")
+            raise ModelClosedError(self.tables.source)
 
     def close(self) -> None:
         with self._lock:
