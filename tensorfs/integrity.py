@@ -191,6 +191,11 @@ class Hasher:
                 self.save()
         return found
 
+    def count(self, nbytes: int) -> None:
+        """Bytes hashed elsewhere than here (a signed range's check), for the counts."""
+        with self._lock:
+            self.bytes_hashed += nbytes
+
     def save(self) -> None:
         """Write the hashes not yet in the cache, in one transaction per shard.
 
@@ -211,16 +216,39 @@ class Hasher:
         return buffer
 
 
+@dataclass
+class Checked:
+    """What a check of bytes against a signature found: the tensors whose bytes it proved the signed
+    ones (as they were read: the caller knows whether their file changed since), and the SHA-256 of
+    those whose values were taken on the way (a tensor's value: what a fallback's copy, a .sha256 or
+    a later open holds it to)."""
+
+    proven: set[str]
+    values: dict[str, str]
+
+    def update(self, other: Checked) -> None:
+        self.proven |= other.proven
+        self.values.update(other.values)
+
+
 class Pending(Protocol):
-    """Tensors whose manifest value is known only once bytes of their file are checked: a file
-    signed by ranges (signedbytes.SignedRanges). Picklable: a mount's daemon is handed it."""
+    """Tensors proven, and their values known, only once bytes of their file are checked: a model's
+    files held to a signature (signedbytes.SignedRanges). Picklable: a mount's daemon is handed it."""
 
     def establish(
-        self, names: list[str], hasher: Hasher, progress: Callable[[int], None] | None = None
-    ) -> dict[str, str]:
-        """Check the bytes these tensors' values rest on (read through `hasher`'s model); the SHA-256
-        of each, and of every other tensor those bytes hold whole. IntegrityError naming the file,
-        a tensor and the bytes that are not the signed ones."""
+        self,
+        names: list[str],
+        hasher: Hasher,
+        progress: Callable[[int], None] | None = None,
+        *,
+        values: bool = False,
+        generations: Mapping[ShardKey, int] | None = None,
+    ) -> Checked:
+        """Check the bytes these tensors rest on (read through `hasher`'s model): the tensors proven
+        (these, and the others those bytes hold whole), and their values where taken (`values`:
+        these tensors' at least; `generations`: how many changes of each file the caller has seen, a
+        check under way since then being waited for rather than made again). IntegrityError naming
+        the file, a tensor and the bytes that are not the signed ones."""
         ...
 
 
@@ -231,8 +259,9 @@ class Integrity:
 
     hasher: Hasher
     expected: dict[str, str] | None = None
-    """The manifest: tensor -> hex SHA-256. With one, no tensor is served before it matches (a
-    tensor `pending` holds gets its value when it is first checked)."""
+    """The manifest: tensor -> hex SHA-256. With one, no tensor is served before it is verified:
+    its bytes hash to this value, or (a tensor `pending` holds) the signed bytes of its file were
+    checked, its value taken then or only when something needs it."""
     verified: set[str] = field(default_factory=set)
     label: str = "the manifest"
     """How messages name the manifest (where it was read from)."""
@@ -242,7 +271,6 @@ class Integrity:
     """Where the values the manifest lacks come from, as their tensors are first checked (None: it
     lacks none)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _hashing: dict[str, threading.Event] = field(default_factory=dict, repr=False)
 
     def signature(self) -> dict[str, str] | None:
         """The signature in force and who signed it, as status, stats.json and the metrics say them."""
@@ -252,73 +280,66 @@ class Integrity:
 
     def digest(self, name: str) -> str:
         """The tensor's actual SHA-256: from the cache, else hashed (blocking: call from a worker thread).
-        Under a manifest, proving (see Hasher.hash_all)."""
+        Under a manifest, proving (see Hasher.hash_all); a value `pending` has not taken yet, taken."""
         if self.unproven(name):
-            return self.establish([name])[name]
+            self.establish([name], values=True)
+            assert self.expected is not None
+            return self.expected[name]
         proving = self.expected is not None
         return self.hasher.cached([name], proving=proving).get(name) or self.hasher.hash_one(name)
 
     def hash_all(self, names: Iterable[str], progress: Callable[[int], None] | None = None) -> dict[str, str]:
-        """The tensors' actual SHA-256s (see Hasher.hash_all; proving under a manifest), those whose value
-        the manifest lacks established on the way (IntegrityError if the bytes it rests on are not
-        the signed ones)."""
+        """The tensors' actual SHA-256s (see Hasher.hash_all; proving under a manifest), the values the
+        manifest lacks taken on the way (IntegrityError if the bytes they rest on are not the
+        signed ones)."""
         names = list(names)
-        found = self.establish([name for name in names if self.unproven(name)], progress)
+        unproven = [name for name in names if self.unproven(name)]
+        if unproven:
+            self.establish(unproven, progress, values=True)
+        assert self.expected is not None or not unproven
+        found = {name: self.expected[name] for name in unproven} if self.expected is not None else {}
         rest = [name for name in names if name not in found]
         if rest:
             found.update(self.hasher.hash_all(rest, progress, proving=self.expected is not None))
         return {name: found[name] for name in names}
 
     def unproven(self, name: str) -> bool:
-        """Whether the manifest lacks the tensor's value: `pending` establishes it from its own file
-        (no fallback's copy can be held to it before)."""
+        """Whether the manifest lacks the tensor's value: `pending` proves its bytes from its own file
+        (no fallback's copy can be held to it before its value is taken)."""
         return self.pending is not None and self.expected is not None and name not in self.expected
 
-    def establish(self, names: list[str], progress: Callable[[int], None] | None = None) -> dict[str, str]:
-        """The values of these unproven tensors (and of the others the bytes checked hold), from their
-        files' checked bytes, put in the manifest; their actual SHA-256s, since they are the same."""
+    def establish(
+        self,
+        names: list[str],
+        progress: Callable[[int], None] | None = None,
+        *,
+        values: bool = False,
+        generations: Mapping[ShardKey, int] | None = None,
+    ) -> set[str]:
+        """Check the bytes these unproven tensors rest on: the tensors proven (these, and the others
+        those bytes hold), their values where taken (`values`: these tensors' at least) put in the
+        manifest. The caller makes them verified, knowing their files unchanged meanwhile."""
         if not names:
-            return {}
+            return set()
         assert self.pending is not None and self.expected is not None
-        found = self.pending.establish(names, self.hasher, progress)
+        found = self.pending.establish(names, self.hasher, progress, values=values, generations=generations)
         with self._lock:
-            self.expected.update(found)
-        return found
-
-    def check(self, name: str) -> None:
-        """Verify one tensor against the manifest, once (blocking: its bytes are hashed unless the hash
-        cache knows them; a tensor another thread is verifying is waited for). IntegrityError naming
-        the tensor, the expected and the actual hash when it does not match."""
-        if self.expected is None:
-            return
-        while name not in self.verified:
-            with self._lock:
-                if name in self.verified:
-                    return
-                running = self._hashing.get(name)
-                if running is None:
-                    running = self._hashing[name] = threading.Event()
-                    mine = True
-                else:
-                    mine = False
-            if not mine:
-                running.wait()
-                continue  # verified by the other thread, or it failed: then try ourselves
-            try:
-                self._compare({name: self.digest(name)})
-            finally:
-                with self._lock:
-                    del self._hashing[name]
-                running.set()
+            self.expected.update(found.values)
+        return found.proven
 
     def check_many(self, names: Iterable[str], progress: Callable[[int], None] | None = None) -> None:
-        """Verify these tensors (those not yet verified), hashing on HASH_WORKERS threads; IntegrityError
+        """Verify these tensors (those not yet verified) before anything is served: what `pending`
+        proves by its files' signed bytes, the rest hashed on HASH_WORKERS threads; IntegrityError
         for the first in name order that does not match (every matching one is verified still)."""
         if self.expected is None:
             return
         todo = [name for name in names if name not in self.verified]
-        if todo:
-            self._compare(self.hash_all(todo, progress))
+        unproven = [name for name in todo if self.unproven(name)]
+        if unproven:
+            self.verified |= self.establish(unproven, progress)
+        rest = [name for name in todo if name not in self.verified]
+        if rest:
+            self._compare(self.hash_all(rest, progress))
 
     def _compare(self, actual: Mapping[str, str]) -> None:
         assert self.expected is not None

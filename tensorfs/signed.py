@@ -2,13 +2,14 @@
 the signer's digests are the gate's manifest.
 
 A signature gives each file's SHA-256 (or its ranges'), not each tensor's; the gate checks
-tensors. So a file signed whole is hashed whole once (a progress line; a remote one is read once),
-its digest compared with the signed one, and the digests of its tensors, taken in the same pass,
-become what the gate holds them to; they are kept in the hash cache with a row saying that the
-file of this identity matched what the signature says of it, so that a later open of the unchanged
-file is lazy again (the hash cache's own trust: an unchanged identity is unchanged bytes). A file
-signed by ranges is not read whole: its ranges are checked as its tensors are first read
-(signedbytes.SignedRanges).
+tensors. So the bytes of each file are checked against what the signature says of them, each byte
+hashed once: a file signed whole at open (a progress line; a remote one is read once), a file
+signed by ranges range by range as its tensors are first read (signedbytes.SignedRanges). A check
+proves the tensors whose bytes it covered; their own digests are taken on the way only where
+something will hold bytes to them (a fallback's copy; a remote shard's later open), else when
+asked for. The hash cache keeps rows saying that the file of an identity matched what the signature
+says of it, so that a later open of the unchanged file hashes nothing (the hash cache's own trust:
+an unchanged identity is unchanged bytes).
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from .errors import RemoteError, ShardChangedError, TensorfsError, printable
-from .formats import BEGIN, END, NAME, Entry, is_weights_name
+from .formats import is_weights_name
 from .hashcache import HashCache
 from .identity import Identity, ShardKey
-from .integrity import HASH_WORKERS, SIGNATURE_LABEL, Hasher, Integrity
+from .integrity import SIGNATURE_LABEL, Hasher, Integrity
 from .model import Model
-from .progress import Progress
 from .safefiles import ModelDirectory, NotRegular, mounted_under
+from .signaturecache import VerifiedSignatures
 from .signedbytes import SignedRanges, check_file
 from .signing import DEFAULT_SIGNATURE, Signature, SignatureError, SignedFile, SignedModel, read_signature
 from .sources.finding import beside, directory_url, listing_beside
@@ -63,7 +63,11 @@ def hold_model(
     a local model's files exactly those signed (`where`: its directory, or a remote one's URL), the
     signed digests its manifest (hold_to). `everything`: no selection; `verify_all`: every tensor
     checked now."""
-    signed = find_signature(trust, where, remote)
+    verified = VerifiedSignatures(cache.directory if cache.enabled else None)
+    try:
+        signed = find_signature(trust, where, remote, verified)
+    finally:
+        verified.close()
     root: Path | str = directory_url(where, remote) if isinstance(where, str) else where
     own = signature_path(trust, root)
     if own is not None:  # never a file it covers, wherever it lies, whatever the signer left out
@@ -97,12 +101,15 @@ def signature_path(trust: Signature, root: Path | str) -> str | None:
     return url.removeprefix(prefix) if isinstance(root, str) and url.startswith(prefix) else None
 
 
-def find_signature(trust: Signature, where: Path | str, remote: RemoteOptions) -> SignedModel:
-    """The signature `trust` names, else model.sig beside the model (`where`: its directory or URL), verified."""
+def find_signature(
+    trust: Signature, where: Path | str, remote: RemoteOptions, verified: VerifiedSignatures | None = None
+) -> SignedModel:
+    """The signature `trust` names, else model.sig beside the model (`where`: its directory or URL),
+    verified (or found `verified` before: signaturecache.py)."""
     if trust.location is not None:
-        return read_signature(trust.location, trust, remote)
+        return read_signature(trust.location, trust, remote, verified=verified)
     if isinstance(where, str):
-        return read_signature(beside(where, DEFAULT_SIGNATURE, remote).url, trust, remote)
+        return read_signature(beside(where, DEFAULT_SIGNATURE, remote).url, trust, remote, verified=verified)
     try:  # asked of the directory, never of what a mount or a link there leads to (it may hang)
         with ModelDirectory(where) as directory:
             there = directory.has(DEFAULT_SIGNATURE)
@@ -111,7 +118,7 @@ def find_signature(trust: Signature, where: Path | str, remote: RemoteOptions) -
     if not there:
         shown = printable(str(where / DEFAULT_SIGNATURE))
         raise SignatureError(f"{shown}: no signature here; name one (--signature FILE|URL)")
-    return read_signature(where / DEFAULT_SIGNATURE, trust, remote, in_model=True)
+    return read_signature(where / DEFAULT_SIGNATURE, trust, remote, in_model=True, verified=verified)
 
 
 def hold_to(
@@ -124,46 +131,26 @@ def hold_to(
     progress: bool = False,
     lazy: bool = True,
 ) -> Integrity:
-    """The gate's integrity under `signed`: every tensor's SHA-256 as the signed bytes of its file
-    make it. Each shard whose identity the hash cache does not know to match the signature is hashed
-    whole first, but for a shard signed by ranges when `lazy` (its ranges checked as its tensors are
-    first read, those holding no tensor's bytes now: signedbytes.SignedRanges); SignatureError,
-    naming the file, for a shard the signature does not name or whose bytes are not the signed ones."""
-    cache = hasher.cache
-    expected: dict[str, str] = {}
-    verified: set[str] = set()
-    todo: list[tuple[ShardKey, list[Entry], SignedFile]] = []
-    ranged: dict[ShardKey, SignedFile] = {}
-    for shard, entries in model.by_shard().items():
+    """The gate's integrity under `signed` (signedbytes.SignedRanges): the bytes no tensor holds
+    checked now (a file signed whole: the file, each byte hashed once, the files several at once),
+    and what the hash cache knows held its signed bytes for the files' identities taken as known;
+    the rest checked as its tensors are first read. Not `lazy` (--verify all): every byte checked
+    now, whatever the cache knows. SignatureError, naming the file, for a shard the signature does
+    not name or whose bytes are not the signed ones."""
+    files: dict[ShardKey, SignedFile] = {}
+    for shard in model.shards:
         relative = "." if one_file and "." in signed.files else relative_name(directory, shard)
         signed_file = signed.files.get(relative)
         if signed_file is None:
             raise SignatureError(_unsigned(str(shard), signed))
-        found = _remembered(cache, model.identity(shard), signed_file, [(e[BEGIN], e[END]) for e in entries])
-        if found is None and lazy and not signed_file.whole:
-            ranged[shard] = signed_file
-        elif found is None:
-            todo.append((shard, entries, signed_file))
-        else:
-            expected.update({entry[NAME]: found[entry[BEGIN], entry[END]] for entry in entries})
-    if todo:
-        total = sum(model.shard_header(shard).file_size for shard, _, _ in todo)
-        # A file in a store is read whole for it, once: the line says so.
-        remote = any(isinstance(shard, str) for shard, _, _ in todo)
-        label = "reading the signed files whole, once" if remote else "hashing the signed files, once"
-        with Progress(total, label, enabled=None if progress else False) as line:
-
-            def one(job: tuple[ShardKey, list[Entry], SignedFile]) -> dict[str, str]:
-                return _hash_shard(model, cache, signed, *job, line.advance)
-
-            with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
-                for digests in pool.map(one, todo):
-                    expected.update(digests)
-                    verified.update(digests)
-    pending = SignedRanges(ranged, signed.label) if ranged else None
-    if pending is not None:
-        expected.update(pending.open(hasher))
-    return Integrity(hasher, expected, verified, f"{SIGNATURE_LABEL}{signed.label}", signed.signer, pending)
+        files[shard] = signed_file
+    for opened in model.opened_shards():  # bytes read to be checked are summed so: fetched again, they must be them
+        opened.data.hold_to_manifest()
+    # With fallbacks, a tensor's value is taken when its bytes are checked: a fallback's copy is held to it.
+    pending = SignedRanges(files, signed.label, values=model.fallbacks is not None)
+    known = pending.open(hasher, everything=not lazy, progress=progress)
+    label = f"{SIGNATURE_LABEL}{signed.label}"
+    return Integrity(hasher, known.values, known.proven, label, signed.signer, pending)
 
 
 def relative_name(directory: Path | str, shard: ShardKey) -> str:
@@ -172,49 +159,6 @@ def relative_name(directory: Path | str, shard: ShardKey) -> str:
     if isinstance(shard, Path):
         return PurePosixPath(os.path.relpath(shard, directory)).as_posix()
     return shard.removeprefix(str(directory).rstrip("/") + "/")
-
-
-def _remembered(
-    cache: HashCache, identity: Identity | None, signed_file: SignedFile, spans: list[tuple[int, int]]
-) -> dict[tuple[int, int], str] | None:
-    """The tensors' digests the hash cache keeps for a file of this identity found to match what the
-    signature says of it; None when it does not know them all."""
-    if identity is None or not cache.enabled:
-        return None
-    found = cache.get_many(identity, [FILE_SPAN, *spans])
-    if found.get(FILE_SPAN) != signed_file.key() or not all(span in found for span in spans):
-        return None
-    return found
-
-
-def _hash_shard(
-    model: Model,
-    cache: HashCache,
-    signed: SignedModel,
-    shard: ShardKey,
-    entries: list[Entry],
-    signed_file: SignedFile,
-    advance: Callable[[int], None],
-) -> dict[str, str]:
-    """Hash a shard whole against the signature; its tensors' digests (kept in the hash cache)."""
-    header = model.shard_header(shard)
-    start = header.data_start
-    tensors = [(start + e[BEGIN], start + e[END], e[NAME]) for e in entries]
-    identity = model.identity(shard)
-    digests = check_file(
-        lambda offset, buffer: model.readinto(shard, offset, buffer),
-        header.file_size,
-        signed_file,
-        str(shard),
-        signed.label,
-        tensors,
-        advance,
-        refused=model.shard_data(shard).refused,
-    )
-    if identity is not None:
-        by_span = {(begin - start, end - start): digests[name] for begin, end, name in tensors}
-        cache.put_many(identity, {**by_span, FILE_SPAN: signed_file.key()})
-    return digests
 
 
 # -- the files of the model ------------------------------------------------------------------------
@@ -343,7 +287,7 @@ def _check_plain(root: ModelDirectory, directory: Path, relative: str, signed: S
         raise SignatureError(f"{printable(shown)}: cannot be checked: {why}") from None
     try:
         identity = Identity.of(status)
-        if _remembered(cache, identity, signed_file, []) is not None:
+        if cache.enabled and cache.get_many(identity, [FILE_SPAN]).get(FILE_SPAN) == signed_file.key():
             return
 
         def read(offset: int, buffer: memoryview) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import TensorfsError, printable
 from .manifest import read_document
+from .signaturecache import VerifiedSignatures
 from .sources.store import RemoteOptions, is_remote, redact
 
 if TYPE_CHECKING:
@@ -137,21 +138,85 @@ class SignedModel:
 
 
 def read_signature(
-    where: Path | str, trust: Signature, remote: RemoteOptions | None = None, *, in_model: bool = False
+    where: Path | str,
+    trust: Signature,
+    remote: RemoteOptions | None = None,
+    *,
+    in_model: bool = False,
+    verified: VerifiedSignatures | None = None,
 ) -> SignedModel:
     """The signature at `where` (a file, or a URL; `in_model`: found beside the model), verified with
-    `trust`'s material. SignatureError, one line naming the file and the reason, when it cannot be
-    read, is not a model signature, or does not verify."""
+    `trust`'s material (or found `verified` before, with the same key). SignatureError, one line
+    naming the file and the reason, when it cannot be read, is not a model signature, or does not
+    verify."""
     data = read_document(
         where, remote, in_model=in_model, limit=MAX_SIGNATURE_BYTES, what="a signature", error=SignatureError
     )
     shown = printable(redact(str(where)))
-    return verify_signature(data, shown, trust)
+    return verify_signature(data, shown, trust, verified)
 
 
-def verify_signature(data: bytes, label: str, trust: Signature) -> SignedModel:
+def verify_signature(
+    data: bytes, label: str, trust: Signature, verified: VerifiedSignatures | None = None
+) -> SignedModel:
     """The signature `data` (a sigstore bundle as model_signing writes it), verified with `trust`'s
-    material: the statement's signature checked by the library's cryptography, then its digests."""
+    material: the statement's signature checked by the library's cryptography, then its digests.
+    With `verified`, what a public key verified before is taken from there (the same bytes of the
+    signature and of the key), and what it verifies now is kept there."""
+    key = _key_bytes(trust, label)
+    bundle = hashlib.sha256(data).hexdigest()
+    material = None if key is None else hashlib.sha256(key).hexdigest()
+    if verified is not None and material is not None:
+        said = verified.get(bundle, material)
+        if said is not None:
+            return _unremembered(said, label, trust, bundle)
+    signed = _verified(data, label, trust)
+    if verified is not None and material is not None and _key_bytes(trust, label) == key:  # (unchanged meanwhile)
+        verified.put(bundle, material, _remembered(signed))
+    return signed
+
+
+def _key_bytes(trust: Signature, label: str) -> bytes | None:
+    """The public key's bytes (None: a certificate chain verifies)."""
+    if trust.public_key is None:
+        return None
+    try:
+        return trust.public_key.read_bytes()
+    except OSError as exc:
+        shown = printable(str(trust.public_key))
+        raise SignatureError(f"{shown}: cannot verify with it: {exc.strerror or exc}") from None
+
+
+def _remembered(signed: SignedModel) -> str:
+    """What a verified signature says, as the cache of verified signatures keeps it."""
+    files = {path: [list(span) for span in signed_file.ranges] for path, signed_file in signed.files.items()}
+    return json.dumps(
+        {"key": _fingerprint_of(signed.signer), "method": signed.method, "files": files, "ignored": signed.ignored}
+    )
+
+
+def _unremembered(said: str, label: str, trust: Signature, digest: str) -> SignedModel:
+    """The SignedModel a verified signature said (_remembered), read from `label` with `trust`'s key
+    (`digest`: the signature's bytes' SHA-256)."""
+    found = json.loads(said)
+    files = {
+        path: SignedFile(
+            tuple((int(start), None if end is None else int(end), str(digest)) for start, end, digest in spans)
+        )
+        for path, spans in found["files"].items()
+    }
+    assert trust.public_key is not None
+    signer = f"public key {printable(trust.public_key.name)} ({found['key']})"
+    return SignedModel(label, signer, str(found["method"]), files, tuple(found["ignored"]), digest=digest)
+
+
+def _fingerprint_of(signer: str) -> str:
+    """ "sha256:..." of a key's signer, as _signer says it."""
+    return signer.rsplit("(", 1)[-1].rstrip(")")
+
+
+def _verified(data: bytes, label: str, trust: Signature) -> SignedModel:
+    """verify_signature(), by model_signing."""
     try:
         from model_signing import manifest as signed_manifest
         from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb, signing

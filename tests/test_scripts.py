@@ -154,6 +154,33 @@ def test_bench_fleet_runs(fuse: None, tmp_path: Path) -> None:
     assert _nodes_of_dead_processes() == []  # its nodes too
 
 
+def test_bench_signed_runs(fuse: None, tmp_path: Path) -> None:
+    """--quick: 1/16 GiB of 8 MiB tensors in 2 shards, signed by files and by 1 MiB ranges, one try;
+    its own SeaweedFS. Each figure means what it says: every side read the model's every tensor (or
+    its first one), the same bytes, and each ratio is of two sides that did."""
+    report = bench_quick("signed", tmp_path, timeout=900)
+    assert report["notes"] == []
+    rows = ("peer", "whole", "mount", "first")
+    local = {
+        f"signed_{flavor}_local_{row}" for flavor in ("files", "ranges") for row in (*rows, "warm", "mount_unsigned")
+    }
+    remote = {f"signed_{flavor}_s3_{row}" for flavor in ("files", "ranges") for row in rows}
+    assert figures(report) == local | remote
+    nbytes = report["signed_files_local_peer"]["nbytes"]
+    assert nbytes >= 64 << 20
+    whole = {report[key]["read"] for key in local | remote if not key.endswith("_first")}
+    whole |= {report[key]["unsigned_read"] for key in local if key.endswith("_warm")}
+    assert len(whole) == 1 and whole.pop().endswith(f"/{nbytes}")  # the model, every byte, each side
+    firsts = {report[key][read] for key in local | remote if key.endswith("_first") for read in ("read", "peer_read")}
+    assert len(firsts) == 1 and firsts.pop().endswith(f"/{8 << 20}")  # its first tensor, each side
+    for key in (local | remote) - {key for key in local | remote if key.endswith("_peer")}:
+        assert report[key]["ratio"] > 0 and report[key]["seconds"] > 0, key
+    assert (
+        report["signed_ranges_local_first"]["at_most"] == 0.3 and report["signed_files_local_whole"]["at_most"] == 1.0
+    )
+    assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # its directory removed
+
+
 def _nodes_of_dead_processes() -> list[str]:
     """Network namespaces of fleet nodes (tfs-PID-node-K) whose process is gone: left behind."""
     from tensorfs.mount.mounttable import pid_alive

@@ -12,8 +12,11 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,7 @@ from signed_models import SIGNED_SHARD, hashing_config, make_key, resign, sign
 import tensorfs
 import tensorfs.identity
 import tensorfs.opener
+import tensorfs.signedbytes
 import tensorfs.tables
 from conftest import Mounts
 from helpers import cli, free_port, hub_api, scrape
@@ -85,28 +89,61 @@ def held(public: Path, location: Path | None = None) -> tensorfs.Signature:
 # -- opening a signed model --------------------------------------------------------------------------
 
 
+class CountedHashing:
+    """The bytes fed to SHA-256 by the checks of signed bytes (signedbytes.py's hashlib)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.bytes = 0
+        counter = self
+        original = hashlib.sha256
+
+        class Counted:
+            def __init__(self, data: bytes = b"") -> None:
+                self._hash = original()
+                self.update(data)
+
+            def update(self, data: Any) -> None:
+                counter.bytes += memoryview(data).nbytes
+                self._hash.update(data)
+
+            def hexdigest(self) -> str:
+                return self._hash.hexdigest()
+
+        monkeypatch.setattr(tensorfs.signedbytes, "hashlib", SimpleNamespace(sha256=Counted))
+
+
 def test_a_model_signed_by_files_is_hashed_once_then_opened_lazily(
     tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each byte of a file signed whole is hashed once at open, for the file's digest: its tensors
+    are proven by it, no digest of theirs taken (each byte went into two SHA-256s: the file's and
+    its tensor's, 1.5x model_signing's verify-then-load). A later open knows the files by their
+    identities: nothing hashed, nothing hashed when a tensor is read."""
     monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
     private, public = keys
     model = make_model(tmp_path / "model")
     sign(model, private)
+    hashed = CountedHashing(monkeypatch)
     cache = tmp_path / "cache"
+    size = sum(path.stat().st_size for path in model.glob("*.safetensors"))
+    companions = [path for path in model.rglob("*") if path.is_file() and path.suffix != ".safetensors"]
+    size_of_others = sum(path.stat().st_size for path in companions if path.name != "model.sig")
     with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
         integrity = opened.gate.integrity
         assert integrity.verified == {"big", "small", "head", "empty"}  # every shard hashed whole, once
+        assert hashed.bytes == size + size_of_others and integrity.hasher.bytes_hashed == size  # each byte once
+        assert set(integrity.expected or {}) == {"empty"}  # no tensor's value taken but the empty one's
         assert "public key signer.pub (sha256:" in integrity.signer
         assert integrity.label == f"the signature {model / 'model.sig'}"
-        expected = dict(integrity.expected or {})
+        assert opened.array("small").tolist() == list(range(7)) and hashed.bytes == size + size_of_others
+    hashed.bytes = 0
     with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
         integrity = opened.gate.integrity
-        assert integrity.verified == set() and integrity.hasher.bytes_hashed == 0  # lazy: the hash cache knew
-        assert integrity.expected == expected
+        assert integrity.verified == {"big", "small", "head", "empty"} and integrity.hasher.bytes_hashed == 0
         assert opened.array("small").tolist() == list(range(7))
-        # Only the tensor read was hashed (a small one is hashed again rather than cached), against the
-        # digest the first open took from the signed bytes.
-        assert integrity.hasher.bytes_hashed == opened.info("small").nbytes and integrity.verified == {"small"}
+        assert integrity.hasher.bytes_hashed == hashed.bytes == 0  # the files' identities: their signed bytes
+        # A .sha256 asks for a value: the tensor hashed then (its file proven for this identity).
+        assert opened.gate.integrity.digest("big") == hashlib.sha256(opened.raw("big")).hexdigest()
 
 
 # -- a model signed by ranges: each range checked as its tensors are first read --------------------------
@@ -176,22 +213,77 @@ def test_a_model_signed_by_ranges_is_checked_range_by_range_as_its_tensors_are_r
         assert reads.since() == SIGNED_SHARD < size // 100
         assert opened.gate.integrity.expected == {}
         assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
-        # The 65 ranges holding t3's bytes, whole, read once for the ranges' digests and the tensor's.
+        # The 65 ranges holding t3's bytes, whole, read and hashed once, for the ranges' digests: they
+        # prove t3, whose own digest is not taken (nothing needs it: no fallback, a local file).
         assert nbytes < reads.since() <= nbytes + 2 * SIGNED_SHARD
         assert opened.gate.integrity.verified == {"t3"}
-        assert set(opened.gate.integrity.expected or {}) == {"t3"}
+        assert opened.gate.integrity.expected == {}
     with tensorfs.open_model(model, signature=held(public), cache=cache) as opened:
         # A later open: the hash cache knew the header's range and t3's, for this identity of the file.
         assert reads.since() == 0
-        assert set(opened.gate.integrity.expected or {}) == {"t3"}
+        assert opened.gate.integrity.verified == {"t3"}
         assert opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS
-        assert reads.since() == 0  # its digest, too, was the cache's
+        assert reads.since() == 0  # its ranges were the cache's
         assert opened.array("t5").tolist() == [5.0] * RANGED_ELEMENTS
         assert nbytes < reads.since() <= nbytes + 2 * SIGNED_SHARD
     every = tensorfs.opener.Source.named(model, RemoteOptions(cache_dir=cache))
     with every.open(signature=held(public), verify="all") as opened:
         assert reads.since() == size  # --verify all: every range checked at open, whatever the cache knows
         assert opened.gate.integrity.verified == {f"t{i}" for i in range(RANGED_TENSORS)}
+
+
+def test_readers_of_one_tensor_at_once_check_its_ranges_once(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four readers of a tensor not yet checked (a mount's reader and the kernel's reads ahead of it
+    come together): each range holding its bytes is hashed once, the others waiting for it (each
+    hashed it again: a signed mount of a model signed by ranges read at half the speed of an
+    unsigned one). A handshake holds the first check until every reader has asked for its ranges."""
+    import threading
+
+    from tensorfs.signedbytes import SignedRanges
+
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    target = tensor_offset(model, "t3") // SIGNED_SHARD + 1  # a range wholly inside t3
+    readers = 4
+    asked: list[int] = []
+    everyone = threading.Event()
+    checked: list[tuple[int, int]] = []
+    shared, check = SignedRanges._shared, SignedRanges._check
+
+    def counted_shared(
+        self: SignedRanges, hasher: Any, shard: Any, first: int, last: int, *args: Any, **kw: Any
+    ) -> Any:
+        if first == last == target:
+            asked.append(first)
+            if len(asked) == readers:
+                everyone.set()
+        return shared(self, hasher, shard, first, last, *args, **kw)
+
+    def held_check(self: SignedRanges, hasher: Any, shard: Any, first: int, last: int, *args: Any, **kw: Any) -> Any:
+        if first == last == target:
+            assert everyone.wait(timeout=60), "the other readers never asked"
+        checked.append((first, last))
+        return check(self, hasher, shard, first, last, *args, **kw)
+
+    monkeypatch.setattr(SignedRanges, "_shared", counted_shared)
+    monkeypatch.setattr(SignedRanges, "_check", held_check)
+    with tensorfs.open_model(model, signature=held(public), cache=False) as opened:
+        results: list[bool] = []
+
+        def read() -> None:
+            results.append(opened.array("t3").tolist() == [3.0] * RANGED_ELEMENTS)
+
+        threads = [threading.Thread(target=read) for _ in range(readers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert results == [True] * readers
+    assert sorted(checked) == sorted(set(checked)), "a range was hashed more than once"
+    assert (target, target) in checked
 
 
 def test_a_byte_changed_in_one_signed_range_is_refused_when_its_tensor_is_read(
@@ -647,11 +739,12 @@ def test_a_signed_model_in_s3_is_held_to_its_signature(
     url = f"s3://{bucket}/signed"
     with tensorfs.open_model(url, signature=held(public), remote=remote) as opened:
         # Signed by ranges: at open, only the ranges holding a header are read (the second file's one
-        # range holds it all); each tensor of the first is checked as it is read.
+        # range holds it all: its tensors proven, their values taken, as a later open holds them to
+        # them); each tensor of the first is checked as it is read.
         integrity = opened.gate.integrity
-        assert integrity.verified == set() and set(integrity.expected or {}) == {"head", "empty"}
+        assert integrity.verified == {"head", "empty"} and set(integrity.expected or {}) == {"head", "empty"}
         assert opened.array("small").tolist() == list(range(7))
-        assert integrity.verified == {"small"} and "big" not in (integrity.expected or {})
+        assert integrity.verified == {"small", "head", "empty"} and "big" not in (integrity.expected or {})
     common = ["--public-key", str(public), "--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "c2")]
     result = cli("export", url, str(tmp_path / "out"), *common)
     assert result.returncode == 0, result.stderr
@@ -840,7 +933,7 @@ def test_a_signed_models_variant_is_held_to_the_signature_in_its_view(
     assert (view / "model-00001-of-00002.safetensors").read_bytes() == (
         model / "model-00001-of-00002.safetensors"
     ).read_bytes()
-    assert "tensor 'small' in shard" in mounts.log() and "model.fp16.safetensors" in mounts.log()
+    assert "model.fp16.safetensors: tensor 'small': bytes [" in mounts.log()  # the file, the tensor, the range
 
 
 def tensor_offset_of(file: Path, name: str) -> int:
@@ -1125,6 +1218,40 @@ def test_a_changed_signature_over_unchanged_files_is_not_taken_from_the_hash_cac
     resign(signature, private, other_weights)
     with pytest.raises(tensorfs.SignatureError, match=r"model-00002-of-00002.safetensors: bytes hash to"):
         tensorfs.open_model(model, signature=held(public), cache=cache)
+
+
+def test_a_signature_verified_before_with_the_same_key_is_not_verified_again(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """A second open of a model held to the same signature with the same key takes what the
+    signature says from the cache (no model_signing imported: it cost more than a warm open of the
+    model); a key, or a signature, changed by a byte is verified again, and refused if it does not
+    verify. Each open in a process of its own, as a user's."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    cache = tmp_path / "cache"
+    opening = (
+        "import sys, tensorfs\n"
+        f"signature = tensorfs.Signature(public_key=sys.argv[1])\n"
+        f"with tensorfs.open_model({str(model)!r}, signature=signature, cache={str(cache)!r}) as opened:\n"
+        "    print(opened.gate.integrity.signer, 'model_signing' in sys.modules)\n"
+    )
+
+    def opened_with(key: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", opening, str(key)], capture_output=True, text=True, check=False)
+
+    first, second = opened_with(public), opened_with(public)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout.endswith(" True\n") and second.stdout.endswith(" False\n")  # verified, then remembered
+    assert first.stdout.rsplit(" ", 1)[0] == second.stdout.rsplit(" ", 1)[0]  # the same signer said
+    other = make_key(tmp_path / "other")[1]
+    refused = opened_with(other)
+    assert refused.returncode != 0 and "does not verify with" in refused.stderr, refused.stderr
+    # The signature changed by a byte (its statement's own), signed again by the same key: verified again.
+    resign(model / "model.sig", private, lambda statement: statement["predicate"].update(note="x"))
+    again = opened_with(public)
+    assert again.returncode == 0 and again.stdout.endswith(" True\n"), again.stderr
 
 
 def test_a_signature_with_verify_off_is_refused(tmp_path: Path, keys: tuple[Path, Path]) -> None:

@@ -43,6 +43,26 @@ def test_what_inotify_reports(shard: tuple[Path, int]) -> None:
     watch.close()
 
 
+def test_two_watches_of_one_file_each_hear_of_its_changes(shard: tuple[Path, int]) -> None:
+    """The process's watches share one inotify instance (closing one that held a watch cost the
+    kernel's 8 ms: every model's close), where a file has one watch: two models of one shard open
+    at once each hear of a write, and one closed leaves the other's watch on. The events are
+    inotify's own: sizes and times are not asked (check() is not called)."""
+    path, fd = shard
+    first = ShardWatch([(path, fd, os.fstat(fd))])
+    second = ShardWatch([(path, fd, os.fstat(fd))])
+    assert first.changes() == second.changes() == []
+    assert first.fileno() == second.fileno() >= 0  # one descriptor for the process
+    write_in_place(path, 10, b"x")
+    assert first.changes() == [(path, Change.CONTENT)]  # (it read the event: kept for the other too)
+    assert second.changes() == [(path, Change.CONTENT)]
+    first.close()
+    os.chmod(path, 0o600)
+    assert second.changes() == [(path, Change.CONTENT)]
+    assert first.fileno() == -1 and second.fileno() >= 0
+    second.close()
+
+
 def test_what_happened_since_validation_is_reported_first(shard: tuple[Path, int]) -> None:
     path, fd = shard
     validated = os.fstat(fd)

@@ -11,6 +11,8 @@
   pyfuse3 floor's;
 - load: loading.py, the in-process loader against safetensors and the Run:ai Model Streamer;
 - formats: formats.py, GGUF against safetensors (mount, reads) and against modelvet (validating);
+- signed: signed.py, a model held to an OpenSSF Model Signing signature (in-process, mounted; local
+  and from SeaweedFS) against model_signing's verify then safetensors, each side a process of its own;
 - fleet: fleet.py, N nodes (network namespaces) reading one model through a caching tier (nginx) from
   a SeaweedFS cluster (cluster.py), against one node: the aggregate rate and the store's egress.
 
@@ -31,7 +33,7 @@ from .common import Config, Report, compile_package
 
 __all__ = ["SUITES", "Config", "Report", "main"]
 
-SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet", "signed")
 
 
 def main(config: Config, json_path: Path | None = None, *, suite: str = "read") -> int:
@@ -52,6 +54,8 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
         from .formats import run
     elif suite == "fleet":
         from .fleet import run
+    elif suite == "signed":
+        from .signed import run
     else:
         raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
     uncompiled = compile_package()

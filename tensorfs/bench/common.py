@@ -37,6 +37,7 @@ OWN_FIELDS = {
     "load": "load_",
     "formats": "formats_",
     "fleet": "fleet_",
+    "signed": "signed_",
 }
 """The prefix of the Config fields of each suite whose defaults differ from the read suite's."""
 
@@ -95,6 +96,16 @@ class Config:
     """... median of this many tries ..."""
     fleet_nodes: tuple[int, ...] = (1, 2, 4)
     """... of each count of nodes reading it at once."""
+    signed_gib: float = 4.0
+    """The signed suite (signed.py): a model this big ..."""
+    signed_shards: int = 4
+    """... in this many shards ..."""
+    signed_tensor_mib: int = 64
+    """... of F32 tensors this big, signed by files and by ranges ..."""
+    signed_range_mib: int = 16
+    """... this big ..."""
+    signed_repeat: int = 3
+    """... median of this many tries."""
 
     def settings(self, suite: str) -> dict[str, str]:
         """The fields `suite` reads, as text (the JSON report's "config"): the open, hash and small
@@ -137,6 +148,11 @@ class Config:
             fleet_shards=2,
             fleet_repeat=1,
             fleet_nodes=(1, 2),
+            signed_gib=1 / 16,
+            signed_shards=2,
+            signed_tensor_mib=8,
+            signed_range_mib=1,
+            signed_repeat=1,
         )
 
 

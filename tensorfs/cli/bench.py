@@ -9,7 +9,7 @@ import click
 from .group import cli
 from .options import READAHEAD_KB, Finite, ParsedText, hidden_alias
 
-SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet", "signed")
 """tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
 
 FIELDS: dict[str, dict[str, str]] = {
@@ -21,6 +21,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "load": {"gib": "load_gib", "repeat": "load_repeat"},
     "formats": {"gib": "formats_gib", "repeat": "formats_repeat"},
     "fleet": {"gib": "fleet_gib", "shards": "fleet_shards", "repeat": "fleet_repeat", "nodes": "fleet_nodes"},
+    "signed": {"gib": "signed_gib", "shards": "signed_shards", "repeat": "signed_repeat"},
 }
 """The Config field each option sets, by suite; an option a suite has no field for is refused."""
 
@@ -119,6 +120,11 @@ def bench(
     stage of it each) through a caching tier (nginx, contrib/nginx-tier.conf) from a SeaweedFS
     cluster, against one node: the aggregate rate, and the store's egress (needs FUSE, root, nginx,
     weed). --gib 1, --shards 4, --repeat 3, --nodes 1,2,4.
+
+    signed: a model held to an OpenSSF Model Signing signature (files signed whole, and by 16 MiB
+    ranges), in-process and mounted, local and from SeaweedFS, against model_signing's verify then
+    safetensors; each side a process of its own (needs FUSE, weed, model_signing). --gib 4,
+    --shards 4, --repeat 3.
     """
     from .. import bench as benchmark
 

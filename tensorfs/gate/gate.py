@@ -223,6 +223,12 @@ class Gate:
             if expected is None:
                 return
             todo = [n for n in names if n not in self.router.copies and n not in self.integrity.verified]
+            unproven = [name for name in todo if self.integrity.unproven(name)]
+        if unproven:  # their files' signed bytes checked (each byte hashed once), not the tensors hashed
+            run(self._prove(unproven, progress))
+            with self._lock:
+                todo = [name for name in todo if name not in self.integrity.verified]
+        with self._lock:
             generations = {name: self._state_of(name).generation for name in todo}
         if not todo:
             return
@@ -282,7 +288,7 @@ class Gate:
         assert expected is not None
         unproven = [name for name in names if self.integrity.unproven(name)]
         if unproven:
-            yield "verify", functools.partial(self.integrity.establish, unproven)
+            yield "verify", functools.partial(self.integrity.establish, unproven, values=True)
         return {name: expected[name] for name in names}
 
     # -- changes to the files --------------------------------------------------------------------
@@ -349,6 +355,13 @@ class Gate:
                 known = self._bad.get(place.name) if place.copy is None else None
                 if known is not None and known[0] == generation:
                     raise known[1]
+                unproven = place.copy is None and self.integrity.unproven(place.name)
+            if unproven:  # its file's signed bytes checked: proven (or not) without hashing it again
+                yield from self._prove([place.name])
+                with self._lock:
+                    if place.name in self.integrity.verified or self._moved(place):
+                        return  # (read from its own file just now: a failure since is not waited out)
+                continue
             actual = yield from self._hash_of(place, generation)
             with self._lock:
                 self._notice(place.data)
@@ -374,6 +387,48 @@ class Gate:
                     error = self._mismatch(place.name, place.shard, actual, expected[place.name])
             yield from self._refuse_bytes(place, error, generation)
             raise error
+
+    def _prove(self, names: list[str], progress: Callable[[int], None] | None = None) -> Plan[None]:
+        """Check the signed bytes these tensors rest on (Integrity.establish): each tensor they prove
+        is verified, unless its file changed meanwhile (then it is checked again when asked for).
+        A check that fails refuses the tensor, as a tensor's own mismatch is (_hash_of)."""
+        with self._lock:
+            self._notice()
+            seen = {id(self._state_of(name)): self._state_of(name) for name in names}
+            before = {key: state.generation for key, state in seen.items()}
+            generations = {self.tables.locate(name)[0]: self._state_of(name).generation for name in names}
+        kind: StepKind = "read" if any(self.place(name).data.needs_ensure for name in names) else "verify"
+        establish = functools.partial(self.integrity.establish, names, progress, generations=generations)
+        try:
+            proven: set[str] = yield kind, establish
+        except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
+            if len(names) > 1:
+                raise
+            place = self.place(names[0])
+            with self._lock:
+                refused = Refused(str(exc))
+                generation = before[id(self._state_of(place.name))]
+                if self._bad.get(place.name, (-1,))[0] != generation:
+                    self._bad[place.name] = (generation, refused)
+                    self.reporter.unverifiable(place.name, place.shard, str(exc))
+            raise refused from None
+        except IntegrityError as exc:  # the bytes they rest on are not the signed ones
+            place = self.place(exc.tensor if exc.tensor in names else names[0])
+            generation = before[id(self._state_of(place.name))]
+            with self._lock:
+                known = self._bad.get(place.name, (-1,))[0] == generation
+                if not known:
+                    how = str(exc) if exc.span is not None else None  # a range's digest, not the tensor's
+                    self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "", how)
+            if not known:
+                yield from self._refuse_bytes(place, exc, generation)
+            raise
+        with self._lock:
+            self._notice()
+            for name in proven:
+                state = self._state_of(name)
+                if before.get(id(state)) == state.generation and name not in self.integrity.verified:
+                    self._pass(name)
 
     def _refuse_bytes(self, place: Place, error: IntegrityError, generation: int) -> Plan[None]:
         """Bytes of the place proven wrong (`error`): its source forgets the copy it keeps of them (a

@@ -124,18 +124,17 @@ class TensorOperations(pyfuse3.Operations):
 
     async def watch_changes(self) -> None:
         """Apply changes to the files as they happen, between requests too (run in the nursery)."""
+        self.notice_changes()  # what happened since validation is told at once, not at the first read
+        # The gates' watches share one descriptor (sources/watch.py): waited on once, it tells of all.
+        descriptors = {gate.watch_fd() for gate in self.gates} - {-1}
         async with trio.open_nursery() as nursery:
-            for gate in self.gates:
-                nursery.start_soon(self._watch, gate)
+            for fd in descriptors:
+                nursery.start_soon(self._watch, fd)
 
-    async def _watch(self, gate: Gate) -> None:
-        gate.notice_changes()  # what happened since validation is told at once, not at the first read
-        fd = gate.watch_fd()
-        if fd < 0:
-            return
+    async def _watch(self, fd: int) -> None:
         while True:
             await trio.lowlevel.wait_readable(fd)
-            gate.notice_changes()
+            self.notice_changes()
 
     def notice_changes(self) -> None:
         """Apply every change to the files reported so far, of every gate."""
