@@ -77,6 +77,7 @@ bench: install
 	$(PY) -m tensorfs.cli bench --suite load
 	$(PY) -m tensorfs.cli bench --suite formats
 	$(PY) -m tensorfs.cli bench --suite fleet
+	$(PY) -m tensorfs.cli bench --suite signed
 
 # Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:
