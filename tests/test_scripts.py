@@ -214,11 +214,11 @@ def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> N
     for args, words in (
         (
             ["--suite", "open", "--gib", "1"],
-            "--gib is for the suites read, remote, hash, load, formats, fleet, not open",
+            "--gib is for the suites read, remote, hash, load, formats, fleet, signed, not open",
         ),
         (
             ["--suite", "small", "--shards", "2"],
-            "--shards is for the suites read, remote, open, hash, fleet, not small",
+            "--shards is for the suites read, remote, open, hash, fleet, signed, not small",
         ),
         (["--tensors", "10"], "--tensors is for the suites open, hash, small, not read"),
         (["--nodes", "2"], "--nodes is for the suites fleet, not read"),
