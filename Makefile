@@ -47,6 +47,7 @@ lint: install
 	$(VENV)/bin/ruff check tensorfs tests scripts
 	$(VENV)/bin/ruff format --check tensorfs tests scripts
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 # Most tests wait (on servers, timeouts, processes) more than they compute: two workers halve the run
 # on two cores; a file's tests stay together on one (its fixtures are set up once).

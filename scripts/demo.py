@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from tensorfs.mount.mounttable import mount_at, unmount
-from tensorfs.sample_models import Tensor, write_sharded
+from tensorfs.testing.sample_models import Tensor, write_sharded
 
 HIDDEN, VOCAB, LAYERS, FFN = 512, 8000, 4, 1536
 

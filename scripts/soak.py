@@ -29,7 +29,7 @@ from pathlib import Path
 import tensorfs
 import tensorfs.mount.mounttable
 from tensorfs.mount.mounttable import daemon_pid
-from tensorfs.sample_models import write_sharded
+from tensorfs.testing.sample_models import write_sharded
 
 MIB = 1 << 20
 

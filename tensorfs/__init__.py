@@ -18,8 +18,8 @@ from .loader import SafeOpen, TensorSlice, load_file, open_model, safe_open
 from .memmaps import memmap
 from .model import Model
 from .prefetch import Prefetch
+from .proof.signature import Signature, SignatureError
 from .selection import Selection
-from .signing import Signature, SignatureError
 from .sources.store import RemoteOptions
 
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ file's bytes (tensorfs.torch and tensorfs.numpy hold them as safetensors.torch a
 take their original's arguments in the same places, meaning the same (tests/test_dropin.py holds
 them to the installed safetensors); tensorfs's own options are keyword-only beside them. What
 safetensors refuses, they refuse with a SafetensorError too (errors.py). Arrays and tensors are
-made over the shards' bytes, never copied (frameworks.py), unless backend="pread" asks for bytes of
+made over the shards' bytes, never copied (formats/frameworks.py), unless backend="pread" asks for bytes of
 their own; prefetching is the model's (prefetch.py).
 """
 
@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import DTYPE_NAMED
 from .errors import InvalidModelError, Problem, RefusedArgument, SliceError, printable
 from .formats import safetensors
+from .formats.dtypes import DTYPE_NAMED
+from .formats.frameworks import FRAMEWORKS, check_device, framework_of, given_as_bytes, make_tensor
 from .formats.table import shape_problems
-from .frameworks import FRAMEWORKS, check_device, framework_of, given_as_bytes, make_tensor
 from .gate import UNREADABLE
 from .model import Model
-from .opener import open_model
+from .opening.source import open_model
 
 __all__ = ["SafeOpen", "TensorSlice", "load", "load_file", "open_model", "safe_open"]
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import DTYPE_NAMED
-from .names import SIDECAR_SUFFIXES
+from .formats.dtypes import DTYPE_NAMED
+from .utils.names import SIDECAR_SUFFIXES
 
 if TYPE_CHECKING:
     import numpy as np

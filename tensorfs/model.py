@@ -1,4 +1,4 @@
-"""A model as the library hands it out: its tables (tables.py), and its tensors as zero-copy numpy arrays
+"""A model as the library hands it out: its tables (catalogue/tables.py), and its tensors as zero-copy numpy arrays
 and torch tensors, every byte of them through the model's gate (gate.py)."""
 
 from __future__ import annotations
@@ -12,22 +12,22 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .catalogue.fallbacks import Fallbacks
+from .catalogue.tables import Shard, Tables, restricted
 from .errors import ModelClosedError
-from .fallback import Fallbacks
-from .frameworks import check_device, framework_of, make_tensor
+from .formats.frameworks import check_device, framework_of, make_tensor
 from .gate import Gate
-from .identity import ShardKey
-from .names import Layout
 from .prefetch import DEFAULT_AHEAD, DEFAULT_AHEAD_BYTES, Prefetch, Window, aiterate, iterate
 from .selection import Selection
 from .sources.shard import ShardData
-from .tables import Shard, Tables, restricted
+from .utils.identity import ShardKey
+from .utils.names import Layout
 from .views.export import write_safetensors
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .signing import SignedModel
+    from .proof.signature import SignedModel
 
 __all__ = ["Model"]
 
@@ -60,7 +60,7 @@ class Model(Tables):
         self.stand_ins: list[str] = []
         """What its fallbacks stand in for since it was opened (shards missing or invalid), one line each."""
         self.signed: SignedModel | None = None
-        """The signature it is held to (its digests are the gate's manifest), if any (opener.py)."""
+        """The signature it is held to (its digests are the gate's manifest), if any (opening/source.py)."""
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None  # the threads that bring tensors in (made when asked)
         self._pool_made = threading.Lock()
@@ -98,7 +98,7 @@ class Model(Tables):
 
         For a remote model the tensor's chunks are fetched first (TensorfsError if they cannot be),
         and kept in the cache while the model is open. Verified first when the model is. When its
-        shard cannot give them and the model has fallbacks, a fallback's copy (see fallback.py).
+        shard cannot give them and the model has fallbacks, a fallback's copy (see catalogue/fallbacks.py).
         """
         self._check_open()
         grant = self.gate.held(name)

@@ -15,7 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .catalogue.tables import Tables
     from .gate import Gate
+    from .sources.remote import RemoteShard
 
 RUN_BYTES = 16 << 20
 """Neighbouring tensors are brought in together up to this many bytes (one request, one job)."""
@@ -274,3 +276,18 @@ async def aiterate(window: Window) -> AsyncIterator[tuple[str, Any]]:
             yield item
     finally:
         window.close()
+
+
+def fetch_plan(model: Tables, *, whole: bool) -> dict[RemoteShard, list[int]]:
+    """The chunks to fetch to hold `model` in the cache, by remote shard: every chunk of its objects
+    (`whole`), or only those of its tensors' bytes (a selection). Empty for a local model."""
+    from .sources.remote import RemoteShard  # (a remote model's: imported when one is prefetched)
+
+    wanted: dict[RemoteShard, list[int]] = {}
+    for shard, entries in model.by_shard().items():
+        data = model.shard_data(shard)
+        if isinstance(data, RemoteShard):
+            start = model.shard_header(shard).data_start
+            everything = [(0, data.cached.version.size)] if whole else []
+            wanted[data] = data.chunks_of(everything or [(start + b, start + e) for b, e, *_ in entries])
+    return wanted

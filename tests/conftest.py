@@ -89,6 +89,14 @@ def _ctrl_c_as_a_terminal_sends_it() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that needs a real FUSE mount (the `fuse` fixture, directly or through `mounts` and the
+    fixtures built on it) is marked `mount`: `pytest -m "not mount"` is the suite without FUSE."""
+    for item in items:
+        if "fuse" in getattr(item, "fixturenames", ()) and item.get_closest_marker("mount") is None:
+            item.add_marker(pytest.mark.mount)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _say_the_fuzz_seed(session.config)
     if not _is_worker(session.config):

@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from hypothesis import strategies as st
 
 from helpers import random_bytes
-from tensorfs.dtypes import GGML_ID
+from tensorfs.formats.dtypes import GGML_ID
 
 # Value types of GGUF's key/value pairs.
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)

@@ -274,7 +274,7 @@ def every_dtype_tensors(seed: int = 0) -> dict[str, Tensor]:
 
 
 def _numpy_for(dtype: str) -> Any:
-    from tensorfs.dtypes import DTYPES
+    from tensorfs.formats.dtypes import DTYPES
 
     found = DTYPES[dtype].numpy
     return found if found is not None else np.uint8
@@ -956,7 +956,7 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
 
 _CACHE_BLOCKS_COUNTED = """
 import os, sys
-from tensorfs.sources.cache.objects import CachedObject
+from tensorfs.sources.chunks.objects import CachedObject
 allocate = CachedObject.allocate
 def counted(self, offset, nbytes):
     before = self.cache.disk_usage()

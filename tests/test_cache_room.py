@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-import tensorfs.sources.cache.chunks
+import tensorfs.sources.chunks.chunks
 from conftest import Mounts, missing_root, require, wait_until
 from helpers import MIB, patience, random_bytes, small_disk, write_reference
 from servers import Nginx
-from tensorfs.sources.cache import CacheFull
-from tensorfs.sources.cache.chunks import ChunkCache
-from tensorfs.sources.cache.full import full
+from tensorfs.sources.chunks import CacheFull
+from tensorfs.sources.chunks.chunks import ChunkCache
+from tensorfs.sources.chunks.full import full
 from tensorfs.sources.store import ObjectRef, ObjectVersion, StoreSpec
 
 SPEC = StoreSpec("http", "http://store", "http://store", timeout=5)
@@ -156,7 +156,7 @@ def test_chunks_whose_rows_met_a_full_disk_are_recorded_once_there_is_room(
         if where == "rows":
             patched.setattr(cache.records, "commit", no_room)
         else:
-            patched.setattr(tensorfs.sources.cache.chunks.os, "fdatasync", no_room)
+            patched.setattr(tensorfs.sources.chunks.chunks.os, "fdatasync", no_room)
         assert cache.save(wait=True) is False and cache.save(wait=True) is False and len(refusals) == 2
         assert cache.pending(cached.id, 0) and cache.records.recorded(cached.id, 0) is None
         assert [r.getMessage() for r in caplog.records].count(

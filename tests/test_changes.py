@@ -37,10 +37,10 @@ from helpers import (
     write_reference,
     zeros_sha256,
 )
-from tensorfs.integrity import Hasher
-from tensorfs.manifest import format_manifest
 from tensorfs.mount.mounttable import pid_alive
 from tensorfs.mount.runtime import record_path
+from tensorfs.proof.integrity import Hasher
+from tensorfs.proof.manifest import format_manifest
 
 
 def offset_of(model_dir: Path, name: str) -> int:
@@ -390,7 +390,7 @@ def test_a_shard_truncated_under_a_mount_with_a_manifest(mounts: Mounts, model_d
 
 SHRINK_THEN_HASH = """
 import os, sys, tensorfs
-from tensorfs.integrity import Hasher
+from tensorfs.proof.integrity import Hasher
 with tensorfs.open_model(sys.argv[1]) as model:
     os.truncate(sys.argv[2], int(sys.argv[3]))
     try:
@@ -415,13 +415,13 @@ def test_hashing_a_shard_that_shrank_is_an_error_not_a_crash(model_dir: Path) ->
 
 MANIFEST_OF_A_SHRINKING_SHARD = """
 import os, sys
-import tensorfs.cli, tensorfs.opener
-real = tensorfs.opener.open_location
+import tensorfs.cli, tensorfs.opening.source
+real = tensorfs.opening.source.open_location
 def open_then_shrink(*args, **kwargs):
     model = real(*args, **kwargs)
     os.truncate(sys.argv[2], int(sys.argv[3]))
     return model
-tensorfs.opener.open_location = open_then_shrink
+tensorfs.opening.source.open_location = open_then_shrink
 sys.exit(tensorfs.cli.main(["manifest", "--no-cache", sys.argv[1]]))
 """
 

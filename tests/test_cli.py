@@ -15,7 +15,7 @@ import pytest
 
 from helpers import Tensor, cli, entry, random_bytes, raw_shard, reference_table, write_index, write_reference
 from tensorfs.cli import main
-from tensorfs.units import human_size
+from tensorfs.utils.units import human_size
 
 # The model the CLI tests read: shard -> tensors (dtype, shape, the bytes written).
 MODEL: dict[str, dict[str, Tensor]] = {

@@ -95,7 +95,7 @@ def test_the_old_names_still_work(
     monkeypatch.setattr(tensorfs.bench, "main", lambda config, output, suite: written.append(output) or 0)
     assert main(["bench", "--json", str(tmp_path / "r.json")]) == 0
     assert written == [tmp_path / "r.json"]
-    from tensorfs.sources.cache import ChunkCache
+    from tensorfs.sources.chunks import ChunkCache
 
     ChunkCache(tmp_path / "cache").db()
     assert main(["cache", "prune", "--cache-dir", str(tmp_path / "cache"), "--max-size", "10M"]) == 0

@@ -36,7 +36,7 @@ import tensorfs
 from conftest import Mounts
 from helpers import cli, hub_api, write_reference
 from servers import Nginx, SeaweedFS
-from tensorfs.pipelines import GGUF_COMPONENT
+from tensorfs.opening.pipelines import GGUF_COMPONENT
 
 
 @pytest.fixture(scope="module")
@@ -401,8 +401,8 @@ def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp
     """A transformers component (text_encoder/model.safetensors) beside a diffusers one: each is found
     by its loader's rules and its view's files named as its loader looks for them; a pipeline takes no
     fallback (said in one line)."""
-    from tensorfs.folder import ViewRequest
-    from tensorfs.opener import Source
+    from tensorfs.opening.folder import ViewRequest
+    from tensorfs.opening.source import Source
     from tensorfs.views import build_view
 
     root = tmp_path / "root"

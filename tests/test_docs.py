@@ -20,9 +20,9 @@ import pytest
 from conftest import Mounts, machine_lock, wait_until
 from helpers import patience, upload
 from servers import Nginx, SeaweedFS
-from tensorfs.manifest import DEFAULT_MANIFEST
 from tensorfs.mount.mounttable import mount_at, pid_alive
 from tensorfs.mount.runtime import read_record
+from tensorfs.proof.manifest import DEFAULT_MANIFEST
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *sorted(f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md"))]
@@ -52,6 +52,8 @@ EXAMPLES: dict[tuple[str, str], str] = {
     ("docs/commands.md", "tensorfs umount"): NO_EXAMPLE + "a synopsis of commands",
     ("docs/commands.md", "tensorfs bench"): NO_EXAMPLE + "a synopsis of the command (test_scripts runs every suite)",
     ("docs/commands.md", "tensorfs prefetch MODEL"): NO_EXAMPLE + "a synopsis of commands",
+    ("docs/design.md", "cli/                    the"): NO_EXAMPLE
+    + "the package map (pyproject.toml's import-linter contracts hold the layers to it, run by test_layout)",
     ("docs/design.md", "tensorfs/"): NO_EXAMPLE + "the code map (test_layout holds the modules to it)",
     ("docs/design.md", "make test    install"): NO_EXAMPLE + "the make targets: `make test` is this suite",
     ("docs/diffusers.md", "python scripts/tiny_pipeline.py sd"): RUN_BY + "test_diffusers_a_pipeline",

@@ -27,7 +27,8 @@ from helpers import (
     write_reference,
 )
 from servers import Nginx, SeaweedFS
-from tensorfs import RemoteOptions, fallback, load_file, open_model
+from tensorfs import RemoteOptions, load_file, open_model
+from tensorfs.catalogue import fallbacks as fallback
 from tensorfs.errors import IntegrityError, InvalidModelError
 
 

@@ -37,7 +37,7 @@ from tensorfs.bench.common import rss_anon_kib
 from tensorfs.mount.mounttable import FSTYPE, mount_at, pid_alive
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.mount.runtime import record_path
-from tensorfs.sample_models import many_tiny_tensors
+from tensorfs.testing.sample_models import many_tiny_tensors
 
 
 def test_a_shard_replaced_or_unlinked_keeps_serving_what_was_validated(mounts: Mounts, model_dir: Path) -> None:

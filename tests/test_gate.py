@@ -35,8 +35,8 @@ from helpers import (
 from servers import HostileServer, Lie, SeaweedFS
 from tensorfs.errors import IntegrityError, TensorfsError
 from tensorfs.gate import run
-from tensorfs.manifest import format_manifest
-from tensorfs.opener import Source
+from tensorfs.opening.source import Source
+from tensorfs.proof.manifest import format_manifest
 from tensorfs.selection import Selection
 from tensorfs.sources.store import RemoteOptions
 from tensorfs.views.remote_files import find_remote_companions
@@ -69,7 +69,7 @@ def manifest_of(data: dict[str, bytes], path: Path) -> Path:
 OTHER_PROCESS = """
 import sys
 import tensorfs
-from tensorfs.sources.cache import records, objects
+from tensorfs.sources.chunks import records, objects
 if sys.argv[3] == "weak":
     strong_as = records.Summing.__init__
     objects.Summing.__init__ = lambda self, strong: strong_as(self, False)

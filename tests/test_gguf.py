@@ -41,7 +41,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorfs
-import tensorfs.identity
+import tensorfs.utils.identity
 from conftest import Mounts, require
 from helpers import (
     NAME_RULES,
@@ -54,9 +54,9 @@ from helpers import (
     unexplained,
 )
 from servers import Nginx, SeaweedFS
-from tensorfs.dtypes import GGML_TYPES
 from tensorfs.errors import InvalidModelError
 from tensorfs.formats import Described, gguf
+from tensorfs.formats.dtypes import GGML_TYPES
 from tensorfs.formats.table import ShardHeader
 from tensorfs.mount.contents import metadata_json
 
@@ -643,7 +643,7 @@ def test_header_cache_rows_keep_the_format(tmp_path: Path) -> None:
     write_gguf(
         path, {"w": ("F32", [4]), "q": ("Q4_0", [32])}, {"tokenizer.ggml.tokens": [f"t{i}" for i in range(9000)]}
     )
-    from tensorfs.headercache import HeaderCache
+    from tensorfs.caches.headers import HeaderCache
 
     cache = HeaderCache(tmp_path / "cache")
     header = table_of(path)
@@ -813,7 +813,7 @@ def test_small_gguf_tables_skip_the_header_cache_and_long_ones_use_it(
     cache = tmp_path / "cache"
     tensorfs.open_model(small, cache=cache).close()
     assert not cache.exists()  # cheaper validated again than looked up
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files just written are kept too
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)  # files just written are kept too
     tensorfs.open_model(long, cache=cache).close()
     with sqlite3.connect(cache / "headers.sqlite") as db:
         assert db.execute("SELECT COUNT(*) FROM rows WHERE kind LIKE 'shard/%'").fetchone() == (1,)

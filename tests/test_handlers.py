@@ -17,10 +17,10 @@ import trio
 
 import tensorfs
 from helpers import random_bytes, write_reference
-from tensorfs.integrity import Hasher, Integrity
 from tensorfs.mount.contents import index_json
 from tensorfs.mount.operations import TensorOperations
 from tensorfs.mount.tree import ROOT_INODE, Tree
+from tensorfs.proof.integrity import Hasher, Integrity
 
 DATA = random_bytes(3 << 20, 7)  # 3 MiB: reads of several requests, and a hash that takes a moment
 

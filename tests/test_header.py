@@ -10,7 +10,7 @@ import pytest
 
 from helpers import REFERENCE_DTYPES, entry, header_table, reference_accepts, reference_table
 from tensorfs import InvalidModelError
-from tensorfs.dtypes import DTYPES
+from tensorfs.formats.dtypes import DTYPES
 from tensorfs.formats.safetensors import MAX_HEADER_BYTES, _careful_parse, _fast_parse
 from tensorfs.sources.local import read_shard_header
 

@@ -16,9 +16,9 @@ import orjson
 import pytest
 
 import tensorfs
-import tensorfs.identity
-import tensorfs.opening
+import tensorfs.opening.locations
 import tensorfs.sources.local
+import tensorfs.utils.identity
 from conftest import Mounts, wait_until
 from helpers import (
     cli,
@@ -30,23 +30,23 @@ from helpers import (
     write_index,
     write_reference,
 )
-from tensorfs import headercache
+from tensorfs.caches import headers as headercache
+from tensorfs.caches.headers import HeaderCache
 from tensorfs.errors import InvalidModelError
-from tensorfs.headercache import HeaderCache
-from tensorfs.identity import SETTLED_NS, Identity  # SETTLED_NS: the real window (shut below, in this process)
+from tensorfs.utils.identity import SETTLED_NS, Identity  # SETTLED_NS: the real window (shut below, in this process)
 
 
 @pytest.fixture(autouse=True)
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Files just written may be cached here (in this process): the racy window has a test of its own."""
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)
 
 
 @pytest.fixture(autouse=True)
 def small_headers_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small test files are cached here (in this process): leaving them out has a test of its own."""
     monkeypatch.setattr(tensorfs.sources.local, "WORTH_CACHING", 0)
-    monkeypatch.setattr(tensorfs.opening, "WORTH_CACHING", 0)
+    monkeypatch.setattr(tensorfs.opening.locations, "WORTH_CACHING", 0)
 
 
 def long_headers(directory: Path) -> None:
@@ -88,7 +88,7 @@ def parsed(monkeypatch: pytest.MonkeyPatch) -> tuple[Calls, Calls, Calls]:
     return (
         Calls(monkeypatch, tensorfs.sources.local, "read_header_fd"),
         Calls(monkeypatch, tensorfs.sources.local, "parse_weight_map"),
-        Calls(monkeypatch, tensorfs.opening, "check_model"),
+        Calls(monkeypatch, tensorfs.opening.locations, "check_model"),
     )
 
 
@@ -151,7 +151,7 @@ def test_nothing_is_kept_of_files_changed_too_lately_to_tell(
 ) -> None:
     """Racily clean files: with timestamps of a second (or a jiffy), a rewrite within the same tick
     keeps the identity, so what was read within SETTLED_NS of a change is never remembered."""
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 3600 * 10**9)  # every file here is "just written"
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 3600 * 10**9)  # every file here is "just written"
     headers, index, checks = parsed(monkeypatch)
     cache = tmp_path / "cache"
     for _ in range(2):
@@ -303,7 +303,7 @@ def test_a_cache_that_cannot_be_used_is_one_warning(
 def test_small_headers_are_validated_afresh_without_the_database(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for module in (tensorfs.sources.local, tensorfs.opening):
+    for module in (tensorfs.sources.local, tensorfs.opening.locations):
         monkeypatch.setattr(module, "WORTH_CACHING", headercache.WORTH_CACHING)
     headers, index, checks = parsed(monkeypatch)
     cache = tmp_path / "cache"

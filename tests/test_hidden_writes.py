@@ -15,7 +15,7 @@ import tensorfs
 from conftest import Mounts, drop_caches, wait_until
 from helpers import damage_in_place, errno_of_reading, mib_sharded_model, model_bytes
 from tensorfs.errors import IntegrityError, ShardChangedError
-from tensorfs.manifest import format_manifest
+from tensorfs.proof.manifest import format_manifest
 
 
 def model_and_manifest(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:

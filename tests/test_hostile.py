@@ -46,8 +46,8 @@ from conftest import Mounts
 from helpers import MIB, fuzzing, random_bytes, write_index, write_reference
 from servers import HostileServer, Lie
 from tensorfs import RemoteOptions, TensorfsError
+from tensorfs.fs.guarded import mounted_under
 from tensorfs.mount.mounttable import mount_at
-from tensorfs.safefiles import mounted_under
 from tensorfs.sources.failures import RANGE_NEEDED
 
 HANG_GUARD = 120.0
@@ -614,7 +614,10 @@ def run_case(
         server.lies = []
 
 
-@pytest.mark.parametrize(("lie", "protocol", "command"), SUITE, ids=["-".join(case) for case in SUITE])
+@pytest.mark.parametrize(
+    ("lie", "protocol", "command"),
+    [pytest.param(*case, id="-".join(case), marks=[pytest.mark.mount] if case[2] == "mount" else []) for case in SUITE],
+)
 def test_a_lying_store(
     lie: str, protocol: str, command: str, server: HostileServer, truth: Truth, tmp_path: Path,
     request: pytest.FixtureRequest,
@@ -677,10 +680,9 @@ def lies_told(draw: st.DrawFn, truth: Truth, model: str) -> list[Lie]:
 
 
 @pytest.mark.fuzz
-def test_random_lies(server: HostileServer, truth: Truth, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_random_lies(server: HostileServer, truth: Truth, tmp_path: Path, mounts: Mounts) -> None:
     """Lies drawn at random (one to three, of any kind, about any file or listing, over any API) told to
     a command drawn at random: every rule of the module's docstring, whatever the mix."""
-    mounts = request.getfixturevalue("mounts")
     cases = iter(range(1_000_000))
 
     @fuzzing(6)
@@ -717,14 +719,11 @@ def crafted_base(kind: str, directory: Path) -> tuple[str, bytes]:
 
 
 @pytest.mark.fuzz
-def test_random_crafted_files(
-    server: HostileServer, truth: Truth, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_random_crafted_files(server: HostileServer, truth: Truth, tmp_path: Path, mounts: Mounts) -> None:
     """Files of every format (safetensors, GGUF, a PyTorch zip, its pickle) with bytes changed at
     random and cut short, served by the store as they are, to a command drawn at random: every rule
     of the module's docstring; what a command hands out of a file it takes is the file's own bytes
     where the file's table says they are (what tensorfs reads of it locally)."""
-    mounts = request.getfixturevalue("mounts")
     bases = {kind: crafted_base(kind, tmp_path / "bases" / kind) for kind in ("safetensors", "gguf", "zip")}
     cases = iter(range(1_000_000))
 

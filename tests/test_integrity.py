@@ -17,8 +17,8 @@ import pytest
 import trio
 
 import tensorfs
-import tensorfs.identity
-import tensorfs.integrity
+import tensorfs.proof.integrity
+import tensorfs.utils.identity
 from conftest import Mounts, wait_until
 from helpers import (
     MIB,
@@ -32,12 +32,12 @@ from helpers import (
     write_reference,
     zeros_sha256,
 )
+from tensorfs.caches.hashes import HashCache
 from tensorfs.cli import main
-from tensorfs.hashcache import HashCache
-from tensorfs.integrity import CACHE_MIN_BYTES, Hasher, Integrity
-from tensorfs.manifest import ManifestError, format_manifest, parse_manifest, sha256sum_line
 from tensorfs.mount.operations import TensorOperations
 from tensorfs.mount.tree import Tree
+from tensorfs.proof.integrity import CACHE_MIN_BYTES, Hasher, Integrity
+from tensorfs.proof.manifest import ManifestError, format_manifest, parse_manifest, sha256sum_line
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def big_model(directory: Path) -> Path:
 
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let files just written be cached (in this process); the racy window has a test of its own."""
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)
 
 
 def test_cache_serves_unchanged_shards_and_never_changed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,7 +207,7 @@ def test_a_broken_cache_degrades_to_no_cache(tmp_path: Path, caplog: pytest.LogC
     # A tensor big enough for the hash cache (the model's others are too small to ever be looked up).
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    big = tensorfs.integrity.CACHE_MIN_BYTES
+    big = tensorfs.proof.integrity.CACHE_MIN_BYTES
     write_reference(
         model_dir / "m.safetensors", {"big": ("U8", [big], random_bytes(big, 1)), "small": ("U8", [3], b"abc")}
     )
@@ -411,7 +411,7 @@ def test_verify_off_ignores_the_manifest(mounts: Mounts, model_dir: Path, tmp_pa
 def test_progress_line_only_on_a_terminal() -> None:
     import io
 
-    from tensorfs.progress import Progress
+    from tensorfs.utils.progress import Progress
 
     shown = io.StringIO()
     with Progress(4 << 20, "hashing", shown, enabled=True) as progress:
@@ -427,7 +427,7 @@ def test_hashes_of_files_changed_too_lately_to_tell_are_not_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With second-grained timestamps a rewrite in the same second keeps the identity (and the hash).
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 3600 * 10**9)
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 3600 * 10**9)
     model_dir = big_model(tmp_path / "model")
     for _ in range(2):
         with tensorfs.open_model(model_dir) as model:

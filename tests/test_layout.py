@@ -1,9 +1,8 @@
-"""The package's shape: no import cycles, the layers that must stay light import nothing heavy, each
-layer imports only those below it, and no module grows past what one reader takes in.
+"""The package's shape: no import cycles, the layers as pyproject.toml's import-linter contracts say
+them (docs/design.md's package map), and no module grows past what one reader takes in.
 
 Every import counts, in a function too (a lazy import hides a cycle, it does not remove it), and
-those under `if TYPE_CHECKING:` too for cycles (a type one module needs of another is a dependency
-all the same); the "stays light" rules are about what runs, so those leave them out.
+those under `if TYPE_CHECKING:` too (a type one module needs of another is a dependency all the same).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def import_graph(*, types: bool = False) -> dict[str, set[str]]:
+def import_graph(*, types: bool = True) -> dict[str, set[str]]:
     """Which of the package's modules each module imports (`types`: for type checking only too)."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -92,16 +91,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        module = todo.pop()
-        for imported in graph[module] - seen:
-            seen.add(imported)
-            todo.append(imported)
-    return seen
-
-
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -125,59 +114,13 @@ def test_no_module_is_over_750_lines() -> None:
     assert long_modules(MAX_LINES) == {}
 
 
-def test_each_layer_imports_only_those_below_it() -> None:
-    """formats/ (what a file's bytes mean) knows nothing of where bytes come from; sources/ nothing of
-    the model, the gate or the mount; the library nothing of the mount; nothing but the benchmarks
-    imports the test infrastructure (tensorfs.testing)."""
-    graph = import_graph(types=True)
-    upper = (
-        "tensorfs.gate",
-        "tensorfs.model",
-        "tensorfs.mount",
-        "tensorfs.views",
-        "tensorfs.opener",
-        "tensorfs.opening",
-    )
-    for module, imported in graph.items():
-        if module.startswith("tensorfs.formats"):
-            assert not {i for i in imported if not i.startswith(("tensorfs.formats", *LEAVES))}, module
-        if module.startswith("tensorfs.sources"):
-            assert not {i for i in imported if i.startswith(upper)}, module
-        if not module.startswith(("tensorfs.mount", "tensorfs.cli", "tensorfs.bench")):
-            assert not {i for i in imported if i.startswith("tensorfs.mount")}, module
-        if not module.startswith(("tensorfs.bench", "tensorfs.testing")):
-            assert not {i for i in imported if i.startswith("tensorfs.testing")}, module
+def test_the_layers_are_as_the_contracts_say() -> None:
+    """pyproject.toml's import-linter contracts (docs/design.md's package map): each layer imports only
+    those below it, the sources know nothing of the model, a format's parser is pure, the mount's
+    tree imports nothing heavy. Run here too, so that a bare pytest holds them as make lint does."""
+    import subprocess
+    import sys
 
-
-LEAVES = (
-    "tensorfs.errors",
-    "tensorfs.identity",
-    "tensorfs.dtypes",
-    "tensorfs.gcpause",
-    "tensorfs.units",
-    "tensorfs.names",
-)
-
-
-def test_the_mount_tree_and_the_formats_stay_light() -> None:
-    """The tree and a format's parser are pure: no hashing, no SQLite, no remote client, no CLI."""
-    graph = import_graph()
-    heavy = {
-        "tensorfs.integrity",
-        "tensorfs.sources.cache",
-        "tensorfs.sources.store",
-        "tensorfs.sources.client",
-        "tensorfs.headercache",
-    }
-    heavy |= {module for module in graph if module.startswith("tensorfs.cli")}
-    assert not (graph["tensorfs.mount.tree"] & heavy)
-    for module in graph:
-        if module.startswith("tensorfs.formats"):
-            assert not (reachable(graph, module) & (heavy | {"tensorfs.model", "tensorfs.views"})), module
-
-
-def test_only_the_cli_imports_the_cli() -> None:
-    graph = import_graph()
-    for module, imported in graph.items():
-        if not module.startswith("tensorfs.cli"):
-            assert not {name for name in imported if name.startswith("tensorfs.cli")}, module
+    linter = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(linter), "--no-cache"], cwd=PACKAGE.parent, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

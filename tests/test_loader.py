@@ -48,9 +48,9 @@ from helpers import (
     write_reference,
 )
 from servers import Nginx, SeaweedFS
-from tensorfs.dtypes import DTYPE_NAMED
 from tensorfs.formats import shape_text, table
-from tensorfs.manifest import DEFAULT_MANIFEST, format_manifest
+from tensorfs.formats.dtypes import DTYPE_NAMED
+from tensorfs.proof.manifest import DEFAULT_MANIFEST, format_manifest
 
 names = st.text(st.sampled_from("abcxyz019._/é名"), min_size=1, max_size=12).filter(
     lambda n: not n.startswith(("/", ".")) and "//" not in n and not n.endswith("/") and "/." not in n
@@ -61,7 +61,7 @@ shapes = st.lists(st.integers(0, 4), max_size=3)
 
 @st.composite
 def models(draw: st.DrawFn) -> tuple[dict[str, tuple[str, list[int], bytes]], dict[str, str] | None]:
-    from tensorfs.dtypes import DTYPES
+    from tensorfs.formats.dtypes import DTYPES
 
     chosen = draw(st.dictionaries(names, st.tuples(dtypes, shapes), min_size=1, max_size=6))
     tensors = {}

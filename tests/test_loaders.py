@@ -27,7 +27,7 @@ import tensorfs
 from conftest import Mounts, drop_caches
 from helpers import MIB, errno_of_reading, hub_api, model_bytes, patience, random_bytes, write_reference
 from servers import Nginx
-from tensorfs.manifest import format_manifest
+from tensorfs.proof.manifest import format_manifest
 from tensorfs.views import NOTE_NAME, PARTIAL_INDEX
 
 

@@ -25,7 +25,7 @@ from helpers import (
     write_reference,
 )
 from tensorfs import InvalidModelError
-from tensorfs.handover import reopen, snapshot
+from tensorfs.mount.handover import reopen, snapshot
 from tensorfs.sources.index import INDEX_NAME
 
 

@@ -28,7 +28,7 @@ from helpers import (
     write_index,
     write_reference,
 )
-from tensorfs.dtypes import DTYPES
+from tensorfs.formats.dtypes import DTYPES
 from tensorfs.mount.mounttable import pid_alive, tensorfs_mounts
 
 

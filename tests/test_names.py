@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorfs.names import collisions, name_problem, name_problems, tensor_path
+from tensorfs.utils.names import collisions, name_problem, name_problems, tensor_path
 
 BAD_NAMES = [
     ("", "name is empty"),

@@ -30,12 +30,12 @@ from helpers import (
     reference_tensors,
     write_reference,
 )
-from tensorfs.manifest import format_manifest
 from tensorfs.mount.logs import default_log_file
 from tensorfs.mount.mounttable import FUSE_CONNECTIONS as FUSECTL
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.mount.mounttable import pid_alive, probe
 from tensorfs.mount.runtime import escape_path, read_record, record_path
+from tensorfs.proof.manifest import format_manifest
 
 
 @pytest.fixture

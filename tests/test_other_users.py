@@ -22,8 +22,8 @@ from conftest import Mounts, OtherUser, drop_caches
 from helpers import MIB, WRITING, HeldCommand, cli, patience, random_bytes, write_reference
 from servers import Nginx, SeaweedFS
 from tensorfs import open_model
+from tensorfs.caches.headers import WORTH_CACHING
 from tensorfs.errors import InvalidModelError
-from tensorfs.headercache import WORTH_CACHING
 from tensorfs.mount.mounttable import last_error
 from tensorfs.mount.runtime import escape_path, process_start
 
@@ -435,7 +435,7 @@ def as_user(user: OtherUser, code: str, *args: str) -> None:
 
 @pytest.mark.parametrize(
     "point",
-    ["tensorfs.model:Model.write_safetensors", "tensorfs.progress:Progress.advance"],
+    ["tensorfs.model:Model.write_safetensors", "tensorfs.utils.progress:Progress.advance"],
     ids=["after-the-check", "mid-write"],
 )
 def test_an_export_never_writes_through_a_symlink_planted_after_its_check(
@@ -476,7 +476,7 @@ def test_an_export_directory_swapped_for_a_symlink_mid_write_writes_nothing_thro
     other_user.owns(model / "tokenizer.json")
     drop = their_directory(shared_dir, other_user)
     dest = drop / "out"
-    export = HeldCommand("tensorfs.progress:Progress.advance", "export", str(model), str(dest), when=WRITING)
+    export = HeldCommand("tensorfs.utils.progress:Progress.advance", "export", str(model), str(dest), when=WRITING)
     try:
         assert export.said() == "held"  # config.json and the model's first bytes written
         swap = """

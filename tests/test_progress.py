@@ -14,7 +14,7 @@ from signed_models import make_key, sign
 
 from helpers import MIB, TENSORFS, cli, patience, random_bytes, write_reference
 from servers import Nginx
-from tensorfs.manifest import DEFAULT_MANIFEST
+from tensorfs.proof.manifest import DEFAULT_MANIFEST
 
 
 def on_terminal(args: list[str], then: Callable[[], object] = lambda: None, timeout: float = 120) -> tuple[int, str]:
@@ -134,7 +134,7 @@ def test_prefetch(nginx: Nginx, tmp_path: Path) -> None:
     shows(lambda n: ["prefetch", url, "--cache-dir", str(tmp_path / f"cache{n}")], ["validating", "fetching"])
 
 
-def test_a_mount_that_hashes(model: Path, tmp_path: Path) -> None:
+def test_a_mount_that_hashes(fuse: None, model: Path, tmp_path: Path) -> None:
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
 

@@ -868,10 +868,10 @@ def test_remote_checkpoints(
 
 
 def test_header_cache_rows_of_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tensorfs.identity
+    import tensorfs.utils.identity
 
     path = saved(tmp_path / "big.bin", {f"t{i}": torch.full((64, 64), float(i)) for i in range(8)})
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)
     first = ours(path, cache=tmp_path / "cache")
 
     def parsed(*args: Any) -> Any:

@@ -40,7 +40,7 @@ from servers import TOKEN, HostileServer, Nginx, RequestGate, SeaweedFS, Stallin
 from tensorfs.mount.mounttable import mounts as mount_table
 from tensorfs.sources.store import RemoteOptions
 from tensorfs.testing.link import SlowLink
-from tensorfs.units import human_size
+from tensorfs.utils.units import human_size
 
 
 @pytest.fixture
@@ -847,10 +847,10 @@ def test_headers_of_objects_are_cached_by_url_etag_and_size(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tensorfs.identity
     import tensorfs.sources.remote as objects
+    import tensorfs.utils.identity
 
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # objects just written may be cached here
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)  # objects just written may be cached here
     parses = 0
     real = objects._validated
 

@@ -51,8 +51,8 @@ from helpers import (
 )
 from servers import DroppingProxy, HostileServer, Lie, Nginx, SeaweedFS, StallingProxy
 from tensorfs.mount.mounttable import pid_alive
-from tensorfs.opener import open_model
-from tensorfs.sources.cache import OBJECTS_DIR
+from tensorfs.opening.source import open_model
+from tensorfs.sources.chunks import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
 

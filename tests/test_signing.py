@@ -30,10 +30,10 @@ from safetensors.numpy import save_file
 from signed_models import SIGNED_SHARD, hashing_config, make_key, resign, sign
 
 import tensorfs
-import tensorfs.identity
-import tensorfs.opener
-import tensorfs.signedbytes
-import tensorfs.tables
+import tensorfs.catalogue.tables
+import tensorfs.opening.source
+import tensorfs.proof.signed_bytes
+import tensorfs.utils.identity
 from conftest import Mounts
 from helpers import cli, free_port, hub_api, scrape
 from servers import HostileServer, Lie, Nginx, SeaweedFS
@@ -90,7 +90,7 @@ def held(public: Path, location: Path | None = None) -> tensorfs.Signature:
 
 
 class CountedHashing:
-    """The bytes fed to SHA-256 by the checks of signed bytes (signedbytes.py's hashlib)."""
+    """The bytes fed to SHA-256 by the checks of signed bytes (signed_bytes.py's hashlib)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = 0
@@ -109,7 +109,7 @@ class CountedHashing:
             def hexdigest(self) -> str:
                 return self._hash.hexdigest()
 
-        monkeypatch.setattr(tensorfs.signedbytes, "hashlib", SimpleNamespace(sha256=Counted))
+        monkeypatch.setattr(tensorfs.proof.signed_bytes, "hashlib", SimpleNamespace(sha256=Counted))
 
 
 def test_a_model_signed_by_files_is_hashed_once_then_opened_lazily(
@@ -119,7 +119,7 @@ def test_a_model_signed_by_files_is_hashed_once_then_opened_lazily(
     are proven by it, no digest of theirs taken (each byte went into two SHA-256s: the file's and
     its tensor's, 1.5x model_signing's verify-then-load). A later open knows the files by their
     identities: nothing hashed, nothing hashed when a tensor is read."""
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
     private, public = keys
     model = make_model(tmp_path / "model")
     sign(model, private)
@@ -183,13 +183,13 @@ class CountedReads:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = 0
-        original = tensorfs.tables.Tables.readinto
+        original = tensorfs.catalogue.tables.Tables.readinto
 
-        def counted(tables: tensorfs.tables.Tables, shard: Any, offset: int, buffer: memoryview) -> None:
+        def counted(tables: tensorfs.catalogue.tables.Tables, shard: Any, offset: int, buffer: memoryview) -> None:
             self.bytes += len(buffer)
             original(tables, shard, offset, buffer)
 
-        monkeypatch.setattr(tensorfs.tables.Tables, "readinto", counted)
+        monkeypatch.setattr(tensorfs.catalogue.tables.Tables, "readinto", counted)
 
     def since(self) -> int:
         """The bytes read since the last call."""
@@ -200,7 +200,7 @@ class CountedReads:
 def test_a_model_signed_by_ranges_is_checked_range_by_range_as_its_tensors_are_read(
     tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
     private, public = keys
     model = make_ranged_model(tmp_path / "model")
     sign(model, private, sharded=True)
@@ -226,7 +226,7 @@ def test_a_model_signed_by_ranges_is_checked_range_by_range_as_its_tensors_are_r
         assert reads.since() == 0  # its ranges were the cache's
         assert opened.array("t5").tolist() == [5.0] * RANGED_ELEMENTS
         assert nbytes < reads.since() <= nbytes + 2 * SIGNED_SHARD
-    every = tensorfs.opener.Source.named(model, RemoteOptions(cache_dir=cache))
+    every = tensorfs.opening.source.Source.named(model, RemoteOptions(cache_dir=cache))
     with every.open(signature=held(public), verify="all") as opened:
         assert reads.since() == size  # --verify all: every range checked at open, whatever the cache knows
         assert opened.gate.integrity.verified == {f"t{i}" for i in range(RANGED_TENSORS)}
@@ -241,7 +241,7 @@ def test_readers_of_one_tensor_at_once_check_its_ranges_once(
     unsigned one). A handshake holds the first check until every reader has asked for its ranges."""
     import threading
 
-    from tensorfs.signedbytes import SignedRanges
+    from tensorfs.proof.signed_bytes import SignedRanges
 
     private, public = keys
     model = make_ranged_model(tmp_path / "model")
@@ -415,7 +415,7 @@ def test_a_header_changed_under_a_signature_of_ranges_is_refused_at_open(
 def test_a_weight_changed_after_the_first_open_is_refused_by_the_next(
     tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)
     private, public = keys
     model = make_model(tmp_path / "model")
     sign(model, private)
@@ -912,7 +912,7 @@ def test_a_signed_models_variant_is_held_to_the_signature_in_its_view(
     """The variant beside a signed model is served through a gate of its own, held to the signature
     as the model is: a byte of its tensor changed under the mount is refused (EIO, logged), the
     model's files served on."""
-    from tensorfs.opener import Source
+    from tensorfs.opening.source import Source
 
     private, public = keys
     model = signed_folder(tmp_path / "model", private, sharded=True)
@@ -1182,8 +1182,8 @@ def test_a_refusal_names_the_first_files_then_counts_the_others(tmp_path: Path, 
 def test_a_signature_too_large_is_refused_before_it_is_read(
     tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tensorfs.manifest
-    from tensorfs.signing import MAX_SIGNATURE_BYTES
+    import tensorfs.proof.manifest
+    from tensorfs.proof.signature import MAX_SIGNATURE_BYTES
 
     model = make_model(tmp_path / "model")
     with open(model / "model.sig", "wb") as sig:  # sparse: costs nothing
@@ -1192,7 +1192,7 @@ def test_a_signature_too_large_is_refused_before_it_is_read(
     def never(*args: object) -> bytes:
         raise AssertionError("read")
 
-    monkeypatch.setattr(tensorfs.manifest, "read_bounded", never)
+    monkeypatch.setattr(tensorfs.proof.manifest, "read_bounded", never)
     with pytest.raises(tensorfs.SignatureError, match=r"model.sig: over 256 MiB, too large to be a signature"):
         tensorfs.open_model(model, signature=held(keys[1]), cache=False)
 
@@ -1202,7 +1202,7 @@ def test_a_changed_signature_over_unchanged_files_is_not_taken_from_the_hash_cac
 ) -> None:
     """The hash cache knows each file matched the signature it was opened with; a signature that says
     otherwise of the same files is held to what it says (each row keyed by what the signature said)."""
-    monkeypatch.setattr(tensorfs.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
     private, public = keys
     model = make_model(tmp_path / "model")
     signature = sign(model, private)

@@ -40,7 +40,7 @@ from helpers import (
     write_reference,
 )
 from servers import HostileServer, Lie, Nginx
-from tensorfs.sources.cache import OBJECTS_DIR
+from tensorfs.sources.chunks import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
 

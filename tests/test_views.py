@@ -206,15 +206,15 @@ def test_a_signal_leaves_no_half_written_export(tmp_path: Path) -> None:
 # the pipe argv[1] and waits on its standard input, which only a signal ends.
 EXPORT_HELD_MID_WRITE = """
 import os, sys
-import tensorfs.cli, tensorfs.progress
-advance = tensorfs.progress.Progress.advance
+import tensorfs.cli, tensorfs.utils.progress
+advance = tensorfs.utils.progress.Progress.advance
 def held(self, nbytes):
     advance(self, nbytes)
     if self.label == "writing" and not getattr(held, "said", False):  # not the validation's line
         held.said = True
         os.write(int(sys.argv[1]), b"writing\\n")
         sys.stdin.readline()
-tensorfs.progress.Progress.advance = held
+tensorfs.utils.progress.Progress.advance = held
 sys.exit(tensorfs.cli.main(["export", *sys.argv[2:]]))
 """
 

@@ -1,4 +1,4 @@
-"""The one writer (tensorfs/files.py) at the moments another user acts: the test's own write
+"""The one writer (tensorfs/fs/writer.py) at the moments another user acts: the test's own write
 callback is the handshake, so what it plants is planted while the file is being written, every run."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import BinaryIO
 
 import pytest
 
-from tensorfs import files
-from tensorfs.files import WriteError, write_whole
+from tensorfs.fs import writer as files
+from tensorfs.fs.writer import WriteError, write_whole
 
 
 def victim_file(directory: Path) -> Path:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..files import write_whole
+from ..fs.writer import write_whole
 from .common import Config, Report, compile_package
 
 __all__ = ["SUITES", "Config", "Report", "main"]

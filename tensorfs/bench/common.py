@@ -20,10 +20,10 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from .. import identity
 from ..mount.mounttable import daemon_pid, pid_alive
-from ..sample_models import Tensor, write_sharded
 from ..sources.pages import Pages
+from ..testing.sample_models import Tensor, write_sharded
+from ..utils import identity
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
@@ -242,10 +242,10 @@ def _tests_lock() -> Iterator[None]:
 
 Look = Callable[[Any], object]
 """How a side of a comparison looks at each tensor (or buffer) it reads: touched in the timed tries,
-seen (Seen) in an untimed one."""
+seen (BytesRead) in an untimed one."""
 
 
-class Seen:
+class BytesRead:
     """What one side of a comparison read, by its bytes: a CRC-32C of every tensor, array, buffer or
     file it looked at, in whatever order it read them (a streamer hands tensors out as they come),
     and their count of bytes. Two sides that read the same bytes say the same."""
@@ -276,8 +276,8 @@ def _bytes_of(piece: Any) -> memoryview:
 
 
 def files_seen(paths: Sequence[Path]) -> str:
-    """Seen.said() of the files, each read whole (a piece each)."""
-    seen = Seen()
+    """BytesRead.said() of the files, each read whole (a piece each)."""
+    seen = BytesRead()
     for path in paths:
         crc, nbytes = 0, 0
         with open(path, "rb", buffering=0) as f:
@@ -293,11 +293,11 @@ def medians(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Each side's median time over `repeat` tries, the sides taken in turns, after one untimed try
     of each (the first try of a side pays for what the others then find ready), in which what it
-    reads is seen (Seen); the timed tries `look` at it. `between` runs after every try, untimed.
+    reads is seen (BytesRead); the timed tries `look` at it. `between` runs after every try, untimed.
     (medians, what each side read)."""
     seen: dict[str, str] = {}
     for name, work in sides.items():
-        reading = Seen()
+        reading = BytesRead()
         work(reading)
         seen[name] = reading.said()
         between()
@@ -463,7 +463,7 @@ def rss_anon_kib(pid: int) -> int:
 
 def wait_until_settled(paths: list[Path]) -> None:
     """Wait until files just written are old enough for the caches to keep what is read of them
-    (tensorfs.identity.SETTLED_NS): a benchmark of the caches must not measure files they refuse."""
+    (tensorfs.utils.identity.SETTLED_NS): a benchmark of the caches must not measure files they refuse."""
     newest = max((path.stat().st_ctime_ns for path in paths), default=0)
     while (left := newest + identity.SETTLED_NS - time.time_ns()) > 0:
         time.sleep(left / 1e9)

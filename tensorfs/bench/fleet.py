@@ -31,11 +31,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..sample_models import Tensor, write_sharded
 from ..testing.cluster import CachingTier, SeaweedCluster
 from ..testing.nodes import Node, make_nodes, nodes_unusable, remove_nodes
+from ..testing.sample_models import Tensor, write_sharded
 from ..testing.servers import weed_binary
-from ..units import human_size
+from ..utils.units import human_size
 from .common import Config, Mounter, Report, concurrently, median, read_file, touch_fresh_memory
 
 BUCKET = "fleet-bench"

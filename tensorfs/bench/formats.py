@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..loader import open_model
-from ..names import SIDECAR_SUFFIXES as SIDECARS
+from ..utils.names import SIDECAR_SUFFIXES as SIDECARS
 from .common import (
     Config,
     Look,

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from ..hashcache import HashCache
-from ..integrity import HASH_WORKERS, Hasher
+from ..caches.hashes import HashCache
 from ..loader import load_file, open_model, safe_open
-from ..manifest import DEFAULT_MANIFEST, format_manifest
+from ..proof.integrity import HASH_WORKERS, Hasher
+from ..proof.manifest import DEFAULT_MANIFEST, format_manifest
 from ..sources.store import RemoteOptions
 from ..testing.servers import Nginx, SeaweedFS
 from .common import (

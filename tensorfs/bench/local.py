@@ -25,9 +25,9 @@ import numpy as np
 
 from ..mount.options import MountOptions
 from ..mount.runtime import read_record
-from ..sample_models import Tensor, many_tiny_tensors, write_sharded
 from ..sources.index import INDEX_NAME
-from ..units import human_size
+from ..testing.sample_models import Tensor, many_tiny_tensors, write_sharded
+from ..utils.units import human_size
 from .common import (
     Config,
     Mounter,

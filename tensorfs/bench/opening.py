@@ -19,8 +19,8 @@ from pathlib import Path
 
 import safetensors
 
-from ..opener import open_model
-from ..sample_models import many_tiny_tensors
+from ..opening.source import open_model
+from ..testing.sample_models import many_tiny_tensors
 from .common import Config, Report, wait_until_settled
 
 BAR = 2.0

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..opener import open_model
-from ..sample_models import many_tiny_tensors
+from ..opening.source import open_model
 from ..testing.link import SlowLink
+from ..testing.sample_models import many_tiny_tensors
 from ..testing.servers import Nginx
-from ..units import human_size
+from ..utils.units import human_size
 from .bucket import bucket_section
 from .common import (
     CHUNK,

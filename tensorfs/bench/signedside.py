@@ -3,7 +3,7 @@ process of its own, so that what it imports is counted as a user's first run pay
 tensorfs is imported here but by the sides that use it.
 
 Prints one JSON line: the wall clock (time.time()) when its first tensor was read and when the last
-was, and what it read (common.Seen's "<CRCs hashed>/<bytes>", made here without importing tensorfs).
+was, and what it read (common.BytesRead's "<CRCs hashed>/<bytes>", made here without importing tensorfs).
 Each tensor is read whole (its CRC-32C taken: every byte touched, as a consumer's would be).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 
 class Reading:
-    """The tensors a side read, as common.Seen says them, and when its first one was read."""
+    """The tensors a side read, as common.BytesRead says them, and when its first one was read."""
 
     def __init__(self) -> None:
         import crc32c

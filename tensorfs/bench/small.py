@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..sample_models import many_tiny_tensors
+from ..testing.sample_models import many_tiny_tensors
 from .common import Config, Report
 
 BARS = {"sha256sum -c": 2.0, "cp -r": 2.0, "find -type f | wc -l": 3.0, "ls -lR": 3.0}

@@ -10,19 +10,19 @@ from typing import cast
 import click
 
 from ..errors import InvalidModelError, TensorfsError, printable
-from ..files import refuse_existing
-from ..folder import ViewRequest
 from ..formats import shape_text
-from ..identity import shard_name
-from ..manifest import DEFAULT_MANIFEST, format_manifest
+from ..fs.writer import refuse_existing
 from ..model import Model
-from ..names import Layout
-from ..opener import Beside, Verify, hash_all
-from ..progress import Progress
+from ..opening.folder import ViewRequest
+from ..opening.source import ManifestBeside, Verify, hash_all
+from ..proof.manifest import DEFAULT_MANIFEST, format_manifest
+from ..proof.signature import Signature
 from ..selection import Selection
-from ..signing import Signature
 from ..sources.store import RemoteOptions
-from ..units import human_size, plural
+from ..utils.identity import shard_name
+from ..utils.names import Layout
+from ..utils.progress import Progress
+from ..utils.units import human_size, plural
 from .group import cli
 from .options import (
     VIEW_FILES,
@@ -195,7 +195,7 @@ def export(
     # Never over anything, the source's own files least of all: said now, before the model is opened;
     # the writer's own rename never replaces what comes meanwhile either.
     refuse_existing(dest, "file" if one_file else "directory")
-    held_to = manifest_path if manifest_path is not None else Beside.IF_ANY
+    held_to = manifest_path if manifest_path is not None else ManifestBeside.IF_ANY
     verifying = cast(Verify | None, verify)
     opened = source.open(selection, manifest=held_to, verify=verifying, progress=not quiet, signature=signature)
     with opened as model, ended_by_signals():

@@ -13,12 +13,12 @@ from typing import Any, cast
 import click
 
 from ..errors import TensorfsError, printable
-from ..folder import ViewRequest
-from ..names import Layout
+from ..opening.folder import ViewRequest
+from ..proof.signature import Signature
 from ..selection import Selection
-from ..signing import Signature
 from ..sources.store import RemoteOptions
-from ..units import human_size
+from ..utils.names import Layout
+from ..utils.units import human_size
 from .group import cli
 from .options import (
     FINITE_SECONDS,
@@ -184,7 +184,7 @@ def mount(
     )
 
     from ..mount.prepare import Opening, prepare
-    from ..opener import Verify
+    from ..opening.source import Verify
 
     def warn(warning: str) -> None:
         error_lines([warning], prefix="warning: ")

@@ -13,12 +13,12 @@ import click
 from click.core import ParameterSource
 
 from ..errors import printable
-from ..manifest import DEFAULT_MANIFEST
-from ..names import LAYOUTS
-from ..opener import Source
+from ..opening.source import Source
+from ..proof.manifest import DEFAULT_MANIFEST
+from ..proof.signature import DEFAULT_SIGNATURE, Signature, SignatureError
 from ..selection import Selection, parse_layers
-from ..signing import DEFAULT_SIGNATURE, Signature, SignatureError
 from ..sources.store import RemoteOptions, is_remote, location_problem, redact
+from ..utils.names import LAYOUTS
 
 READAHEAD_LIMIT_KB = 1 << 20
 """1 GiB: beyond it readahead is no longer ahead of anything a reader does."""
@@ -324,7 +324,7 @@ def view_options(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     def apply(command: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(command)
         def with_view(*args: Any, **kwargs: Any) -> Any:
-            from ..folder import ViewRequest
+            from ..opening.folder import ViewRequest
 
             kwargs["view"] = ViewRequest(kwargs.pop("view"), kwargs.pop("view_shards"))
             return command(*args, **kwargs)

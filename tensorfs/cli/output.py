@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import click
 
 from ..errors import TensorfsError
-from ..files import write_whole
+from ..fs.writer import write_whole
 from ..sources.store import redact
 
 
@@ -84,7 +84,7 @@ def ended_by_signals() -> Iterator[None]:
 
 
 def write_file(path: Path, text: str) -> None:
-    """Write `text` to `path` by the one writer (tensorfs.files): a new file, or a regular file there
+    """Write `text` to `path` by the one writer (tensorfs.fs.writer): a new file, or a regular file there
     replaced, whole or not at all; never through a symlink, never into a FIFO or a device. Ctrl-C,
     SIGTERM or SIGHUP meanwhile leave nothing half-written."""
     with ended_by_signals():

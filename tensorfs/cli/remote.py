@@ -10,11 +10,11 @@ from typing import Any
 import click
 
 from ..errors import TensorfsError, printable
-from ..progress import Progress
 from ..selection import Selection
-from ..sources.cache import default_cache_dir
+from ..sources.chunks import default_cache_dir
 from ..sources.store import RemoteOptions
-from ..units import human_size
+from ..utils.progress import Progress
+from ..utils.units import human_size
 from .group import cli
 from .options import ByteSize, hidden_alias, model_argument, quiet_option, remote_options, selection_options, source_of
 from .output import table
@@ -32,7 +32,7 @@ def prefetch(
 
     A progress line on a terminal. Afterwards the model (the selection) mounts and reads with --offline too.
     """
-    from ..sources.remote import fetch_plan
+    from ..prefetch import fetch_plan
 
     with source_of(path, remote).open(selection, progress=not quiet) as model:
         wanted = fetch_plan(model, whole=selection.everything)
@@ -65,7 +65,7 @@ cache_dir_option = click.option(
 
 
 def _object_cache(cache_dir: Path | None) -> Any:
-    from ..sources.cache import ChunkCache
+    from ..sources.chunks import ChunkCache
 
     directory = (cache_dir or default_cache_dir()).absolute()
     if not (directory / "objects.sqlite").exists():

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..errors import InvalidModelError, Problem
-from ..identity import ShardKey
+from ..utils.identity import ShardKey
 from . import gguf, pytorch, safetensors
 from .table import (
     BEGIN,

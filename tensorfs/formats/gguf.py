@@ -25,9 +25,9 @@ import re
 import struct
 from typing import TYPE_CHECKING, Any
 
-from ..dtypes import GGML_ID, GGML_TYPES, DType
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
-from ..identity import ShardKey
+from ..utils.identity import ShardKey
+from .dtypes import GGML_ID, GGML_TYPES, DType
 from .table import SUMMARY_CHARACTERS, SUMMARY_ITEMS, Described, Entry, ShardHeader, array_summary, string_summary
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidModelError, Problem
-from ..identity import ShardKey
-from ..names import path_problem
+from ..utils.identity import ShardKey
+from ..utils.names import path_problem
 from . import pickled
 from .table import Described, Entry, ShardHeader
 

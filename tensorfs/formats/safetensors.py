@@ -2,7 +2,7 @@
 
 Pure: it reads what it is given and nothing else, and keeps no state. Every rule of the
 safetensors reference reader (0.8) is applied, plus tensorfs's own: duplicate JSON keys are errors.
-Tensor names are checked as paths elsewhere (names.py), since that needs the whole model.
+Tensor names are checked as paths elsewhere (utils/names.py), since that needs the whole model.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..dtypes import DTYPES, DType
 from ..errors import InvalidModelError, Problem, printable
-from ..gcpause import gc_paused
-from ..identity import ShardKey
+from ..utils.gcpause import gc_paused
+from ..utils.identity import ShardKey
+from .dtypes import DTYPES, DType
 from .table import BEGIN, END, SHAPE, Described, Entry, ShardHeader, shape_text
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from ..dtypes import DTYPE_NAMED, DType
 from ..errors import Problem
-from ..identity import ShardKey, shard_name
+from ..utils.identity import ShardKey, shard_name
+from .dtypes import DTYPE_NAMED, DType
 
 if TYPE_CHECKING:
     import numpy as np

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import DTYPES, DType
+from .dtypes import DTYPES, DType
 
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 MAX_INT = (1 << 63) - 1

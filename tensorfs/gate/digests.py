@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
-from ..integrity import Integrity
+from ..proof.integrity import Integrity
 from .plans import Plan, Refused
 
 __all__ = ["Digests"]

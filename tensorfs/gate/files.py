@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..identity import ShardKey
+from ..catalogue.tables import Tables
 from ..sources.shard import ShardData
 from ..sources.watch import Change, ShardWatch
-from ..tables import Tables
+from ..utils.identity import ShardKey
 
-__all__ = ["Seen", "WatchedFiles"]
+__all__ = ["FileState", "WatchedFiles"]
 
 
 @dataclass(eq=False)
-class Seen:
+class FileState:
     """What the gate has seen of one shard's file (or one fallback copy's) since it was opened."""
 
     shard: ShardKey
@@ -33,26 +33,26 @@ class WatchedFiles:
     (a remote object has none: its version is pinned)."""
 
     def __init__(self, tables: Tables) -> None:
-        self._seen: dict[ShardData, Seen] = {}
+        self._seen: dict[ShardData, FileState] = {}
         self._watch = ShardWatch()
         for shard in tables.opened_shards():
-            self._add(shard.data, Seen(shard.header.path))
+            self._add(shard.data, FileState(shard.header.path))
 
     def add_copy(self, data: ShardData, shard: ShardKey) -> None:
         """Watch a fallback's shard too, from now on (once)."""
         if data not in self._seen:
-            self._add(data, Seen(shard, copy=True))
+            self._add(data, FileState(shard, copy=True))
 
-    def _add(self, data: ShardData, seen: Seen) -> None:
+    def _add(self, data: ShardData, seen: FileState) -> None:
         self._seen[data] = seen
         files = data.watched()
         if files is not None:
             self._watch.add(data, *files)
 
-    def seen(self, data: ShardData) -> Seen | None:
+    def seen(self, data: ShardData) -> FileState | None:
         return self._seen.get(data)
 
-    def changes(self, data: ShardData | None = None) -> list[tuple[ShardData, Seen, Change]]:
+    def changes(self, data: ShardData | None = None) -> list[tuple[ShardData, FileState, Change]]:
         """Every change reported so far, and those `data`'s file's size and times show; never blocking."""
         found = self._watch.changes()
         if data is not None and data in self._seen:

@@ -10,15 +10,15 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
+from ..catalogue.fallbacks import Copy, Fallbacks
+from ..catalogue.tables import Tables, file_runs
 from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
-from ..fallback import Copy, Fallbacks
-from ..identity import ShardKey
-from ..integrity import Hasher, Integrity, sha256_of
+from ..proof.integrity import Hasher, Integrity, sha256_of
 from ..sources.shard import ShardData
 from ..sources.watch import Change
-from ..tables import Tables, file_runs
+from ..utils.identity import ShardKey
 from .digests import Digests
-from .files import Seen, WatchedFiles
+from .files import FileState, WatchedFiles
 from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, StepKind, run
 from .reporter import Reporter
 from .router import Router
@@ -504,7 +504,7 @@ class Gate:
             state = self._files.seen(place.data)
             return state.generation if state is not None else 0
 
-    def _state_of(self, name: str) -> Seen:
+    def _state_of(self, name: str) -> FileState:
         seen = self._files.seen(self.tables.shard_of(name).data)
         assert seen is not None
         return seen
@@ -518,7 +518,7 @@ class Gate:
             self._refuse_if_changed(name, state)
         return {name: state.generation for name, state in states.items()}
 
-    def _refuse_if_changed(self, name: str, state: Seen) -> None:
+    def _refuse_if_changed(self, name: str, state: FileState) -> None:
         if state.changed:
             if name not in state.refused:
                 state.refused.add(name)
@@ -562,7 +562,7 @@ class Gate:
         for key, seen, change in self._files.changes(data):
             self._apply(key, seen, change)
 
-    def _apply(self, data: ShardData, state: Seen, change: Change) -> None:
+    def _apply(self, data: ShardData, state: FileState, change: Change) -> None:
         if state.copy:
             if change is Change.CONTENT:
                 self.router.copy_changed(data, state, manifest=self.integrity.expected is not None)

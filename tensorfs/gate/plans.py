@@ -9,10 +9,10 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+from ..catalogue.fallbacks import Copy
 from ..errors import IntegrityError, RemoteError, ShardChangedError
-from ..fallback import Copy
-from ..identity import ShardKey
 from ..sources.shard import ShardData
+from ..utils.identity import ShardKey
 
 __all__ = [
     "UNREADABLE",

@@ -3,8 +3,8 @@ counts it (mount/checks.py)."""
 
 from __future__ import annotations
 
-from ..identity import ShardKey
 from ..sources.watch import Change
+from ..utils.identity import ShardKey
 
 __all__ = ["Reporter"]
 

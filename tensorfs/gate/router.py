@@ -10,13 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..catalogue.fallbacks import RETRY_AFTER, Copy, Fallbacks
+from ..catalogue.tables import Tables
 from ..errors import RemoteError, ShardChangedError, printable
-from ..fallback import RETRY_AFTER, Copy, Fallbacks
-from ..identity import ShardKey
-from ..integrity import sha256_of
+from ..proof.integrity import sha256_of
 from ..sources.shard import ShardData
-from ..tables import Tables
-from .files import Seen, WatchedFiles
+from ..utils.identity import ShardKey
+from .files import FileState, WatchedFiles
 from .plans import UNREADABLE, Place, Plan, Refused
 from .reporter import Reporter
 
@@ -145,7 +145,7 @@ class Router:
         return None
 
     # -- a copy changed ------------------------------------------------------------------------
-    def copy_changed(self, data: ShardData, state: Seen, *, manifest: bool) -> None:
+    def copy_changed(self, data: ShardData, state: FileState, *, manifest: bool) -> None:
         """A fallback's file the tensors are served from may have changed: refused from now on without
         a manifest, verified again with one (the lock held)."""
         state.generation += 1

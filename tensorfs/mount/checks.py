@@ -14,9 +14,9 @@ import trio
 
 from ..errors import printable
 from ..gate import Gate, Plan, Refused, Reporter
-from ..identity import ShardKey
 from ..sources.watch import Change
-from ..units import plural
+from ..utils.identity import ShardKey
+from ..utils.units import plural
 from .stats import Stats
 from .tree import Tree
 

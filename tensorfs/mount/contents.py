@@ -9,12 +9,12 @@ from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from ..formats import Described, Entry
-from ..identity import shard_name
-from ..manifest import sha256sum_line
+from ..proof.manifest import sha256sum_line
 from ..sources.index import index_document
+from ..utils.identity import shard_name
 
 if TYPE_CHECKING:
-    from ..tables import Tables as Model
+    from ..catalogue.tables import Tables as Model
 
 __all__ = ["checkable", "entry_meta_size", "index_json", "meta_json", "meta_size", "metadata_json", "sha256_line"]
 

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import MountError, TensorfsError, printable
-from ..gcpause import gc_paused
-from ..handover import ModelSnapshot, reopen, snapshot
 from ..model import Model
 from ..sources.store import redact
-from ..units import human_size, plural
+from ..utils.gcpause import gc_paused
+from ..utils.units import human_size, plural
 from ..views import ViewSpec
+from .handover import ModelSnapshot, reopen, snapshot
 from .logs import default_log_file, setup_logging
 from .mounttable import FSTYPE, health, mount_at, resolve_mountpoint
 from .options import READY, MountOptions

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import MountError
-from ..files import open_append
+from ..fs.writer import open_append
 from ..sources.store import redact
 from .runtime import escape_path
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MountError
-from ..names import CONTROL_DIR, STATS_NAME
-from ..safefiles import ANSWER_SECONDS, unescape_mountinfo, within
+from ..fs.guarded import ANSWER_SECONDS, unescape_mountinfo, within
+from ..utils.names import CONTROL_DIR, STATS_NAME
 from .runtime import FoundRecord, daemon_of, find_record, process_state, read_record, remove_record
 
 FSTYPE = "fuse.tensorfs"

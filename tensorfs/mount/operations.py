@@ -28,10 +28,10 @@ import trio
 
 from ..errors import TensorfsError, printable
 from ..gate import Answer, Gate, Outcome, Place, Plan, StepKind, next_step
-from ..identity import ShardKey
-from ..integrity import HASH_WORKERS
-from ..names import STATS_NAME
+from ..proof.integrity import HASH_WORKERS
 from ..sources.shard import ShardData
+from ..utils.identity import ShardKey
+from ..utils.names import STATS_NAME
 from ..views import Companion, Piece, SynthesizedFile, Untensored, WeightsFile
 from .checks import Invalidate, MountReporter, Sums
 from .handlers import handler, not_implemented, read_only

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MountError
-from ..names import Layout
 from ..sources.store import check_url
+from ..utils.names import Layout
 from .metrics import Address
 from .tree import Ownership
 

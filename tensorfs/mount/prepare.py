@@ -1,6 +1,6 @@
 """What a mount serves, made ready from its Source (in the command, after the daemon is forked:
 obstore, for a remote model, cannot be used across a fork): the model, opened and held to its
-manifest as any model is (opener.py), and what its model directory view holds besides its tensors
+manifest as any model is (opening/source.py), and what its model directory view holds besides its tensors
 (with the models opened for it: the other weights files of the model's folder)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..folder import ViewRequest
 from ..model import Model
-from ..names import Layout
-from ..opener import Beside, Source, Verify
+from ..opening.folder import ViewRequest
+from ..opening.source import ManifestBeside, Source, Verify
+from ..proof.signature import Signature
 from ..selection import Selection
-from ..signing import Signature
+from ..utils.names import Layout
 from ..views import ViewSpec
 
 
@@ -48,7 +48,7 @@ def prepare(source: Source, opening: Opening, warn: Callable[[str], None], progr
     unless not `progress`), and its view's spec; what its fallbacks stand in for and the companion
     files left out are said through `warn`."""
     # The model first: its errors name it, not the manifest looked for beside it.
-    held_to = opening.manifest if opening.manifest is not None else Beside.IF_ANY
+    held_to = opening.manifest if opening.manifest is not None else ManifestBeside.IF_ANY
     model = source.open(
         opening.selection,
         opening.layout,

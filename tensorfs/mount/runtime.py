@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MountError
-from ..files import write_whole
-from ..safefiles import UnsafeLocation, private_directory, read_bounded
+from ..fs.guarded import UnsafeLocation, private_directory, read_bounded
+from ..fs.writer import write_whole
 from ..sources.store import redact
 
 SYSTEM_DIR = Path("/run/tensorfs")

@@ -23,13 +23,13 @@ import trio
 
 from .. import __version__
 from ..errors import TensorfsError
-from ..files import WriteError
-from ..identity import ShardKey
+from ..fs.syscalls import libc
+from ..fs.writer import WriteError
 from ..model import Model
-from ..names import STATS_NAME
 from ..sources.remote import open_connections
-from ..syscalls import libc
-from ..units import plural
+from ..utils.identity import ShardKey
+from ..utils.names import STATS_NAME
+from ..utils.units import plural
 from ..views import ModelView, ViewSpec, WeightsFile, build_view
 from .contents import index_json, metadata_json
 from .logs import reopen_logs

@@ -6,7 +6,7 @@ import errno as errnos
 from typing import Any
 
 from ..errors import printable
-from ..units import human_size
+from ..utils.units import human_size
 from .stats import quantile
 
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import TensorfsError
 from ..formats import BEGIN, END, NAME
-from ..identity import ShardKey, shard_name
-from ..manifest import sha256sum_line
-from ..names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
+from ..proof.manifest import sha256sum_line
+from ..utils.identity import ShardKey, shard_name
+from ..utils.names import CONTROL_DIR, SIDECAR_SUFFIXES, Layout, tensor_path
 from ..views import VIEW_DIR, Companion, ModelView, SynthesizedFile, ViewFile, WeightsFile
 from .contents import checkable, entry_meta_size, meta_json, meta_size, sha256_line
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from ..errors import ObjectChanged, RemoteError, TooLarge, Unexpected, printable
-from ..units import human_size
+from ..utils.units import human_size
 from .failures import failure, status_of, unsent
 from .store import ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, check_url, store_spec
 

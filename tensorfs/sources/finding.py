@@ -1,6 +1,6 @@
 """Which objects of a store are a model, and what is beside it: its shards found (its file, its index,
 or its directory's listing handed to the loaders' rules, choosing.py), the objects in its directory
-(for its companion files), each listing bounded and every name it gives gated (names.py) before
+(for its companion files), each listing bounded and every name it gives gated (utils/names.py) before
 anything is made of it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import orjson
 
 from ..errors import AccessDenied, Problem, RemoteError, TooLarge
 from ..formats import is_weights_name
-from ..names import path_problem
+from ..utils.names import path_problem
 from .choosing import MAX_COMPONENTS, PIPELINE_INDEX, Choice, choose, component, is_pipeline
 from .client import MAX_LISTED, Deadline, exists, get_whole, list_objects, modified, reason_of
 from .index import MAX_INDEX_BYTES, is_index_name, parse_weight_map, shard_names
@@ -97,7 +97,7 @@ def _readable(ref: ObjectRef) -> bool:
 
 
 def _names_in(keys: list[str], prefix: str) -> list[str]:
-    """The names of the files directly under `prefix` of a listing's keys, each gated (names.py):
+    """The names of the files directly under `prefix` of a listing's keys, each gated (utils/names.py):
     one that is not a plain name is no file of the model's (a directory marker, a key with '..')."""
     names = []
     for key in keys:
@@ -199,6 +199,8 @@ def files_of(entries: Listed) -> Listed:
     return [entry for entry in entries if entry[0] and not entry[0].endswith("/") and entry[0] not in folders]
 
 
+MAX_SUBDIRECTORIES = 50
+"""The subdirectories of a remote model's directory listed for its files (a listing each, and the top's)."""
 MAX_HUB_LISTING = 16 << 20
 """The most one answer of the Hub's listing API may hold."""
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import orjson
 
 from ..errors import Problem
-from ..names import path_problem
+from ..utils.names import path_problem
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000

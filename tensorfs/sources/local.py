@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import formats
+from ..caches.headers import WORTH_CACHING
 from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..formats import ShardHeader, gguf
-from ..headercache import WORTH_CACHING
-from ..identity import Identity
-from ..safefiles import ModelDirectory, mounted_under, read_bounded, why_refused
+from ..fs.guarded import ModelDirectory, mounted_under, read_bounded, why_refused
+from ..utils.identity import Identity
 from .choosing import MAX_COMPONENTS, choose, component, is_model_file, is_pipeline
 from .index import MAX_INDEX_BYTES, is_index_name, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
@@ -27,7 +27,7 @@ from .shard import ShardData, Within
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from ..headercache import HeaderCache
+    from ..caches.headers import HeaderCache
 
 
 @dataclass

@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 
-from ..syscalls import libc
+from ..fs.syscalls import libc
 
 log = logging.getLogger(__name__)
 

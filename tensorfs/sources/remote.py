@@ -22,22 +22,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import formats
-from ..errors import InvalidModelError, Problem, ShardChangedError
+from ..errors import InvalidModelError, Problem, RemoteError, ShardChangedError
 from ..formats import ShardHeader
-from ..identity import Identity, settled
-from .cache import CachedObject, CacheFull, ChunkCache, NoRoomNow, default_cache_dir
+from ..utils.identity import Identity, settled
+from .chunks import CachedObject, CacheFull, ChunkCache, NoRoomNow, default_cache_dir
+from .client import head, read_first_bytes, read_range
 from .fetching import COUNTERS, Fetcher, failed_future, wait
+from .finding import Located, locate
 from .index import missing_shard
 from .pages import Handover
 from .shard import ShardData, Within
+from .store import ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, model_key, store_spec
 
 if TYPE_CHECKING:
-    from ..headercache import HeaderCache
-    from ..tables import Tables
-from ..errors import RemoteError
-from .client import head, read_first_bytes, read_range
-from .finding import Located, locate
-from .store import ObjectRef, ObjectVersion, RemoteOptions, StoreSpec, model_key, store_spec
+    from ..caches.headers import HeaderCache
 
 log = logging.getLogger(__name__)
 
@@ -355,19 +353,6 @@ class RemoteShard(ShardData):
 
     def close(self) -> None:
         self.close_private(self.cached.close)
-
-
-def fetch_plan(model: Tables, *, whole: bool) -> dict[RemoteShard, list[int]]:
-    """The chunks to fetch to hold `model` in the cache, by remote shard: every chunk of its objects
-    (`whole`), or only those of its tensors' bytes (a selection). Empty for a local model."""
-    wanted: dict[RemoteShard, list[int]] = {}
-    for shard, entries in model.by_shard().items():
-        data = model.shard_data(shard)
-        if isinstance(data, RemoteShard):
-            start = model.shard_header(shard).data_start
-            everything = [(0, data.cached.version.size)] if whole else []
-            wanted[data] = data.chunks_of(everything or [(start + b, start + e) for b, e, *_ in entries])
-    return wanted
 
 
 def open_connections(shards: Iterable[ShardData]) -> list[Future[None]]:

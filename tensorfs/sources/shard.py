@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from ..errors import ShardChangedError
-from ..identity import Identity, ShardKey
-from ..syscalls import map_private, unmap
+from ..fs.syscalls import map_private, unmap
+from ..utils.identity import Identity, ShardKey
 from .pages import Pages
 
 _private_made = threading.Lock()

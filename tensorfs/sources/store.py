@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import RemoteError, TensorfsError
 from ..formats import WEIGHT_FILES, is_weights_name
-from ..units import human_size
+from ..utils.units import human_size
 from .index import INDEX_NAME, is_index_name
 
 if TYPE_CHECKING:

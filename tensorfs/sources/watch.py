@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Hashable, Iterable
 
-from ..syscalls import libc
+from ..fs.syscalls import libc
 
 log = logging.getLogger(__name__)
 

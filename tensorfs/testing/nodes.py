@@ -26,13 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .servers import (
-    free_ports,
-    nginx_temp_paths,
-    start_nginx,
-    stop,
-    wait_http,
-)
+from .servers import free_ports, nginx_temp_paths, start_nginx, stop, wait_http
 
 
 class Relay:

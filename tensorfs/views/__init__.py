@@ -30,8 +30,8 @@ from .synthesized import Piece, SynthesizedFile
 from .weights import Untensored, WeightsFile
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..catalogue.tables import Tables
     from ..gate import Gate
-    from ..tables import Tables
 
 __all__ = [
     "NOTE_NAME", "VIEW_DIR", "Companion", "Held", "ModelView", "Piece", "SynthesizedFile", "Untensored", "ViewFile",

@@ -23,12 +23,12 @@ from typing import Any
 
 from ..errors import RemoteError, TensorfsError
 from ..formats import is_weights_name, pytorch
-from ..identity import Identity
-from ..manifest import DEFAULT_MANIFEST
-from ..safefiles import ModelDirectory, why_refused
+from ..fs.guarded import ModelDirectory, why_refused
+from ..proof.manifest import DEFAULT_MANIFEST
 from ..sources.choosing import is_adapter, is_model_file
 from ..sources.client import head
 from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions
+from ..utils.identity import Identity
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Writing a view to disk: the model's folder as it is, or the synthesized file(s) of a model (or a
 selection), streamed.
 
-Written whole or not at all, by the one writer (tensorfs.files): made new beside the destination,
+Written whole or not at all, by the one writer (tensorfs.fs.writer): made new beside the destination,
 through descriptors only, renamed to its name at the end; never through a symlink.
 Bytes are read through the gate of the model that holds them (checked, verified, from a fallback
 where need be), from the shard files (preadv; for a remote model through its cache), never the mappings.
@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import printable
-from ..files import NewDirectory, WriteError, umasked, write_directory, write_whole
+from ..fs.writer import NewDirectory, WriteError, umasked, write_directory, write_whole
 from . import Companion, ModelView, SynthesizedFile, WeightsFile, shared_metadata
 from .weights import Untensored
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..catalogue.tables import Tables
     from ..gate import Gate
-    from ..identity import ShardKey
-    from ..tables import Tables
+    from ..utils.identity import ShardKey
 
 _BLOCK = 1 << 20
 
@@ -32,7 +32,7 @@ def write_safetensors(
     model: Tables, gate: Gate, path: Path, progress: Callable[[int], None] | None = None, *, replace: bool = True
 ) -> int:
     """One safetensors file holding every tensor of `model` (its bytes handed out by `gate`), at
-    `path`, by the one writer (tensorfs.files): a regular file there is replaced whole when
+    `path`, by the one writer (tensorfs.fs.writer): a regular file there is replaced whole when
     `replace` (never one of the model's own shards), anything else refused, nothing written through
     a symlink. Returns its size in bytes."""
 
@@ -54,7 +54,7 @@ def write_safetensors(
 
 def write_view(view: ModelView, directory: Path, progress: Callable[[int], None] | None = None) -> None:
     """A model directory (what .tensorfs/model/ of a mount holds) at `directory`, which must not
-    exist, by the one writer (tensorfs.files): made whole, through descriptors only, or not at all."""
+    exist, by the one writer (tensorfs.fs.writer): made whole, through descriptors only, or not at all."""
     with write_directory(directory) as new:
         _write_files(view, new, progress)
 

@@ -1,5 +1,5 @@
 """The files beside a local model's weights, found for its view: from the top level of the model's
-directory and its subdirectories one level down, each opened once beneath it (safefiles), hashed
+directory and its subdirectories one level down, each opened once beneath it (fs/guarded.py), hashed
 as it is found (companions.py serves it while it holds those bytes), the walk bounded in files,
 bytes and time."""
 
@@ -11,8 +11,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ..errors import printable
-from ..identity import Identity, ShardKey
-from ..safefiles import ModelDirectory, NotRegular, mounted_under, why_refused
+from ..fs.guarded import ModelDirectory, NotRegular, mounted_under, why_refused
+from ..utils.identity import Identity, ShardKey
 from .companions import (
     MAX_COMPANION_BYTES,
     MAX_COMPANIONS,
@@ -46,7 +46,7 @@ def find_companions(
     """The regular files beside a local model's weights (one level of subdirectories too), by path,
     and each subdirectory's status (its owner and permissions).
 
-    Each file is opened once, beneath the model's directory (see safefiles): a symlink that leads
+    Each file is opened once, beneath the model's directory (see fs/guarded.py): a symlink that leads
     out of it (but for a Hugging Face cache snapshot's links to its repository's blobs) is left out
     with a warning, and so is a file that cannot be read, one over 64 MiB, what is mounted inside
     the directory (never looked into: it may hang), and what goes past 1000 files, 256 MiB in all

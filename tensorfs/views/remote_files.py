@@ -13,14 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 
 from ..errors import RemoteError, TooLarge, printable
-from ..identity import ShardKey
-from ..manifest import DEFAULT_MANIFEST
-from ..names import path_problem
-from ..signing import DEFAULT_SIGNATURE
+from ..proof.manifest import DEFAULT_MANIFEST
+from ..proof.signature import DEFAULT_SIGNATURE
 from ..sources.choosing import ADAPTER_NAMES
 from ..sources.client import get_whole, head
-from ..sources.finding import beside, hub_listing, listing_beside
+from ..sources.finding import MAX_SUBDIRECTORIES, beside, hub_listing, listing_beside
 from ..sources.store import ObjectVersion, RemoteOptions
+from ..utils.identity import ShardKey
+from ..utils.names import path_problem
 from .companions import (
     MAX_COMPANION_BYTES,
     MAX_COMPANIONS,
@@ -34,7 +34,7 @@ from .companions import (
     is_weights_file,
 )
 
-__all__ = ["MAX_SUBDIRECTORIES", "WELL_KNOWN", "find_remote_companions"]
+__all__ = ["WELL_KNOWN", "find_remote_companions"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ a Dense layer's weights)."""
 
 COMPANION_TIMEOUT = 10.0
 """Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
-MAX_SUBDIRECTORIES = 50
 MAX_SUBDIRECTORY_DEPTH = 2
 """A companion's path: a file of the model's directory, or of a subdirectory of it (one level)."""
 MAX_WANTED_DEPTH = 32

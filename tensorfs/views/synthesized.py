@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
-from ..dtypes import DTYPES
 from ..formats import BEGIN, DTYPE, END, SHAPE, gguf
+from ..formats.dtypes import DTYPES
 from ..formats.ggufparts import part_pairs
-from ..identity import ShardKey
 from ..selection import layer_of
+from ..utils.identity import ShardKey
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..catalogue.tables import Tables
     from ..gate import Gate
-    from ..tables import Tables
 
 _RANK = {name: rank for rank, name in enumerate(DTYPES)}  # the reference's dtype order, narrowest first
 

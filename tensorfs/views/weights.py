@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..identity import ShardKey
-from ..tables import file_runs
+from ..catalogue.tables import file_runs
+from ..utils.identity import ShardKey
 from .synthesized import Piece
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
+    from ..catalogue.tables import Tables
     from ..gate import Gate
-    from ..tables import Tables
 
 __all__ = ["Untensored", "WeightsFile"]
 

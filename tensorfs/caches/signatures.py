@@ -1,0 +1,50 @@
+"""Signatures verified before, by their bytes and the bytes of the public key that verified them: a
+later open of a model held to the same signature with the same key takes what the signature says
+from here, without model_signing (importing it costs more than a warm open of a model takes:
+docs/performance.md). What is kept is what was verified and accepted; a signature or a key changed
+by one byte is another row. Certificate chains are verified every time (a certificate's validity
+is a matter of time, not of its bytes). The cache's own trust: its directory is this user's alone
+(sqlite.py), as the hash cache's is, which vouches for bytes the same way."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from .sqlite import SqliteCache
+
+
+class VerifiedSignatures(SqliteCache):
+    """What verified signatures said (signing.SignedModel, as JSON), by (SHA-256 of the signature,
+    SHA-256 of the key); safe for several processes at once."""
+
+    FILE_NAME = "signatures.sqlite"
+    TABLE = (
+        "CREATE TABLE IF NOT EXISTS signatures (bundle TEXT, material TEXT, said TEXT NOT NULL,"
+        " PRIMARY KEY (bundle, material)) WITHOUT ROWID"
+    )
+    NAME = "cache of verified signatures"
+
+    def get(self, bundle: str, material: str) -> str | None:
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return None
+            try:
+                row = connection.execute(
+                    "SELECT said FROM signatures WHERE bundle=? AND material=?", (bundle, material)
+                ).fetchone()
+            except sqlite3.Error as exc:
+                self._give_up(exc)
+                return None
+        return None if row is None else str(row[0])
+
+    def put(self, bundle: str, material: str, said: str) -> None:
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return
+            try:
+                with connection:
+                    connection.execute("INSERT OR REPLACE INTO signatures VALUES (?, ?, ?)", (bundle, material, said))
+            except sqlite3.Error as exc:
+                self._give_up(exc)

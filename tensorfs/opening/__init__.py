@@ -1,0 +1,3 @@
+"""From a name a user gives to a validated model: the source and what it is opened with (source.py),
+a location's shards into tables (locations.py), a diffusers pipeline's components (pipelines.py), and
+the model's folder as a view shows it (folder.py)."""
