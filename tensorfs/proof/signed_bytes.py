@@ -147,9 +147,9 @@ class SignedRanges:
     its one range) as their tensors are first read, or at open (see the module's docstring). Each
     byte checked is hashed once, for its range: the tensors it holds are proven by it, their own
     digests (their values) taken on the way only where something may need them (`values`: a
-    fallback's copy to hold to them; a remote shard's, whose identity does not prove its bytes, for
-    a later open to hold its tensors to) or where asked for (a .sha256). Picklable: a mount's daemon
-    is handed it."""
+    fallback's copy to hold to them; a remote file signed whole, whose identity does not prove its
+    bytes, for a later open to hold its tensors to) or where asked for (a .sha256). Picklable: a
+    mount's daemon is handed it."""
 
     def __init__(self, files: dict[ShardKey, SignedFile], label: str, *, values: bool = False) -> None:
         self.files = files
@@ -252,7 +252,13 @@ class SignedRanges:
         return [(shard, index, index) for index in sorted(needed)]
 
     def _takes_values(self, hasher: Hasher, shard: ShardKey) -> bool:
-        return self.values or not hasher.model.shard_data(shard).identity_proves_bytes
+        """Whether a check of the file takes the values of the tensors it proves: with fallbacks, and for
+        a remote file signed whole, whose later open (its object's identity proving nothing) then
+        hashes each tensor it serves against its value rather than the whole file at open. A remote
+        file signed by ranges is checked range by range again instead (as cheap: each byte once)."""
+        if self.values:
+            return True
+        return self.files[shard].whole and not hasher.model.shard_data(shard).identity_proves_bytes
 
     def _run(
         self,

@@ -6,7 +6,7 @@ tensors. So the bytes of each file are checked against what the signature says o
 hashed once: a file signed whole at open (a progress line; a remote one is read once), a file
 signed by ranges range by range as its tensors are first read (signed_bytes.SignedRanges). A check
 proves the tensors whose bytes it covered; their own digests are taken on the way only where
-something will hold bytes to them (a fallback's copy; a remote shard's later open), else when
+something will hold bytes to them (a fallback's copy; a later open of a remote file signed whole), else when
 asked for. The hash cache keeps rows saying that the file of an identity matched what the signature
 says of it, so that a later open of the unchanged file hashes nothing (the hash cache's own trust:
 an unchanged identity is unchanged bytes).
