@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -28,11 +29,14 @@ from ..errors import IntegrityError, ShardChangedError, printable
 from ..formats import BEGIN, END, NAME
 from ..utils.identity import ShardKey
 from ..utils.progress import Progress
-from .integrity import CACHE_MIN_BYTES, HASH_WORKERS, Checked, Hasher
+from .integrity import CACHE_MIN_BYTES, Checked, Hasher
 from .signature import SignatureError, SignedFile
 
 _CHUNK = 1 << 20
 EMPTY = hashlib.sha256().hexdigest()
+CHECKERS = max(1, min(32, os.cpu_count() or 1))
+"""Checks of signed bytes made at once: on every core, as model_signing hashes a model's files (each
+check reads a megabyte at a time: as many megabytes of memory)."""
 _KEPT_CHECKS = 4096
 """Checks made kept for readers asking for the same ranges later (a mount's readers of one tensor
 come a moment apart), the latest so many."""
@@ -300,7 +304,7 @@ class SignedRanges:
         if len(ordered) == 1:
             found = [one(ordered[0])]
         else:
-            with ThreadPoolExecutor(max_workers=min(HASH_WORKERS, len(ordered))) as pool:
+            with ThreadPoolExecutor(max_workers=min(CHECKERS, len(ordered))) as pool:
                 found = list(pool.map(one, ordered))
         for (shard, first, last), digests in zip(ordered, found, strict=True):
             checked.setdefault(shard, set()).update(range(first, last + 1))
