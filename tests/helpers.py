@@ -955,19 +955,21 @@ def peak_of_opening(path: Path) -> tuple[int, int, int]:
 # -- what a bounded chunk cache holds on disk, at its largest -----------------------------------
 
 _CACHE_BLOCKS_COUNTED = """
-import os, sys
-from tensorfs.sources.chunks.objects import CachedObject
-allocate = CachedObject.allocate
+import os, sys, types
+from tensorfs.sources.chunks.files import ObjectFile
+from tensorfs.sources.chunks.room import Room
+allocate = ObjectFile.allocate
 def counted(self, offset, nbytes):
-    before = self.cache.disk_usage()
+    cache = types.SimpleNamespace(directory=self.directory)  # what Room.disk_usage counts by
+    before = Room.disk_usage(cache)
     allocate(self, offset, nbytes)
-    line = f"{before} {nbytes} {self.cache.disk_usage()}\\n".encode()
+    line = f"{before} {nbytes} {Room.disk_usage(cache)}\\n".encode()
     fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, line)
     finally:
         os.close(fd)
-CachedObject.allocate = counted
+ObjectFile.allocate = counted
 import tensorfs.cli
 sys.exit(tensorfs.cli.main(["mount", *sys.argv[2:]]))
 """
@@ -975,9 +977,9 @@ sys.exit(tensorfs.cli.main(["mount", *sys.argv[2:]]))
 
 class CacheBlocks:
     """What a chunk cache's files hold on disk at every moment it can be at its largest: each time a
-    process takes a chunk's blocks (CachedObject.allocate, always under the lock every process takes
+    process takes a chunk's blocks (ObjectFile.allocate, always under the lock every process takes
     to make room, so that nothing else grows the cache meanwhile), the cache's own count of its
-    blocks (ChunkCache.disk_usage) before and after, said by the daemons of mounts made with
+    blocks (Room.disk_usage) before and after, said by the daemons of mounts made with
     `mount_command`. Never a sample: a sampler can only miss a peak."""
 
     def __init__(self, directory: Path) -> None:

@@ -66,13 +66,13 @@ def test_a_read_waits_for_chunks_being_recorded_on_a_full_disk(tmp_path: Path, m
                 disk = os.statvfs(directory)
                 (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
                 attempts: list[int] = []
-                allocate = second.allocate
+                allocate = second.file.allocate
 
                 def counted(offset: int, nbytes: int) -> None:
                     attempts.append(offset)
                     allocate(offset, nbytes)
 
-                monkeypatch.setattr(second, "allocate", counted)
+                monkeypatch.setattr(second.file, "allocate", counted)
                 outcome: list[object] = []
 
                 def claim() -> None:
@@ -202,6 +202,108 @@ def test_a_read_on_a_full_disk_whose_chunks_cannot_be_recorded_is_refused_withou
         cache.close()
 
 
+def test_a_claim_that_met_chunks_in_use_let_go_meanwhile_tries_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim on a full disk evicts what it can; a chunk a reader holds is passed over. When that
+    reader lets go after the eviction looked and before the claim weighs whether anything will soon
+    be evictable, it saw nothing held and nothing freed, and refused at once: "the cache disk is
+    full", to four readers taking turns through a disk with room for two chunks (1 read in 256 under
+    load). Made to happen: the reader lets go just as the eviction ends; the claim now tries again
+    and gets the chunk's room."""
+    require("root (it mounts a small tmpfs)", missing_root())
+    with small_disk(tmp_path / "small-disk", "3m") as directory:
+        cache = ChunkCache(directory / "cache")
+        with ThreadPoolExecutor(2) as executor:
+            first = cache.open_object(version("a"), None, MIB, fetch)
+            first.ensure_pinned(0, 0, executor)  # held by its reader
+            assert cache.save(wait=True)
+            second = cache.open_object(version("b"), None, MIB, fetch)
+            disk = os.statvfs(directory)  # room for the rows' changes, not for a chunk
+            (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
+            evict = cache.room.evict
+            passed_over: list[int] = []
+
+            def evict_then_let_go(wanted: int) -> int:
+                freed = evict(wanted)
+                if not passed_over:  # the first eviction passes the held chunk over; then it is let go
+                    passed_over.append(freed)
+                    first.let_go([0])
+                return freed
+
+            monkeypatch.setattr(cache.room, "evict", evict_then_let_go)
+            claimed = cache.claim(second, 0, 0, time.monotonic() + patience(30))
+            assert passed_over == [0] and claimed == {0}
+            assert cache.records.recorded(first.id, 0) is None  # evicted for it, on the claim's next look
+            second.let_go([0])
+            for cached in (first, second):
+                cache.let_go(cached)
+                cached.close()
+        cache.close()
+
+
+def test_a_read_that_joined_a_fetch_which_found_the_disk_full_claims_room_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader whose chunk another reader's fetch is bringing waits for that fetch. When the fetch
+    found the disk full (it takes its blocks without making room: a reader's first read, or one ahead
+    of readers), that was not this read's failure: it was told "the cache disk is full" while a chunk
+    nobody held could have been evicted for it. Made to happen on a real full disk (the fetch held at
+    its blocks' taking until the reader has joined it): the read claims room itself, evicting the
+    chunk nobody holds, and gets its bytes."""
+    require("root (it mounts a small tmpfs)", missing_root())
+    with small_disk(tmp_path / "small-disk", "3m") as directory:
+        cache = ChunkCache(directory / "cache")
+        with ThreadPoolExecutor(2) as executor:
+            first = cache.open_object(version("a"), None, MIB, fetch)
+            first.ensure_pinned(0, 0, executor)
+            first.let_go([0])
+            assert cache.save(wait=True)  # recorded, held by nobody: evictable
+            second = cache.open_object(version("b"), None, MIB, fetch)
+            disk = os.statvfs(directory)
+            (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
+            joined, go = threading.Event(), threading.Event()
+            allocate, pin_present = second.file.allocate, second.pin_present
+
+            def held_allocate(offset: int, nbytes: int) -> None:
+                if not go.is_set():  # the first fetch's: held until the reader waits on it
+                    assert go.wait(patience(30))
+                allocate(offset, nbytes)
+
+            def pin_then_tell(first_chunk: int, last_chunk: int) -> tuple[list[int], list[int]]:
+                found = pin_present(first_chunk, last_chunk)
+                joined.set()
+                return found
+
+            monkeypatch.setattr(second.file, "allocate", held_allocate)
+            monkeypatch.setattr(second, "pin_present", pin_then_tell)
+            fetching = second.fetching(0, executor)  # as a reader's first read begins it: room=True
+            assert fetching is not None
+            outcome: list[object] = []
+
+            def read() -> None:
+                try:
+                    second.ensure_pinned(0, 0, executor)
+                    outcome.append("pinned")
+                except Exception as exc:
+                    outcome.append(exc)
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            assert joined.wait(patience(30))
+            go.set()
+            reader.join(patience(60))
+            with pytest.raises(CacheFull, match="the cache disk is full"):
+                fetching.result()  # the fault: the fetch it joined found no room
+            assert outcome == ["pinned"]
+            assert second.pinned_bytes() == MIB and cache.records.recorded(first.id, 0) is None
+            second.let_go([0])
+            for cached in (first, second):
+                cache.let_go(cached)
+                cached.close()
+        cache.close()
+
+
 @pytest.mark.mount
 def test_readers_of_a_model_larger_than_the_cache_disk_wait_for_room_and_get_exact_bytes(
     mounts: Mounts, nginx: Nginx, tmp_path: Path
@@ -236,4 +338,5 @@ def test_readers_of_a_model_larger_than_the_cache_disk_wait_for_room_and_get_exa
 
         with ThreadPoolExecutor(4) as pool:
             found = [line for lines in pool.map(reader, range(4)) for line in lines]
+        Path("/tmp/room/mount.log").write_text(mounts.log())
         assert found == [], (found[:5], mounts.log()[-3000:])

@@ -90,7 +90,7 @@ class RemoteShard(ShardData):
     def __init__(self, cached: CachedObject, options: RemoteOptions) -> None:
         self.cached = cached
         self.key = self.label = cached.version.url
-        self.view = cached.view
+        self.view = cached.file.view
         self.options = options
         self._pool = Fetcher.pool(options.concurrency)
         self._lock = threading.Lock()
@@ -132,7 +132,7 @@ class RemoteShard(ShardData):
         waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk, room=False)) is not None]
         self._read_ahead(start, end, ahead, within)
         wait(waiting)
-        return self.cached.pages.populate(start, end)
+        return self.cached.file.pages.populate(start, end)
 
     def ensure_pinned(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> None:
         """Make [start, end) present and pin it: room for every chunk missing is claimed at once, and
@@ -144,7 +144,7 @@ class RemoteShard(ShardData):
         self.cached.ensure_pinned(first, last, self._pool, offline=self.options.offline)
         try:
             self._read_ahead(start, end, ahead, within)
-            if not self.cached.pages.populate(start, end):
+            if not self.cached.file.pages.populate(start, end):
                 raise ShardChangedError(f"{self.label}: bytes [{start}, {end}) cannot be read")
         except BaseException:
             self.cached.let_go(range(first, last + 1))
@@ -309,7 +309,7 @@ class RemoteShard(ShardData):
         end = offset + len(buffer)
         self.ensure_pinned(offset, end)
         try:
-            self.cached.readinto(offset, buffer)
+            self.cached.file.readinto(offset, buffer)
         finally:
             self.unpin(offset, end)
 
@@ -341,15 +341,15 @@ class RemoteShard(ShardData):
         served = self._handover.taken()
         self.cached.cache.save(wait=bool(served))
         for first, last in served:
-            if self.cached.fd < 0:
+            if self.cached.file.fd < 0:
                 return  # closed: its address may be another mapping's now
-            self.cached.pages.let_go(self.cached.fd, first, last)
+            self.cached.file.pages.let_go(self.cached.file.fd, first, last)
 
     def describe(self) -> RemoteDescription:
         return RemoteDescription(self.cached.version, self.options)
 
     def mapped_file(self) -> tuple[int, int]:
-        return self.cached.fd, self.cached.version.size
+        return self.cached.file.fd, self.cached.version.size
 
     def close(self) -> None:
         self.close_private(self.cached.close)

@@ -215,7 +215,8 @@ class ChunkCache:
                 written = {oid: self._objects.get(oid) for oid in pending}
                 # A chunk of a file closed meanwhile cannot be flushed: it is not recorded (fetched again).
                 pending = {oid: chunks for oid, chunks in pending.items() if written[oid] is not None}
-                files = [os.dup(cached.fd) for cached in written.values() if cached is not None and cached.fd >= 0]
+                opened = [cached.file for cached in written.values() if cached is not None]
+                files = [os.dup(file.fd) for file in opened if file.fd >= 0]
                 self._recording += bool(pending)
             saved = True
             try:
@@ -237,7 +238,7 @@ class ChunkCache:
                         for oid, used in touched.items():
                             self._touched.setdefault(oid, set()).update(used)
                     self._recording -= bool(pending)
-                    self.room.condition.notify_all()
+                    self.room.freed()
         finally:
             self._saving.release()
         return saved
@@ -271,14 +272,20 @@ class ChunkCache:
         counts them.
 
         With no room, `wait` waits for chunks in use to be let go (a while: then CacheFull, as when
-        the disk is full); without `wait`, NoRoomNow at once (a fetch ahead of readers).
+        the disk is full); without `wait`, NoRoomNow at once, the disk's being full too (a fetch
+        ahead of readers: a reader that joined it claims room itself, see CachedObject.ensure_pinned).
         """
         deadline = time.monotonic() + requester.room_wait
         while True:
             with self.room.locked():
                 if self.room.fits(requester, nbytes):
-                    requester.allocate(chunk * requester.chunk_size, nbytes)
-                    return
+                    try:
+                        requester.file.allocate(chunk * requester.chunk_size, nbytes)
+                    except CacheFull:
+                        if wait:
+                            raise
+                    else:
+                        return
             if not wait:
                 raise NoRoomNow(f"{requester.version.url}: no room in the cache now")
             self._await_room(requester, deadline)
@@ -298,14 +305,20 @@ class ChunkCache:
             with self.room.locked():  # no eviction anywhere meanwhile: what is present stays so
                 pinned, missing = requester.pin_present(first, last)
                 need = sum(map(requester.chunk_bytes, missing))
+                # Counted before the eviction looks: a chunk it passed over as in use, let go before
+                # _soon_evictable looks, is counted, and the claim tries again rather than give up.
+                freeings = self.room.freeings
                 freed = self.room.evict(need) if disk_full is not None else 0
                 if self.room.fits(requester, need):
                     try:
                         for chunk in missing:
-                            requester.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
+                            requester.file.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
                     except CacheFull as exc:
-                        requester.let_go(pinned)
-                        if disk_full is not None and not freed and not self._soon_evictable():
+                        requester.let_go(pinned, tell=False)  # its own: no room made for itself
+                        stuck = not freed and not self._soon_evictable() and self.room.freeings == freeings
+                        if pinned:
+                            self.room_freed()
+                        if disk_full is not None and stuck:
                             raise
                         disk_full = exc
                         if freed:

@@ -1,12 +1,10 @@
-"""One object version's file in the chunk cache, as one process uses it: mapped, held, its chunks known
-present or not, fetched into their own range (by the `fetch` the object was opened with) and checked
-against the strongest checksums any process kept of them, pinned while answered from. How the cache
-as a whole keeps its bound: chunks.py; the locks: locks.py."""
+"""One object version in the chunk cache, as one process uses it: its chunks known present or not,
+fetched into their own range of its file (by the `fetch` the object was opened with) and checked
+against the strongest checksums any process kept of them, pinned while answered from. The file's
+bytes and blocks: files.py; how the cache as a whole keeps its bound: chunks.py; the locks: locks.py."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -17,12 +15,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ...errors import ObjectChanged, RemoteError, printable
-from ...fs.syscalls import fallocate, punch_hole
+from ...errors import RemoteError, printable
 from ..fetching import COUNTERS, failed_future, wait
-from ..pages import Pages
-from .full import CacheFull, NoRoomNow, disk_full, full
-from .locks import hold_chunk, let_go_chunk, let_go_fetch, open_held, take_fetch
+from .files import ObjectFile
+from .full import CacheFull, NoRoomNow
+from .locks import hold_chunk, let_go_chunk, let_go_fetch, take_fetch
 from .records import ChunkSum, Records, Summing, new_token
 
 if TYPE_CHECKING:
@@ -34,7 +31,6 @@ log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cac
 
 SAVE_AT_LEAST_EVERY = 1.0  # seconds: a fetch saves if nobody else did (a daemon saves every second)
 _FETCH_WAIT = 0.01  # seconds between looks at a chunk another process is fetching
-_CHECK_PIECE = 1 << 20  # a chunk is read back in pieces this large to be checked
 SPLIT_AT_LEAST = 1 << 20
 """A read that starts a chunk's fetch this far into the chunk or more has its own part asked for first."""
 
@@ -77,7 +73,6 @@ class CachedObject:
         self._fetch_range = fetch
         self.id = oid
         self.version = version
-        self.path = path
         self.chunk_size = chunk_size
         self.users = 1
         self.chunks = -(-version.size // chunk_size)
@@ -99,14 +94,7 @@ class CachedObject:
         """(chunk, start, end) of the bytes each copy waits for (copy_arriving): a piece written wakes
         the copies only when it completes one, not every copy for every piece."""
         self._progress = threading.Condition(self._lock)
-        self.fd = open_held(path, version.size)
-        try:
-            self._mapping = mmap.mmap(self.fd, version.size, access=mmap.ACCESS_READ) if version.size else None
-        except OSError as exc:
-            os.close(self.fd)
-            raise RemoteError(f"{version.url}: cannot map its cache file {path}: {exc.strerror}") from None
-        self.view = memoryview(self._mapping) if self._mapping is not None else memoryview(b"")
-        self.pages = Pages(self.view)
+        self.file = ObjectFile(path, version.url, version.size, cache.directory)
 
     def known(self, sums: dict[int, ChunkSum]) -> None:
         """The checksums the object's chunks came with (its recorded chunks are checked against them
@@ -119,20 +107,19 @@ class CachedObject:
         offset, size = 0, self.version.size
         while offset < size:
             try:
-                start = os.lseek(self.fd, offset, os.SEEK_DATA)
-                end = os.lseek(self.fd, start, os.SEEK_HOLE)
+                start = os.lseek(self.file.fd, offset, os.SEEK_DATA)
+                end = os.lseek(self.file.fd, start, os.SEEK_HOLE)
             except OSError:  # ENXIO: no data after offset (or no SEEK_DATA here)
                 return
             for chunk in range(start // self.chunk_size, -(-end // self.chunk_size)):
-                if chunk in recorded or not take_fetch(self.fd, chunk):
+                if chunk in recorded or not take_fetch(self.file.fd, chunk):
                     continue
                 try:
                     if self.cache.records.recorded(self.id, chunk) is None:
                         begin, stop = self._range(chunk)
-                        with contextlib.suppress(OSError):
-                            punch_hole(self.fd, begin, stop - begin)
+                        self.file.free(begin, stop - begin)
                 finally:
-                    let_go_fetch(self.fd, chunk)
+                    let_go_fetch(self.file.fd, chunk)
             offset = max(end, start + 1)
 
     # -- presence -------------------------------------------------------------------------
@@ -183,25 +170,29 @@ class CachedObject:
         with self._lock:
             for chunk in chunks:
                 if not self._pins.get(chunk):
-                    hold_chunk(self.fd, chunk)
+                    hold_chunk(self.file.fd, chunk)
                 self._pins[chunk] = self._pins.get(chunk, 0) + 1
 
-    def let_go(self, chunks: Iterable[int]) -> None:
-        """Unpin each of `chunks` once."""
+    def let_go(self, chunks: Iterable[int], *, tell: bool = True) -> None:
+        """Unpin each of `chunks` once; `tell`: fetches waiting for room look again (the caller tells them later)."""
         with self._lock:
             for chunk in chunks:
                 self._let_go(chunk)
-        self.cache.room_freed()
+        if tell:
+            self.cache.room_freed()
 
     def ensure_pinned(self, first: int, last: int, start: ThreadPoolExecutor, *, offline: bool = False) -> None:
         """Make chunks first..last present and pin them (blocking: a worker thread): room for all that
         are missing is claimed at once, each is pinned before it is fetched (see ChunkCache.claim).
 
         CacheFull when there is no room in time (--remote-timeout: readers of a cache too small for
-        them all take turns); a fetch's own error as it is (wait()).
+        them all take turns); a fetch's own error as it is (wait()). A fetch joined here (begun by a
+        reader ahead, or read-ahead) that found no room is not this read's failure: the claim
+        settles room, and the chunk is claimed again.
         """
         deadline = time.monotonic() + self.room_wait
-        for _ in range(8):
+        tries = 0
+        while tries < 8:
             claimed = self.cache.claim(self, first, last, deadline)
             started = [
                 self.fetching(chunk, start, offline=offline, reserved=chunk in claimed)
@@ -217,8 +208,12 @@ class CachedObject:
             if all(self._present[chunk] for chunk in range(first, last + 1)):
                 return
             self.let_go(range(first, last + 1))
-            if failure is not None and not isinstance(failure, NoRoomNow):
+            if failure is not None and not isinstance(failure, NoRoomNow | CacheFull):
                 wait([failed_future(failure)])  # raised as wait() raises a fetch's failure
+            if failure is None:
+                tries += 1  # (present, then evicted by another process: a few times at most)
+            elif time.monotonic() > deadline:
+                break
         raise CacheFull(self.cache.what_holds(self))
 
     def _hold(self, chunk: int, *, checked: bool = True) -> bool:
@@ -226,7 +221,7 @@ class CachedObject:
         it just now, or evicted it since this process last looked, or recorded it anew since (fetched
         again by another process: its bytes are checked before they are used here). Then it is not
         present here."""
-        if not hold_chunk(self.fd, chunk):
+        if not hold_chunk(self.file.fd, chunk):
             self._present[chunk] = 0
             return False
         if not checked or chunk in self._fetching or self.cache.pending(self.id, chunk):
@@ -237,7 +232,7 @@ class CachedObject:
             found = None
         still = found is not None and found[1] == self._tokens.get(chunk)
         if not still:
-            let_go_chunk(self.fd, chunk)
+            let_go_chunk(self.file.fd, chunk)
             self._present[chunk] = 0
         return still
 
@@ -247,7 +242,7 @@ class CachedObject:
             self._pins[chunk] = left
             return
         self._pins.pop(chunk, None)
-        let_go_chunk(self.fd, chunk)
+        let_go_chunk(self.file.fd, chunk)
 
     def unpin(self, first: int, last: int) -> None:
         with self._lock:
@@ -329,14 +324,13 @@ class CachedObject:
                 if offline:
                     begin, end = self._range(chunk)
                     if reserved:  # its blocks were taken for a fetch that will not be
-                        with contextlib.suppress(OSError):
-                            punch_hole(self.fd, begin, end - begin)
+                        self.file.free(begin, end - begin)
                     raise RemoteError(f"{self.version.url}: bytes [{begin}, {end}) are not cached (--offline)")
                 self._get(chunk, reserved=reserved, room=room, reading=reading)
             except BaseException:
                 with self._lock:
                     self._fetching.discard(chunk)
-                    let_go_fetch(self.fd, chunk)
+                    let_go_fetch(self.file.fd, chunk)
                 raise
         finally:
             with self._lock:
@@ -348,7 +342,7 @@ class CachedObject:
         """Be the one process that fetches `chunk` (another that is at it is waited for: it records
         the chunk when done, or dies and lets go)."""
         deadline = time.monotonic() + max(60.0, 4 * SAVE_AT_LEAST_EVERY)
-        while not take_fetch(self.fd, chunk):
+        while not take_fetch(self.file.fd, chunk):
             if time.monotonic() > deadline:
                 raise RemoteError(
                     f"{self.version.url}: chunk {chunk} is being fetched by another process that never ends"
@@ -362,7 +356,7 @@ class CachedObject:
         still sum to what they did when they first came (a SHA-256 where any process kept one, else
         the CRC-32C). A chunk that does not is a miss, never data: its record is dropped and it is
         fetched again."""
-        if not hold_chunk(self.fd, chunk):
+        if not hold_chunk(self.file.fd, chunk):
             return False  # being evicted just now
         try:
             found = self.cache.records.recorded(self.id, chunk)
@@ -370,11 +364,11 @@ class CachedObject:
                 return False
             digest, token = found
             begin, end = self._range(chunk)
-            actual = self._summed(begin, end, Summing(self.strong or digest.sha256 is not None))
+            actual = self.file.summed(begin, end, Summing(self.strong or digest.sha256 is not None))
         finally:
             with self._lock:
                 if not self._pins.get(chunk):
-                    let_go_chunk(self.fd, chunk)
+                    let_go_chunk(self.file.fd, chunk)
         sums = actual.sums()
         if digest.agrees(sums):
             if sums.sha256 is not None and digest.sha256 is None:  # summed for a manifest now: kept
@@ -389,7 +383,7 @@ class CachedObject:
             "fetched again",
             printable(self.version.url),
             chunk,
-            self.path,
+            self.file.path,
         )
         self._digests[chunk] = digest  # what the object's bytes are: the fetch again must give them
         self.cache.records.forget_chunk(self.id, chunk)
@@ -421,10 +415,7 @@ class CachedObject:
         def write(offset: int, piece: bytes) -> None:
             if len(parts) == 1:
                 summing.update(piece)
-            view = memoryview(piece)
-            while view:
-                written = os.pwrite(self.fd, view, offset)
-                view, offset = view[written:], offset + written
+            offset = self.file.write(offset, piece)
             if expected is None:
                 with self._lock:
                     low = written_so_far[-1][0]
@@ -438,7 +429,7 @@ class CachedObject:
                     written_so_far.append((start, start))
                 COUNTERS.add(gets=1)
                 self._fetch_range(start, stop, write)
-            digest = (summing if len(parts) == 1 else self._summed(begin, end, summing)).sums()
+            digest = (summing if len(parts) == 1 else self.file.summed(begin, end, summing)).sums()
             if expected is not None and not expected.agrees(digest):
                 COUNTERS.add(changed_chunks=1)
                 raise BadChunk(
@@ -449,12 +440,9 @@ class CachedObject:
             COUNTERS.add(fetch_failures=1)
             with self._lock:  # no copy of its bytes from here on (copies are made under this lock)
                 self._arrived.pop(chunk, None)
-            with contextlib.suppress(OSError):
-                punch_hole(self.fd, begin, end - begin)  # nothing half-written stays, nor its blocks
+            self.file.free(begin, end - begin)  # nothing half-written stays, nor its blocks
             if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-                if disk_full(exc):
-                    raise full(self.cache.directory, self.version.url) from None
-                raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
+                raise self.file.unwritable(exc) from None
             raise
         COUNTERS.add(fetched_bytes=end - begin)
         self._fetched(chunk, digest)
@@ -517,7 +505,7 @@ class CachedObject:
                             return None  # evicted by another process just now
                         self._pins[chunk] = self._pins.get(chunk, 0) + 1
                         pinned.append(chunk)
-                return self._copy(start, end)
+                return self.file.copy(start, end)
         finally:
             if pinned:
                 self.let_go(pinned)
@@ -534,18 +522,6 @@ class CachedObject:
                 return False
         return True
 
-    def _copy(self, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the file, read into new bytes (none zeroed first: a read's answer)."""
-        pieces: list[bytes] = []
-        offset = start
-        while offset < end:
-            piece = os.pread(self.fd, end - offset, offset)
-            if not piece:
-                raise ObjectChanged(f"{self.version.url}: its cache file is shorter than the object")
-            pieces.append(piece)
-            offset += len(piece)
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
     def forget_sums(self, chunks: Iterable[int]) -> None:
         """Forget what these chunks were summed to: their next fetch is held to nothing they held
         (ChunkCache.drop: bytes proven not the object's)."""
@@ -560,17 +536,7 @@ class CachedObject:
             for chunk in chunks:
                 if chunk in self._fetching:
                     self._fetching.discard(chunk)
-                    let_go_fetch(self.fd, chunk)
-
-    def allocate(self, offset: int, nbytes: int) -> None:
-        """Take the blocks of [offset, offset + nbytes) now (CacheFull when the disk has none)."""
-        try:
-            fallocate(self.fd, 0, offset, nbytes)
-        except OSError as exc:
-            if disk_full(exc):
-                raise full(self.cache.directory, self.version.url) from None
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                raise RemoteError(f"{self.version.url}: cannot write the cache: {exc.strerror}") from None
+                    let_go_fetch(self.file.fd, chunk)
 
     def chunk_bytes(self, chunk: int) -> int:
         return min(self.chunk_size, self.version.size - chunk * self.chunk_size)
@@ -579,31 +545,7 @@ class CachedObject:
         begin = chunk * self.chunk_size
         return begin, min(self.version.size, begin + self.chunk_size)
 
-    def _summed(self, begin: int, end: int, summing: Summing) -> Summing:
-        """`summing` of bytes [begin, end) of the file, read back a piece at a time."""
-        buffer = bytearray(min(_CHECK_PIECE, end - begin))
-        for start in range(begin, end, _CHECK_PIECE):
-            piece = memoryview(buffer)[: min(_CHECK_PIECE, end - start)]
-            self.readinto(start, piece)
-            summing.update(piece)
-        return summing
-
-    def readinto(self, offset: int, buffer: memoryview) -> None:
-        done, size = 0, len(buffer)
-        while done < size:
-            count = os.preadv(self.fd, [buffer[done:]], offset + done)
-            if count == 0:
-                raise ObjectChanged(f"{self.version.url}: its cache file is shorter than the object")
-            done += count
-
     def close(self) -> None:
         self.cache.save(wait=True)  # what was fetched is recorded while the file is open to flush
-        if not self.cache.let_go(self):
-            return
-        with contextlib.suppress(BufferError):
-            self.view.release()
-            if self._mapping is not None:
-                self._mapping.close()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)  # and with it every lock of this process on the file
-        self.fd = -1
+        if self.cache.let_go(self):
+            self.file.close()

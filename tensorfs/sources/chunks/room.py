@@ -51,6 +51,8 @@ class Room:
         self._objects = objects  # the cache's objects open in this process, by id (its own mapping)
         self.condition = threading.Condition(lock)  # told when pinned chunks are let go, or rows saved
         self._waiting = 0
+        self._freeings = 0  # chunks let go, fetches ended, rows saved: times room may have come
+        self._freeings_lock = threading.Lock()
         self._fd = -1  # the lock file every process takes to make room (a bounded cache)
         self._pid = 0
         self._mutex = threading.Lock()  # and its threads one at a time (a lock file's lock is the process's)
@@ -98,12 +100,21 @@ class Room:
             self._waiting -= 1
 
     @property
+    def freeings(self) -> int:
+        """How many times room may have come (see freed): a claim that found none, and sees this
+        unchanged since it looked, knows nothing was let go meanwhile."""
+        with self._freeings_lock:
+            return self._freeings
+
+    @property
     def waiting(self) -> int:
         """Fetches waiting for chunks in use to be let go."""
         return self._waiting
 
     def freed(self) -> None:
-        """Chunks were let go: a fetch waiting for room may find it now."""
+        """Chunks were let go, a fetch ended or rows were saved: a fetch waiting for room may find it now."""
+        with self._freeings_lock:
+            self._freeings += 1
         if self._waiting:
             with self.condition:
                 self.condition.notify_all()
@@ -118,8 +129,7 @@ class Room:
         return total
 
     def what_holds(self, requester: CachedObject) -> str:
-        """Why no room could be made: what holds the cache, in words."""
-        assert self.limit is not None
+        """Why no room could be made: what holds the cache, in words (against its bound, or its disk's room)."""
         mine = sum(cached.pinned_bytes() for cached in self._objects.values())
         others = sorted(
             {pid for oid in self._in_use_by_others() for pid in holders(self.directory / OBJECTS_DIR / oid)}
@@ -127,10 +137,12 @@ class Room:
         by = f"readers in this process hold {human_size(mine)}" if mine else "no reader of this process holds any"
         if others:
             by += f"; processes {', '.join(map(str, others))} use it too (their chunks in use stay)"
+        bound = f"{human_size(self.limit)}, " if self.limit is not None else "its disk full, "
+        remedy = "raise --cache-size" if self.limit is not None else "make room on its disk"
         return (
-            f"{requester.version.url}: no room in the cache {self.directory} ({human_size(self.limit)}, "
+            f"{requester.version.url}: no room in the cache {self.directory} ({bound}"
             f"{human_size(self.disk_usage())} on disk) for another chunk of {human_size(requester.chunk_size)}: "
-            f"{by}; raise --cache-size, or read less at once"
+            f"{by}; {remedy}, or read less at once"
         )
 
     def _in_use_by_others(self) -> list[str]:
@@ -166,7 +178,7 @@ class Room:
         nobody uses now, up to `wanted` bytes: those evicted (call with the room lock held)."""
         ours = self._objects.get(oid)
         if ours is not None:
-            fd, close = ours.fd, False
+            fd, close = ours.file.fd, False
         else:
             try:
                 fd, close = os.open(self.directory / OBJECTS_DIR / oid, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), True
