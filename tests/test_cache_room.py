@@ -248,9 +248,9 @@ def test_a_read_that_joined_a_fetch_which_found_the_disk_full_claims_room_itself
     """A reader whose chunk another reader's fetch is bringing waits for that fetch. When the fetch
     found the disk full (it takes its blocks without making room: a reader's first read, or one ahead
     of readers), that was not this read's failure: it was told "the cache disk is full" while a chunk
-    nobody held could have been evicted for it. Made to happen on a real full disk (the fetch held at
-    its blocks' taking until the reader has joined it): the read claims room itself, evicting the
-    chunk nobody holds, and gets its bytes."""
+    nobody held could have been evicted for it. Made to happen on a real full disk (the fetch held
+    before it takes its blocks until the reader has joined it): the read claims room itself,
+    evicting the chunk nobody holds, and gets its bytes."""
     require("root (it mounts a small tmpfs)", missing_root())
     with small_disk(tmp_path / "small-disk", "3m") as directory:
         cache = ChunkCache(directory / "cache")
@@ -263,19 +263,20 @@ def test_a_read_that_joined_a_fetch_which_found_the_disk_full_claims_room_itself
             disk = os.statvfs(directory)
             (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
             joined, go = threading.Event(), threading.Event()
-            allocate, pin_present = second.file.allocate, second.pin_present
+            reserve, pin_present = cache.reserve, second.pin_present
 
-            def held_allocate(offset: int, nbytes: int) -> None:
-                if not go.is_set():  # the first fetch's: held until the reader waits on it
-                    assert go.wait(patience(30))
-                allocate(offset, nbytes)
+            def held_reserve(*args: Any, **kwargs: Any) -> None:
+                # The fetch's, held until the reader waits on it; before the room's lock, which the
+                # reader's claim takes too.
+                assert go.wait(patience(30))
+                reserve(*args, **kwargs)
 
             def pin_then_tell(first_chunk: int, last_chunk: int) -> tuple[list[int], list[int]]:
                 found = pin_present(first_chunk, last_chunk)
                 joined.set()
                 return found
 
-            monkeypatch.setattr(second.file, "allocate", held_allocate)
+            monkeypatch.setattr(cache, "reserve", held_reserve)
             monkeypatch.setattr(second, "pin_present", pin_then_tell)
             fetching = second.fetching(0, executor)  # as a reader's first read begins it: room=True
             assert fetching is not None
