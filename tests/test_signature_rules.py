@@ -4,6 +4,7 @@ tests/test_signing.py; these reuse its models and helpers."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ import tensorfs.utils.identity
 from helpers import cli
 from tensorfs.gate.untensored import UntensoredBytes
 from tensorfs.opening.source import Source
+from tensorfs.proof.integrity import Integrity
 from tensorfs.proof.signature import SignedFile
 from tensorfs.proof.signed_model import signed_content
 
@@ -340,3 +342,53 @@ def test_a_shard_the_signer_left_out_is_refused(tmp_path: Path, keys: tuple[Path
         tensorfs.SignatureError, match=r"model-00002-of-00002.safetensors: not covered by the signature"
     ):
         tensorfs.open_model(model, signature=held(public), cache=False)
+
+
+# -- checks shared by readers ------------------------------------------------------------------------
+
+
+def test_a_check_made_before_a_file_changed_is_not_taken_after(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """A check of a tensor's ranges is shared by whoever asks for the same ranges since the same
+    change of the file (a mount's readers of one tensor come together). A byte of a tensor read
+    and proven, then changed in place: the tensor is read again, and its ranges are checked again,
+    never proven by the check made before the change."""
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    weights = model / "model.safetensors"
+    with tensorfs.open_model(model, signature=held(public), cache=False) as opened:
+        assert opened.array("t5").tolist() == [5.0] * RANGED_ELEMENTS
+        flip_byte(weights, tensor_offset(model, "t5") + RANGED_ELEMENTS * 2)
+        with pytest.raises(tensorfs.TensorfsError, match=r"t5"):
+            opened.array("t5")
+
+
+def test_a_tensor_whose_file_changed_while_it_was_checked_is_not_made_verified(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks of a tensor's ranges read its bytes as signed, and its file was written in place
+    before they were done with: the tensor is not made verified (the bytes proven are not those
+    there now), and its next read checks its ranges again and is refused."""
+    private, public = keys
+    model = make_ranged_model(tmp_path / "model")
+    sign(model, private, sharded=True)
+    weights = model / "model.safetensors"
+    at = tensor_offset(model, "t5") + RANGED_ELEMENTS * 2
+    establish = Integrity.establish
+    changed: list[int] = []
+
+    def changed_as_checked(self: Integrity, *args: Any, **kwargs: Any) -> Any:
+        proven = establish(self, *args, **kwargs)  # every range of it read as signed, and proven
+        if not changed:
+            changed.append(at)
+            flip_byte(weights, at)  # then written, before the gate takes what they proved
+        return proven
+
+    monkeypatch.setattr(Integrity, "establish", changed_as_checked)
+    with tensorfs.open_model(model, signature=held(public), cache=False) as opened:
+        with contextlib.suppress(tensorfs.IntegrityError):  # served as proven, or refused once seen written
+            opened.array("t5")
+        assert changed == [at]
+        assert "t5" not in opened.gate.integrity.verified
+        with pytest.raises(tensorfs.TensorfsError, match=r"t5"):
+            opened.array("t5")
