@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +16,28 @@ import pytest
 from model_signing import hashing, signing
 from safetensors.numpy import save_file
 from signed_models import SIGNED_SHARD, make_key, resign, sign
-from test_signing import RANGED_ELEMENTS, flip_byte, held, make_model, make_ranged_model, resources_of, tensor_offset
+from test_signing import (
+    RANGED_ELEMENTS,
+    CountedHashing,
+    flip_byte,
+    held,
+    make_model,
+    make_ranged_model,
+    resources_of,
+    tensor_offset,
+)
 
 import tensorfs
 import tensorfs.proof.signature
 import tensorfs.utils.identity
 from helpers import cli
+from servers import Nginx
 from tensorfs.gate.untensored import UntensoredBytes
 from tensorfs.opening.source import Source
 from tensorfs.proof.integrity import Integrity
 from tensorfs.proof.signature import SignedFile
 from tensorfs.proof.signed_model import signed_content
+from tensorfs.sources.store import RemoteOptions
 
 
 @pytest.fixture
@@ -392,3 +404,39 @@ def test_a_tensor_whose_file_changed_while_it_was_checked_is_not_made_verified(
         assert "t5" not in opened.gate.integrity.verified
         with pytest.raises(tensorfs.TensorfsError, match=r"t5"):
             opened.array("t5")
+
+
+def test_a_remote_file_signed_whole_is_opened_again_lazily(
+    nginx: Nginx,
+    tmp_path: Path,
+    keys: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A remote file's identity (its ETag) proves nothing of its bytes: a later open cannot take them
+    as checked. A file signed whole is hashed whole at its first open and its tensors' values taken
+    on the way, every one kept (the smallest too: without its value a tensor is proven by the whole
+    file alone), so that a later open hashes each tensor it serves against its value, never the
+    whole file again (a 14-byte tensor's first read hashed its 20 KB file twice over)."""
+    monkeypatch.setattr(tensorfs.utils.identity, "SETTLED_NS", 0)  # files written a moment ago: cached at once
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    sign(model, private)
+    served = nginx.root / request.node.name
+    shutil.copytree(model, served)
+    hashed = CountedHashing(monkeypatch)
+    weights = sum(path.stat().st_size for path in model.glob("*.safetensors"))
+    index = f"{nginx.url}/{request.node.name}/model.safetensors.index.json"
+    try:
+        chunks = RemoteOptions(cache_dir=tmp_path / "chunks")
+        with tensorfs.open_model(index, signature=held(public), remote=chunks, cache=tmp_path / "cache") as opened:
+            assert set(opened.gate.integrity.expected or {}) == {"big", "small", "head", "empty"}
+            assert hashed.bytes >= weights  # each weights file hashed whole
+        hashed.bytes = 0
+        with tensorfs.open_model(index, signature=held(public), remote=chunks, cache=tmp_path / "cache") as opened:
+            assert opened.array("small").tolist() == list(range(7))
+            assert opened.array("head").shape == (30, 20)
+            assert opened.gate.integrity.verified >= {"small", "head"}
+            assert hashed.bytes == 0  # no signed bytes checked again: each tensor against its value
+    finally:
+        shutil.rmtree(served)

@@ -260,8 +260,12 @@ class SignedRanges:
         a remote file signed whole, whose later open (its object's identity proving nothing) then
         hashes each tensor it serves against its value rather than the whole file at open. A remote
         file signed by ranges is checked range by range again instead (as cheap: each byte once)."""
-        if self.values:
-            return True
+        return self.values or self._values_are_its_proof(hasher, shard)
+
+    def _values_are_its_proof(self, hasher: Hasher, shard: ShardKey) -> bool:
+        """Whether the values of a file's tensors are what a later open holds them to: a remote file
+        signed whole. Every one is kept then, the smallest too: without its value a tensor can be
+        proven only by the whole file, hashed again."""
         return self.files[shard].whole and not hasher.model.shard_data(shard).identity_proves_bytes
 
     def _run(
@@ -390,7 +394,10 @@ class SignedRanges:
         if identity is not None and hasher.cache.enabled:
             start = header.data_start
             rows = {range_span(b, e): want for b, e, want in ranges}
-            rows.update({(b - start, e - start): digests[name] for b, e, name in inside if e - b >= CACHE_MIN_BYTES})
+            every = self._values_are_its_proof(hasher, shard)
+            rows.update(
+                {(b - start, e - start): digests[name] for b, e, name in inside if every or e - b >= CACHE_MIN_BYTES}
+            )
             hasher.cache.put_many(identity, rows)
         return digests
 
