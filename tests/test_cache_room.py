@@ -62,9 +62,7 @@ def test_a_read_waits_for_chunks_being_recorded_on_a_full_disk(tmp_path: Path, m
                 saving.start()
                 assert committing.wait(patience(30))
                 second = cache.open_object(version("b"), None, MIB, fetch)
-                # The disk taken by another file, but for less than a chunk (room for the records' rows).
-                disk = os.statvfs(directory)
-                (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
+                fill_but_for_rows(directory)  # by another file
                 attempts: list[int] = []
                 allocate = second.file.allocate
 
@@ -117,6 +115,12 @@ def test_the_database_on_a_full_disk_is_a_full_disk(tmp_path: Path) -> None:
         fill(directory)
         with pytest.raises(CacheFull, match=r"^the cache disk is full"):
             ChunkCache(fresh).open_object(version("b"), None, MIB, fetch)
+
+
+def fill_but_for_rows(directory: Path) -> None:
+    """Take the disk `directory` is on but for less than a chunk: room for the records' rows alone."""
+    disk = os.statvfs(directory)
+    (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
 
 
 def fill(directory: Path) -> None:
@@ -219,8 +223,7 @@ def test_a_claim_that_met_chunks_in_use_let_go_meanwhile_tries_again(
             first.ensure_pinned(0, 0, executor)  # held by its reader
             assert cache.save(wait=True)
             second = cache.open_object(version("b"), None, MIB, fetch)
-            disk = os.statvfs(directory)  # room for the rows' changes, not for a chunk
-            (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
+            fill_but_for_rows(directory)
             evict = cache.room.evict
             passed_over: list[int] = []
 
@@ -260,8 +263,7 @@ def test_a_read_that_joined_a_fetch_which_found_the_disk_full_claims_room_itself
             first.let_go([0])
             assert cache.save(wait=True)  # recorded, held by nobody: evictable
             second = cache.open_object(version("b"), None, MIB, fetch)
-            disk = os.statvfs(directory)
-            (directory / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - MIB // 2))
+            fill_but_for_rows(directory)
             joined, go = threading.Event(), threading.Event()
             reserve, pin_present = cache.reserve, second.pin_present
 
