@@ -27,41 +27,32 @@ class HashCache(SqliteCache):
         """Cached hashes of the shard's byte ranges [begin, end) that have one."""
         wanted = set(spans)
         key = "device=? AND inode=? AND size=? AND mtime_ns=? AND ctime_ns=?"
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return {}
-            try:
-                if len(wanted) <= _FEW_SPANS:  # a sidecar's one tensor: look it up by its key
-                    found = {}
-                    for begin, end in wanted:
-                        row = connection.execute(
-                            f"SELECT sha256 FROM hashes WHERE {key} AND begin=? AND end=?", (*identity, begin, end)
-                        ).fetchone()
-                        if row is not None:
-                            found[begin, end] = row[0]
-                    return found
-                # Many tensors of a shard (a manifest): one pass over the shard's rows beats a query each.
-                rows = connection.execute(
-                    f"SELECT begin, end, sha256 FROM hashes WHERE {key}", tuple(identity)
-                ).fetchall()
-            except sqlite3.Error as exc:
-                self._give_up(exc)
-                return {}
-        return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
+
+        def found(connection: sqlite3.Connection) -> dict[tuple[int, int], str]:
+            if len(wanted) <= _FEW_SPANS:  # a sidecar's one tensor: look it up by its key
+                each = {}
+                for begin, end in wanted:
+                    row = connection.execute(
+                        f"SELECT sha256 FROM hashes WHERE {key} AND begin=? AND end=?", (*identity, begin, end)
+                    ).fetchone()
+                    if row is not None:
+                        each[begin, end] = row[0]
+                return each
+            # Many tensors of a shard (a manifest): one pass over the shard's rows beats a query each.
+            rows = connection.execute(f"SELECT begin, end, sha256 FROM hashes WHERE {key}", tuple(identity)).fetchall()
+            return {(begin, end): digest for begin, end, digest in rows if (begin, end) in wanted}
+
+        return self._with_connection(found, {})
 
     def put_many(self, identity: Identity, hashes: Mapping[tuple[int, int], str]) -> None:
         if not hashes or not identity.settled():  # changed too lately to be told from a later change
             return
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return
-            try:
-                with connection:
-                    connection.executemany(
-                        "INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        [(*identity, begin, end, digest) for (begin, end), digest in hashes.items()],
-                    )
-            except sqlite3.Error as exc:
-                self._give_up(exc)
+
+        def keep(connection: sqlite3.Connection) -> None:
+            with connection:
+                connection.executemany(
+                    "INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(*identity, begin, end, digest) for (begin, end), digest in hashes.items()],
+                )
+
+        self._with_connection(keep, None)

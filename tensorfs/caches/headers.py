@@ -98,33 +98,31 @@ class HeaderCache(SqliteCache):
     def get(self, kind: str, key: str) -> Any:
         """The value kept under (kind, key), as JSON gave it; None when there is none (or it is bad)."""
         kind = f"{kind}/{SCHEMA}"
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
+
+        def kept(connection: sqlite3.Connection) -> bytes | None:
+            query = "SELECT value, sha256, used FROM rows WHERE kind=? AND key=?"
+            row = connection.execute(query, (kind, key)).fetchone()
+            if row is None:
                 return None
-            try:
-                row = connection.execute(
-                    "SELECT value, sha256, used FROM rows WHERE kind=? AND key=?", (kind, key)
-                ).fetchone()
-                if row is None:
-                    return None
-                value, digest, used = row
-                if not isinstance(value, bytes) or _digest(kind, key, value) != digest:
-                    log.warning(
-                        "header cache %s: a %s row does not match its checksum: dropped, validated afresh",
-                        self.directory,
-                        kind,
-                    )
-                    with connection:
-                        connection.execute("DELETE FROM rows WHERE kind=? AND key=?", (kind, key))
-                    return None
-                now = time.time()
-                if not isinstance(used, int | float) or now - used > _TOUCH_EVERY:
-                    with connection:
-                        connection.execute("UPDATE rows SET used=? WHERE kind=? AND key=?", (now, kind, key))
-            except sqlite3.Error as exc:
-                self._give_up(exc)
+            value, digest, used = row
+            if not isinstance(value, bytes) or _digest(kind, key, value) != digest:
+                log.warning(
+                    "header cache %s: a %s row does not match its checksum: dropped, validated afresh",
+                    self.directory,
+                    kind,
+                )
+                with connection:
+                    connection.execute("DELETE FROM rows WHERE kind=? AND key=?", (kind, key))
                 return None
+            now = time.time()
+            if not isinstance(used, int | float) or now - used > _TOUCH_EVERY:
+                with connection:
+                    connection.execute("UPDATE rows SET used=? WHERE kind=? AND key=?", (now, kind, key))
+            return value
+
+        value = self._with_connection(kept, None)
+        if value is None:
+            return None
         try:
             found = orjson.loads(value)
         except orjson.JSONDecodeError:  # the checksum held: written so by a bug, not damaged since
@@ -140,20 +138,17 @@ class HeaderCache(SqliteCache):
         except orjson.JSONEncodeError as exc:  # not a value JSON holds: it is just not kept
             log.debug("header cache: %s not kept: %s", kind, exc)
             return
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return
+
+        def keep(connection: sqlite3.Connection) -> None:
             now = time.time()
-            try:
-                with connection:
-                    connection.execute(
-                        "INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?)",
-                        (kind, key, data, _digest(kind, key, data), now),
-                    )
-                    connection.execute("DELETE FROM rows WHERE used < ?", (now - _KEEP_UNUSED,))
-            except sqlite3.Error as exc:
-                self._give_up(exc)
+            with connection:
+                connection.execute(
+                    "INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?)",
+                    (kind, key, data, _digest(kind, key, data), now),
+                )
+                connection.execute("DELETE FROM rows WHERE used < ?", (now - _KEEP_UNUSED,))
+
+        self._with_connection(keep, None)
 
 
 def _digest(kind: str, key: str, value: bytes) -> bytes:

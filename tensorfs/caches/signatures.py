@@ -25,26 +25,17 @@ class VerifiedSignatures(SqliteCache):
     NAME = "cache of verified signatures"
 
     def get(self, bundle: str, material: str) -> str | None:
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return None
-            try:
-                row = connection.execute(
-                    "SELECT said FROM signatures WHERE bundle=? AND material=?", (bundle, material)
-                ).fetchone()
-            except sqlite3.Error as exc:
-                self._give_up(exc)
-                return None
-        return None if row is None else str(row[0])
+        def said(connection: sqlite3.Connection) -> str | None:
+            row = connection.execute(
+                "SELECT said FROM signatures WHERE bundle=? AND material=?", (bundle, material)
+            ).fetchone()
+            return None if row is None else str(row[0])
+
+        return self._with_connection(said, None)
 
     def put(self, bundle: str, material: str, said: str) -> None:
-        with self._lock:
-            connection = self._connect()
-            if connection is None:
-                return
-            try:
-                with connection:
-                    connection.execute("INSERT OR REPLACE INTO signatures VALUES (?, ?, ?)", (bundle, material, said))
-            except sqlite3.Error as exc:
-                self._give_up(exc)
+        def keep(connection: sqlite3.Connection) -> None:
+            with connection:
+                connection.execute("INSERT OR REPLACE INTO signatures VALUES (?, ?, ?)", (bundle, material, said))
+
+        self._with_connection(keep, None)

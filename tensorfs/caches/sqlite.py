@@ -9,11 +9,15 @@ import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..fs.guarded import UnsafeLocation, make_private_file, private_directory
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class SqliteCache:
@@ -59,6 +63,19 @@ class SqliteCache:
             return None
         self._connection, self._pid = connection, os.getpid()
         return connection
+
+    def _with_connection(self, work: Callable[[sqlite3.Connection], T], default: T) -> T:
+        """`work` done on the connection under the lock; `default` when the cache is off, or when
+        SQLite fails (which turns it off)."""
+        with self._lock:
+            connection = self._connect()
+            if connection is None:
+                return default
+            try:
+                return work(connection)
+            except sqlite3.Error as exc:
+                self._give_up(exc)
+                return default
 
     def _give_up(self, exc: Exception) -> None:
         if not self._disabled:
