@@ -20,7 +20,7 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,6 +39,7 @@ from .common import (
     can_drop_caches,
     cpu_seconds,
     drop_caches,
+    environment,
     median,
     read_file,
 )
@@ -195,7 +196,7 @@ def _download(seaweed: SeaweedFS, key: str, nbytes: int, into: Path) -> Try:
 def _tensorfs(config: Config, work: Path, seaweed: SeaweedFS, names: list[str], nbytes: int, cache: Path) -> Try:
     mounter = Mounter(work, config)
     with (
-        _environment(seaweed.env()),
+        environment(seaweed.env()),
         mounter.mounted(f"s3://{BUCKET}/m", "--endpoint-url", seaweed.endpoint, cache=cache) as (mnt, pid),
     ):
         cpu, begin, woken = cpu_seconds(pid), time.perf_counter(), context_switches(pid)
@@ -249,19 +250,5 @@ def _read_peer(path: Path, nbytes: int, pid: int) -> Try:
 def _peer(command: list[str], mountpoint: Path, log: Path, env: dict[str, str]) -> AbstractContextManager[int]:
     """A peer's daemon in the foreground until its mount is live (its pid); unmounted and reaped after.
     AWS_CA_BUNDLE is unset for it: rclone refuses to start with one beside a plain-HTTP endpoint."""
-    environment = {key: value for key, value in os.environ.items() if key != "AWS_CA_BUNDLE"} | env
-    return foreground(command, mountpoint, log, environment)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    variables = {key: value for key, value in os.environ.items() if key != "AWS_CA_BUNDLE"} | env
+    return foreground(command, mountpoint, log, variables)

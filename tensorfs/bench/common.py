@@ -506,3 +506,18 @@ def build(directory: Path, gib: float, shards: int, tensor: int, small: int = 0)
 
 PIECE = 256 << 10
 """The pieces a download into files writes at a time (as the daemon's fetches do)."""
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """The process's environment with `values` set (a peer's client reads its store from there), as it was after."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -24,14 +24,13 @@ byte (the largest of its bytes), as a consumer does. The bars:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from .common import (
     Report,
     can_drop_caches,
     drop_caches,
+    environment,
     medians,
     touch_fresh_memory,
     wait_until_settled,
@@ -112,7 +112,7 @@ def loaded(source: Path | str, look: Look, **options: Any) -> None:
 def runai_read(path: str, look: Look, env: dict[str, str] | None = None) -> None:
     from runai_model_streamer import SafetensorsStreamer  # type: ignore[import-untyped]
 
-    with _environment(env or {}), SafetensorsStreamer() as streamer:
+    with environment(env or {}), SafetensorsStreamer() as streamer:
         streamer.stream_file(path)
         for _, tensor in streamer.get_tensors():
             look(tensor)
@@ -139,20 +139,6 @@ def s3torch_read(uri: str, endpoint: str, look: Look) -> None:
         tensors = load(reader.read())
     for tensor in tensors.values():
         look(tensor)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def run(config: Config, out: Callable[[str], None] = print) -> Report:
@@ -384,18 +370,18 @@ def remote(config: Config, work: Path, directory: Path, repeat: int, report: Rep
                     look(opened.get_tensor(name))
 
         def s3_through_mount(look: Look) -> None:
-            with _environment(seaweed.env()):
+            with environment(seaweed.env()):
                 through_mount(look, s3, "--endpoint-url", seaweed.endpoint)
 
         def from_nginx(look: Look) -> None:
             loaded(url, look, remote=RemoteOptions(cache_dir=fresh()))
 
         def from_s3(look: Look) -> None:
-            with _environment(seaweed.env()):
+            with environment(seaweed.env()):
                 loaded(s3, look, remote=RemoteOptions(cache_dir=fresh(), endpoint_url=seaweed.endpoint))
 
         def s3torch(look: Look) -> None:
-            with _environment(seaweed.env()):
+            with environment(seaweed.env()):
                 s3torch_read(s3, seaweed.endpoint, look)
 
         sides: dict[str, Callable[[Look], object]] = {

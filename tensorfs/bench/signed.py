@@ -30,14 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..loader import open_model
 from ..testing.servers import SeaweedFS
-from .common import Config, Mounter, Report, build, warm
+from .common import Config, Mounter, Report, build, environment, warm
 
 BUCKET = "tensorfs-bench-signed"
 TENSOR = 64 << 20
@@ -313,7 +312,7 @@ def _mount_side(
     start = time.time()
     key = () if public is None else ("--public-key", str(public))
     with (
-        _environment(env or {}),
+        environment(env or {}),
         mounter.mounted(source, *key, *extra, cache=Path(caches.fresh())) as (mountpoint, _),
     ):
         folder = mountpoint / ".tensorfs" / "model"
@@ -321,20 +320,6 @@ def _mount_side(
         ended = time.time()
     whole = ended - start
     return {"first": whole - times["whole"] + times["first"], "whole": whole}, read
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def add_rows(
