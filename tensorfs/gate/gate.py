@@ -8,7 +8,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from ..catalogue.fallbacks import Copy, Fallbacks
 from ..catalogue.tables import Tables, file_runs
@@ -401,34 +401,40 @@ class Gate:
         establish = functools.partial(self.integrity.establish, names, progress, generations=generations)
         try:
             proven: set[str] = yield kind, establish
-        except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
+        except ShardChangedError as exc:
             if len(names) > 1:
                 raise
             place = self.place(names[0])
-            with self._lock:
-                refused = Refused(str(exc))
-                generation = before[id(self._state_of(place.name))]
-                if self._bad.get(place.name, (-1,))[0] != generation:
-                    self._bad[place.name] = (generation, refused)
-                    self.reporter.unverifiable(place.name, place.shard, str(exc))
-            raise refused from None
+            yield from self._unproven(place, exc, before[id(self._state_of(place.name))])
         except IntegrityError as exc:  # the bytes they rest on are not the signed ones
             place = self.place(exc.tensor if exc.tensor in names else names[0])
-            generation = before[id(self._state_of(place.name))]
-            with self._lock:
-                known = self._bad.get(place.name, (-1,))[0] == generation
-                if not known:
-                    how = str(exc) if exc.span is not None else None  # a range's digest, not the tensor's
-                    self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "", how)
-            if not known:
-                yield from self._refuse_bytes(place, exc, generation)
-            raise
+            yield from self._unproven(place, exc, before[id(self._state_of(place.name))])
         with self._lock:
             self._notice()
             for name in proven:
                 state = self._state_of(name)
                 if before.get(id(state)) == state.generation and name not in self.integrity.verified:
                     self._pass(name)
+
+    def _unproven(self, place: Place, exc: ShardChangedError | IntegrityError, generation: int) -> Plan[NoReturn]:
+        """A check of the bytes the place rests on failed. Its bytes gone (ShardChangedError): refused
+        until its shard changes again. Not the signed ones (IntegrityError): said once a change of its
+        shard, and its bytes refused (_refuse_bytes); raised as it came."""
+        if isinstance(exc, ShardChangedError):
+            with self._lock:
+                refused = Refused(str(exc))
+                if self._bad.get(place.name, (-1,))[0] != generation:
+                    self._bad[place.name] = (generation, refused)
+                    self.reporter.unverifiable(place.name, place.shard, str(exc))
+            raise refused from None
+        with self._lock:
+            known = self._bad.get(place.name, (-1,))[0] == generation
+            if not known:
+                how = str(exc) if exc.span is not None else None  # a range's digest, not the tensor's
+                self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "", how)
+        if not known:
+            yield from self._refuse_bytes(place, exc, generation)
+        raise exc
 
     def _refuse_bytes(self, place: Place, error: IntegrityError, generation: int) -> Plan[None]:
         """Bytes of the place proven wrong (`error`): its source forgets the copy it keeps of them (a
@@ -455,22 +461,8 @@ class Gate:
             try:
                 digest: str = yield kind, functools.partial(self.digests.shared, place.name, generation)
                 return digest
-            except ShardChangedError as exc:  # its bytes are gone: refused until the shard changes again
-                with self._lock:
-                    refused = Refused(str(exc))
-                    if self._bad.get(place.name, (-1,))[0] != generation:
-                        self._bad[place.name] = (generation, refused)
-                        self.reporter.unverifiable(place.name, place.shard, str(exc))
-                raise refused from None
-            except IntegrityError as exc:  # bytes its value rests on are not the signed ones (Integrity.pending)
-                with self._lock:
-                    known = self._bad.get(place.name, (-1,))[0] == generation
-                    if not known:
-                        how = str(exc) if exc.span is not None else None  # a range's digest, not the tensor's
-                        self.reporter.mismatch(place.name, place.shard, exc.actual or "", exc.expected or "", how)
-                if not known:
-                    yield from self._refuse_bytes(place, exc, generation)
-                raise
+            except (ShardChangedError, IntegrityError) as exc:  # (Integrity.pending: bytes its value rests on)
+                yield from self._unproven(place, exc, generation)
         copied: str = yield kind, functools.partial(sha256_of, place.data, place.start, place.end)
         return copied
 
