@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from helpers import (
     write_reference,
 )
 from servers import HostileServer, Lie, Nginx
+from tensorfs.proof.manifest import format_manifest
 from tensorfs.sources.chunks import OBJECTS_DIR
 from tensorfs.sources.store import RemoteOptions
 
@@ -174,6 +176,110 @@ def test_bytes_fetched_again_must_be_the_bytes_that_came_first(
     assert errno_of_reading(mountpoint / "t0") == errno.EIO  # never the other bytes
     assert "are not those the same version (ETag" in mounts.log()
     assert (mountpoint / "t3").read_bytes() == expected["t3"]  # what is cached is served on
+
+
+# The rule "bytes fetched again are the bytes that came first" without a manifest in force: what a
+# chunk first summed to is kept in the cache for every process, and a refusal under a manifest or a
+# signature elsewhere (another mount on the same cache, or a neighbouring tensor) never takes it away.
+
+
+@dataclass
+class Store:
+    """A model in the hostile server, through one of its APIs: its URL, the options that reach it, and
+    what a lie names it by."""
+
+    url: str
+    options: list[str]
+    target: str
+    path: Path
+
+
+def store_of(hostile: HostileServer, protocol: str) -> Store:
+    if protocol == "http":
+        return Store(f"{hostile.url}/m.safetensors", [], "m.safetensors", hostile.root / "m.safetensors")
+    (hostile.root / "bucket").mkdir(exist_ok=True)
+    options = ["--endpoint-url", hostile.url, "--no-sign-request"]
+    return Store("s3://bucket/m.safetensors", options, "bucket/m.safetensors", hostile.root / "bucket" / "m.safetensors")
+
+
+def other_bytes(store: Store) -> Lie:
+    """Every byte after the header other (flipped) from now on, under the object's first ETag."""
+    served = store.path.read_bytes()
+    header = 8 + int.from_bytes(served[:8], "little")
+    return Lie("body", store.target, served[:header] + bytes(b ^ 0xFF for b in served[header:]))
+
+
+def read_or_errno(path: Path) -> bytes | int:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        return exc.errno or -1
+
+
+@pytest.mark.parametrize("protocol", ["http", "s3"])
+def test_without_a_manifest_a_chunk_evicted_and_fetched_again_is_held_to_its_first_bytes(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, protocol: str
+) -> None:
+    """No manifest, a bounded cache (3 MiB of 1 MiB chunks): every tensor read, the first evicted;
+    then the store answers other bytes under the same ETag: a tensor read again is refused (EIO),
+    never served with them."""
+    store = store_of(hostile, protocol)
+    expected = random_shard(store.path, {f"t{i}": MIB for i in range(6)}, seed=210)
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--cache-size", "3M", "--chunk-mb", "1"]
+    mountpoint = mounts.mount(store.url, *store.options, *cache)
+    for name, data in expected.items():
+        assert (mountpoint / name).read_bytes() == data
+    assert remote_stats(mountpoint)["evicted_chunks"] > 0
+    hostile.lies.append(other_bytes(store))
+    drop_caches()
+    for name, data in expected.items():
+        assert read_or_errno(mountpoint / name) in (data, errno.EIO), name
+    assert remote_stats(mountpoint)["changed_chunks"] > 0  # the other bytes came, and were refused
+    assert "are not those the same version (ETag" in mounts.log()
+
+
+@pytest.mark.parametrize("protocol", ["http", "s3"])
+def test_a_refusal_under_a_manifest_leaves_what_chunks_first_summed_to(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, protocol: str
+) -> None:
+    """A mount without a manifest reads t0 (its chunks summed); the store then lies; a mount of the
+    same cache with a manifest refuses t1, whose first chunk t0 shares; a third mount, without a
+    manifest, reads t0 again: never the other bytes (served at d4c56fe: the refusal had forgotten what
+    the shared chunk first summed to, for every process)."""
+    store = store_of(hostile, protocol)
+    expected = random_shard(store.path, {"t0": 3 * MIB // 2, "t1": 16 * MIB}, seed=300)  # chunk 1 holds both
+    sums = tmp_path / "m.sha256"
+    sums.write_text(format_manifest({name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}))
+    cache = [*store.options, "--cache-dir", str(tmp_path / "cache"), "--chunk-mb", "1"]
+    first = mounts.mount(store.url, *cache)
+    assert (first / "t0").read_bytes() == expected["t0"]
+    assert mounts.run("umount", str(first)).returncode == 0
+    hostile.lies.append(other_bytes(store))
+    checked = mounts.mount(store.url, "--manifest", str(sums), *cache)
+    assert read_or_errno(checked / "t1") == errno.EIO
+    assert mounts.run("umount", str(checked)).returncode == 0
+    again = mounts.mount(store.url, *cache)
+    drop_caches()
+    assert read_or_errno(again / "t0") in (expected["t0"], errno.EIO)
+
+
+@pytest.mark.parametrize("protocol", ["http", "s3"])
+def test_a_verified_tensor_beside_a_refused_one_is_never_served_other_bytes(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, protocol: str
+) -> None:
+    """Under a manifest, t0 verified and served; the store lies; t1, which shares t0's last chunk, is
+    refused; t0 read again (its pages dropped) is its own bytes or EIO, never the other bytes."""
+    store = store_of(hostile, protocol)
+    expected = random_shard(store.path, {"t0": 3 * MIB // 2, "t1": 16 * MIB}, seed=300)
+    sums = tmp_path / "m.sha256"
+    sums.write_text(format_manifest({name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}))
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--chunk-mb", "1"]
+    mountpoint = mounts.mount(store.url, *store.options, "--manifest", str(sums), *cache)
+    assert (mountpoint / "t0").read_bytes() == expected["t0"]
+    hostile.lies.append(other_bytes(store))
+    assert read_or_errno(mountpoint / "t1") == errno.EIO
+    drop_caches()
+    assert read_or_errno(mountpoint / "t0") in (expected["t0"], errno.EIO)
 
 
 def test_a_cache_file_changed_on_disk_is_a_miss_never_data(hostile: HostileServer, tmp_path: Path) -> None:

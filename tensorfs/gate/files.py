@@ -35,6 +35,9 @@ class WatchedFiles:
     def __init__(self, tables: Tables) -> None:
         self._seen: dict[ShardData, FileState] = {}
         self._watch = ShardWatch()
+        self._refetches: dict[ShardData, int] = {}
+        """Of each source that keeps copies (a remote object's chunks), how many times they were refused
+        and had again when last looked at (ShardData.refetches): each time, a change of its bytes."""
         for shard in tables.opened_shards():
             self._add(shard.data, FileState(shard.header.path))
 
@@ -48,6 +51,8 @@ class WatchedFiles:
         files = data.watched()
         if files is not None:
             self._watch.add(data, *files)
+        if data.needs_ensure:
+            self._refetches[data] = data.refetches()
 
     def seen(self, data: ShardData) -> FileState | None:
         return self._seen.get(data)
@@ -57,6 +62,11 @@ class WatchedFiles:
         found = self._watch.changes()
         if data is not None and data in self._seen:
             found += [(data, change) for change in self._watch.check(data)]
+        for source in self._refetches if data is None else [data] if data in self._refetches else []:
+            now = source.refetches()
+            if now != self._refetches[source]:
+                self._refetches[source] = now
+                found.append((source, Change.CONTENT))
         return [(key, self._seen[key], change) for key, change in found if isinstance(key, ShardData)]
 
     def changed_shards(self) -> list[ShardKey]:

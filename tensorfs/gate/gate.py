@@ -520,6 +520,9 @@ class Gate:
     def _pass(self, name: str) -> None:
         self.integrity.verified.add(name)
         self.reporter.verified(name)
+        place = self.place(name)
+        if place.copy is None:  # bytes had again after a refusal, proven now: the source's own
+            place.data.proven(place.start, place.end, self.tables.shard_header(place.shard).data_start)
 
     def _mismatch(self, name: str, shard: ShardKey, actual: str, expected: str) -> IntegrityError:
         if name not in self._bad:

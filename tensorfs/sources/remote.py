@@ -332,6 +332,12 @@ class RemoteShard(ShardData):
         size = self.cached.chunk_size
         return self.cached.cache.drop(self.cached, range(start // size, -(-end // size)))
 
+    def refetches(self) -> int:
+        return self.cached.refusals
+
+    def proven(self, start: int, end: int, header: int = 0) -> None:
+        self.cached.proven(start, end, header)
+
     def served(self, start: int, end: int) -> None:
         self._handover.served(start, end)
 

@@ -196,6 +196,16 @@ class ShardData(ABC):
         there is nothing to have again until it changes)."""
         return False
 
+    def refetches(self) -> int:
+        """How many times bytes this source keeps were refused and are had again (refused()): to every
+        model reading it in this process, a change of its bytes (a file's changes are the watch's)."""
+        return 0
+
+    def proven(self, start: int, end: int, header: int = 0) -> None:  # noqa: B027 - a file's bytes are its own
+        """Bytes [start, end) as they are now are proven the model's (a manifest's or a signature's
+        digest): a source that had some of them again after a refusal keeps them as the object's from
+        now on (`header`: how many first bytes of it the model's table was read from)."""
+
     def flush(self) -> None:  # noqa: B027 - most sources have nothing to flush
         """Make what was fetched into a cache known to other processes, and safe from a crash; let go
         of the pages a mount has served whole since (see served()). Called off the serving thread."""

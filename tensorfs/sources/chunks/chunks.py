@@ -58,6 +58,7 @@ from .full import CacheFull, NoRoomNow, disk_full, full
 from .locks import can_remove, in_use_elsewhere
 from .objects import SAVE_AT_LEAST_EVERY, CachedObject, Fetch
 from .records import DB_NAME, ChunkSum, Pending, Records
+from .refetched import Refetched
 from .room import OBJECTS_DIR, Room
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class ChunkCache:
         self._timer: threading.Timer | None = None  # a save to come, for chunks written meanwhile
         self.room = Room(directory, limit, self.records, self._objects, self._lock)
         """The cache's room: its lock, its bound, what is evicted for it."""
+        self.refetched: dict[str, Refetched] = {}
+        """Chunks refused in this process and had again, by object (refetched.py): kept while it runs."""
 
     def check_directory(self) -> None:
         """The directory must be this user's alone (UnsafeLocation, a RemoteError, if not): made if missing."""
@@ -387,11 +390,13 @@ class ChunkCache:
         self.records.forget_chunk(oid, chunk)
 
     def drop(self, cached: CachedObject, chunks: Iterable[int]) -> bool:
-        """The chunks hold bytes proven not to be the object's (a manifest or a signature refused them):
-        recorded first (their fetch locks go), then evicted, so that the next read fetches them again,
-        held to nothing they were summed to (their first checksums forgotten too). Whether every one
-        was: one a reader holds now stays present to it, its row forgotten (no other process answers
-        from it), until it is let go and evicted as any other."""
+        """The chunks hold bytes proven not to be the object's (a manifest or a signature refused
+        them): recorded first (their fetch locks go), then evicted, so that the next read here fetches
+        them again, held to nothing they first summed to here (CachedObject.unhold). What the cache
+        recorded of them stays: another process is held to it, never to bytes that came after a
+        refusal and were not proven. Whether every one was evicted: one a reader holds now stays
+        present to it, its row forgotten (no other process answers from it), until it is let go and
+        evicted as any other."""
         self.save(wait=True)
         wanted = sorted(set(chunks))
         with self.room.locked():
@@ -404,8 +409,7 @@ class ChunkCache:
         for chunk in wanted:
             if chunk not in evicted:
                 self.records.forget_chunk(cached.id, chunk)
-        self.records.forget_sums(cached.id, wanted)
-        cached.forget_sums(wanted)
+        cached.unhold(wanted)
         return len(evicted) == len(wanted)
 
     def let_go(self, cached: CachedObject) -> bool:

@@ -88,6 +88,15 @@ class ObjectFile:
             offset += len(piece)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+    def holds(self, offset: int, expected: bytes, length: int) -> bool:
+        """Whether the file's `length` bytes from `offset` are `expected` (False if they cannot be read)."""
+        if len(expected) != length:
+            return False
+        try:
+            return self.copy(offset, offset + length) == expected
+        except (OSError, RemoteError):
+            return False
+
     def summed(self, begin: int, end: int, summing: Summing) -> Summing:
         """`summing` of bytes [begin, end) of the file, read back a piece at a time."""
         buffer = bytearray(min(_CHECK_PIECE, end - begin))

@@ -21,6 +21,7 @@ from .files import ObjectFile
 from .full import CacheFull, NoRoomNow
 from .locks import hold_chunk, let_go_chunk, let_go_fetch, take_fetch
 from .records import ChunkSum, Records, Summing, new_token
+from .refetched import Refetched
 
 if TYPE_CHECKING:
     from ..store import ObjectVersion
@@ -50,6 +51,7 @@ class Cache(Protocol):
     directory: Path
     limit: int | None
     records: Records
+    refetched: dict[str, Refetched]
 
     def claim(self, requester: CachedObject, first: int, last: int, deadline: float) -> set[int]: ...
     def reserve(self, requester: CachedObject, chunk: int, nbytes: int, *, wait: bool = True) -> None: ...
@@ -84,6 +86,9 @@ class CachedObject:
         anew since (evicted, and fetched again by another process) is checked again before it is used."""
         self.strong = False
         """Whether chunks are also summed with SHA-256 here (where a manifest is in force)."""
+        self.refusals = 0
+        """How many times bytes kept here were refused and are had again: for every model reading this
+        object in this process, a change of its bytes (each proves them again, or refuses them)."""
         self._lock = threading.Lock()
         self._inflight: dict[int, Future[None]] = {}
         self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
@@ -126,6 +131,10 @@ class CachedObject:
     def present(self, chunk: int) -> bool:
         """Whether the chunk can be had without a GET (here, or recorded by another process)."""
         return bool(self._present[chunk]) or self.cache.records.recorded(self.id, chunk) is not None
+
+    def here(self, chunk: int) -> bool:
+        """Whether the chunk is present in this process (fetched or checked here)."""
+        return bool(self._present[chunk])
 
     def pinned_bytes(self) -> int:
         with self._lock:
@@ -363,6 +372,12 @@ class CachedObject:
             if found is None:
                 return False
             digest, token = found
+            again = self._refetched()
+            if again is not None and again.holds(chunk):  # its first bytes were refused here
+                held = again.sums(chunk)
+                if held is None:
+                    return False
+                digest = held
             begin, end = self._range(chunk)
             actual = self.file.summed(begin, end, Summing(self.strong or digest.sha256 is not None))
         finally:
@@ -399,7 +414,7 @@ class CachedObject:
         begin, end = self._range(chunk)
         if not reserved:
             self.cache.reserve(self, chunk, end - begin, wait=room)
-        expected = self._digests.get(chunk) or self.cache.records.sums_of(self.id, chunk)
+        expected = self._first_sums(chunk)
         # Summed as strongly as anyone ever summed it: a SHA-256 kept by any process is the bar.
         summing = Summing(self.strong or (expected is not None and expected.sha256 is not None))
         split = begin
@@ -453,6 +468,9 @@ class CachedObject:
             self._present[chunk] = 1
             if digest is not None:
                 self._digests[chunk] = digest
+                again = self._refetched()
+                if again is not None:
+                    again.came(chunk, digest)
             self._arrived.pop(chunk, None)
             self._progress.notify_all()
         if digest is not None:
@@ -522,13 +540,43 @@ class CachedObject:
                 return False
         return True
 
-    def forget_sums(self, chunks: Iterable[int]) -> None:
-        """Forget what these chunks were summed to: their next fetch is held to nothing they held
-        (ChunkCache.drop: bytes proven not the object's)."""
+    def _refetched(self) -> Refetched | None:
+        """Its chunks refused in this process and had again (refetched.py): only readers held to a
+        manifest or a signature take them (`strong`); others are held to what the chunks first summed to."""
+        return self.cache.refetched.get(self.id) if self.strong else None
+
+    def _first_sums(self, chunk: int) -> ChunkSum | None:
+        """What the chunk summed to when it first came (None: it never came), or, where its bytes were
+        refused in this process, when it came again since (None: not yet: held to nothing)."""
+        again = self._refetched()
+        if again is not None and again.holds(chunk):
+            return again.sums(chunk)
+        return self._digests.get(chunk) or self.cache.records.sums_of(self.id, chunk)
+
+    def unhold(self, chunks: Iterable[int]) -> None:
+        """Bytes of these chunks were proven not the object's (ChunkCache.drop): in this process their
+        next fetch is checked against nothing they first summed to, then held to what it brought, for
+        readers held to a manifest or a signature; every model reading the object here sees a change
+        of its bytes (refusals), and proves them again or refuses them. The cache's record of them
+        stays for every other process, until every byte of one is proven (proven())."""
+        chunks = list(chunks)
         with self._lock:
             for chunk in chunks:
                 self._digests.pop(chunk, None)
                 self._tokens.pop(chunk, None)
+            self.cache.refetched.setdefault(self.id, Refetched()).unhold(chunks)
+            self.refusals += 1
+
+    def proven(self, start: int, end: int, header: int = 0) -> None:
+        """Bytes [start, end) as they are here now are proven the object's (a manifest's or a signature's
+        digest matched): see Refetched.proven."""
+        again = self._refetched()
+        if again:
+            held = self.cache.records.header_of(self.id) if header else None
+            opened_with = held[0] if held is not None else b""
+            for chunk, sums in again.proven(self, start, end, header, opened_with):
+                self.cache.records.replace_sums(self.id, chunk, sums)
+                again.done(chunk)
 
     def recorded(self, chunks: Iterable[int]) -> None:
         """These chunks are recorded (or given up): their fetch locks go, so other processes may take them."""

@@ -245,11 +245,11 @@ class Records:
         with contextlib.suppress(RemoteError), self.transaction() as db:
             db.execute("DELETE FROM chunks WHERE object=? AND chunk=?", (oid, chunk))
 
-    def forget_sums(self, oid: str, chunks: list[int]) -> None:
-        """Drop what these chunks summed to when they first came: those bytes were proven not the
-        object's (a manifest or a signature refused them), and the next to come are held to nothing of them."""
-        with self.transaction() as db:
-            db.executemany("DELETE FROM digests WHERE object=? AND chunk=?", [(oid, chunk) for chunk in chunks])
+    def replace_sums(self, oid: str, chunk: int, sums: ChunkSum) -> None:
+        """What the chunk sums to from now on, for every process: its bytes fetched again after those
+        that first came were refused, and proven since (CachedObject.proven)."""
+        with contextlib.suppress(RemoteError), self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?)", (oid, chunk, sums.crc32c, sums.sha256))
 
     def forget_chunks(self, oid: str) -> None:
         """Drop the rows of every chunk of an object (its file is gone)."""
