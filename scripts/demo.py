@@ -7,7 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import decimal
+import hashlib
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -27,29 +30,51 @@ def as_tensor(array: np.ndarray, dtype: str) -> Tensor:
     return dtype, array.shape, np.ascontiguousarray(array).tobytes()
 
 
-def demo_shards(seed: int = 0) -> list[dict[str, Tensor]]:
-    """A small decoder-only transformer's weights: BF16 matrices, F32 norms, an F16 head, 3 shards."""
-    rng = np.random.default_rng(seed)
+def spread(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Integers in [-255, 255], bell-shaped (each the sum of four bytes), drawn from SHAKE-128 of the
+    tensor's name: the same on every machine and with every release (no float math, no generator of
+    numpy's). Scaled by a power of two they are exact in BF16 and F16 (8 significant bits at most)."""
+    count = math.prod(shape)
+    drawn = hashlib.shake_128(f"tensorfs demo {name}".encode()).digest(4 * count)
+    four = np.frombuffer(drawn, dtype=np.uint8).reshape(count, 4)
+    values: np.ndarray = ((four.sum(axis=1, dtype=np.int16) - 510) // 2).reshape(shape)
+    return values
 
-    def bf16(*shape: int) -> Tensor:
-        return as_tensor((rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16), "BF16")
+
+def demo_shards() -> list[dict[str, Tensor]]:
+    """A small decoder-only transformer's weights: BF16 matrices, F32 norms, an F16 head, 3 shards.
+
+    Their bytes depend on no machine and no release: every value is an integer times 2**-12 (exact in
+    each dtype, whatever rounds it), and inv_freq is computed in decimal (libmpdec, not the CPU's float
+    math: numpy's float64 power differs between CPUs), then rounded once to float64."""
+
+    def weights(name: str, shape: tuple[int, ...], dtype: str) -> Tensor:
+        values = spread(name, shape).astype(np.float32) * np.float32(2**-12)
+        return as_tensor(values.astype(ml_dtypes.bfloat16 if dtype == "BF16" else np.float16), dtype)
 
     def ones(*shape: int) -> Tensor:
         return as_tensor(np.ones(shape, dtype=np.float32), "F32")
 
-    shards: list[dict[str, Tensor]] = [{"model.embed_tokens.weight": bf16(VOCAB, HIDDEN)}, {}, {}]
+    shards: list[dict[str, Tensor]] = [{}, {}, {}]
+    embed = "model.embed_tokens.weight"
+    shards[0][embed] = weights(embed, (VOCAB, HIDDEN), "BF16")
     for layer in range(LAYERS):
         shard = shards[1 + layer * 2 // LAYERS]
         prefix = f"model.layers.{layer}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shard[f"{prefix}.self_attn.{proj}.weight"] = bf16(HIDDEN, HIDDEN)
+            name = f"{prefix}.self_attn.{proj}.weight"
+            shard[name] = weights(name, (HIDDEN, HIDDEN), "BF16")
         for proj, shape in (("gate_proj", (FFN, HIDDEN)), ("up_proj", (FFN, HIDDEN)), ("down_proj", (HIDDEN, FFN))):
-            shard[f"{prefix}.mlp.{proj}.weight"] = bf16(*shape)
+            name = f"{prefix}.mlp.{proj}.weight"
+            shard[name] = weights(name, shape, "BF16")
         shard[f"{prefix}.input_layernorm.weight"] = ones(HIDDEN)
         shard[f"{prefix}.post_attention_layernorm.weight"] = ones(HIDDEN)
     shards[2]["model.norm.weight"] = ones(HIDDEN)
-    shards[2]["lm_head.weight"] = as_tensor((rng.standard_normal((VOCAB, HIDDEN)) * 0.02).astype("<f2"), "F16")
-    shards[2]["model.rotary_emb.inv_freq"] = as_tensor(1.0 / 10000 ** (np.arange(0, 64, 2) / 64), "F64")
+    shards[2]["lm_head.weight"] = weights("lm_head.weight", (VOCAB, HIDDEN), "F16")
+    with decimal.localcontext() as context:
+        context.prec = 40
+        inv_freq = [float(decimal.Decimal(10000) ** (decimal.Decimal(-i) / 64)) for i in range(0, 64, 2)]
+    shards[2]["model.rotary_emb.inv_freq"] = as_tensor(np.array(inv_freq, dtype="<f8"), "F64")
     return shards
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -291,6 +292,27 @@ def test_many_tiny_tensors_is_a_valid_model(tmp_path: Path) -> None:
     with tensorfs.open_model(tmp_path) as model:
         assert len(model) == 1001
         assert len(model.shards) == 4
+
+
+def test_the_demo_model_is_the_same_bytes_on_every_machine() -> None:
+    """The demo's shards, as pinned here and in the README: their bytes come from no float math of the
+    CPU's or of numpy's (a machine without AVX-512 made other bytes for the third shard when lm_head
+    was cast from float64 and inv_freq was a float64 power)."""
+    import importlib.util
+
+    from tensorfs.testing.sample_models import shard_bytes
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    digests = [hashlib.sha256(shard_bytes(shard)).hexdigest() for shard in demo.demo_shards()]
+    assert digests == [
+        "c867d790c661311aaafd2d4c890c1630a40cc0b2d15c40189e9ebbf36627e588",
+        "3a0502c6e0e1cd994e5a9ba104cbfff5aad9977fad1499a1f992ee38ee38a1c0",
+        "14877d1df7a714b8b289eda000c7ed947ba786801a4c267d77bed085b3821cbb",
+    ]
+    assert digests[2] in (ROOT / "README.md").read_text()
 
 
 def test_demo_mounts_and_tours(fuse: None, tmp_path: Path) -> None:
