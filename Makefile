@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := libfuse3-dev fuse3 pkg-config nginx-light bindfs iproute2 s3fs rclone
 DEMO_DIR ?= demo
 
-.PHONY: install system-packages test lint demo bench fuzz soak clean
+.PHONY: install system-packages test lint demo bench fuzz soak clean lock
 SOAK_SECONDS ?= 60
 FUZZ_TIMES ?= 20
 FUZZ_SEED ?=
@@ -36,12 +36,25 @@ system-packages:
 	  fi; \
 	fi
 
-$(VENV)/.installed: pyproject.toml | system-packages
+# The versions installed are those of constraints.txt (what CI was green with); `make lock` refreshes it.
+$(VENV)/.installed: pyproject.toml constraints.txt | system-packages
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tensorfs needs Python >= 3.11 (set PYTHON=...)")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
+
+# constraints.txt made anew, on purpose: the newest releases pyproject.toml admits, resolved in a venv of
+# its own (then run make test, and commit it when green).
+LOCK_VENV := .lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/pip install --quiet -e '.[test]'
+	{ sed -n '1,2p' constraints.txt; $(LOCK_VENV)/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
 
 lint: install
 	$(VENV)/bin/ruff check tensorfs tests scripts
