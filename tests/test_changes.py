@@ -1,8 +1,11 @@
 """Shards that change under a mount: no wrong byte is served, no hashing kills the daemon.
 
-Without a manifest a shard changed in place is no longer the validated file: its tensors answer
-EIO until remounted. With one, its tensors are verified again before any more of their bytes are
-served. A shard replaced by rename keeps serving the file that was validated (test_faults.py).
+Without a manifest, a shard whose status changes is held while the bytes served from it are read
+again: all as their fingerprints say (a chmod, a chown, a touch, an xattr, a link made and removed,
+the same bytes written again), it is served on and no reader is ended; one other, it is no longer
+the file served: its tensors answer EIO until remounted. With a manifest, its tensors are verified
+again before any more of their bytes are served. A shard replaced by rename keeps serving the file
+that was validated (test_faults.py).
 """
 
 from __future__ import annotations
@@ -266,8 +269,9 @@ def test_the_view_of_a_shard_overwritten_in_place_is_refused(mounts: Mounts, mod
 def test_attributes_of_a_shard_may_change(mounts: Mounts, model_dir: Path, tmp_path: Path, manifest: bool) -> None:
     """`touch`, `chmod` and `chown` of a shard under the mount: the mounted files show the new
     attributes; and since nothing tells a chmod from a write through a shared mapping whose mtime
-    was set back (tests/test_hidden_writes.py), each is a change of its bytes: with a manifest its
-    tensors are verified again and every byte is served on, without one they are refused."""
+    was set back (tests/test_hidden_writes.py), each may be a change of its bytes: with a manifest its
+    tensors are verified again, without one the bytes served from it are read again and compared
+    with their fingerprints; either way every byte is served on."""
     require("root (it gives a shard to another owner)", missing_root())
     expected = model_bytes(model_dir)
     sums = tmp_path / "tensors.sha256"
@@ -281,13 +285,10 @@ def test_attributes_of_a_shard_may_change(mounts: Mounts, model_dir: Path, tmp_p
     os.chown(shard, 4242, 4243)
     wait_until(lambda: (tensor.stat().st_uid, tensor.stat().st_gid) == (4242, 4243), what="the new owner to show")
     for name in ("t0.0", "t0.1", "t0.2", "t0.3"):
-        if manifest:
-            assert (mountpoint / name).read_bytes() == expected[name], name
-        else:
-            assert errno_of_reading(mountpoint / name) == errno.EIO, name
+        assert (mountpoint / name).read_bytes() == expected[name], name
     assert (mountpoint / "t1.0").read_bytes() == expected["t1.0"]  # another shard: untouched, served
     said = mounts.log()
-    assert f"shard {shard} changed under the mount" in said if manifest else "was changed in place" in said
+    assert f"shard {shard} changed under the mount" in said and "was changed in place" not in said
 
 
 # `tensorfs mount` with a shard overwritten in place at one of two moments: in the command, after it
@@ -331,15 +332,24 @@ def test_a_shard_changed_before_the_daemon_maps_it_is_refused(mounts: Mounts, mo
     assert not os.path.ismount(mountpoint) and not record_path(mountpoint).exists()
 
 
-def test_a_shard_changed_before_the_daemon_serves_it_is_refused(mounts: Mounts, model_dir: Path) -> None:
+def test_a_shard_changed_before_the_daemon_serves_it_is_served_as_it_is(mounts: Mounts, model_dir: Path) -> None:
+    """Written after the daemon mapped it, before it served a byte of it: seen at once (its size and
+    times against those validated), and checked: no byte of it was served, so none can differ from
+    what was; its tensors are served as the file holds them, each the same however often it is read
+    (until then, d4c56fe refused them all, as it refused a chmod)."""
     expected = model_bytes(model_dir)
     shard = model_dir / "s1.safetensors"
-    mountpoint, error = mount_with_a_write(mounts, "serving", shard, offset_of(model_dir, "t1.2"), model_dir)
+    where = offset_of(model_dir, "t1.2")
+    mountpoint, error = mount_with_a_write(mounts, "serving", shard, where, model_dir)
     assert error == "" and os.path.ismount(mountpoint)
-    for name in ("t1.0", "t1.2"):
-        assert errno_of_reading(mountpoint / name) == errno.EIO, name
+    now = shard.read_bytes()[where : where + len(expected["t1.2"])]
+    assert now[:64] == b"\xff" * 64 and now != expected["t1.2"]
+    for _ in range(2):
+        assert (mountpoint / "t1.0").read_bytes() == expected["t1.0"]
+        assert (mountpoint / "t1.2").read_bytes() == now
+    stats = daemon_stats(mountpoint)
+    assert (stats["rechecked_shards"], stats["unchanged_shards"], stats["changed_shards"]) == (1, 1, 0)
     assert (mountpoint / "t0.1").read_bytes() == expected["t0.1"]
-    assert f"shard {shard} was changed in place under the mount" in mounts.log()
 
 
 # -- with a manifest --------------------------------------------------------------------------
@@ -626,3 +636,118 @@ def test_an_np_memmap_reader_of_a_changed_shard_sees_the_validated_bytes_or_a_fa
     assert reader.returncode == -signal.SIGBUS and said == "", (reader.returncode, said)
     assert errno_of_reading(mountpoint / "t1.2") == errno.EIO
     assert (mountpoint / "t0.2").read_bytes() == expected["t0.2"] and pid_alive(pid)
+
+
+# -- a change of a shard's status, its bytes as they were (no manifest) -------------------------
+
+NP_MEMMAP_LOOKS = """
+import hashlib, sys
+import numpy as np
+array = np.memmap(sys.argv[1], dtype=np.uint8, mode="r")
+for line in sys.stdin:  # each line asked: every byte of the mapping copied out and hashed, again
+    print(hashlib.sha256(array).hexdigest(), flush=True)
+"""
+
+
+def _same_bytes_again(shard: Path) -> None:
+    data = shard.read_bytes()
+    with open(shard, "r+b") as f:  # written again in place, every byte as it was
+        f.write(data)
+
+
+def _linked_and_unlinked(shard: Path) -> None:
+    os.link(shard, shard.with_name("another-name"))
+    os.unlink(shard.with_name("another-name"))
+
+
+METADATA_CHANGES = {
+    "chmod": lambda shard: os.chmod(shard, 0o640),
+    "chown": lambda shard: os.chown(shard, 4242, 4243),
+    "touch": lambda shard: os.utime(shard, ns=(10**18, 10**18)),
+    "setxattr": lambda shard: os.setxattr(shard, "user.tensorfs-test", b"1"),
+    "hardlink": _linked_and_unlinked,
+    "same-bytes": _same_bytes_again,
+}
+
+
+@pytest.mark.parametrize("change", list(METADATA_CHANGES))
+def test_a_change_that_leaves_a_shards_bytes_as_they_were_ends_no_reader(
+    mounts: Mounts, model_dir: Path, change: str
+) -> None:
+    """No manifest; a process maps a tensor file (np.memmap) and hashes it, another tensor of the
+    same shard is read, one is never read; then the shard's status changes, its bytes as they were.
+    The daemon reads the bytes it served again (its counters say so), finds them as they were, and
+    serves on: the mapping's reader, its pages dropped, reads them again through the daemon and
+    lives; every tensor of the shard is served exact, the one never read too (at d4c56fe: EIO for
+    all, and SIGBUS for the mapping's reader)."""
+    require("root (chown)", missing_root())
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    pid = mounts.daemon_pid(mountpoint)
+    validated = hashlib.sha256(expected["t1.2"]).hexdigest()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", NP_MEMMAP_LOOKS, str(mountpoint / "t1.2")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert reader.stdin is not None and reader.stdout is not None
+
+        def look() -> str:
+            assert reader.stdin is not None and reader.stdout is not None
+            reader.stdin.write(b"look\n")
+            reader.stdin.flush()
+            return reader.stdout.readline().decode().strip()
+
+        assert look() == validated
+        assert (mountpoint / "t1.0").read_bytes() == expected["t1.0"]
+        METADATA_CHANGES[change](model_dir / "s1.safetensors")
+
+        def checked() -> bool:  # (reading stats.json takes in every change reported so far)
+            stats = daemon_stats(mountpoint)
+            return bool(stats["unchanged_shards"] + stats["changed_shards"] >= stats["rechecked_shards"])
+
+        wait_until(checked, what="the daemon to read the shard's served bytes again")
+        stats = daemon_stats(mountpoint)
+        assert stats["changed_shards"] == 0 and stats["unchanged_shards"] == stats["rechecked_shards"]
+        # Each a change the kernel reports but a link made and removed (whose events may come as one).
+        assert stats["rechecked_shards"] >= (change != "hardlink")
+        drop_caches()  # the mapping's pages too: read again, through the daemon
+        assert look() == validated and reader.poll() is None
+        for name in ("t1.0", "t1.1", "t1.2", "t1.3"):  # t1.1, t1.3: never read before
+            assert (mountpoint / name).read_bytes() == expected[name], name
+        assert (mountpoint / "t1.1.sha256").read_text().split()[0] == hashlib.sha256(expected["t1.1"]).hexdigest()
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+        reader.communicate()  # (its pipes closed)
+    assert pid_alive(pid) and "was changed in place" not in mounts.log()
+
+
+def test_a_rewrite_of_bytes_served_after_a_chmod_is_refused(mounts: Mounts, model_dir: Path) -> None:
+    """No manifest: a chmod (bytes as they were: served on), then bytes already served rewritten:
+    refused, as any write of them; the mapping's reader gets SIGBUS, never other bytes."""
+    expected = model_bytes(model_dir)
+    mountpoint = mounts.mount(model_dir)
+    validated = hashlib.sha256(expected["t1.2"]).hexdigest()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", NP_MEMMAP_LOOKS, str(mountpoint / "t1.2")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert reader.stdin is not None and reader.stdout is not None
+        reader.stdin.write(b"look\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().decode().strip() == validated
+        os.chmod(model_dir / "s1.safetensors", 0o640)
+        wait_until(lambda: daemon_stats(mountpoint)["unchanged_shards"] >= 1, what="the chmod to be checked")
+        overwrite_in_place(model_dir / "s1.safetensors", offset_of(model_dir, "t1.2") + MIB, b"\xff" * 64)
+        wait_until(lambda: daemon_stats(mountpoint)["changed_shards"] == 1, what="the rewrite to be found")
+        assert errno_of_reading(mountpoint / "t1.2") == errno.EIO
+        assert errno_of_reading(mountpoint / "t1.1") == errno.EIO  # the rest of the shard too
+        reader.stdin.write(b"look\n")
+        reader.stdin.flush()
+        said = reader.communicate(timeout=patience(30))[0].decode()
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+        reader.wait()
+    assert reader.returncode == -signal.SIGBUS and said == "", (reader.returncode, said)
+    assert (mountpoint / "t0.2").read_bytes() == expected["t0.2"]

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,27 +183,29 @@ def test_changes_to_a_shard_are_seen_before_the_next_read(tmp_path: Path) -> Non
         with tensorfs.open_model(shard) as model:
             expected = {"big": hashlib.sha256(DATA).hexdigest(), "other": hashlib.sha256(b"abcd").hexdigest()}
             model.gate.set_integrity(Integrity(Hasher(model), expected if manifest else None))
-            dropped: list[list[int]] = []
-            ops = TensorOperations(
-                Tree(model, "slash", {}),
-                invalidate=lambda inodes, dropped=dropped: dropped.append(sorted(inodes)),
-            )
+            dropped: list[tuple[list[int], bool]] = []
+
+            def invalidate(inodes: Sequence[int], attr_only: bool = False, dropped: list[Any] = dropped) -> None:
+                dropped.append((sorted(inodes), attr_only))
+
+            ops = TensorOperations(Tree(model, "slash", {}), invalidate=invalidate)
             everything = sorted([*ops.tree.inodes_of(shard), ops.tree.sums_inode])
             big, other = ops.tree.tensor_inode("big"), ops.tree.tensor_inode("other")
             fh = run(ops.open, big, os.O_RDONLY, None).fh
             assert bytes(run(ops.read, fh, 0, 16)) == DATA[:16]
             os.chmod(shard, 0o640)  # a change like a write (nothing tells it from one through a mapping)
-            if manifest:  # verified again: served on
-                assert bytes(run(ops.read, fh, 16, 16)) == DATA[16:32]
-            else:
-                assert errno_of(ops.read, fh, 16, 16) == errno.EIO
-            assert dropped == [everything]  # its pages and attributes asked for again
+            # Served on: with a manifest verified again; without one, the bytes served read again and
+            # found as their fingerprints say.
+            assert bytes(run(ops.read, fh, 16, 16)) == DATA[16:32]
+            # Its pages and attributes asked for again (a manifest's hashes are of the bytes as they are
+            # now); or, the bytes served to be checked first, its attributes alone.
+            assert dropped == [(everything, not manifest)]
             assert run(ops.getattr, big, None).st_mode == stat.S_IFREG | 0o440
             with open(shard, "r+b") as f:  # what `dd conv=notrunc` does
                 f.seek(model.info("big").offset + 100)
                 f.write(b"\0" * 8)
-            assert errno_of(ops.read, fh, 0, 16) == errno.EIO  # no manifest: refused; with one: mismatch
-            assert dropped[1:] == [everything]
+            assert errno_of(ops.read, fh, 0, 16) == errno.EIO  # no manifest: not the bytes served; with one: mismatch
+            assert dropped[-1] == (everything, False)
             if manifest:  # the shard's other tensor is verified again, and served
                 assert bytes(run(ops.read, run(ops.open, other, os.O_RDONLY, None).fh, 0, 4)) == b"abcd"
             else:  # the whole shard is no longer what was validated

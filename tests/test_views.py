@@ -464,7 +464,7 @@ def test_the_weights_files_beside_a_model_are_validated_and_gated(mounts: Mounts
     valid file is left out, with a warning naming it and why; under the model's manifest they are
     said to be covered by none. A change of the files (a chmod): the model's tensors are verified
     again and served with the bytes no tensor holds as they were validated, the others' (no manifest)
-    refused."""
+    read again and found as they were served (their fingerprints): served on (at d4c56fe: refused)."""
     directory = tmp_path / "m"
     directory.mkdir()
     write_reference(directory / "model.safetensors", {"w": ("F32", [4], random_bytes(16, 1))})
@@ -490,6 +490,4 @@ def test_the_weights_files_beside_a_model_are_validated_and_gated(mounts: Mounts
     subprocess.run(["chmod", "-R", "a+rX", str(directory)], check=True)
     drop_caches()
     assert (view / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
-    with pytest.raises(OSError) as caught:
-        (view / "model.fp16.safetensors").read_bytes()
-    assert caught.value.errno == errno.EIO  # its tensor: changed in place, no manifest to tell
+    assert (view / "model.fp16.safetensors").read_bytes() == (directory / "model.fp16.safetensors").read_bytes()

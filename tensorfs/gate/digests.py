@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
+from ..errors import printable
 from ..proof.integrity import Integrity
 from .plans import Plan, Refused
 
@@ -22,16 +23,24 @@ Refused for a tensor whose shard changed in place without a manifest."""
 class Digests:
     """Tensors' SHA-256s, by their shard's generation; one hashing of a tensor however many wait."""
 
-    def __init__(self, lock: threading.RLock, integrity: Callable[[], Integrity], generations: Generations) -> None:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        integrity: Callable[[], Integrity],
+        generations: Generations,
+        settled: Callable[[list[str]], Plan[None]],
+    ) -> None:
         self._lock = lock
         self._integrity = integrity
         self._generations = generations
+        self._settled = settled  # the shards of these tensors whose status changed, checked first
         self._known: dict[str, tuple[int, str]] = {}  # tensor -> (its shard's generation, sha256)
         self._hashing: dict[tuple[str, int], Future[str]] = {}  # hashes under way, shared by whoever waits
 
     def of(self, name: str) -> Plan[str]:
         """The SHA-256 of the tensor's bytes as they are now (found, or hashed once however many ask)."""
         while True:
+            yield from self._settled([name])
             with self._lock:
                 generation = self._generations([name])[name]
                 found = self._known.get(name)
@@ -39,13 +48,17 @@ class Digests:
                     return found[1]
             digest: str = yield "verify", functools.partial(self.shared, name, generation)
             with self._lock:
-                if self._generations([name])[name] == generation:  # else changed while hashed: again
+                if self._generations([name])[name] == generation:
                     self._known[name] = (generation, digest)
                     return digest
+                if self._integrity().expected is None:  # changed while hashed: no answer now
+                    raise Refused(f"tensor '{printable(name)}': its shard changed while it was hashed")
+                # (under a manifest: hashed again, and verified before any byte of it goes out)
 
     def of_all(self, names: list[str]) -> Plan[dict[str, str]]:
         """Every tensor's SHA-256 (those not known hashed together, on the hasher's threads); Refused
         when a shard changed in place without a manifest, before or while they were hashed."""
+        yield from self._settled(names)
         with self._lock:
             generations = self._generations(names)
             todo = [name for name in names if self._known.get(name, (-1, ""))[0] != generations[name]]

@@ -9,6 +9,7 @@ from ..catalogue.tables import Tables
 from ..sources.shard import ShardData
 from ..sources.watch import Change, ShardWatch
 from ..utils.identity import ShardKey
+from .fingerprints import Fingerprints
 
 __all__ = ["FileState", "WatchedFiles"]
 
@@ -24,6 +25,11 @@ class FileState:
     """Bumped at every change of its bytes: a hash made before a change is no answer after it."""
     changed: bool = False
     """Changed in place with no manifest to check it against: refused until opened again."""
+    held: bool = False
+    """Its status changed, with no manifest: held until the bytes served from it are read again and
+    found as their fingerprints say (served on) or not (changed)."""
+    fingerprints: Fingerprints | None = None
+    """The CRC-32C of the bytes served from it, where they are taken (a mount's shards)."""
     refused: set[str] = field(default_factory=set)
     """Tensors whose refusal was reported already."""
 
@@ -56,6 +62,10 @@ class WatchedFiles:
 
     def seen(self, data: ShardData) -> FileState | None:
         return self._seen.get(data)
+
+    def watched_files(self) -> list[tuple[ShardData, FileState]]:
+        """Every source watched for changes (a file), with what was seen of it."""
+        return [(data, state) for data, state in self._seen.items() if data.watched() is not None]
 
     def changes(self, data: ShardData | None = None) -> list[tuple[ShardData, FileState, Change]]:
         """Every change reported so far, and those `data`'s file's size and times show; never blocking."""

@@ -15,10 +15,9 @@ from ..catalogue.tables import Tables, file_runs
 from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
 from ..proof.integrity import Hasher, Integrity, sha256_of
 from ..sources.shard import ShardData
-from ..sources.watch import Change
 from ..utils.identity import ShardKey
+from .changes import Changes
 from .digests import Digests
-from .files import FileState, WatchedFiles
 from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, StepKind, run
 from .reporter import Reporter
 from .router import Router
@@ -45,14 +44,25 @@ class Gate:
         self._bad: dict[str, tuple[int, TensorfsError]] = {}
         """Tensors found not to match (or not to be readable), by their shard's generation then: refused
         without hashing them again until their shard changes (a reader's retries cost nothing)."""
-        self._files = WatchedFiles(tables)
-        self.router = Router(tables, fallbacks, self._files, self._lock, self.place, lambda: self.reporter)
+        self.changes = Changes(self)
+        """Changes to the files, as applied (changes.py): refused, verified again, or checked first."""
+        self.router = Router(tables, fallbacks, self.changes.files, self._lock, self.place, lambda: self.reporter)
         """Which fallback copy each tensor is served from, the next one that agrees, the retry rule."""
-        self.digests = Digests(self._lock, lambda: self.integrity, self._generations)
+        self.digests = Digests(self._lock, lambda: self.integrity, self.changes.generations, self._settled)
         """Tensors' SHA-256s as they are now, each hashed once however many ask."""
         self._kept: dict[ShardKey, UntensoredBytes] = {}
         """The bytes of shard files that no tensor holds, kept as validated (read_untensored)."""
         self.closed = False
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every state change of the gate is made under (its parts' too: changes.py)."""
+        return self._lock
+
+    def forget_refusals(self, names: list[str]) -> None:
+        """What was found of these tensors is no answer now (their shard changed; the lock held)."""
+        for name in names:
+            self._bad.pop(name, None)
 
     # -- the manifest --------------------------------------------------------------------------
     def set_integrity(self, integrity: Integrity) -> None:
@@ -100,6 +110,8 @@ class Gate:
                 copied = yield from present(place, low, high)
             except TensorfsError as exc:  # the source's words, said of the tensor
                 raise self._unreadable(place, low, high, exc) from None
+            if not (yield from self._fingerprinted(place, low, high)):
+                return None  # its file changed meanwhile: checked again
             return Grant(place, low, high, copied)
 
         return (yield from self._served(name, serve))
@@ -125,13 +137,15 @@ class Gate:
             yield from self._admitted(place, low, high)
             if self._moved(place):
                 return None
-            generation = self._generation(place)
+            generation = self.changes.generation(place)
             try:
                 yield "read", functools.partial(place.data.readinto, low, buffer)
             except TensorfsError as exc:
                 raise self._unreadable(place, low, high, exc) from None
             # Written while it was read: not its bytes. Checked again (refused, or verified again).
-            return place if self._generation(place) == generation else None
+            if self.changes.generation(place) != generation or not (yield from self._fingerprinted(place, low, high)):
+                return None
+            return place
 
         return (yield from self._served(name, serve))
 
@@ -175,8 +189,8 @@ class Gate:
 
     def _untensored_as_opened(self, shard: ShardKey, data: ShardData) -> None:
         with self._lock:
-            self._notice(data)
-            state = self._files.seen(data)
+            self.changes.notice(data)
+            state = self.changes.seen(data)
             if state is not None and (state.changed or state.generation):
                 raise Refused(
                     f"{printable(str(shard))}: changed in place since it was opened, before its bytes other than its "
@@ -229,15 +243,15 @@ class Gate:
             with self._lock:
                 todo = [name for name in todo if name not in self.integrity.verified]
         with self._lock:
-            generations = {name: self._state_of(name).generation for name in todo}
+            generations = {name: self.changes.state_of(name).generation for name in todo}
         if not todo:
             return
         actual = self.integrity.hash_all(todo, progress)
         with self._lock:
-            self._notice()
+            self.changes.notice()
             bad = []
             for name, digest in actual.items():
-                if self._state_of(name).generation != generations[name]:
+                if self.changes.state_of(name).generation != generations[name]:
                     continue  # changed while hashed: verified when asked for
                 if digest == expected[name]:
                     self._pass(name)
@@ -294,17 +308,59 @@ class Gate:
     # -- changes to the files --------------------------------------------------------------------
     def watch_fd(self) -> int:
         """The descriptor that becomes readable when a watched file changes (-1: none to wait on)."""
-        return self._files.fileno()
+        return self.changes.files.fileno()
 
     def notice_changes(self) -> None:
         """Apply every change to the files reported so far (a mount does it between requests too)."""
         with self._lock:
-            self._notice()
+            self.changes.notice()
 
     def changed_shards(self) -> list[ShardKey]:
         """The model's shards changed in place with no manifest: refused until opened again."""
         with self._lock:
-            return self._files.changed_shards()
+            return self.changes.changed_shards()
+
+    def fingerprint_served(self) -> None:
+        """From now on, fingerprint the bytes served from the shards' files (a mount): a shard whose
+        status changes, with no manifest, is then checked against them, and refused only if they differ."""
+        self.changes.fingerprint_served()
+
+    def held_shards(self) -> bool:
+        """Whether a shard is held now: its status changed with no manifest, its bytes served to be
+        checked (check_held(); a read of its tensors waits for that)."""
+        with self._lock:
+            return bool(self.changes.held())
+
+    def check_held(self) -> None:
+        """Check every held shard's bytes served so far against their fingerprints (blocking): served
+        on, or refused from now on."""
+        with self._lock:
+            held = self.changes.held()
+        for state in held:
+            self.changes.check(state)
+
+    def fingerprint(self, place: Place, low: int, high: int) -> bool:
+        """Fingerprint [low, high) of the place ahead of serving it (blocking; a mount's window ahead of
+        a reader); whether it is (not when its file changed meanwhile)."""
+        return self.changes.fingerprint(place, low, high)
+
+    def _fingerprinted(self, place: Place, low: int, high: int) -> Plan[bool]:
+        """[low, high) of the place fingerprinted before it is served, where the bytes served are; False
+        when its file changed meanwhile (the caller starts again: it is checked first)."""
+        if self.changes.covered(place, low, high) is None:
+            return True
+        try:
+            done: bool = yield "read", functools.partial(self.changes.fingerprint, place, low, high)
+        except TensorfsError as exc:  # its bytes cannot be read from the file: none is served
+            raise self._unreadable(place, low, high, exc) from None
+        return done
+
+    def _settled(self, names: list[str]) -> Plan[None]:
+        """The held shards of these tensors checked first (changes.py)."""
+        with self._lock:
+            self.changes.notice()
+            states = list({id(state): state for name in names if (state := self.changes.state_of(name)).held}.values())
+        yield from self.changes.settled(states)
 
     # -- the fallbacks ---------------------------------------------------------------------------
     def copy(self, name: str) -> Copy | None:
@@ -323,7 +379,7 @@ class Gate:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            self._files.close()
+            self.changes.close()
         self.router.close()
 
     # -- inside the plans --------------------------------------------------------------------------
@@ -331,14 +387,20 @@ class Gate:
         """Raise what keeps the place from giving bytes [low, high) now; verify it first if need be."""
         while True:
             with self._lock:
-                self._notice(place.data)
-                state = self._files.seen(place.data)
+                self.changes.notice(place.data)
+                state = self.changes.seen(place.data)
+                held = state is not None and state.held and place.copy is None
+            if held:
+                assert state is not None
+                yield from self.changes.settled([state])
+                continue
+            with self._lock:
                 if place.copy is None:
                     failing = self.router.failing(place.shard, low, high)
                     if failing is not None and not self.integrity.unproven(place.name):
                         raise failing  # to its fallback at once
                     assert state is not None
-                    self._refuse_if_changed(place.name, state)
+                    self.changes.refuse_if_changed(place.name, state)
                     proven = self.integrity.verified
                 elif state is not None and state.changed:
                     raise ShardChangedError(
@@ -364,7 +426,7 @@ class Gate:
                 continue
             actual = yield from self._hash_of(place, generation)
             with self._lock:
-                self._notice(place.data)
+                self.changes.notice(place.data)
                 if state is not None and state.generation != generation:
                     continue  # changed while it was hashed: hashed again
                 if self._moved(place):
@@ -393,10 +455,10 @@ class Gate:
         is verified, unless its file changed meanwhile (then it is checked again when asked for).
         A check that fails refuses the tensor, as a tensor's own mismatch is (_hash_of)."""
         with self._lock:
-            self._notice()
-            seen = {id(self._state_of(name)): self._state_of(name) for name in names}
+            self.changes.notice()
+            seen = {id(self.changes.state_of(name)): self.changes.state_of(name) for name in names}
             before = {key: state.generation for key, state in seen.items()}
-            generations = {self.tables.locate(name)[0]: self._state_of(name).generation for name in names}
+            generations = {self.tables.locate(name)[0]: self.changes.state_of(name).generation for name in names}
         kind: StepKind = "read" if any(self.place(name).data.needs_ensure for name in names) else "verify"
         establish = functools.partial(self.integrity.establish, names, progress, generations=generations)
         try:
@@ -405,14 +467,14 @@ class Gate:
             if len(names) > 1:
                 raise
             place = self.place(names[0])
-            yield from self._unproven(place, exc, before[id(self._state_of(place.name))])
+            yield from self._unproven(place, exc, before[id(self.changes.state_of(place.name))])
         except IntegrityError as exc:  # the bytes they rest on are not the signed ones
             place = self.place(exc.tensor if exc.tensor in names else names[0])
-            yield from self._unproven(place, exc, before[id(self._state_of(place.name))])
+            yield from self._unproven(place, exc, before[id(self.changes.state_of(place.name))])
         with self._lock:
-            self._notice()
+            self.changes.notice()
             for name in proven:
-                state = self._state_of(name)
+                state = self.changes.state_of(name)
                 if before.get(id(state)) == state.generation and name not in self.integrity.verified:
                     self._pass(name)
 
@@ -489,34 +551,6 @@ class Gate:
         expected = self.integrity.expected
         return None if expected is None else expected.get(name)
 
-    def _generation(self, place: Place) -> int:
-        """How many changes of the place's file were seen so far (every change reported applied first)."""
-        with self._lock:
-            self._notice(place.data)
-            state = self._files.seen(place.data)
-            return state.generation if state is not None else 0
-
-    def _state_of(self, name: str) -> FileState:
-        seen = self._files.seen(self.tables.shard_of(name).data)
-        assert seen is not None
-        return seen
-
-    def _generations(self, names: list[str]) -> dict[str, int]:
-        """The tensors' shards' generations, every change reported applied first (the lock held);
-        Refused for a tensor whose shard changed in place without a manifest."""
-        self._notice()
-        states = {name: self._state_of(name) for name in names}
-        for name, state in states.items():
-            self._refuse_if_changed(name, state)
-        return {name: state.generation for name, state in states.items()}
-
-    def _refuse_if_changed(self, name: str, state: FileState) -> None:
-        if state.changed:
-            if name not in state.refused:
-                state.refused.add(name)
-                self.reporter.refused(name, state.shard)
-            raise Refused(f"{printable(str(state.shard))}: changed in place: tensor '{printable(name)}' is refused")
-
     def _pass(self, name: str) -> None:
         self.integrity.verified.add(name)
         self.reporter.verified(name)
@@ -551,30 +585,3 @@ class Gate:
         )
         error.fields = {"tensor": place.name, "shard": str(place.shard)}  # type: ignore[attr-defined]
         return error
-
-    def _notice(self, data: ShardData | None = None) -> None:
-        """Apply the changes reported so far, and those `data`'s file's size and times show (the lock held)."""
-        for key, seen, change in self._files.changes(data):
-            self._apply(key, seen, change)
-
-    def _apply(self, data: ShardData, state: FileState, change: Change) -> None:
-        if state.copy:
-            if change is Change.CONTENT:
-                self.router.copy_changed(data, state, manifest=self.integrity.expected is not None)
-            return
-        shard = state.shard
-        if change in (Change.MOVED, Change.DELETED):
-            self.reporter.moved(shard, change)
-            return
-        state.generation += 1  # (refused already, it is still said: a mount shows its new attributes)
-        names = [entry[2] for entry in self.tables.shard_header(shard).entries]
-        self.digests.forget(names)
-        manifest = self.integrity.expected is not None
-        had_verified = not self.integrity.verified.isdisjoint(names)
-        if not manifest:
-            state.changed = True
-        else:
-            self.integrity.verified.difference_update(names)
-            for name in names:
-                self._bad.pop(name, None)
-        self.reporter.changed(shard, names, manifest=manifest, had_verified=had_verified)

@@ -28,6 +28,14 @@ class Reporter:
         tensors refused from now on (no manifest), or verified again (`had_verified`: some of them
         were verified since its last change)."""
 
+    def held(self, shard: ShardKey, *, again: bool = False) -> None:
+        """A shard's file changed with no manifest: its bytes served so far are checked before another
+        goes out (its attributes may have changed: a mount shows them anew); `again`: changed again
+        before it was checked (one check for both)."""
+
+    def unchanged(self, shard: ShardKey) -> None:
+        """A held shard's bytes served so far are as they were: served on."""
+
     def moved(self, shard: ShardKey, change: Change) -> None:
         """A shard was renamed or deleted: its file (validated, open) is still what is served."""
 

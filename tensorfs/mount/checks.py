@@ -6,9 +6,10 @@ is the gate's alone (gate.py); nothing here decides it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -22,8 +23,13 @@ from .tree import Tree
 
 log = logging.getLogger("tensorfs.mount.operations")  # the log lines of the request handlers they answer for
 
-Invalidate = Callable[[Sequence[int]], None]
-"""Tells the kernel to drop what it caches of these inodes (pages and attributes); blocking."""
+
+class Invalidate(Protocol):
+    """Tells the kernel to drop what it caches of these inodes: pages and attributes, or the attributes
+    alone; blocking."""
+
+    def __call__(self, inodes: Sequence[int], attr_only: bool = False) -> None: ...
+
 
 Drive = Callable[[Plan[Any]], Awaitable[Any]]
 """How the mount drives one of the gate's plans (its blocking steps on worker threads)."""
@@ -38,10 +44,11 @@ class MountReporter(Reporter):
         self.stats = stats
         self.invalidate = invalidate
         self.nursery: trio.Nursery | None = None
-        """Where invalidations are queued while the daemon serves (None: done at once)."""
+        """Where invalidations are queued while the daemon serves (None: done at once); set on its thread."""
         self.on_change: Callable[[], None] = _nothing
         """Called when a shard's bytes change (what was made of them is made again)."""
-        self._invalidations: set[ShardKey] = set()  # shards whose files are still to be dropped
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._invalidations: dict[ShardKey, bool] = {}  # shards whose files are still to be dropped: attributes only?
         self._invalidating: set[ShardKey] = set()
 
     def verified(self, name: str) -> None:
@@ -96,10 +103,28 @@ class MountReporter(Reporter):
         self.on_change()
         self._refresh(shard)
 
-    def _refresh(self, shard: ShardKey) -> None:
-        """What the kernel holds of the shard's files dropped: their pages, and the attributes shown."""
+    def _refresh(self, shard: ShardKey, *, attr_only: bool = False) -> None:
+        """What the kernel holds of the shard's files dropped: their pages, and the attributes shown
+        (`attr_only`: the attributes alone)."""
         self.tree.refresh_shard(shard)
-        self._invalidate(shard)
+        self._invalidate(shard, attr_only=attr_only)
+
+    def held(self, shard: ShardKey, *, again: bool = False) -> None:
+        if again:
+            self._refresh(shard, attr_only=True)
+            return
+        self.stats.rechecked_shards += 1
+        log.info(
+            "shard %s changed under the mount (its status: a chmod, a touch, or a write): the bytes served "
+            "from it are read again and compared with what they were before another goes out",
+            _shown(shard),
+            extra={"fields": {"shard": str(shard)}},
+        )
+        self._refresh(shard, attr_only=True)  # its pages stay: they are the bytes served, if they still are
+
+    def unchanged(self, shard: ShardKey) -> None:
+        self.stats.unchanged_shards += 1
+        log.info("shard %s: the bytes served from it are as they were: served on", _shown(shard))
 
     def moved(self, shard: ShardKey, change: Change) -> None:
         what = "moved or renamed" if change is Change.MOVED else "deleted"
@@ -116,9 +141,9 @@ class MountReporter(Reporter):
     def fell_back(self, name: str, source: str) -> None:
         self.stats.fallback_tensors[name] = source
 
-    def _invalidate(self, shard: ShardKey) -> None:
-        """Have the kernel drop what it cached of the shard's files (pages and attributes: any change
-        of a shard may be one of its bytes).
+    def _invalidate(self, shard: ShardKey, *, attr_only: bool = False) -> None:
+        """Have the kernel drop what it cached of the shard's files: pages and attributes (a change of
+        its bytes), or the attributes alone (`attr_only`: a change to be checked).
 
         In a worker thread: dropping a page waits for a read of it in flight, which the daemon's
         thread may be the one to answer. A burst of changes costs at most one more round than one.
@@ -126,20 +151,35 @@ class MountReporter(Reporter):
         if self.invalidate is None:
             return
         if self.nursery is None:  # not serving (tests): at once
-            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode])
+            self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], attr_only=attr_only)
             return
-        self._invalidations.add(shard)
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:  # told on a worker thread (a shard checked there): queued on the daemon's
+            self._token.run_sync_soon(functools.partial(self._invalidate, shard, attr_only=attr_only))
+            return
+        self._invalidations[shard] = self._invalidations.get(shard, True) and attr_only
         if shard not in self._invalidating:
             self._invalidating.add(shard)
             self.nursery.start_soon(self._invalidate_queued, shard)
+
+    @property
+    def _token(self) -> trio.lowlevel.TrioToken:
+        assert self._trio_token is not None
+        return self._trio_token
+
+    def serving(self, nursery: trio.Nursery | None) -> None:
+        """Serving from now on, background work in `nursery` (called on the daemon's thread); None: not."""
+        self.nursery = nursery
+        self._trio_token = trio.lowlevel.current_trio_token() if nursery is not None else None
 
     async def _invalidate_queued(self, shard: ShardKey) -> None:
         assert self.invalidate is not None
         try:
             while shard in self._invalidations:
-                self._invalidations.discard(shard)
+                attr_only = self._invalidations.pop(shard)
                 inodes = [*self.tree.inodes_of(shard), self.tree.sums_inode]
-                await trio.to_thread.run_sync(self.invalidate, inodes)
+                await trio.to_thread.run_sync(functools.partial(self.invalidate, inodes, attr_only=attr_only))
         finally:
             self._invalidating.discard(shard)
 

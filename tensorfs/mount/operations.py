@@ -20,21 +20,20 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar, assert_never, get_args
 
 import pyfuse3
 import trio
 
-from ..errors import TensorfsError, printable
+from ..errors import printable
 from ..gate import Answer, Gate, Outcome, Place, Plan, StepKind, next_step
 from ..proof.integrity import HASH_WORKERS
 from ..sources.shard import ShardData
-from ..utils.identity import ShardKey
 from ..utils.names import STATS_NAME
 from ..views import Companion, Piece, SynthesizedFile, Untensored, WeightsFile
 from .checks import Invalidate, MountReporter, Sums
 from .handlers import handler, not_implemented, read_only
+from .readahead import DEFAULT_PREFETCH, OpenTensor, ReadAhead
 from .stats import Stats
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 
@@ -48,9 +47,6 @@ T = TypeVar("T")
 # The tree never changes while mounted: let the kernel cache names, attributes and pages for long
 # (when a shard does change, the daemon tells the kernel to drop what it holds of it).
 CACHE_TIMEOUT = 24 * 3600.0
-DEFAULT_PREFETCH = 32 << 20
-SMALL_TENSOR = 1 << 20
-"""Tensors up to this size are read without a worker thread when their pages are in memory already."""
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -96,18 +92,19 @@ class TensorOperations(pyfuse3.Operations):
         self.reporter = MountReporter(tree, self.stats, invalidate)
         for gate in self.gates:
             gate.reporter = self.reporter
+            gate.fingerprint_served()  # a chmod of a shard then ends no reader (gate/changes.py)
         self.sums = Sums(tree, self.gate, self._drive)
         self.reporter.on_change = self.sums.forget
-        self.prefetch = prefetch
+        self.read_ahead = ReadAhead(self.stats, prefetch, lambda: self._nursery)
         self.trace = trace
         self.hand_over = not keep_source_pages
-        self._spans: dict[int, _OpenTensor] = {}  # open tensor files by inode
-        self._other_spans: dict[tuple[int, str], _OpenTensor] = {}  # the others' tensors the view serves, by gate
+        self._spans: dict[int, OpenTensor] = {}  # open tensor files by inode
+        self._other_spans: dict[tuple[int, str], OpenTensor] = {}  # the others' tensors the view serves, by gate
         # Threads for each kind of blocking step of the gate's plans: readers waiting on their bytes
         # (and the window ahead of them), hashing, switching to fallbacks; and windows ahead of readers.
         self._limiters = {kind: trio.CapacityLimiter(_threads_for(kind)) for kind in get_args(StepKind)}
-        self._prefetchers = trio.CapacityLimiter(2)
         self._nursery: trio.Nursery | None = None
+        self._checking: set[Gate] = set()  # gates whose held shards are being checked
         self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
         self.files = self.tree.inode_count
         self._snapshots: dict[int, bytes] = {}  # open stats.json files: each its own snapshot
@@ -120,7 +117,8 @@ class TensorOperations(pyfuse3.Operations):
 
     @nursery.setter
     def nursery(self, nursery: trio.Nursery | None) -> None:
-        self._nursery = self.reporter.nursery = nursery
+        self._nursery = nursery
+        self.reporter.serving(nursery)
 
     async def watch_changes(self) -> None:
         """Apply changes to the files as they happen, between requests too (run in the nursery)."""
@@ -137,9 +135,23 @@ class TensorOperations(pyfuse3.Operations):
             self.notice_changes()
 
     def notice_changes(self) -> None:
-        """Apply every change to the files reported so far, of every gate."""
+        """Apply every change to the files reported so far, of every gate; a shard held by one (its
+        status changed: gate/changes.py) is checked at once, off this thread, not at its next read:
+        what a reader's pages hold of it must be dropped soon if its bytes did change."""
         for gate in self.gates:
             gate.notice_changes()
+            if self.nursery is not None and gate not in self._checking and gate.held_shards():
+                self._checking.add(gate)
+                self.nursery.start_soon(self._check_held, gate)
+
+    async def _check_held(self, gate: Gate) -> None:
+        try:
+            while gate.held_shards():
+                await trio.to_thread.run_sync(gate.check_held, limiter=self._limiters["verify"])
+        except Exception as exc:  # a failure to read is the next reader's to meet
+            log.warning("could not check a changed shard: %s", printable(str(exc)))
+        finally:
+            self._checking.discard(gate)
 
     def flush_sources(self) -> None:
         """Record what was fetched for remote shards, and let go of the sources' pages served (blocking)."""
@@ -278,7 +290,8 @@ class TensorOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.kind is Kind.CONTROL and node.control == STATS_NAME:
             # A fresh snapshot for each open, read with direct_io: no cached page or stale size
-            # cuts it short (the data files keep the page cache).
+            # cuts it short (the data files keep the page cache); every change reported so far in it.
+            self.notice_changes()
             fh, self._next_fh = self._next_fh, self._next_fh + 1
             self._snapshots[fh] = stats_json(self.stats)
             self.stats.open_files += 1
@@ -331,16 +344,16 @@ class TensorOperations(pyfuse3.Operations):
             kind = "sidecar" if node.kind is Kind.META else "control"
         return kind, content[off : off + size]
 
-    def _span_of(self, name: str, inode: int | None = None) -> _OpenTensor:
+    def _span_of(self, name: str, inode: int | None = None) -> OpenTensor:
         """The open-file state of a tensor's bytes (made on first use, shared by its file and the view)."""
         inode = self.tree.tensor_inode(name) if inode is None else inode
         span = self._spans.get(inode)
         if span is None:
             shard, offset, _ = self.tree.model.locate(name)
-            span = self._spans[inode] = _OpenTensor(name, shard, offset, self.gate)
+            span = self._spans[inode] = OpenTensor(name, shard, offset, self.gate)
         return span
 
-    def _view_span(self, file: SynthesizedFile | WeightsFile, name: str) -> _OpenTensor:
+    def _view_span(self, file: SynthesizedFile | WeightsFile, name: str) -> OpenTensor:
         """The open-file state of a tensor a file of the view serves: the tree's own when the file is
         of the tree's model, else one of its own model's (made on first use)."""
         if file.gate is self.gate:
@@ -349,7 +362,7 @@ class TensorOperations(pyfuse3.Operations):
         span = self._other_spans.get(key)
         if span is None:
             shard, offset, _ = file.model.locate(name)
-            span = self._other_spans[key] = _OpenTensor(name, shard, offset, file.gate)
+            span = self._other_spans[key] = OpenTensor(name, shard, offset, file.gate)
         return span
 
     async def _read_made_of_tensors(
@@ -376,7 +389,7 @@ class TensorOperations(pyfuse3.Operations):
                 reply += await self._copied(self._view_span(file, piece.tensor), piece)
         return bytes(reply)
 
-    async def _copied(self, span: _OpenTensor, piece: Piece) -> bytearray:
+    async def _copied(self, span: OpenTensor, piece: Piece) -> bytearray:
         """A piece of a tensor's bytes, read from its file (never the mapping), through the gate."""
         buffer = bytearray(piece.end - piece.start)
         begin = piece.shard_offset - span.origin  # where in the tensor
@@ -387,7 +400,7 @@ class TensorOperations(pyfuse3.Operations):
             place.data.served(low, low + len(buffer))
         return buffer
 
-    async def _read_tensor(self, span: _OpenTensor, off: int, size: int) -> memoryview:
+    async def _read_tensor(self, span: OpenTensor, off: int, size: int) -> memoryview:
         """A slice of the shard's mapping, its pages brought in off this thread first if need be (or,
         for a remote chunk still coming, a copy of the bytes asked for once they have come).
 
@@ -402,7 +415,7 @@ class TensorOperations(pyfuse3.Operations):
         """
         previous, self._replied = self._replied, []
         try:
-            present = functools.partial(self._present, span)
+            present = functools.partial(self.read_ahead.present, span)
             grant = await self._drive(span.gate.read(span.name, off, off + size, present), previous)
         finally:
             self._let_go(previous)
@@ -416,46 +429,7 @@ class TensorOperations(pyfuse3.Operations):
             self._replied.append((place.data, low, high))  # nothing awaited from here to the reply
         return place.data.view[low:high]
 
-    def _present(self, span: _OpenTensor, place: Place, low: int, high: int) -> Plan[bytes | None]:
-        """The mount's way to have [low, high) of a place present and pinned: at once when it is known
-        to be in memory (the window brought in before, or a small tensor's pages resident); else
-        brought in off this thread, with a window ahead of the reader."""
-        data = place.data
-        if span.window is not data:  # switched to a fallback: what was known of its pages is not
-            span.window, span.ready_from, span.ready_to = data, 0, 0
-        ready = span.ready_from <= low < high <= span.ready_to
-        small = place.nbytes <= SMALL_TENSOR
-        if not ready and small:
-            # A small tensor already in memory (mincore) is answered at once: for many small files
-            # the hop to a worker thread and back would cost more than the whole rest of the read.
-            ready = data.resident(low, high)
-        if ready and data.pin(low, high):
-            if self.nursery is not None and not small and self._window_running_out(span, place, high):
-                span.prefetching = True  # a sequential reader: fetch the window ahead meanwhile
-                self.nursery.start_soon(self._prefetch, span, place)
-            return None
-        # Not known to be in memory: bring in this request, then a window ahead, off this thread.
-        waited = time.perf_counter()
-        within = (place.start, place.end)  # the source reads ahead past the tensor only for a reader going on
-        copied: bytes | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
-        self.stats.page_waits += 1
-        self.stats.page_wait_seconds += time.perf_counter() - waited
-        if copied is not None:
-            # No window ahead is waited for first: that kept a cold tensor's first bytes waiting for
-            # four more chunks sharing the link (docs/performance.md).
-            return copied
-        until = min(place.end, data.window_end(high, self.prefetch))
-        if until > high:
-            self.stats.prefetched(span.shard, span.in_shard(place, high), span.in_shard(place, until))
-            try:  # a window ahead of a reader: its failure is no reader's failure (yet)
-                if not (yield "ahead", functools.partial(data.ensure, high, until, ahead=True)):
-                    until = high
-            except (TensorfsError, OSError):
-                until = high
-        span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
-        return None
-
-    def _touch(self, span: _OpenTensor, place: Place, low: int, high: int) -> None:
+    def _touch(self, span: OpenTensor, place: Place, low: int, high: int) -> None:
         """Count [low, high) of the place served (by the tensor's place in its own shard)."""
         self.stats.touch(span.shard, span.in_shard(place, low), span.in_shard(place, high))
         if place.copy is not None:
@@ -475,24 +449,6 @@ class TensorOperations(pyfuse3.Operations):
             if self.hand_over:
                 data.served(low, high)
         held.clear()
-
-    def _window_running_out(self, span: _OpenTensor, place: Place, high: int) -> bool:
-        return span.ready_to < place.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching
-
-    async def _prefetch(self, span: _OpenTensor, place: Place) -> None:
-        data, begin, until = place.data, span.ready_to, min(place.end, span.ready_to + self.prefetch)
-        try:
-            # A reader that consumed its window: its source may read further ahead (ahead=False).
-            self.stats.prefetched(span.shard, span.in_shard(place, begin), span.in_shard(place, until))
-            try:
-                ensure = functools.partial(data.ensure, begin, until, ahead=False, within=(place.start, place.end))
-                done = await trio.to_thread.run_sync(ensure, limiter=self._prefetchers)
-            except (TensorfsError, OSError):
-                done = False
-            if done and span.window is data and span.ready_from <= begin <= span.ready_to:  # still contiguous
-                span.ready_to = max(span.ready_to, until)
-        finally:
-            span.prefetching = False
 
     async def release(self, fh: int) -> None:
         self._snapshots.pop(fh, None)
@@ -528,28 +484,6 @@ class TensorOperations(pyfuse3.Operations):
     write = read_only("write")
     setxattr = read_only("setxattr")
     removexattr = read_only("removexattr")
-
-
-@dataclass(eq=False)
-class _OpenTensor:
-    """An open tensor file: which of its bytes are known to be in memory where they are had."""
-
-    name: str
-    shard: ShardKey
-    """Its own shard (the model's)."""
-    origin: int
-    """Where its bytes start in its own shard."""
-    gate: Gate
-    """The gate of the model that holds it (the tree's, or another whose file the view serves)."""
-    window: ShardData | None = None
-    """The source the window below is of (its own shard's, or its fallback copy's)."""
-    ready_from: int = 0
-    ready_to: int = 0
-    prefetching: bool = False
-
-    def in_shard(self, place: Place, offset: int) -> int:
-        """An offset of the place's data as the offset of the same byte of the tensor in its own shard."""
-        return self.origin + offset - place.start
 
 
 def _threads_for(kind: StepKind) -> int:

@@ -232,11 +232,12 @@ def fsname(source: ShardKey) -> str:
     return "".join(out)
 
 
-def _invalidate(inodes: Sequence[int]) -> None:
-    """Have the kernel forget what it caches of `inodes`, pages and attributes (called from a worker thread)."""
+def _invalidate(inodes: Sequence[int], attr_only: bool = False) -> None:
+    """Have the kernel forget what it caches of `inodes`: pages and attributes, or (`attr_only`) the
+    attributes alone (called from a worker thread)."""
     for inode in inodes:
         try:
-            pyfuse3.invalidate_inode(inode, attr_only=False)
+            pyfuse3.invalidate_inode(inode, attr_only=attr_only)
         except OSError as exc:
             if exc.errno != errno.ENOENT:  # ENOENT: the kernel holds nothing of it
                 log.warning("could not invalidate inode %d: %s", inode, exc.strerror)

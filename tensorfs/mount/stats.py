@@ -60,6 +60,10 @@ class Stats:
         """Of those, the MiB a reader then read: the hit ratio is hit / ahead."""
         self.changed: set[object] = set()
         """Shards changed in place under the mount (refused without a manifest, verified again with one)."""
+        self.rechecked_shards = 0
+        """Times a shard's status changed with no manifest, and the bytes served from it were read again."""
+        self.unchanged_shards = 0
+        """Of those, the times they were found as they were (a chmod, a touch): served on."""
         self.fallback_tensors: dict[str, str] = {}
         """Tensors served from a fallback: by name, which one (--fallback, as given)."""
         self.fallback_reads: dict[str, int] = {}
@@ -149,6 +153,8 @@ class Stats:
                 "signature": self.signature,
             },
             "changed_shards": len(self.changed),
+            "rechecked_shards": self.rechecked_shards,
+            "unchanged_shards": self.unchanged_shards,
             "fallback": {
                 "tensors": dict(self.fallback_tensors),
                 "reads": dict(self.fallback_reads),

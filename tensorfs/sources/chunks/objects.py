@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from ...errors import RemoteError, printable
 from ..fetching import COUNTERS, failed_future, wait
+from .arrivals import Arrivals
 from .files import ObjectFile
 from .full import CacheFull, NoRoomNow
 from .locks import hold_chunk, let_go_chunk, let_go_fetch, take_fetch
 from .records import ChunkSum, Records, Summing, new_token
-from .refetched import Refetched
+from .refetched import Chunks, Refetched
 
 if TYPE_CHECKING:
     from ..store import ObjectVersion
@@ -93,12 +94,9 @@ class CachedObject:
         self._inflight: dict[int, Future[None]] = {}
         self._pins: dict[int, int] = {}  # chunk -> how many answers hold it (not to be evicted)
         self._fetching: set[int] = set()  # chunks whose fetch lock this process holds until they are recorded
-        self._arrived: dict[int, list[tuple[int, int]]] = {}
-        """Chunks being fetched whose bytes may be answered as they come: the ranges written so far."""
-        self._awaited: list[tuple[int, int, int]] = []
-        """(chunk, start, end) of the bytes each copy waits for (copy_arriving): a piece written wakes
-        the copies only when it completes one, not every copy for every piece."""
         self._progress = threading.Condition(self._lock)
+        self._arrivals = Arrivals(self._progress)
+        """Chunks being fetched whose bytes may be answered as they come (copy_arriving)."""
         self.file = ObjectFile(path, version.url, version.size, cache.directory)
 
     def known(self, sums: dict[int, ChunkSum]) -> None:
@@ -422,10 +420,9 @@ class CachedObject:
             split = min(end, reading - reading % mmap.PAGESIZE)
         parts = [(split, end), (begin, split)] if split > begin else [(begin, end)]
         COUNTERS.add(split_chunks=len(parts) - 1)
-        written_so_far: list[tuple[int, int]] = []  # [start, end) of each part begun, the last growing
         if expected is None:
             with self._lock:
-                self._arrived[chunk] = written_so_far
+                self._arrivals.begin(chunk)
 
         def write(offset: int, piece: bytes) -> None:
             if len(parts) == 1:
@@ -433,15 +430,12 @@ class CachedObject:
             offset = self.file.write(offset, piece)
             if expected is None:
                 with self._lock:
-                    low = written_so_far[-1][0]
-                    written_so_far[-1] = (low, offset)
-                    if any(c == chunk and low <= a and b <= offset for c, a, b in self._awaited):
-                        self._progress.notify_all()
+                    self._arrivals.wrote(chunk, offset)
 
         try:
             for start, stop in parts:
                 with self._lock:
-                    written_so_far.append((start, start))
+                    self._arrivals.part(chunk, start)
                 COUNTERS.add(gets=1)
                 self._fetch_range(start, stop, write)
             digest = (summing if len(parts) == 1 else self.file.summed(begin, end, summing)).sums()
@@ -454,7 +448,7 @@ class CachedObject:
         except BaseException as exc:
             COUNTERS.add(fetch_failures=1)
             with self._lock:  # no copy of its bytes from here on (copies are made under this lock)
-                self._arrived.pop(chunk, None)
+                self._arrivals.end(chunk)
             self.file.free(begin, end - begin)  # nothing half-written stays, nor its blocks
             if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
                 raise self.file.unwritable(exc) from None
@@ -471,7 +465,7 @@ class CachedObject:
                 again = self._refetched()
                 if again is not None:
                     again.came(chunk, digest)
-            self._arrived.pop(chunk, None)
+            self._arrivals.end(chunk)
             self._progress.notify_all()
         if digest is not None:
             token = new_token()
@@ -497,7 +491,7 @@ class CachedObject:
             with self._progress:
                 while not self._written(chunks, start, end):
                     if any(
-                        self._arrived.get(c) is None and c not in self._inflight and not self._present[c]
+                        not self._arrivals.coming(c) and c not in self._inflight and not self._present[c]
                         for c in chunks
                     ):
                         return None  # a fetch ended without them (a failure is the caller's to tell)
@@ -509,12 +503,7 @@ class CachedObject:
                         for c in chunks
                         if not self._present[c]
                     ]
-                    self._awaited += wanted
-                    try:
-                        self._progress.wait(left)
-                    finally:
-                        for item in wanted:
-                            self._awaited.remove(item)
+                    self._arrivals.wait(wanted, left)
                 if all(self._present[chunk] for chunk in chunks):
                     return None
                 for chunk in chunks:
@@ -535,8 +524,7 @@ class CachedObject:
             if self._present[chunk]:
                 continue
             low, high = max(start, chunk * self.chunk_size), min(end, (chunk + 1) * self.chunk_size)
-            arrived = self._arrived.get(chunk)
-            if arrived is None or not any(a <= low and high <= b for a, b in arrived):
+            if not self._arrivals.written(chunk, low, high):
                 return False
         return True
 
@@ -572,9 +560,13 @@ class CachedObject:
         digest matched): see Refetched.proven."""
         again = self._refetched()
         if again:
-            held = self.cache.records.header_of(self.id) if header else None
-            opened_with = held[0] if held is not None else b""
-            for chunk, sums in again.proven(self, start, end, header, opened_with):
+
+            def holds_header() -> bool:  # its first bytes those it was opened with
+                held = self.cache.records.header_of(self.id)
+                return held is not None and self.file.holds(0, held[0][:header], header)
+
+            chunks = Chunks(self.chunk_size, self.version.size, self.here)
+            for chunk, sums in again.proven(chunks, start, end, header, holds_header):
                 self.cache.records.replace_sums(self.id, chunk, sums)
                 again.done(chunk)
 

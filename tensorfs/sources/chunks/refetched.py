@@ -13,15 +13,21 @@ had again are proven, whole chunk by whole chunk: then those become the record."
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from .records import ChunkSum
 
-if TYPE_CHECKING:
-    from .objects import CachedObject
+__all__ = ["Chunks", "Refetched"]
 
-__all__ = ["Refetched"]
+
+@dataclass(frozen=True)
+class Chunks:
+    """How an object is cut into chunks here: their size, the object's, and which are present here."""
+
+    size: int
+    total: int
+    here: Callable[[int], bool]
 
 
 class Refetched:
@@ -54,26 +60,25 @@ class Refetched:
                 self._sums[chunk] = sums
 
     def proven(
-        self, cached: CachedObject, start: int, end: int, header: int, opened_with: bytes
+        self, chunks: Chunks, start: int, end: int, header: int, holds_header: Callable[[], bool]
     ) -> list[tuple[int, ChunkSum]]:
-        """Bytes [start, end) of the object, as `cached` holds them now, are proven (a manifest's or a
+        """Bytes [start, end) of the object, as it is held here now, are proven (a manifest's or a
         signature's digest matched): the chunks held here whose every byte is proven since they came
         again, with what they sum to (to record; then done()). A chunk's first `header` bytes, which no
-        digest of a tensor covers, count when they are those the object was opened with (`opened_with`)."""
+        digest of a tensor covers, count when they are those the object was opened with (`holds_header`)."""
         found: list[tuple[int, ChunkSum]] = []
         if end <= start:
             return found
-        size = cached.chunk_size
-        for chunk in range(start // size, (end - 1) // size + 1):
-            begin, stop = chunk * size, min(cached.version.size, (chunk + 1) * size)
+        for chunk in range(start // chunks.size, (end - 1) // chunks.size + 1):
+            begin, stop = chunk * chunks.size, min(chunks.total, (chunk + 1) * chunks.size)
             with self._lock:
                 sums = self._sums.get(chunk)
-                if sums is None or not cached.here(chunk):
+                if sums is None or not chunks.here(chunk):
                     continue
                 covered = self._proven.setdefault(chunk, [])
                 covered.append((max(begin, start), min(stop, end)))
                 whole = _covers(covered, max(begin, min(header, stop)), stop)
-            if whole and (begin >= header or cached.file.holds(0, opened_with[:header], header)):
+            if whole and (begin >= header or holds_header()):
                 found.append((chunk, sums))
         return found
 
