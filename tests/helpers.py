@@ -807,6 +807,13 @@ def daemon_stats(mountpoint: Path) -> dict[str, Any]:
     return stats
 
 
+def fingerprints_pending(mountpoint: Path) -> int:
+    """Bytes a mount served whose fingerprints its daemon has still to take (they are taken every
+    second, off the serving path): a shard whose status changes before they are is refused."""
+    pending: int = daemon_stats(mountpoint)["sources"]["fingerprints"]["pending_bytes"]
+    return pending
+
+
 def remote_stats(mountpoint: Path) -> dict[str, int]:
     """What a mount's daemon counts of its remote sources (stats.json's sources.remote)."""
     remote: dict[str, int] = daemon_stats(mountpoint)["sources"]["remote"]

@@ -31,6 +31,7 @@ from helpers import (
     daemon_stats,
     entry,
     errno_of_reading,
+    fingerprints_pending,
     mib_sharded_model,
     model_bytes,
     patience,
@@ -699,6 +700,7 @@ def test_a_change_that_leaves_a_shards_bytes_as_they_were_ends_no_reader(
 
         assert look() == validated
         assert (mountpoint / "t1.0").read_bytes() == expected["t1.0"]
+        wait_until(lambda: fingerprints_pending(mountpoint) == 0, what="what was served to be fingerprinted")
         METADATA_CHANGES[change](model_dir / "s1.safetensors")
 
         def checked() -> bool:  # (reading stats.json takes in every change reported so far)
@@ -736,6 +738,7 @@ def test_a_rewrite_of_bytes_served_after_a_chmod_is_refused(mounts: Mounts, mode
         reader.stdin.write(b"look\n")
         reader.stdin.flush()
         assert reader.stdout.readline().decode().strip() == validated
+        wait_until(lambda: fingerprints_pending(mountpoint) == 0, what="what was served to be fingerprinted")
         os.chmod(model_dir / "s1.safetensors", 0o640)
         wait_until(lambda: daemon_stats(mountpoint)["unchanged_shards"] >= 1, what="the chmod to be checked")
         overwrite_in_place(model_dir / "s1.safetensors", offset_of(model_dir, "t1.2") + MIB, b"\xff" * 64)

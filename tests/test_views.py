@@ -23,6 +23,7 @@ from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
     every_dtype_tensors,
+    fingerprints_pending,
     patience,
     random_bytes,
     read_line,
@@ -487,6 +488,7 @@ def test_the_weights_files_beside_a_model_are_validated_and_gated(mounts: Mounts
     assert sorted(os.listdir(view)) == served
     for name in served:
         assert (view / name).read_bytes() == (directory / name).read_bytes(), name
+    wait_until(lambda: fingerprints_pending(mountpoint) == 0, what="what was served to be fingerprinted")
     subprocess.run(["chmod", "-R", "a+rX", str(directory)], check=True)
     drop_caches()
     assert (view / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()

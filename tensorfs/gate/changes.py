@@ -61,9 +61,10 @@ class Changes:
         self._checks: dict[int, Future[None]] = {}  # checks of held shards under way, by id(FileState)
 
     # -- what was seen (the gate's lock held) ---------------------------------------------------
-    def notice(self, data: ShardData | None = None) -> None:
-        """Apply the changes reported so far, and those `data`'s file's size and times show."""
-        for key, seen, change in self.files.changes(data):
+    def notice(self, data: ShardData | None = None, *, at_once: bool = False) -> None:
+        """Apply the changes reported so far, and those `data`'s file's size and times show (`at_once`:
+        looked at now, even within a millisecond of the last look)."""
+        for key, seen, change in self.files.changes(data, at_once=at_once):
             self._apply(key, seen, change)
 
     def seen(self, data: ShardData) -> FileState | None:
@@ -128,44 +129,49 @@ class Changes:
         gate.reporter.changed(shard, names, manifest=manifest, had_verified=had_verified)
 
     # -- fingerprints of the bytes served --------------------------------------------------------
-    def fingerprint_served(self) -> None:
-        """Fingerprint the bytes of the shards' files as they are served, from now on (a mount)."""
+    def fingerprint_from_now(self) -> None:
+        """Fingerprint the bytes of the shards' files served, from now on (a mount)."""
         with self._gate.lock:
             self.fingerprinting = True
             for _, state in self.files.watched_files():
                 if state.fingerprints is None and not state.copy:
                     state.fingerprints = Fingerprints(self._gate.tables.shard_header(state.shard).file_size)
 
-    def covered(self, place: Place, low: int, high: int) -> FileState | None:
-        """None when [low, high) of the place needs no fingerprint now (taken already, or not kept:
-        a fallback's copy, a remote object, a manifest in force); else its file's state (quick)."""
-        if place.copy is not None or self._gate.integrity.expected is not None:
-            return None
+    def served(self, place: Place, low: int, high: int) -> None:
+        """Bytes [low, high) of the place go out: their fingerprints are to be taken (quick), where the
+        bytes served are fingerprinted (a mount's shard files, with no manifest in force)."""
+        if not self.fingerprinting or place.copy is not None or self._gate.integrity.expected is not None:
+            return
         state = self.files.seen(place.data)
-        if state is None or state.fingerprints is None or state.fingerprints.covers(low, high):
-            return None
-        return state
+        if state is not None and state.fingerprints is not None:
+            state.fingerprints.served(low, high)
 
-    def fingerprint(self, place: Place, low: int, high: int) -> bool:
-        """Fingerprint bytes [low, high) of the place's file, read now (blocking); whether they are kept
-        (not when the file changed meanwhile: the bytes read may not be those it held).
-        ShardChangedError when they cannot be read (the file shrank): no byte of them is served."""
-        state = self.covered(place, low, high)
-        if state is None:
-            return True
-        assert state.fingerprints is not None
-        with self._gate.lock:
-            self.notice(place.data)
-            generation, unsettled = state.generation, state.held or state.changed
-        if unsettled:
-            return False
-        found = state.fingerprints.take(place.data.readinto, low, high)
-        with self._gate.lock:
-            self.notice(place.data)
-            if state.generation != generation or state.held or state.changed:
-                return False
-            state.fingerprints.keep(found)
-        return True
+    def pending(self) -> int:
+        """Bytes served whose fingerprints are not taken yet."""
+        return sum(state.fingerprints.pending() for _, state in self.files.watched_files() if state.fingerprints)
+
+    def fingerprint_served(self) -> None:
+        """Take the fingerprints of the bytes served since (blocking: a mount's background work). Kept
+        only where no change of the file was seen from their serving to their reading (the file's
+        times looked at once more after it): else they stay untaken, and the shard, held, is refused."""
+        gate = self._gate
+        for data, state in self.files.watched_files():
+            fingerprints = state.fingerprints
+            if fingerprints is None or not fingerprints.pending():
+                continue
+            with gate.lock:
+                self.notice(data)
+                generation, unsettled = state.generation, state.held or state.changed
+            if unsettled:
+                continue
+            try:
+                found = fingerprints.take(data.readinto)
+            except ShardChangedError:
+                continue  # cut: its change is told, and the shard held, at the next look
+            with gate.lock:
+                self.notice(data, at_once=True)
+                if state.generation == generation and not state.held and not state.changed:
+                    fingerprints.keep(found)
 
     def held(self) -> list[FileState]:
         """The shards held now (their status changed; to be checked: check())."""

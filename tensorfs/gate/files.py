@@ -67,11 +67,14 @@ class WatchedFiles:
         """Every source watched for changes (a file), with what was seen of it."""
         return [(data, state) for data, state in self._seen.items() if data.watched() is not None]
 
-    def changes(self, data: ShardData | None = None) -> list[tuple[ShardData, FileState, Change]]:
-        """Every change reported so far, and those `data`'s file's size and times show; never blocking."""
+    def changes(
+        self, data: ShardData | None = None, *, at_once: bool = False
+    ) -> list[tuple[ShardData, FileState, Change]]:
+        """Every change reported so far, and those `data`'s file's size and times show (`at_once`: looked
+        at now, even within a millisecond of the last look); never blocking."""
         found = self._watch.changes()
         if data is not None and data in self._seen:
-            found += [(data, change) for change in self._watch.check(data)]
+            found += [(data, change) for change in self._watch.check(data, at_once=at_once)]
         for source in self._refetches if data is None else [data] if data in self._refetches else []:
             now = source.refetches()
             if now != self._refetches[source]:

@@ -110,8 +110,7 @@ class Gate:
                 copied = yield from present(place, low, high)
             except TensorfsError as exc:  # the source's words, said of the tensor
                 raise self._unreadable(place, low, high, exc) from None
-            if not (yield from self._fingerprinted(place, low, high)):
-                return None  # its file changed meanwhile: checked again
+            self.changes.served(place, low, high)
             return Grant(place, low, high, copied)
 
         return (yield from self._served(name, serve))
@@ -143,8 +142,9 @@ class Gate:
             except TensorfsError as exc:
                 raise self._unreadable(place, low, high, exc) from None
             # Written while it was read: not its bytes. Checked again (refused, or verified again).
-            if self.changes.generation(place) != generation or not (yield from self._fingerprinted(place, low, high)):
+            if self.changes.generation(place) != generation:
                 return None
+            self.changes.served(place, low, high)
             return place
 
         return (yield from self._served(name, serve))
@@ -323,7 +323,7 @@ class Gate:
     def fingerprint_served(self) -> None:
         """From now on, fingerprint the bytes served from the shards' files (a mount): a shard whose
         status changes, with no manifest, is then checked against them, and refused only if they differ."""
-        self.changes.fingerprint_served()
+        self.changes.fingerprint_from_now()
 
     def held_shards(self) -> bool:
         """Whether a shard is held now: its status changed with no manifest, its bytes served to be
@@ -339,21 +339,17 @@ class Gate:
         for state in held:
             self.changes.check(state)
 
-    def fingerprint(self, place: Place, low: int, high: int) -> bool:
-        """Fingerprint [low, high) of the place ahead of serving it (blocking; a mount's window ahead of
-        a reader); whether it is (not when its file changed meanwhile)."""
-        return self.changes.fingerprint(place, low, high)
+    def fingerprints_pending(self) -> int:
+        """Bytes served whose fingerprints are still to take (quick)."""
+        with self._lock:
+            return self.changes.pending()
 
-    def _fingerprinted(self, place: Place, low: int, high: int) -> Plan[bool]:
-        """[low, high) of the place fingerprinted before it is served, where the bytes served are; False
-        when its file changed meanwhile (the caller starts again: it is checked first)."""
-        if self.changes.covered(place, low, high) is None:
-            return True
-        try:
-            done: bool = yield "read", functools.partial(self.changes.fingerprint, place, low, high)
-        except TensorfsError as exc:  # its bytes cannot be read from the file: none is served
-            raise self._unreadable(place, low, high, exc) from None
-        return done
+    def fingerprint_pending(self) -> int:
+        """Take the fingerprints of the bytes served since the last call (blocking; a mount's background
+        work, at low priority); the bytes served whose fingerprints are still to take."""
+        self.changes.fingerprint_served()
+        with self._lock:
+            return self.changes.pending()
 
     def _settled(self, names: list[str]) -> Plan[None]:
         """The held shards of these tensors checked first (changes.py)."""

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar, assert_never, get_args
 
 import pyfuse3
@@ -28,6 +29,7 @@ import trio
 from ..errors import printable
 from ..gate import Answer, Gate, Outcome, Place, Plan, StepKind, next_step
 from ..proof.integrity import HASH_WORKERS
+from ..sources.fetching import lower_this_thread
 from ..sources.shard import ShardData
 from ..utils.names import STATS_NAME
 from ..views import Companion, Piece, SynthesizedFile, Untensored, WeightsFile
@@ -105,6 +107,11 @@ class TensorOperations(pyfuse3.Operations):
         self._limiters = {kind: trio.CapacityLimiter(_threads_for(kind)) for kind in get_args(StepKind)}
         self._nursery: trio.Nursery | None = None
         self._checking: set[Gate] = set()  # gates whose held shards are being checked
+        # Work that may wait while readers are served: the CRCs of what they were served, first of all.
+        self._background = ThreadPoolExecutor(1, "background", initializer=lower_this_thread, initargs=(19,))
+        self.stats.sources["fingerprints"] = lambda: {
+            "pending_bytes": sum(g.fingerprints_pending() for g in self.gates)
+        }
         self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
         self.files = self.tree.inode_count
         self._snapshots: dict[int, bytes] = {}  # open stats.json files: each its own snapshot
@@ -154,9 +161,19 @@ class TensorOperations(pyfuse3.Operations):
             self._checking.discard(gate)
 
     def flush_sources(self) -> None:
-        """Record what was fetched for remote shards, and let go of the sources' pages served (blocking)."""
+        """Fingerprint the bytes served since (gate/fingerprints.py), record what was fetched for remote
+        shards, and let go of the sources' pages served (blocking): on a thread of the lowest priority,
+        the bytes' pages let go only once they are fingerprinted."""
+        self._background.submit(self._flush).result()
+
+    def _flush(self) -> None:
         for gate in self.gates:
+            gate.fingerprint_pending()
             gate.tables.flush()
+
+    def close(self) -> None:
+        """Stop the background thread (its work done)."""
+        self._background.shutdown(wait=True)
 
     async def _drive(self, plan: Plan[T], held: list[_Held] | None = None) -> T:
         """Run one of the gate's plans as gate.run() does (next_step, Outcome.of): its quick steps

@@ -5,7 +5,7 @@ window ahead of a stream of requests, never of a random reader.
 A stream is a reader whose request begins where one of its last requests ended (or at the tensor's
 first byte): the kernel's own read-ahead makes a sequential reader's requests so. Only then is a
 window brought in past the request (and kept ahead of it as it is consumed); a random reader has
-its requests alone brought in, and fingerprinted (gate.fingerprint) in the same hop.
+its requests alone brought in.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class ReadAhead:
         # Not known to be in memory: bring in this request, and a window ahead of a stream, off this thread.
         waited = time.perf_counter()
         within = (place.start, place.end)  # the source reads ahead past the tensor only for a reader going on
-        copied: bytes | None = yield "present", functools.partial(_bring_in, span.gate, place, low, high, within)
+        copied: bytes | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
         self.stats.page_waits += 1
         self.stats.page_wait_seconds += time.perf_counter() - waited
         if copied is not None:
@@ -108,7 +108,7 @@ class ReadAhead:
         if until > high:
             self.stats.prefetched(span.shard, span.in_shard(place, high), span.in_shard(place, until))
             try:  # a window ahead of a reader: its failure is no reader's failure (yet)
-                if not (yield "ahead", functools.partial(_ahead, span.gate, place, low, high, until)):
+                if not (yield "ahead", functools.partial(data.ensure, high, until, ahead=True)):
                     until = high
             except (TensorfsError, OSError):
                 until = high
@@ -124,7 +124,7 @@ class ReadAhead:
             # A reader that consumed its window: its source may read further ahead (ahead=False).
             self.stats.prefetched(span.shard, span.in_shard(place, begin), span.in_shard(place, until))
             try:
-                ensure = functools.partial(_ahead, span.gate, place, begin, begin, until, reading=False)
+                ensure = functools.partial(data.ensure, begin, until, ahead=False, within=(place.start, place.end))
                 done = await trio.to_thread.run_sync(ensure, limiter=self._prefetchers)
             except (TensorfsError, OSError):
                 done = False
@@ -132,23 +132,3 @@ class ReadAhead:
                 span.ready_to = max(span.ready_to, until)
         finally:
             span.prefetching = False
-
-
-def _bring_in(gate: Gate, place: Place, low: int, high: int, within: tuple[int, int]) -> bytes | None:
-    """Bring [low, high) of the place in and pin it (blocking), then fingerprint it (in the same hop):
-    see ShardData.pinned_or_copied."""
-    copied = place.data.pinned_or_copied(low, high, within=within)
-    if copied is None:
-        gate.fingerprint(place, low, high)
-    return copied
-
-
-def _ahead(gate: Gate, place: Place, low: int, high: int, until: int, *, reading: bool = True) -> bool:
-    """Bring [high, until) of the place in ahead of a reader (blocking), then fingerprint [low, until)
-    before any of it is served (gate.fingerprint: in the same hop); whether the window came.
-    `reading`: the request of a reader at [low, high) asks for it (else the window's own fetch)."""
-    if reading:
-        done = place.data.ensure(high, until, ahead=True)
-    else:
-        done = place.data.ensure(high, until, ahead=False, within=(place.start, place.end))
-    return gate.fingerprint(place, low, until if done else high) and done

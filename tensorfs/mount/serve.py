@@ -125,6 +125,7 @@ def serve(served: Served, mountpoint: Path, options: MountOptions, notify: Calla
         raise
     systemd_notify(b"STOPPING=1")
     stop_metrics()
+    operations.close()
     pyfuse3.close(unmount=True)
     served.close()  # what remote shards fetched is recorded in their cache
     remove_record(mountpoint, os.getpid())

@@ -11,12 +11,17 @@ from typing import ClassVar
 from ..errors import ObjectChanged, RemoteError, TensorfsError
 
 
-def _yield_to_requests() -> None:
-    """Run this fetch thread below the thread that answers requests (nice 10 more: per thread on Linux):
-    with readers streaming cold data the CPUs are busy, and a `stat` must not wait behind fetches."""
+def lower_this_thread(by: int) -> None:
+    """Run this thread below those that answer requests (`by` nice levels more: per thread on Linux)."""
     thread = threading.get_native_id()
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + _FETCH_NICE))
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
+
+
+def _yield_to_requests() -> None:
+    """A fetch thread runs below the thread that answers requests (nice 10 more): with readers
+    streaming cold data the CPUs are busy, and a `stat` must not wait behind fetches."""
+    lower_this_thread(_FETCH_NICE)
 
 
 _FETCH_NICE = 10
