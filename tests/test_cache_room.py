@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import re
 import threading
 import time
@@ -342,3 +343,45 @@ def test_readers_of_a_model_larger_than_the_cache_disk_wait_for_room_and_get_exa
         with ThreadPoolExecutor(4) as pool:
             found = [line for lines in pool.map(reader, range(4)) for line in lines]
         assert found == [], (found[:5], mounts.log()[-3000:])
+
+
+@pytest.mark.mount
+def test_readers_of_tensor_files_through_a_cache_disk_that_also_holds_the_databases_get_exact_bytes(
+    mounts: Mounts, nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 tensors of 1 MiB (8 chunks) over HTTP, mounted with default options and every cache on an
+    empty 20 MiB disk (XDG_CACHE_HOME: the chunk cache's objects.sqlite beside the chunks, the header
+    cache too): four readers each read every tensor file whole, twice, in their own order, the file's
+    pages dropped after each read (every read reaches the daemon, as on a machine short of memory).
+    The chunks take turns through two chunks' room, hundreds of evictions; every byte comes back
+    exact. The database's write-ahead log grew to SQLite's 4 MiB, what two chunks left of the disk:
+    then no eviction (its row deleted first) nor save could be written, and every read was told "the
+    cache disk is full", at once or at the end of --remote-timeout (40 of 256 reads at load 8-10)."""
+    require("root (it mounts a small tmpfs)", missing_root())
+    tensors = {f"t{k:02d}": random_bytes(MIB, 900 + k) for k in range(64)}
+    served = nginx.root / f"tensor-files-{os.getpid()}"
+    served.mkdir()
+    write_reference(served / "model.safetensors", {name: ("U8", [MIB], data) for name, data in tensors.items()})
+    with small_disk(tmp_path / "small-disk", "20m") as disk:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(disk))  # the mount's caches: all of them on the small disk
+        mountpoint = mounts.mount(f"{nginx.url}/{served.name}/model.safetensors")
+
+        def reader(k: int) -> list[str]:
+            order = list(tensors) * 2
+            random.Random(k).shuffle(order)
+            wrong = []
+            for name in order:
+                try:
+                    with open(mountpoint / name, "rb") as file:
+                        got = file.read()
+                        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError as exc:
+                    wrong.append(f"{name}: {exc}")
+                    continue
+                if got != tensors[name]:
+                    wrong.append(f"{name}: {len(got)} bytes, not its own")
+            return wrong
+
+        with ThreadPoolExecutor(4) as pool:
+            found = [line for lines in pool.map(reader, range(4)) for line in lines]
+        assert found == [], (f"{len(found)} of 512 reads", found[:5], mounts.log()[-3000:])

@@ -283,7 +283,7 @@ class ChunkCache:
             with self.room.locked():
                 if self.room.fits(requester, nbytes):
                     try:
-                        requester.file.allocate(chunk * requester.chunk_size, nbytes)
+                        self.room.take(requester, [chunk])
                     except CacheFull:
                         if wait:
                             raise
@@ -311,11 +311,16 @@ class ChunkCache:
                 # Counted before the eviction looks: a chunk it passed over as in use, let go before
                 # _soon_evictable looks, is counted, and the claim tries again rather than give up.
                 freeings = self.room.freeings
-                freed = self.room.evict(need) if disk_full is not None else 0
-                if self.room.fits(requester, need):
+                try:
+                    # An eviction is a row deleted: on a disk full to its last block that write is refused
+                    # too, the same refusal as the blocks' (waited on, not the read's failure at once).
+                    freed = self.room.evict(need) if disk_full is not None else 0
+                    fits = self.room.fits(requester, need)
+                except CacheFull as exc:
+                    freed, fits, disk_full = 0, True, exc
+                if fits:
                     try:
-                        for chunk in missing:
-                            requester.file.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
+                        self.room.take(requester, missing)
                     except CacheFull as exc:
                         requester.let_go(pinned, tell=False)  # its own: no room made for itself
                         stuck = not freed and not self._soon_evictable() and self.room.freeings == freeings

@@ -34,6 +34,12 @@ SCHEMA = 5
 """The form of the database: a cache of an older form is emptied of its chunks (their checksums were
 not these, or there were none; their rows had no token)."""
 CHUNK_BYTES = "MIN(o.chunk_size, o.size - c.chunk * o.chunk_size)"  # a chunk's bytes (the last may be short)
+WAL_PAGES = 16
+"""Pages the write-ahead log takes before they are checkpointed into the database, and what it is cut
+back to then (journal_size_limit). The log shares the disk with the chunks: at SQLite's default, 1000
+pages (4 MiB, kept at that size once grown), it filled what two chunks left of a 20 MiB disk, and then
+no eviction (a row deleted first) nor save could be written: no chunk could go, ever, and every read
+was told the disk is full."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class Records:
         try:
             db = sqlite3.connect(self.directory / DB_NAME, timeout=30.0, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
+            db.execute(f"PRAGMA journal_size_limit={WAL_PAGES * 4096}")
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA:

@@ -18,6 +18,7 @@ from ...fs.guarded import UnsafeLocation, check_private_file
 from ...fs.syscalls import punch_hole
 from ...utils.units import human_size
 from ..fetching import COUNTERS
+from .full import CacheFull
 from .locks import holders, in_use_elsewhere, let_go_chunk, let_go_room, take_room, take_to_evict
 from .objects import CachedObject
 from .records import Records
@@ -90,6 +91,26 @@ class Room:
             self.evict(held + need - self.limit + slack)
             held = self.disk_usage()
         return held + need <= self.limit
+
+    def take(self, requester: CachedObject, chunks: list[int]) -> None:
+        """Take the blocks of `chunks` of `requester`'s file, all or none (call with the room lock held;
+        CacheFull when the disk has no room). Blocks taken before one was refused are given back, as
+        an eviction gives them back, unless a reader here holds their chunk or fetches it (another
+        claim took them): kept, they were held by no chunk, present or waiting to be recorded, that
+        anything could evict, and a disk they filled refused every read."""
+        taken: list[int] = []
+        try:
+            for chunk in chunks:
+                requester.file.allocate(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
+                taken.append(chunk)
+        except CacheFull:
+            for chunk in taken:
+                if requester.take(chunk):
+                    try:
+                        requester.file.free(chunk * requester.chunk_size, requester.chunk_bytes(chunk))
+                    finally:
+                        requester.taken(chunk, True)
+            raise
 
     def wait(self, left: float) -> None:
         """Wait (the cache's lock held) until chunks are let go or saved, or a moment passes."""
