@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 
 import tensorfs
-from conftest import Mounts, drop_caches
+from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
     damage_in_place,
     errno_of_reading,
+    fingerprints_pending,
     patience,
     random_bytes,
     same_crc32c,
@@ -291,8 +292,12 @@ def test_a_fallback_rewritten_in_place_is_verified_again_or_refused_through_a_mo
     else:
         options += ["--verify", "off"]
     mountpoint = mounts.mount(primary, *options)
-    if not manifest:
-        damage_in_place(primary, "s1.t0")  # the primary's shard changed in place: its tensors go to the fallback
+    if not manifest:  # the primary's bytes served (nothing tells them), then changed in place: its
+        # tensors go to the fallback
+        assert (mountpoint / "s1.t0").read_bytes() != data["s1.t0"]
+        wait_until(lambda: fingerprints_pending(mountpoint) == 0, what="what was served to be fingerprinted")
+        damage_in_place(primary, "s1.t0")
+        drop_caches()
     assert (mountpoint / "s1.t0").read_bytes() == data["s1.t0"]
     damage_in_place(copy, "s1.t0", hidden=hidden)  # another user rewrites the fallback's copy in place
     drop_caches()  # the kernel's pages of it too: the daemon is asked again

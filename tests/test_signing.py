@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,7 +36,7 @@ import tensorfs.opening.source
 import tensorfs.proof.signed_bytes
 import tensorfs.utils.identity
 from conftest import Mounts
-from helpers import cli, free_port, hub_api, scrape
+from helpers import cli, errno_of_reading, free_port, hub_api, remote_stats, scrape
 from servers import HostileServer, Lie, Nginx, SeaweedFS
 from tensorfs.sources.store import RemoteOptions
 
@@ -1046,6 +1047,30 @@ def test_bytes_a_signature_refused_are_fetched_again(
     hostile.lies.clear()
     with tensorfs.open_model(url, signature=signature, remote=again, cache=False) as opened:
         assert opened.array("t0").tolist() == [0.0] * RANGED_ELEMENTS
+
+
+@pytest.mark.mount
+def test_readers_of_a_stalled_range_signed_model_each_wait_one_timeout(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """Five readers of tensors of a model signed by ranges, over HTTP, whose every body stalls (its
+    header and signature read at the mount): one chunk's fetch, and the checks of the ranges the
+    readers need, are waited on by all; each reader is answered (EIO) once that fetch fails, one
+    --remote-timeout after, and no second fetch of it is made for those still waiting (the slowest
+    was answered after two: the checks of its ranges began again when the first failed)."""
+    private, public = keys
+    model = make_ranged_model(hostile.root / "m")
+    sign(model, private, sharded=True)
+    mountpoint = mounts.mount(
+        f"{hostile.url}/m/model.safetensors",
+        *("--public-key", str(public), "--cache-dir", str(tmp_path / "cache"), "--remote-timeout", "6"),
+        *("--chunk-mb", "1"),  # the header's chunk (t0-t3) fetched at the mount; t4-t7 in the next
+    )
+    hostile.lies.append(Lie("body", "m/model.safetensors", "stall"))
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(lambda name: errno_of_reading(mountpoint / name), ["t4", "t5", "t6", "t7", "t5"]))
+    assert answers == [errno.EIO] * 5
+    assert remote_stats(mountpoint)["fetch_failures"] == 1  # one fetch failed, and answered every reader
 
 
 @pytest.mark.mount

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 from ..errors import printable
 from ..proof.integrity import Integrity
+from ..sources import waits
 from .plans import Plan, Refused
 
 __all__ = ["Digests"]
@@ -97,7 +98,9 @@ class Digests:
             finally:
                 with self._lock:
                     del self._hashing[key]
-        return running.result()
+        model = self._integrity().hasher.model  # waited for as long as a request may wait on its bytes
+        limit = model.shard_data(model.locate(name)[0]).wait_limit
+        return waits.wait_for(running, limit, lambda: f"tensor '{printable(name)}': its hash, under way")
 
     def forget(self, names: Iterable[str]) -> None:
         """Their shard changed: what was known of them is no answer now (the lock held)."""

@@ -11,6 +11,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from ..catalogue.fallbacks import Copy
 from ..errors import IntegrityError, RemoteError, ShardChangedError
+from ..sources import waits
 from ..sources.shard import ShardData
 from ..utils.identity import ShardKey
 
@@ -89,8 +90,8 @@ def next_step(plan: Plan[T], outcome: Outcome) -> Step | Answer[T]:
 
 
 def run(plan: Plan[T]) -> T:
-    """Drive a plan in this thread: each step is made as it is asked for."""
-    with contextlib.closing(plan):
+    """Drive a plan in this thread: each step is made as it is asked for (one request: sources/waits.py)."""
+    with contextlib.closing(plan), waits.request():
         outcome = Outcome()
         while True:
             step = next_step(plan, outcome)

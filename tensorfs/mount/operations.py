@@ -29,6 +29,7 @@ import trio
 from ..errors import printable
 from ..gate import Answer, Gate, Outcome, Place, Plan, StepKind, next_step
 from ..proof.integrity import HASH_WORKERS
+from ..sources import waits
 from ..sources.fetching import lower_this_thread
 from ..sources.shard import ShardData
 from ..utils.names import STATS_NAME
@@ -179,7 +180,7 @@ class TensorOperations(pyfuse3.Operations):
         """Run one of the gate's plans as gate.run() does (next_step, Outcome.of): its quick steps
         here, its blocking ones on worker threads (each kind on its own bounded threads), letting go
         of `held` before any of them: no request waits while it holds what another may be waiting for."""
-        with contextlib.closing(plan):
+        with contextlib.closing(plan), waits.request():  # its steps' waits: one timeout from here (waits.py)
             outcome = Outcome()
             while True:
                 step = next_step(plan, outcome)

@@ -16,6 +16,7 @@ bytes (and the values taken), so a later open checks nothing again.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import os
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 
 from ..errors import IntegrityError, ShardChangedError, printable
 from ..formats import BEGIN, END, NAME
+from ..sources import waits
 from ..utils.identity import ShardKey
 from ..utils.progress import Progress
 from .integrity import CACHE_MIN_BYTES, Checked, Hasher
@@ -308,8 +310,15 @@ class SignedRanges:
         if len(ordered) == 1:
             found = [one(ordered[0])]
         else:
-            with ThreadPoolExecutor(max_workers=min(CHECKERS, len(ordered))) as pool:
-                found = list(pool.map(one, ordered))
+            # Each in the request's own context (its deadline: waits.py); the first failure cancels the
+            # checks not begun (they would wait on the same bytes again, each a timeout more).
+            pool = ThreadPoolExecutor(max_workers=min(CHECKERS, len(ordered)))
+            try:
+                found = list(
+                    pool.map(lambda run: run(), [functools.partial(waits.in_copy(one), job) for job in ordered])
+                )
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
         for (shard, first, last), digests in zip(ordered, found, strict=True):
             checked.setdefault(shard, set()).update(range(first, last + 1))
             known.values.update(digests)
@@ -339,8 +348,12 @@ class SignedRanges:
             mine = running is None
             if running is None:
                 running = self._checking[key] = Future()
-        if not mine:
-            return running.result()
+        if not mine:  # waited for as long as the request may wait on its bytes (waits.py)
+            limit = hasher.model.shard_data(shard).wait_limit
+            shared: dict[str, str] = waits.wait_for(
+                running, limit, lambda: f"{printable(str(shard))}: a check of its signed bytes"
+            )
+            return shared
         try:
             digests = self._check(hasher, shard, first, last, advance, values=values)
         except BaseException as exc:

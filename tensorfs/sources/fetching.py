@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ClassVar
 
 from ..errors import ObjectChanged, RemoteError, TensorfsError
+from . import waits
 
 
 def lower_this_thread(by: int) -> None:
@@ -75,12 +76,13 @@ def failed_future(exc: Exception) -> Future[None]:
     return future
 
 
-def wait(futures: list[Future[None]]) -> None:
-    """Wait for every fetch; the first failure is raised (as the TensorfsError it is)."""
+def wait(futures: list[Future[None]], limit: float | None = None) -> None:
+    """Wait for every fetch (until the request's deadline for `limit`: waits.py); the first failure is
+    raised (as the TensorfsError it is)."""
     first: Exception | None = None
     for future in futures:
         try:
-            future.result()
+            waits.wait_for(future, limit, lambda: "a fetch shared with other readers")
         except Exception as exc:  # each fetch's own error; the first is told (Ctrl-C is not a fetch's)
             if first is None:
                 first = exc

@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from .. import formats
 from ..errors import InvalidModelError, Problem, RemoteError, ShardChangedError
 from ..formats import ShardHeader
 from ..utils.identity import Identity, settled
+from . import waits
 from .chunks import CachedObject, CacheFull, ChunkCache, NoRoomNow, default_cache_dir
 from .client import head, read_first_bytes, read_range
 from .fetching import COUNTERS, Fetcher, failed_future, wait
@@ -92,6 +92,7 @@ class RemoteShard(ShardData):
         self.key = self.label = cached.version.url
         self.view = cached.file.view
         self.options = options
+        self.wait_limit = options.timeout
         self._pool = Fetcher.pool(options.concurrency)
         self._lock = threading.Lock()
         self._frontier = -(1 << 62)  # where the run of ranges asked for so far ends
@@ -131,7 +132,7 @@ class RemoteShard(ShardData):
         first, last = self._chunks(start, end)
         waiting = [future for chunk in range(first, last + 1) if (future := self._fetch(chunk, room=False)) is not None]
         self._read_ahead(start, end, ahead, within)
-        wait(waiting)
+        wait(waiting, self.options.timeout)
         return self.cached.file.pages.populate(start, end)
 
     def ensure_pinned(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> None:
@@ -184,7 +185,7 @@ class RemoteShard(ShardData):
                 is not None
             ]
             if futures:
-                copied = self.cached.copy_arriving(start, end, time.monotonic() + self.options.timeout)
+                copied = self.cached.copy_arriving(start, end, waits.deadline(self.options.timeout))
                 if copied is not None:
                     if joined:
                         COUNTERS.add(arriving_reads=1)

@@ -64,6 +64,9 @@ class ShardData(ABC):
     view: memoryview
     """The whole shard, on a read-only mapping: zero-copy views and read replies come from it."""
     needs_ensure = False
+    wait_limit: float | None = None
+    """How long a request waits on work shared with others for its bytes (waits.py): a store's
+    --remote-timeout; None: a file's bytes come as fast as the disk gives them."""
     """Whether a range must be ensured before any view of it is handed out: a file's pages fault in
     by themselves, but a cache file's unfetched chunks are holes, which read as zeros."""
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ...errors import RemoteError, printable
+from .. import waits
 from ..fetching import COUNTERS, failed_future, wait
 from .arrivals import Arrivals
 from .files import ObjectFile
@@ -197,7 +198,7 @@ class CachedObject:
         reader ahead, or read-ahead) that found no room is not this read's failure: the claim
         settles room, and the chunk is claimed again.
         """
-        deadline = time.monotonic() + self.room_wait
+        deadline = waits.deadline(self.room_wait)  # one timeout from the request's start
         tries = 0
         while tries < 8:
             claimed = self.cache.claim(self, first, last, deadline)
@@ -209,7 +210,7 @@ class CachedObject:
             for future in started:
                 if future is not None:
                     try:
-                        future.result()
+                        waits.wait_for(future, self.room_wait, lambda: f"{self.version.url}: a fetch")
                     except Exception as exc:
                         failure = failure or exc
             if all(self._present[chunk] for chunk in range(first, last + 1)):
@@ -317,6 +318,8 @@ class CachedObject:
             running = self._inflight.get(chunk)
             if running is not None:
                 return running
+            if waits.expired(self.room_wait):  # a request past its deadline begins no fetch
+                return failed_future(RemoteError(f"{self.version.url}: no answer within {self.room_wait:g} s"))
             future = start.submit(self._fetch, chunk, offline, reserved, room, reading)
             self._inflight[chunk] = future
             return future
