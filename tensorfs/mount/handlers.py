@@ -5,10 +5,12 @@ a handler raises ends the daemon."""
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
@@ -51,16 +53,50 @@ def handler(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
             code = _ERRNO_OF.get(type(exc))
             if code is None:
                 code = errno.EIO
-                fields = {"op": op, "errno": "EIO", **getattr(exc, "fields", {})}
-                log.error("%s: %s (EIO)", describe(args), exc, extra={"fields": fields})
+                said = _SAID.say((op, args[1] if len(args) > 1 else None))
+                if said is not None:
+                    fields = {"op": op, "errno": "EIO", **getattr(exc, "fields", {})}
+                    log.error("%s: %s (EIO)%s", describe(args), exc, said, extra={"fields": fields})
             stats.error(op, code)
             raise pyfuse3.FUSEError(code) from None
         except Exception:
-            log.exception("bug in %s; answered EIO", describe(args), extra={"fields": {"op": op, "errno": "EIO"}})
+            said = _SAID.say((op, args[1] if len(args) > 1 else None, "bug"))
+            if said is not None:
+                fields = {"op": op, "errno": "EIO"}
+                log.exception("bug in %s; answered EIO%s", describe(args), said, extra={"fields": fields})
             stats.error(op, errno.EIO)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
+
+
+class ErrorLines:
+    """Which error lines are said: of each file (a request's inode or handle) and kind of request, the
+    first at once, then at most one a minute while they go on, saying how many were not (the stats
+    and metrics count every one): a user reading a refused file in a loop cannot grow the log."""
+
+    EVERY = 60.0
+    KEPT = 4096
+    """Files remembered at once (the oldest forgotten first: its next line is said at once)."""
+
+    def __init__(self) -> None:
+        self._files: collections.OrderedDict[object, tuple[float, int]] = collections.OrderedDict()
+
+    def say(self, key: object) -> str | None:
+        """None: not said (counted); else what the line adds (the lines not said before it)."""
+        now = time.monotonic()
+        said, since = self._files.get(key, (None, 0))
+        if said is not None and now - said < self.EVERY:
+            self._files[key] = (said, since + 1)
+            return None
+        self._files[key] = (now, 0)
+        self._files.move_to_end(key)
+        while len(self._files) > self.KEPT:
+            self._files.popitem(last=False)
+        return f"; {since} more like it since the last line said" if since else ""
+
+
+_SAID = ErrorLines()
 
 
 def _describer(method: Callable[..., Any]) -> Callable[[tuple[Any, ...]], str]:
