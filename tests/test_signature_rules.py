@@ -440,3 +440,34 @@ def test_a_remote_file_signed_whole_is_opened_again_lazily(
             assert hashed.bytes == 0  # no signed bytes checked again: each tensor against its value
     finally:
         shutil.rmtree(served)
+
+
+def test_a_verified_signature_kept_under_other_rules_is_verified_again(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a key verified is kept with the rules that verified it (tensorfs's, and model_signing's
+    release): once those change, a kept result is not taken, however it reads (it was, by the
+    signature's and the key's bytes alone, at d4c56fe)."""
+    import sqlite3
+
+    from tensorfs.caches.signatures import VerifiedSignatures
+    from tensorfs.proof.signature import verify_signature
+
+    private, public = keys
+    model = make_model(tmp_path / "m")
+    sign(model, private)
+    data = (model / "model.sig").read_bytes()
+    cache = VerifiedSignatures(tmp_path / "cache")
+    signature = tensorfs.Signature(public_key=public)
+    first = verify_signature(data, "model.sig", signature, cache)
+    assert "model.safetensors" in first.files or len(first.files) > 1
+    cache.close()
+    with sqlite3.connect(tmp_path / "cache" / "signatures.sqlite") as db:  # the kept result made to lie
+        (table,) = db.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchone()
+        lie = '{"key": "sha256:0", "method": "files", "files": {}, "ignored": []}'
+        assert db.execute(f"UPDATE {table} SET said=?", (lie,)).rowcount == 1
+    taken = verify_signature(data, "model.sig", signature, VerifiedSignatures(tmp_path / "cache"))
+    assert taken.files == {}  # the same rules: taken as kept (the cache's own trust, its directory's)
+    monkeypatch.setattr(tensorfs.proof.signature, "RULES", 1000, raising=False)  # how it verifies, changed
+    again = verify_signature(data, "model.sig", signature, VerifiedSignatures(tmp_path / "cache"))
+    assert again.files == first.files and again.signer == first.signer

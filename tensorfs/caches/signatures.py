@@ -15,27 +15,31 @@ from .sqlite import SqliteCache
 
 class VerifiedSignatures(SqliteCache):
     """What verified signatures said (signing.SignedModel, as JSON), by (SHA-256 of the signature,
-    SHA-256 of the key); safe for several processes at once."""
+    SHA-256 of the key, the rules that verified it); safe for several processes at once. A result
+    kept under other rules (a tensorfs or a model_signing that verified otherwise) is never taken."""
 
     FILE_NAME = "signatures.sqlite"
     TABLE = (
-        "CREATE TABLE IF NOT EXISTS signatures (bundle TEXT, material TEXT, said TEXT NOT NULL,"
-        " PRIMARY KEY (bundle, material)) WITHOUT ROWID"
+        "CREATE TABLE IF NOT EXISTS verified (bundle TEXT, material TEXT, rules TEXT, said TEXT NOT NULL,"
+        " PRIMARY KEY (bundle, material, rules)) WITHOUT ROWID"
     )
+    OBSOLETE = ("signatures",)  # rows kept under no rules (up to d4c56fe): never read, dropped
     NAME = "cache of verified signatures"
 
-    def get(self, bundle: str, material: str) -> str | None:
+    def get(self, bundle: str, material: str, rules: str) -> str | None:
         def said(connection: sqlite3.Connection) -> str | None:
             row = connection.execute(
-                "SELECT said FROM signatures WHERE bundle=? AND material=?", (bundle, material)
+                "SELECT said FROM verified WHERE bundle=? AND material=? AND rules=?", (bundle, material, rules)
             ).fetchone()
             return None if row is None else str(row[0])
 
         return self._with_connection(said, None)
 
-    def put(self, bundle: str, material: str, said: str) -> None:
+    def put(self, bundle: str, material: str, rules: str, said: str) -> None:
         def keep(connection: sqlite3.Connection) -> None:
             with connection:
-                connection.execute("INSERT OR REPLACE INTO signatures VALUES (?, ?, ?)", (bundle, material, said))
+                connection.execute(
+                    "INSERT OR REPLACE INTO verified VALUES (?, ?, ?, ?)", (bundle, material, rules, said)
+                )
 
         self._with_connection(keep, None)

@@ -25,6 +25,8 @@ class SqliteCache:
     """The database's file in the cache directory."""
     TABLE = ""
     """The CREATE TABLE IF NOT EXISTS statement of its one table."""
+    OBSOLETE: tuple[str, ...] = ()
+    """Tables of its earlier forms, dropped when it is opened (their rows are never read)."""
     NAME = ""
     """How warnings call it ("hash cache"), and what goes on without it."""
     WITHOUT = "going on without it"
@@ -56,6 +58,8 @@ class SqliteCache:
             connection.execute("PRAGMA journal_mode=WAL")
             # A cache may lose its last rows in a power cut, never its consistency: no fsync per commit.
             connection.execute("PRAGMA synchronous=NORMAL")
+            for table in self.OBSOLETE:
+                connection.execute(f"DROP TABLE IF EXISTS {table}")
             connection.execute(self.TABLE)
             connection.commit()
         except (sqlite3.Error, OSError, UnsafeLocation) as exc:

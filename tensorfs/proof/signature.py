@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -166,14 +167,30 @@ def verify_signature(
     key = _key_bytes(signature, label)
     digest = hashlib.sha256(data).hexdigest()
     material = None if key is None else hashlib.sha256(key).hexdigest()
+    rules = verifier_rules()
     if verified is not None and material is not None:
-        said = verified.get(digest, material)
+        said = verified.get(digest, material, rules)
         if said is not None:
             return _unremembered(said, label, signature, digest)
     signed = _verified(data, label, signature)
     if verified is not None and material is not None and _key_bytes(signature, label) == key:  # (unchanged meanwhile)
-        verified.put(digest, material, _remembered(signed))
+        verified.put(digest, material, rules, _remembered(signed))
     return signed
+
+
+RULES = 2
+"""The version of what verifying a signature means here (_verified, _remembered): raised whenever that
+changes, so that no result kept by a tensorfs that verified otherwise is taken."""
+
+
+def verifier_rules() -> str:
+    """What verifies a signature now: RULES and the model_signing release (its metadata, not its code:
+    importing it costs more than a warm open)."""
+    try:
+        release = importlib.metadata.version("model-signing")
+    except importlib.metadata.PackageNotFoundError:
+        release = "none"
+    return f"{RULES}/model-signing {release}"
 
 
 def _key_bytes(signature: Signature, label: str) -> bytes | None:
