@@ -907,6 +907,26 @@ def test_a_signed_models_view_and_export_are_the_signed_files(
 
 
 @pytest.mark.mount
+def test_a_signature_replaced_after_the_mount_is_served_as_it_was_verified(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """model.sig replaced (and then written in place) under a signed mount: the view serves the bytes
+    that were verified, as docs/signing.md says, and model_signing still verifies the view (it was
+    EIO at d4c56fe)."""
+    private, public = keys
+    model = signed_folder(tmp_path / "model", private, sharded=False)
+    verified = (model / "model.sig").read_bytes()
+    view = mounts.mount(model, "--public-key", str(public), "--no-cache") / ".tensorfs" / "model"
+    other = tmp_path / "other.sig"
+    other.write_bytes(b"x" * len(verified))
+    other.replace(model / "model.sig")  # another file under its name
+    assert (view / "model.sig").read_bytes() == verified
+    (model / "model.sig").write_bytes(b"y" * len(verified))  # and its bytes written in place
+    assert (view / "model.sig").read_bytes() == verified
+    assert library_accepts(view, public, view / "model.sig")  # the view, as it was signed
+
+
+@pytest.mark.mount
 def test_a_signed_models_variant_is_held_to_the_signature_in_its_view(
     mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
 ) -> None:

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +128,8 @@ class SignedModel:
     """The SHA-256 of the signature's bytes, as they were verified."""
     path: str | None = None
     """The signature's own path in the model's directory, when it lies there (signed.hold_model)."""
+    document: bytes = field(default=b"", repr=False, compare=False)
+    """The signature's bytes, as they were verified (a view serves them as its model.sig)."""
 
     def is_ignored(self, relative: str) -> bool:
         """Whether a file of the model is one the signature leaves out (itself among them)."""
@@ -171,11 +173,11 @@ def verify_signature(
     if verified is not None and material is not None:
         said = verified.get(digest, material, rules)
         if said is not None:
-            return _unremembered(said, label, signature, digest)
+            return dataclasses.replace(_unremembered(said, label, signature, digest), document=data)
     signed = _verified(data, label, signature)
     if verified is not None and material is not None and _key_bytes(signature, label) == key:  # (unchanged meanwhile)
         verified.put(digest, material, rules, _remembered(signed))
-    return signed
+    return dataclasses.replace(signed, document=data)
 
 
 RULES = 2

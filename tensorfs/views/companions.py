@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,9 @@ class Companion:
     status: os.stat_result | None
     """The source file's, for its owner and permissions (None: a remote object's, the source's apply)."""
     origin: LocalOrigin | RemoteOrigin
+    content: bytes | None = field(default=None, repr=False)
+    """Its bytes as they were proven, served from here whatever becomes of the file (a signature's
+    own, as it was verified); None: read from where it is."""
 
 
 class CompanionError(TensorfsError):
@@ -94,6 +97,8 @@ class CompanionFiles:
         size = max(0, min(size, companion.size - offset))
         if size == 0:
             return b""
+        if companion.content is not None:
+            return companion.content[offset : offset + size]
         opened = self._opened(companion)
         if isinstance(opened, _LocalFile):
             return opened.read(offset, size)

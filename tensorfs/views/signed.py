@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable
 
@@ -48,7 +49,8 @@ def signed_companions(
                 if digest.hex() != signed.digest:
                     problems.append(f"{printable(shown)}: changed since it was verified")
                     continue
-                kept.append(companion)
+                verified = signed.document if len(signed.document) == companion.size else None
+                kept.append(dataclasses.replace(companion, content=verified))  # served as it was verified
             continue
         if signed.is_ignored(companion.path) and companion.path not in signed.files:
             continue
