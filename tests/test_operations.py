@@ -595,3 +595,28 @@ def test_a_file_refused_10000_times_says_so_in_a_few_lines(mounts: Mounts, model
     assert errors_after - errors_before >= 10_000  # every one counted (the kernel tries a failed page twice)
     lines = [line for line in mounts.log().splitlines() if "config.json" in line and " ERROR " in line]
     assert 1 <= len(lines) <= 2, lines
+
+
+def test_a_name_too_long_and_the_counters_as_a_file(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
+    """POSIX as callers test it: a name over the 255 bytes statfs says is ENAMETOOLONG (it was
+    ENOENT); .tensorfs/stats.json says its true size, so shutil.copyfile and mmap take all of it (both
+    took 0 bytes at d4c56fe), each open a fresh snapshot."""
+    import mmap
+
+    mountpoint = mounts.mount(model_dir)
+    assert os.statvfs(mountpoint).f_namemax == 255
+    with pytest.raises(OSError) as caught:
+        os.stat(mountpoint / ("x" * 256))
+    assert caught.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(FileNotFoundError):
+        os.stat(mountpoint / ("x" * 255))
+    stats = mountpoint / ".tensorfs" / "stats.json"
+    assert [p.name for p in (mountpoint / ".tensorfs").iterdir() if p.name == "stats.json"]  # listed too
+    copied = tmp_path / "copied.json"
+    shutil.copyfile(stats, copied)
+    assert json.loads(copied.read_bytes())["pid"] == mounts.daemon_pid(mountpoint)
+    with open(stats, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        assert len(mapped) == os.fstat(f.fileno()).st_size > 0
+        assert json.loads(bytes(mapped))["version"] == json.loads(copied.read_bytes())["version"]
+    before = json.loads(stats.read_bytes())["requests"].get("open", 0)
+    assert json.loads(stats.read_bytes())["requests"]["open"] > before  # a fresh snapshot each open

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import json
 import logging
 import os
 import time
@@ -32,12 +31,13 @@ from ..proof.integrity import HASH_WORKERS
 from ..sources import waits
 from ..sources.fetching import lower_this_thread
 from ..sources.shard import ShardData
-from ..utils.names import STATS_NAME
+from ..utils.names import CONTROL_DIR, STATS_NAME
 from ..views import Companion, Piece, SynthesizedFile, Untensored, WeightsFile
 from .checks import Invalidate, MountReporter, Sums
 from .handlers import handler, not_implemented, read_only
 from .readahead import DEFAULT_PREFETCH, OpenTensor, ReadAhead
 from .stats import Stats
+from .statsfile import StatsFile
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 
 if TYPE_CHECKING:
@@ -53,11 +53,8 @@ CACHE_TIMEOUT = 24 * 3600.0
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
-"""The .tensorfs/ file of the daemon's counters: a snapshot made at each open."""
-
-
-def stats_json(stats: Stats) -> bytes:
-    return (json.dumps(stats.snapshot(), indent=1) + "\n").encode()
+NAME_MAX = 255
+"""The longest name a directory of the tree holds, in bytes (what statfs says)."""
 
 
 class TensorOperations(pyfuse3.Operations):
@@ -115,7 +112,9 @@ class TensorOperations(pyfuse3.Operations):
         }
         self._replied: list[_Held] = []  # ranges replied from: held (remote), then let go of
         self.files = self.tree.inode_count
-        self._snapshots: dict[int, bytes] = {}  # open stats.json files: each its own snapshot
+        self.stats_file = StatsFile(self.stats)
+        """stats.json: a snapshot each open, its size true (statsfile.py)."""
+        self._stats_inode = _inode_of(tree, CONTROL_DIR, STATS_NAME)
         self._next_fh = 1 << 48  # handles of those opens, above every inode
 
     @property
@@ -204,6 +203,10 @@ class TensorOperations(pyfuse3.Operations):
         entry.st_gid = attributes.gid
         entry.st_rdev = 0
         entry.st_size = attributes.size
+        if attributes.inode == self._stats_inode:  # its size as it is now, asked again each time
+            self.stats_file.snapshot()
+            entry.st_size = self.stats_file.size
+            entry.entry_timeout = entry.attr_timeout = 0
         entry.st_blksize = 1 << 20
         entry.st_blocks = -(-attributes.size // 512)
         entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = attributes.mtime_ns
@@ -228,6 +231,8 @@ class TensorOperations(pyfuse3.Operations):
             inode = parent_inode
         elif name == b"..":
             inode = self.tree.parent(parent_inode)
+        elif len(name) > NAME_MAX:  # as statfs says: callers test for ENAMETOOLONG, not ENOENT
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         else:
             inode = self.tree.lookup(parent_inode, _decode(name))
         await self._up_to_date(inode)
@@ -279,6 +284,11 @@ class TensorOperations(pyfuse3.Operations):
             offset = 2
         shared = None  # what the previous entry set of mode, owner and times: set again only if changed
         for name, inode, mode, size, nlink, mtime, uid, gid in tree.scan(fh, offset - 2):
+            if inode == self._stats_inode:  # its own attributes: never cached
+                offset += 1
+                if not reply(token, name.encode(), self._entry(tree.attributes(inode)), offset):
+                    break
+                continue
             entry.st_ino = inode
             entry.st_size = size
             entry.st_blocks = -(-size // 512)
@@ -307,13 +317,13 @@ class TensorOperations(pyfuse3.Operations):
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.kind is Kind.CONTROL and node.control == STATS_NAME:
-            # A fresh snapshot for each open, read with direct_io: no cached page or stale size
-            # cuts it short (the data files keep the page cache); every change reported so far in it.
+            # A fresh snapshot for each open (no page kept), every change reported so far in it; not
+            # direct_io: it may be mapped, as any file (statsfile.py).
             self.notice_changes()
             fh, self._next_fh = self._next_fh, self._next_fh + 1
-            self._snapshots[fh] = stats_json(self.stats)
+            self.stats_file.opened(fh)
             self.stats.open_files += 1
-            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
             self._span_of(node.tensor, inode)
@@ -337,9 +347,9 @@ class TensorOperations(pyfuse3.Operations):
         span = self._spans.get(fh)
         if span is not None:
             return "tensor", await self._read_tensor(span, off, size)
-        snapshot = self._snapshots.get(fh)
+        snapshot = self.stats_file.read(fh, off, size)
         if snapshot is not None:
-            return "control", snapshot[off : off + size]
+            return "control", snapshot
         node = self.tree.node(fh)
         kind = "control"
         if node.kind is Kind.SHA256:
@@ -469,7 +479,7 @@ class TensorOperations(pyfuse3.Operations):
         held.clear()
 
     async def release(self, fh: int) -> None:
-        self._snapshots.pop(fh, None)
+        self.stats_file.released(fh)
         self.stats.open_files -= 1
 
     # Nothing to write back on a close; and no extended attributes (the kernel then answers
@@ -486,7 +496,7 @@ class TensorOperations(pyfuse3.Operations):
         stats.f_bfree = stats.f_bavail = 0
         stats.f_files = self.files
         stats.f_ffree = stats.f_favail = 0
-        stats.f_namemax = 255
+        stats.f_namemax = NAME_MAX
         return stats
 
     # -- everything that would change the tree: refused -------------------------------------
@@ -519,6 +529,17 @@ def _threads_for(kind: StepKind) -> int:
 
 _Held = tuple[ShardData, int, int]
 """A range a reply was made from (pinned, for a remote shard): the shard, [start, end)."""
+
+
+def _inode_of(tree: Tree, *path: str) -> int:
+    """The inode of a path of the tree (-1: none)."""
+    inode = ROOT_INODE
+    try:
+        for name in path:
+            inode = tree.lookup(inode, name)
+    except NoSuchEntry:
+        return -1
+    return inode
 
 
 def _decode(name: bytes) -> str:

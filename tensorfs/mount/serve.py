@@ -56,7 +56,7 @@ def serve(served: Served, mountpoint: Path, options: MountOptions, notify: Calla
         "metadata.json": lambda: metadata_json(model),
         "daemon.json": lambda: _json(record),
     }
-    control[STATS_NAME] = lambda: b""  # made afresh at each open (size 0: it is read with direct_io)
+    control[STATS_NAME] = lambda: b""  # made afresh at each open (mount/statsfile.py)
     for warning in view.warnings:
         log.warning("%s", warning)
     others = [(other, other.gate) for other in served.others]
