@@ -814,6 +814,17 @@ def fingerprints_pending(mountpoint: Path) -> int:
     return pending
 
 
+def invalidated(mountpoint: Path, times: int = 1) -> None:
+    """Wait until the mount's daemon has had the kernel drop what it caches of changed shards' files
+    `times` times (its counter, not the effect: a test then asserts the effect at once, and fails at
+    once when it is not there)."""
+    from conftest import wait_until
+
+    wait_until(
+        lambda: daemon_stats(mountpoint)["invalidations"] >= times, what="the kernel told to drop the shard's pages"
+    )
+
+
 def remote_stats(mountpoint: Path) -> dict[str, int]:
     """What a mount's daemon counts of its remote sources (stats.json's sources.remote)."""
     remote: dict[str, int] = daemon_stats(mountpoint)["sources"]["remote"]

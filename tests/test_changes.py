@@ -32,6 +32,7 @@ from helpers import (
     entry,
     errno_of_reading,
     fingerprints_pending,
+    invalidated,
     mib_sharded_model,
     model_bytes,
     patience,
@@ -95,12 +96,11 @@ def test_a_shard_truncated_under_the_mount(mounts: Mounts, model_dir: Path) -> N
                 assert errno_of_reading(mountpoint / name) == errno.EIO, name
             with open(shard, "r+b") as written:  # changed again: still one shard, refused once
                 written.write(b"\xff")
-        wait_until(lambda: refused(reader, expected["t1.3"], 3 * MIB), what="the open reader to be refused")
+        invalidated(mountpoint)  # what the kernel had cached of the shard is dropped too
+        assert refused(reader, expected["t1.3"], 3 * MIB)
     finally:
         reader.close()
-    # what the kernel had cached of the shard is dropped too, soon: no file of it is served again
-    wait_until(lambda: errno_of_reading(mountpoint / "t1.0") == errno.EIO, what="t1.0's cached pages to go")
-    assert errno_of_reading(mountpoint / "t1.0") == errno.EIO
+    assert errno_of_reading(mountpoint / "t1.0") == errno.EIO  # no file of it is served again
     assert pid_alive(pid)
     for kept in ("t0.3", "t2.1"):
         assert (mountpoint / kept).read_bytes() == expected[kept]
@@ -222,7 +222,8 @@ def test_a_shard_overwritten_in_place_is_refused_until_remounted(mounts: Mounts,
     overwrite_in_place(model_dir / "s2.safetensors", offset_of(model_dir, "t2.1") + 5, b"\xff" * 64)
     for name in ("t2.0", "t2.3", "t2.3.sha256"):
         assert errno_of_reading(mountpoint / name) == errno.EIO, name
-    wait_until(lambda: errno_of_reading(mountpoint / "t2.1") == errno.EIO, what="t2.1's cached pages to go")
+    invalidated(mountpoint)  # t2.1's cached pages gone too
+    assert errno_of_reading(mountpoint / "t2.1") == errno.EIO
     assert (mountpoint / "t0.1").read_bytes() == expected["t0.1"] and pid_alive(pid)
     assert f"shard {model_dir / 's2.safetensors'} was changed in place" in mounts.log()
     assert mounts.run("umount", str(mountpoint)).returncode == 0
@@ -262,7 +263,8 @@ def test_the_view_of_a_shard_overwritten_in_place_is_refused(mounts: Mounts, mod
 
     assert read_of("t2.1") == expected["t2.1"]
     overwrite_in_place(model_dir / "s2.safetensors", offset_of(model_dir, "t2.1") + 5, b"\xff" * 64)
-    wait_until(lambda: read_of("t2.1") == errno.EIO, what="the view's cached pages of t2.1 to go")
+    invalidated(mountpoint)  # the view's cached pages of t2.1 gone too
+    assert read_of("t2.1") == errno.EIO
     assert read_of("t2.2") == errno.EIO and read_of("t0.1") == expected["t0.1"]
 
 
@@ -367,7 +369,8 @@ def test_a_shard_overwritten_in_place_with_a_manifest(mounts: Mounts, model_dir:
         assert reader.read(4096) == expected["t1.1"][:4096]
         where = offset_of(model_dir, "t1.1") + MIB
         overwrite_in_place(model_dir / "s1.safetensors", where, b"\x00" * 100)
-        wait_until(lambda: refused(reader, expected["t1.1"], MIB), what="the open reader to be refused")
+        invalidated(mountpoint)
+        assert refused(reader, expected["t1.1"], MIB)
     finally:
         reader.close()
     assert errno_of_reading(mountpoint / "t1.1") == errno.EIO
@@ -377,7 +380,8 @@ def test_a_shard_overwritten_in_place_with_a_manifest(mounts: Mounts, model_dir:
     assert f"shard {model_dir / 's1.safetensors'} changed under the mount" in log
     assert "tensor 't1.1' in shard" in log and "does not match the manifest" in log
     overwrite_in_place(model_dir / "s1.safetensors", where, expected["t1.1"][MIB : MIB + 100])  # put back
-    wait_until(lambda: errno_of_reading(mountpoint / "t1.1") is None, what="t1.1 to verify again")
+    invalidated(mountpoint, 2)
+    assert errno_of_reading(mountpoint / "t1.1") is None  # verified again
     assert (mountpoint / "t1.1").read_bytes() == expected["t1.1"]
 
 
@@ -389,7 +393,8 @@ def test_a_shard_truncated_under_a_mount_with_a_manifest(mounts: Mounts, model_d
     pid = mounts.daemon_pid(mountpoint)
     assert (mountpoint / "t0.3").read_bytes() == expected["t0.3"]
     os.truncate(model_dir / "s0.safetensors", offset_of(model_dir, "t0.3") + 3 * MIB)
-    wait_until(lambda: errno_of_reading(mountpoint / "t0.3") == errno.EIO, what="t0.3 to be refused")
+    invalidated(mountpoint)
+    assert errno_of_reading(mountpoint / "t0.3") == errno.EIO
     assert errno_of_reading(mountpoint / "t0.2") is None  # before the cut: verified again, and served
     assert pid_alive(pid)
     assert "tensor 't0.3': bytes [3145728, 4194304) of the tensor are gone" in mounts.log()

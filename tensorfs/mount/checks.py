@@ -152,6 +152,7 @@ class MountReporter(Reporter):
             return
         if self.nursery is None:  # not serving (tests): at once
             self.invalidate([*self.tree.inodes_of(shard), self.tree.sums_inode], attr_only=attr_only)
+            self.stats.invalidations += not attr_only
             return
         try:
             trio.lowlevel.current_task()
@@ -180,6 +181,7 @@ class MountReporter(Reporter):
                 attr_only = self._invalidations.pop(shard)
                 inodes = [*self.tree.inodes_of(shard), self.tree.sums_inode]
                 await trio.to_thread.run_sync(functools.partial(self.invalidate, inodes, attr_only=attr_only))
+                self.stats.invalidations += not attr_only  # (a test waits on it, then finds the pages gone)
         finally:
             self._invalidating.discard(shard)
 

@@ -64,6 +64,8 @@ class Stats:
         """Times a shard's status changed with no manifest, and the bytes served from it were read again."""
         self.unchanged_shards = 0
         """Of those, the times they were found as they were (a chmod, a touch): served on."""
+        self.invalidations = 0
+        """Times the kernel was told to drop the pages it caches of a changed shard's files, and had."""
         self.fallback_tensors: dict[str, str] = {}
         """Tensors served from a fallback: by name, which one (--fallback, as given)."""
         self.fallback_reads: dict[str, int] = {}
@@ -155,6 +157,7 @@ class Stats:
             "changed_shards": len(self.changed),
             "rechecked_shards": self.rechecked_shards,
             "unchanged_shards": self.unchanged_shards,
+            "invalidations": self.invalidations,
             "fallback": {
                 "tensors": dict(self.fallback_tensors),
                 "reads": dict(self.fallback_reads),
