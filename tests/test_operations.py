@@ -600,7 +600,7 @@ def test_a_file_refused_10000_times_says_so_in_a_few_lines(mounts: Mounts, model
 def test_a_name_too_long_and_the_counters_as_a_file(mounts: Mounts, model_dir: Path, tmp_path: Path) -> None:
     """POSIX as callers test it: a name over the 255 bytes statfs says is ENAMETOOLONG (it was
     ENOENT); .tensorfs/stats.json says its true size, so shutil.copyfile and mmap take all of it (both
-    took 0 bytes at d4c56fe), each open a fresh snapshot."""
+    took 0 bytes at d4c56fe; a private mapping: it is read with direct_io), each open a fresh snapshot."""
     import mmap
 
     mountpoint = mounts.mount(model_dir)
@@ -615,7 +615,7 @@ def test_a_name_too_long_and_the_counters_as_a_file(mounts: Mounts, model_dir: P
     copied = tmp_path / "copied.json"
     shutil.copyfile(stats, copied)
     assert json.loads(copied.read_bytes())["pid"] == mounts.daemon_pid(mountpoint)
-    with open(stats, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+    with open(stats, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as mapped:
         assert len(mapped) == os.fstat(f.fileno()).st_size > 0
         assert json.loads(bytes(mapped))["version"] == json.loads(copied.read_bytes())["version"]
     before = json.loads(stats.read_bytes())["requests"].get("open", 0)

@@ -317,13 +317,14 @@ class TensorOperations(pyfuse3.Operations):
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.kind is Kind.CONTROL and node.control == STATS_NAME:
-            # A fresh snapshot for each open (no page kept), every change reported so far in it; not
-            # direct_io: it may be mapped, as any file (statsfile.py).
+            # A fresh snapshot for each open, every change reported so far in it; read with direct_io:
+            # never queued behind readers' read-ahead (the kernel's background requests, which a store
+            # that stalls holds for a timeout), and no cached page keeps an old snapshot (statsfile.py).
             self.notice_changes()
             fh, self._next_fh = self._next_fh, self._next_fh + 1
             self.stats_file.opened(fh)
             self.stats.open_files += 1
-            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         if node.kind is Kind.TENSOR:
             assert node.tensor is not None
             self._span_of(node.tensor, inode)

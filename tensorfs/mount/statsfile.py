@@ -4,7 +4,9 @@ stat tells truly (copyfile and mmap take the size a stat says: a size of 0 made 
 A snapshot's length changes as the counters grow, and the kernel asks the size before the open that
 takes the snapshot: so the file's size is a bound, raised (never lowered) when a snapshot outgrows
 it, and every snapshot is read as padded to it with spaces before its last newline (JSON allows
-them). Its attributes are never cached (a timeout of 0), so a read asks the size again.
+them). Its attributes are never cached (a timeout of 0). It is read with direct_io (the daemon's
+answer, never a cached page, never queued behind readers' read-ahead): mapped, it must be mapped
+private (np.memmap's mode "c"); a shared mapping of it is ENODEV (libfuse 3.14 cannot allow one).
 """
 
 from __future__ import annotations
