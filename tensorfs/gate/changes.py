@@ -26,7 +26,7 @@ from ..sources.watch import Change
 from ..utils.identity import ShardKey
 from .digests import Digests
 from .files import FileState, WatchedFiles
-from .fingerprints import Fingerprints
+from .fingerprints import Fingerprints, prepare
 from .plans import Place, Plan, Refused
 from .reporter import Reporter
 from .router import Router
@@ -131,6 +131,7 @@ class Changes:
     # -- fingerprints of the bytes served --------------------------------------------------------
     def fingerprint_from_now(self) -> None:
         """Fingerprint the bytes of the shards' files served, from now on (a mount)."""
+        prepare()
         with self._gate.lock:
             self.fingerprinting = True
             for _, state in self.files.watched_files():

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import crc32c
 
-__all__ = ["BLOCK", "Fingerprints"]
+__all__ = ["BLOCK", "Fingerprints", "prepare"]
 
 BLOCK = 64 << 10
 """The bytes one fingerprint covers: a random 4 KiB reader's are read 16 times over to be taken (the
@@ -123,14 +123,20 @@ _made = 0
 _making = threading.Lock()
 
 
+def prepare() -> None:
+    """Make the buffers fingerprints are read into now (a mount, as it starts: its memory and mappings
+    are then what they stay, however many bytes it serves)."""
+    global _made
+    with _making:
+        while _made < _BUFFER_COUNT:
+            _made += 1
+            _BUFFERS.put(memoryview(bytearray(_PIECE)))
+
+
 @contextlib.contextmanager
 def _piece() -> Iterator[memoryview]:
     """A buffer of _PIECE bytes, borrowed (waited for when every one is lent)."""
-    global _made
-    with _making:
-        if _made < _BUFFER_COUNT and _BUFFERS.empty():
-            _made += 1
-            _BUFFERS.put(memoryview(bytearray(_PIECE)))
+    prepare()
     buffer = _BUFFERS.get()
     try:
         yield buffer

@@ -107,6 +107,7 @@ class TensorOperations(pyfuse3.Operations):
         self._checking: set[Gate] = set()  # gates whose held shards are being checked
         # Work that may wait while readers are served: the CRCs of what they were served, first of all.
         self._background = ThreadPoolExecutor(1, "background", initializer=lower_this_thread, initargs=(19,))
+        self._background.submit(int)  # its thread made now: the daemon's threads are then those it keeps
         self.stats.sources["fingerprints"] = lambda: {
             "pending_bytes": sum(g.fingerprints_pending() for g in self.gates)
         }

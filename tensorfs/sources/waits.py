@@ -53,6 +53,13 @@ def expired(limit: float | None) -> bool:
     return limit is not None and _STARTED.get() is not None and time.monotonic() >= deadline(limit)
 
 
+GRACE = 1.0
+"""Seconds a wait at its deadline gives the work it waits on to say why it failed: the work began a
+moment after the request, and its own timeout (the store client's retries, the last of which may
+end past it) a moment after the request's; its failure (a 500 retried until then, say) is the better
+answer."""
+
+
 def wait_for(future: Future[T], limit: float | None, what: Callable[[], str]) -> T:
     """The future's result, waited for until the request's deadline for `limit` (None: as long as it
     takes: local work). RemoteError naming `what` when the deadline comes first."""
@@ -61,7 +68,13 @@ def wait_for(future: Future[T], limit: float | None, what: Callable[[], str]) ->
     try:
         return future.result(timeout=max(0.0, deadline(limit) - time.monotonic()))
     except concurrent.futures.TimeoutError:
-        raise RemoteError(f"{what()}: no answer within {limit:g} s (--remote-timeout)") from None
+        pass
+    try:
+        return future.result(timeout=GRACE)  # (its own failure, if it comes now, said as it is)
+    except concurrent.futures.TimeoutError:
+        raise RemoteError(
+            f"{what()}: no answer within --remote-timeout ({limit:g} s): the store, or the connection to it, stalled"
+        ) from None
 
 
 def in_copy(call: Callable[..., T]) -> Callable[..., T]:

@@ -319,7 +319,7 @@ class CachedObject:
             if running is not None:
                 return running
             if waits.expired(self.room_wait):  # a request past its deadline begins no fetch
-                return failed_future(RemoteError(f"{self.version.url}: no answer within {self.room_wait:g} s"))
+                return failed_future(RemoteError(f"{self.version.url}: no answer within --remote-timeout"))
             future = start.submit(self._fetch, chunk, offline, reserved, room, reading)
             self._inflight[chunk] = future
             return future
