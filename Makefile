@@ -92,6 +92,7 @@ bench: install
 	$(PY) -m tensorfs.cli bench --suite formats
 	$(PY) -m tensorfs.cli bench --suite fleet
 	$(PY) -m tensorfs.cli bench --suite signed
+	$(PY) -m tensorfs.cli bench --suite random
 
 # Mounts under the demo directory go first: nothing beneath a live read-only mount can be removed.
 clean:

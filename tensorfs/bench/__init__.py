@@ -13,6 +13,8 @@
 - formats: formats.py, GGUF against safetensors (mount, reads) and against modelvet (validating);
 - signed: signed.py, a model held to an OpenSSF Model Signing signature (in-process, mounted; local
   and from SeaweedFS) against model_signing's verify then safetensors, each side a process of its own;
+- random: randomreads.py, random readers of a big tensor (4 KiB and 1 MiB) through the mount, against
+  the file and bindfs, and what was read ahead of them;
 - fleet: fleet.py, N nodes (network namespaces) reading one model through a caching tier (nginx) from
   a SeaweedFS cluster (cluster.py), against one node: the aggregate rate and the store's egress.
 
@@ -33,7 +35,7 @@ from .common import Config, Report, compile_package
 
 __all__ = ["SUITES", "Config", "Report", "main"]
 
-SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet", "signed")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet", "signed", "random")
 
 
 def main(config: Config, json_path: Path | None = None, *, suite: str = "read") -> int:
@@ -56,6 +58,8 @@ def main(config: Config, json_path: Path | None = None, *, suite: str = "read") 
         from .fleet import run
     elif suite == "signed":
         from .signed import run
+    elif suite == "random":
+        from .randomreads import run
     else:
         raise ValueError(f"no benchmark suite {suite!r} (the suites: {', '.join(SUITES)})")
     uncompiled = compile_package()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import mmap
 import os
 import statistics
@@ -38,6 +39,7 @@ OWN_FIELDS = {
     "formats": "formats_",
     "fleet": "fleet_",
     "signed": "signed_",
+    "random": "random_",
 }
 """The prefix of the Config fields of each suite whose defaults differ from the read suite's."""
 
@@ -106,6 +108,12 @@ class Config:
     """... this big ..."""
     signed_repeat: int = 3
     """... median of this many tries."""
+    random_gib: float = 1.0
+    """The random suite (randomreads.py): a tensor this big, read at random offsets ..."""
+    random_reads: int = 2000
+    """... this many reads of each size (a quarter of the tensor at most) ..."""
+    random_repeat: int = 3
+    """... median of this many tries."""
 
     def settings(self, suite: str) -> dict[str, str]:
         """The fields `suite` reads, as text (the JSON report's "config"): the open, hash and small
@@ -153,6 +161,9 @@ class Config:
             signed_tensor_mib=8,
             signed_range_mib=1,
             signed_repeat=1,
+            random_gib=1 / 16,
+            random_reads=200,
+            random_repeat=1,
         )
 
 
@@ -205,6 +216,12 @@ def warm(paths: list[Path]) -> None:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buffer):
                 pass
+
+
+def daemon_stats(mountpoint: Path) -> dict[str, Any]:
+    """What a mount's daemon counts: its .tensorfs/stats.json."""
+    stats: dict[str, Any] = json.loads((mountpoint / ".tensorfs" / "stats.json").read_bytes())
+    return stats
 
 
 def can_drop_caches() -> bool:

@@ -9,7 +9,7 @@ import click
 from .group import cli
 from .options import READAHEAD_KB, Finite, ParsedText, hidden_alias
 
-SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet", "signed")
+SUITES = ("read", "remote", "open", "hash", "small", "load", "formats", "fleet", "signed", "random")
 """tensorfs.bench.SUITES, here without importing the benchmark (numpy) to build the command line."""
 
 FIELDS: dict[str, dict[str, str]] = {
@@ -22,6 +22,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "formats": {"gib": "formats_gib", "repeat": "formats_repeat"},
     "fleet": {"gib": "fleet_gib", "shards": "fleet_shards", "repeat": "fleet_repeat", "nodes": "fleet_nodes"},
     "signed": {"gib": "signed_gib", "shards": "signed_shards", "repeat": "signed_repeat"},
+    "random": {"gib": "random_gib", "repeat": "random_repeat"},
 }
 """The Config field each option sets, by suite; an option a suite has no field for is refused."""
 
@@ -125,6 +126,10 @@ def bench(
     ranges), in-process and mounted, local and from SeaweedFS, against model_signing's verify then
     safetensors; each side a process of its own (needs FUSE, weed, model_signing). --gib 4,
     --shards 4, --repeat 3.
+
+    random: random readers of one big tensor, 4 KiB and 1 MiB reads at random offsets, page cache
+    dropped (needs FUSE, root), through the mount against the file and bindfs; and what the daemon
+    read ahead of them against what it served. --gib 1, --repeat 3.
     """
     from .. import bench as benchmark
 

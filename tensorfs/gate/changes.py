@@ -134,9 +134,10 @@ class Changes:
         prepare()
         with self._gate.lock:
             self.fingerprinting = True
-            for _, state in self.files.watched_files():
+            for data, state in self.files.watched_files():
                 if state.fingerprints is None and not state.copy:
                     state.fingerprints = Fingerprints(self._gate.tables.shard_header(state.shard).file_size)
+                    data.read_back(0, memoryview(b""))  # what it reads back with, made now (its descriptor)
 
     def served(self, place: Place, low: int, high: int) -> None:
         """Bytes [low, high) of the place go out: their fingerprints are to be taken (quick), where the
@@ -166,7 +167,7 @@ class Changes:
             if unsettled:
                 continue
             try:
-                found = fingerprints.take(data.readinto)
+                found = fingerprints.take(data.read_back)
             except ShardChangedError:
                 continue  # cut: its change is told, and the shard held, at the next look
             with gate.lock:
@@ -207,7 +208,7 @@ class Changes:
                 if data.status().st_size != state.fingerprints.size:  # cut, or grown: not the file served
                     differs: int | None = min(data.status().st_size, state.fingerprints.size)
                 else:
-                    differs = state.fingerprints.differs(data.readinto)
+                    differs = state.fingerprints.differs(data.read_back)
             except (ShardChangedError, OSError) as exc:
                 differs = getattr(exc, "lost_from", None) or 0
             with gate.lock:

@@ -2,10 +2,13 @@
 brought in before, a small tensor's resident pages), else brought in off the request thread; and a
 window ahead of a stream of requests, never of a random reader.
 
-A stream is a reader whose request begins where one of its last requests ended (or at the tensor's
-first byte): the kernel's own read-ahead makes a sequential reader's requests so. Only then is a
-window brought in past the request (and kept ahead of it as it is consumed); a random reader has
-its requests alone brought in.
+A stream is a run of requests each beginning where the one before ended, begun at the tensor's
+first byte or grown past STREAM_AFTER (the kernel's own read-ahead makes a sequential reader's
+requests so; one read of a MiB by a random reader may come as several requests that follow each
+other: no stream yet). Only a stream has a window brought in past its request (and kept ahead of it
+as it is consumed). A random reader's request is read from the file into its answer, exactly its
+bytes: bringing them in through the mapping read a fault's whole read-around from the disk (128 KiB
+for 4 KiB: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ __all__ = ["DEFAULT_PREFETCH", "SMALL_TENSOR", "OpenTensor", "ReadAhead"]
 DEFAULT_PREFETCH = 32 << 20
 SMALL_TENSOR = 1 << 20
 """Tensors up to this size are read without a worker thread when their pages are in memory already."""
+INLINE_READ = 64 << 10
+"""A random reader's request up to this size is read on the request thread itself, from a disk that
+answers such reads within INLINE_BELOW: a hop to a worker thread and back costs about 0.1 ms here,
+more than the read (docs/performance.md); a slower disk's are read on worker threads, as streams'."""
+INLINE_BELOW = 0.0002
 STREAMS = 4
-"""Request ends remembered per open tensor: as many readers streaming through it at once are told apart."""
+"""Runs of requests remembered per open tensor: as many readers streaming through it at once are told apart."""
+STREAM_AFTER = 4 << 20
+"""Bytes a run of requests that follow each other grows to before it is a stream (unless it began at
+the tensor's first byte): a random reader's 1 MiB read comes as up to 8 requests in a run."""
 
 
 @dataclass(eq=False)
@@ -50,16 +61,22 @@ class OpenTensor:
     ready_from: int = 0
     ready_to: int = 0
     prefetching: bool = False
-    ends: deque[int] = field(default_factory=lambda: deque(maxlen=STREAMS))
-    """Where the last requests ended (offsets of the place's data)."""
+    runs: deque[list[int]] = field(default_factory=lambda: deque(maxlen=STREAMS))
+    """The last runs of requests, each [where it began, where it ends now] (offsets of the place's data)."""
 
     def in_shard(self, place: Place, offset: int) -> int:
         """An offset of the place's data as the offset of the same byte of the tensor in its own shard."""
         return self.origin + offset - place.start
 
-    def streams(self, place: Place, low: int) -> bool:
-        """Whether a request from `low` goes on from one before (or begins the tensor): a stream."""
-        return low == place.start or low in self.ends
+    def streams(self, place: Place, low: int, high: int) -> bool:
+        """Whether a request of [low, high) is part of a stream (see the module's docstring); it is
+        counted in its run."""
+        for run in self.runs:
+            if run[1] == low:
+                run[1] = high
+                return run[0] == place.start or run[1] - run[0] >= STREAM_AFTER
+        self.runs.append([low, high])
+        return low == place.start
 
 
 class ReadAhead:
@@ -71,6 +88,7 @@ class ReadAhead:
         """Bytes brought in ahead of a stream."""
         self._nursery = nursery
         self._prefetchers = trio.CapacityLimiter(2)
+        self._disk_seconds = INLINE_BELOW  # how long a random reader's small read takes the disk (averaged)
 
     def present(self, span: OpenTensor, place: Place, low: int, high: int) -> Plan[bytes | None]:
         """[low, high) of a place present and pinned: at once when it is known to be in memory (the
@@ -79,9 +97,8 @@ class ReadAhead:
         data = place.data
         if span.window is not data:  # switched to a fallback: what was known of its pages is not
             span.window, span.ready_from, span.ready_to = data, 0, 0
-            span.ends.clear()
-        streaming = span.streams(place, low)
-        span.ends.append(high)
+            span.runs.clear()
+        streaming = span.streams(place, low, high)
         ready = span.ready_from <= low < high <= span.ready_to
         small = place.nbytes <= SMALL_TENSOR
         if not ready and small:
@@ -97,6 +114,17 @@ class ReadAhead:
         # Not known to be in memory: bring in this request, and a window ahead of a stream, off this thread.
         waited = time.perf_counter()
         within = (place.start, place.end)  # the source reads ahead past the tensor only for a reader going on
+        if not streaming and not data.needs_ensure:  # a random reader of a file: exactly its bytes, read
+            if high - low <= SMALL_TENSOR:  # here at once, when the page cache holds them (no hop)
+                cached = data.read_cached(low, high - low)
+                if cached is not None:
+                    return cached
+                if high - low <= INLINE_READ and self._disk_seconds < INLINE_BELOW:
+                    return self._timed_read(data, low, high)  # the disk answers faster than a hop
+            read: bytes = yield "present", functools.partial(self._timed_read, data, low, high)
+            self.stats.page_waits += 1
+            self.stats.page_wait_seconds += time.perf_counter() - waited
+            return read
         copied: bytes | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
         self.stats.page_waits += 1
         self.stats.page_wait_seconds += time.perf_counter() - waited
@@ -114,6 +142,15 @@ class ReadAhead:
                 until = high
         span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
         return None
+
+    def _timed_read(self, data: ShardData, low: int, high: int) -> bytes:
+        """Bytes [low, high) of a file, read; how long its disk takes to answer a random reader, kept
+        (a moving average: on this thread, or on a worker's)."""
+        start = time.perf_counter()
+        read = data.read(low, high - low)
+        if high - low <= INLINE_READ:
+            self._disk_seconds += (time.perf_counter() - start - self._disk_seconds) / 8
+        return read
 
     def _running_out(self, span: OpenTensor, place: Place, high: int) -> bool:
         return span.ready_to < place.end and span.ready_to - high < self.prefetch // 2 and not span.prefetching

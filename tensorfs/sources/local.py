@@ -290,6 +290,7 @@ class LocalShard(ShardData):
         self.label = label
         self._beneath = beneath
         self._fd = fd
+        self._back = -1  # a descriptor of the same file for bytes read back (read_back): made on first use
         self._validated = validated
         self._mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         self.view = memoryview(self._mapping)
@@ -409,12 +410,32 @@ class LocalShard(ShardData):
                     return  # its address may be another mapping's now
                 self.pages.let_go(self._fd, first, last)
 
+    def read_cached(self, offset: int, count: int) -> bytes | None:
+        buffer = bytearray(count)
+        try:
+            done = os.preadv(self._fd, [buffer], offset, os.RWF_NOWAIT)
+        except OSError:  # EAGAIN: not all in the page cache (the caller reads it off its thread)
+            return None
+        return bytes(buffer) if done == count else None
+
+    def read_back(self, offset: int, buffer: memoryview) -> None:
+        if self._back < 0:  # the same file (not its path's), read through a descriptor of its own
+            with self._letting_go:
+                if self._back < 0:
+                    back = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    os.posix_fadvise(back, 0, 0, os.POSIX_FADV_RANDOM)
+                    self._back = back
+        self._readinto(self._back, offset, buffer)
+
     def readinto(self, offset: int, buffer: memoryview) -> None:
+        self._readinto(self._fd, offset, buffer)
+
+    def _readinto(self, fd: int, offset: int, buffer: memoryview) -> None:
         """Read the file, not the mapping: a mapped page whose bytes were cut from the file kills the
         process that touches it (SIGBUS); a read just comes up short, which is ShardChangedError."""
         done, size = 0, len(buffer)
         while done < size:
-            count = os.preadv(self._fd, [buffer[done:]], offset + done)
+            count = os.preadv(fd, [buffer[done:]], offset + done)
             if count == 0:
                 raise ShardChangedError(
                     f"{self.key}: bytes [{offset + done}, {offset + size}) are gone: "
@@ -451,5 +472,7 @@ class LocalShard(ShardData):
         self.close_private(lambda: None)  # a file's mapping needs nothing kept open: it goes with its last view
         with contextlib.suppress(OSError):
             os.close(self._fd)
+            if self._back >= 0:
+                os.close(self._back)
         self.view.release()
         self._mapping.close()  # BufferError while a view of it is alive: it goes with the last one

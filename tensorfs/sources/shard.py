@@ -165,6 +165,16 @@ class ShardData(ABC):
     def readinto(self, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` from `offset` without touching the mapping (ShardChangedError if the bytes are gone)."""
 
+    def read_cached(self, offset: int, count: int) -> bytes | None:
+        """Bytes [offset, offset + count) if the page cache holds them all now (never waiting on a
+        disk: the request thread asks), else None."""
+        return None
+
+    def read_back(self, offset: int, buffer: memoryview) -> None:
+        """readinto(), for bytes read again to be checked (served already, so mostly in memory): a
+        file asks its disk for these bytes and no more (no read-ahead, which a stream's reads set)."""
+        self.readinto(offset, buffer)
+
     def read(self, offset: int, count: int) -> bytes:
         """readinto(), as new bytes (a format's Reader)."""
         buffer = bytearray(count)
