@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import Mounts, drop_caches, missing_root, require, wait_until
-from helpers import random_shard
+from helpers import daemon_stats, random_bytes, random_shard, write_reference
 from servers import Nginx
 from tensorfs.bench.common import resident_bytes
 from tensorfs.sources.pages import HANDOVER_UNIT, Handover
@@ -136,3 +137,24 @@ def test_a_remote_model_is_held_once(mounts: Mounts, nginx: Nginx, tmp_path: Pat
     again = mounts.mount(url, "--cache-dir", str(cache))  # type: ignore[arg-type]
     for name, expected in data.items():
         assert (again / name).read_bytes() == expected
+
+
+def test_read_ahead_is_for_streams_only(mounts: Mounts, tmp_path: Path) -> None:
+    """Random 4 KiB and 1 MiB reads of a 64 MiB tensor bring in nothing ahead of them (each brought in
+    a 32 MiB window at d4c56fe: 83.4 GiB read ahead for 13.4 GiB served by fio); a reader streaming
+    through it has its window."""
+    data = random_bytes(64 * MIB, 77)
+    (tmp_path / "m").mkdir()
+    write_reference(tmp_path / "m" / "model.safetensors", {"big": ("U8", [len(data)], data)})
+    mountpoint = mounts.mount(tmp_path / "m")
+    rng = random.Random(5)
+    with open(mountpoint / "big", "rb", buffering=0) as f:
+        for size in (4096, MIB) * 40:
+            offset = rng.randrange(1, (len(data) - size) // 4096) * 4096
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # each read the daemon's
+            assert os.pread(f.fileno(), size, offset) == data[offset : offset + size]
+    stats = daemon_stats(mountpoint)
+    assert stats["read_bytes"]["tensor"] > 0
+    assert stats["prefetch_bytes"] <= 1.5 * stats["read_bytes"]["tensor"], stats["prefetch_bytes"]
+    assert (mountpoint / "big").read_bytes() == data  # a stream, from its first byte
+    assert daemon_stats(mountpoint)["prefetch_bytes"] > stats["prefetch_bytes"]

@@ -199,7 +199,9 @@ def store_of(hostile: HostileServer, protocol: str) -> Store:
         return Store(f"{hostile.url}/m.safetensors", [], "m.safetensors", hostile.root / "m.safetensors")
     (hostile.root / "bucket").mkdir(exist_ok=True)
     options = ["--endpoint-url", hostile.url, "--no-sign-request"]
-    return Store("s3://bucket/m.safetensors", options, "bucket/m.safetensors", hostile.root / "bucket" / "m.safetensors")
+    return Store(
+        "s3://bucket/m.safetensors", options, "bucket/m.safetensors", hostile.root / "bucket" / "m.safetensors"
+    )
 
 
 def other_bytes(store: Store) -> Lie:
