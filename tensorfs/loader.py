@@ -17,10 +17,9 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import sys
 from types import TracebackType
 from typing import Any
-
-import numpy as np
 
 from .errors import InvalidModelError, Problem, RefusedArgument, SliceError, printable
 from .formats import safetensors
@@ -349,7 +348,8 @@ def _written_item(item: int | slice) -> str:
 def _integer(item: Any) -> int | None:
     """An index as safetensors reads one (an int, a bool, anything with __index__ but numpy's bool,
     within 64 bits), else None."""
-    if isinstance(item, np.bool_):
+    numpy = sys.modules.get("numpy")  # a numpy bool exists only once numpy is imported: not imported for it
+    if numpy is not None and isinstance(item, numpy.bool_):
         return None
     try:
         value = operator.index(item)

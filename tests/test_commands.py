@@ -15,9 +15,13 @@ from tensorfs.cli import cli, main
 
 
 def every_command(group: click.Group = cli, prefix: str = "") -> list[tuple[str, click.Command]]:
-    """Every command of the group and of its subgroups, by the name it is run with."""
+    """Every command of the group and of its subgroups, by the name it is run with (looked up as click
+    does: the top group imports a command's module when the command is asked for)."""
     found: list[tuple[str, click.Command]] = []
-    for name, command in sorted(group.commands.items()):
+    context = click.Context(group)
+    for name in group.list_commands(context):
+        command = group.get_command(context, name)
+        assert command is not None, name
         found.append((prefix + name, command))
         if isinstance(command, click.Group):
             found += every_command(command, f"{prefix}{name} ")

@@ -724,7 +724,8 @@ def test_the_kubernetes_example_is_what_it_says(tmp_path: Path) -> None:
     import click
     import yaml
 
-    from tensorfs.cli import cli
+    from tensorfs.cli.mount import mount as mount_command
+    from tensorfs.cli.mount import status as status_command
 
     documents = [d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d is not None]
     assert [d["kind"] for d in documents] == ["Service", "Deployment", "DaemonSet", "Pod"]
@@ -758,7 +759,7 @@ def test_the_kubernetes_example_is_what_it_says(tmp_path: Path) -> None:
     command = _expanded(container["command"] + container.get("args", []), env)
     assert command[:2] == ["sh", "-c"] and 'exec tensorfs mount "$@"' in command[2]
     arguments = command[4:]
-    context = cli.commands["mount"].make_context("mount", list(arguments))
+    context = mount_command.make_context("mount", list(arguments))
     parameters = context.params
     mountpoint = Path(parameters["mountpoint"])
     assert parameters["foreground"] and mountpoint == Path(env["MOUNTPOINT"])
@@ -773,9 +774,9 @@ def test_the_kubernetes_example_is_what_it_says(tmp_path: Path) -> None:
     assert slice_mb is not None and parameters["chunk_mb"] == int(slice_mb[1])  # a chunk fetched is one slice
     probe = container["readinessProbe"]["exec"]["command"]
     assert probe[:2] == ["tensorfs", "status"] and [Path(p) for p in probe[2:]] == [mountpoint]
-    cli.commands["status"].make_context("status", probe[2:])
+    status_command.make_context("status", probe[2:])
     with pytest.raises(click.UsageError):  # make_context does refuse what mount does not take
-        cli.commands["mount"].make_context("mount", [*arguments, "--no-such-option"])
+        mount_command.make_context("mount", [*arguments, "--no-such-option"])
 
     # The shell around it, run with a tensorfs that tells what it was asked: the mountpoint's dead
     # mount taken away, the mountpoint made, then `tensorfs mount ARGS` in the shell's own process.

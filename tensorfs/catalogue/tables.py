@@ -23,9 +23,10 @@ from ..sources.shard import ShardData
 from ..utils.identity import Identity, ShardKey, shard_name
 from ..utils.names import Layout
 
-__all__ = ["Shard", "Tables", "file_runs", "owners", "restricted"]
+__all__ = ["Shard", "Tables", "file_gaps", "file_runs", "owners", "restricted"]
 
 _begin = itemgetter(0)
+_end = itemgetter(1)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ class Tables:
 
     @cached_property
     def nbytes(self) -> int:
-        """Bytes of tensor data over all tensors."""
-        return sum(end - begin for s in self._shards.values() for begin, end, _, _, _ in s.header.entries)
+        """Bytes of tensor data over all tensors (the sum of their ends less that of their begins: C loops)."""
+        return sum(sum(map(_end, s.header.entries)) - sum(map(_begin, s.header.entries)) for s in self._shards.values())
 
     def shard_header(self, shard: ShardKey) -> ShardHeader:
         """The validated header of one shard."""
@@ -220,6 +221,23 @@ def file_runs(header: ShardHeader) -> tuple[list[tuple[int, int, str]], list[tup
     if reached < header.file_size:
         gaps.append((reached, header.file_size))
     return held, gaps
+
+
+def file_gaps(header: ShardHeader) -> list[tuple[int, int]]:
+    """What file_runs(header) says no tensor holds, without a Python step per tensor when the tensors
+    lie end to end in file order (a safetensors shard as it is written): then the gaps are the header
+    before them and what follows the last. Other layouts are walked by file_runs."""
+    entries = header.entries
+    begins, ends = list(map(_begin, entries)), list(map(_end, entries))
+    # End to end: each begins where the one before ends, and none ends before it begins (then the ends
+    # never go down). The comparisons of whole lists are C loops.
+    if not entries or begins[1:] != ends[:-1] or begins[0] > ends[0] or ends != sorted(ends):
+        return file_runs(header)[1]
+    first, last = header.data_start + begins[0], header.data_start + ends[-1]
+    if first == last:  # every tensor empty: the whole file is one gap
+        return [(0, header.file_size)] if header.file_size else []
+    gaps = [(0, first)] if first else []
+    return [*gaps, (last, header.file_size)] if last < header.file_size else gaps
 
 
 def owners(shards: list[Shard]) -> dict[str, Shard]:

@@ -1,6 +1,10 @@
 """What the commands write: standard output guarded (an error writing it is one line, not a
 traceback), tables, a file written whole or not at all, and errors and warnings on standard error
-(no URL's user:password in them)."""
+(no URL's user:password in them).
+
+`tensorfs --version` writes through here before click or any command is imported: what more a
+function needs (click, the writer, redact) it imports itself.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import click
-
 from ..errors import TensorfsError
-from ..fs.writer import write_whole
-from ..sources.store import redact
 
 
 class OutputError(TensorfsError):
@@ -87,6 +87,8 @@ def write_file(path: Path, text: str) -> None:
     """Write `text` to `path` by the one writer (tensorfs.fs.writer): a new file, or a regular file there
     replaced, whole or not at all; never through a symlink, never into a FIFO or a device. Ctrl-C,
     SIGTERM or SIGHUP meanwhile leave nothing half-written."""
+    from ..fs.writer import write_whole
+
     with ended_by_signals():
         write_whole(path, lambda out: out.write(text.encode("utf-8")))
 
@@ -106,6 +108,10 @@ def table(rows: Sequence[Sequence[str]], align: str) -> list[str]:
 def error_lines(lines: Sequence[str], prefix: str = "error: ") -> None:
     """Each line on standard error, after `prefix`: every error and warning a command prints goes
     through here, and never shows a URL's user:password."""
+    import click
+
+    from ..sources.store import redact
+
     with contextlib.suppress(OSError):  # a standard error that cannot be written either: the exit code says it
         for line in lines:
             click.echo(redact(f"{prefix}{line}"), err=True)

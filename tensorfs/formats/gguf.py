@@ -278,8 +278,23 @@ def _skip_strings(cursor: _Cursor, count: int, what: str) -> None:
     while done < count:
         buffer, position = cursor.buffer, cursor.position
         end = len(buffer)
-        while done < count and position + 8 <= end:
-            length = unpack(buffer, position)[0]
+        # A for over a range, with as few steps as can be: a length read up to `short`, of a string of
+        # at most 127 bytes (a token's usual), is within what was read and so is the string.
+        short = end - 8 - 127
+        for index in range(done, count):  # noqa: B007 - read after the loop: where it stopped
+            if position > short:
+                break
+            (length,) = unpack(buffer, position)
+            if length > 127:
+                if position + 8 + length > end:
+                    break
+                long.append(position)
+            position += 8 + length
+        else:
+            index = count
+        done = index  # the strings stepped over so far
+        while done < count and position + 8 <= end:  # the last few of what was read, each held to its end
+            (length,) = unpack(buffer, position)
             following = position + 8 + length
             if following > end:  # past what was read (or past the file: the careful way says)
                 break

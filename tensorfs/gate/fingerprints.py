@@ -20,8 +20,6 @@ import threading
 from array import array
 from collections.abc import Callable, Iterator
 
-import crc32c
-
 __all__ = ["BLOCK", "PAGE", "Fingerprints", "prepare"]
 
 BLOCK = 64 << 10
@@ -123,12 +121,14 @@ class Fingerprints:
 
     def _sums_of(self, read: Read, first: int, stop: int, unit: int) -> dict[int, int]:
         """The CRC-32C of units first..stop-1 (blocks or pages), read from the file in one piece."""
+        from crc32c import crc32c  # here, not at the top: `import crc32c` takes tens of ms, which a mount need not wait
+
         begin, end = first * unit, min(self.size, stop * unit)
         with _piece() as whole:
             buffer = whole[: end - begin]
             read(begin, buffer)
             return {
-                index: crc32c.crc32c(buffer[(index - first) * unit : (index - first + 1) * unit])
+                index: crc32c(buffer[(index - first) * unit : (index - first + 1) * unit])
                 for index in range(first, stop)
             }
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import NoReturn, TypeVar
 
 from ..catalogue.fallbacks import Copy, Fallbacks
-from ..catalogue.tables import Tables, file_runs
+from ..catalogue.tables import Tables, file_gaps
 from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
 from ..proof.integrity import Hasher, Integrity, sha256_of
 from ..sources.shard import ShardData
@@ -175,8 +175,7 @@ class Gate:
             return
         data = self.tables.shard_data(shard)
         self._untensored_as_opened(shard, data)
-        _, gaps = file_runs(self.tables.shard_header(shard))
-        kept = UntensoredBytes(gaps)
+        kept = UntensoredBytes(file_gaps(self.tables.shard_header(shard)))
         try:
             kept.fill(data.readinto)
         except TensorfsError as exc:

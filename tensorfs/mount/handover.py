@@ -20,7 +20,6 @@ from ..opening.source import open_model
 from ..proof.integrity import Hasher, Integrity, Pending
 from ..selection import Selection
 from ..sources.local import LocalDescription, LocalShard
-from ..sources.remote import RemoteDescription, RemoteShard
 from ..sources.shard import ShardData
 from ..utils.identity import ShardKey
 from ..utils.names import Layout
@@ -133,6 +132,8 @@ def reopen(saved: ModelSnapshot) -> Model:
 def _reopen_data(description: object) -> ShardData:
     if isinstance(description, LocalDescription):
         return LocalShard.reopen(description)
+    from ..sources.remote import RemoteDescription, RemoteShard  # the stores' machinery: a remote model's only
+
     if isinstance(description, RemoteDescription):
         return RemoteShard.reopen(description)
     raise TypeError(f"no source reopens {description!r}")

@@ -7,12 +7,15 @@ import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import MountError
 from ..sources.store import check_url
 from ..utils.names import Layout
-from .metrics import Address
 from .tree import Ownership
+
+if TYPE_CHECKING:
+    from .metrics import Address  # a type only: the metrics' server (http.server) is imported where it serves
 
 READY = "ready"
 """What the daemon tells the command once the mount answers (anything else is why it does not)."""

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
@@ -26,15 +26,12 @@ from ..errors import TensorfsError
 from ..fs.syscalls import libc
 from ..fs.writer import WriteError
 from ..model import Model
-from ..sources.remote import open_connections
 from ..utils.identity import ShardKey
 from ..utils.names import STATS_NAME
 from ..utils.units import plural
 from ..views import ModelView, ViewSpec, WeightsFile, build_view
 from .contents import index_json, metadata_json
 from .logs import reopen_logs
-from .metrics import describe as describe_address
-from .metrics import serve_metrics
 from .operations import TensorOperations
 from .options import READY, MountOptions
 from .prepare import Served
@@ -49,7 +46,7 @@ def serve(served: Served, mountpoint: Path, options: MountOptions, notify: Calla
     _return_big_buffers()
     model, view = served.model, served.view
     # Meanwhile the store's connections are opened: the mount says it is ready once they are (or soon after).
-    connecting = open_connections(model.shard_data(shard) for shard in model.shards)
+    connecting = _open_connections(model)
     record = _record(model, mountpoint, options, view)
     control = {
         "index.json": lambda: index_json(model),
@@ -90,6 +87,8 @@ def serve(served: Served, mountpoint: Path, options: MountOptions, notify: Calla
         fuse_options.add("debug")
     stop_metrics: Callable[[], None] = _nothing
     if options.metrics is not None:
+        from .metrics import serve_metrics  # http.server: imported by a mount that serves its metrics only
+
         try:  # before mounting: a port in use is a mount error, with nothing mounted
             stop_metrics = serve_metrics(options.metrics, operations.stats, str(mountpoint))
         except TensorfsError as exc:
@@ -133,23 +132,30 @@ def serve(served: Served, mountpoint: Path, options: MountOptions, notify: Calla
     return 0
 
 
+def _open_connections(model: Model) -> list[Future[None]]:
+    """sources/remote.py's open_connections for the model's remote shards; for a local model none, and
+    the stores' machinery (the chunk cache, the fetchers) is not imported."""
+    if all(isinstance(shard, Path) for shard in model.shards):
+        return []
+    from ..sources.remote import open_connections
+
+    return open_connections(model.shard_data(shard) for shard in model.shards)
+
+
 def _keep_untensored(view: ModelView) -> None:
     """The bytes no tensor holds of each local weights file the view serves as it is, read now, while
     the files are those validated (the daemon refused any that changed): a chmod of the model's files
     later is a change of them, and these bytes must still be the validated ones (Gate.keep_untensored).
     A remote object's are read at their first read (its version is pinned: it cannot change in place,
     and nothing is fetched for a view nobody reads); one that cannot be read now, at its first read,
-    if its file is unchanged then."""
-    files = [file for file in view.files.values() if isinstance(file, WeightsFile) and isinstance(file.shard, Path)]
-
-    def keep(file: WeightsFile) -> None:
-        try:
-            file.gate.keep_untensored(file.shard)
-        except TensorfsError as exc:
-            log.warning("%s", exc)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
-        list(pool.map(keep, files))
+    if its file is unchanged then. One file after another: the headers were just read (their pages are
+    in memory), and threads would only take turns at the GIL."""
+    for file in view.files.values():
+        if isinstance(file, WeightsFile) and isinstance(file.shard, Path):
+            try:
+                file.gate.keep_untensored(file.shard)
+            except TensorfsError as exc:
+                log.warning("%s", exc)
 
 
 def _return_big_buffers() -> None:
@@ -170,6 +176,11 @@ _M_ARENA_MAX = -8
 def _record(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpec) -> dict[str, Any]:
     """What the daemon says of itself: in its runtime record and in .tensorfs/daemon.json."""
     integrity = model.gate.integrity
+    metrics = None
+    if options.metrics is not None:
+        from .metrics import describe
+
+        metrics = describe(options.metrics)
     return {
         "pid": os.getpid(),
         "process_start": process_start(os.getpid()),
@@ -200,7 +211,7 @@ def _record(model: Model, mountpoint: Path, options: MountOptions, view: ViewSpe
             "selection": None if model.selection.everything else model.selection.as_json(),
             "view": "folder" if view.folder else f"synthesized: {view.why}",
             "unverified_signature": view.unverified,
-            "metrics": None if options.metrics is None else describe_address(options.metrics),
+            "metrics": metrics,
         },
         "in_force": {"readahead_kb": None, "max_background": None},
         "ready": False,

@@ -26,7 +26,6 @@ from ..selection import Selection
 from ..sources.choosing import NO_COMPONENT
 from ..sources.finding import pipeline_folders
 from ..sources.local import FoundShards, LocalDescription, LocalShard, find_pipeline, find_shards
-from ..sources.remote import RemoteOpener
 from ..sources.store import RemoteOptions, is_remote
 from ..utils.gcpause import gc_paused
 from ..utils.identity import ShardKey, shard_name
@@ -85,6 +84,8 @@ def _open_model(path: Path | str, how: OpenWith) -> Model:
     with gc_paused(), contextlib.closing(headers):
         # Every problem is collected, of every shard and across shards, before any is reported.
         if isinstance(path, str) and is_remote(path):
+            from ..sources.remote import RemoteOpener  # the stores' machinery: for a remote model only
+
             try:
                 opener = RemoteOpener(path, remote, problems)
             except RemoteError as exc:

@@ -30,12 +30,11 @@ from ..proof.manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_man
 from ..proof.signature import DEFAULT_SIGNATURE, Signature, SignatureError
 from ..selection import Selection
 from ..sources.choosing import view_name
-from ..sources.chunks import default_cache_dir
 from ..sources.client import exists
 from ..sources.finding import beside, directory_url
 from ..sources.index import is_index_name
 from ..sources.local import missing
-from ..sources.store import CREDENTIALS_HINT, RemoteOptions, is_remote, location_problem, redact
+from ..sources.store import CREDENTIALS_HINT, RemoteOptions, default_cache_dir, is_remote, location_problem, redact
 from ..utils.identity import ShardKey, shard_name
 from ..utils.names import Layout
 from ..utils.progress import Progress
@@ -311,8 +310,6 @@ class Source:
         other weights files' are held to it as the model's are, and the signature itself is served
         in the folder, as it was verified."""
         from ..views import ViewSpec
-        from ..views.local_files import find_companions
-        from ..views.remote_files import find_remote_companions
 
         request = request or ViewRequest()
         why = synthesized_because(model, request)
@@ -322,10 +319,14 @@ class Source:
         # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
         wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
         if isinstance(self.location, str):
+            from ..views.remote_files import find_remote_companions
+
             found = find_remote_companions(
                 self.location, self.remote, folder=why is None, own=weights, components=folders, wanted=wanted or ()
             )
         else:
+            from ..views.local_files import find_companions
+
             found = find_companions(self.location, folder=why is None, own=weights, components=folders, wanted=wanted)
         companions = found.companions
         if signed is not None:

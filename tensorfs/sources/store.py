@@ -91,6 +91,13 @@ def model_key(source: str, options: RemoteOptions) -> str:
     return spec.url(key)
 
 
+def default_cache_dir() -> Path:
+    """The caches' directory unless one is named (RemoteOptions.cache_dir, --cache-dir): here, not with
+    the chunk cache (chunks/), which a local model never imports."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "tensorfs"
+
+
 @dataclass(frozen=True)
 class RemoteOptions:
     """How to reach stores, and the local cache that remote shards are read through."""

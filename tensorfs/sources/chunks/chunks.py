@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import RemoteError
 from ...fs.guarded import UnsafeLocation, make_private_file, private_directory
+from ..store import default_cache_dir
 from .full import CacheFull, NoRoomNow, disk_full, full
 from .locks import can_remove, in_use_elsewhere
 from .objects import SAVE_AT_LEAST_EVERY, CachedObject, Fetch
@@ -67,11 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["OBJECTS_DIR", "CacheEntry", "ChunkCache", "default_cache_dir", "object_id"]
 
 log = logging.getLogger("tensorfs.sources.chunkcache")  # one logger for the cache's messages
-
-
-def default_cache_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(cache) / "tensorfs"
 
 
 def object_id(url: str, etag: str, size: int) -> str:

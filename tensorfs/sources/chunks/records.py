@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
 from ...errors import RemoteError
 from .full import disk_full, full
 
@@ -61,11 +59,14 @@ class Summing:
     """The checksums of bytes given a piece at a time (both functions let the GIL go for large pieces)."""
 
     def __init__(self, strong: bool) -> None:
+        from crc32c import crc32c  # here, not at the top: `import crc32c` takes tens of ms (importlib.metadata)
+
+        self._crc32c = crc32c
         self._crc = 0
         self._sha = hashlib.sha256() if strong else None
 
     def update(self, piece: bytes | memoryview) -> None:
-        self._crc = crc32c.crc32c(piece, self._crc)
+        self._crc = self._crc32c(piece, self._crc)
         if self._sha is not None:
             self._sha.update(piece)
 
