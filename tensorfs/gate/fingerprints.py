@@ -121,7 +121,7 @@ class Fingerprints:
 
     def _sums_of(self, read: Read, first: int, stop: int, unit: int) -> dict[int, int]:
         """The CRC-32C of units first..stop-1 (blocks or pages), read from the file in one piece."""
-        from crc32c import crc32c  # here, not at the top: `import crc32c` takes tens of ms, which a mount need not wait
+        from crc32c import crc32c  # imported by prepare() already (here: the name)
 
         begin, end = first * unit, min(self.size, stop * unit)
         with _piece() as whole:
@@ -154,7 +154,10 @@ _making = threading.Lock()
 
 def prepare() -> None:
     """Make the buffers fingerprints are read into now (a mount, as it starts: its memory and mappings
-    are then what they stay, however many bytes it serves)."""
+    are then what they stay, however many bytes it serves). crc32c is imported here, not at the top:
+    it takes tens of ms, which a command that fingerprints nothing need not wait."""
+    import crc32c  # noqa: F401
+
     global _made
     with _making:
         while _made < _BUFFER_COUNT:
