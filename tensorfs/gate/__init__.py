@@ -25,12 +25,14 @@ requests meanwhile. Plans change the gate's state only in the thread that drives
     files.py     the files its bytes come from, watched, and what was seen of each
     router.py    the fallback router: the copy each tensor is served from, the next that agrees, the retry rule
     digests.py   tensors' SHA-256s as they are now, hashed once however many ask
+    spans.py     many tensors' bytes of one file at once (a view's file read at the cost of its bytes)
     gate.py      the Gate: one per opened model
 """
 
 from .gate import Gate
 from .plans import UNREADABLE, Answer, Grant, Outcome, Place, Plan, Present, Refused, Step, StepKind, next_step, run
 from .reporter import Reporter
+from .spans import Run, Served
 
 __all__ = [
     "UNREADABLE",
@@ -43,6 +45,8 @@ __all__ = [
     "Present",
     "Refused",
     "Reporter",
+    "Run",
+    "Served",
     "Step",
     "StepKind",
     "next_step",

@@ -142,9 +142,14 @@ class Changes:
     def served(self, place: Place, low: int, high: int) -> None:
         """Bytes [low, high) of the place go out: their fingerprints are to be taken (quick), where the
         bytes served are fingerprinted (a mount's shard files, with no manifest in force)."""
-        if not self.fingerprinting or place.copy is not None or self._gate.integrity.expected is not None:
+        if place.copy is None:
+            self.served_file(place.data, low, high)
+
+    def served_file(self, data: ShardData, low: int, high: int) -> None:
+        """Bytes [low, high) of a shard's own file, its tensors' bytes, go out (as served())."""
+        if not self.fingerprinting or self._gate.integrity.expected is not None:
             return
-        state = self.files.seen(place.data)
+        state = self.files.seen(data)
         if state is not None and state.fingerprints is not None:
             state.fingerprints.served(low, high)
 

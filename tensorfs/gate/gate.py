@@ -7,11 +7,11 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NoReturn, TypeVar
 
 from ..catalogue.fallbacks import Copy, Fallbacks
-from ..catalogue.tables import Tables, file_gaps
+from ..catalogue.tables import Tables
 from ..errors import IntegrityError, ModelClosedError, RemoteError, ShardChangedError, TensorfsError, printable
 from ..proof.integrity import Hasher, Integrity, sha256_of
 from ..sources.shard import ShardData
@@ -21,7 +21,8 @@ from .digests import Digests
 from .plans import UNREADABLE, Grant, Place, Plan, Present, Refused, StepKind, run
 from .reporter import Reporter
 from .router import Router
-from .untensored import UntensoredBytes
+from .spans import Run, Served, read_file
+from .untensored import KeptUntensored
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ class Gate:
         """Which fallback copy each tensor is served from, the next one that agrees, the retry rule."""
         self.digests = Digests(self._lock, lambda: self.integrity, self.changes.generations, self._settled)
         """Tensors' SHA-256s as they are now, each hashed once however many ask."""
-        self._kept: dict[ShardKey, UntensoredBytes] = {}
+        self.untensored = KeptUntensored(tables, self.changes, self._lock)
         """The bytes of shard files that no tensor holds, kept as validated (read_untensored)."""
         self.closed = False
 
@@ -149,6 +150,14 @@ class Gate:
 
         return (yield from self._served(name, serve))
 
+    def read_file(
+        self, shard: ShardKey, offset: int, buffer: memoryview, runs: Sequence[Run], *, untensored: bool = True
+    ) -> Plan[list[Served]]:
+        """Fill `buffer` with bytes of a shard's file from `offset`, many tensors' at once (spans.py):
+        those of `runs` as read_into() would give each, the rest as read_untensored() would (else zeros).
+        What went out, and from where."""
+        return read_file(self, shard, offset, buffer, runs, untensored=untensored)
+
     def read_untensored(self, shard: ShardKey, offset: int, buffer: memoryview) -> Plan[None]:
         """Fill `buffer` with bytes of a shard's file from `offset` that no tensor holds (its header,
         the padding between tensors, a checkpoint's zip records; all within one such run): a view
@@ -156,10 +165,7 @@ class Gate:
         was opened (its table was read from them then; under a signature they were proven then: the
         file's digest, or the ranges that hold them), kept from their first read (keep_untensored)
         while the file is unchanged; Refused when it changed in place before that."""
-        kept = self._kept.get(shard)
-        if kept is None:
-            yield "read", functools.partial(self.keep_untensored, shard)
-            kept = self._kept[shard]
+        kept = yield from self.untensored.of(shard)
         kept.copy(offset, buffer)
 
     def copy_untensored(self, shard: ShardKey, offset: int, buffer: memoryview) -> None:
@@ -168,33 +174,14 @@ class Gate:
 
     def keep_untensored(self, shard: ShardKey) -> None:
         """Read and keep the bytes of a shard's file that no tensor holds (blocking), now, while it is
-        the file validated: read_untensored() gives them from then on, whatever becomes of the file
-        (a chmod is a change: its tensors are then held again to what they are held to, and these
-        stay the validated ones). Refused when the file changed in place since it was opened."""
-        if shard in self._kept:
-            return
-        data = self.tables.shard_data(shard)
-        self._untensored_as_opened(shard, data)
-        kept = UntensoredBytes(file_gaps(self.tables.shard_header(shard)))
-        try:
-            kept.fill(data.readinto)
-        except TensorfsError as exc:
-            raise ShardChangedError(
-                f"{printable(str(shard))}: its bytes other than its tensors' cannot be read: {exc}"
-            ) from None
-        self._untensored_as_opened(shard, data)  # written while it was read: not the bytes validated
-        with self._lock:
-            self._kept.setdefault(shard, kept)
+        the file validated (untensored.py); Refused when the file changed in place since it was opened."""
+        self.untensored.keep(shard)
 
-    def _untensored_as_opened(self, shard: ShardKey, data: ShardData) -> None:
-        with self._lock:
-            self.changes.notice(data)
-            state = self.changes.seen(data)
-            if state is not None and (state.changed or state.generation):
-                raise Refused(
-                    f"{printable(str(shard))}: changed in place since it was opened, before its bytes other than its "
-                    "tensors' were read: they are not served (mount or open it again)"
-                )
+    def refusal(self, name: str, generation: int) -> TensorfsError | None:
+        """Why the tensor is refused at its shard's `generation`, found before (its bytes do not match,
+        or cannot be had): refused again without hashing them (None: nothing found)."""
+        known = self._bad.get(name)
+        return known[1] if known is not None and known[0] == generation else None
 
     def _served(self, name: str, serve: Callable[[Place], Plan[T | None]]) -> Plan[T]:
         """`serve(place)` of where the tensor's bytes are had, until it answers: again from where they
@@ -238,7 +225,7 @@ class Gate:
             todo = [n for n in names if n not in self.router.copies and n not in self.integrity.verified]
             unproven = [name for name in todo if self.integrity.unproven(name)]
         if unproven:  # their files' signed bytes checked (each byte hashed once), not the tensors hashed
-            run(self._prove(unproven, progress))
+            run(self.prove(unproven, progress))
             with self._lock:
                 todo = [name for name in todo if name not in self.integrity.verified]
         with self._lock:
@@ -414,7 +401,7 @@ class Gate:
                     raise known[1]
                 unproven = place.copy is None and self.integrity.unproven(place.name)
             if unproven:  # its file's signed bytes checked: proven (or not) without hashing it again
-                yield from self._prove([place.name])
+                yield from self.prove([place.name])
                 with self._lock:
                     if place.name in self.integrity.verified or self._moved(place):
                         return  # (read from its own file just now: a failure since is not waited out)
@@ -445,7 +432,7 @@ class Gate:
             yield from self._refuse_bytes(place, error, generation)
             raise error
 
-    def _prove(self, names: list[str], progress: Callable[[int], None] | None = None) -> Plan[None]:
+    def prove(self, names: list[str], progress: Callable[[int], None] | None = None) -> Plan[None]:
         """Check the signed bytes these tensors rest on (Integrity.establish): each tensor they prove
         is verified, unless its file changed meanwhile (then it is checked again when asked for).
         A check that fails refuses the tensor, as a tensor's own mismatch is (_hash_of)."""
@@ -552,6 +539,14 @@ class Gate:
         place = self.place(name)
         if place.copy is None:  # bytes had again after a refusal, proven now: the source's own
             place.data.proven(place.start, place.end, self.tables.shard_header(place.shard).data_start)
+
+    def passed_together(self, names: list[str], data: ShardData) -> None:
+        """These tensors, read from their own shard's file (`data`), matched the manifest (the lock held)."""
+        for name in names:
+            _, data_start, entry = self.tables.entry(name)
+            self.integrity.verified.add(name)
+            self.reporter.verified(name)
+            data.proven(data_start + entry[0], data_start + entry[1], data_start)
 
     def _mismatch(self, name: str, shard: ShardKey, actual: str, expected: str) -> IntegrityError:
         if name not in self._bad:

@@ -95,6 +95,12 @@ class _Collector:
         )
         histogram.add_metric([mnt, "read"], buckets, latency["sum_seconds"])
         yield histogram
+        steps = CounterMetricFamily(
+            "tensorfs_plan_steps", "Blocking steps of the gate's plans made on worker threads.", labels=[*where, "kind"]
+        )
+        for kind, count in sorted(snapshot.get("steps", {}).items()):
+            steps.add_metric([mnt, kind], count)
+        yield steps
         yield counter("tensorfs_page_waits", "Reads that waited for pages brought in.", snapshot["page_waits"])
         yield counter("tensorfs_page_wait_seconds", "Time reads waited for pages.", snapshot["page_wait_seconds"])
         yield counter("tensorfs_prefetch_windows", "Windows read ahead of readers.", snapshot["prefetch_windows"])

@@ -32,7 +32,7 @@ from ..sources import waits
 from ..sources.fetching import lower_this_thread
 from ..sources.shard import ShardData
 from ..utils.names import CONTROL_DIR, STATS_NAME
-from ..views import Companion, Piece, SynthesizedFile, Untensored, WeightsFile
+from ..views import Companion, SynthesizedFile, WeightsFile
 from .checks import Invalidate, MountReporter, Sums
 from .handlers import handler, not_implemented, read_only
 from .readahead import DEFAULT_PREFETCH, OpenTensor, ReadAhead
@@ -189,6 +189,7 @@ class TensorOperations(pyfuse3.Operations):
                 if held:
                     self._let_go(held)
                 kind, call = step
+                self.stats.steps[kind] = self.stats.steps.get(kind, 0) + 1
                 outcome = await trio.to_thread.run_sync(Outcome.of, call, limiter=self._limiters[kind])
 
     # -- names and attributes ---------------------------------------------------------------
@@ -400,35 +401,22 @@ class TensorOperations(pyfuse3.Operations):
     ) -> bytes | memoryview:
         """Bytes of a file of the view made of tensors (synthesized, or a weights file served as it
         is): within one tensor, read as that tensor's file is (a slice of the mapping, no copy);
-        across tensors, the header or the bytes no tensor holds, assembled from reads of the shard
-        files (never of the mappings), each through the file's gate."""
-        pieces = list(file.pieces(off, off + size))
-        if len(pieces) == 1 and isinstance(pieces[0], Piece):
-            only = pieces[0]
+        across tensors, the header or the bytes no tensor holds, assembled by one plan of the file's
+        gate (reads of the shard files, never of the mappings: the tensors of one file read together,
+        gate/spans.py)."""
+        end = min(off + size, file.size)
+        only = file.within(off, end)
+        if only is not None:
             span = self._view_span(file, only.tensor)
             return await self._read_tensor(span, only.shard_offset - span.origin, only.end - only.start)
-        reply = bytearray()
-        for piece in pieces:
-            if isinstance(piece, bytes):
-                reply += piece
-            elif isinstance(piece, Untensored):
-                buffer = bytearray(piece.end - piece.start)
-                await self._drive(file.gate.read_untensored(piece.shard, piece.start, memoryview(buffer)))
-                reply += buffer
-            else:
-                reply += await self._copied(self._view_span(file, piece.tensor), piece)
-        return bytes(reply)
-
-    async def _copied(self, span: OpenTensor, piece: Piece) -> bytearray:
-        """A piece of a tensor's bytes, read from its file (never the mapping), through the gate."""
-        buffer = bytearray(piece.end - piece.start)
-        begin = piece.shard_offset - span.origin  # where in the tensor
-        place = await self._drive(span.gate.read_into(span.name, begin, memoryview(buffer)))
-        low = place.start + begin
-        self._touch(span, place, low, low + len(buffer))
-        if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
-            place.data.served(low, low + len(buffer))
-        return buffer
+        buffer = bytearray(max(0, end - off))
+        for served in await self._drive(file.read(off, memoryview(buffer))):
+            self.stats.touch(served.shard, served.origin, served.origin + served.high - served.low)
+            if served.copy is not None:
+                self.stats.from_fallback(served.copy.source, served.high - served.low)
+            if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
+                served.data.served(served.low, served.high)
+        return memoryview(buffer)
 
     async def _read_tensor(self, span: OpenTensor, off: int, size: int) -> memoryview:
         """A slice of the shard's mapping, its pages brought in off this thread first if need be (or,

@@ -41,6 +41,8 @@ class Stats:
         self.read_bytes = dict.fromkeys(KINDS, 0)
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: slower than every bound
         self.latency_sum = 0.0
+        self.steps: dict[str, int] = {}
+        """Blocking steps of the gates' plans made on worker threads, by kind (gate/plans.py's StepKind)."""
         self.page_waits = 0
         """Reads that waited for their pages to be brought in (on a worker thread)."""
         self.page_wait_seconds = 0.0
@@ -143,6 +145,7 @@ class Stats:
                 "counts": list(self.latency),
                 "sum_seconds": round(self.latency_sum, 6),
             },
+            "steps": dict(self.steps),
             "page_waits": self.page_waits,
             "page_wait_seconds": round(self.page_wait_seconds, 6),
             "prefetch_windows": self.prefetch_windows,

@@ -27,15 +27,15 @@ import orjson
 from ..sources.index import index_document
 from .companions import Companion, CompanionFiles
 from .synthesized import Piece, SynthesizedFile
-from .weights import Untensored, WeightsFile
+from .weights import WeightsFile
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
     from ..catalogue.tables import Tables
     from ..gate import Gate
 
 __all__ = [
-    "NOTE_NAME", "VIEW_DIR", "Companion", "Held", "ModelView", "Piece", "SynthesizedFile", "Untensored", "ViewFile",
-    "ViewSpec", "WeightsFile", "build_view", "split",
+    "NOTE_NAME", "VIEW_DIR", "Companion", "Held", "ModelView", "Piece", "SynthesizedFile", "ViewFile", "ViewSpec",
+    "WeightsFile", "build_view", "split",
 ]  # fmt: skip
 
 VIEW_DIR = "model"

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import printable
 from ..fs.writer import NewDirectory, WriteError, umasked, write_directory, write_whole
+from ..gate import run
 from . import Companion, ModelView, SynthesizedFile, WeightsFile, shared_metadata
-from .weights import Untensored
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
     from ..catalogue.tables import Tables
@@ -118,26 +118,13 @@ def _own_mode(file: WeightsFile) -> int:
 
 
 def _stream(file: SynthesizedFile | WeightsFile, out: BinaryIO, progress: Callable[[int], None] | None) -> None:
-    """Write the file's bytes to `out`, a block at a time, each piece through the file's gate."""
-    model: Tables = file.model
-    gate = file.gate
+    """Write the file's bytes to `out`, a block at a time, each through the file's gate (one plan: the
+    tensors of a block that lie together in one shard read together, gate/spans.py)."""
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
     for start in range(0, file.size, _BLOCK):
-        end = min(file.size, start + _BLOCK)
-        filled = 0
-        for piece in file.pieces(start, end):
-            if isinstance(piece, bytes):
-                view[filled : filled + len(piece)] = piece
-                filled += len(piece)
-                continue
-            length = piece.end - piece.start
-            if isinstance(piece, Untensored):
-                gate.copy_untensored(piece.shard, piece.start, view[filled : filled + length])
-            else:
-                begin = piece.shard_offset - model.locate(piece.tensor)[1]  # where in the tensor
-                gate.copy_into(piece.tensor, begin, view[filled : filled + length])
-            filled += length
-        out.write(view[:filled])
+        block = view[: min(file.size, start + _BLOCK) - start]
+        run(file.read(start, block))
+        out.write(block)
         if progress is not None:
-            progress(filled)
+            progress(len(block))

@@ -30,7 +30,7 @@ from ..utils.identity import ShardKey
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
     from ..catalogue.tables import Tables
-    from ..gate import Gate
+    from ..gate import Gate, Plan, Served
 
 _RANK = {name: rank for rank, name in enumerate(DTYPES)}  # the reference's dtype order, narrowest first
 
@@ -126,6 +126,64 @@ class SynthesizedFile:
 
         Empty tensors have no piece.
         """
+        for part in self._parts(start, end):
+            if isinstance(part, tuple):
+                yield Piece(*part)
+            else:
+                yield part if isinstance(part, bytes) else bytes(part)
+
+    def within(self, start: int, end: int) -> Piece | None:
+        """The piece of one tensor that bytes [start, end) of the file are, if they are (None: they
+        hold the header, padding, or bytes of several tensors)."""
+        self.build()
+        position = start - len(self._header)
+        index = bisect_right(self._starts, position) - 1
+        if start >= end or position < 0 or index < 0 or self._ends[index] < position + end - start:
+            return None
+        name = self._names[self._order[index]]
+        shard, offset, _ = self.model.locate(name)
+        return Piece(start, end, name, shard, offset + position - self._starts[index])
+
+    def read(self, start: int, buffer: memoryview) -> Plan[list[Served]]:
+        """Fill `buffer` with the file's bytes from `start` (all within the file), through the gate (a
+        plan): the tensors of each shard read together (gate/spans.py), in one read of their file where
+        they lie close together in it (in the file's order or not), else in a few."""
+        wanted: dict[ShardKey, list[_Wanted]] = {}
+        position = 0  # where the next part goes in the buffer
+        for part in self._parts(start, start + len(buffer)):
+            if isinstance(part, bytes):  # the header
+                buffer[position : position + len(part)] = part
+                position += len(part)
+            elif isinstance(part, int):  # padding
+                buffer[position : position + part] = bytes(part)
+                position += part
+            else:
+                begin, end, name, shard, offset = part
+                wanted.setdefault(shard, []).append((offset, offset + end - begin, name, position))
+                position += end - begin
+        served: list[Served] = []
+        for shard, pieces in wanted.items():
+            pieces.sort()
+            for together in _close_together(pieces):
+                served += yield from self._read_together(shard, together, buffer)
+        return served
+
+    def _read_together(self, shard: ShardKey, pieces: list[_Wanted], buffer: memoryview) -> Plan[list[Served]]:
+        """Pieces of one shard's tensors (in its file's order, none overlapping) read together, each into
+        its place in `buffer`: straight there when they lie there as in their file, one after the other."""
+        low, high, at = pieces[0][0], pieces[-1][1], pieces[0][3]
+        runs = [(begin, end, name) for begin, end, name, _ in pieces]
+        if all(begin - low == where - at and (k == 0 or begin == pieces[k - 1][1])
+               for k, (begin, _, _, where) in enumerate(pieces)):  # fmt: skip
+            return (yield from self.gate.read_file(shard, low, buffer[at : at + high - low], runs, untensored=False))
+        scratch = memoryview(bytearray(high - low))  # the file's bytes between them are not served (zeros)
+        served = yield from self.gate.read_file(shard, low, scratch, runs, untensored=False)
+        for begin, end, _, where in pieces:
+            buffer[where : where + end - begin] = scratch[begin - low : end - low]
+        return served
+
+    def _parts(self, start: int, end: int) -> Iterator[bytes | int | _Part]:
+        """pieces(), lighter: the header's bytes, a count of zeros, a tensor's piece as a tuple."""
         self.build()
         data_start = len(self._header)
         end = min(end, data_start + self._nbytes)
@@ -134,20 +192,49 @@ class SynthesizedFile:
             start = data_start
         position, stop = start - data_start, end - data_start
         index = bisect_right(self._starts, position) - 1
+        locate = self.model.locate
         while position < stop and 0 <= index < len(self._order):
             begin, until = self._starts[index], min(stop, self._ends[index])
             if begin > position:  # padding before this tensor
-                yield bytes(min(begin, stop) - position)
+                yield min(begin, stop) - position
                 position = min(begin, stop)
                 continue
             if until > position:
                 name = self._names[self._order[index]]
-                shard, offset, _ = self.model.locate(name)
-                yield Piece(data_start + position, data_start + until, name, shard, offset + position - begin)
+                shard, offset, _ = locate(name)
+                yield data_start + position, data_start + until, name, shard, offset + position - begin
                 position = until
             index += 1
         if position < stop:  # padding after the last tensor
-            yield bytes(stop - position)
+            yield stop - position
+
+
+_Part = tuple[int, int, str, ShardKey, int]
+"""A Piece's fields (start, end, tensor, shard, shard_offset), as a tuple."""
+_Wanted = tuple[int, int, str, int]
+"""Bytes [start, end) of a shard's file that are a tensor's (named), and where they go in a buffer."""
+APART = 64 << 10
+"""Bytes of a shard's file between two tensors' that are read with them (not served) rather than
+reading each apart: as long as no more are read so than are served."""
+
+
+def _close_together(pieces: list[_Wanted]) -> Iterator[list[_Wanted]]:
+    """Pieces of one shard's file, in its order, cut where they overlap (tensors that share bytes) or
+    lie far apart: each cut read in one read of the file."""
+    together: list[_Wanted] = []
+    served = skipped = 0
+    for piece in pieces:
+        if together:
+            gap = piece[0] - together[-1][1]
+            if gap < 0 or gap > APART or skipped + gap > served + APART:
+                yield together
+                together, served, skipped = [], 0, 0
+            else:
+                skipped += gap
+        together.append(piece)
+        served += piece[1] - piece[0]
+    if together:
+        yield together
 
 
 _Layout = tuple[bytes, list[int], list[int], list[int], int]

@@ -3,8 +3,8 @@ the gate of the model that holds it, and the bytes no tensor holds (the header t
 from, a GGUF's padding, a checkpoint's zip records) from the same file, while it is the file that
 was validated (Gate.read_untensored).
 
-Nothing is copied to build one: a reader asks which pieces cover a byte range, as of a synthesized
-file (synthesized.py), and each piece says where its bytes are.
+Nothing is copied to build one: a reader asks which tensors' bytes a byte range holds (a bisection of
+its layout, nothing made per tensor), and the gate reads them together (gate/spans.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from array import array
-from bisect import bisect_right
-from collections.abc import Iterator
-from dataclasses import dataclass
+from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
 from ..catalogue.tables import file_runs
@@ -23,18 +21,9 @@ from .synthesized import Piece
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
     from ..catalogue.tables import Tables
-    from ..gate import Gate
+    from ..gate import Gate, Plan, Run, Served
 
-__all__ = ["Untensored", "WeightsFile"]
-
-
-@dataclass(frozen=True)
-class Untensored:
-    """Bytes [start, end) of a weights file that no tensor holds (they are the shard's own, at the same offsets)."""
-
-    start: int
-    end: int
-    shard: ShardKey
+__all__ = ["WeightsFile"]
 
 
 class WeightsFile:
@@ -47,7 +36,7 @@ class WeightsFile:
     def __init__(self, model: Tables, gate: Gate, shard: ShardKey) -> None:
         self.model = model
         self.gate = gate
-        """What hands out its bytes: its tensors' (read, read_into), and the others (read_untensored)."""
+        """What hands out its bytes: its tensors' (read, read_file), and the others (read_untensored)."""
         self.shard = shard
         self.format = self.model.shard_header(shard).format
         self._lock = threading.Lock()
@@ -82,25 +71,31 @@ class WeightsFile:
     def draws_on(self, shard: ShardKey) -> bool:
         return shard == self.shard
 
-    def pieces(self, start: int, end: int) -> Iterator[Untensored | Piece]:
-        """What covers bytes [start, end) of the file, in order: the tensors' pieces, and the bytes
-        between them (Untensored). Empty tensors have no piece."""
+    def runs(self, start: int, end: int) -> list[Run]:
+        """The tensors' bytes that bytes [start, end) of the file hold: each tensor's run of them (its
+        bytes had once: a checkpoint's tensors that share a storage's are had from the first), clipped
+        to the range, in file order. Empty tensors hold none."""
         self.build()
-        end = min(end, self.size)
-        position = start
-        index = max(0, bisect_right(self._starts, position) - 1)
-        while position < end:
-            if index < len(self._starts) and self._ends[index] <= position:
-                index += 1
-                continue
-            if index >= len(self._starts) or self._starts[index] >= end:
-                yield Untensored(position, end, self.shard)
-                return
-            begin = self._starts[index]
-            if begin > position:
-                yield Untensored(position, begin, self.shard)
-                position = begin
-            until = min(end, self._ends[index])
-            yield Piece(position, until, self._names[index], self.shard, position)
-            position = until
-            index += 1
+        first = bisect_right(self._ends, start)  # the first that ends after start
+        last = bisect_left(self._starts, end)  # the first that begins at or after end
+        found = list(zip(self._starts[first:last], self._ends[first:last], self._names[first:last], strict=True))
+        if found:
+            begin, until, name = found[0]
+            found[0] = (max(begin, start), until, name)
+            begin, until, name = found[-1]
+            found[-1] = (begin, min(until, end), name)
+        return found
+
+    def within(self, start: int, end: int) -> Piece | None:
+        """The piece of one tensor that bytes [start, end) of the file are, if they are (None: they
+        hold bytes of several tensors, or that no tensor holds)."""
+        self.build()
+        index = bisect_right(self._starts, start) - 1
+        if start >= end or index < 0 or self._ends[index] < end:
+            return None
+        return Piece(start, end, self._names[index], self.shard, start)
+
+    def read(self, start: int, buffer: memoryview) -> Plan[list[Served]]:
+        """Fill `buffer` with the file's bytes from `start` (all within the file), through its gate:
+        the tensors' bytes together (one read of the file), the rest as validated (a plan)."""
+        return self.gate.read_file(self.shard, start, buffer, self.runs(start, start + len(buffer)))
