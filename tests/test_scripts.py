@@ -234,6 +234,25 @@ def test_bench_signed_runs(fuse: None, tmp_path: Path) -> None:
     assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # its directory removed
 
 
+def test_bench_random_runs(fuse: None, tmp_path: Path) -> None:
+    """--quick: a tensor of 1/16 GiB, 4 KiB and 1 MiB reads at random offsets, one try; each rate is of
+    the reads made, each ratio of two rates measured, and what was read ahead against what was served."""
+    report = bench_quick("random", tmp_path, timeout=300)
+    assert report["notes"] == []  # nothing skipped (root, bindfs: CI has them)
+    sides = ("_direct", "_bindfs", "_floor", "", "_ahead")
+    assert figures(report) == {f"random_{key}{side}" for key in ("4k", "1m") for side in sides}
+    for key in ("4k", "1m"):
+        rate = {side: report[f"random_{key}{side}"].get("reads_per_second", 0.0) for side in sides[:4]}
+        assert all(value > 0 for value in rate.values()), rate
+        assert report[f"random_{key}_direct"]["reads"] >= 16
+        for side in ("", "_floor"):
+            assert report[f"random_{key}{side}"]["ratio"] == pytest.approx(rate[side] / rate["_bindfs"], abs=0.0011)
+        ahead = report[f"random_{key}_ahead"]
+        assert ahead["served_bytes"] > 0  # the mount served them (a page read twice is the kernel's the second time)
+        assert ahead["ratio"] == pytest.approx(ahead["ahead_bytes"] / ahead["served_bytes"], abs=0.0011)
+    assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # its directory removed
+
+
 def _nodes_of_dead_processes() -> list[str]:
     """Network namespaces of fleet nodes (tfs-PID-node-K) whose process is gone: left behind."""
     from tensorfs.mount.mounttable import pid_alive

@@ -1,7 +1,8 @@
 """random: random readers of one big tensor, page cache dropped before each try: 4 KiB and 1 MiB
 reads at random offsets (the same offsets for every side) of the original file, through bindfs,
-and through tensorfs's mount; and what tensorfs read ahead of them against what it served (a
-window ahead is a stream's only: docs/performance.md)."""
+through the least pyfuse3 daemon (floor.py: this stack's floor), and through tensorfs's mount; and
+what tensorfs read ahead of them against what it served (a window ahead is a stream's only:
+docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from statistics import median
 
 from .common import Config, Mounter, Report, can_drop_caches, daemon_stats, drop_caches
-from .peers import Knobs, apt_installed, bindfs_peer
+from .peers import Knobs, apt_installed, bindfs_peer, floor_peer
 
 __all__ = ["run"]
 
@@ -45,7 +46,7 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
         for key, size in SIZES.items():
             reads = max(16, min(config.random_reads, nbytes // size // 4, (SPAN // size)))
             where = [offset + random.Random(7 + k).randrange(0, (nbytes - size) // 4096) * 4096 for k in range(reads)]
-            direct, bindfs, mounted, ahead, served = [], [], [], [], []
+            direct, bindfs, floor, mounted, ahead, served = [], [], [], [], [], []
             for _ in range(config.repeat):
                 drop_caches()
                 direct.append(_rate(shard, where, size))
@@ -55,6 +56,12 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
                         path, _, _ = locate("big")
                         drop_caches()
                         bindfs.append(_rate(path, where, size))
+                with floor_peer(shard, tensors, work / "floor.log").mounted(
+                    mounter.fresh_mountpoint(), Knobs(config.readahead_kb, 64)
+                ) as (locate, _):
+                    path, _, _ = locate("big")
+                    drop_caches()
+                    floor.append(_rate(path, [w - offset for w in where], size))
                 with mounter.mounted(shard.parent) as (mnt, _):
                     drop_caches()
                     before = daemon_stats(mnt)
@@ -74,6 +81,10 @@ def run(config: Config, out: Callable[[str], None] = print) -> Report:
                     f"{median(bindfs):,.0f} reads/s", median(bindfs) / median(direct), "(reported)",
                     reads_per_second=median(bindfs),
                 )  # fmt: skip
+            report.add(
+                f"random_{key}_floor", f"{key} random reads through the pyfuse3 floor, cold",
+                f"{median(floor):,.0f} reads/s", median(floor) / base, "(reported)", reads_per_second=median(floor),
+            )  # fmt: skip
             report.add(
                 f"random_{key}", f"{key} random reads through the mount, cold",
                 f"{median(mounted):,.0f} reads/s", median(mounted) / base,

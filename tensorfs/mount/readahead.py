@@ -147,7 +147,7 @@ class ReadAhead:
         """Bytes [low, high) of a file, read; how long its disk takes to answer a random reader, kept
         (a moving average: on this thread, or on a worker's)."""
         start = time.perf_counter()
-        read = data.read(low, high - low)
+        read = data.read_exact(low, high - low)
         if high - low <= INLINE_READ:
             self._disk_seconds += (time.perf_counter() - start - self._disk_seconds) / 8
         return read

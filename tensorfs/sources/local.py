@@ -290,7 +290,7 @@ class LocalShard(ShardData):
         self.label = label
         self._beneath = beneath
         self._fd = fd
-        self._back = -1  # a descriptor of the same file for bytes read back (read_back): made on first use
+        self._exact = -1  # a descriptor of the same file that reads no more than asked (_exact_fd): made on first use
         self._validated = validated
         self._mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         self.view = memoryview(self._mapping)
@@ -412,20 +412,31 @@ class LocalShard(ShardData):
 
     def read_cached(self, offset: int, count: int) -> bytes | None:
         buffer = bytearray(count)
-        try:
-            done = os.preadv(self._fd, [buffer], offset, os.RWF_NOWAIT)
+        try:  # a miss starts the disk read of these bytes alone (no read-ahead): the caller's read waits less
+            done = os.preadv(self._exact_fd(), [buffer], offset, os.RWF_NOWAIT)
         except OSError:  # EAGAIN: not all in the page cache (the caller reads it off its thread)
             return None
         return bytes(buffer) if done == count else None
 
+    def read_exact(self, offset: int, count: int) -> bytes:
+        buffer = bytearray(count)
+        self._readinto(self._exact_fd(), offset, memoryview(buffer))
+        return bytes(buffer)
+
     def read_back(self, offset: int, buffer: memoryview) -> None:
-        if self._back < 0:  # the same file (not its path's), read through a descriptor of its own
+        self._readinto(self._exact_fd(), offset, buffer)
+
+    def _exact_fd(self) -> int:
+        """The same file (not its path's) through a descriptor of its own that the kernel reads no
+        more than asked through (POSIX_FADV_RANDOM): a random reader's 4 KiB read through the shard's
+        own descriptor brought its read-ahead window in from the disk first (docs/performance.md)."""
+        if self._exact < 0:
             with self._letting_go:
-                if self._back < 0:
-                    back = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
-                    os.posix_fadvise(back, 0, 0, os.POSIX_FADV_RANDOM)
-                    self._back = back
-        self._readinto(self._back, offset, buffer)
+                if self._exact < 0:
+                    exact = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    os.posix_fadvise(exact, 0, 0, os.POSIX_FADV_RANDOM)
+                    self._exact = exact
+        return self._exact
 
     def readinto(self, offset: int, buffer: memoryview) -> None:
         self._readinto(self._fd, offset, buffer)
@@ -470,9 +481,9 @@ class LocalShard(ShardData):
         with self._letting_go:
             self._closed = True
         self.close_private(lambda: None)  # a file's mapping needs nothing kept open: it goes with its last view
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-            if self._back >= 0:
-                os.close(self._back)
+        for fd in (self._fd, self._exact):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.view.release()
         self._mapping.close()  # BufferError while a view of it is alive: it goes with the last one

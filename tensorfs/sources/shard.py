@@ -170,6 +170,11 @@ class ShardData(ABC):
         disk: the request thread asks), else None."""
         return None
 
+    def read_exact(self, offset: int, count: int) -> bytes:
+        """read(), for a random reader: a file asks its disk for these bytes and no more (no
+        read-ahead), as read_back() does."""
+        return self.read(offset, count)
+
     def read_back(self, offset: int, buffer: memoryview) -> None:
         """readinto(), for bytes read again to be checked (served already, so mostly in memory): a
         file asks its disk for these bytes and no more (no read-ahead, which a stream's reads set)."""
