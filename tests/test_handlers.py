@@ -267,7 +267,7 @@ def test_a_synthesized_layout_is_made_off_the_request_thread(tmp_path: Path, mon
         run(listing)
         assert b"model-00002-of-00002.safetensors" in listed and len(built_on) == 2
         assert threading.main_thread() not in built_on  # workers' threads, never the one answering requests
-        data = run(ops.read, first.st_ino, 0, first.st_size)
+        data = bytes(run(ops.read, first.st_ino, 0, first.st_size))  # bytes-like, as pyfuse3 takes it
         assert data[8 : 8 + int.from_bytes(data[:8], "little")].startswith(b'{"t0":')
 
 

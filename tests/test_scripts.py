@@ -286,7 +286,7 @@ def test_bench_suites_and_their_options(capsys: pytest.CaptureFixture[str]) -> N
     for args, words in (
         (
             ["--suite", "open", "--gib", "1"],
-            "--gib is for the suites read, remote, hash, load, formats, fleet, signed, not open",
+            "--gib is for the suites read, remote, hash, load, formats, fleet, signed, random, not open",
         ),
         (
             ["--suite", "small", "--shards", "2"],
