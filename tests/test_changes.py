@@ -10,6 +10,7 @@ that was validated (test_faults.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -19,6 +20,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -614,6 +616,38 @@ while True:  # each look copies every byte out of the mapping again: validated b
 """
 
 
+@contextlib.contextmanager
+def mapping_reader(script: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A process that maps a tensor file (`script`, one of those above), stopped however the test ends."""
+    reader = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        yield reader
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+        reader.wait()
+        for pipe in (reader.stdin, reader.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def answer(reader: subprocess.Popen[bytes], word: bytes = b"") -> str:
+    """The reader's next line, once told `word` (if any)."""
+    assert reader.stdin is not None and reader.stdout is not None
+    if word:
+        reader.stdin.write(word)
+        reader.stdin.flush()
+    return reader.stdout.readline().decode().strip()
+
+
+def last_words(reader: subprocess.Popen[bytes], word: bytes) -> str:
+    """All the reader says once told `word`, until it ends (within a deadline)."""
+    assert reader.stdin is not None
+    reader.stdin.write(word)
+    reader.stdin.flush()
+    return reader.communicate(timeout=patience(30))[0].decode()
+
+
 def test_an_np_memmap_reader_of_a_changed_shard_sees_the_validated_bytes_or_a_fault(
     mounts: Mounts, model_dir: Path
 ) -> None:
@@ -623,22 +657,10 @@ def test_an_np_memmap_reader_of_a_changed_shard_sees_the_validated_bytes_or_a_fa
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     validated = hashlib.sha256(expected["t1.2"]).hexdigest()
-    reader = subprocess.Popen(
-        [sys.executable, "-c", NP_MEMMAP_READER, str(mountpoint / "t1.2"), validated],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert reader.stdout is not None and reader.stdin is not None
-        assert reader.stdout.readline().decode().strip() == validated
+    with mapping_reader(NP_MEMMAP_READER, str(mountpoint / "t1.2"), validated) as reader:
+        assert answer(reader) == validated
         overwrite_in_place(model_dir / "s1.safetensors", offset_of(model_dir, "t1.2") + MIB, b"\xff" * 64)
-        reader.stdin.write(b"go\n")
-        reader.stdin.flush()
-        said = reader.communicate(timeout=patience(30))[0].decode()
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-        reader.wait()
+        said = last_words(reader, b"go\n")
     assert reader.returncode == -signal.SIGBUS and said == "", (reader.returncode, said)
     assert errno_of_reading(mountpoint / "t1.2") == errno.EIO
     assert (mountpoint / "t0.2").read_bytes() == expected["t0.2"] and pid_alive(pid)
@@ -691,19 +713,8 @@ def test_a_change_that_leaves_a_shards_bytes_as_they_were_ends_no_reader(
     mountpoint = mounts.mount(model_dir)
     pid = mounts.daemon_pid(mountpoint)
     validated = hashlib.sha256(expected["t1.2"]).hexdigest()
-    reader = subprocess.Popen(
-        [sys.executable, "-c", NP_MEMMAP_LOOKS, str(mountpoint / "t1.2")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    try:
-        assert reader.stdin is not None and reader.stdout is not None
-
-        def look() -> str:
-            assert reader.stdin is not None and reader.stdout is not None
-            reader.stdin.write(b"look\n")
-            reader.stdin.flush()
-            return reader.stdout.readline().decode().strip()
-
-        assert look() == validated
+    with mapping_reader(NP_MEMMAP_LOOKS, str(mountpoint / "t1.2")) as reader:
+        assert answer(reader, b"look\n") == validated
         assert (mountpoint / "t1.0").read_bytes() == expected["t1.0"]
         wait_until(lambda: fingerprints_pending(mountpoint) == 0, what="what was served to be fingerprinted")
         METADATA_CHANGES[change](model_dir / "s1.safetensors")
@@ -718,14 +729,10 @@ def test_a_change_that_leaves_a_shards_bytes_as_they_were_ends_no_reader(
         # Each a change the kernel reports but a link made and removed (whose events may come as one).
         assert stats["rechecked_shards"] >= (change != "hardlink")
         drop_caches()  # the mapping's pages too: read again, through the daemon
-        assert look() == validated and reader.poll() is None
+        assert answer(reader, b"look\n") == validated and reader.poll() is None
         for name in ("t1.0", "t1.1", "t1.2", "t1.3"):  # t1.1, t1.3: never read before
             assert (mountpoint / name).read_bytes() == expected[name], name
         assert (mountpoint / "t1.1.sha256").read_text().split()[0] == hashlib.sha256(expected["t1.1"]).hexdigest()
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-        reader.communicate()  # (its pipes closed)
     assert pid_alive(pid) and "was changed in place" not in mounts.log()
 
 
@@ -735,14 +742,8 @@ def test_a_rewrite_of_bytes_served_after_a_chmod_is_refused(mounts: Mounts, mode
     expected = model_bytes(model_dir)
     mountpoint = mounts.mount(model_dir)
     validated = hashlib.sha256(expected["t1.2"]).hexdigest()
-    reader = subprocess.Popen(
-        [sys.executable, "-c", NP_MEMMAP_LOOKS, str(mountpoint / "t1.2")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    try:
-        assert reader.stdin is not None and reader.stdout is not None
-        reader.stdin.write(b"look\n")
-        reader.stdin.flush()
-        assert reader.stdout.readline().decode().strip() == validated
+    with mapping_reader(NP_MEMMAP_LOOKS, str(mountpoint / "t1.2")) as reader:
+        assert answer(reader, b"look\n") == validated
         wait_until(lambda: fingerprints_pending(mountpoint) == 0, what="what was served to be fingerprinted")
         os.chmod(model_dir / "s1.safetensors", 0o640)
         wait_until(lambda: daemon_stats(mountpoint)["unchanged_shards"] >= 1, what="the chmod to be checked")
@@ -750,12 +751,6 @@ def test_a_rewrite_of_bytes_served_after_a_chmod_is_refused(mounts: Mounts, mode
         wait_until(lambda: daemon_stats(mountpoint)["changed_shards"] == 1, what="the rewrite to be found")
         assert errno_of_reading(mountpoint / "t1.2") == errno.EIO
         assert errno_of_reading(mountpoint / "t1.1") == errno.EIO  # the rest of the shard too
-        reader.stdin.write(b"look\n")
-        reader.stdin.flush()
-        said = reader.communicate(timeout=patience(30))[0].decode()
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-        reader.wait()
+        said = last_words(reader, b"look\n")
     assert reader.returncode == -signal.SIGBUS and said == "", (reader.returncode, said)
     assert (mountpoint / "t0.2").read_bytes() == expected["t0.2"]
