@@ -18,7 +18,17 @@ from typing import Any
 
 import pytest
 
-from helpers import FUZZ_RANDOM, FUZZ_REPLAY, TENSORFS, cli, mib_sharded_model, patience, raw_shard, read_line
+from helpers import (
+    CONSUMERS,
+    FUZZ_RANDOM,
+    FUZZ_REPLAY,
+    TENSORFS,
+    cli,
+    mib_sharded_model,
+    patience,
+    raw_shard,
+    read_line,
+)
 from servers import BROKEN, GUARDED, HUB_API, MOVED, NO_ETAG, PRIVATE, HostileServer, Nginx, SeaweedFS
 from tensorfs.bench import common as bench_common
 from tensorfs.mount.mounttable import daemon_pid, mount_at, pid_alive
@@ -133,6 +143,15 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
     for name, lines in sorted(long_modules(LONG_LINES).items()):
         terminalreporter.write_line(f"warning: {name} is {lines} lines, over {LONG_LINES}: split it along its jobs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _consumers_stopped() -> Iterator[None]:
+    """The consumers' Pythons (helpers.CONSUMERS) end with the session."""
+    try:
+        yield
+    finally:
+        CONSUMERS.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,16 +1,14 @@
 """diffusers' models made for the tests (a tiny latent diffusion pipeline and a tiny Stable Diffusion one
 from configs, random weights), and what diffusers itself loads from a folder: run in a Python of its own
-(diffusers takes seconds to import, and the tests' process stays free of it)."""
+that stays (helpers.CONSUMERS: diffusers takes seconds to import, and the tests' process stays free of it)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import patience
+from helpers import CONSUMERS
 
 # Writes a tiny latent diffusion pipeline (save_pretrained; its float16 variant beside it, of other
 # weights), or a tiny AutoencoderKL ("vae"), or a LoRA of a Stable Diffusion pipeline's unet ("lora BASE
@@ -120,15 +118,13 @@ else:
 """
 
 
+def offline() -> dict[str, str]:
+    """The environment diffusers runs in: the test's, offline (nothing is downloaded)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "DIFFUSERS_VERBOSITY": "error"}
+
+
 def diffusers(command: str, *args: str) -> list[dict[str, object]]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DIFFUSERS_VERBOSITY": "error"}
-    done = subprocess.run(
-        [sys.executable, "-c", DIFFUSERS, command, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=patience(300),
-    )
+    done = CONSUMERS.run(DIFFUSERS, command, *args, env=offline())
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
 
@@ -161,12 +157,7 @@ def write_stable_diffusion(directory: Path, *, variant: bool = False) -> Path:
     float32, no safety checker; with `variant`, a float16 variant of other weights beside each
     component's (diffusion_pytorch_model.fp16.safetensors, model.fp16.safetensors)."""
     script = Path(__file__).parent.parent / "scripts" / "tiny_pipeline.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(directory), *([] if variant else ["--no-variant"])],
-        capture_output=True,
-        text=True,
-        timeout=patience(300),
-    )
+    done = CONSUMERS.run(script.read_text(), directory, *([] if variant else ["--no-variant"]), env=offline())
     assert done.returncode == 0, done.stderr[-3000:]
     return directory
 

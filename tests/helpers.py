@@ -16,6 +16,7 @@ import select
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -558,6 +559,111 @@ def errno_of_reading(path: Path) -> int | None:
 
 PATIENCE = float(os.environ.get("TENSORFS_TEST_PATIENCE", "1"))
 """How many times longer than on a quiet machine this machine may take (TENSORFS_TEST_PATIENCE)."""
+
+
+CONSUMER_LOOP = r"""
+import contextlib, gc, io, json, os, sys, traceback
+
+def held_on_fuse():
+    # Whether this process holds a file of a FUSE mount open or mapped (a mount it would keep busy).
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split()[4] for line in f if line.split(" - ")[1].startswith("fuse")]
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if fd.isdigit()
+            and os.path.exists(f"/proc/self/fd/{fd}")]
+    with open("/proc/self/maps") as f:
+        held += [line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6]
+    return any(path == mount or path.startswith(mount + "/") for path in held for mount in mounts)
+
+answers, commands = os.fdopen(int(sys.argv[1]), "w"), sys.stdin
+for line in commands:
+    script, argv, cwd = json.loads(line)
+    out, err, code, here, scope = io.StringIO(), io.StringIO(), 0, os.getcwd(), {"__name__": "__main__"}
+    try:
+        os.chdir(cwd)
+        sys.argv, sys.stdin = ["-c", *argv], io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            exec(compile(script, "<string>", "exec"), scope)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        err.write("" if exc.code is None or isinstance(exc.code, int) else str(exc.code))
+    except BaseException:
+        err.write(traceback.format_exc())
+        code = 1
+    finally:
+        os.chdir(here)
+    scope.clear()
+    gc.collect()
+    leave = held_on_fuse()  # as a process that ends would: it lets go of every mount before it answers
+    answers.write(json.dumps([code, out.getvalue(), err.getvalue(), leave]) + "\n")
+    answers.flush()
+    if leave:
+        break
+"""
+
+
+class Consumers:
+    """Scripts of the heavy consumers (transformers, diffusers, sentence-transformers), each run as
+    `python -c SCRIPT ARGS` with `env` runs it (its argv, environment and working directory, its
+    output, its exit code) in a Python of their own that stays, one for each environment: their
+    imports, most of each run's time, are made once a test process (stop() ends them: the session's
+    fixture in conftest.py)."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[str], Any, Any]] = {}
+
+    def run(self, script: str, *args: str | Path, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+        key = tuple(
+            sorted((name, value) for name, value in env.items() if name != "PYTEST_CURRENT_TEST")
+        )  # (pytest's own)
+        running = self._running.get(key)
+        if running is None or running[0].poll() is not None:
+            running = self._start(env)
+            self._running[key] = running
+        process, answers, said = running
+        argv = [str(arg) for arg in args]
+        assert process.stdin is not None
+        process.stdin.write(json.dumps([script, argv, os.getcwd()]) + "\n")
+        process.stdin.flush()
+        ready, _, _ = select.select([answers], [], [], patience(300))
+        line = answers.readline() if ready else ""
+        if not line:  # no answer in time, or the interpreter died: said so, and started again next time
+            self._stop(key)
+            said.seek(0)
+            raise AssertionError(f"the consumers' Python did not answer: {said.read()[-3000:]}")
+        code, out, err, leaves = json.loads(line)
+        if leaves:  # it held a mount's files still: it ends (the test's unmount must find the mount free)
+            process.wait(timeout=patience(60))
+            self._stop(key)
+        return subprocess.CompletedProcess([sys.executable, "-c", "<script>", *argv], code, out, err)
+
+    def _start(self, env: Mapping[str, str]) -> tuple[subprocess.Popen[str], Any, Any]:
+        read, write = os.pipe()
+        said = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the interpreter's own words: open while it runs)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", CONSUMER_LOOP, str(write)],
+                stdin=subprocess.PIPE, stdout=said, stderr=said, text=True, env=dict(env),
+                pass_fds=(write,),
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        return process, os.fdopen(read), said
+
+    def _stop(self, key: tuple[tuple[str, str], ...]) -> None:
+        process, answers, said = self._running.pop(key)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for pipe in (process.stdin, answers, said):
+            if pipe is not None:
+                pipe.close()
+
+    def stop(self) -> None:
+        for key in list(self._running):
+            self._stop(key)
+
+
+CONSUMERS = Consumers()
 
 
 def patience(seconds: float) -> float:

@@ -26,7 +26,7 @@ from gguf_files import write_gguf
 
 import tensorfs
 from conftest import Mounts
-from helpers import hub_api, patience, upload
+from helpers import CONSUMERS, hub_api, patience, upload
 from servers import Nginx, SeaweedFS
 from tensorfs.sources.choosing import Choice, choose
 from tensorfs.sources.store import RemoteOptions
@@ -58,13 +58,7 @@ else:
 
 def transformers(command: str, directory: Path, *args: str) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", TRANSFORMERS, command, str(directory), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=patience(300),
-    )
+    done = CONSUMERS.run(TRANSFORMERS, command, directory, *args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

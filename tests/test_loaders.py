@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from safetensors import safe_open
 
 import tensorfs
 from conftest import Mounts, drop_caches
-from helpers import MIB, errno_of_reading, hub_api, model_bytes, patience, random_bytes, write_reference
+from helpers import CONSUMERS, MIB, errno_of_reading, hub_api, model_bytes, random_bytes, write_reference
 from servers import Nginx
 from tensorfs.proof.manifest import format_manifest
 from tensorfs.views import NOTE_NAME, PARTIAL_INDEX
@@ -55,14 +54,7 @@ for path in sys.argv[1:]:
 
 
 def embeddings(*directories: Path) -> list[dict[str, object]]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [sys.executable, "-c", EMBED, *map(str, directories)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=patience(300),
-    )
+    result = CONSUMERS.run(EMBED, *directories, env=offline())
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -123,12 +115,14 @@ else:
 """
 
 
+def offline() -> dict[str, str]:
+    """The environment the consumers run in: offline (nothing is downloaded)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run(script: str, *args: str | Path) -> str:
-    """What a script of a real consumer prints, run in a process of its own (offline)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env, timeout=patience(300)
-    )
+    """What a script of a real consumer prints, run in a process of its own (helpers.CONSUMERS; offline)."""
+    done = CONSUMERS.run(script, *args, env=offline())
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -144,19 +138,9 @@ def test_a_stage_view_cannot_be_loaded_as_the_whole_model(mounts: Mounts, llama:
     model = llama
     whole = mounts.mount(model)
     stage = mounts.mount(model, "--layers", "0-1")
-    loads = subprocess.run(
-        [sys.executable, "-c", LLAMA, "load", str(whole / ".tensorfs" / "model")],
-        capture_output=True,
-        text=True,
-        timeout=patience(300),
-    )
+    loads = CONSUMERS.run(LLAMA, "load", whole / ".tensorfs" / "model", env=offline())
     assert loads.stdout == "loaded\n", loads.stderr[-3000:]
-    refused = subprocess.run(
-        [sys.executable, "-c", LLAMA, "load", str(stage / ".tensorfs" / "model")],
-        capture_output=True,
-        text=True,
-        timeout=patience(300),
-    )
+    refused = CONSUMERS.run(LLAMA, "load", stage / ".tensorfs" / "model", env=offline())
     assert refused.stdout.startswith("refused: ") and "model.safetensors" in refused.stdout, (
         refused.stdout + refused.stderr[-3000:]
     )
