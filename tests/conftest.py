@@ -44,7 +44,9 @@ def _say_the_fuzz_seed(config: pytest.Config) -> None:
 
 # -- nothing left behind ------------------------------------------------------------------------
 
-TMP = Path("/tmp")
+TMP = Path(os.environ.get("TENSORFS_TEST_TMP", "/tmp"))
+"""Where the run's shared files go and what its end checks: /tmp (a test of that check points its own
+pytest's elsewhere, into its tmp_path: test_leftovers.py)."""
 # The pid of the run's first process: pytest-xdist's workers, started after this module is imported
 # by the controller, inherit it, so that the whole run tags its files alike.
 os.environ.setdefault("TENSORFS_TEST_SESSION", str(os.getpid()))
@@ -240,7 +242,7 @@ def missing_drop_caches() -> str | None:
     return None
 
 
-MACHINE_LOCK = TMP
+MACHINE_LOCK = Path("/tmp")
 """What the tests of every run on the machine take turns on (an flock of /tmp itself: nothing to make
 or remove), named to the benchmarks the tests run (tensorfs.bench.common.MACHINE_LOCK)."""
 os.environ[bench_common.MACHINE_LOCK] = str(MACHINE_LOCK)

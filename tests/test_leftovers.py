@@ -1,10 +1,10 @@
 """Nothing of a run is left behind: the temporary directory of the tests' processes is the session's
 own, hypothesis keeps nothing in the working tree, and a run that leaves a file of its own in /tmp
-fails saying which (conftest.pytest_sessionfinish). Each made to happen in a pytest of its own."""
+fails saying which (conftest.pytest_sessionfinish). Each made to happen in a pytest of its own, whose
+/tmp (conftest.TMP: TENSORFS_TEST_TMP) is a directory of the test's tmp_path."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import subprocess
@@ -18,17 +18,18 @@ INNER = """
 import os, subprocess, sys, tempfile
 from pathlib import Path
 from hypothesis import given, strategies as st
+TMP = Path(os.environ["TENSORFS_TEST_TMP"])
 
 def test_a_file_left_in_tmp():
     if os.environ.get("ANOTHER_USER"):  # another user's tensorfs makes its runtime directory meanwhile
         uid = int(os.environ["ANOTHER_USER"])
-        os.mkdir(f"/tmp/tensorfs-{uid}", 0o700)
-        os.chown(f"/tmp/tensorfs-{uid}", uid, uid)
+        os.mkdir(TMP / f"tensorfs-{uid}", 0o700)
+        os.chown(TMP / f"tensorfs-{uid}", uid, uid)
     if os.environ.get("OTHERS"):  # other processes of this user on the machine, not of this run
         for name in os.environ["OTHERS"].split(","):
-            subprocess.run(["touch", f"/tmp/{name}"], check=True)
+            subprocess.run(["touch", str(TMP / name)], check=True)
     if os.environ.get("LEAVE"):
-        Path(f"/tmp/tensorfs-left-{os.environ['TENSORFS_TEST_SESSION']}-behind").write_text("left")
+        (TMP / f"tensorfs-left-{os.environ['TENSORFS_TEST_SESSION']}-behind").write_text("left")
 
 def test_the_temporary_directory_is_the_sessions(tmp_path_factory):
     here = Path(tempfile.mkdtemp(prefix="torchinductor_"))
@@ -51,12 +52,14 @@ def test_a_shared_directory_that_cannot_be_removed(shared_dir):
 
 def inner_pytest(tmp_path: Path, **environment: str) -> tuple[subprocess.CompletedProcess[str], str]:
     """A pytest of INNER, a session of its own (not this run's tag, nor a pytest-xdist worker's
-    settings): how it went, and its tag (in the names it makes in /tmp)."""
+    settings), its /tmp being tmp_path/tmp: how it went, and its tag (in the names it makes there)."""
     (tmp_path / "test_inner.py").write_text(INNER)
+    (tmp_path / "tmp").mkdir(mode=0o1777)
     tag = f"{os.getpid()}{secrets.randbelow(10**6):06d}"
     outer = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
     path = os.pathsep.join([str(Path(__file__).parent), *sys.path])
-    env = {**outer, "PYTHONPATH": path, "TENSORFS_TEST_SESSION": tag, **environment}
+    env = {**outer, "PYTHONPATH": path, "TENSORFS_TEST_SESSION": tag, "TENSORFS_TEST_TMP": str(tmp_path / "tmp")}
+    env.update(environment)
     command = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q"]
     command += ["--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), str(tmp_path / "test_inner.py")]
     done = subprocess.run(
@@ -72,22 +75,19 @@ def test_a_clean_run_passes_and_keeps_its_files_in_its_own_directories(tmp_path:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 passed" in done.stdout and "left in /tmp" not in done.stdout, done.stdout
     assert not (tmp_path / ".hypothesis").exists()  # the working directory: nothing of hypothesis
-    # What it made in /tmp (others' runs on the machine make theirs meanwhile): its tagged names
-    # (torch's temporary directories are in its own: test_the_temporary_directory_is_the_sessions).
-    made_here = {name for name in after - before if tag in name}
+    # What it made in its /tmp, or in the machine's (others' runs on the machine make theirs
+    # meanwhile): its tagged names (torch's temporary directories are in its own:
+    # test_the_temporary_directory_is_the_sessions).
+    made_here = {name for name in (after - before) | set(os.listdir(tmp_path / "tmp")) if tag in name}
     assert not made_here, made_here
 
 
 def test_a_run_that_leaves_a_file_of_its_own_in_tmp_fails_naming_it(tmp_path: Path) -> None:
     done, tag = inner_pytest(tmp_path, LEAVE="1")
-    left = sorted(Path("/tmp").glob(f"tensorfs-left-{tag}behind"))
-    try:
-        assert done.returncode == 1, done.stdout + done.stderr
-        assert "4 passed" in done.stdout, done.stdout  # every test passed: the run fails all the same
-        assert len(left) == 1 and f"left in /tmp by this run: {left[0].name}" in done.stdout, done.stdout
-    finally:
-        for path in left:
-            path.unlink()
+    left = sorted((tmp_path / "tmp").glob(f"tensorfs-left-{tag}behind"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "4 passed" in done.stdout, done.stdout  # every test passed: the run fails all the same
+    assert len(left) == 1 and f"left in {tmp_path / 'tmp'} by this run: {left[0].name}" in done.stdout, done.stdout
 
 
 def test_what_other_processes_make_in_tmp_meanwhile_is_not_the_runs(tmp_path: Path) -> None:
@@ -96,14 +96,9 @@ def test_what_other_processes_make_in_tmp_meanwhile_is_not_the_runs(tmp_path: Pa
     not the run's: it passes. Counted as the run's, they failed a fresh clone's CI (issue 41)."""
     unique = f"{os.getpid()}-{secrets.randbelow(10**6):06d}"
     others = [f"seaweedfs-s3-grpc-{unique}.sock", f"torchinductor_{unique}", f"tensorfs-{os.getpid()}"]
-    assert not any(Path("/tmp", name).exists() for name in others)
-    try:
-        done, _ = inner_pytest(tmp_path, OTHERS=",".join(others))
-        assert all(Path("/tmp", name).exists() for name in others)  # (made, and left, by "them")
-        assert done.returncode == 0 and "left in /tmp" not in done.stdout, done.stdout + done.stderr
-    finally:
-        for name in others:
-            Path("/tmp", name).unlink(missing_ok=True)
+    done, _ = inner_pytest(tmp_path, OTHERS=",".join(others))
+    assert all((tmp_path / "tmp" / name).exists() for name in others)  # (made, and left, by "them")
+    assert done.returncode == 0 and "left in" not in done.stdout, done.stdout + done.stderr
 
 
 def test_a_shared_directory_left_behind_fails_its_test_and_the_run(tmp_path: Path) -> None:
@@ -111,11 +106,12 @@ def test_a_shared_directory_left_behind_fails_its_test_and_the_run(tmp_path: Pat
     (it once ignored every error: /tmp/tensorfs-shared-* stayed behind), and the run fails too."""
     require("root (it makes a file immutable)", missing_root())
     done, tag = inner_pytest(tmp_path, STUCK="1")
-    stuck = sorted(Path("/tmp").glob(f"tensorfs-test-{tag}*/stuck"))
+    stuck = sorted((tmp_path / "tmp").glob(f"tensorfs-test-{tag}*/stuck"))
     try:
         assert done.returncode == 1, done.stdout + done.stderr
         assert "1 error" in done.stdout and "is left: [" in done.stdout, done.stdout
-        assert len(stuck) == 1 and f"left in /tmp by this run: {stuck[0].parent.name}" in done.stdout, done.stdout
+        said = f"left in {tmp_path / 'tmp'} by this run: {stuck[0].parent.name}" if stuck else None
+        assert len(stuck) == 1 and said in done.stdout, done.stdout
     finally:
         for path in stuck:
             subprocess.run(["chattr", "-i", str(path)], check=True)
@@ -127,11 +123,7 @@ def test_another_users_runtime_directory_is_not_the_runs(tmp_path: Path) -> None
     """/tmp/tensorfs-UID of a user the run does not act as, made while it runs (by that user's own
     tensorfs), is not the run's: it passes. Counted as the run's, it failed a run (issue 35)."""
     require("root (it makes a directory another user owns)", missing_root())
-    uid = next(uid for uid in range(4242, 65534) if uid not in RUN_USERS and not Path(f"/tmp/tensorfs-{uid}").exists())
-    try:
-        done, _ = inner_pytest(tmp_path, ANOTHER_USER=str(uid))
-        assert Path(f"/tmp/tensorfs-{uid}").stat().st_uid == uid
-        assert done.returncode == 0 and "left in /tmp" not in done.stdout, done.stdout + done.stderr
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            Path(f"/tmp/tensorfs-{uid}").rmdir()
+    uid = next(uid for uid in range(4242, 65534) if uid not in RUN_USERS)
+    done, _ = inner_pytest(tmp_path, ANOTHER_USER=str(uid))
+    assert (tmp_path / "tmp" / f"tensorfs-{uid}").stat().st_uid == uid
+    assert done.returncode == 0 and "left in" not in done.stdout, done.stdout + done.stderr
