@@ -137,7 +137,7 @@ class Changes:
             for data, state in self.files.watched_files():
                 if state.fingerprints is None and not state.copy:
                     state.fingerprints = Fingerprints(self._gate.tables.shard_header(state.shard).file_size)
-                    data.read_back(0, memoryview(b""))  # what it reads back with, made now (its descriptor)
+                    data.readinto_exact(0, memoryview(b""))  # what it reads back with, made now (its descriptor)
 
     def served(self, place: Place, low: int, high: int) -> None:
         """Bytes [low, high) of the place go out: their fingerprints are to be taken (quick), where the
@@ -172,7 +172,7 @@ class Changes:
             if unsettled:
                 continue
             try:
-                found = fingerprints.take(data.read_back)
+                found = fingerprints.take(data.readinto_exact)
             except ShardChangedError:
                 continue  # cut: its change is told, and the shard held, at the next look
             with gate.lock:
@@ -213,7 +213,7 @@ class Changes:
                 if data.status().st_size != state.fingerprints.size:  # cut, or grown: not the file served
                     differs: int | None = min(data.status().st_size, state.fingerprints.size)
                 else:
-                    differs = state.fingerprints.differs(data.read_back)
+                    differs = state.fingerprints.differs(data.readinto_exact)
             except (ShardChangedError, OSError) as exc:
                 differs = getattr(exc, "lost_from", None) or 0
             with gate.lock:

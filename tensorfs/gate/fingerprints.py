@@ -31,7 +31,7 @@ _PIECE = 1 << 20
 _UNTOUCHED, _SERVED, _TAKEN = 0, 1, 2
 
 Read = Callable[[int, memoryview], None]
-"""readinto(offset, buffer) of the file (ShardData.read_back: ShardChangedError when the bytes are gone)."""
+"""readinto(offset, buffer) of the file (ShardData.readinto_exact: ShardChangedError when the bytes are gone)."""
 
 
 class Fingerprints:

@@ -213,31 +213,27 @@ def _verify(
 def _groups(runs: Sequence[Run], together: set[str]) -> list[tuple[int, int]]:
     """The ranges of the file to read: from the first byte to the last of each stretch of runs whose
     tensors go out together (a run of a tensor that goes alone ends one)."""
-    groups: list[tuple[int, int]] = []
-    low = high = -1
-    for start, stop, name in runs:
-        if name in together:
-            if low < 0:
-                low = start
-            high = stop
-        elif low >= 0:
-            groups.append((low, high))
-            low = -1
-    if low >= 0:
-        groups.append((low, high))
-    return groups
+    return _stretches(runs, together, across_gaps=True)
 
 
 def _contiguous(runs: Sequence[Run], together: set[str]) -> list[tuple[int, int]]:
     """The tensors' bytes that went out together, as contiguous ranges (what is fingerprinted)."""
+    return _stretches(runs, together, across_gaps=False)
+
+
+def _stretches(runs: Sequence[Run], together: set[str], *, across_gaps: bool) -> list[tuple[int, int]]:
+    """The runs of tensors in `together` merged into ranges: consecutive ones, and with `across_gaps`
+    those with bytes of no tensor between them too (a run of a tensor not in `together` ends one)."""
     found: list[tuple[int, int]] = []
+    joined = False  # whether the next run of `together` may join the last range
     for start, stop, name in runs:
         if name not in together:
-            continue
-        if found and found[-1][1] == start:
+            joined = joined and not across_gaps
+        elif joined and (across_gaps or found[-1][1] == start):
             found[-1] = (found[-1][0], stop)
         else:
             found.append((start, stop))
+            joined = True
     return found
 
 

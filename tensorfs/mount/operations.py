@@ -41,7 +41,9 @@ from .statsfile import StatsFile
 from .tree import ROOT_INODE, Attributes, Kind, NoSuchEntry, Tree
 
 if TYPE_CHECKING:
+    from ..catalogue.fallbacks import Copy
     from ..model import Model
+    from ..utils.identity import ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -411,9 +413,7 @@ class TensorOperations(pyfuse3.Operations):
             return await self._read_tensor(span, only.shard_offset - span.origin, only.end - only.start)
         buffer = bytearray(max(0, end - off))
         for served in await self._drive(file.read(off, memoryview(buffer))):
-            self.stats.touch(served.shard, served.origin, served.origin + served.high - served.low)
-            if served.copy is not None:
-                self.stats.from_fallback(served.copy.source, served.high - served.low)
+            self._count(served.shard, served.origin, served.origin + served.high - served.low, served.copy)
             if self.hand_over:  # a copy: the kernel will hold it, the source's pages may go
                 served.data.served(served.low, served.high)
         return memoryview(buffer)
@@ -449,9 +449,13 @@ class TensorOperations(pyfuse3.Operations):
 
     def _touch(self, span: OpenTensor, place: Place, low: int, high: int) -> None:
         """Count [low, high) of the place served (by the tensor's place in its own shard)."""
-        self.stats.touch(span.shard, span.in_shard(place, low), span.in_shard(place, high))
-        if place.copy is not None:
-            self.stats.from_fallback(place.copy.source, high - low)
+        self._count(span.shard, span.in_shard(place, low), span.in_shard(place, high), place.copy)
+
+    def _count(self, shard: ShardKey, start: int, end: int, copy: Copy | None) -> None:
+        """Count bytes [start, end) of a shard's own file served, had from `copy` if a fallback's."""
+        self.stats.touch(shard, start, end)
+        if copy is not None:
+            self.stats.from_fallback(copy.source, end - start)
 
     def release_replied(self) -> None:
         """Let go of the ranges held for replies: call only from another task than a read's (trio's thread)."""

@@ -122,12 +122,10 @@ class ReadAhead:
                 if high - low <= INLINE_READ and self._disk_seconds < INLINE_BELOW:
                     return self._timed_read(data, low, high)  # the disk answers faster than a hop
             read: bytes = yield "present", functools.partial(self._timed_read, data, low, high)
-            self.stats.page_waits += 1
-            self.stats.page_wait_seconds += time.perf_counter() - waited
+            self._waited(waited)
             return read
         copied: bytes | None = yield "present", functools.partial(data.pinned_or_copied, low, high, within=within)
-        self.stats.page_waits += 1
-        self.stats.page_wait_seconds += time.perf_counter() - waited
+        self._waited(waited)
         if copied is not None:
             # No window ahead is waited for first: that kept a cold tensor's first bytes waiting for
             # four more chunks sharing the link (docs/performance.md).
@@ -142,6 +140,11 @@ class ReadAhead:
                 until = high
         span.ready_from, span.ready_to = low, max(until, span.ready_to if span.ready_from <= low else 0)
         return None
+
+    def _waited(self, since: float) -> None:
+        """Count a request that waited on a worker thread for its bytes, from `since` (perf_counter)."""
+        self.stats.page_waits += 1
+        self.stats.page_wait_seconds += time.perf_counter() - since
 
     def _timed_read(self, data: ShardData, low: int, high: int) -> bytes:
         """Bytes [low, high) of a file, read; how long its disk takes to answer a random reader, kept

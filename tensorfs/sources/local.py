@@ -418,12 +418,7 @@ class LocalShard(ShardData):
             return None
         return bytes(buffer) if done == count else None
 
-    def read_exact(self, offset: int, count: int) -> bytes:
-        buffer = bytearray(count)
-        self._readinto(self._exact_fd(), offset, memoryview(buffer))
-        return bytes(buffer)
-
-    def read_back(self, offset: int, buffer: memoryview) -> None:
+    def readinto_exact(self, offset: int, buffer: memoryview) -> None:
         self._readinto(self._exact_fd(), offset, buffer)
 
     def _exact_fd(self) -> int:

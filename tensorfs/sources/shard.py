@@ -64,11 +64,11 @@ class ShardData(ABC):
     view: memoryview
     """The whole shard, on a read-only mapping: zero-copy views and read replies come from it."""
     needs_ensure = False
+    """Whether a range must be ensured before any view of it is handed out: a file's pages fault in
+    by themselves, but a cache file's unfetched chunks are holes, which read as zeros."""
     wait_limit: float | None = None
     """How long a request waits on work shared with others for its bytes (waits.py): a store's
     --remote-timeout; None: a file's bytes come as fast as the disk gives them."""
-    """Whether a range must be ensured before any view of it is handed out: a file's pages fault in
-    by themselves, but a cache file's unfetched chunks are holes, which read as zeros."""
 
     @abstractmethod
     def ensure(self, start: int, end: int, *, ahead: bool = False, within: Within = None) -> bool:
@@ -170,15 +170,17 @@ class ShardData(ABC):
         disk: the request thread asks), else None."""
         return None
 
-    def read_exact(self, offset: int, count: int) -> bytes:
-        """read(), for a random reader: a file asks its disk for these bytes and no more (no
-        read-ahead), as read_back() does."""
-        return self.read(offset, count)
-
-    def read_back(self, offset: int, buffer: memoryview) -> None:
-        """readinto(), for bytes read again to be checked (served already, so mostly in memory): a
-        file asks its disk for these bytes and no more (no read-ahead, which a stream's reads set)."""
+    def readinto_exact(self, offset: int, buffer: memoryview) -> None:
+        """readinto(), a file asking its disk for these bytes and no more (no read-ahead, which a
+        stream's reads set): bytes read back to be checked (served already, so mostly in memory),
+        and a random reader's."""
         self.readinto(offset, buffer)
+
+    def read_exact(self, offset: int, count: int) -> bytes:
+        """readinto_exact(), as new bytes."""
+        buffer = bytearray(count)
+        self.readinto_exact(offset, memoryview(buffer))
+        return bytes(buffer)
 
     def read(self, offset: int, count: int) -> bytes:
         """readinto(), as new bytes (a format's Reader)."""
