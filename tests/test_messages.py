@@ -148,3 +148,57 @@ def test_a_refusal_says_what_to_check_for_its_kind_of_source(
         assert cli("validate", *cache, "hf://private/messages@v1", env=env | {"HF_TOKEN": TOKEN}).returncode == 0
     finally:
         shutil.rmtree(repository)
+
+
+# -- a file that is no model, named as MODEL ----------------------------------------------------------
+
+NOT_WEIGHTS = {
+    "config.json": b'{"model_type": "llama", "hidden_size": 4096}\n',
+    "model_index.json": b'{"_class_name": "StableDiffusionPipeline"}\n',
+    "notes.txt": b"hello world: notes on the model\n",
+    "README": b"",
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_WEIGHTS))
+def test_a_file_that_is_no_model_named_as_model_says_so(name: str, tmp_path: Path, nginx: Nginx) -> None:
+    """Issue 55, item 7: a companion named as MODEL was read as a safetensors file whose header length
+    is its first 8 bytes ("header length 7810190778963069563 is over the limit"). Every command, the
+    library say "not a weights file" and how it begins; a URL so named, what to name instead."""
+    (tmp_path / name).write_bytes(NOT_WEIGHTS[name])
+    begins = "it is empty" if not NOT_WEIGHTS[name] else f"it begins {NOT_WEIGHTS[name][:8].decode()!r}"
+    said = f"{name}: not a weights file ({begins}; tensorfs reads .safetensors, .gguf, .bin, .pt or .pth)"
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    for command in (["validate", name], ["ls", name], ["mount", name, "mnt"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "tensorfs.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=patience(120),
+            cwd=tmp_path,
+        )
+        assert one_line(result) == f"error: {said}", command
+    assert mount_at(mountpoint) is None
+    with pytest.raises(tensorfs.InvalidModelError) as refused:
+        tensorfs.safe_open(str(tmp_path / name), "numpy")
+    assert f"not a weights file ({begins};" in str(refused.value)
+    served = nginx.root / "no-model" / name
+    served.parent.mkdir()
+    served.write_bytes(NOT_WEIGHTS[name])
+    try:
+        url = f"{nginx.url}/no-model/{name}"
+        line = one_line(cli("validate", "--cache-dir", str(tmp_path / "cache"), url))
+        # A URL not named as a weights file is a folder's (HTTP lists none): what to name instead.
+        assert line.startswith(f"error: {url}: name the model's index (…/model.safetensors.index.json) or a "), line
+        assert line.endswith(".safetensors, .gguf, .bin, .pt or .pth file: HTTP has no listing"), line
+    finally:
+        shutil.rmtree(served.parent)
+
+
+def test_a_weights_file_of_any_name_is_still_read(tmp_path: Path) -> None:
+    """A safetensors file is told by its content: one named without a weights suffix is read as before."""
+    write_reference(tmp_path / "model", {"w": ("F32", [4], random_bytes(16, 4))})
+    assert cli("validate", str(tmp_path / "model")).returncode == 0
+    with tensorfs.safe_open(str(tmp_path / "model"), "numpy") as opened:
+        assert list(opened.keys()) == ["w"]

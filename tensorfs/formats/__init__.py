@@ -147,12 +147,27 @@ def read_table(read: Reader, size: int, path: ShardKey, label: str) -> ShardHead
     """The validated table of the file at `path` (`size` bytes, shown as `label`), whatever its format;
     InvalidModelError listing every problem found. Tensor data is never read. Every format's table
     passes here: each tensor's shape must be one numpy and torch can make an array of (table.py)."""
-    first = read(0, min(size, SNIFF_BYTES)) if len(FORMATS) > 1 else b""
-    header = detect(first, str(path)).read_table(read, size, path, label)
+    first = read(0, min(size, SNIFF_BYTES))
+    format_ = detect(first, str(path))
+    if format_ is FORMATS[-1] and not is_weights_name(str(path)) and not safetensors.plausible(first, size):
+        raise InvalidModelError(
+            [Problem(label, f"not a weights file ({_begins(first)}; tensorfs reads {WEIGHT_FILES})")]
+        )
+    header = format_.read_table(read, size, path, label)
     problems = shape_problems(header, label)
     if problems:
         raise InvalidModelError(problems)
     return header
+
+
+def _begins(first: bytes) -> str:
+    """How a file that is no format's begins, in a few words ("it is empty", "it begins '{"model'")."""
+    if not first:
+        return "it is empty"
+    shown = first.decode("ascii", "replace")
+    if shown.isprintable():
+        return f"it begins {shown!r}"
+    return f"its first bytes, {first.hex(' ')}, are no format's"
 
 
 def table_bytes(first: bytes, size: int) -> int:

@@ -92,6 +92,16 @@ def table_bytes(first: bytes, size: int) -> int:
     return 8 + length
 
 
+def plausible(first: bytes, size: int) -> bool:
+    """Whether a file of `size` bytes beginning `first` (its first 8 at least, if it has them) could
+    be a safetensors file: its length fits the file and the limit (a file of another name told from
+    a text file, formats/)."""
+    if len(first) < 8:
+        return False
+    length = int.from_bytes(first[:8], "little")
+    return length <= MAX_HEADER_BYTES and 8 + length <= size
+
+
 def header_length(prefix: bytes, size: int, label: str) -> int:
     """The header's length from the shard's first 8 bytes, checked against the shard's size (rules 1-3)."""
     if size < 8:
