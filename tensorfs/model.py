@@ -22,7 +22,7 @@ from .selection import Selection
 from .sources.shard import ShardData
 from .utils.identity import ShardKey
 from .utils.names import Layout
-from .views.export import write_safetensors
+from .views.export import Written, write_safetensors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -194,7 +194,12 @@ class Model(Tables):
         return model
 
     def write_safetensors(
-        self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None, *, replace: bool = True
+        self,
+        path: str | os.PathLike[str],
+        progress: Callable[[int], None] | None = None,
+        *,
+        replace: bool = True,
+        written: Written | None = None,
     ) -> int:
         """Write the model's tensors (this selection's) as one safetensors file at `path` (a GGUF
         model's: one GGUF file, its metadata and alignment the source's); returns its size in bytes.
@@ -203,12 +208,13 @@ class Model(Tables):
         all agree on it; streamed from the shard files through the gate, written whole or not at
         all. A regular file at `path` is replaced (`replace=False`: refused), never one of the
         model's shards; a symlink or anything else there is refused. `progress`, if given, is called
-        with each count of bytes written.
+        with each count of bytes written. Blocks of zeros are left as holes; `written`, if given,
+        counts the bytes written and those left as holes.
         """
 
         self._check_open()
         self.gate.verify_many(self.sorted_names)
-        return write_safetensors(self, self.gate, Path(path), progress, replace=replace)
+        return write_safetensors(self, self.gate, Path(path), progress, replace=replace, written=written)
 
     # -- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import click
 
@@ -40,6 +40,9 @@ from .options import (
     view_options,
 )
 from .output import OutputError, ended_by_signals, error_lines, table, write_file
+
+if TYPE_CHECKING:
+    from ..views.export import Written
 
 
 @cli.command(short_help="Check every header of MODEL as mount would, and summarise it.")
@@ -184,7 +187,7 @@ def export(
     not match fails the export.
     """
     from ..views import build_view
-    from ..views.export import view_bytes, write_view
+    from ..views.export import Written, view_bytes, write_view
 
     source = source_of(path, remote)  # the model's name checked first, then DEST's
     shown = printable(str(dest))
@@ -204,9 +207,10 @@ def export(
             why = f"a {model.format} model is written as a .{model.view_format} file (or a directory)"
             raise TensorfsError(f"{shown}: {why}")
         if one_file:
+            written = Written()
             with Progress(model.nbytes, "writing", quiet=quiet) as progress:
-                size = model.write_safetensors(dest, progress.advance, replace=False)
-            done = f"wrote {shown}: {tensors}, {human_size(size)}"
+                model.write_safetensors(dest, progress.advance, replace=False, written=written)
+            done = f"wrote {shown}: {tensors}, {_amount(written)}"
         else:
             spec, others = source.view(model, view)
             try:
@@ -214,16 +218,22 @@ def export(
                 files = build_view(model, model.gate, spec, [(other, other.gate) for other in others.models])
                 try:
                     with Progress(view_bytes(files), "writing", quiet=quiet) as progress:
-                        write_view(files, dest, progress.advance)
+                        written = write_view(files, dest, progress.advance)
                 finally:
                     files.close()
             finally:
                 others.close()
-            done = f"wrote {shown}/: {tensors}, {plural(len(files.files), 'file')}"
+            done = f"wrote {shown}/: {tensors}, {plural(len(files.files), 'file')}, {_amount(written)}"
     try:
         click.echo(done)
     except OutputError as exc:  # the model is written: say so, for the exit code says something failed
         raise OutputError(exc.cause, f"wrote {shown}, but ") from None
+
+
+def _amount(written: Written) -> str:
+    """How much an export put on disk ("41.6 MiB", "4.0 KiB and 22.5 GiB of zeros left as holes")."""
+    holes = f" and {human_size(written.holes)} of zeros left as holes" if written.holes else ""
+    return f"{human_size(written.data)}{holes}"
 
 
 @cli.command(short_help="Hash every tensor of MODEL and compare with a manifest.")
