@@ -76,7 +76,9 @@ class Model(Tables):
         """
         self._check_open()
         shards, owner = restricted(self.opened_shards(), selection, str(self.source))
-        return Model(self.source, shards, owner, self.layout, selection, parent=self)
+        selected = Model(self.source, shards, owner, self.layout, selection, parent=self)
+        selected.parts = self.parts
+        return selected
 
     @property
     def fallbacks(self) -> Fallbacks | None:

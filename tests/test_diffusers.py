@@ -13,12 +13,14 @@ tensorfs's: every weight, and the image it makes, bit for bit. Nothing is downlo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 import obstore
 import pytest
+import safetensors.numpy
 from diffusion_models import (
     diffusers,
     pipelines,
@@ -31,6 +33,7 @@ from diffusion_models import (
     write_stable_diffusion,
 )
 from gguf_files import write_gguf
+from safetensors import safe_open
 
 import tensorfs
 from conftest import Mounts
@@ -253,8 +256,9 @@ def test_a_pipelines_exclusion_and_its_refusals_through_the_commands(
 ) -> None:
     """--exclude 'vqvae/*' leaves that component's weights out (its config stays, as a selection's
     does); --layers of a pipeline none of whose names is of a numbered layer (a UNet's down_blocks.0
-    is not one) is refused saying so; a pipeline the library refuses is refused by the commands in
-    one line: exit 1, no traceback."""
+    is not one) is refused saying so. A component of two variants and no default, which the library
+    refuses, the commands serve, each variant in its folder within the component's (issue 55); a
+    pipeline they refuse (a GGUF component) is refused in one line: exit 1, no traceback."""
     mountpoint = mounts.mount(pipeline, "--exclude", "vqvae/*")
     assert sorted(os.listdir(mountpoint)) == [".tensorfs", "unet"]
     assert view_files(mountpoint / ".tensorfs" / "model") == [
@@ -270,14 +274,18 @@ def test_a_pipelines_exclusion_and_its_refusals_through_the_commands(
     shutil.copytree(pipeline, copy)
     unet = copy / "unet"
     (unet / "diffusion_pytorch_model.safetensors").rename(unet / "diffusion_pytorch_model.v2.safetensors")
+    listed = cli("ls", "--json", str(copy))
+    assert listed.returncode == 0, listed.stderr
+    folders = {"/".join(json.loads(line)["name"].split("/")[:2]) for line in listed.stdout.splitlines()}
+    assert {"unet/diffusion_pytorch_model.fp16", "unet/diffusion_pytorch_model.v2"} <= folders, folders
+    for variant in unet.glob("*.safetensors"):
+        variant.unlink()
+    write_gguf(unet / "unet.gguf", {"w": ("F32", [4])})  # diffusers loads no component from a GGUF
     for command in (["validate", str(copy)], ["mount", str(copy), str(tmp_path / "mnt")]):
         (tmp_path / "mnt").mkdir(exist_ok=True)
         refused = cli(*command)
         assert refused.returncode == 1 and refused.stdout == "", refused
-        assert refused.stderr == (
-            f"error: {unet}: holds the files of several models (variants) (diffusion_pytorch_model.fp16.safetensors, "
-            "diffusion_pytorch_model.v2.safetensors): name the one to open (its file, or its index)\n"
-        )
+        assert refused.stderr == f"error: {unet / 'unet.gguf'}: {GGUF_COMPONENT}\n"
 
 
 def test_a_pipeline_with_a_component_of_several_models_is_refused_naming_its_folder(
@@ -392,9 +400,9 @@ def test_a_pipelines_folders_are_looked_into_up_to_a_bound(tmp_path: Path) -> No
         (root / f"a{k:04d}").mkdir()
     (root / "unet").mkdir()
     write_reference(root / "unet" / "diffusion_pytorch_model.safetensors", {"w": ("U8", [4], bytes(4))})
-    assert find_pipeline(root) == []
+    assert find_pipeline(root) == ([], False)
     shutil.rmtree(root / "a0000")
-    assert find_pipeline(root) == ["unet"]
+    assert find_pipeline(root) == (["unet"], False)
 
 
 def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp_path: Path) -> None:
@@ -513,3 +521,75 @@ def test_a_lora_is_served_under_its_own_name(sd_variants: Path, mounts: Mounts, 
     assert served == [original] * 5
     base = stable_diffusions(sd_variants)[0]
     assert base[2] != original[1]  # the LoRA changes the image: it was put on
+
+
+def test_a_stable_diffusion_repository_with_single_file_checkpoints_is_served_whole(
+    sd_variants: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """Issue 55: a Stable Diffusion 1.5-style repository, a pipeline (with fp16 variants) and two
+    single-file checkpoints of the same tensor names at its root, was refused by every command ("the
+    files of two models?"). Now each model has a folder of the tree (the components', and one per
+    checkpoint), the view and the export are the folder byte for byte, and StableDiffusionPipeline
+    loads from each, with and without variant="fp16", what it loads from the original."""
+    repository = tmp_path / "sd15"
+    shutil.copytree(sd_variants, repository)
+    shutil.copy(repository / "unet" / "diffusion_pytorch_model.safetensors", repository / "v1-5-pruned.safetensors")
+    emaonly = repository / "v1-5-pruned-emaonly.safetensors"
+    shutil.copy(repository / "unet" / "diffusion_pytorch_model.fp16.safetensors", emaonly)
+    validated = cli("validate", str(repository))
+    assert validated.returncode == 0, validated.stderr
+    assert validated.stdout.startswith(
+        f"{repository}: valid: 5 models (text_encoder/, unet/, vae/, v1-5-pruned-emaonly/, v1-5-pruned/), "
+    ), validated.stdout
+    mountpoint = mounts.mount(repository)
+    assert sorted(os.listdir(mountpoint)) == [
+        ".tensorfs", "text_encoder", "unet", "v1-5-pruned", "v1-5-pruned-emaonly", "vae"
+    ]  # fmt: skip
+    unet = {path.name for path in (mountpoint / "unet").iterdir()}
+    assert {path.name for path in (mountpoint / "v1-5-pruned").iterdir()} == unet  # the same names, apart
+    with safe_open(emaonly, "numpy") as reference:
+        name = next(iter(reference.keys()))
+        assert (mountpoint / "v1-5-pruned-emaonly" / name).read_bytes() == reference.get_tensor(name).tobytes()
+    view = mountpoint / ".tensorfs" / "model"
+    exported = mounts.run("export", str(repository), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    for folder in (view, tmp_path / "exported"):
+        assert view_files(folder) == view_files(repository)
+        same_files(folder, repository)
+    folders = [str(repository), str(view), str(tmp_path / "exported")]
+    variant, mounted, written = variant_weights(*folders, variant="fp16")
+    plain, mounted_plain, written_plain = variant_weights(*folders, variant="")
+    assert mounted == variant and written == variant and "weights" in variant
+    assert mounted_plain == plain and written_plain == plain and plain != variant
+    with pytest.raises(tensorfs.InvalidModelError, match="name the one to open"):  # the library: one model
+        tensorfs.open_model(repository)
+
+
+def test_loras_of_the_same_names_are_each_loaded_by_their_weight_name(
+    sd_variants: Path, mounts: Mounts, tmp_path: Path
+) -> None:
+    """Issue 55: a folder of two LoRAs of the same tensor names was refused ("tensor 'x' is also in
+    shard y"). Each is a model of its own in the tree, and load_lora_weights(view or export,
+    weight_name=each) puts on the pipeline the weights it puts from the original folder."""
+    lora = write_lora(sd_variants, tmp_path / "lora")
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    shutil.copy(lora, loras / "style-a.safetensors")
+    with safe_open(lora, "numpy") as reference:
+        names = reference.keys()  # (a safe_open is no mapping: not iterable)
+        doubled = {name: reference.get_tensor(name) * 2 for name in names}
+    safetensors.numpy.save_file(doubled, str(loras / "style-b.safetensors"))
+    mountpoint = mounts.mount(loras)
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "style-a", "style-b"]
+    view = mountpoint / ".tensorfs" / "model"
+    exported = mounts.run("export", str(loras), str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    for folder in (view, tmp_path / "exported"):
+        assert view_files(folder) == ["style-a.safetensors", "style-b.safetensors"]
+        same_files(folder, loras)
+    sides = (loras, view, tmp_path / "exported")
+    loads = with_lora(
+        sd_variants, *((folder, name) for name in ("style-a.safetensors", "style-b.safetensors") for folder in sides)
+    )
+    a, b = loads[:3], loads[3:]
+    assert a == [a[0]] * 3 and b == [b[0]] * 3 and a[0] != b[0]

@@ -63,6 +63,10 @@ class Tables:
         self.layout: Layout = layout
         self.selection = selection or Selection()
         """How this model's tensors were picked from its source's (or its parent's): all by default."""
+        self.parts: dict[str, list[str]] = {}
+        """A folder of several models opened as one tree's, or a pipeline's components (opening/
+        repository.py): each model's folder in the tree, and its files (paths in the folder). Empty
+        for one model."""
         self._shards = {s.header.path: s for s in shards}
         self._owner = owner
         self.metadata: dict[str, dict[str, str]] = {

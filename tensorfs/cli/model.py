@@ -72,7 +72,7 @@ def validate(
     with source_of(path, remote, no_cache).open(selection, layout, progress=not quiet, signature=signature) as model:
         signer = model.gate.integrity.signer
         click.echo(
-            f"{printable(str(path))}: valid: {plural(len(model.shards), 'shard')}, "
+            f"{printable(str(path))}: valid: {_models(model)}{plural(len(model.shards), 'shard')}, "
             f"{plural(len(model), 'tensor')}, {human_size(model.nbytes)} ({model.nbytes} bytes)"
             + ("" if selection.everything else f", selected by {printable(selection.describe())}")
             + (f", signed by {signer} ({model.gate.integrity.label})" if signer else "")
@@ -228,6 +228,15 @@ def export(
         click.echo(done)
     except OutputError as exc:  # the model is written: say so, for the exit code says something failed
         raise OutputError(exc.cause, f"wrote {shown}, but ") from None
+
+
+def _models(model: Model) -> str:
+    """Where the models of a folder of several are in the tree ("3 models (a/, b/, c/), "), else ""."""
+    if not model.parts:
+        return ""
+    folders = [f"{printable(folder)}/" for folder in model.parts]
+    shown = ", ".join(folders[:6]) + (", ..." if len(folders) > 6 else "")
+    return f"{plural(len(folders), 'model')} ({shown}), "
 
 
 def _amount(written: Written) -> str:

@@ -355,5 +355,6 @@ def view_options(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any
 def source_of(
     path: Path | str, remote: RemoteOptions, no_cache: bool = False, fallback: tuple[Path | str, ...] = ()
 ) -> Source:
-    """The Source a command's MODEL, remote options, --no-cache and --fallback name."""
-    return Source.named(path, remote, caches=not no_cache, fallback=fallback)
+    """The Source a command's MODEL, remote options, --no-cache and --fallback name (a folder of
+    several models: each under a folder of its own)."""
+    return Source.named(path, remote, caches=not no_cache, fallback=fallback, several=True)

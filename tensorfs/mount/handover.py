@@ -57,6 +57,8 @@ class ModelSnapshot:
     """Who signed the manifest in force, when it is a signature's digests."""
     pending: Pending | None = None
     """Where the values the manifest lacks come from (files signed by ranges)."""
+    parts: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """A folder of several models: each one's folder and files (Model.parts)."""
 
 
 def snapshot(model: Model) -> ModelSnapshot:
@@ -97,6 +99,7 @@ def snapshot(model: Model) -> ModelSnapshot:
         cache.directory if cache.enabled else None,
         integrity.signer,
         integrity.pending,
+        model.parts,
     )
 
 
@@ -126,6 +129,7 @@ def reopen(saved: ModelSnapshot) -> Model:
     expected = None if saved.expected is None else dict(saved.expected)  # its own: pending adds to it
     integrity = Integrity(hasher, expected, set(saved.verified), saved.label, saved.signer, saved.pending)
     model.gate.set_integrity(integrity)
+    model.parts = saved.parts
     return model
 
 

@@ -32,6 +32,7 @@ from ..utils.identity import ShardKey, shard_name
 from ..utils.names import Layout
 from ..utils.progress import Progress
 from .pipelines import open_pipeline
+from .repository import checked_parts, parts_of
 
 log = logging.getLogger(__name__)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
@@ -49,14 +50,19 @@ class OpenWith:
     selection: Selection = field(default_factory=Selection)
     fallbacks: Fallbacks | None = None
     progress: bool = False
+    several: bool = False
+    """A folder of several models is opened as one tree's, each under its own folder
+    (repository.py); else it is refused, naming the files to choose from."""
 
 
 def open_location(path: Path | str, how: OpenWith) -> Model:
     """The model at `path`: every shard found, read, validated and mapped (a progress line on a
     terminal when asked), the rules across shards checked; the selection's tensors.
     InvalidModelError naming every problem found. A diffusers pipeline's root is the models of its
-    component folders, each opened so (pipelines.py)."""
-    components = find_pipeline(path) if isinstance(path, Path) else None
+    component folders, each opened so (pipelines.py); with `how.several`, with the models of its own
+    files beside them (a repository's single-file checkpoints: repository.py)."""
+    found = find_pipeline(path, beside=how.several) if isinstance(path, Path) else None
+    components, beside = found if found is not None else (None, False)
     if isinstance(path, str):  # a remote directory is asked whether it is a pipeline only once it is no model
         try:
             return _open_model(path, how)
@@ -70,7 +76,15 @@ def open_location(path: Path | str, how: OpenWith) -> Model:
             raise InvalidModelError([Problem(str(path), "a pipeline takes no fallback: name a component's folder")])
         whole = replace(how, selection=Selection(), fallbacks=None)
         opening = functools.partial(open_location, how=whole)
-        return open_pipeline(path, components, lambda folder: opening(_folder(path, folder)), how.selection, how.layout)
+        root = _open_model(path, whole) if beside else None
+        try:
+            return open_pipeline(
+                path, components, lambda folder: opening(_folder(path, folder)), how.selection, how.layout, root
+            )
+        except BaseException:
+            if root is not None:
+                root.close()
+            raise
     return _open_model(path, how)
 
 
@@ -87,7 +101,7 @@ def _open_model(path: Path | str, how: OpenWith) -> Model:
             from ..sources.remote import RemoteOpener  # the stores' machinery: for a remote model only
 
             try:
-                opener = RemoteOpener(path, remote, problems)
+                opener = RemoteOpener(path, remote, problems, several=how.several)
             except RemoteError as exc:
                 raise InvalidModelError([Problem(path, str(exc).removeprefix(f"{path}: "))]) from None
             source: ShardKey = path
@@ -96,10 +110,11 @@ def _open_model(path: Path | str, how: OpenWith) -> Model:
             located = opener.located
             opened = _open_shards(opener.shards, opener.open, problems, failed, progress)
             weight_map, index_label, done = located.weight_map, located.index_label, opener.remember
+            groups = located.parts
         else:
             source = Path(path)
-            found = find_shards(source, problems, headers)
-            weight_map, index_label = found.weight_map, found.index_label
+            found = find_shards(source, problems, headers, several=how.several)
+            weight_map, index_label, groups = found.weight_map, found.index_label, found.parts
             open_local = functools.partial(LocalShard.open, cache=headers, directory=found.directory)
             try:
                 opened = _open_shards([(p, str(p)) for p in found.paths], open_local, problems, failed, progress)
@@ -111,6 +126,9 @@ def _open_model(path: Path | str, how: OpenWith) -> Model:
         if fallbacks is not None and failed:
             opened += _lent_by(fallbacks, failed, problems, stand_ins)
         try:
+            parts = parts_of(opened, groups) if how.several and index_label is None and not failed else []
+            if len(parts) > 1:
+                return _several_models(source, parts, how, problems, done)
             checks = None
             if headers.enabled and found is not None and sum(s.header.data_start for s in opened) >= WORTH_CACHING:
                 checks = _checks_key(source, found, opened, layout)
@@ -143,11 +161,38 @@ def _open_model(path: Path | str, how: OpenWith) -> Model:
             raise
 
 
+def _several_models(
+    source: ShardKey,
+    parts: list[tuple[str, list[Shard]]],
+    how: OpenWith,
+    problems: list[Problem],
+    done: Callable[[], None] | None,
+) -> Model:
+    """The models of a folder of several as one tree's, each under its own folder (repository.py)."""
+    if how.fallbacks is not None:
+        shown = ", ".join(f"{name}/" for name, _ in parts[:4]) + (", ..." if len(parts) > 4 else "")
+        why = f"holds several models ({shown}): --fallback stands in for one model's files: name its file"
+        problems.append(Problem(str(source), why))
+    shards, owner = checked_parts(parts, how.layout, problems)
+    if problems:
+        raise InvalidModelError(problems)
+    if done is not None:
+        done()
+    if how.selection.everything:
+        model = Model(source, shards, owner, how.layout)
+    else:
+        kept, owner = opened_for(shards, how.selection, str(source))
+        model = Model(source, kept, owner, how.layout, how.selection)
+    model.parts = {name: [shard_name(shard.header.path) for shard in files] for name, files in parts}
+    return model
+
+
 def pipeline_components(path: Path | str, remote: RemoteOptions) -> list[str] | None:
     """The component folders of the diffusers pipeline whose root `path` is (pipelines.py), or None."""
     if isinstance(path, str):
         return pipeline_folders(path, remote) if not remote.offline else None
-    return find_pipeline(path)
+    found = find_pipeline(path)
+    return found[0] if found is not None else None
 
 
 def _folder(root: Path | str, folder: str) -> Path | str:

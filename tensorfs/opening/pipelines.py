@@ -10,16 +10,16 @@ validated and mapped by the one opener; here its tables are only named under its
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 from ..catalogue.tables import Shard, opened_for, owners
 from ..errors import InvalidModelError, Problem
-from ..formats import NAME, ShardHeader, gguf
+from ..formats import gguf
 from ..model import Model
 from ..selection import Selection
-from ..utils.identity import ShardKey
+from ..utils.identity import ShardKey, shard_name
 from ..utils.names import Layout
+from .repository import model_name, named_under
 
 __all__ = ["GGUF_COMPONENT", "open_pipeline"]
 
@@ -35,10 +35,13 @@ def open_pipeline(
     open_component: Callable[[str], Model],
     selection: Selection,
     layout: Layout,
+    root: Model | None = None,
 ) -> Model:
     """The pipeline at `source` as one model: each component folder opened by `open_component(folder)`
     (every problem of every component said at once), its tensors named FOLDER/NAME; the selection's
-    tensors (its globs and layers match those names: 'unet/*' is one component)."""
+    tensors (its globs and layers match those names: 'unet/*' is one component). `root`: the model
+    of the root's own files beside the pipeline (a repository's), under a folder of its own (or its
+    models' folders, where it is several: repository.py)."""
     problems: list[Problem] = []
     opened: list[tuple[str, Model]] = []
     try:
@@ -56,27 +59,45 @@ def open_pipeline(
         if problems:
             raise InvalidModelError(problems)
         shards = [
-            Shard(_named_under(shard.header, folder), shard.data)
+            Shard(named_under(shard.header, folder), shard.data)
             for folder, model in opened
             for shard in model.opened_shards()
         ]
+        parts: dict[str, list[str]] = {}
+        for folder, model in opened:  # a component of several models: each one's folder within its own
+            inner = model.parts or {"": [shard_name(shard.header.path) for shard in model.opened_shards()]}
+            for name, files in inner.items():
+                parts[f"{folder}/{name}".rstrip("/")] = [f"{folder}/{file}" for file in files]
+        if root is not None:
+            shards += _beside(root, parts)
     except BaseException:
         for _, model in opened:
             model.close()
         raise
-    for _, model in opened:
+    for model in [*(model for _, model in opened), *([root] if root is not None else [])]:
         model.gate.close()  # its shards are the pipeline's now, watched by the pipeline's gate
     try:
         if selection.everything:
-            return Model(source, shards, owners(shards), layout)
-        kept, owner = opened_for(shards, selection, str(source))
+            pipeline = Model(source, shards, owners(shards), layout)
+        else:
+            kept, owner = opened_for(shards, selection, str(source))
+            pipeline = Model(source, kept, owner, layout, selection)
     except BaseException:
         for shard in shards:
             shard.data.close()
         raise
-    return Model(source, kept, owner, layout, selection)
+    pipeline.parts = parts
+    return pipeline
 
 
-def _named_under(header: ShardHeader, folder: str) -> ShardHeader:
-    entries = [(*entry[:NAME], f"{folder}/{entry[NAME]}", *entry[NAME + 1 :]) for entry in header.entries]
-    return dataclasses.replace(header, entries=entries)  # type: ignore[arg-type]
+def _beside(root: Model, parts: dict[str, list[str]]) -> list[Shard]:
+    """The shards of the root's own models, each under its folder (added to `parts`, by folder)."""
+    if root.parts:
+        parts.update(root.parts)
+        return list(root.opened_shards())
+    files = [shard_name(shard.header.path) for shard in root.opened_shards()]
+    folder = model_name(files)
+    if folder in parts:  # (a checkpoint unet.safetensors beside the folder unet/)
+        folder = min(files)
+    parts[folder] = files
+    return [Shard(named_under(shard.header, folder), shard.data) for shard in root.opened_shards()]

@@ -109,6 +109,9 @@ class Source:
     """Whether validated headers and tensors' hashes are remembered (False: --no-cache)."""
     fallback: tuple[Path | str, ...] = ()
     """Other copies of the model (--fallback), in order: see catalogue/fallbacks.py."""
+    several: bool = False
+    """A folder of several models is opened as one tree's, each model under a folder of its own (a
+    command's); else it is refused, naming them (the Python API's, which answers for one model)."""
 
     @classmethod
     def named(
@@ -118,6 +121,7 @@ class Source:
         *,
         caches: bool = True,
         fallback: Sequence[str | os.PathLike[str]] = (),
+        several: bool = False,
     ) -> Source:
         """The source a user names: a URL of a scheme tensorfs reads stays a URL, anything else is a path.
         The model and each fallback pass one check (InvalidModelError, the URL shown without its
@@ -128,7 +132,7 @@ class Source:
         absent = missing(where) if isinstance(where, Path) else None
         if absent is not None:  # said now, before anything else is looked at (a mount's mountpoint)
             raise ModelNotFound(absent)
-        return cls(where, remote or RemoteOptions(), caches, tuple(map(_location, fallback)))
+        return cls(where, remote or RemoteOptions(), caches, tuple(map(_location, fallback)), several)
 
     @property
     def is_remote(self) -> bool:
@@ -249,7 +253,7 @@ class Source:
             fallbacks = Fallbacks(spec, _open_fallback)
         try:
             remote = caches.remote(self.remote)
-            how = OpenWith(layout, remote, caches.headers, selection, fallbacks, progress)
+            how = OpenWith(layout, remote, caches.headers, selection, fallbacks, progress, self.several)
             return open_location(self.location, how)
         except BaseException:
             if fallbacks is not None:
@@ -314,7 +318,8 @@ class Source:
         request = request or ViewRequest()
         why = synthesized_because(model, request)
         weights = model.shards
-        folders = [] if why is None else self.components(weights)
+        # A synthesized view gives each model of several (a pipeline's components) a folder of its own.
+        folders = [] if why is None else list(model.parts) or self.components(weights)
         signed = model.signed
         # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
         wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
@@ -345,8 +350,8 @@ class Source:
                 "(--public-key or --certificate-chain holds the model to it): served as any file of the folder"
             )
         if why is not None:
-            by_folder: dict[str, list[str]] = {name: [] for name in folders}
-            for weight in weights:
+            by_folder: dict[str, list[str]] = {name: list(model.parts.get(name, [])) for name in folders}
+            for weight in [] if model.parts else weights:
                 name = os.path.basename(os.path.dirname(weight))
                 if name in by_folder:
                     by_folder[name].append(shard_name(weight))

@@ -16,9 +16,11 @@ a file that comes with it (in a directory of its own, with no model beside it, i
 A directory holding none of those names is tensorfs's to read: its safetensors files are the shards
 of one model (with or without an index); else its GGUF (one, or the parts of one multi-file GGUF);
 else its PyTorch checkpoint (formats/pytorch.py says which). Where that would be a guess (the files
-of several models: variants with no default, safetensors and GGUF files together, several GGUFs),
-the directory is refused in one line naming the files: the user names the one to open (its file, or
-its index), as they would tell a loader.
+of several models: variants with no default, safetensors and GGUF files together, several GGUFs,
+several checkpoints), the directory holds several models (Choice.parts: each model's files, by
+name): a command opens them all, each in a folder of the mount of its own (opening/repository.py);
+the Python API, which answers for one model, is refused in one line naming the files: the user
+names the one to open (its file, or its index), as they would tell a loader.
 
 The view of a model (views/) is named as the loader of its folder expects (view_name): model.*
 for transformers' names, diffusion_pytorch_model.* for diffusers', adapter_model.* for an adapter.
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "MAX_COMPONENTS", "NO_COMPONENT", "PIPELINE_INDEX", "Choice",
-    "choose", "component", "is_adapter", "is_model_file", "is_pipeline", "view_name",
+    "choose", "component", "is_adapter", "is_model_file", "is_pipeline", "view_name", "weights_beside",
 ]  # fmt: skip
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -82,6 +84,8 @@ NO_COMPONENT = (
 _DIFFUSERS_FILE = re.compile(r"diffusion_pytorch_model(?:\.[^./]+?)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)")
 """diffusers' weight files: diffusion_pytorch_model[.V][-0000k-of-0000n].safetensors (or .bin)."""
 _SHOWN = 4  # names a message lists before "..."
+_PART = re.compile(r"(?P<prefix>.+)-\d{5}-of-\d{5}(?P<suffix>\.[^./]+)")
+"""The numbered file of a model of several: NAME-00001-of-00003.EXT."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ class Choice:
     """The index whose shards are the model."""
     problem: str | None = None
     """Why the directory is not one model (what a Problem of the directory says): the files, how to choose."""
+    parts: tuple[tuple[str, ...], ...] = ()
+    """Where the directory holds several models and no loader's name says which: each one's files
+    (`problem` says so too, for whoever takes one model only)."""
 
 
 def is_adapter(name: str) -> bool:
@@ -151,10 +158,16 @@ def view_name(weights: Collection[str]) -> str:
     return "model"
 
 
-def is_pipeline(names: Collection[str]) -> bool:
+def is_pipeline(names: Collection[str], *, beside: bool = False) -> bool:
     """Whether a directory holding these names is a diffusers pipeline's root: model_index.json, and
-    no weights of its own (its models are in its folders)."""
-    return PIPELINE_INDEX in names and not any(is_weights_name(name) or is_index_name(name) for name in names)
+    no weights of its own (its models are in its folders); `beside`: or with weights of its own too
+    (a repository's single-file checkpoints beside the pipeline: weights_beside)."""
+    return PIPELINE_INDEX in names and (beside or not weights_beside(names))
+
+
+def weights_beside(names: Collection[str]) -> bool:
+    """Whether a directory holding these names holds weights (or their index) of its own."""
+    return any(is_weights_name(name) or is_index_name(name) for name in names)
 
 
 def component(names: Collection[str], where: str) -> Choice | None:
@@ -189,21 +202,25 @@ def _by_tensorfs(names: list[str]) -> Choice:
                     return _chosen(f"{stem}.{variant}.{suffix}")
             return Choice(files=tuple(name for name in variants[variant] if not is_index_name(name)))
         held = [min(files) for files in variants.values()] + others
-        return _several("the files of several models (variants)", held)
+        kept = [[name for name in files if not is_index_name(name)] for files in variants.values()]
+        groups = [files for files in kept if files] + _numbered([name for name in weights if name in others])
+        return _several("the files of several models (variants)", held, groups)
     safetensors = [name for name in weights if name.endswith(".safetensors")]
     ggufs = [name for name in weights if name.endswith(gguf.SUFFIXES)]
+    checkpoints = [name for name in weights if name.endswith(pytorch.SUFFIXES)]
     if safetensors and ggufs:
-        return _several("safetensors and GGUF files", [*safetensors, *ggufs])
+        groups = [safetensors, *_ggufs(ggufs)]
+        return _several("safetensors and GGUF files", [*safetensors, *ggufs], groups)
     if safetensors:
         return Choice(files=tuple(safetensors))
     if ggufs:
-        parts = gguf.split_files(ggufs[0])
-        if len(ggufs) > 1 and (parts is None or set(ggufs) - set(parts)):
-            return _several("several GGUF files", ggufs)
+        groups = _ggufs(ggufs)
+        if len(groups) > 1:
+            return _several("several GGUF files", ggufs, groups)
         return Choice(files=tuple(ggufs))
-    chosen, ambiguous = pytorch.choose([name for name in weights if name.endswith(pytorch.SUFFIXES)])
+    chosen, ambiguous = pytorch.choose(checkpoints)
     if ambiguous is not None:
-        return Choice(problem=ambiguous)
+        return Choice(problem=ambiguous, parts=tuple(map(tuple, _checkpoints(checkpoints))))
     if not chosen and PIPELINE_INDEX in names:
         return Choice(problem=NO_COMPONENT)
     if not chosen:
@@ -211,8 +228,40 @@ def _by_tensorfs(names: list[str]) -> Choice:
     return Choice(files=tuple(chosen))
 
 
-def _several(what: str, names: list[str]) -> Choice:
-    return Choice(problem=f"holds {what} ({_some(names)}): name the one to open (its file, or its index)")
+def _several(what: str, names: list[str], groups: list[list[str]]) -> Choice:
+    """A directory of several models: `groups` their files; `names` those a message names."""
+    problem = f"holds {what} ({_some(names)}): name the one to open (its file, or its index)"
+    return Choice(problem=problem, parts=tuple(tuple(group) for group in groups))
+
+
+def _ggufs(names: list[str]) -> list[list[str]]:
+    """GGUF files as models: the parts of a multi-file GGUF together (all there), each other alone."""
+    groups: list[list[str]] = []
+    taken: set[str] = set()
+    for name in names:
+        if name in taken:
+            continue
+        parts = gguf.split_files(name)
+        group = parts if parts is not None and set(parts) <= set(names) else [name]
+        taken.update(group)
+        groups.append(group)
+    return groups
+
+
+def _checkpoints(names: list[str]) -> list[list[str]]:
+    """PyTorch checkpoints as models: the numbered parts of one together, each other alone (but a
+    training run's state: not a model's, where there is a model beside it)."""
+    kept = [name for name in names if not pytorch.TRAINING_STATE.fullmatch(name)] or names
+    return _numbered(kept)
+
+
+def _numbered(names: list[str]) -> list[list[str]]:
+    """Files as models: those numbered as the parts of one (NAME-0000k-of-0000n.EXT) together."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        found = _PART.fullmatch(name)
+        groups.setdefault(f"{found['prefix']}\0{found['suffix']}" if found else name, []).append(name)
+    return list(groups.values())
 
 
 def _holding(names: list[str]) -> str:

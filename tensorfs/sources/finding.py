@@ -28,11 +28,14 @@ class Located:
     shards: list[ObjectRef]
     weight_map: dict[str, str] | None = None
     index_label: str | None = None
+    parts: tuple[tuple[str, ...], ...] = ()
+    """A directory of several models (choosing.Choice.parts), opened as one tree's: each one's files."""
 
 
-def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Located:
+def locate(source: str, options: RemoteOptions, problems: list[Problem], *, several: bool = False) -> Located:
     """The shards of the remote model at `source` (its file, its index, or its directory's model as
-    choosing.py says, the same as a local directory's), problems said."""
+    choosing.py says, the same as a local directory's), problems said; with `several`, a directory
+    of several models is every one's files (Located.parts), else a problem."""
     spec, key = store_spec(source, options)
     if is_weights_name(key):
         return Located([ObjectRef(spec, key)])
@@ -47,6 +50,9 @@ def locate(source: str, options: RemoteOptions, problems: list[Problem]) -> Loca
         return Located([])
     if choice.index is not None:
         return _from_index(ObjectRef(spec, prefix + choice.index), problems)
+    if several and choice.parts:
+        files = [ObjectRef(spec, prefix + name) for part in choice.parts for name in part]
+        return Located(files, parts=choice.parts)
     if choice.problem is not None:
         problems.append(Problem(where, choice.problem))
     return Located([ObjectRef(spec, prefix + name) for name in choice.files])

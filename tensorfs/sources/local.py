@@ -19,7 +19,7 @@ from ..errors import InvalidModelError, Problem, ShardChangedError, printable
 from ..formats import ShardHeader, gguf
 from ..fs.guarded import ModelDirectory, mounted_under, read_bounded, why_refused
 from ..utils.identity import Identity
-from .choosing import MAX_COMPONENTS, choose, component, is_model_file, is_pipeline
+from .choosing import MAX_COMPONENTS, choose, component, is_model_file, is_pipeline, weights_beside
 from .index import MAX_INDEX_BYTES, is_index_name, missing_shard, parse_weight_map, shard_names
 from .pages import Handover, Pages
 from .shard import ShardData, Within
@@ -45,6 +45,8 @@ class FoundShards:
     one shard was named itself)."""
     missing: dict[str, Problem] = field(default_factory=dict)
     """Shards the index names that are not there, by file name: what was said of each."""
+    parts: tuple[tuple[str, ...], ...] = ()
+    """A directory of several models (choosing.Choice.parts), opened as one tree's: each one's files."""
 
     def close(self) -> None:
         if self.directory is not None:
@@ -56,8 +58,11 @@ def missing(path: Path) -> Problem | None:
     return None if os.path.lexists(path) else Problem(str(path), "no such file or directory")
 
 
-def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None = None) -> FoundShards:
-    """The shard files of `source`, and the index's weight map when there is one.
+def find_shards(
+    source: Path, problems: list[Problem], cache: HeaderCache | None = None, *, several: bool = False
+) -> FoundShards:
+    """The shard files of `source`, and the index's weight map when there is one; with `several`,
+    a directory of several models is every one's files (FoundShards.parts), else a problem.
 
     With a cache, an index unchanged since it was last read whole is not read again: the cache
     holds the shard names it gave, and the model's own checks (see model.py) stand for the rest.
@@ -83,6 +88,9 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
         choice = choose(names, str(source))
         if choice.index is not None:
             return _shards_from_index(directory, source / choice.index, problems, cache)
+        if several and choice.parts:
+            files = [source / name for part in choice.parts for name in part]
+            return FoundShards(files, directory=directory, parts=choice.parts)
         if choice.problem is not None:
             problems.append(Problem(str(source), choice.problem))
         return FoundShards([source / name for name in choice.files], directory=directory)
@@ -103,17 +111,19 @@ def find_shards(source: Path, problems: list[Problem], cache: HeaderCache | None
     return FoundShards([source])
 
 
-def find_pipeline(source: Path) -> list[str] | None:
+def find_pipeline(source: Path, *, beside: bool = False) -> tuple[list[str], bool] | None:
     """The component folders of the diffusers pipeline whose root is `source` (those holding weights,
-    sorted), or None when it is none (choosing.is_pipeline). A folder is one of the root's own
-    directories, never a symlink to one elsewhere, nor what is mounted there (it may hang); the first
-    MAX_COMPONENTS of them are looked into."""
+    sorted), and whether the root holds weights of its own beside them (only with `beside`: else such
+    a root is no pipeline's); None when it is none (choosing.is_pipeline). A folder is one of the
+    root's own directories, never a symlink to one elsewhere, nor what is mounted there (it may
+    hang); the first MAX_COMPONENTS of them are looked into."""
     if not source.is_dir():
         return None
     try:
         with ModelDirectory(source) as directory:
             entries = sorted(directory.scan(), key=lambda entry: entry.name)
-            if not is_pipeline([entry.name for entry in entries]):
+            names = [entry.name for entry in entries]
+            if not is_pipeline(names, beside=beside):
                 return None
             mounted = mounted_under(directory.real)
             folders = [
@@ -124,12 +134,12 @@ def find_pipeline(source: Path) -> list[str] | None:
             found = []
             for name in folders[:MAX_COMPONENTS]:
                 try:
-                    names = [inner.name for inner in directory.scan(name)]
+                    inner = [entry.name for entry in directory.scan(name)]
                 except OSError:
                     continue
-                if component(names, str(source / name)) is not None:
+                if component(inner, str(source / name)) is not None:
                     found.append(name)
-            return found
+            return found, weights_beside(names)
     except OSError:
         return None
 

@@ -390,7 +390,7 @@ class RemoteOpener:
     --offline, what the cache remembers of the model is used, and no request is made.
     """
 
-    def __init__(self, source: str, options: RemoteOptions, problems: list[Problem]) -> None:
+    def __init__(self, source: str, options: RemoteOptions, problems: list[Problem], *, several: bool = False) -> None:
         self.source = source
         self.options = options
         self.cache = shared_cache(options)
@@ -399,10 +399,11 @@ class RemoteOpener:
         self._remembered: dict[str, ObjectVersion] | None = None
         self.headers: HeaderCache | None = None
         """Headers validated before, by object version (set by open_model)."""
+        self._several = several
         if options.offline:
             self.located = self._recall(problems)
         else:
-            self.located = locate(source, options, problems)
+            self.located = locate(source, options, problems, several=several)
 
     @property
     def shards(self) -> list[tuple[ObjectRef, str]]:
@@ -449,7 +450,12 @@ class RemoteOpener:
         shards = [
             {"key": v.ref.key, "etag": v.etag, "size": v.size, "mtime": v.mtime} for v, _ in self._opened.values()
         ]
-        description = {"shards": shards, "weight_map": self.located.weight_map, "index": self.located.index_label}
+        located = self.located
+        description: dict[str, object] = {
+            "shards": shards, "weight_map": located.weight_map, "index": located.index_label
+        }  # fmt: skip
+        if located.parts:  # a directory of several models: each one's files
+            description["parts"] = [list(part) for part in located.parts]
         self.cache.remember_model(model_key(self.source, self.options), description)
 
     def _recall(self, problems: list[Problem]) -> Located:
@@ -467,7 +473,9 @@ class RemoteOpener:
             for s in remembered["shards"]
         }
         refs = [v.ref for v in self._remembered.values()]
-        return Located(refs, remembered["weight_map"], remembered["index"])
+        parts = remembered.get("parts") if self._several else None
+        found = tuple(tuple(map(str, part)) for part in parts) if isinstance(parts, list) else ()
+        return Located(refs, remembered["weight_map"], remembered["index"], found)
 
 
 def _validated(version: ObjectVersion, raw: bytes, label: str, offline: bool = False) -> ShardHeader:

@@ -26,7 +26,7 @@ import orjson
 
 from ..sources.index import index_document
 from .companions import Companion, CompanionFiles
-from .synthesized import Piece, SynthesizedFile
+from .synthesized import Piece, SynthesizedFile, format_of
 from .weights import WeightsFile
 
 if TYPE_CHECKING:  # the views build on the model; the model does not need them to load
@@ -164,7 +164,7 @@ def _add_weights(files: dict[str, ViewFile], held: Held, names: list[str], name:
     metadata = shared_metadata(model, names if prefix else None)
     groups = [names] if count == 1 else split(names, component if component is not None else sizes(), count)
     base = prefix + (name if model.selection.everything else PARTIAL_NAME)
-    if model.format == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
+    if format_of(model, names) == "gguf":  # one GGUF, whatever its size: GGUF loaders take a file
         files[f"{base}.gguf"] = SynthesizedFile(model, gate, names, None, prefix)
     elif len(groups) == 1:
         files[f"{base}.safetensors"] = SynthesizedFile(model, gate, names, metadata, prefix)

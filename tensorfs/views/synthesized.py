@@ -47,6 +47,14 @@ class Piece:
     """Where the piece's first byte is in the shard file."""
 
 
+def format_of(model: Tables, names: list[str]) -> str:
+    """The format of a file synthesized of `names`: a GGUF of a GGUF's tensors, else safetensors
+    (a folder of several models may hold both)."""
+    if not names:
+        return model.view_format
+    return "gguf" if model.shard_header(model.locate(names[0])[0]).format == gguf.NAME else "safetensors"
+
+
 class SynthesizedFile:
     """One file holding `names` (tensors of `model`, their bytes handed out by `gate`): safetensors in
     the reference writer's layout, or, for a GGUF model, a GGUF.
@@ -61,8 +69,8 @@ class SynthesizedFile:
         self.model = model
         self.gate = gate
         """What hands out the tensors' bytes (the model's gate: a selection's is its parent's)."""
-        self.format = self.model.format
-        """The file's format: the model's ("safetensors", "gguf")."""
+        self.format = format_of(model, names)
+        """The file's format: its tensors' files' ("gguf"), else "safetensors"."""
         self._names = names
         self._metadata = dict(sorted(metadata.items())) if metadata else None
         self._strip = strip
@@ -84,7 +92,7 @@ class SynthesizedFile:
             if self._built:
                 return
             if self.format == gguf.NAME:
-                header, order, starts, ends, nbytes = _gguf_layout(self.model, self._names)
+                header, order, starts, ends, nbytes = _gguf_layout(self.model, self._names, self._strip)
             else:
                 header, order, starts, ends, nbytes = _safetensors_layout(
                     self.model, self._names, self._metadata, self._strip
@@ -263,18 +271,20 @@ def _safetensors_layout(model: Tables, names: list[str], metadata: Mapping[str, 
     return len(text).to_bytes(8, "little") + text, order, starts, ends, offset
 
 
-def _gguf_layout(model: Tables, names: list[str]) -> _Layout:
+def _gguf_layout(model: Tables, names: list[str], strip: str) -> _Layout:
     """The source's order (shard by shard, by offset), its key/value pairs (the first shard's, as a
     multi-file GGUF keeps them; its split.* ones dropped; a selection's saying it is a part) and its
-    alignment."""
+    alignment. The names without `strip` (the folder of a model of several)."""
     shards = {shard: k for k, shard in enumerate(model.shards)}
     place = [model.locate(name) for name in names]
     order = sorted(range(len(names)), key=lambda i: (shards[place[i][0]], place[i][1]))
-    first = model.shard_header(model.shards[0])
+    own = min((place[i][0] for i in order), key=shards.__getitem__, default=model.shards[0])  # its first file
+    first = model.shard_header(own)
     layout = first.layout or {}
     alignment = layout.get("alignment", gguf.DEFAULT_ALIGNMENT)
-    pairs = [(key, raw) for key, raw in gguf.pairs(model.shard_data(model.shards[0]).read, layout)
+    pairs = [(key, raw) for key, raw in gguf.pairs(model.shard_data(own).read, layout)
              if not key.startswith("split.")]  # fmt: skip
+    names = [name.removeprefix(strip) for name in names]
     if model.selection.everything:
         kept = [raw for _, raw in pairs]
     else:  # a part of the model says so, and which blocks it holds (ggufparts.py)
@@ -283,7 +293,7 @@ def _gguf_layout(model: Tables, names: list[str]) -> _Layout:
     starts, ends = [0] * len(names), [0] * len(names)
     infos = []
     for i in order:
-        _, _, entry = model.entry(names[i])
+        _, _, entry = model.entry(strip + names[i])
         starts[i], ends[i] = offset, offset + entry[END] - entry[BEGIN]
         infos.append((names[i], entry[SHAPE][::-1], entry[DTYPE], offset))
         offset = ends[i] + -ends[i] % alignment
