@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -400,9 +400,17 @@ def check_lines(run: Run, at: Place, truth: Truth) -> None:
     assert bool(errors) == (run.code != 0), f"{run.command}: exit {run.code}, and {errors or 'no error line'}"
 
 
-def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collection[int] = ()) -> None:
+def check(
+    run: Run,
+    at: Place,
+    truth: Truth,
+    lies: list[Lie],
+    planted: Collection[int] = (),
+    served: Mapping[str, bytes] | None = None,
+) -> None:
     """Every rule of the module's docstring, of one command's run (`planted`: the daemons of the
-    mounts a hostile user left, stopped, which are theirs and not the command's)."""
+    mounts a hostile user left, stopped, which are theirs and not the command's; `served`: files a
+    plant made that are the folder's own, by path, as the view serves them)."""
     check_lines(run, at, truth)
     # A companion has no manifest: what the store says of its bytes (its size, other bytes, other
     # ranges, another file's through a redirect), it says of it consistently, is all there is of them;
@@ -427,7 +435,7 @@ def check(run: Run, at: Place, truth: Truth, lies: list[Lie], planted: Collectio
                 )
             if key in unvouched or everything:
                 continue
-            expected = truth.view.get(key, listed.get(key))
+            expected = truth.view.get(key, listed.get(key, (served or {}).get(key)))
         else:
             expected = truth.tensors.get(key)
         same = handed == expected or (isinstance(handed, str) and expected is not None and handed == sha(expected))
@@ -842,15 +850,19 @@ def plant(what: str, model: Path, truth: Truth, work: Path, mounts: Mounts, undo
     elif what == "directory-as-companion":
         (model / "special_tokens_map.json").mkdir()  # a loader's name for a file, and a FIFO in it
         os.mkfifo(model / "special_tokens_map.json" / "x")
-    elif what == "deep-and-hidden":
-        (model / "a" / "b").mkdir(parents=True)
-        (model / "a" / "b" / "c.json").write_text("{}")
+    elif what == "deep-and-hidden":  # a file of the folder two levels down (served); a git repository's (not)
+        for path, data in SERVED_PLANTS[what].items():
+            (model / path).parent.mkdir(parents=True, exist_ok=True)
+            (model / path).write_bytes(data)
         (model / ".git").mkdir()
         (model / ".git" / "config").write_text("[core]")
     else:
         raise AssertionError(what)
     return None
 
+
+SERVED_PLANTS: dict[str, dict[str, bytes]] = {"deep-and-hidden": {"a/b/c.json": b"{}"}}
+"""What a plant puts in the folder that its view and export serve as the folder's own (issue 55)."""
 
 LOCAL_COMMANDS = ("validate", "ls", "manifest", "verify", "export", "mount", "loader")
 COMPANIONS_READ = ("mount", "export")
@@ -888,7 +900,8 @@ def local_case(plants: list[str], command: str, truth: Truth, work: Path, mounts
         at = Place(str(model), ["--cache-dir", str(work / "cache")], dict(os.environ), work, mounts)
         run = COMMANDS[command](at, truth)
         print(f"{command} after {plants}: exit {run.code}\n{run.stderr[:3000]}")  # shown if it fails
-        check(run, at, truth, [], stopped)
+        served = {path: data for what in last for path, data in SERVED_PLANTS.get(what, {}).items()}
+        check(run, at, truth, [], stopped, served)
 
 
 @pytest.mark.parametrize(("what", "command"), LOCAL_SUITE, ids=["-".join(case) for case in LOCAL_SUITE])

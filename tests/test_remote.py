@@ -667,17 +667,18 @@ def test_mount_an_s3_model(
 ) -> None:  # fmt: skip
     directory, expected = local_model
     (directory / "config.json").write_text('{"model_type": "test"}')
-    (directory / ".hidden").write_text("no")
+    (directory / ".hidden").write_text("a hidden file is the folder's too")
     upload(seaweedfs.store(bucket), "m", directory)
     obstore.put(seaweedfs.store(bucket), "m/1_Pooling/config.json", b'{"pooling": 1}')  # one level down
     cache = ["--endpoint-url", seaweedfs.endpoint, "--cache-dir", str(tmp_path / "cache")]
     mountpoint = mounts.mount(f"s3://{bucket}/m", *cache)  # type: ignore[arg-type]
     view = mountpoint / ".tensorfs" / "model"
     assert sorted(os.listdir(view)) == [  # the listing's: the model's folder
-        "1_Pooling", "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        ".hidden", "1_Pooling", "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]  # fmt: skip
-    assert (view / "config.json").read_bytes() == (directory / "config.json").read_bytes()
+    for name in ("config.json", ".hidden"):
+        assert (view / name).read_bytes() == (directory / name).read_bytes()
     assert (view / "1_Pooling" / "config.json").read_bytes() == b'{"pooling": 1}'
     for name, data in expected.items():
         assert (mountpoint / name).read_bytes() == data, name
@@ -689,10 +690,12 @@ def test_mount_an_s3_model(
     assert result.returncode == 0, result.stdout + result.stderr
     counted = remote_stats(mountpoint)
     sizes = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-    companions = len('{"model_type": "test"}') + len('{"pooling": 1}')  # read through the cache too, once
+    companions = sum(
+        len(data) for data in (b'{"model_type": "test"}', b'{"pooling": 1}', (directory / ".hidden").read_bytes())
+    )
     assert counted["fetched_bytes"] == sizes + companions and counted["fetch_failures"] == 0  # every chunk, once
     chunks = sum(-(-path.stat().st_size // (8 * MIB)) for path in directory.glob("*.safetensors"))
-    assert counted["gets"] == chunks + counted["split_chunks"] + 2  # a chunk a cold read began well into: two
+    assert counted["gets"] == chunks + counted["split_chunks"] + 3  # a chunk a cold read began well into: two
     entry = next(m for m in mount_table() if m.mountpoint == mountpoint)
     assert entry.source == f"s3://{bucket}/m"
     settings = json.loads((mountpoint / ".tensorfs" / "daemon.json").read_text())["options"]["remote"]
@@ -707,7 +710,9 @@ def test_mount_an_s3_model(
     listed = mounts.run("cache", "ls", "--json", "--cache-dir", str(tmp_path / "cache"))
     objects = [json.loads(line) for line in listed.stdout.splitlines()]
     shards = {f"s3://{bucket}/m/model-0000{i}-of-00002.safetensors" for i in (1, 2)}
-    companions = {f"s3://{bucket}/m/config.json", f"s3://{bucket}/m/1_Pooling/config.json"}  # read through it
+    companions = {
+        f"s3://{bucket}/m/{name}" for name in ("config.json", "1_Pooling/config.json", ".hidden")
+    }  # read through it
     assert {o["url"] for o in objects} == shards | companions
     assert all(o["cached"] == o["size"] and o["in_use"] == (o["url"] in shards) for o in objects)
 
@@ -722,18 +727,21 @@ def test_a_hub_model_mounts_with_its_companion_files(
     (directory / "tokenizer.json").write_bytes(random_bytes(100_000, 2))
     (directory / "notes.txt").write_text("not a name a loader looks for")
     with open(directory / "tokenizer.model", "wb") as huge:
-        huge.truncate(65 * MIB)  # over the limit: refused from the answer's size, its body never read
+        huge.seek(65 * MIB)  # any size: read through the cache as a shard is (issue 55)
+        huge.write(b"end")
     monkeypatch.setenv("HF_ENDPOINT", nginx.url)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     options = ["--log-file", str(mounts.log_file), "--cache-dir", str(tmp_path / "c")]
     result = mounts.attempt("hf://org/companions", *options, mountpoint=mountpoint)
-    url = "hf://org/companions@main/tokenizer.model"
-    assert result.returncode == 0 and result.stderr == f"warning: {url}: skipped: {65 * MIB} bytes, over 64 MiB\n"
+    assert result.returncode == 0 and result.stderr == "", result.stderr
     view = mountpoint / ".tensorfs" / "model"
-    assert sorted(os.listdir(view)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(view)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model"]
     for name in ("config.json", "tokenizer.json"):
         assert (view / name).read_bytes() == (directory / name).read_bytes()
+    with open(view / "tokenizer.model", "rb") as huge:
+        huge.seek(65 * MIB - 2)
+        assert huge.read() == b"\0\0end"
 
 
 def test_cache_prune_takes_what_no_reader_uses_and_the_mount_reads_on(

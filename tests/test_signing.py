@@ -36,7 +36,7 @@ import tensorfs.opening.source
 import tensorfs.proof.signed_bytes
 import tensorfs.utils.identity
 from conftest import Mounts
-from helpers import cli, errno_of_reading, free_port, hub_api, remote_stats, scrape
+from helpers import MIB, cli, errno_of_reading, free_port, hub_api, remote_stats, scrape
 from servers import HostileServer, Lie, Nginx, SeaweedFS
 from tensorfs.sources.store import RemoteOptions
 
@@ -1404,3 +1404,26 @@ def test_a_signature_beside_a_model_mounted_without_a_key_is_said_unverified(
     )
     assert f"{model}; model.sig not verified" in cli("status", str(mountpoint)).stdout
     assert (mountpoint / ".tensorfs" / "model" / "model.sig").read_bytes() == (model / "model.sig").read_bytes()
+
+
+@pytest.mark.mount
+def test_a_signed_file_over_64_mib_is_in_the_view_and_the_export(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """Issue 55: a signed non-weights file over 64 MiB (onnx/model.onnx of 70 MiB) was left out of the
+    view and the export, and model_signing's verify of both failed with "Missing files". It is served
+    with its signed bytes: model_signing verifies the view and the export again."""
+    private, public = keys
+    model = make_model(tmp_path / "model")
+    (model / "onnx").mkdir()
+    (model / "onnx" / "model.onnx").write_bytes(np.random.default_rng(3).bytes(70 * MIB))
+    sign(model, private)
+    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounted = mounts.attempt(model, *common, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+    assert mounted.returncode == 0 and mounted.stderr == "", mounted.stderr
+    still_verifies(mountpoint / ".tensorfs" / "model", model, public, sharded=False)
+    exported = mounts.run("export", "-q", *common, str(model), str(tmp_path / "exported"))
+    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
+    still_verifies(tmp_path / "exported", model, public, sharded=False)

@@ -265,11 +265,11 @@ def companion_model(directory: Path) -> dict[str, bytes]:
     (directory / "closed").mkdir()
     (directory / "closed" / "open.json").write_text("{}")  # 0644, but in a directory only its owner enters
     (directory / "closed").chmod(0o700)
-    (directory / ".hidden").write_text("not shown")
+    (directory / ".hidden").write_text("shown too")
     (directory / "1_Pooling").mkdir()
     (directory / "1_Pooling" / "config.json").write_text("{}")
     (directory / "1_Pooling" / "deeper").mkdir()
-    (directory / "1_Pooling" / "deeper" / "x.json").write_text("{}")  # two levels down: not shown
+    (directory / "1_Pooling" / "deeper" / "x.json").write_text("{}")  # two levels down: shown too
     outside = directory.parent / "outside.txt"
     outside.write_text("secret")
     (directory / "leak.txt").symlink_to(outside)
@@ -283,8 +283,8 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     """The view of a whole model is its folder: each shard and the index under its own name with its
     own bytes (reads within a tensor, across tensors and across the header alike), the manifest and
     the companion files beside them (no more readable than their sources; a symlink out of the
-    folder, a file over 64 MiB, a hidden one and one two levels down left out). --view merged serves
-    the model's tensors as one synthesized file instead, as write_safetensors writes it."""
+    folder left out; a file over 64 MiB, a hidden one and one two levels down in: issue 55). --view
+    merged serves the model's tensors as one synthesized file instead, as write_safetensors writes it."""
     expected = companion_model(tmp_path / "m")
     manifest = mounts.run("manifest", "-o", str(tmp_path / "m" / "tensors.sha256"), str(tmp_path / "m"))
     assert manifest.returncode == 0
@@ -293,13 +293,15 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     result = mounts.attempt(tmp_path / "m", "--log-file", str(mounts.log_file), mountpoint=mountpoint)
     assert result.returncode == 0, result.stderr
     assert f"warning: {tmp_path / 'm' / 'leak.txt'}: skipped: a symlink out of the model's directory" in result.stderr
-    assert f"warning: {tmp_path / 'm' / 'huge.bin'}: skipped: {65 * MIB} bytes, over 64 MiB" in result.stderr
+    assert result.stderr.count("warning:") == 1, result.stderr
     view = mountpoint / ".tensorfs" / "model"
     assert sorted(os.listdir(view)) == [
+        ".hidden",
         "1_Pooling",
         "README.md",
         "closed",
         "config.json",
+        "huge.bin",
         "inside.txt",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -312,8 +314,9 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
     assert stat.S_IMODE((view / "config.json").stat().st_mode) == 0o444
     assert stat.S_IMODE((view / "closed").stat().st_mode) == 0o500  # as the source's directory
     assert stat.S_IMODE((view / "closed" / "open.json").stat().st_mode) == 0o400  # nobody else could reach it
-    assert os.listdir(view / "1_Pooling") == ["config.json"]
-    for name in ("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json", "tensors.sha256"):
+    assert sorted(os.listdir(view / "1_Pooling")) == ["config.json", "deeper"]
+    for name in (*("README.md", "config.json", "tokenizer.json", "1_Pooling/config.json", "tensors.sha256"),
+                 *(".hidden", "1_Pooling/deeper/x.json", "huge.bin")):  # fmt: skip
         assert (view / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
     assert (view / "inside.txt").read_bytes() == b"# a model\n"
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
@@ -331,8 +334,8 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
 
     merged = mounts.mount(tmp_path / "m", "--view", "merged") / ".tensorfs" / "model"
     assert sorted(os.listdir(merged)) == [
-        "1_Pooling", "README.md", "closed", "config.json", "inside.txt", "model.safetensors", "private.json",
-        "tensorfs-view.json", "tokenizer.json",
+        ".hidden", "1_Pooling", "README.md", "closed", "config.json", "huge.bin", "inside.txt", "model.safetensors",
+        "private.json", "tensorfs-view.json", "tokenizer.json",
     ]  # fmt: skip
     with safe_open(str(merged / "model.safetensors"), framework="np") as loaded:  # it maps the file
         assert sorted(loaded.keys()) == sorted(expected)
@@ -372,8 +375,8 @@ def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
 
 def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: Path) -> None:
     """Another user fills the model's directory with thousands of files none may read (symlinks out
-    of it, a subdirectory's files past their limit): one warning a reason, the first as it is and a
-    count of the others, never a line each (a million files made a million lines)."""
+    of it, FIFOs): one warning a reason, the first as it is and a count of the others, never a line
+    each (a million files made a million lines)."""
     from tensorfs.views.local_files import find_companions
 
     model = tmp_path / "m"
@@ -383,14 +386,13 @@ def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: 
     for k in range(3000):
         (model / f"out{k:04d}.json").symlink_to(tmp_path / "elsewhere")
     for k in range(2):
-        with open(model / f"big{k}.bin", "wb") as big:  # sparse: costs nothing
-            big.truncate((64 << 20) + 1)
+        os.mkfifo(model / f"pipe{k}.json")
     found = find_companions(model)
     assert [c.path for c in found.companions] == ["config.json"]
     assert found.warnings == [
-        f"{model / 'big0.bin'}: skipped: {(64 << 20) + 1} bytes, over 64 MiB (and 1 more files skipped: over 64 MiB)",
         f"{model / 'out0000.json'}: skipped: a symlink out of the model's directory (and 2999 more files skipped: "
         "a symlink out of the model's directory)",
+        f"{model / 'pipe0.json'}: skipped: a FIFO, not a file (and 1 more files skipped: a FIFO)",
     ]
 
 
@@ -532,3 +534,51 @@ def test_export_keeps_a_sparse_source_sparse(tmp_path: Path) -> None:
             with safe_open(str(written), "numpy") as copied:
                 assert copied.get_tensor("w").tobytes() == random_bytes(4096, 1)
                 assert not copied.get_tensor("zeros").any()
+
+
+def test_every_file_of_the_folder_is_in_the_view_and_the_export(mounts: Mounts, tmp_path: Path) -> None:
+    """Issue 55, item 2: a file three levels down, a hidden one, the files of a symlinked folder, a
+    70 MiB file, and tokenizer.json among 1,500 other files were left out of the view and the export,
+    most without a word. Every one is there under its own name with its own bytes; what cannot be
+    (a FIFO named as a companion, a link out of the folder, a link to a folder it is in) is said in
+    one warning line a kind."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_reference(folder / "model.safetensors", {"w": ("U8", [64], random_bytes(64, 1))})
+    (folder / "extra" / "deeper" / "more").mkdir(parents=True)
+    (folder / "extra" / "deeper" / "more" / "notes.txt").write_text("three levels down\n")
+    (folder / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (folder / "real").mkdir()
+    (folder / "real" / "r.json").write_text("{}")
+    (folder / "linked").symlink_to("real")  # a symlinked folder within: its files are the folder's too
+    (folder / "extra" / "loop").symlink_to("..")
+    with open(folder / "model.onnx", "wb") as onnx:  # sparse: costs nothing but its last bytes
+        onnx.seek(70 * MIB)
+        onnx.write(b"the end")
+    for k in range(1500):
+        (folder / f"a{k:04d}.txt").write_text(str(k))
+    (folder / "tokenizer.json").write_text('{"model": {}}')
+    os.mkfifo(folder / "config.json")
+    (folder / "leak.txt").symlink_to(tmp_path / "outside.txt")
+    (tmp_path / "outside.txt").write_text("secret")
+    expected = sorted(
+        [".gitattributes", "extra/deeper/more/notes.txt", "linked/r.json", "model.onnx", "model.safetensors",
+         "real/r.json", "tokenizer.json", *(f"a{k:04d}.txt" for k in range(1500))]
+    )  # fmt: skip
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounted = mounts.attempt(folder, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+    assert mounted.returncode == 0, mounted.stderr
+    exported = mounts.run("export", "-q", str(folder), str(tmp_path / "out"))
+    assert exported.returncode == 0, exported.stderr
+    for said in (mounted.stderr, exported.stderr):
+        assert sorted(said.splitlines()) == [
+            f"warning: {folder / 'config.json'}: skipped: a FIFO, not a file",
+            f"warning: {folder / 'extra' / 'loop'}: skipped: a link to a folder it is in",
+            f"warning: {folder / 'leak.txt'}: skipped: a symlink out of the model's directory",
+        ], said
+    for written in (mountpoint / ".tensorfs" / "model", tmp_path / "out"):
+        found = sorted(path.relative_to(written).as_posix() for path in written.rglob("*") if path.is_file())
+        assert found == expected
+        for name in expected:
+            assert (written / name).read_bytes() == (folder / name).read_bytes(), name

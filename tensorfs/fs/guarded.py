@@ -40,7 +40,16 @@ class UnsafeLocation(TensorfsError):
 
 
 class NotRegular(OSError):
-    """Opened, but not a regular file (a FIFO, a device, a directory): nothing to read from it."""
+    """Not a regular file (a FIFO, a device, a socket, a directory): nothing to read from it, and
+    never opened to read (a device's open may do something). `kind` says which."""
+
+    kind = "not a regular file"
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}  # fmt: skip
 
 
 class Unanswered(OSError):
@@ -261,17 +270,24 @@ class ModelDirectory:
 
     def open_regular(self, relative: str) -> tuple[int, os.stat_result]:
         """A regular file beneath the directory and its status, from the one descriptor; NotRegular
-        for anything else, OSError when it cannot be opened."""
-        fd = self.open(relative)
+        for anything else (found by a descriptor that opens nothing: O_PATH), OSError when it cannot
+        be opened."""
+        found = self.open(relative, os.O_PATH | os.O_CLOEXEC)
         try:
-            st = os.fstat(fd)
+            st = os.fstat(found)
+            if not stat.S_ISREG(st.st_mode):
+                refused = NotRegular(errno.EINVAL, "not a regular file", relative)
+                refused.kind = _KINDS.get(stat.S_IFMT(st.st_mode), refused.kind)
+                raise refused
+            fd = os.open(f"/proc/self/fd/{found}", READ_FLAGS)  # that very file, whatever its path holds now
+        finally:
+            os.close(found)
+        try:
+            opened = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise NotRegular(errno.EINVAL, "not a regular file", relative)
-        return fd, st
+        return fd, opened
 
     def scan(self, relative: str = "") -> Iterator[os.DirEntry[str]]:
         """The entries of a directory beneath this one (itself by default), without following a

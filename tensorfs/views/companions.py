@@ -29,13 +29,23 @@ from ..sources.choosing import is_adapter, is_model_file
 from ..sources.client import head
 from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions
 from ..utils.identity import Identity
+from ..utils.names import MAX_PATH_DEPTH
 
 log = logging.getLogger(__name__)
 
-MAX_COMPANION_BYTES = 64 << 20
-MAX_COMPANIONS_TOTAL = 256 << 20
-MAX_COMPANIONS = 1000
-"""The most a view takes of companion files: one file, all of them, and how many."""
+MAX_FILES = 100_000
+"""The most files of a model's folder a view takes (its weights files among them); past it, the
+rest is left out, the top's first kept (what a loader needs most lies there)."""
+MAX_DEPTH = MAX_PATH_DEPTH
+"""How deep in a model's folder a view takes files: a file 16 levels down, no deeper."""
+HASHED_BYTES = 64 << 20
+HASHED_TOTAL = 256 << 20
+"""A local companion is hashed when found (then a copy of the same bytes, or a chmod, serves on) if
+it is at most HASHED_BYTES, while those hashed come to at most HASHED_TOTAL; any other is served
+while it is the very file found (its identity: a change of it answers EIO, never other bytes)."""
+LEFT_OUT = (".git",)
+"""Folders a view never takes: a git repository's own files (its history, its LFS objects: every
+weight again), not the model's."""
 SCAN_SECONDS = 30.0
 """How long the scan of a model's directory for them may take (past it, the rest is left out)."""
 _DIGEST_BLOCK = 1 << 20
@@ -49,9 +59,10 @@ class LocalOrigin:
 
     directory: Path
     identity: Identity
-    digest: bytes
+    digest: bytes | None
     """The SHA-256 of its content when found: a file whose identity moved (a chmod moves its ctime)
-    is the same file if its content is the same."""
+    is the same file if its content is the same. None: not hashed (past HASHED_BYTES or
+    HASHED_TOTAL), served while it is the very file found."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,8 @@ class _LocalFile:
         try:
             identity = Identity.of(st)
             if identity != self.origin.identity and (
-                st.st_size != self.companion.size
+                self.origin.digest is None
+                or st.st_size != self.companion.size
                 or content_digest(fd, st.st_size) != self.origin.digest
                 or Identity.of(os.fstat(fd)) != identity  # written to while it was read: not what was hashed
             ):
@@ -251,13 +263,13 @@ def is_weights_file(path: str) -> bool:
 
 def in_view(path: str, *, folder: bool, components: Collection[str] = ()) -> bool:
     """Whether a file of a model's directory (its path there) is in the model's view, by its name:
-    never a hidden one. In a view of the model's own folder, every other file is (its weights among
-    them). A synthesized view makes its own weights: not the model's own weights or their index at
-    the top of the directory (choosing.is_model_file: an adapter is a companion, and so are the
-    weights of a subdirectory, a sentence-transformers module's), nor the manifest of the source's
-    tensors (it would not match a selection of them), nor the weights of a pipeline's component
-    folders (`components`), which are models of their own."""
-    if any(part.startswith(".") for part in path.split("/")):
+    hidden ones too, never one of a folder LEFT_OUT. In a view of the model's own folder, every
+    other file is (its weights among them). A synthesized view makes its own weights: not the
+    model's own weights or their index at the top of the directory (choosing.is_model_file: an
+    adapter is a companion, and so are the weights of a subdirectory, a sentence-transformers
+    module's), nor the manifest of the source's tensors (it would not match a selection of them),
+    nor the weights of a pipeline's component folders (`components`), which are models of their own."""
+    if any(part in LEFT_OUT for part in path.split("/")):
         return False
     if folder:
         return True

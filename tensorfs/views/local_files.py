@@ -1,7 +1,7 @@
-"""The files beside a local model's weights, found for its view: from the top level of the model's
-directory and its subdirectories one level down, each opened once beneath it (fs/guarded.py), hashed
-as it is found (companions.py serves it while it holds those bytes), the walk bounded in files,
-bytes and time."""
+"""The files beside a local model's weights, found for its view: every file of the model's directory,
+to MAX_DEPTH levels (hidden ones, and through symlinks to files and folders within it, too), each
+opened once beneath it (fs/guarded.py), hashed as it is found within a budget (companions.py serves
+it while it holds those bytes), the walk bounded in files, depth and time."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from ..errors import printable
 from ..fs.guarded import ModelDirectory, NotRegular, mounted_under, why_refused
 from ..utils.identity import Identity, ShardKey
 from .companions import (
-    MAX_COMPANION_BYTES,
-    MAX_COMPANIONS,
-    MAX_COMPANIONS_TOTAL,
+    HASHED_BYTES,
+    HASHED_TOTAL,
+    LEFT_OUT,
+    MAX_DEPTH,
+    MAX_FILES,
     SCAN_SECONDS,
     Companion,
     FolderFiles,
@@ -43,23 +45,26 @@ def find_companions(
     components: Collection[str] = (),
     wanted: Collection[str] | None = None,
 ) -> FolderFiles:
-    """The regular files beside a local model's weights (one level of subdirectories too), by path,
-    and each subdirectory's status (its owner and permissions).
+    """The regular files beside a local model's weights, at any depth up to MAX_DEPTH, by path, and
+    each subdirectory's status (its owner and permissions).
 
-    Each file is opened once, beneath the model's directory (see fs/guarded.py): a symlink that leads
-    out of it (but for a Hugging Face cache snapshot's links to its repository's blobs) is left out
-    with a warning, and so is a file that cannot be read, one over 64 MiB, what is mounted inside
-    the directory (never looked into: it may hang), and what goes past 1000 files, 256 MiB in all
-    or 30 s of scanning. A file in a subdirectory is no more readable than the subdirectory lets
-    it be: its read bits are kept only where the directory grants search. What in_view() says is
-    not in the view is left out, and so are the model's own files (`own`: a checkpoint named
-    model.pt is weights by being the model, not by its name). In a view of the folder (`folder`),
-    the other weights files are named (FolderFiles.weights), not read. Each companion is hashed as
-    it is found: its content is what it is served while it holds (see CompanionFiles).
+    Each file is opened once, beneath the model's directory (see fs/guarded.py): a symlink (to a file
+    or a folder) within it is followed, one that leads out of it (but for a Hugging Face cache
+    snapshot's links to its repository's blobs) is left out with a warning, and so is a file that
+    cannot be read, a FIFO, a device or a socket, what is mounted inside the directory (never looked
+    into: it may hang), a git repository's own folder (.git), and what goes past MAX_FILES files,
+    MAX_DEPTH levels or SCAN_SECONDS of scanning. A file in a subdirectory is no more readable than
+    the subdirectory lets it be: its read bits are kept only where the directory grants search.
+    What in_view() says is not in the view is left out, and so are the model's own files (`own`: a
+    checkpoint named model.pt is weights by being the model, not by its name). In a view of the
+    folder (`folder`), the other weights files are named (FolderFiles.weights), not read. Each
+    companion is hashed as it is found, within HASHED_BYTES a file and HASHED_TOTAL in all: its
+    content is what it is served while it holds (see CompanionFiles); one past them is served while
+    it is the very file found.
 
-    `wanted`: files to take too, by path, where the scan does not reach (a signature's: at any
-    depth, hidden ones too; the model's directory holds exactly those and what the signature leaves
-    out, its check said).
+    `wanted`: files to take too, by path, where the scan does not reach (a signature's: the model's
+    directory holds exactly those and what the signature leaves out, its check said), each hashed
+    whatever its size (its signed bytes are checked against that).
     """
     root_path = model_directory(source).absolute()
     try:
@@ -77,20 +82,19 @@ def _scan(
     deadline = time.monotonic() + SCAN_SECONDS
     skipped = Skipped()  # a directory another user fills with a million unreadable files: one warning a reason
     found = FolderFiles()
-    total = 0
+    hashed = 0
     mounted = mounted_under(root.real)
-    candidates = _candidates(root, mounted, skipped, folder, components)
-    if wanted is not None:  # and those of a signature a scan does not reach (hidden, or deeper)
+    candidates = _candidates(root, mounted, skipped, folder, components, deadline)
+    must_hash = set(wanted or ())
+    if wanted is not None:  # and those of a signature a scan does not reach
         scanned = set(candidates)
         candidates += [path for path in _taken(wanted, mounted, folder, components) if path not in scanned]
     for relative in candidates:
         if os.path.abspath(root.path / relative) in own:
             continue
         shown = printable(str(root.path / relative))
-        if len(found.companions) + len(found.weights) == MAX_COMPANIONS:
-            found.warnings.append(
-                f"{shown} and the files after it: skipped: over {MAX_COMPANIONS} files beside the model"
-            )
+        if len(found.companions) + len(found.weights) == MAX_FILES:
+            found.warnings.append(f"{shown} and the files after it: skipped: over {MAX_FILES:,} files in the folder")
             break
         if time.monotonic() > deadline:
             found.warnings.append(f"{shown} and the files after it: skipped: the scan took over {SCAN_SECONDS:g} s")
@@ -100,23 +104,22 @@ def _scan(
             continue
         try:
             fd, st = root.open_regular(relative)
-        except NotRegular:
+        except NotRegular as exc:
+            if exc.kind != "a directory":  # (a symlink to a folder beyond the walk's depth: said there)
+                skipped.add(exc.kind, f"{shown}: skipped: {exc.kind}, not a file")
             continue
         except OSError as exc:
             why = printable(why_refused(exc))
             skipped.add(why, f"{shown}: skipped: {why}")
             continue
         try:  # served later through a descriptor opened again, only while it holds what it holds now
-            if st.st_size > MAX_COMPANION_BYTES:
-                skipped.add("over 64 MiB", f"{shown}: skipped: {st.st_size} bytes, over 64 MiB")
-                continue
-            if total + st.st_size > MAX_COMPANIONS_TOTAL:
-                skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
-                continue
-            digest = content_digest(fd, st.st_size)
-            if Identity.of(os.fstat(fd)) != Identity.of(st):
-                skipped.add("written to", f"{shown}: skipped: written to while it was being read")
-                continue
+            digest = None
+            if relative in must_hash or (st.st_size <= HASHED_BYTES and hashed + st.st_size <= HASHED_TOTAL):
+                digest = content_digest(fd, st.st_size)
+                hashed += st.st_size
+                if Identity.of(os.fstat(fd)) != Identity.of(st):
+                    skipped.add("written to", f"{shown}: skipped: written to while it was being read")
+                    continue
         except OSError as exc:
             why = f"cannot read: {exc.strerror}"
             skipped.add(why, f"{shown}: skipped: {why}")
@@ -124,21 +127,34 @@ def _scan(
         finally:
             os.close(fd)
         identity, mtime_ns = Identity.of(st), st.st_mtime_ns
-        subdirectory = relative.rpartition("/")[0]
-        if subdirectory:
+        shows = _as_searchable(root, relative, st, found, skipped, shown)
+        if shows is None:
+            continue
+        origin = LocalOrigin(root.path, identity, digest)
+        found.companions.append(Companion(relative, shows.st_size, mtime_ns, shows, origin))
+    found.warnings.extend(skipped.said())
+    return found
+
+
+def _as_searchable(
+    root: ModelDirectory, relative: str, st: os.stat_result, found: FolderFiles, skipped: Skipped, shown: str
+) -> os.stat_result | None:
+    """A file's status as the view shows it: no more readable than each folder it is in lets it be
+    (its read bits kept only where every one grants search); None (said) if a folder cannot be looked at."""
+    parts = relative.split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+        subdirectory = "/".join(parts[:depth])
+        where = found.directories.get(subdirectory)
+        if where is None:
             try:
-                where = root.status(subdirectory)
+                where = found.directories[subdirectory] = root.status(subdirectory)
             except OSError as exc:
                 why = printable(why_refused(exc))
                 skipped.add(why, f"{shown}: skipped: {why}")
-                continue
-            found.directories[subdirectory] = where
-            searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
-            st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
-        total += st.st_size
-        found.companions.append(Companion(relative, st.st_size, mtime_ns, st, LocalOrigin(root.path, identity, digest)))
-    found.warnings.extend(skipped.said())
-    return found
+                return None
+        searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
+        st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
+    return st
 
 
 def _taken(wanted: Collection[str], mounted: set[str], folder: bool, components: Collection[str]) -> list[str]:
@@ -154,40 +170,68 @@ def _taken(wanted: Collection[str], mounted: set[str], folder: bool, components:
 
 
 def _candidates(
-    root: ModelDirectory, mounted: set[str], skipped: Skipped, folder: bool, components: Collection[str]
+    root: ModelDirectory,
+    mounted: set[str],
+    skipped: Skipped,
+    folder: bool,
+    components: Collection[str],
+    deadline: float,
 ) -> list[str]:
-    """The files of the directory and of its subdirectories one level down that a view takes: the
-    top's first (what a loader needs most lies there: a bound past which files are left out keeps
-    them), then each subdirectory's."""
+    """The files of the directory a view takes, level by level to MAX_DEPTH (the top's first: what a
+    loader needs most lies there, and a bound past which files are left out keeps them), each level
+    in name order; symlinks to folders within it walked too, as a loader would find their files
+    (a link to a folder it is in: not walked, no loop). At most MAX_FILES + 1 (the caller says what
+    is past MAX_FILES)."""
     names: list[str] = []
-    inner_names: list[str] = []
-    try:
-        top = sorted(root.scan(), key=lambda e: e.name)
-    except OSError:
-        return names
-    for entry in top:
-        is_dir = entry.is_dir(follow_symlinks=False)
-        if entry.name.startswith(".") or not (is_dir or in_view(entry.name, folder=folder)):
-            continue
-        if entry.name in mounted:
-            _mounted(root, entry.name, skipped)
-            continue
-        if is_dir:
-            try:
-                inner = sorted(root.scan(entry.name), key=lambda e: e.name)
-            except OSError:
+    top = root.status()
+    level: list[tuple[str, frozenset[tuple[int, int]]]] = [("", frozenset({(top.st_dev, top.st_ino)}))]
+    for depth in range(MAX_DEPTH):
+        deeper: list[tuple[str, frozenset[tuple[int, int]]]] = []
+        for directory, above in level:
+            if time.monotonic() > deadline:
+                return names
+            try:  # (what each entry is, told while the directory is open)
+                entries = sorted(
+                    (e.name, e.is_dir(follow_symlinks=False) or e.is_symlink()) for e in root.scan(directory)
+                )
+            except OSError as exc:
+                why = printable(why_refused(exc))
+                skipped.add(why, f"{printable(str(root.path / directory))}: skipped: {why}")
                 continue
-            for e in inner:
-                path = f"{entry.name}/{e.name}"
-                if not in_view(path, folder=folder, components=components) or e.is_dir(follow_symlinks=False):
+            for name, may_be_folder in entries:
+                path = f"{directory}/{name}" if directory else name
+                shown = printable(str(root.path / path))
+                if name in LEFT_OUT:
+                    skipped.add("a git repository's", f"{shown}: skipped: a git repository's own files")
                     continue
                 if path in mounted:
                     _mounted(root, path, skipped)
                     continue
-                inner_names.append(path)
-        else:
-            names.append(entry.name)
-    return names + inner_names
+                inner = _folder(root, path) if may_be_folder else None
+                if inner is not None:
+                    if inner in above:  # a link to a folder it is in
+                        skipped.add("a loop", f"{shown}: skipped: a link to a folder it is in")
+                    elif depth + 1 < MAX_DEPTH:
+                        deeper.append((path, above | {inner}))
+                    else:
+                        skipped.add("too deep", f"{shown}: skipped: over {MAX_DEPTH} levels deep")
+                    continue
+                if in_view(path, folder=folder, components=components):
+                    names.append(path)
+                    if len(names) > MAX_FILES:
+                        return names
+        level = deeper
+    return names
+
+
+def _folder(root: ModelDirectory, path: str) -> tuple[int, int] | None:
+    """The folder a directory or a symlink of the directory is (its device and inode), if it is one
+    to walk: a directory, or a symlink to one within the directory; None for anything else."""
+    try:
+        st = root.status(path)  # opened beneath the directory: a link out of it is no folder of it
+    except OSError:
+        return None  # (a link to a file, or out: said when it is opened as a file)
+    return st.st_dev, st.st_ino
 
 
 def _mounted(root: ModelDirectory, relative: str, skipped: Skipped) -> None:

@@ -22,9 +22,7 @@ from ..sources.store import ObjectVersion, RemoteOptions
 from ..utils.identity import ShardKey
 from ..utils.names import path_problem
 from .companions import (
-    MAX_COMPANION_BYTES,
-    MAX_COMPANIONS,
-    MAX_COMPANIONS_TOTAL,
+    MAX_FILES,
     MAX_NAMING_FILE,
     Companion,
     FolderFiles,
@@ -139,7 +137,6 @@ def _listed(
     wanted: Collection[str] = (),
 ) -> FolderFiles:
     found = FolderFiles()
-    total = 0
     skipped = Skipped()
     for path, size, mtime, etag in sorted(listed, key=lambda row: (row[0].count("/"), row[0])):  # the top's first
         why = path_problem(path, MAX_SUBDIRECTORY_DEPTH)  # the one gate of names from outside
@@ -153,18 +150,13 @@ def _listed(
         if ref.url in own:
             continue
         shown = printable(ref.url)
-        if len(found.companions) + len(found.weights) == MAX_COMPANIONS:
-            skipped.add("too many", f"{shown}: skipped: over {MAX_COMPANIONS} files beside the model")
+        if len(found.companions) + len(found.weights) == MAX_FILES:
+            skipped.add("too many", f"{shown}: skipped: over {MAX_FILES:,} files in the folder")
         elif folder and is_weights_file(path):
             found.weights.append(path)  # opened, validated and served as a model of its own
         elif size < 0:  # a lying listing's (-1: none at all)
             skipped.add("no size", f"{shown}: skipped: the listing gives it no size, or a negative one")
-        elif size > MAX_COMPANION_BYTES:
-            skipped.add("over 64 MiB", f"{shown}: skipped: {size} bytes, over 64 MiB")
-        elif total + size > MAX_COMPANIONS_TOTAL:
-            skipped.add("over 256 MiB in all", f"{shown}: skipped: companion files over 256 MiB in all")
-        else:
-            total += size
+        else:  # any size: read through the chunk cache, as a shard is
             version = ObjectVersion(ref, etag, size, mtime) if etag is not None else None
             mtime_ns = int((mtime or time.time()) * 1e9)
             found.companions.append(Companion(path, size, mtime_ns, None, RemoteOrigin(ref, options, version)))
@@ -204,7 +196,7 @@ def _guessed(
                 return path, f"{printable(str(exc))}: skipped"
 
         with ThreadPoolExecutor(max_workers=8) as pool:
-            for path, answer in pool.map(one, asked[: MAX_COMPANIONS - len(looked)]):
+            for path, answer in pool.map(one, asked[: MAX_FILES - len(looked)]):
                 if isinstance(answer, str):
                     found.warnings.append(answer)
                     looked[path] = None
@@ -215,19 +207,12 @@ def _guessed(
         look((*WELL_KNOWN, *(FOLDER_FILES if folder else ())))
         look(_named(source, quick, looked, found.warnings))
     look(sorted(named))
-    total = 0
     for path, version in sorted(looked.items()):
         if version is None:
             continue
-        shown = printable(version.url)
         if folder and is_weights_file(path):
             found.weights.append(path)
-        elif version.size > MAX_COMPANION_BYTES:
-            found.warnings.append(f"{shown}: skipped: {version.size} bytes, over 64 MiB")
-        elif total + version.size > MAX_COMPANIONS_TOTAL:
-            found.warnings.append(f"{shown}: skipped: companion files over 256 MiB in all")
-        else:
-            total += version.size
+        else:  # any size: read through the chunk cache, as a shard is
             mtime_ns = int((version.mtime or time.time()) * 1e9)
             ref = version.ref
             found.companions.append(Companion(path, version.size, mtime_ns, None, RemoteOrigin(ref, options, version)))

@@ -42,7 +42,8 @@ def signed_companions(
         if companion.path == signed.path and companion.path not in signed.files:
             if with_signature:
                 try:
-                    digest = origin.digest if isinstance(origin, LocalOrigin) else hashlib.sha256(read()).digest()
+                    known = origin.digest if isinstance(origin, LocalOrigin) else None  # (a signature's is hashed)
+                    digest = known if known is not None else hashlib.sha256(read()).digest()
                 except TensorfsError as exc:
                     problems.append(str(exc))
                     continue
