@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ while True:
 # Run as root: the companion files found and read, many times over, while the flipper runs.
 SCANNER = """
 import sys
+import time
 from pathlib import Path
 from tensorfs.views.companions import CompanionError, CompanionFiles
 from tensorfs.views.local_files import find_companions
@@ -627,3 +629,31 @@ def test_status_never_shows_a_record_another_user_forged(mounts: Mounts, other_u
     assert document["source"] == str(model) and document["state"] == "ok" and "tensors" not in document
     mine = cli("status", "--json", str(mountpoint))  # root's own record, where root keeps it, is believed
     assert json.loads(mine.stdout)["tensors"] == 1 and json.loads(mine.stdout)["pid"] == daemon
+
+
+def test_a_companion_chmod_after_the_mount_is_followed(mounts: Mounts, other_user: OtherUser, shared_dir: Path) -> None:
+    """Issue 55, item 3: a companion's mode was taken once at mount, so a config.json chmod-ed to 600
+    after it stayed readable by every user of an -o allow_other mount (a shard's chmod is followed).
+    Now it is followed as a shard's is: the other user is refused once the kernel asks again (within a
+    second), and served again once it is 0644 again."""
+    model = shared_dir / "model"
+    model.mkdir()
+    write_reference(model / "model.safetensors", {"w": ("U8", [64], random_bytes(64, 1))})
+    (model / "config.json").write_text('{"model_type": "test"}')
+    mountpoint = shared_dir / "mnt"
+    mountpoint.mkdir()
+    mounts.mount(model, "-o", "allow_other", mountpoint=mountpoint)
+    config = mountpoint / ".tensorfs" / "model" / "config.json"
+    assert other_user.run("cat", str(config), timeout=30).stdout == '{"model_type": "test"}'
+    (model / "config.json").chmod(0o600)
+    deadline = time.monotonic() + patience(30)
+    while (read := other_user.run("cat", str(config), timeout=30)).returncode == 0:
+        assert time.monotonic() < deadline, "a chmod of a companion was never followed"
+        time.sleep(0.1)
+    assert "Permission denied" in read.stderr and read.stdout == ""
+    assert stat.S_IMODE(config.stat().st_mode) == 0o400  # (root sees it as it is)
+    (model / "config.json").chmod(0o644)
+    while (read := other_user.run("cat", str(config), timeout=30)).returncode != 0:
+        assert time.monotonic() < deadline + patience(30), "a chmod back was never followed"
+        time.sleep(0.1)
+    assert read.stdout == '{"model_type": "test"}'

@@ -52,6 +52,9 @@ T = TypeVar("T")
 # The tree never changes while mounted: let the kernel cache names, attributes and pages for long
 # (when a shard does change, the daemon tells the kernel to drop what it holds of it).
 CACHE_TIMEOUT = 24 * 3600.0
+FOLLOWED_TIMEOUT = 1.0
+"""How long the kernel keeps a local companion's attributes: its owner and mode are followed by
+looking them up again (no watch on it, as there is on a shard), within a second of a chmod."""
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -211,6 +214,8 @@ class TensorOperations(pyfuse3.Operations):
             self.stats_file.snapshot()
             entry.st_size = self.stats_file.size
             entry.entry_timeout = entry.attr_timeout = 0
+        elif attributes.kind is Kind.VIEW and self.tree.followed(attributes.inode) is not None:
+            entry.entry_timeout = entry.attr_timeout = FOLLOWED_TIMEOUT  # (nothing watches it: asked again)
         entry.st_blksize = 1 << 20
         entry.st_blocks = -(-attributes.size // 512)
         entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = attributes.mtime_ns
@@ -257,6 +262,9 @@ class TensorOperations(pyfuse3.Operations):
         self.notice_changes()
         for file in self.tree.unbuilt(inode, listing=listing):
             await trio.to_thread.run_sync(file.build)
+        companion = None if listing else self.tree.followed(inode)
+        if companion is not None:  # its owner and mode as they are now, as a shard's are
+            await trio.to_thread.run_sync(self.tree.follow, companion)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         """Nothing to free: inodes are fixed numbers for the life of the mount, not objects."""

@@ -188,6 +188,8 @@ class Tree:
         `view`, when given, is served as .tensorfs/model/."""
         self.model = model
         self.view = view
+        self.companions_now: dict[str, os.stat_result] = {}
+        """Local companions' statuses as last looked up (follow()), by path: their owners and modes now."""
         self.layout = layout
         self.ownership = ownership or Ownership()
         if layout == "slash":
@@ -473,8 +475,9 @@ class Tree:
                 mtime, size, access = st.st_mtime_ns, content.size, Access.of(st, self.ownership)
             elif isinstance(content, Companion):
                 mtime, size = content.mtime_ns, content.size
-                if content.status is not None:  # no more readable than the source's file
-                    access = Access.of(content.status, self.ownership)
+                status = self.companions_now.get(content.path, content.status)
+                if status is not None:  # no more readable than the source's file is now
+                    access = Access.of(status, self.ownership)
             else:  # the index of several synthesized files: it lists every tensor
                 access, size = self._sums_access, len(content)
             return Attributes(inode, node.kind, access.file_mode, size, 1, mtime, access.uid, access.gid)
@@ -535,6 +538,24 @@ class Tree:
             views = [self.view.files[n.in_view] for n in nodes if n.kind is Kind.VIEW and n.in_view is not None]
             found += [file for file in views if isinstance(file, SynthesizedFile | WeightsFile)]
         return [file for file in found if not file.built]
+
+    def followed(self, inode: int) -> Companion | None:
+        """The local companion `inode` is, whose owner and mode are followed (looked up again before
+        each answer about it, and kept by the kernel a moment only); None for any other inode."""
+        if not self.control_dir_inode <= inode < self._first_tensor_inode:
+            return None
+        static = self._static[inode - self.control_dir_inode]
+        if static.kind is not Kind.VIEW or static.in_view is None or self.view is None:
+            return None
+        content = self.view.files[static.in_view]
+        return content if isinstance(content, Companion) and content.status is not None else None
+
+    def follow(self, companion: Companion) -> None:
+        """Look the companion's status up again (blocking: its file, beneath the model's directory)."""
+        assert self.view is not None
+        found = self.view.companions.status(companion.path)
+        if found is not None:
+            self.companions_now[companion.path] = found
 
     def view_file(self, inode: int) -> ViewFile:
         """What a file of the view is: a synthesized safetensors file, a weights file as it is, a

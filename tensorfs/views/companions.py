@@ -88,6 +88,8 @@ class Companion:
     content: bytes | None = field(default=None, repr=False)
     """Its bytes as they were proven, served from here whatever becomes of the file (a signature's
     own, as it was verified); None: read from where it is."""
+    unsearchable: int = 0
+    """The read bits the folders it is in take away (those of whoever a folder grants no search)."""
 
 
 class CompanionError(TensorfsError):
@@ -119,6 +121,27 @@ class CompanionFiles:
         except TensorfsError as exc:  # its message names the object's URL already
             raise CompanionError(str(exc)) from None
         return bytes(buffer)
+
+    def status(self, path: str) -> os.stat_result | None:
+        """A local companion's status now, for its owner and permissions (a chmod or a chown after the
+        mount is followed, as a shard's is), its size and mtime as found; None for a remote one (its
+        source's apply). Blocking: the file is looked up beneath the model's directory. As found
+        when it cannot be looked up (its reads then say why)."""
+        companion = self.by_path[path]
+        origin, found = companion.origin, companion.status
+        if not isinstance(origin, LocalOrigin) or found is None:
+            return found
+        try:
+            with ModelDirectory(origin.directory) as directory:
+                fd = directory.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                now = os.fstat(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            return found
+        mode = now.st_mode & ~companion.unsearchable
+        return os.stat_result((mode, *found[1:4], now.st_uid, now.st_gid, *found[6:10]))
 
     def _opened(self, companion: Companion) -> Any:
         with self._lock:

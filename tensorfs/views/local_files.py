@@ -127,20 +127,21 @@ def _scan(
         finally:
             os.close(fd)
         identity, mtime_ns = Identity.of(st), st.st_mtime_ns
-        shows = _as_searchable(root, relative, st, found, skipped, shown)
-        if shows is None:
+        unsearchable = _unsearchable(root, relative, found, skipped, shown)
+        if unsearchable is None:
             continue
+        shows = os.stat_result((st.st_mode & ~unsearchable, *st[1:10]))
         origin = LocalOrigin(root.path, identity, digest)
-        found.companions.append(Companion(relative, shows.st_size, mtime_ns, shows, origin))
+        found.companions.append(Companion(relative, st.st_size, mtime_ns, shows, origin, unsearchable=unsearchable))
     found.warnings.extend(skipped.said())
     return found
 
 
-def _as_searchable(
-    root: ModelDirectory, relative: str, st: os.stat_result, found: FolderFiles, skipped: Skipped, shown: str
-) -> os.stat_result | None:
-    """A file's status as the view shows it: no more readable than each folder it is in lets it be
-    (its read bits kept only where every one grants search); None (said) if a folder cannot be looked at."""
+def _unsearchable(root: ModelDirectory, relative: str, found: FolderFiles, skipped: Skipped, shown: str) -> int | None:
+    """The read bits the folders a file is in take away: a file is no more readable than each of them
+    lets it be (its read bits kept only where every one grants search); None (said) if a folder
+    cannot be looked at."""
+    removed = 0
     parts = relative.split("/")[:-1]
     for depth in range(1, len(parts) + 1):
         subdirectory = "/".join(parts[:depth])
@@ -153,8 +154,8 @@ def _as_searchable(
                 skipped.add(why, f"{shown}: skipped: {why}")
                 return None
         searchable = (where.st_mode & 0o111) << 2  # x for each of owner, group, others, as r
-        st = os.stat_result((st.st_mode & ~(0o444 & ~searchable), *st[1:10]))
-    return st
+        removed |= 0o444 & ~searchable
+    return removed
 
 
 def _taken(wanted: Collection[str], mounted: set[str], folder: bool, components: Collection[str]) -> list[str]:
