@@ -152,3 +152,19 @@ def test_a_gguf_repository_on_the_hub_is_served_whole(nginx: Nginx, tmp_path: Pa
     exported = cli("export", "-q", *cache, "hf://quantized/tiny", str(tmp_path / "copy"), env=env)
     assert exported.returncode == 0, exported.stderr
     assert files_of(tmp_path / "copy") == files_of(files)
+
+
+def test_a_model_named_as_the_mounts_own_folder_is_named_by_its_file(mounts: Mounts, tmp_path: Path) -> None:
+    """A model's folder is named after its file: `.tensorfs.safetensors` beside another model of the
+    same names would have been `.tensorfs/`, the mount's own folder (validate said so, valid). It is
+    named by its whole file name instead, and .tensorfs/ stays the mount's."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for seed, name in enumerate(("a.safetensors", ".tensorfs.safetensors")):
+        write_reference(folder / name, {"w": ("U8", [4], random_bytes(4, seed))})
+    validated = cli("validate", str(folder))
+    assert validated.stdout.startswith(f"{folder}: valid: 2 models (.tensorfs.safetensors/, a/), "), validated
+    mountpoint = mounts.mount(folder)
+    assert (mountpoint / ".tensorfs.safetensors" / "w").read_bytes() == random_bytes(4, 1)
+    assert (mountpoint / "a" / "w").read_bytes() == random_bytes(4, 0)
+    assert (mountpoint / ".tensorfs" / "daemon.json").is_file()

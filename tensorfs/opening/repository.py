@@ -19,7 +19,7 @@ from ..catalogue.tables import Shard, owners
 from ..errors import Problem
 from ..formats import NAME, WEIGHT_SUFFIXES, ShardHeader
 from ..utils.identity import shard_name
-from ..utils.names import Layout, collisions
+from ..utils.names import CONTROL_DIR, Layout, collisions, name_problems
 
 __all__ = ["checked_parts", "model_name", "named_under", "parts_of"]
 
@@ -53,7 +53,7 @@ def parts_of(shards: list[Shard], groups: Sequence[Sequence[str]]) -> list[tuple
     for model in models:
         files = [shard_name(shard.header.path) for shard in model]
         name = model_name(files)
-        if name in taken:  # (model.safetensors and model.gguf: both "model")
+        if name in taken or name == CONTROL_DIR:  # (model.safetensors and model.gguf: both "model")
             name = min(files)
         taken.add(name)
         named.append((name, model))
@@ -90,7 +90,11 @@ def checked_parts(
         check_model(files, None, None, layout, problems)
         shards += [Shard(named_under(shard.header, folder), shard.data, lent=shard.lent) for shard in files]
     owner = owners(shards)
-    problems += [Problem(owner[name].label, reason, name) for name, reason in collisions(owner, layout)]
+    # Its folder's name is in every name now: a file's name that is no plain path part is said here.
+    bad = name_problems(owner, layout)
+    problems += [Problem(owner[name].label, reason, name) for name, reason in bad]
+    if not bad:
+        problems += [Problem(owner[name].label, reason, name) for name, reason in collisions(owner, layout)]
     return shards, owner
 
 
