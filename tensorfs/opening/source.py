@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,11 +35,11 @@ from ..sources.finding import beside, directory_url
 from ..sources.index import is_index_name
 from ..sources.local import missing
 from ..sources.store import CREDENTIALS_HINT, RemoteOptions, default_cache_dir, is_remote, location_problem, redact
-from ..utils.identity import ShardKey, shard_name
+from ..utils.identity import shard_name
 from ..utils.names import Layout
 from ..utils.progress import Progress
 from .folder import Others, ViewRequest, open_others, relative_path, synthesized_because
-from .locations import OpenWith, open_location, pipeline_components
+from .locations import OpenWith, open_location
 
 if TYPE_CHECKING:
     from ..views import ViewSpec
@@ -318,8 +318,10 @@ class Source:
         request = request or ViewRequest()
         why = synthesized_because(model, request)
         weights = model.shards
-        # A synthesized view gives each model of several (a pipeline's components) a folder of its own.
-        folders = [] if why is None else list(model.parts) or self.components(weights)
+        # A synthesized view gives each model of several (a pipeline's components) a folder of its own,
+        # and serves none of the weights files of the folders they come from (they would not match it).
+        folders = [] if why is None else list(model.parts)
+        holding = sorted({os.path.dirname(file) for files in model.parts.values() for file in files} - {""})
         signed = model.signed
         # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
         wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
@@ -327,12 +329,12 @@ class Source:
             from ..views.remote_files import find_remote_companions
 
             found = find_remote_companions(
-                self.location, self.remote, folder=why is None, own=weights, components=folders, wanted=wanted or ()
+                self.location, self.remote, folder=why is None, own=weights, components=holding, wanted=wanted or ()
             )
         else:
             from ..views.local_files import find_companions
 
-            found = find_companions(self.location, folder=why is None, own=weights, components=folders, wanted=wanted)
+            found = find_companions(self.location, folder=why is None, own=weights, components=holding, wanted=wanted)
         companions = found.companions
         if signed is not None:
             from ..views.signed import signed_companions
@@ -350,12 +352,7 @@ class Source:
                 "(--public-key or --certificate-chain holds the model to it): served as any file of the folder"
             )
         if why is not None:
-            by_folder: dict[str, list[str]] = {name: list(model.parts.get(name, [])) for name in folders}
-            for weight in [] if model.parts else weights:
-                name = os.path.basename(os.path.dirname(weight))
-                if name in by_folder:
-                    by_folder[name].append(shard_name(weight))
-            components = {name: view_name(files) for name, files in by_folder.items()}
+            components = {name: view_name(model.parts[name]) for name in folders}
             name = view_name([shard_name(weight) for weight in weights])
             note = self._note(model)
             spec = ViewSpec(
@@ -420,15 +417,6 @@ class Source:
             if signed is None
             else f"the signature {signed.label} covers the source's files, not these",
         }
-
-    def components(self, weights: Collection[ShardKey] = ()) -> list[str]:
-        """A diffusers pipeline's component folders (pipelines.py); none for any other model. A remote
-        model whose `weights` are all in its own directory is asked nothing more."""
-        if isinstance(self.location, str):
-            directory = directory_url(self.location, self.remote)
-            if all(str(weight).rpartition("/")[0] == directory for weight in weights):
-                return []
-        return pipeline_components(self.location, self.remote) or []
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""
