@@ -14,7 +14,7 @@ from gguf_files import gguf_reading, write_gguf
 
 import tensorfs
 from conftest import Mounts
-from helpers import cli, hub_api, random_bytes, write_reference
+from helpers import cli, files_of, hub_api, random_bytes, write_reference
 from servers import Nginx
 
 QUANTIZATIONS = ("Q4_K_M", "Q8_0", "F16")
@@ -32,12 +32,6 @@ def gguf_repository(folder: Path) -> dict[str, dict[str, bytes]]:
         )
     (folder / "README.md").write_text("# three quantizations\n")
     return written
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    return {
-        path.relative_to(directory).as_posix(): path.read_bytes() for path in directory.rglob("*") if path.is_file()
-    }
 
 
 def test_a_gguf_repository_of_three_quantizations_is_served_whole(mounts: Mounts, tmp_path: Path) -> None:
@@ -168,3 +162,25 @@ def test_a_model_named_as_the_mounts_own_folder_is_named_by_its_file(mounts: Mou
     assert (mountpoint / ".tensorfs.safetensors" / "w").read_bytes() == random_bytes(4, 1)
     assert (mountpoint / "a" / "w").read_bytes() == random_bytes(4, 0)
     assert (mountpoint / ".tensorfs" / "daemon.json").is_file()
+
+
+def test_a_selections_view_serves_no_weights_of_a_component_of_several(tmp_path: Path) -> None:
+    """A pipeline whose unet/ holds two variants and no default: a selection of its vae alone is
+    synthesized, and serves none of unet's variants beside it (a loader would take them for the
+    selection's), as it serves no weights of a component of one model."""
+    pipeline = tmp_path / "pipeline"
+    (pipeline / "unet").mkdir(parents=True)
+    (pipeline / "vae").mkdir()
+    (pipeline / "model_index.json").write_text("{}")
+    (pipeline / "unet" / "config.json").write_text("{}")
+    for seed, variant in enumerate(("fp16", "v2")):
+        write_reference(
+            pipeline / "unet" / f"diffusion_pytorch_model.{variant}.safetensors",
+            {"w": ("U8", [4], random_bytes(4, seed))},
+        )
+    write_reference(pipeline / "vae" / "diffusion_pytorch_model.safetensors", {"d": ("U8", [4], random_bytes(4, 3))})
+    exported = cli("export", "-q", "--include", "vae/*", "pipeline", "selected", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(files_of(tmp_path / "selected")) == [
+        "model_index.json", "tensorfs-view.json", "unet/config.json", "vae/selected.safetensors"
+    ]  # fmt: skip
