@@ -398,6 +398,13 @@ def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int 
 MIB = 1 << 20
 
 
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory`, by its path there: its bytes (a view, an export, a folder)."""
+    return {
+        path.relative_to(directory).as_posix(): path.read_bytes() for path in directory.rglob("*") if path.is_file()
+    }
+
+
 def random_shard(path: Path, sizes: Mapping[str, int], seed: int = 0) -> dict[str, bytes]:
     """A shard at `path` (its directory made) of U8 tensors of random bytes, written by the reference
     writer: each tensor's size by name, its bytes from its own seed (`seed` + its place: every chunk

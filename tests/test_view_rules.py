@@ -13,15 +13,8 @@ from gguf_files import write_gguf
 
 import tensorfs.opening.folder
 from conftest import Mounts
-from helpers import MIB, cli, random_bytes, sharded_model, write_reference
+from helpers import MIB, cli, files_of, random_bytes, sharded_model, write_reference
 from tensorfs.opening.source import Source
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    """Every file under `directory`, by its path there: its bytes."""
-    return {
-        path.relative_to(directory).as_posix(): path.read_bytes() for path in directory.rglob("*") if path.is_file()
-    }
 
 
 def test_variants_of_the_same_names_are_each_served_with_their_own_bytes(mounts: Mounts, tmp_path: Path) -> None:

@@ -282,12 +282,7 @@ class ModelDirectory:
             fd = os.open(f"/proc/self/fd/{found}", READ_FLAGS)  # that very file, whatever its path holds now
         finally:
             os.close(found)
-        try:
-            opened = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, opened
+        return fd, st
 
     def scan(self, relative: str = "") -> Iterator[os.DirEntry[str]]:
         """The entries of a directory beneath this one (itself by default), without following a

@@ -87,9 +87,9 @@ def metadata_json(model: Model, into: Described | None = None) -> bytes:
         shards[name] = model.described_metadata(shard, into)
         if into.left_out:
             left_out[name], into.left_out = into.left_out, 0
-    document: dict[str, object] = {"format": model.format, "shards": shards}
-    if model.parts:  # a folder of several models: each one's folder in the tree, and its files
-        document = {"format": model.format, "models": model.parts, "shards": shards}
+    # A folder of several models: each one's folder in the tree, and its files.
+    models: dict[str, object] = {"models": model.parts} if model.parts else {}
+    document: dict[str, object] = {"format": model.format, **models, "shards": shards}
     if left_out:
         document["left_out"] = left_out
     return (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8")

@@ -32,7 +32,7 @@ from ..utils.identity import ShardKey, shard_name
 from ..utils.names import Layout
 from ..utils.progress import Progress
 from .pipelines import open_pipeline
-from .repository import checked_parts, parts_of
+from .repository import checked_parts, model_of, parts_of
 
 log = logging.getLogger(__name__)
 _MAX_READERS = 8  # header reads are I/O (and GIL-bound parsing): a few threads hide disk latency
@@ -178,13 +178,8 @@ def _several_models(
         raise InvalidModelError(problems)
     if done is not None:
         done()
-    if how.selection.everything:
-        model = Model(source, shards, owner, how.layout)
-    else:
-        kept, owner = opened_for(shards, how.selection, str(source))
-        model = Model(source, kept, owner, how.layout, how.selection)
-    model.parts = {name: [shard_name(shard.header.path) for shard in files] for name, files in parts}
-    return model
+    where = {name: [shard_name(shard.header.path) for shard in files] for name, files in parts}
+    return model_of(source, shards, owner, how.layout, how.selection, where)
 
 
 def pipeline_components(path: Path | str, remote: RemoteOptions) -> list[str] | None:

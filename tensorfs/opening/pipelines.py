@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..catalogue.tables import Shard, opened_for, owners
+from ..catalogue.tables import Shard, owners
 from ..errors import InvalidModelError, Problem
 from ..formats import gguf
 from ..model import Model
 from ..selection import Selection
 from ..utils.identity import ShardKey, shard_name
 from ..utils.names import Layout
-from .repository import model_name, named_under
+from .repository import model_name, model_of, named_under
 
 __all__ = ["GGUF_COMPONENT", "open_pipeline"]
 
@@ -77,17 +77,11 @@ def open_pipeline(
     for model in [*(model for _, model in opened), *([root] if root is not None else [])]:
         model.gate.close()  # its shards are the pipeline's now, watched by the pipeline's gate
     try:
-        if selection.everything:
-            pipeline = Model(source, shards, owners(shards), layout)
-        else:
-            kept, owner = opened_for(shards, selection, str(source))
-            pipeline = Model(source, kept, owner, layout, selection)
+        return model_of(source, shards, owners(shards), layout, selection, parts)
     except BaseException:
         for shard in shards:
             shard.data.close()
         raise
-    pipeline.parts = parts
-    return pipeline
 
 
 def _beside(root: Model, parts: dict[str, list[str]]) -> list[Shard]:

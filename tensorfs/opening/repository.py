@@ -11,20 +11,20 @@ is `model/`). A diffusers pipeline's components are such folders too, named afte
 from __future__ import annotations
 
 import dataclasses
-import re
+import os
 from collections.abc import Sequence
 
 from ..catalogue.assembly import check_model
-from ..catalogue.tables import Shard, owners
-from ..errors import Problem
+from ..catalogue.tables import Shard, opened_for, owners
+from ..errors import Problem, printable
 from ..formats import NAME, WEIGHT_SUFFIXES, ShardHeader
-from ..utils.identity import shard_name
-from ..utils.names import CONTROL_DIR, Layout, collisions, name_problems
+from ..model import Model
+from ..selection import Selection
+from ..sources.choosing import NUMBERED
+from ..utils.identity import ShardKey, shard_name
+from ..utils.names import CONTROL_DIR, Layout, collisions, name_problem
 
-__all__ = ["checked_parts", "model_name", "named_under", "parts_of"]
-
-_NUMBERED = re.compile(r"(?P<prefix>.+)-\d{5}-of-\d{5}\.[^/]+")
-"""The numbered parts of one model: NAME-00001-of-00003.EXT."""
+__all__ = ["checked_parts", "model_name", "model_of", "named_under", "parts_of"]
 
 
 def parts_of(shards: list[Shard], groups: Sequence[Sequence[str]]) -> list[tuple[str, list[Shard]]]:
@@ -67,15 +67,11 @@ def model_name(files: list[str]) -> str:
         name = files[0]
         suffix = next((suffix for suffix in WEIGHT_SUFFIXES if name.endswith(suffix)), "")
         return name[: len(name) - len(suffix)] if len(name) > len(suffix) else name
-    numbered = [_NUMBERED.fullmatch(name) for name in files]
+    numbered = [NUMBERED.fullmatch(name) for name in files]
     stems = {found["prefix"] for found in numbered if found is not None}
     if len(stems) == 1 and all(numbered):
         return stems.pop()
-    stem = files[0]
-    for name in files[1:]:  # their common beginning, character by character
-        stem = stem[
-            : next((k for k, (a, b) in enumerate(zip(stem, name, strict=False)) if a != b), min(len(stem), len(name)))
-        ]
+    stem = os.path.commonprefix(files)  # noqa: RUF071 (names, compared character by character)
     return stem.rstrip("-_.") or "model"
 
 
@@ -87,15 +83,34 @@ def checked_parts(
     problems found added to `problems`. The shards named so, and which holds each tensor."""
     shards: list[Shard] = []
     for folder, files in parts:
-        check_model(files, None, None, layout, problems)
+        check_model(files, None, None, layout, problems)  # its names, as any model's
+        why = name_problem(f"{folder}/x", layout)  # and its folder's, now in every one of them
+        if why is not None:
+            problems.append(Problem(files[0].label, f"as the folder of its model, {printable(folder)!r}: {why}"))
         shards += [Shard(named_under(shard.header, folder), shard.data, lent=shard.lent) for shard in files]
     owner = owners(shards)
-    # Its folder's name is in every name now: a file's name that is no plain path part is said here.
-    bad = name_problems(owner, layout)
-    problems += [Problem(owner[name].label, reason, name) for name, reason in bad]
-    if not bad:
-        problems += [Problem(owner[name].label, reason, name) for name, reason in collisions(owner, layout)]
+    # Across folders ("a.b/w" and "a/b.w" are one path in --layout dotted).
+    problems += [Problem(owner[name].label, reason, name) for name, reason in collisions(owner, layout)]
     return shards, owner
+
+
+def model_of(
+    source: ShardKey,
+    shards: list[Shard],
+    owner: dict[str, Shard],
+    layout: Layout,
+    selection: Selection,
+    parts: dict[str, list[str]],
+) -> Model:
+    """The one model of several models' shards (named under their folders): the selection's tensors
+    of them, and where each model is (Tables.parts)."""
+    if selection.everything:
+        model = Model(source, shards, owner, layout)
+    else:
+        kept, owner = opened_for(shards, selection, str(source))
+        model = Model(source, kept, owner, layout, selection)
+    model.parts = parts
+    return model
 
 
 def named_under(header: ShardHeader, folder: str) -> ShardHeader:

@@ -44,8 +44,8 @@ from .index import INDEX_NAME, is_index_name
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "MAX_COMPONENTS", "NO_COMPONENT", "PIPELINE_INDEX", "Choice",
-    "choose", "component", "is_adapter", "is_model_file", "is_pipeline", "view_name", "weights_beside",
+    "ADAPTER_NAMES", "DIFFUSERS_NAME", "LOOKED_FOR", "MAX_COMPONENTS", "NO_COMPONENT", "NUMBERED", "PIPELINE_INDEX",
+    "Choice", "choose", "component", "is_adapter", "is_model_file", "is_pipeline", "view_name", "weights_beside",
 ]  # fmt: skip
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -84,8 +84,8 @@ NO_COMPONENT = (
 _DIFFUSERS_FILE = re.compile(r"diffusion_pytorch_model(?:\.[^./]+?)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)")
 """diffusers' weight files: diffusion_pytorch_model[.V][-0000k-of-0000n].safetensors (or .bin)."""
 _SHOWN = 4  # names a message lists before "..."
-_PART = re.compile(r"(?P<prefix>.+)-\d{5}-of-\d{5}(?P<suffix>\.[^./]+)")
-"""The numbered file of a model of several: NAME-00001-of-00003.EXT."""
+NUMBERED = re.compile(r"(?P<prefix>.+)-\d{5}-of-\d{5}(?P<suffix>\.[^./]+)")
+"""A numbered file of one model's: NAME-00001-of-00003.EXT."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def _numbered(names: list[str]) -> list[list[str]]:
     """Files as models: those numbered as the parts of one (NAME-0000k-of-0000n.EXT) together."""
     groups: dict[str, list[str]] = {}
     for name in names:
-        found = _PART.fullmatch(name)
+        found = NUMBERED.fullmatch(name)
         groups.setdefault(f"{found['prefix']}\0{found['suffix']}" if found else name, []).append(name)
     return list(groups.values())
 

@@ -201,8 +201,8 @@ def _candidates(
                 continue
             for name, may_be_folder in entries:
                 path = f"{directory}/{name}" if directory else name
-                shown = printable(str(root.path / path))
                 if name in LEFT_OUT:
+                    shown = printable(str(root.path / path))
                     skipped.add("a git repository's", f"{shown}: skipped: a git repository's own files")
                     continue
                 if path in mounted:
@@ -210,6 +210,7 @@ def _candidates(
                     continue
                 inner = _folder(root, path) if may_be_folder else None
                 if inner is not None:
+                    shown = printable(str(root.path / path))
                     if inner in above:  # a link to a folder it is in
                         skipped.add("a loop", f"{shown}: skipped: a link to a folder it is in")
                     elif depth + 1 < MAX_DEPTH:

@@ -278,23 +278,23 @@ def _gguf_layout(model: Tables, names: list[str], strip: str) -> _Layout:
     shards = {shard: k for k, shard in enumerate(model.shards)}
     place = [model.locate(name) for name in names]
     order = sorted(range(len(names)), key=lambda i: (shards[place[i][0]], place[i][1]))
-    own = min((place[i][0] for i in order), key=shards.__getitem__, default=model.shards[0])  # its first file
+    own = place[order[0]][0] if order else model.shards[0]  # the first file its tensors are in
     first = model.shard_header(own)
     layout = first.layout or {}
     alignment = layout.get("alignment", gguf.DEFAULT_ALIGNMENT)
     pairs = [(key, raw) for key, raw in gguf.pairs(model.shard_data(own).read, layout)
              if not key.startswith("split.")]  # fmt: skip
-    names = [name.removeprefix(strip) for name in names]
+    shown = [name.removeprefix(strip) for name in names]
     if model.selection.everything:
         kept = [raw for _, raw in pairs]
     else:  # a part of the model says so, and which blocks it holds (ggufparts.py)
-        kept = part_pairs(pairs, sorted({layer for name in names if (layer := layer_of(name)) is not None}))
+        kept = part_pairs(pairs, sorted({layer for name in shown if (layer := layer_of(name)) is not None}))
     offset = 0
     starts, ends = [0] * len(names), [0] * len(names)
     infos = []
     for i in order:
-        _, _, entry = model.entry(strip + names[i])
+        _, _, entry = model.entry(names[i])
         starts[i], ends[i] = offset, offset + entry[END] - entry[BEGIN]
-        infos.append((names[i], entry[SHAPE][::-1], entry[DTYPE], offset))
+        infos.append((shown[i], entry[SHAPE][::-1], entry[DTYPE], offset))
         offset = ends[i] + -ends[i] % alignment
     return gguf.table(3, kept, infos, alignment), order, starts, ends, offset
