@@ -786,3 +786,30 @@ def test_readers_waiting_on_a_stalled_chunk_each_wait_one_timeout(
         answers = list(pool.map(lambda name: errno_of_reading(mountpoint / name), tensors))
     assert answers == [errno.EIO] * 5
     assert remote_stats(mountpoint)["fetch_failures"] == 1  # one fetch failed, and answered them all
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize(("read", "stalls"), [(".tensorfs/model/config.json", "config.json"), ("t", "m.safetensors")])
+def test_readers_of_one_stalled_file_each_wait_one_timeout(
+    mounts: Mounts, hostile: HostileServer, tmp_path: Path, read: str, stalls: str
+) -> None:
+    """Six readers of one remote file (a companion, a tensor) whose body stalls: all wait on the one
+    fetch of its chunk and are all answered (EIO) when it fails. They were answered one
+    --remote-timeout after another (the kernel sends the readers of a file's page one at a time:
+    each failed read left the page to the next reader, who asked the daemon again and waited a
+    timeout of its own). A reader that opens it after them asks the store again."""
+    write_reference(hostile.root / "m.safetensors", {"t": ("U8", [MIB], random_bytes(MIB, 7))})
+    (hostile.root / "config.json").write_bytes(b'{"model_type": "test", "pad": "' + b"x" * 300_000 + b'"}')
+    mountpoint = mounts.mount(
+        f"{hostile.url}/m.safetensors",  # type: ignore[arg-type]
+        *("--cache-dir", str(tmp_path / "cache"), "--remote-timeout", "4"),
+    )
+    path = mountpoint / read
+    assert path.stat().st_size > 300_000  # (the companion found at the mount, by a HEAD)
+    hostile.lies.append(Lie("body", stalls, "stall"))  # (the shard's header was read at the mount)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(errno_of_reading, [path] * 6))
+    assert answers == [errno.EIO] * 6
+    assert remote_stats(mountpoint)["fetch_failures"] == 1  # one fetch failed, and answered them all
+    hostile.lies.clear()
+    assert path.read_bytes() == (hostile.root / stalls).read_bytes()[-path.stat().st_size :]

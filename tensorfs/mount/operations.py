@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar, assert_never, get_args
 import pyfuse3
 import trio
 
-from ..errors import printable
+from ..errors import RemoteError, printable
 from ..gate import Answer, Gate, Outcome, Place, Plan, StepKind, next_step
 from ..proof.integrity import HASH_WORKERS
 from ..sources import waits
@@ -34,6 +34,7 @@ from ..sources.shard import ShardData
 from ..utils.names import CONTROL_DIR, STATS_NAME
 from ..views import Companion, SynthesizedFile, WeightsFile
 from .checks import Invalidate, MountReporter, Sums
+from .failedreads import FailedReads
 from .handlers import handler, not_implemented, read_only
 from .readahead import DEFAULT_PREFETCH, OpenTensor, ReadAhead
 from .stats import Stats
@@ -122,6 +123,8 @@ class TensorOperations(pyfuse3.Operations):
         """stats.json: a snapshot each open, its size true (statsfile.py)."""
         self._stats_inode = _inode_of(tree, CONTROL_DIR, STATS_NAME)
         self._next_fh = 1 << 48  # handles of those opens, above every inode
+        self.failed_reads = FailedReads()
+        """Reads that failed waiting on a store, answering the readers the kernel held behind them."""
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -326,6 +329,7 @@ class TensorOperations(pyfuse3.Operations):
         node = self.tree.node(inode)
         if node.kind is Kind.DIRECTORY:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        self.failed_reads.opened(inode)  # a new reader: what failed is asked for again
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.kind is Kind.CONTROL and node.control == STATS_NAME:
@@ -351,7 +355,12 @@ class TensorOperations(pyfuse3.Operations):
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         start = time.perf_counter()
-        kind, reply = await self._read(fh, off, size)
+        self.failed_reads.check(fh, off, size)  # (the kernel's next reader of a page that just failed)
+        try:
+            kind, reply = await self._read(fh, off, size)
+        except RemoteError as exc:
+            self.failed_reads.failed(fh, off, size, exc)
+            raise
         self.stats.read(kind, len(reply), time.perf_counter() - start)
         return reply
 

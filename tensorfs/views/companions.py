@@ -93,7 +93,7 @@ class Companion:
 
 
 class CompanionError(TensorfsError):
-    """A companion file that cannot be served now (gone, changed, or its store unreachable)."""
+    """A companion file that cannot be served now: gone, or changed (its store's failures are RemoteErrors)."""
 
 
 class CompanionFiles:
@@ -118,7 +118,9 @@ class CompanionFiles:
         buffer = bytearray(size)
         try:
             opened.readinto(offset, memoryview(buffer))
-        except TensorfsError as exc:  # its message names the object's URL already
+        except RemoteError:  # (its message names the object's URL already)
+            raise
+        except TensorfsError as exc:
             raise CompanionError(str(exc)) from None
         return bytes(buffer)
 
@@ -227,16 +229,13 @@ def _open_remote(companion: Companion) -> Any:
     from ..sources.remote import RemoteShard  # the remote machinery, only when needed
 
     version = origin.version
-    try:
+    if version is None:
+        version = head(origin.ref)  # (a RemoteError says why not)
         if version is None:
-            version = head(origin.ref)
-            if version is None:
-                raise CompanionError(f"{origin.ref.url}: listed, and not there now (404)")
-        if version.size != companion.size:
-            raise CompanionError(f"{origin.ref.url}: {version.size} bytes now, not {companion.size}: it changed")
-        return RemoteShard.of(version, origin.options)
-    except RemoteError as exc:
-        raise CompanionError(str(exc)) from None
+            raise CompanionError(f"{origin.ref.url}: listed, and not there now (404)")
+    if version.size != companion.size:
+        raise CompanionError(f"{origin.ref.url}: {version.size} bytes now, not {companion.size}: it changed")
+    return RemoteShard.of(version, origin.options)
 
 
 class Skipped:
