@@ -507,7 +507,7 @@ def _tensors_start(path: Path) -> int:
 
 
 HOSTILE_NAMES = [
-    "/etc/passwd", "../escape.json", "a//b.json", "x\x00y.json", "é" * 200 + ".json", "a/b/c.json", ".", "sub/",
+    "/etc/passwd", "../escape.json", "a//b.json", "x\x00y.json", "é" * 200 + ".json", "d/" * 16 + "c.json", ".", "sub/",
     "../../../../../api/models/x/", "/abs/",
 ]  # fmt: skip
 """Names a listing gives that are no plain relative path (or too deep for a companion); those ending in

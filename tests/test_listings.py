@@ -9,6 +9,7 @@ import pytest
 from helpers import write_reference
 from servers import HostileServer, Lie
 from tensorfs.sources.store import RemoteOptions
+from tensorfs.views.companions import MAX_DEPTH
 from tensorfs.views.remote_files import find_remote_companions
 
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "AKIDTENSORFS", "AWS_SECRET_ACCESS_KEY": "secret"}
@@ -42,14 +43,14 @@ def test_empty_objects_the_listing_leaves_out_are_never_asked_after(
     hostile: HostileServer, s3_keys: None, tmp_path: Path
 ) -> None:
     """An empty object may be a folder marker, which a HEAD tells: asked only of the entries the
-    model's directory keeps (not of those deeper than a subdirectory, nor in hidden folders), so
-    that a prefix of many empty files deep down costs no request apiece."""
+    model's view keeps (not of those deeper than its bound, nor in a git repository's own folder),
+    so that a prefix of many empty files there costs no request apiece."""
     model = hostile.root / "bkt" / "m"
     (model / "1_Pooling").mkdir(parents=True)
     write_reference(model / "model.safetensors", {"w": ("U8", [4], bytes(4))})
     (model / "1_Pooling" / "config.json").write_text("{}")
     (model / "1_Pooling" / "empty.txt").write_bytes(b"")  # kept: a HEAD says it is a file
-    for folder in ("deep/a/b", ".git/objects"):
+    for folder in ("/".join("d" * MAX_DEPTH), ".git/objects"):
         (model / folder).mkdir(parents=True)
         for n in range(20):
             (model / folder / f"{n}.txt").write_bytes(b"")
@@ -58,3 +59,25 @@ def test_empty_objects_the_listing_leaves_out_are_never_asked_after(
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "1_Pooling/empty.txt"]
     heads = [name for method, name, *_ in hostile.requests if method == "HEAD" and name.endswith(".txt")]
     assert heads == ["bkt/m/1_Pooling/empty.txt"]
+
+
+@pytest.mark.parametrize("store", ["s3", "hub"])
+def test_a_listing_takes_every_file_to_the_views_depth(
+    hostile: HostileServer, s3_keys: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """S3's listing and the Hub's API (a listing a folder) give the view every file of the model's
+    folder as deep as a local one's (MAX_DEPTH levels), hidden ones too: they stopped one level
+    down, and S3's left hidden folders out. A git repository's own folder is never taken."""
+    model = hostile.root / ("bkt/m" if store == "s3" else "org/m")
+    model.mkdir(parents=True)
+    write_reference(model / "model.safetensors", {"w": ("U8", [4], bytes(4))})
+    deepest = "/".join(f"l{level}" for level in range(1, MAX_DEPTH)) + "/deepest.txt"
+    files = ["config.json", ".gitattributes", ".hidden/x.json", "extra/deeper/notes.txt", deepest]
+    for path in [*files, "/".join("d" * MAX_DEPTH) + "/too-deep.txt", ".git/HEAD"]:
+        (model / path).parent.mkdir(parents=True, exist_ok=True)
+        (model / path).write_text(path)
+    monkeypatch.setenv("HF_ENDPOINT", hostile.url)
+    remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
+    spec = find_remote_companions("s3://bkt/m" if store == "s3" else "hf://org/m", remote)
+    assert sorted(c.path for c in spec.companions) == sorted(files)
+    assert spec.warnings == []

@@ -27,7 +27,7 @@ from ..catalogue.tables import Tables
 from ..errors import RemoteError, ShardChangedError, printable
 from ..formats import is_weights_name
 from ..fs.guarded import ModelDirectory, NotRegular, mounted_under
-from ..sources.finding import MAX_SUBDIRECTORIES, beside, directory_url, listing_beside
+from ..sources.finding import beside, directory_url, listing_beside
 from ..sources.store import RemoteOptions
 from ..utils.identity import Identity, ShardKey
 from .integrity import SIGNATURE_LABEL, Hasher, Integrity
@@ -188,15 +188,12 @@ def unsigned(shown: str, signed: SignedModel) -> str:
     return f"{printable(shown)}: not covered by the signature {signed.label}"
 
 
-def _coverage(
-    signed: SignedModel, present: Mapping[str, int], shown: Callable[[str], str], depth: int | None = None
-) -> list[str]:
-    """A line for each file signed and not present (within `depth` subdirectories, when the files
-    present are only known so far), and for each present that the signature neither names nor
+def _coverage(signed: SignedModel, present: Mapping[str, int], shown: Callable[[str], str]) -> list[str]:
+    """A line for each file signed and not present, and for each present that the signature neither names nor
     leaves out (`present`: each file's size, -1 unknown); `shown(relative)` is how a message names a
     file. An empty file a signature of ranges names no range of is signed as model_signing signs it
     (its shard serializer makes no item of one, and its verify takes it so)."""
-    missing = [name for name in sorted(set(signed.files) - set(present)) if depth is None or name.count("/") <= depth]
+    missing = sorted(set(signed.files) - set(present))
     problems = [f"{printable(shown(name))}: signed, but not in the model" for name in missing]
     problems += [
         unsigned(shown(name), signed)
@@ -221,18 +218,17 @@ def refusal(problems: list[str]) -> SignatureError:
 
 def check_remote_files(signed: SignedModel, source: str, remote: RemoteOptions) -> None:
     """A model in a store that lists (S3) holds the files signed, and no other, in its directory and
-    its subdirectories one level down (a store that does not list, HTTP or the Hub, is not asked).
+    its subdirectories (a store that does not list, HTTP or the Hub, is not asked).
     SignatureError, one line a file, naming each missing or unsigned."""
     try:
-        listed = listing_beside(source, remote, MAX_SUBDIRECTORIES, whole=True)  # a cut one: never taken for all
+        listed = listing_beside(source, remote, MAX_DEPTH, whole=True)  # a cut one: never taken for all
     except RemoteError as exc:
         raise SignatureError(f"{exc}: the signature {signed.label} cannot be checked against it") from None
     if listed is None:
         return
     base = directory_url(source, remote)
-    # The listing reaches one level of subdirectories down: a file signed deeper is not looked for.
     present = {path: size for path, size, *_ in listed}
-    problems = _coverage(signed, present, lambda relative: f"{base}/{relative}", depth=1)
+    problems = _coverage(signed, present, lambda relative: f"{base}/{relative}")
     if problems:
         raise refusal(problems)
 

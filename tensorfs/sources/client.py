@@ -39,9 +39,12 @@ class Deadline:
     def after(cls, seconds: float) -> Deadline:
         return cls(time.monotonic() + seconds, seconds)
 
+    def passed(self) -> bool:
+        return time.monotonic() > self.at
+
     def check(self, where: str, what: str) -> None:
         """RemoteError ("{where}: {what} took over N s") once the deadline is past."""
-        if time.monotonic() > self.at:
+        if self.passed():
             raise RemoteError(f"{where}: {what} took over {self.seconds:g} s")
 
 

@@ -5,12 +5,13 @@ anything is made of it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
-from ..errors import AccessDenied, Problem, RemoteError, TooLarge
+from ..errors import AccessDenied, Problem, RemoteError, TooLarge, printable
 from ..formats import is_weights_name
 from ..utils.names import path_problem
 from .choosing import MAX_COMPONENTS, PIPELINE_INDEX, Choice, choose, component, is_pipeline
@@ -81,7 +82,7 @@ def _choose(source: str, options: RemoteOptions, spec: StoreSpec, prefix: str, w
             return replace(choice, problem=f"over {MAX_LISTED} objects under this prefix; {choice.problem}")
         return choice
     try:
-        names = [path for path, *_ in _hub_files(source, options) if "/" not in path]
+        names = [path for path, *_ in _hub_files(source, options, 1)[0] if "/" not in path]
     except AccessDenied:
         raise
     except (FileNotFoundError, RemoteError) as exc:  # no such repository or revision; or a mirror without the API
@@ -157,12 +158,18 @@ Listed = list[tuple[str, int, float, str | None]]
 
 
 def listing_beside(
-    source: str, options: RemoteOptions, subdirectories: int = 0, *, whole: bool = False
+    source: str,
+    options: RemoteOptions,
+    depth: int = 1,
+    *,
+    whole: bool = False,
+    keep: Callable[[str], bool] = lambda path: True,
 ) -> Listed | None:
-    """The objects in a remote model's directory, and those of its first `subdirectories`
-    subdirectories (not hidden) one level down, for a store that lists (S3); None for one that does
-    not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED objects is left
-    out, but for a caller that needs the `whole` of it (RemoteError then, saying so)."""
+    """The objects in a remote model's directory and its subdirectories, to `depth` levels (1: the
+    directory's own), those the caller would `keep` (by path), for a store that lists (S3); None for
+    one that does not (HTTP, the Hub).
+    RemoteError when a listing fails; what is past MAX_LISTED objects is left out, but for a caller
+    that needs the `whole` of it (RemoteError then, saying so)."""
     spec, _ = store_spec(source, options)
     if spec.kind != "s3":
         return None
@@ -176,20 +183,22 @@ def listing_beside(
         (str(meta["path"]).removeprefix(top), int(meta["size"]), modified(meta), str(meta.get("e_tag") or "") or None)
         for meta in listed
     ]
+    entries = [entry for entry in files_of(entries) if entry[0].count("/") < depth and keep(entry[0])]
+    # A folder marker (`m/2_Dense/`, as the S3 console makes) comes without its '/' (the client drops
+    # it): one with files beneath it is a folder; another empty key is asked for (a HEAD apiece,
+    # within the listing's deadline): an empty file is there, a marker's name without its '/' is not.
+    folders: set[str] = set()
+    for path, *_ in entries:
+        parts = path.split("/")
+        folders.update("/".join(parts[:level]) for level in range(1, len(parts)))
     found: Listed = []
-    inner: set[str] = set()
-    for entry in files_of(entries):
-        parts = entry[0].split("/")
-        if len(parts) > 2:
-            continue
-        if len(parts) == 2 and (parts[0].startswith(".") or (parts[0] not in inner and len(inner) == subdirectories)):
-            continue
-        if entry[1] == 0:  # asked of the entries kept only: a HEAD apiece, within the listing's deadline
+    for entry in entries:
+        if entry[1] == 0:
+            if entry[0] in folders:
+                continue
             deadline.check(spec.url(top), "listing")
             if not exists(ObjectRef(spec, top + entry[0])):
-                continue  # a folder marker (`m/2_Dense/`): the client dropped its '/', and there is no `m/2_Dense`
-        if len(parts) == 2:
-            inner.add(parts[0])
+                continue
         found.append(entry)
     return found
 
@@ -205,20 +214,22 @@ def files_of(entries: Listed) -> Listed:
     return [entry for entry in entries if entry[0] and not entry[0].endswith("/") and entry[0] not in folders]
 
 
-MAX_SUBDIRECTORIES = 50
-"""The subdirectories of a remote model's directory listed for its files (a listing each, and the top's)."""
+MAX_FOLDERS_LISTED = 200
+"""The folders of a Hub model's directory listed for its files (a listing each, after the top's)."""
 MAX_HUB_LISTING = 16 << 20
 """The most one answer of the Hub's listing API may hold."""
 
 
-def hub_listing(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed | None:
-    """The files of a Hub model's directory (and of its first `subdirectories` subdirectories), as
-    its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH); None for a source
-    that is not on the Hub. RemoteError when the listing fails."""
+def hub_listing(source: str, options: RemoteOptions, depth: int = 1) -> tuple[Listed, str | None] | None:
+    """The files of a Hub model's directory and its folders, to `depth` levels (1: the directory's
+    own), as its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH), a listing a
+    folder, and what of them was left out (past MAX_FOLDERS_LISTED folders, MAX_LISTED files or the
+    listing's deadline; None: nothing); None for a source that is not on the Hub. RemoteError when
+    the listing fails."""
     if not source.startswith("hf://"):
         return None
     try:
-        return _hub_files(source, options, subdirectories)
+        return _hub_files(source, options, depth)
     except FileNotFoundError as exc:
         raise RemoteError(f"{exc}: the Hub's listing of the model's files is not there (404)") from None
 
@@ -234,7 +245,7 @@ def _hub_api(source: str, options: RemoteOptions) -> tuple[StoreSpec, str, str, 
     return api, repo, revision, directory
 
 
-def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> Listed:
+def _hub_files(source: str, options: RemoteOptions, depth: int) -> tuple[Listed, str | None]:
     """hub_listing's files; FileNotFoundError (its URL) when the repository, its revision or the
     directory is not there, or the Hub's API is not (a mirror that serves files only)."""
     api, repo, revision, directory = _hub_api(source, options)
@@ -252,27 +263,34 @@ def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> 
             raise RemoteError(f"{where.url}: the Hub's listing is not a list of files")
         return [item for item in document if isinstance(item, dict) and isinstance(item.get("path"), str)]
 
-    top = listed(directory)
     prefix = f"{directory}/" if directory else ""
-    # A folder is asked for by its name: one plain part below the directory, or not at all (its files
-    # would not be the view's).
-    folders = [
-        item["path"]
-        for item in top
-        if item.get("type") == "directory"
-        and item["path"].startswith(prefix)
-        and path_problem(item["path"][len(prefix) :], max_depth=1) is None
-    ]
-    items = top[:MAX_LISTED]
-    asked = sorted(folders)[:subdirectories]
-    for done, folder in enumerate(asked):  # at most MAX_LISTED in all: a lying Hub's bound
-        if len(items) >= MAX_LISTED:
-            break
-        deadline.check(
-            ObjectRef(api, f"{repo}/tree/{revision}/{directory}".rstrip("/")).url,
-            f"the Hub's listing of the model's directory and its folders ({done} of {len(asked)} listed)",
+
+    def folders_in(items: list[dict[str, Any]]) -> list[str]:
+        # A folder is asked for by its name: plain parts below the directory, less deep than `depth`
+        # (its files would not be the view's otherwise).
+        return sorted(
+            item["path"]
+            for item in items
+            if item.get("type") == "directory"
+            and item["path"].startswith(prefix)
+            and path_problem(item["path"][len(prefix) :], max_depth=depth - 1) is None
         )
-        items += listed(folder)[: MAX_LISTED - len(items)]
+
+    items = listed(directory)[:MAX_LISTED]
+    todo = folders_in(items) if depth > 1 else []
+    done = 0  # folders listed, breadth first (the top's first: what a loader needs most lies there)
+    while todo and done < MAX_FOLDERS_LISTED and len(items) < MAX_LISTED and not deadline.passed():
+        found = listed(todo.pop(0))[: MAX_LISTED - len(items)]
+        items += found
+        todo += folders_in(found)
+        done += 1
+    cut = None
+    if todo:
+        where = ObjectRef(api, f"{repo}/tree/{revision}/{directory}".rstrip("/")).url
+        cut = (
+            f"{printable(where)}: {len(todo)} folders not listed (past {MAX_FOLDERS_LISTED} folders, "
+            f"{MAX_LISTED:,} files or the listing's time): their files are left out"
+        )
     entries: Listed = []
     for item in items:
         if item.get("type") != "file" or not item["path"].startswith(prefix):
@@ -281,7 +299,7 @@ def _hub_files(source: str, options: RemoteOptions, subdirectories: int = 0) -> 
         if not isinstance(size, int) or isinstance(size, bool):
             size = -1  # no size: said where it is used
         entries.append((str(item["path"]).removeprefix(prefix), size, 0.0, None))
-    return files_of(entries)
+    return files_of(entries), cut
 
 
 def _not_on_the_hub(source: str, options: RemoteOptions) -> str:
@@ -309,7 +327,8 @@ def pipeline_folders(source: str, options: RemoteOptions) -> list[str] | None:
     try:
         if not exists(beside(source, PIPELINE_INDEX, options)):
             return None
-        listed = listing_beside(source, options, MAX_COMPONENTS) or hub_listing(source, options, MAX_COMPONENTS)
+        hub = hub_listing(source, options, 2)
+        listed = listing_beside(source, options, 2) if hub is None else hub[0]
     except (RemoteError, FileNotFoundError):
         return None
     by_folder: dict[str, list[str]] = {}
@@ -324,4 +343,4 @@ def pipeline_folders(source: str, options: RemoteOptions) -> list[str] | None:
         folder
         for folder, names in by_folder.items()
         if folder and not folder.startswith(".") and component(names, f"{root}/{folder}") is not None
-    )
+    )[:MAX_COMPONENTS]

@@ -178,7 +178,14 @@ def _make_client(spec: StoreSpec) -> ObjectStore:
     retry = {
         "max_retries": 1_000_000,  # the time is the bound (--remote-timeout), not a count
         "retry_timeout": timeout,
-        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+        # Pauses between tries grow to 5 s, and to no more than a tenth of the timeout: a short
+        # timeout's last try then ends within the grace its waiters give it (waits.GRACE), and its
+        # failure (a 500) is said as it is, not as a stall.
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=min(5.0, max(0.1, spec.timeout / 10))),
+            "base": 2,
+        },
     }
     client: dict[str, Any] = {"timeout": timeout, "connect_timeout": timedelta(seconds=min(10.0, spec.timeout))}
     # The bytes as they are stored: a compressed answer is refused (see _plain), never taken for them.

@@ -17,11 +17,12 @@ from ..proof.manifest import DEFAULT_MANIFEST
 from ..proof.signature import DEFAULT_SIGNATURE
 from ..sources.choosing import ADAPTER_NAMES
 from ..sources.client import get_whole, head
-from ..sources.finding import MAX_SUBDIRECTORIES, beside, hub_listing, listing_beside
+from ..sources.finding import beside, hub_listing, listing_beside
 from ..sources.store import ObjectVersion, RemoteOptions
 from ..utils.identity import ShardKey
 from ..utils.names import path_problem
 from .companions import (
+    MAX_DEPTH,
     MAX_FILES,
     MAX_NAMING_FILE,
     Companion,
@@ -75,7 +76,7 @@ a Dense layer's weights)."""
 COMPANION_TIMEOUT = 10.0
 """Seconds a companion file may take to be found, retries included: they are optional, and some are guessed."""
 MAX_SUBDIRECTORY_DEPTH = 2
-"""A companion's path: a file of the model's directory, or of a subdirectory of it (one level)."""
+"""A module's file modules.json names, asked for over plain HTTP: in a subdirectory, one level down."""
 MAX_WANTED_DEPTH = 32
 """A wanted file's (a signature names it) path: as deep as a signed local model's directory is walked."""
 
@@ -90,7 +91,7 @@ def find_remote_companions(
     wanted: Collection[str] = (),
 ) -> FolderFiles:
     """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
-    one level of subdirectories too), else (plain HTTP) the well-known ones that are there and the
+    MAX_DEPTH levels down), else (plain HTTP) the well-known ones that are there and the
     files the model's own files name; the same limits as for a local model, each look bounded by
     COMPANION_TIMEOUT. In a view of the folder (`folder`), the weights files that are not the
     model's (`own`) are named, not read (FolderFiles.weights). `wanted`: files looked for too where
@@ -103,20 +104,27 @@ def find_remote_companions(
         return FolderFiles(warnings=[f"{printable(source)}: companion files are not fetched with --offline"])
     quick = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
     try:
-        listed = listing_beside(source, quick, MAX_SUBDIRECTORIES)
+        listed = listing_beside(
+            source, quick, MAX_DEPTH, keep=lambda path: path in wanted or in_view(path, folder=True)
+        )
     except RemoteError as exc:
         return FolderFiles(warnings=[f"companion files skipped: {exc}"])
+    cut = None
     if listed is None:
         try:
-            listed = hub_listing(source, quick, MAX_SUBDIRECTORIES)
+            hub = hub_listing(source, quick, MAX_DEPTH)
+            if hub is not None:
+                listed, cut = hub
         except RemoteError as exc:  # a mirror that serves files but not the API: as over plain HTTP
             log.info("%s; looking for the files loaders look for instead", exc)
     mine = {str(weight) for weight in own}
     if listed is not None:
         shown = {path for path, *_ in listed}
-        deeper = [path for path in wanted if path not in shown and path.count("/") >= MAX_SUBDIRECTORY_DEPTH]
+        deeper = [path for path in wanted if path not in shown and (cut or path.count("/") >= MAX_DEPTH)]
         found = _listed(source, options, listed, mine, folder, components, set(wanted))
-        if deeper:  # below what the listing reaches: asked for by name
+        if cut is not None:
+            found.warnings.append(cut)
+        if deeper:  # beyond what the listing reaches: asked for by name
             extra = _guessed(source, options, quick, mine, folder, deeper, guess=False)
             found.companions += extra.companions
             found.weights += extra.weights
@@ -139,7 +147,7 @@ def _listed(
     found = FolderFiles()
     skipped = Skipped()
     for path, size, mtime, etag in sorted(listed, key=lambda row: (row[0].count("/"), row[0])):  # the top's first
-        why = path_problem(path, MAX_SUBDIRECTORY_DEPTH)  # the one gate of names from outside
+        why = path_problem(path, MAX_DEPTH)  # the one gate of names from outside
         if why is not None:
             name = printable(path[:200])
             skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
