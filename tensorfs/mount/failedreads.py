@@ -5,7 +5,8 @@ and when the read fails, the next of them finds the page still missing and asks 
 Each would wait a --remote-timeout of its own, one after another (six readers of a stalled file:
 answered at 10, 20, ... 60 s). A failure is remembered instead, and a read of its range answered at
 once with it, until the file is opened again (a new reader asks the store again) or FAILED_FOR
-passes (a reader that keeps the file open does too).
+passes (a reader that keeps the file open does too). Not where the next read may be answered from
+elsewhere (a model with fallbacks: the gate turns to one when its store fails).
 """
 
 from __future__ import annotations

@@ -359,10 +359,23 @@ class TensorOperations(pyfuse3.Operations):
         try:
             kind, reply = await self._read(fh, off, size)
         except RemoteError as exc:
-            self.failed_reads.failed(fh, off, size, exc)
+            if not self._may_heal(fh):
+                self.failed_reads.failed(fh, off, size, exc)
             raise
         self.stats.read(kind, len(reply), time.perf_counter() - start)
         return reply
+
+    def _may_heal(self, fh: int) -> bool:
+        """Whether the next read of a file may be answered from elsewhere (its model has fallbacks):
+        its failure then answers no other read."""
+        span = self._spans.get(fh)
+        if span is not None:
+            return span.gate.fallbacks is not None
+        try:
+            found = self.tree.view_file(fh)
+        except NoSuchEntry:
+            return False
+        return isinstance(found, SynthesizedFile | WeightsFile) and found.gate.fallbacks is not None
 
     async def _read(self, fh: int, off: int, size: int) -> tuple[str, bytes | memoryview]:
         """What a read answers, and what kind of file it read (for the counters)."""
