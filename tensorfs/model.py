@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +61,9 @@ class Model(Tables):
         """What its fallbacks stand in for since it was opened (shards missing or invalid), one line each."""
         self.signed: SignedModel | None = None
         """The signature it is held to (its digests are the gate's manifest), if any (opening/source.py)."""
+        self.manifest_beside: Mapping[str, Mapping[str, str]] = {}
+        """What the manifest it is held to says of the weights files beside it, by file, then tensor
+        (proof/manifest.py Manifest.beside): what its view's other models are held to."""
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None  # the threads that bring tensors in (made when asked)
         self._pool_made = threading.Lock()

@@ -22,6 +22,7 @@ import tensorfs
 from conftest import Mounts, drop_caches, wait_until
 from helpers import (
     MIB,
+    cli,
     every_dtype_tensors,
     fingerprints_pending,
     patience,
@@ -464,18 +465,20 @@ def test_the_view_serves_no_byte_a_manifest_refuses(mounts: Mounts, tmp_path: Pa
 def test_the_weights_files_beside_a_model_are_validated_and_gated(mounts: Mounts, tmp_path: Path) -> None:
     """The weights files of the model's folder that are not the model (a variant, an adapter) are
     served under their own names, each opened and validated as a model of its own; one that is not a
-    valid file is left out, with a warning naming it and why; under the model's manifest they are
-    said to be covered by none. A change of the files (a chmod): the model's tensors are verified
-    again and served with the bytes no tensor holds as they were validated, the others' (no manifest)
-    read again and found as they were served (their fingerprints): served on (at d4c56fe: refused)."""
+    valid file is left out, with a warning naming it and why; under a manifest that lists only the
+    model's tensors (as `tensorfs manifest` made before issue 55) they are said to be covered by
+    none. A change of the files (a chmod): the model's tensors are verified again and served with
+    the bytes no tensor holds as they were validated, the others' (no manifest) read again and found
+    as they were served (their fingerprints): served on (at d4c56fe: refused)."""
     directory = tmp_path / "m"
     directory.mkdir()
     write_reference(directory / "model.safetensors", {"w": ("F32", [4], random_bytes(16, 1))})
     write_reference(directory / "model.fp16.safetensors", {"w": ("F16", [4], random_bytes(8, 2))})
     write_reference(directory / "adapter_model.safetensors", {"lora_A": ("F32", [2], random_bytes(8, 3))})
     (directory / "broken.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
-    manifest = mounts.run("manifest", "-o", str(directory / "tensors.sha256"), str(directory))
+    manifest = mounts.run("manifest", "--include", "*", str(directory / "model.safetensors"))
     assert manifest.returncode == 0, manifest.stderr
+    (directory / "tensors.sha256").write_text(manifest.stdout)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     done = mounts.attempt(directory, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
@@ -495,6 +498,54 @@ def test_the_weights_files_beside_a_model_are_validated_and_gated(mounts: Mounts
     drop_caches()
     assert (view / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
     assert (view / "model.fp16.safetensors").read_bytes() == (directory / "model.fp16.safetensors").read_bytes()
+
+
+def test_a_manifest_of_a_folder_covers_the_weights_files_beside_the_model(tmp_path: Path) -> None:
+    """Issue 55, item 4: `tensorfs manifest` of a folder lists the tensors of the weights files beside
+    the model too (a variant, an adapter), each named after its file, and a mount or an export is
+    held to them: no file "not covered", and a variant whose bytes changed is refused. A file the
+    manifest lists some tensors of and not all is left out of the view, never served unchecked."""
+    directory = tmp_path / "m"
+    directory.mkdir()
+    write_reference(directory / "model.safetensors", {"w": ("F32", [4], random_bytes(16, 1))})
+    write_reference(directory / "model.fp16.safetensors", {"w": ("F16", [4], random_bytes(8, 2))})
+    adapter = {"lora_A": ("F32", [2], random_bytes(8, 3)), "lora_B": ("F32", [2], random_bytes(8, 4))}
+    write_reference(directory / "adapter_model.safetensors", adapter)
+    made = cli("manifest", "-q", "-o", "m/tensors.sha256", "m", cwd=tmp_path)
+    assert (made.returncode, made.stderr) == (0, "")
+    listed = sorted(line.split("  ", 1)[1] for line in (directory / "tensors.sha256").read_text().splitlines())
+    assert listed == [
+        "adapter_model.safetensors/lora_A", "adapter_model.safetensors/lora_B", "model.fp16.safetensors/w", "w"
+    ]  # fmt: skip
+    checked = cli("verify", "-q", "m", cwd=tmp_path)
+    assert (checked.returncode, checked.stdout, checked.stderr) == (0, "m: all 4 tensors match m/tensors.sha256\n", "")
+    done = cli("export", "-q", "m", "out", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (0, "")
+    for name in ("model.safetensors", "model.fp16.safetensors", "adapter_model.safetensors", "tensors.sha256"):
+        assert (tmp_path / "out" / name).read_bytes() == (directory / name).read_bytes(), name
+    # The variant's bytes changed in place (its header as it was): refused, not served unchecked.
+    variant = directory / "model.fp16.safetensors"
+    variant.write_bytes(variant.read_bytes()[:-8] + random_bytes(8, 5))
+    checked = cli("verify", "-q", "m", cwd=tmp_path)
+    assert checked.returncode == 1 and checked.stderr.startswith(f"error: {variant}: tensor 'w': does not match "), (
+        checked.stderr
+    )
+    done = cli("export", "-q", "m", "out2", cwd=tmp_path)
+    assert done.returncode != 0 and "model.fp16.safetensors" in done.stderr and "tensors.sha256" in done.stderr, (
+        done.stderr
+    )
+    assert not (tmp_path / "out2").exists()
+    # A manifest that lists one of the adapter's tensors and not the other: the adapter is left out.
+    kept = [line for line in (directory / "tensors.sha256").read_text().splitlines(True) if "lora_B" not in line]
+    (directory / "tensors.sha256").write_text("".join(kept))
+    variant.unlink()
+    done = cli("export", "-q", "m", "out3", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        0,
+        f"warning: {directory / 'adapter_model.safetensors'}: left out of the view: tensor 'lora_B' is not in "
+        "m/tensors.sha256, which lists the file's other tensors\n",
+    )
+    assert sorted(os.listdir(tmp_path / "out3")) == ["model.safetensors", "tensors.sha256"]
 
 
 def test_export_keeps_a_sparse_source_sparse(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from ..fs.writer import refuse_existing
 from ..model import Model
 from ..opening.folder import ViewRequest
 from ..opening.source import ManifestBeside, Verify, hash_all
-from ..proof.manifest import DEFAULT_MANIFEST, format_manifest
+from ..proof.manifest import DEFAULT_MANIFEST, beside_name, format_manifest
 from ..proof.signature import Signature
 from ..selection import Selection
 from ..sources.store import RemoteOptions
@@ -139,12 +139,20 @@ def manifest(
 ) -> None:
     """The SHA-256 of every tensor's raw bytes, in sha256sum format (`<hex>  <tensor name>`) by name.
 
+    Of a folder, the weights files beside the model too (variants, adapters, other checkpoints: what
+    its view serves), each tensor named after its file (`model.fp16.safetensors/lm_head.weight`).
     Hashes found in the cache (same shard file, unchanged) are not computed again.
     """
     source = source_of(path, remote, no_cache)
     with source.open(selection, progress=not quiet) as model:
         hashes = hash_all(model, model.gate.integrity.hasher, progress=not quiet, proving=False)  # what they are
-        text = format_manifest(hashes, as_json=as_json)
+        beside, warnings = source.digests_beside(model, progress=not quiet)
+        error_lines(warnings, prefix="warning: ")
+        named = {
+            beside_name(file, name): digest for file, digests in beside.items() for name, digest in digests.items()
+        }
+        # (a name of the model's own is never taken for a file's: that file is then left out of a view)
+        text = format_manifest({**named, **hashes}, as_json=as_json)
     if output is None:
         sys.stdout.write(text)
     else:
@@ -289,9 +297,16 @@ def verify(
         found = source.manifest(manifest_path, selection)
         if found is None:
             raise TensorfsError(f"{source.directory}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
+        found = found.of_model(model)
         actual = hash_all(model, model.gate.integrity.hasher, progress=not quiet)
         problems = found.mismatches(model, actual, lambda name: f"does not match {found.label} (sha256 {actual[name]})")
         problems += found.coverage(model)
+        count = len(model)
+        if found.beside:  # the weights files beside the model it lists too
+            beside, warnings = source.digests_beside(model, progress=not quiet)
+            error_lines(warnings, prefix="warning: ")
+            problems += found.beside_problems(beside, lambda file: str(source.in_folder(file)))
+            count += sum(len(beside.get(file, {})) for file in found.beside)
         if problems:
             raise InvalidModelError(problems)
-        click.echo(f"{printable(str(path))}: all {len(model)} tensors match {printable(found.label)}")
+        click.echo(f"{printable(str(path))}: all {count} tensors match {printable(found.label)}")

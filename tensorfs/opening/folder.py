@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ from ..caches.headers import HeaderCache
 from ..catalogue.tables import Shard, owners
 from ..errors import InvalidModelError, TensorfsError, printable
 from ..model import Model
-from ..proof.integrity import Hasher
+from ..proof.integrity import Hasher, Integrity
 from ..proof.signature import SignedModel
 from ..sources.store import RemoteOptions
 from ..utils.identity import ShardKey, shard_name
@@ -107,11 +107,14 @@ def open_others(
     signed: SignedModel | None,
     hashes: HashCache,
     manifest: str | None,
+    beside: Mapping[str, Mapping[str, str]] = {},
 ) -> Others:
     """Open and validate each of `paths` (files of the folder `directory`; `locate(path)` says where
     it is) as a model of its own; held to `signed` (SignatureError if one is not the signed file),
-    or said to be covered by no manifest when the model is held to one (`manifest`: its label). A
-    file that is not a valid model is left out, with a warning naming it and why."""
+    or, when the model is held to a manifest (`manifest`: its label), to what it says of each file
+    (`beside`: by file, then tensor): a file it says nothing of is said to be covered by none and
+    served unchecked, one it says something of must have every tensor in it (else it is left out,
+    with a warning). A file that is not a valid model is left out, with a warning naming it and why."""
     found = Others()
     if not paths:
         return found
@@ -126,6 +129,7 @@ def open_others(
         opened = list(pool.map(one, paths))
     try:
         models: list[Model] = []
+        checked: set[int] = set()  # (ids of) the models held to what the manifest says of their files
         seen: set[str] = set()
         for path, result in zip(paths, opened, strict=True):
             if isinstance(result, InvalidModelError):
@@ -136,8 +140,25 @@ def open_others(
                 result.close()
                 continue
             seen |= files
+            if manifest is not None and files & beside.keys():
+                _, lacking = _expected(result, directory, beside)
+                if lacking is not None:
+                    found.warnings.append(
+                        f"{printable(str(locate(path)))}: left out of the view: tensor '{printable(lacking)}' is not "
+                        f"in {printable(manifest)}, which lists the file's other tensors"
+                    )
+                    result.close()
+                    continue
+                checked.add(id(result))
             models.append(result)
-        found.models, models = _grouped(models, directory, layout), []
+        # A group is one gate: models held to the manifest and models it says nothing of are never one.
+        held = _grouped([model for model in models if id(model) in checked], directory, layout)
+        found.models = held + _grouped([model for model in models if id(model) not in checked], directory, layout)
+        models = []
+        for model in held:
+            assert manifest is not None
+            values, _ = _expected(model, directory, beside)
+            model.gate.set_integrity(Integrity(Hasher(model, hashes), values, label=manifest))
         for k, model in enumerate(found.models, 1):
             for place, shard in enumerate(model.opened_shards()):
                 relative = relative_path(directory, shard.header.path)
@@ -149,9 +170,10 @@ def open_others(
                 holding = Holding(directory, remote, hashes, one_file=False, fallbacks=model.fallbacks is not None)
                 model.gate.set_integrity(hold_to(model, signed, directory, Hasher(model, hashes), holding))
                 model.signed = signed
-        if manifest is not None and found.places:
-            shown = ", ".join(printable(path) for path in sorted(found.places)[:4])
-            more = f" and {len(found.places) - 4} more" if len(found.places) > 4 else ""
+        uncovered = sorted(path for path in found.places if path not in beside)
+        if manifest is not None and uncovered:
+            shown = ", ".join(printable(path) for path in uncovered[:4])
+            more = f" and {len(uncovered) - 4} more" if len(uncovered) > 4 else ""
             found.warnings.append(
                 f"{shown}{more}: weights files beside the model, not covered by {printable(manifest)}: served as "
                 "validated, their tensors unchecked"
@@ -162,6 +184,20 @@ def open_others(
             model.close()
         raise
     return found
+
+
+def _expected(
+    model: Model, directory: Path | str, beside: Mapping[str, Mapping[str, str]]
+) -> tuple[dict[str, str], str | None]:
+    """What the manifest says of the model's tensors (`beside`: by file, then tensor), and the first
+    tensor it says nothing of (None: it covers them all)."""
+    values: dict[str, str] = {}
+    for name in model.sorted_names:
+        digest = beside.get(relative_path(directory, model.info(name).shard), {}).get(name)
+        if digest is None:
+            return values, name
+        values[name] = digest
+    return values, None
 
 
 def _first(error: InvalidModelError) -> str:

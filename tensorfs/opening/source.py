@@ -206,6 +206,8 @@ class Source:
                 )
             hasher = Hasher(model, self.cache.hashes())
             if found is not None:
+                found = found.of_model(model)
+                model.manifest_beside = found.beside
                 problems = found.coverage(model)
                 if problems:
                     raise InvalidModelError(problems)
@@ -348,7 +350,7 @@ class Source:
         )
         if unverified is not None:  # said once: the view serves it as any file, and nothing checked it
             warnings.append(
-                f"{printable(redact(str(self._in_folder(unverified))))}: a signature beside the model, not verified "
+                f"{printable(redact(str(self.in_folder(unverified))))}: a signature beside the model, not verified "
                 "(--public-key or --certificate-chain holds the model to it): served as any file of the folder"
             )
         if why is not None:
@@ -374,13 +376,14 @@ class Source:
         others = open_others(
             beside_it,
             directory,
-            locate=self._in_folder,
+            locate=self.in_folder,
             layout=model.layout,
             remote=self.cache.remote(self.remote),
             headers=self.cache.headers,
             signed=signed,
             hashes=self.cache.hashes(),
             manifest=manifest,
+            beside=model.manifest_beside,
         )
         warnings += others.warnings
         weights_files = {**places, **others.places}
@@ -388,6 +391,25 @@ class Source:
             companions, 0, warnings, found.directories, folder=True, weights=weights_files, unverified=unverified
         )
         return spec, others
+
+    def digests_beside(self, model: Model, *, progress: bool = False) -> tuple[dict[str, dict[str, str]], list[str]]:
+        """The SHA-256 of every tensor of the weights files beside `model` (those its view serves as
+        other models: variants, adapters, other checkpoints), by file (its path in the folder), then
+        tensor; and what was left out of them (a file that is no valid model). Nothing for a model
+        named by its file, or a selection of one."""
+        if self.is_one_shard or not model.selection.everything:
+            return {}, []
+        _, others = self.view(model)
+        try:
+            digests: dict[str, dict[str, str]] = {}
+            for other in others.models:
+                for name, digest in hash_all(
+                    other, other.gate.integrity.hasher, progress=progress, proving=False
+                ).items():
+                    digests.setdefault(relative_path(self.folder, other.info(name).shard), {})[name] = digest
+            return digests, others.warnings
+        finally:
+            others.close()
 
     @property
     def folder(self) -> Path | str:
@@ -398,7 +420,7 @@ class Source:
 
         return Path(os.path.abspath(model_directory(self.location)))
 
-    def _in_folder(self, path: str) -> Path | str:
+    def in_folder(self, path: str) -> Path | str:
         """Where a file of the model's folder is (its path, or its URL)."""
         if isinstance(self.location, str):
             return beside(self.location, path, self.remote).url

@@ -10,11 +10,12 @@ import json
 import os
 import stat
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import Problem, RemoteError, TensorfsError, TooLarge, printable
+from ..formats import is_weights_name
 from ..fs.guarded import ModelDirectory, NotRegular, read_bounded
 from ..sources.client import read_url
 from ..sources.store import RemoteOptions, is_remote, redact
@@ -97,6 +98,21 @@ MAX_MANIFEST_BYTES = 256 << 20
 """A manifest of a million tensors is about 100 MB: one past this is not a manifest (or never ends)."""
 
 
+def beside_name(file: str, tensor: str) -> str:
+    """How a manifest names a tensor of a weights file beside the model (a variant, an adapter,
+    another checkpoint of its folder): the file's path in the folder, then the tensor's name."""
+    return f"{file}/{tensor}"
+
+
+def _file_and_tensor(name: str) -> tuple[str, str] | None:
+    """(file, tensor) of a name beside_name made; None for any other (no part a weights file's name)."""
+    parts = name.split("/")
+    for end in range(1, len(parts)):
+        if is_weights_name(parts[end - 1]):
+            return "/".join(parts[:end]), "/".join(parts[end:])
+    return None
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The SHA-256 a model's tensors must hash to, by name."""
@@ -106,6 +122,43 @@ class Manifest:
     digests: Mapping[str, str]
     lists_more: bool = False
     """It may list tensors the model does not hold (the model is one shard, or a selection)."""
+    beside: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """What it says of the weights files beside the model: by file (its path in the model's folder),
+    each tensor's SHA-256 by name (see beside_name)."""
+
+    def of_model(self, model: Tables) -> Manifest:
+        """This manifest with its lines for the files beside `model` set apart (`beside`): those named
+        as beside_name names them, which name no tensor of the model."""
+        digests: dict[str, str] = {}
+        beside: dict[str, dict[str, str]] = {}
+        for name, digest in self.digests.items():
+            split = None if name in model else _file_and_tensor(name)
+            if split is None:
+                digests[name] = digest
+            else:
+                beside.setdefault(split[0], {})[split[1]] = digest
+        return Manifest(self.label, digests, self.lists_more, beside)
+
+    def beside_problems(self, actual: Mapping[str, Mapping[str, str]], where: Callable[[str], str]) -> list[Problem]:
+        """What keeps the weights files beside the model (`actual`: each tensor's SHA-256, by file,
+        then tensor; `where(file)` how a message names one) from being those it lists: a file it
+        lists that is not there, a tensor of a listed file it does not list, or lists with another
+        value. A file it lists nothing of is none of its business (a manifest made before tensorfs
+        listed them)."""
+        problems: list[Problem] = []
+        for file, listed in sorted(self.beside.items()):
+            found = actual.get(file)
+            if found is None:
+                problems.append(Problem(self.label, "is in the manifest: no such weights file beside the model", file))
+                continue
+            for name in sorted(listed.keys() | found.keys()):
+                if name not in found:
+                    problems.append(Problem(where(file), f"is in {self.label} but not in the file", name))
+                elif name not in listed:
+                    problems.append(Problem(where(file), f"is in the file but not in {self.label}", name))
+                elif listed[name] != found[name]:
+                    problems.append(Problem(where(file), f"does not match {self.label} (sha256 {found[name]})", name))
+        return problems
 
     def coverage(self, model: Tables) -> list[Problem]:
         """What keeps it from being the model's: tensors it lists that the model does not hold (unless it
