@@ -29,6 +29,7 @@ from helpers import MIB, cli, errno_of_reading, patience, random_bytes, write_in
 from servers import HostileServer, Lie
 from tensorfs.gate.plans import run
 from tensorfs.mount.mounttable import daemon_pid
+from tensorfs.opening.view_files import ViewRule
 from tensorfs.sources.store import RemoteError, RemoteOptions
 
 
@@ -431,7 +432,7 @@ def test_the_companion_scan_stops_after_30_seconds(tmp_path: Path, monkeypatch: 
     for i in range(40):
         (directory / f"c{i:02d}.json").write_text("{}")
     monkeypatch.setattr(local_files, "time", SteppingClock(1.0))
-    scanned = local_files.find_companions(directory)
+    scanned = local_files.find_companions(directory, ViewRule(folder=False))
     found = scanned.companions
     assert 25 <= len(found) < 40 and [c.path for c in found] == [f"c{i:02d}.json" for i in range(len(found))]
     assert scanned.warnings == [
@@ -451,12 +452,12 @@ def test_a_naming_file_longer_than_announced_is_refused_as_it_comes(hostile: Hos
     for module in ("modeling_x.py", "modeling_y.py"):
         (hostile.root / module).write_text("MODEL = 1\n")
     options = RemoteOptions(cache_dir=tmp_path / "cache")
-    scanned = find_remote_companions(f"{hostile.url}/m.safetensors", options)
+    scanned = find_remote_companions(f"{hostile.url}/m.safetensors", options, ViewRule(folder=False))
     found, warnings = scanned.companions, scanned.warnings
     assert {"config.json", "modeling_x.py"} <= {c.path for c in found} and warnings == []  # told honestly: followed
     grown = b'{"auto_map": {"AutoModel": "modeling_y.Model"}, "pad": "' + b"x" * (2 * MIB) + b'"}'
     hostile.lies.append(Lie("body", "config.json", ("GET", grown)))
-    scanned = find_remote_companions(f"{hostile.url}/m.safetensors", options)
+    scanned = find_remote_companions(f"{hostile.url}/m.safetensors", options, ViewRule(folder=False))
     found, warnings = scanned.companions, scanned.warnings
     assert "modeling_y.py" not in {c.path for c in found}
     assert not any(name == "modeling_y.py" for _, name, _, _ in hostile.requests)

@@ -409,8 +409,8 @@ def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp
     """A transformers component (text_encoder/model.safetensors) beside a diffusers one: each is found
     by its loader's rules and its view's files named as its loader looks for them; a pipeline takes no
     fallback (said in one line)."""
-    from tensorfs.opening.folder import ViewRequest
     from tensorfs.opening.source import Source
+    from tensorfs.opening.view_files import ViewRequest, view_of
     from tensorfs.views import build_view
 
     root = tmp_path / "root"
@@ -423,7 +423,7 @@ def test_a_pipelines_components_are_named_as_their_own_loaders_look_for_them(tmp
     with source.open() as model:
         assert model.names() == ["text_encoder/w", "unet/w"]
         for request in (ViewRequest(), ViewRequest("merged")):  # the folder as it is, and synthesized
-            spec, others = source.view(model, request)
+            spec, others = view_of(source, model, request)
             view = build_view(model, model.gate, spec)
             assert (sorted(view.files), others.models) == (
                 sorted([

@@ -37,6 +37,7 @@ from servers import HostileServer, Lie, SeaweedFS
 from tensorfs.errors import IntegrityError, TensorfsError
 from tensorfs.gate import run
 from tensorfs.opening.source import Source
+from tensorfs.opening.view_files import ViewRule
 from tensorfs.proof.manifest import format_manifest
 from tensorfs.selection import Selection
 from tensorfs.sources.store import RemoteOptions
@@ -385,7 +386,7 @@ def test_s3_folder_markers_are_directories_not_files(
     assert (view / "1_Pooling").is_dir() and (view / "1_Pooling" / "config.json").read_bytes() == pooling
     assert (view / "2_Dense").is_dir() and (view / "2_Dense" / "config.json").read_bytes() == b"{}"
     remote = RemoteOptions(endpoint_url=seaweedfs.endpoint, cache_dir=cache)
-    spec = find_remote_companions(url, remote)
+    spec = find_remote_companions(url, remote, ViewRule(folder=False))
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "2_Dense/config.json", "config.json"]
 
 

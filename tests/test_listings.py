@@ -8,6 +8,7 @@ import pytest
 
 from helpers import write_reference
 from servers import HostileServer, Lie
+from tensorfs.opening.view_files import ViewRule
 from tensorfs.sources.store import RemoteOptions
 from tensorfs.views.companions import MAX_DEPTH
 from tensorfs.views.remote_files import find_remote_companions
@@ -32,10 +33,10 @@ def test_folder_markers_are_never_files_at_any_depth(hostile: HostileServer, s3_
     (model / "1_Pooling" / "config.json").write_text("{}")
     hostile.lies += [Lie("name", "bkt/m", marker) for marker in ("", "1_Pooling/", "2_Dense/")]
     remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
-    spec = find_remote_companions("s3://bkt/m", remote)
+    spec = find_remote_companions("s3://bkt/m", remote, ViewRule(folder=False))
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
     hostile.lies.append(Lie("size", "bkt/m/", 6))  # the prefix's own marker holding bytes (as some tools write)
-    spec = find_remote_companions("s3://bkt/m", remote)
+    spec = find_remote_companions("s3://bkt/m", remote, ViewRule(folder=False))
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "config.json"]
 
 
@@ -55,7 +56,7 @@ def test_empty_objects_the_listing_leaves_out_are_never_asked_after(
         for n in range(20):
             (model / folder / f"{n}.txt").write_bytes(b"")
     remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
-    spec = find_remote_companions("s3://bkt/m", remote)
+    spec = find_remote_companions("s3://bkt/m", remote, ViewRule(folder=False))
     assert sorted(c.path for c in spec.companions) == ["1_Pooling/config.json", "1_Pooling/empty.txt"]
     heads = [name for method, name, *_ in hostile.requests if method == "HEAD" and name.endswith(".txt")]
     assert heads == ["bkt/m/1_Pooling/empty.txt"]
@@ -78,6 +79,6 @@ def test_a_listing_takes_every_file_to_the_views_depth(
         (model / path).write_text(path)
     monkeypatch.setenv("HF_ENDPOINT", hostile.url)
     remote = RemoteOptions(endpoint_url=hostile.url, cache_dir=tmp_path / "cache")
-    spec = find_remote_companions("s3://bkt/m" if store == "s3" else "hf://org/m", remote)
+    spec = find_remote_companions("s3://bkt/m" if store == "s3" else "hf://org/m", remote, ViewRule(folder=False))
     assert sorted(c.path for c in spec.companions) == sorted(files)
     assert spec.warnings == []

@@ -71,8 +71,9 @@ import time
 from pathlib import Path
 from tensorfs.views.companions import CompanionError, CompanionFiles
 from tensorfs.views.local_files import find_companions
+from tensorfs.opening.view_files import ViewRule
 for _ in range(int(sys.argv[2])):
-    found = find_companions(Path(sys.argv[1])).companions
+    found = find_companions(Path(sys.argv[1]), ViewRule(folder=False)).companions
     files = CompanionFiles(found)
     for companion in found:
         try:

@@ -34,6 +34,7 @@ from helpers import cli
 from servers import Nginx
 from tensorfs.gate.untensored import UntensoredBytes
 from tensorfs.opening.source import Source
+from tensorfs.opening.view_files import view_of
 from tensorfs.proof.integrity import Integrity
 from tensorfs.proof.signature import SignedFile
 from tensorfs.proof.signed_model import signed_content
@@ -141,7 +142,7 @@ def test_a_signature_changed_after_it_was_verified_is_not_served_in_the_view(
         with (model / "model.sig").open("ab") as signature:
             signature.write(b" ")
         with pytest.raises(tensorfs.SignatureError, match=r"model.sig: changed since it was verified"):
-            source.view(opened)
+            view_of(source, opened)
 
 
 def test_a_companions_content_that_changed_while_it_was_checked_is_refused() -> None:

@@ -38,6 +38,7 @@ import tensorfs.utils.identity
 from conftest import Mounts
 from helpers import MIB, cli, errno_of_reading, free_port, hub_api, remote_stats, scrape
 from servers import HostileServer, Lie, Nginx, SeaweedFS
+from tensorfs.opening.view_files import view_of
 from tensorfs.sources.store import RemoteOptions
 
 
@@ -939,7 +940,7 @@ def test_a_signed_models_variant_is_held_to_the_signature_in_its_view(
     model = signed_folder(tmp_path / "model", private, sharded=True)
     source = Source.named(model, caches=False)
     with source.open(signature=held(public)) as opened:
-        spec, others = source.view(opened)
+        spec, others = view_of(source, opened)
         try:
             assert [other.signed for other in others.models] == [opened.signed]  # the model's signature
             assert spec.weights["model.fp16.safetensors"][0] == 1  # the first other model's

@@ -217,6 +217,7 @@ def test_meta_size_adds_up_to_the_meta_json(tmp_path: Path) -> None:
 
 
 def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model, tmp_path: Path) -> None:
+    from tensorfs.opening.view_files import ViewRule
     from tensorfs.views import Companion, SynthesizedFile, ViewSpec, build_view
     from tensorfs.views.local_files import find_companions
 
@@ -225,7 +226,7 @@ def test_the_model_directory_view_in_the_control_directory(model: tensorfs.Model
     (source / "config.json").write_bytes(b"{}")
     (source / "sub" / "x.txt").write_bytes(b"x")
     os.utime(source / "config.json", ns=(5, 5))
-    companions = find_companions(source).companions
+    companions = find_companions(source, ViewRule(folder=False)).companions
     view = build_view(model, model.gate, ViewSpec(companions, 2))
     tree = Tree(model, "slash", {"index.json": lambda: index_json(model)}, view=view)
     paths = walk(tree)

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 from gguf_files import write_gguf
 
-import tensorfs.opening.folder
+import tensorfs.opening.view_files
 from conftest import Mounts
 from helpers import MIB, cli, files_of, random_bytes, sharded_model, write_reference
 from tensorfs.opening.source import Source
+from tensorfs.opening.view_files import view_of
 
 
 def test_variants_of_the_same_names_are_each_served_with_their_own_bytes(mounts: Mounts, tmp_path: Path) -> None:
     """model.safetensors, its fp16 variant and an EMA copy hold the same tensor names with other bytes:
-    each is a model of its own (opening/folder.py _grouped), never one lent another's bytes."""
+    each is a model of its own (opening/view_files.py _grouped), never one lent another's bytes."""
     folder = tmp_path / "variants"
     folder.mkdir()
     for seed, name in enumerate(("model.safetensors", "model.fp16.safetensors", "model-ema.safetensors")):
@@ -89,16 +90,16 @@ def test_a_multi_file_gguf_beside_a_model_is_opened_once(tmp_path: Path, monkeyp
     parts = sorted(path.name for path in folder.glob("other-*.gguf"))
     assert len(parts) == 3, parts
     opened: list[object] = []
-    open_location = tensorfs.opening.folder.open_location
+    open_location = tensorfs.opening.view_files.open_location
 
     def counted(*args: object) -> tensorfs.Model:
         opened.append(args[0])
         return open_location(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tensorfs.opening.folder, "open_location", counted)
+    monkeypatch.setattr(tensorfs.opening.view_files, "open_location", counted)
     source = Source.named(folder, caches=False)
     with source.open() as model:
-        _, others = source.view(model)
+        _, others = view_of(source, model)
         try:
             assert len(others.models) == 1 and len(opened) == 3, opened  # each part tried, one model kept
             assert sorted(others.places) == parts

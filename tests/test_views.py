@@ -353,6 +353,7 @@ def test_a_mount_serves_a_model_directory(mounts: Mounts, tmp_path: Path) -> Non
 
 
 def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
+    from tensorfs.opening.view_files import ViewRule
     from tensorfs.views.companions import CompanionFiles
     from tensorfs.views.local_files import find_companions
 
@@ -365,12 +366,14 @@ def test_a_hub_cache_snapshot_keeps_its_linked_files(tmp_path: Path) -> None:
         (snapshot / name).symlink_to(Path("../../blobs") / f"hash-{name}")
     (tmp_path / "elsewhere.txt").write_text("not the model's")
     (snapshot / "elsewhere.txt").symlink_to(tmp_path / "elsewhere.txt")
-    found = find_companions(snapshot)
+    found = find_companions(snapshot, ViewRule(folder=False))
     files = CompanionFiles(found.companions)
     assert [(c.path, files.read(c.path, 0, c.size)) for c in found.companions] == [("config.json", b'{"a": 1}')]
     files.close()
     assert found.warnings == [f"{snapshot / 'elsewhere.txt'}: skipped: a symlink out of the model's directory"]
-    folder = find_companions(snapshot, folder=True)  # of the folder: its weights named, to be opened as models
+    folder = find_companions(
+        snapshot, ViewRule(folder=True)
+    )  # of the folder: its weights named, to be opened as models
     assert ([c.path for c in folder.companions], folder.weights) == (["config.json"], ["model.safetensors"])
 
 
@@ -378,6 +381,7 @@ def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: 
     """Another user fills the model's directory with thousands of files none may read (symlinks out
     of it, FIFOs): one warning a reason, the first as it is and a count of the others, never a line
     each (a million files made a million lines)."""
+    from tensorfs.opening.view_files import ViewRule
     from tensorfs.views.local_files import find_companions
 
     model = tmp_path / "m"
@@ -388,7 +392,7 @@ def test_a_directory_full_of_unreadable_files_is_one_warning_a_reason(tmp_path: 
         (model / f"out{k:04d}.json").symlink_to(tmp_path / "elsewhere")
     for k in range(2):
         os.mkfifo(model / f"pipe{k}.json")
-    found = find_companions(model)
+    found = find_companions(model, ViewRule(folder=False))
     assert [c.path for c in found.companions] == ["config.json"]
     assert found.warnings == [
         f"{model / 'out0000.json'}: skipped: a symlink out of the model's directory (and 2999 more files skipped: "

@@ -13,8 +13,8 @@ from ..errors import InvalidModelError, TensorfsError, printable
 from ..formats import shape_text
 from ..fs.writer import refuse_existing
 from ..model import Model
-from ..opening.folder import ViewRequest
 from ..opening.source import ManifestBeside, Verify, hash_all
+from ..opening.view_files import ViewRequest, digests_beside, view_of
 from ..proof.manifest import DEFAULT_MANIFEST, beside_name, format_manifest
 from ..proof.signature import Signature
 from ..selection import Selection
@@ -146,7 +146,7 @@ def manifest(
     source = source_of(path, remote, no_cache)
     with source.open(selection, progress=not quiet) as model:
         hashes = hash_all(model, model.gate.integrity.hasher, progress=not quiet, proving=False)  # what they are
-        beside, warnings = source.digests_beside(model, progress=not quiet)
+        beside, warnings = digests_beside(source, model, progress=not quiet)
         error_lines(warnings, prefix="warning: ")
         named = {
             beside_name(file, name): digest for file, digests in beside.items() for name, digest in digests.items()
@@ -220,7 +220,7 @@ def export(
                 model.write_safetensors(dest, progress.advance, replace=False, written=written)
             done = f"wrote {shown}: {tensors}, {_amount(written)}"
         else:
-            spec, others = source.view(model, view)
+            spec, others = view_of(source, model, view)
             try:
                 error_lines(spec.warnings, prefix="warning: ")
                 files = build_view(model, model.gate, spec, [(other, other.gate) for other in others.models])
@@ -303,7 +303,7 @@ def verify(
         problems += found.coverage(model)
         count = len(model)
         if found.beside:  # the weights files beside the model it lists too
-            beside, warnings = source.digests_beside(model, progress=not quiet)
+            beside, warnings = digests_beside(source, model, progress=not quiet)
             error_lines(warnings, prefix="warning: ")
             problems += found.beside_problems(beside, lambda file: str(source.in_folder(file)))
             count += sum(len(beside.get(file, {})) for file in found.beside)

@@ -13,7 +13,7 @@ from typing import Any, cast
 import click
 
 from ..errors import TensorfsError, printable
-from ..opening.folder import ViewRequest
+from ..opening.view_files import ViewRequest
 from ..proof.signature import Signature
 from ..selection import Selection
 from ..sources.store import RemoteOptions

@@ -324,7 +324,7 @@ def view_options(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     def apply(command: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(command)
         def with_view(*args: Any, **kwargs: Any) -> Any:
-            from ..opening.folder import ViewRequest
+            from ..opening.view_files import ViewRequest
 
             kwargs["view"] = ViewRequest(kwargs.pop("view"), kwargs.pop("view_shards"))
             return command(*args, **kwargs)

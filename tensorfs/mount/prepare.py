@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..model import Model
-from ..opening.folder import ViewRequest
 from ..opening.source import ManifestBeside, Source, Verify
+from ..opening.view_files import ViewRequest, view_of
 from ..proof.signature import Signature
 from ..selection import Selection
 from ..utils.names import Layout
@@ -60,7 +60,7 @@ def prepare(source: Source, opening: Opening, warn: Callable[[str], None], progr
     try:
         for stand_in in model.stand_ins:
             warn(stand_in)
-        view, others = source.view(model, opening.view)
+        view, others = view_of(source, model, opening.view)
         for warning in view.warnings:
             warn(warning)
         for held in (model, *others.models):

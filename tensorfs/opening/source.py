@@ -1,6 +1,6 @@
 """Opening a model, one way for the CLI, the mount and the library: a model as a user names it (a path
 or a URL), its caches, its shards found, read, validated together and mapped (locations.py), its
-fallbacks, its manifest put in force, and what comes with it (its companion files).
+fallbacks, its manifest put in force, and where its folder is (its view: view_files.py).
 
 Every command, the mount and the in-process API start from a Source (open_model makes one), and go
 down through Source.open: nothing above this module knows how a model's parts are found, and where
@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from ..caches.hashes import HashCache
@@ -27,22 +27,16 @@ from ..fs.guarded import ModelDirectory
 from ..model import Model
 from ..proof.integrity import Hasher, Integrity
 from ..proof.manifest import DEFAULT_MANIFEST, Manifest, ManifestError, read_manifest
-from ..proof.signature import DEFAULT_SIGNATURE, Signature, SignatureError
+from ..proof.signature import Signature, SignatureError
 from ..selection import Selection
-from ..sources.choosing import view_name
 from ..sources.client import exists
 from ..sources.finding import beside, directory_url
 from ..sources.index import is_index_name
 from ..sources.local import missing
 from ..sources.store import CREDENTIALS_HINT, RemoteOptions, default_cache_dir, is_remote, location_problem, redact
-from ..utils.identity import shard_name
 from ..utils.names import Layout
 from ..utils.progress import Progress
-from .folder import Others, ViewRequest, open_others, relative_path, synthesized_because
 from .locations import OpenWith, open_location
-
-if TYPE_CHECKING:
-    from ..views import ViewSpec
 
 __all__ = ["Caches", "ManifestBeside", "Source", "Verify", "hash_all", "open_model"]
 
@@ -303,114 +297,6 @@ class Source:
         lists_more = self.is_one_shard or not (selection or Selection()).everything
         return Manifest(str(found), digests, lists_more)
 
-    # -- what comes with it ---------------------------------------------------------------------------
-    def view(self, model: Model, request: ViewRequest | None = None) -> tuple[ViewSpec, Others]:
-        """What the view of `model` (opened from this source) holds besides its tensors, and the models
-        opened for it (the other weights files of its folder: the caller closes them).
-
-        The view of a whole model is its own folder (folder.py), unless the `request` is "merged" or
-        cuts its tensors into files, or the model is a PyTorch checkpoint (read as safetensors, unless
-        the request is "folder"); a selection's is synthesized. Companion files
-        left out are the spec's warnings. A model held to a signature has its files' bytes held to
-        it: each companion's must be the signed one (SignatureError naming those that are not), the
-        other weights files' are held to it as the model's are, and the signature itself is served
-        in the folder, as it was verified."""
-        from ..views import ViewSpec
-
-        request = request or ViewRequest()
-        why = synthesized_because(model, request)
-        weights = model.shards
-        # A synthesized view gives each model of several (a pipeline's components) a folder of its own,
-        # and serves none of the weights files of the folders they come from (they would not match it).
-        folders = [] if why is None else list(model.parts)
-        holding = sorted({os.path.dirname(file) for files in model.parts.values() for file in files} - {""})
-        signed = model.signed
-        # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
-        wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
-        if isinstance(self.location, str):
-            from ..views.remote_files import find_remote_companions
-
-            found = find_remote_companions(
-                self.location, self.remote, folder=why is None, own=weights, components=holding, wanted=wanted or ()
-            )
-        else:
-            from ..views.local_files import find_companions
-
-            found = find_companions(self.location, folder=why is None, own=weights, components=holding, wanted=wanted)
-        companions = found.companions
-        if signed is not None:
-            from ..views.signed import signed_companions
-
-            # (offline, no companion is fetched: none is missing for that)
-            remote = self.is_remote and not self.remote.offline
-            companions = signed_companions(signed, companions, remote=remote, with_signature=why is None)
-        warnings = found.warnings
-        unverified = (
-            None if signed is not None else next((c.path for c in companions if c.path == DEFAULT_SIGNATURE), None)
-        )
-        if unverified is not None:  # said once: the view serves it as any file, and nothing checked it
-            warnings.append(
-                f"{printable(redact(str(self.in_folder(unverified))))}: a signature beside the model, not verified "
-                "(--public-key or --certificate-chain holds the model to it): served as any file of the folder"
-            )
-        if why is not None:
-            components = {name: view_name(model.parts[name]) for name in folders}
-            name = view_name([shard_name(weight) for weight in weights])
-            note = self._note(model)
-            spec = ViewSpec(
-                companions, request.shards, warnings, found.directories, name, components, why=why, note=note,
-                unverified=unverified,
-            )  # fmt: skip
-            if signed is not None:
-                warnings.append(
-                    f"the view of {self.shown} is synthesized ({why}): the signature {signed.label} covers the "
-                    "model's files, not the view's"
-                )
-            return spec, Others()
-        directory = self.folder
-        places = {relative_path(directory, shard.header.path): (0, k) for k, shard in enumerate(model.opened_shards())}
-        integrity = model.gate.integrity
-        manifest = integrity.label if integrity.expected is not None and signed is None else None
-        # Beside a model named by its file, other weights files are other models: not the folder's to open.
-        beside_it = [] if self.is_one_shard else [path for path in found.weights if path not in places]
-        others = open_others(
-            beside_it,
-            directory,
-            locate=self.in_folder,
-            layout=model.layout,
-            remote=self.cache.remote(self.remote),
-            headers=self.cache.headers,
-            signed=signed,
-            hashes=self.cache.hashes(),
-            manifest=manifest,
-            beside=model.manifest_beside,
-        )
-        warnings += others.warnings
-        weights_files = {**places, **others.places}
-        spec = ViewSpec(
-            companions, 0, warnings, found.directories, folder=True, weights=weights_files, unverified=unverified
-        )
-        return spec, others
-
-    def digests_beside(self, model: Model, *, progress: bool = False) -> tuple[dict[str, dict[str, str]], list[str]]:
-        """The SHA-256 of every tensor of the weights files beside `model` (those its view serves as
-        other models: variants, adapters, other checkpoints), by file (its path in the folder), then
-        tensor; and what was left out of them (a file that is no valid model). Nothing for a model
-        named by its file, or a selection of one."""
-        if self.is_one_shard or not model.selection.everything:
-            return {}, []
-        _, others = self.view(model)
-        try:
-            digests: dict[str, dict[str, str]] = {}
-            for other in others.models:
-                for name, digest in hash_all(
-                    other, other.gate.integrity.hasher, progress=progress, proving=False
-                ).items():
-                    digests.setdefault(relative_path(self.folder, other.info(name).shard), {})[name] = digest
-            return digests, others.warnings
-        finally:
-            others.close()
-
     @property
     def folder(self) -> Path | str:
         """The model's folder: its directory (that of its file or index), or its directory's URL."""
@@ -427,18 +313,6 @@ class Source:
         folder = self.folder
         assert isinstance(folder, Path)
         return folder / path
-
-    def _note(self, model: Model) -> dict[str, str | None]:
-        """What a synthesized view's note says besides why: the source, the selection, the signature."""
-        signed = model.signed
-        where = self.location if isinstance(self.location, str) else os.path.abspath(self.location)
-        return {
-            "source": printable(redact(str(where))),  # (a note read elsewhere: no path relative to a shell)
-            "selection": None if model.selection.everything else model.selection.describe(),
-            "signature": None
-            if signed is None
-            else f"the signature {signed.label} covers the source's files, not these",
-        }
 
     def settings(self) -> dict[str, Any] | None:
         """A remote source's cache and fetch settings, as a daemon's record shows them (None: a local one)."""

@@ -1,7 +1,6 @@
 """The files that come with a model's weights (config.json, tokenizer files, modules.json, an index,
-the signature, ...) and how they are served; what of a model's folder its view takes (in_view), and
-which of those files are weights (is_weights_file: in a view of the folder, the weights files beside
-the model's, a variant, an adapter, a LoRA, a module's weights, are opened as models of their own).
+the signature, ...) and how they are served. Which of them a view takes is the rule's to say
+(FileRule: opening/view_files.py holds it); this module and the finders only ask it.
 
 They are found at mount (local_files.py, remote_files.py) and served from where they are, when
 they are read: a local file through a descriptor opened beneath the model's directory (and only
@@ -16,16 +15,13 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import RemoteError, TensorfsError
-from ..formats import is_weights_name, pytorch
 from ..fs.guarded import ModelDirectory, why_refused
-from ..proof.manifest import DEFAULT_MANIFEST
-from ..sources.choosing import is_adapter, is_model_file
 from ..sources.client import head
 from ..sources.store import ObjectRef, ObjectVersion, RemoteOptions
 from ..utils.identity import Identity
@@ -43,9 +39,6 @@ HASHED_TOTAL = 256 << 20
 """A local companion is hashed when found (then a copy of the same bytes, or a chmod, serves on) if
 it is at most HASHED_BYTES, while those hashed come to at most HASHED_TOTAL; any other is served
 while it is the very file found (its identity: a change of it answers EIO, never other bytes)."""
-LEFT_OUT = (".git",)
-"""Folders a view never takes: a git repository's own files (its history, its LFS objects: every
-weight again), not the model's."""
 SCAN_SECONDS = 30.0
 """How long the scan of a model's directory for them may take (past it, the rest is left out)."""
 _DIGEST_BLOCK = 1 << 20
@@ -273,32 +266,26 @@ class FolderFiles:
     """The subdirectories files come from (a local model's): their owners and permissions."""
 
 
-def is_weights_file(path: str) -> bool:
-    """Whether a file of a model's folder is weights a view serves through a gate of its own, by its
-    name: a safetensors or GGUF file, a checkpoint named as a model's (choosing.is_model_file), an
-    adapter's. Other .bin, .pt and .pth files (ONNX external data, an optimizer's state) are plain files."""
-    name = path.rpartition("/")[2]
-    if name.endswith(pytorch.SUFFIXES):
-        return is_model_file(name) or is_adapter(name)
-    return is_weights_name(name)
+class FileRule(Protocol):
+    """Which files of a model's folder its view takes (opening/view_files.py ViewRule is the rule):
+    what the finders ask of each path they meet."""
 
+    @property
+    def folder(self) -> bool:
+        """A view of the model's own folder (else synthesized)."""
+        ...
 
-def in_view(path: str, *, folder: bool, components: Collection[str] = ()) -> bool:
-    """Whether a file of a model's directory (its path there) is in the model's view, by its name:
-    hidden ones too, never one of a folder LEFT_OUT. In a view of the model's own folder, every
-    other file is (its weights among them). A synthesized view makes its own weights: not the
-    model's own weights or their index at the top of the directory (choosing.is_model_file: an
-    adapter is a companion, and so are the weights of a subdirectory, a sentence-transformers
-    module's), nor the manifest of the source's tensors (it would not match a selection of them),
-    nor the weights of a pipeline's component folders (`components`), which are models of their own."""
-    if any(part in LEFT_OUT for part in path.split("/")):
-        return False
-    if folder:
-        return True
-    where, _, name = path.rpartition("/")
-    if where in components:
-        return not is_model_file(name)
-    return "/" in path or not (is_model_file(path) or path == DEFAULT_MANIFEST)
+    def left_out(self, path: str) -> str | None:
+        """Why a file or folder is never taken, nor looked into (None: it may be)."""
+        ...
+
+    def takes(self, path: str) -> bool:
+        """Whether the view holds the file."""
+        ...
+
+    def weights(self, path: str) -> bool:
+        """Whether a file the view takes is served as a model of its own, not read as bytes."""
+        ...
 
 
 def content_digest(fd: int, size: int) -> bytes:

@@ -16,17 +16,15 @@ from ..utils.identity import Identity, ShardKey
 from .companions import (
     HASHED_BYTES,
     HASHED_TOTAL,
-    LEFT_OUT,
     MAX_DEPTH,
     MAX_FILES,
     SCAN_SECONDS,
     Companion,
+    FileRule,
     FolderFiles,
     LocalOrigin,
     Skipped,
     content_digest,
-    in_view,
-    is_weights_file,
 )
 
 __all__ = ["find_companions", "model_directory"]
@@ -38,12 +36,7 @@ def model_directory(source: Path) -> Path:
 
 
 def find_companions(
-    source: Path,
-    *,
-    folder: bool = False,
-    own: Collection[ShardKey] = (),
-    components: Collection[str] = (),
-    wanted: Collection[str] | None = None,
+    source: Path, rule: FileRule, *, own: Collection[ShardKey] = (), wanted: Collection[str] | None = None
 ) -> FolderFiles:
     """The regular files beside a local model's weights, at any depth up to MAX_DEPTH, by path, and
     each subdirectory's status (its owner and permissions).
@@ -55,9 +48,9 @@ def find_companions(
     into: it may hang), a git repository's own folder (.git), and what goes past MAX_FILES files,
     MAX_DEPTH levels or SCAN_SECONDS of scanning. A file in a subdirectory is no more readable than
     the subdirectory lets it be: its read bits are kept only where the directory grants search.
-    What in_view() says is not in the view is left out, and so are the model's own files (`own`: a
-    checkpoint named model.pt is weights by being the model, not by its name). In a view of the
-    folder (`folder`), the other weights files are named (FolderFiles.weights), not read. Each
+    What the `rule` does not take is left out, and so are the model's own files (`own`: a
+    checkpoint named model.pt is weights by being the model, not by its name). The weights files the
+    rule says are models of their own are named (FolderFiles.weights), not read. Each
     companion is hashed as it is found, within HASHED_BYTES a file and HASHED_TOTAL in all: its
     content is what it is served while it holds (see CompanionFiles); one past them is served while
     it is the very file found.
@@ -73,22 +66,20 @@ def find_companions(
         return FolderFiles(warnings=[f"{printable(str(root_path))}: companion files skipped: {exc.strerror}"])
     mine = {os.path.abspath(weight) for weight in own}
     with root:
-        return _scan(root, mine, folder, components, wanted)
+        return _scan(root, mine, rule, wanted)
 
 
-def _scan(
-    root: ModelDirectory, own: set[str], folder: bool, components: Collection[str], wanted: Collection[str] | None
-) -> FolderFiles:
+def _scan(root: ModelDirectory, own: set[str], rule: FileRule, wanted: Collection[str] | None) -> FolderFiles:
     deadline = time.monotonic() + SCAN_SECONDS
     skipped = Skipped()  # a directory another user fills with a million unreadable files: one warning a reason
     found = FolderFiles()
     hashed = 0
     mounted = mounted_under(root.real)
-    candidates = _candidates(root, mounted, skipped, folder, components, deadline)
+    candidates = _candidates(root, mounted, skipped, rule, deadline)
     must_hash = set(wanted or ())
     if wanted is not None:  # and those of a signature a scan does not reach
         scanned = set(candidates)
-        candidates += [path for path in _taken(wanted, mounted, folder, components) if path not in scanned]
+        candidates += [path for path in _taken(wanted, mounted, rule) if path not in scanned]
     for relative in candidates:
         if os.path.abspath(root.path / relative) in own:
             continue
@@ -99,7 +90,7 @@ def _scan(
         if time.monotonic() > deadline:
             found.warnings.append(f"{shown} and the files after it: skipped: the scan took over {SCAN_SECONDS:g} s")
             break
-        if folder and is_weights_file(relative):
+        if rule.weights(relative):
             found.weights.append(relative)  # opened, validated and served as a model of its own
             continue
         try:
@@ -158,14 +149,13 @@ def _unsearchable(root: ModelDirectory, relative: str, found: FolderFiles, skipp
     return removed
 
 
-def _taken(wanted: Collection[str], mounted: set[str], folder: bool, components: Collection[str]) -> list[str]:
+def _taken(wanted: Collection[str], mounted: set[str], rule: FileRule) -> list[str]:
     """The files wanted that a view takes, the top's first (what a loader needs most lies there),
     none beneath what is mounted inside the directory."""
     kept = [
         path
         for path in wanted
-        if (folder or in_view(path, folder=False, components=components))
-        and not any(path == place or path.startswith(place + "/") for place in mounted)
+        if rule.takes(path) and not any(path == place or path.startswith(place + "/") for place in mounted)
     ]
     return sorted(kept, key=lambda path: (path.count("/"), path))
 
@@ -174,8 +164,7 @@ def _candidates(
     root: ModelDirectory,
     mounted: set[str],
     skipped: Skipped,
-    folder: bool,
-    components: Collection[str],
+    rule: FileRule,
     deadline: float,
 ) -> list[str]:
     """The files of the directory a view takes, level by level to MAX_DEPTH (the top's first: what a
@@ -201,9 +190,9 @@ def _candidates(
                 continue
             for name, may_be_folder in entries:
                 path = f"{directory}/{name}" if directory else name
-                if name in LEFT_OUT:
-                    shown = printable(str(root.path / path))
-                    skipped.add("a git repository's", f"{shown}: skipped: a git repository's own files")
+                left_out = rule.left_out(path)
+                if left_out is not None:
+                    skipped.add(left_out, f"{printable(str(root.path / path))}: skipped: {left_out}")
                     continue
                 if path in mounted:
                     _mounted(root, path, skipped)
@@ -218,7 +207,7 @@ def _candidates(
                     else:
                         skipped.add("too deep", f"{shown}: skipped: over {MAX_DEPTH} levels deep")
                     continue
-                if in_view(path, folder=folder, components=components):
+                if rule.takes(path):
                     names.append(path)
                     if len(names) > MAX_FILES:
                         return names

@@ -26,11 +26,10 @@ from .companions import (
     MAX_FILES,
     MAX_NAMING_FILE,
     Companion,
+    FileRule,
     FolderFiles,
     RemoteOrigin,
     Skipped,
-    in_view,
-    is_weights_file,
 )
 
 __all__ = ["WELL_KNOWN", "find_remote_companions"]
@@ -84,17 +83,16 @@ MAX_WANTED_DEPTH = 32
 def find_remote_companions(
     source: str,
     options: RemoteOptions,
+    rule: FileRule,
     *,
-    folder: bool = False,
     own: Collection[ShardKey] = (),
-    components: Collection[str] = (),
     wanted: Collection[str] = (),
 ) -> FolderFiles:
     """The files beside a remote model's weights: every one a listing shows (S3, and the Hub's API;
     MAX_DEPTH levels down), else (plain HTTP) the well-known ones that are there and the
     files the model's own files name; the same limits as for a local model, each look bounded by
-    COMPANION_TIMEOUT. In a view of the folder (`folder`), the weights files that are not the
-    model's (`own`) are named, not read (FolderFiles.weights). `wanted`: files looked for too where
+    COMPANION_TIMEOUT, those the `rule` takes; the weights files it says are models of their own
+    (not the model's, `own`) are named, not read (FolderFiles.weights). `wanted`: files looked for too where
     a listing does not show them (a signature's: at any depth; over plain HTTP, asked for by name).
     Nothing with --offline (the cache keeps only the weights).
 
@@ -105,7 +103,7 @@ def find_remote_companions(
     quick = dataclasses.replace(options, timeout=min(options.timeout, COMPANION_TIMEOUT))
     try:
         listed = listing_beside(
-            source, quick, MAX_DEPTH, keep=lambda path: path in wanted or in_view(path, folder=True)
+            source, quick, MAX_DEPTH, keep=lambda path: path in wanted or rule.left_out(path) is None
         )
     except RemoteError as exc:
         return FolderFiles(warnings=[f"companion files skipped: {exc}"])
@@ -121,17 +119,17 @@ def find_remote_companions(
     if listed is not None:
         shown = {path for path, *_ in listed}
         deeper = [path for path in wanted if path not in shown and (cut or path.count("/") >= MAX_DEPTH)]
-        found = _listed(source, options, listed, mine, folder, components, set(wanted))
+        found = _listed(source, options, listed, mine, rule, set(wanted))
         if cut is not None:
             found.warnings.append(cut)
         if deeper:  # beyond what the listing reaches: asked for by name
-            extra = _guessed(source, options, quick, mine, folder, deeper, guess=False)
+            extra = _guessed(source, options, quick, mine, rule, deeper, guess=False)
             found.companions += extra.companions
             found.weights += extra.weights
             found.warnings += extra.warnings
         log.info("companion files of %s: %s", printable(source), ", ".join(c.path for c in found.companions) or "none")
     else:
-        found = _guessed(source, options, quick, mine, folder, wanted)
+        found = _guessed(source, options, quick, mine, rule, wanted)
     return found
 
 
@@ -140,8 +138,7 @@ def _listed(
     options: RemoteOptions,
     listed: list[tuple[str, int, float, str | None]],
     own: set[str],
-    folder: bool,
-    components: Collection[str] = (),
+    rule: FileRule,
     wanted: Collection[str] = (),
 ) -> FolderFiles:
     found = FolderFiles()
@@ -152,7 +149,7 @@ def _listed(
             name = printable(path[:200])
             skipped.add("names that are not plain relative paths", f"{printable(source)}: '{name}': skipped: {why}")
             continue
-        if not (path in wanted or in_view(path, folder=folder, components=components)):
+        if not (path in wanted or rule.takes(path)):
             continue
         ref = beside(source, path, options)
         if ref.url in own:
@@ -160,7 +157,7 @@ def _listed(
         shown = printable(ref.url)
         if len(found.companions) + len(found.weights) == MAX_FILES:
             skipped.add("too many", f"{shown}: skipped: over {MAX_FILES:,} files in the folder")
-        elif folder and is_weights_file(path):
+        elif rule.weights(path):
             found.weights.append(path)  # opened, validated and served as a model of its own
         elif size < 0:  # a lying listing's (-1: none at all)
             skipped.add("no size", f"{shown}: skipped: the listing gives it no size, or a negative one")
@@ -177,7 +174,7 @@ def _guessed(
     options: RemoteOptions,
     quick: RemoteOptions,
     own: set[str],
-    folder: bool,
+    rule: FileRule,
     wanted: Collection[str] = (),
     *,
     guess: bool = True,
@@ -190,11 +187,7 @@ def _guessed(
     named = {path for path in wanted if path_problem(path, MAX_WANTED_DEPTH) is None and "\\" not in path}
 
     def look(paths: Iterable[str]) -> None:
-        asked = [
-            path
-            for path in dict.fromkeys(paths)
-            if path not in looked and (path in named or in_view(path, folder=folder))
-        ]
+        asked = [path for path in dict.fromkeys(paths) if path not in looked and (path in named or rule.takes(path))]
         asked = [path for path in asked if beside(source, path, quick).url not in own]
 
         def one(path: str) -> tuple[str, ObjectVersion | str | None]:
@@ -212,13 +205,13 @@ def _guessed(
                     looked[path] = answer
 
     if guess:
-        look((*WELL_KNOWN, *(FOLDER_FILES if folder else ())))
+        look((*WELL_KNOWN, *(FOLDER_FILES if rule.folder else ())))
         look(_named(source, quick, looked, found.warnings))
     look(sorted(named))
     for path, version in sorted(looked.items()):
         if version is None:
             continue
-        if folder and is_weights_file(path):
+        if rule.weights(path):
             found.weights.append(path)
         else:  # any size: read through the chunk cache, as a shard is
             mtime_ns = int((version.mtime or time.time()) * 1e9)

@@ -11,20 +11,21 @@ from ..errors import TensorfsError, printable
 from ..proof.signature import SignedModel
 from ..proof.signed_model import empty_of_ranges, refusal, signed_content
 from ..sources.store import redact
-from .companions import Companion, CompanionFiles, LocalOrigin, in_view, is_weights_file
+from .companions import Companion, CompanionFiles, FileRule, LocalOrigin
 
 __all__ = ["signed_companions"]
 
 
 def signed_companions(
-    signed: SignedModel, companions: Iterable[Companion], *, remote: bool, with_signature: bool = False
+    signed: SignedModel, companions: Iterable[Companion], *, remote: bool, rule: FileRule
 ) -> list[Companion]:
     """The companion files a view serves are the signed ones, with their signed bytes (a local one is
     served only while it holds what it held when found; a remote one is read once here); beside a
     remote model (whose files were not listed when it was opened), no companion the signature names
     is missing. SignatureError, one line a file, if not. The companions to serve: those the signature
-    leaves out are not, but for the signature itself `with_signature` (a view of the model's folder),
-    whose bytes must be those verified."""
+    leaves out are not, but for the signature itself in a view of the model's folder (the `rule`'s),
+    whose bytes must be those verified; a signed file missing is one the rule takes."""
+    with_signature = rule.folder
     problems: list[str] = []
     listed: set[str] = set()
     kept: list[Companion] = []
@@ -68,7 +69,7 @@ def signed_companions(
             problems.append(str(exc))
     for relative in sorted(set(signed.files) - listed if remote else ()):
         # (in a folder's view, the weights files are served as models of their own: not companions)
-        if in_view(relative, folder=with_signature) and not (with_signature and is_weights_file(relative)):
+        if rule.takes(relative) and not rule.weights(relative):
             problems.append(f"{printable(relative)}: signed, but not beside the model ({signed.label})")
     if problems:
         raise refusal(problems)
