@@ -1428,3 +1428,40 @@ def test_a_signed_file_over_64_mib_is_in_the_view_and_the_export(
     exported = mounts.run("export", "-q", *common, str(model), str(tmp_path / "exported"))
     assert exported.returncode == 0 and exported.stderr == "", exported.stderr
     still_verifies(tmp_path / "exported", model, public, sharded=False)
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("layout", ["gguf-quantizations", "loras"])
+def test_a_signed_folder_of_several_models_verifies_in_its_view_and_export(
+    mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path], layout: str
+) -> None:
+    """Issue 55, item 4: a signed repository of several models (three GGUF quantizations side by side;
+    two LoRAs of the same tensor names) mounts held to its signature, each model in a folder of the
+    tree, and model_signing verifies the view and the export again."""
+    from gguf_files import write_gguf
+
+    private, public = keys
+    model = tmp_path / "repo"
+    model.mkdir()
+    if layout == "gguf-quantizations":
+        for seed, quantization in enumerate(("Q4_K_M", "Q8_0", "F16")):
+            tensors = {"token_embd.weight": ("Q8_0", [8, 32]), "blk.0.attn_q.weight": ("F32", [4, 32])}
+            write_gguf(model / f"model.{quantization}.gguf", tensors, seed=10 * seed)
+        folders = ["model.F16", "model.Q4_K_M", "model.Q8_0"]
+    else:
+        for seed, name in enumerate(("style-a", "style-b")):
+            save_file({"lora_A": np.full(8, seed, dtype=np.float32), "lora_B": np.arange(8, dtype=np.float32)},
+                      model / f"{name}.safetensors")  # fmt: skip
+        folders = ["style-a", "style-b"]
+    (model / "README.md").write_text("# several models\n")
+    sign(model, private)
+    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounted = mounts.attempt(model, *common, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+    assert mounted.returncode == 0 and mounted.stderr == "", mounted.stderr
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", *folders]
+    still_verifies(mountpoint / ".tensorfs" / "model", model, public, sharded=False)
+    exported = mounts.run("export", "-q", *common, str(model), str(tmp_path / "exported"))
+    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
+    still_verifies(tmp_path / "exported", model, public, sharded=False)
