@@ -184,3 +184,22 @@ def test_a_selections_view_serves_no_weights_of_a_component_of_several(tmp_path:
     assert sorted(files_of(tmp_path / "selected")) == [
         "model_index.json", "tensorfs-view.json", "unet/config.json", "vae/selected.safetensors"
     ]  # fmt: skip
+
+
+def test_a_folder_of_two_formats_says_each_files_format(mounts: Mounts, tmp_path: Path) -> None:
+    """A safetensors checkpoint beside a GGUF quantization of it (neither named as loaders name a
+    model's): two models, each in its folder;
+    metadata.json's "format" was the first file's ("gguf") for both, and is now "mixed", with each
+    file's format beside it."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    write_reference(folder / "checkpoint.safetensors", {"w": ("U8", [16], random_bytes(16, 1))})
+    write_gguf(folder / "model.Q8_0.gguf", {"token_embd.weight": ("Q8_0", [8, 32])}, seed=3)
+    mountpoint = mounts.mount("repo", cwd=tmp_path)
+    assert sorted(os.listdir(mountpoint)) == [".tensorfs", "checkpoint", "model.Q8_0"]
+    assert (mountpoint / "checkpoint" / "w").read_bytes() == random_bytes(16, 1)
+    described = json.loads((mountpoint / ".tensorfs" / "metadata.json").read_text())
+    assert (described["format"], described["formats"]) == (
+        "mixed", {"model.Q8_0.gguf": "gguf", "checkpoint.safetensors": "safetensors"}
+    )  # fmt: skip
+    assert described["models"] == {"checkpoint": ["checkpoint.safetensors"], "model.Q8_0": ["model.Q8_0.gguf"]}

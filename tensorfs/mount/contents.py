@@ -87,9 +87,14 @@ def metadata_json(model: Model, into: Described | None = None) -> bytes:
         shards[name] = model.described_metadata(shard, into)
         if into.left_out:
             left_out[name], into.left_out = into.left_out, 0
-    # A folder of several models: each one's folder in the tree, and its files.
+    # A folder of several models: each one's folder in the tree, and its files (and of several
+    # formats, each file's: "format" is then "mixed").
     models: dict[str, object] = {"models": model.parts} if model.parts else {}
-    document: dict[str, object] = {"format": model.format, **models, "shards": shards}
+    formats = {shard_name(shard): model.shard_header(shard).format for shard in model.shards}
+    if len(set(formats.values())) > 1:
+        document: dict[str, object] = {"format": "mixed", "formats": formats, **models, "shards": shards}
+    else:
+        document = {"format": model.format, **models, "shards": shards}
     if left_out:
         document["left_out"] = left_out
     return (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8")
