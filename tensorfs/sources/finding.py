@@ -167,9 +167,8 @@ def listing_beside(
 ) -> Listed | None:
     """The objects in a remote model's directory and its subdirectories, to `depth` levels (1: the
     directory's own), those the caller would `keep` (by path), for a store that lists (S3); None for
-    one that does not (HTTP, the Hub).
-    RemoteError when a listing fails; what is past MAX_LISTED objects is left out, but for a caller
-    that needs the `whole` of it (RemoteError then, saying so)."""
+    one that does not (HTTP, the Hub). RemoteError when a listing fails; what is past MAX_LISTED
+    objects is left out, but for a caller that needs the `whole` of it (RemoteError then, saying so)."""
     spec, _ = store_spec(source, options)
     if spec.kind != "s3":
         return None

@@ -92,8 +92,9 @@ def find_remote_companions(
     MAX_DEPTH levels down), else (plain HTTP) the well-known ones that are there and the
     files the model's own files name; the same limits as for a local model, each look bounded by
     COMPANION_TIMEOUT, those the `rule` takes; the weights files it says are models of their own
-    (not the model's, `own`) are named, not read (FolderFiles.weights). `wanted`: files looked for too where
-    a listing does not show them (a signature's: at any depth; over plain HTTP, asked for by name).
+    (not the model's, `own`) are named, not read (FolderFiles.weights). `wanted`: files looked for
+    too where a listing does not show them (a signature's: at any depth; over plain HTTP, asked for
+    by name).
     Nothing with --offline (the cache keeps only the weights).
 
     Which were found, and which looked for and not there, is logged.
@@ -118,7 +119,7 @@ def find_remote_companions(
     mine = {str(weight) for weight in own}
     if listed is not None:
         shown = {path for path, *_ in listed}
-        deeper = [path for path in wanted if path not in shown and (cut or path.count("/") >= MAX_DEPTH)]
+        deeper = [path for path in wanted if path not in shown and (cut is not None or path.count("/") >= MAX_DEPTH)]
         found = _listed(source, options, listed, mine, rule, set(wanted))
         if cut is not None:
             found.warnings.append(cut)
