@@ -16,6 +16,7 @@ import pytest
 from conftest import Mounts, wait_until
 from helpers import (
     MIB,
+    cli,
     daemon_stats,
     damage_in_place,
     errno_of_reading,
@@ -68,6 +69,23 @@ def test_the_loader_takes_a_damaged_tensor_from_its_fallback(copies: tuple[Path,
     with open_model(primary, verify=True, cache=False, fallback=[copy]) as model:
         assert model.raw("s1.t1").tobytes() == data["s1.t1"]
         assert model.gate.copy("s1.t1") is not None and model.gate.copy("s0.t0") is None
+
+
+def test_an_export_takes_a_damaged_tensor_from_its_fallback(
+    copies: tuple[Path, Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """`export` takes --fallback as a mount does (it took none): a tensor whose bytes fail the
+    manifest is written from the copy, so the export is the model's folder as it was; without the
+    fallback the export fails, naming the tensor, and writes nothing."""
+    primary, copy, _ = copies
+    original = {path.name: path.read_bytes() for path in primary.iterdir()}
+    damage_in_place(primary, "s1.t1")
+    failed = cli("export", "-q", str(primary), str(tmp_path / "without"))
+    assert failed.returncode == 1 and "s1.t1" in failed.stderr, failed.stderr
+    assert not (tmp_path / "without").exists()
+    done = cli("export", "-q", "--fallback", str(copy), str(primary), str(tmp_path / "with"))
+    assert done.returncode == 0, done.stderr
+    assert {path.name: path.read_bytes() for path in (tmp_path / "with").iterdir()} == original
 
 
 def test_a_fallback_with_other_bytes_is_never_served(copies: tuple[Path, Path, dict[str, bytes]]) -> None:

@@ -28,6 +28,7 @@ from .options import (
     VIEW_FILES,
     ModelLocation,
     cache_options,
+    fallback_option,
     hidden_alias,
     layout_option,
     manifest_options,
@@ -165,6 +166,7 @@ def manifest(
 @hidden_alias("--shards", "--view-shards", type=VIEW_FILES)
 @view_options("A directory DEST")
 @manifest_options("Write no tensor", "all before writing anything")
+@fallback_option
 @quiet_option
 @signature_options
 @selection_options
@@ -175,6 +177,7 @@ def export(
     view: ViewRequest,
     manifest_path: Path | str | None,
     verify: str | None,
+    fallback: tuple[Path | str, ...],
     quiet: bool,
     signature: Signature | None,
     selection: Selection,
@@ -192,12 +195,12 @@ def export(
     companion files (config.json, tokenizer files, ...) and a note saying so. Streamed, with a
     progress line on a terminal; written whole or not at all. Held to its manifest (or signature) as
     a mount is (--manifest, else tensors.sha256 beside the model if there): a tensor whose bytes do
-    not match fails the export.
+    not match fails the export, unless a --fallback copy gives bytes that do (as a mount serves them).
     """
     from ..views import build_view
     from ..views.export import Written, view_bytes, write_view
 
-    source = source_of(path, remote)  # the model's name checked first, then DEST's
+    source = source_of(path, remote, fallback=fallback)  # the model's name checked first, then DEST's
     shown = printable(str(dest))
     one_file = dest.name.endswith((".safetensors", ".gguf"))
     if one_file and (view.shards or view.choice is not None):

@@ -29,6 +29,7 @@ from .options import (
     ModelLocation,
     ParsedText,
     cache_options,
+    fallback_option,
     layout_option,
     manifest_options,
     remote_options,
@@ -90,16 +91,7 @@ def _metrics_address(text: str) -> tuple[str, int] | str:
     help="Readahead requests the kernel may queue at the daemon (0 keeps the kernel's 12; root only): fewer "
     "keeps lookups quick while data streams.",
 )
-@click.option(
-    "--fallback",
-    type=ModelLocation(),
-    multiple=True,
-    metavar="MODEL",
-    help="Another copy of the model (a path or a URL; repeatable, tried in order): a tensor whose own shard "
-    "cannot give its bytes (a read error, a store down, a shard changed, bytes that fail the manifest), or a "
-    "shard missing or invalid, is served from the first fallback whose copy agrees (dtype and shape, and the "
-    "manifest's hash when there is one). Opened when first needed.",
-)
+@fallback_option
 @click.option(
     "--keep-source-pages",
     is_flag=True,

@@ -102,6 +102,17 @@ class ParsedText(click.ParamType):  # type: ignore[type-arg]
 
 model_argument = click.argument("path", metavar="MODEL", type=ModelLocation())
 
+fallback_option = click.option(
+    "--fallback",
+    type=ModelLocation(),
+    multiple=True,
+    metavar="MODEL",
+    help="Another copy of the model (a path or a URL; repeatable, tried in order): a tensor whose own shard "
+    "cannot give its bytes (a read error, a store down, a shard changed, bytes that fail the manifest), or a "
+    "shard missing or invalid, is read from the first fallback whose copy agrees (dtype and shape, and the "
+    "manifest's hash when there is one). Opened when first needed.",
+)
+
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="No progress line (there is one on a terminal only, on stderr)."
 )
