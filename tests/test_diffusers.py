@@ -565,6 +565,40 @@ def test_a_stable_diffusion_repository_with_single_file_checkpoints_is_served_wh
         tensorfs.open_model(repository)
 
 
+def test_a_stable_diffusion_repository_in_s3_is_served_whole(
+    sd_variants: Path,
+    mounts: Mounts,
+    seaweedfs: SeaweedFS,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Stable Diffusion 1.5-style repository under an S3 prefix: its root's two checkpoints were
+    all a mount served (the root was several models, so never asked whether it was a pipeline too);
+    it is served as the local one is, each component and each checkpoint a folder of the tree, its
+    view the repository byte for byte."""
+    repository = tmp_path / "sd15"
+    shutil.copytree(sd_variants, repository)
+    shutil.copy(repository / "unet" / "diffusion_pytorch_model.safetensors", repository / "v1-5-pruned.safetensors")
+    shutil.copy(
+        repository / "unet" / "diffusion_pytorch_model.fp16.safetensors", repository / "v1-5-pruned-emaonly.safetensors"
+    )
+    store = seaweedfs.store(bucket)
+    for path in sorted(repository.rglob("*")):
+        if path.is_file():
+            obstore.put(store, f"sd15/{path.relative_to(repository).as_posix()}", path.read_bytes())
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    source = f"s3://{bucket}/sd15"
+    mountpoint = mounts.mount(source, "--cache-dir", str(tmp_path / "cache"), "--endpoint-url", seaweedfs.endpoint)
+    assert sorted(os.listdir(mountpoint)) == [
+        ".tensorfs", "text_encoder", "unet", "v1-5-pruned", "v1-5-pruned-emaonly", "vae"
+    ]  # fmt: skip
+    view = mountpoint / ".tensorfs" / "model"
+    assert view_files(view) == view_files(repository)
+    same_files(view, repository)
+
+
 def test_loras_of_the_same_names_are_each_loaded_by_their_weight_name(
     sd_variants: Path, mounts: Mounts, tmp_path: Path
 ) -> None:

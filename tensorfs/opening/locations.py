@@ -63,20 +63,35 @@ def open_location(path: Path | str, how: OpenWith) -> Model:
     files beside them (a repository's single-file checkpoints: repository.py)."""
     found = find_pipeline(path, beside=how.several) if isinstance(path, Path) else None
     components, beside = found if found is not None else (None, False)
-    if isinstance(path, str):  # a remote directory is asked whether it is a pipeline only once it is no model
+    opened: Model | None = None  # a remote root's own models, when it is a pipeline's too
+    if isinstance(path, str):
+        # A remote directory is asked whether it is a pipeline only once it is no model, or several
+        # (single-file checkpoints at a pipeline's root: a Stable Diffusion 1.5-style repository).
         try:
-            return _open_model(path, how)
+            opened = _open_model(path, how)
         except InvalidModelError as exc:
             no_component = [p.reason for p in exc.problems] == [NO_COMPONENT]
             components = pipeline_components(path, how.remote) if no_component else None
             if not components:
                 raise
+        else:
+            components = (
+                pipeline_components(path, how.remote, own_weights=True) if how.several and opened.parts else None
+            )
+            if not components:
+                return opened
+            beside = True
     if components:
         if how.fallbacks is not None:
+            if opened is not None:
+                opened.close()
             raise InvalidModelError([Problem(str(path), "a pipeline takes no fallback: name a component's folder")])
         whole = replace(how, selection=Selection(), fallbacks=None)
         opening = functools.partial(open_location, how=whole)
-        root = _open_model(path, whole) if beside else None
+        if opened is not None and not how.selection.everything:
+            opened.close()
+            opened = None
+        root = (opened or _open_model(path, whole)) if beside else None
         try:
             return open_pipeline(
                 path, components, lambda folder: opening(_folder(path, folder)), how.selection, how.layout, root
@@ -182,11 +197,12 @@ def _several_models(
     return model_of(source, shards, owner, how.layout, how.selection, where)
 
 
-def pipeline_components(path: Path | str, remote: RemoteOptions) -> list[str] | None:
-    """The component folders of the diffusers pipeline whose root `path` is (pipelines.py), or None."""
+def pipeline_components(path: Path | str, remote: RemoteOptions, *, own_weights: bool = False) -> list[str] | None:
+    """The component folders of the diffusers pipeline whose root `path` is (pipelines.py), or None
+    (`own_weights`: its root may hold models of its own too)."""
     if isinstance(path, str):
-        return pipeline_folders(path, remote) if not remote.offline else None
-    found = find_pipeline(path)
+        return pipeline_folders(path, remote, own_weights=own_weights) if not remote.offline else None
+    found = find_pipeline(path, beside=own_weights)
     return found[0] if found is not None else None
 
 

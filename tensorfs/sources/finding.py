@@ -315,11 +315,12 @@ def _not_on_the_hub(source: str, options: RemoteOptions) -> str:
     return f"{repo} has no revision {revision} (a branch, a tag or a commit)"
 
 
-def pipeline_folders(source: str, options: RemoteOptions) -> list[str] | None:
+def pipeline_folders(source: str, options: RemoteOptions, *, own_weights: bool = False) -> list[str] | None:
     """The component folders (those holding weights, sorted) of the diffusers pipeline whose root is
-    the remote directory `source`, or None when it is none (choosing.is_pipeline): model_index.json
-    is asked for first (one HEAD), then the directory listed (S3's listing, or the Hub's API) one
-    level down. None too when the store cannot say (opening the directory as a model says why)."""
+    the remote directory `source`, or None when it is none (choosing.is_pipeline; `own_weights`: its
+    root may hold weights of its own too): model_index.json is asked for first (one HEAD), then the
+    directory listed (S3's listing, or the Hub's API) one level down. None too when the store cannot
+    say (opening the directory as a model says why)."""
     spec, key = store_spec(source, options)
     if is_weights_name(key) or is_index_name(key) or (spec.kind != "s3" and not source.startswith("hf://")):
         return None
@@ -335,7 +336,7 @@ def pipeline_folders(source: str, options: RemoteOptions) -> list[str] | None:
         if path_problem(path, max_depth=2) is None:  # the one gate of names from outside
             folder, _, name = path.rpartition("/")
             by_folder.setdefault(folder, []).append(name)
-    if not is_pipeline(by_folder.get("", [])):
+    if not is_pipeline(by_folder.get("", []), beside=own_weights):
         return None
     root = spec.url(key).rstrip("/")
     return sorted(
