@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +83,7 @@ class ViewRule:
     the folders a synthesized view's models come from (a pipeline's components)."""
 
     folder: bool
-    components: Collection[str] = ()
+    components: tuple[str, ...] = ()
 
     def left_out(self, path: str) -> str | None:
         """Why a file or folder is never taken, nor looked into (None: it may be)."""
@@ -156,7 +156,7 @@ def view_of(source: Source, model: Model, request: ViewRequest | None = None) ->
     signed = model.signed
     # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
     wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
-    rule = ViewRule(folder=why is None, components=holding)
+    rule = ViewRule(folder=why is None, components=tuple(holding))
     if isinstance(source.location, str):
         from ..views.remote_files import find_remote_companions
 
