@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import stat
 import struct
@@ -523,6 +524,10 @@ def test_a_manifest_of_a_folder_covers_the_weights_files_beside_the_model(tmp_pa
     ]  # fmt: skip
     checked = cli("verify", "-q", "m", cwd=tmp_path)
     assert (checked.returncode, checked.stdout, checked.stderr) == (0, "m: all 4 tensors match m/tensors.sha256\n", "")
+    one = cli("verify", "-q", "m/model.safetensors", cwd=tmp_path)  # one shard: the manifest may list more
+    assert (one.returncode, one.stdout) == (0, "m/model.safetensors: all 1 tensors match m/tensors.sha256\n"), (
+        one.stderr
+    )
     done = cli("export", "-q", "m", "out", cwd=tmp_path)
     assert (done.returncode, done.stderr) == (0, "")
     for name in ("model.safetensors", "model.fp16.safetensors", "adapter_model.safetensors", "tensors.sha256"):
@@ -539,6 +544,15 @@ def test_a_manifest_of_a_folder_covers_the_weights_files_beside_the_model(tmp_pa
         done.stderr
     )
     assert not (tmp_path / "out2").exists()
+    gone = tmp_path / "gone"  # a file it lists, not there: said once, naming the file
+    shutil.copytree(directory, gone)
+    (gone / "adapter_model.safetensors").unlink()
+    checked = cli("verify", "-q", "gone", cwd=tmp_path)
+    assert (
+        checked.returncode == 1
+        and ("error: gone/tensors.sha256: lists adapter_model.safetensors, which is no weights file beside the model\n")
+        in checked.stderr
+    ), checked.stderr
     # A manifest that lists one of the adapter's tensors and not the other: the adapter is left out.
     kept = [line for line in (directory / "tensors.sha256").read_text().splitlines(True) if "lora_B" not in line]
     (directory / "tensors.sha256").write_text("".join(kept))

@@ -305,7 +305,7 @@ def verify(
         problems = found.mismatches(model, actual, lambda name: f"does not match {found.label} (sha256 {actual[name]})")
         problems += found.coverage(model)
         count = len(model)
-        if found.beside:  # the weights files beside the model it lists too
+        if found.beside and not found.lists_more:  # the files beside the model it lists (not of one shard's)
             beside, warnings = digests_beside(source, model, progress=not quiet)
             error_lines(warnings, prefix="warning: ")
             problems += found.beside_problems(beside, lambda file: str(source.in_folder(file)))

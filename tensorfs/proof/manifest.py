@@ -149,7 +149,9 @@ class Manifest:
         for file, listed in sorted(self.beside.items()):
             found = actual.get(file)
             if found is None:
-                problems.append(Problem(self.label, "is in the manifest: no such weights file beside the model", file))
+                problems.append(
+                    Problem(self.label, f"lists {printable(file)}, which is no weights file beside the model")
+                )
                 continue
             for name in sorted(listed.keys() | found.keys()):
                 if name not in found:
