@@ -1407,6 +1407,21 @@ def test_a_signature_beside_a_model_mounted_without_a_key_is_said_unverified(
     assert (mountpoint / ".tensorfs" / "model" / "model.sig").read_bytes() == (model / "model.sig").read_bytes()
 
 
+def verified_in_view_and_export(mounts: Mounts, model: Path, public: Path, tmp_path: Path) -> Path:
+    """`model` (signed, its files whole) mounted held to its signature and exported, both without a
+    word, and model_signing verifying the view and the export again: the mountpoint."""
+    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounted = mounts.attempt(model, *common, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
+    assert mounted.returncode == 0 and mounted.stderr == "", mounted.stderr
+    still_verifies(mountpoint / ".tensorfs" / "model", model, public, sharded=False)
+    exported = mounts.run("export", "-q", *common, str(model), str(tmp_path / "exported"))
+    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
+    still_verifies(tmp_path / "exported", model, public, sharded=False)
+    return mountpoint
+
+
 @pytest.mark.mount
 def test_a_signed_file_over_64_mib_is_in_the_view_and_the_export(
     mounts: Mounts, tmp_path: Path, keys: tuple[Path, Path]
@@ -1419,15 +1434,7 @@ def test_a_signed_file_over_64_mib_is_in_the_view_and_the_export(
     (model / "onnx").mkdir()
     (model / "onnx" / "model.onnx").write_bytes(np.random.default_rng(3).bytes(70 * MIB))
     sign(model, private)
-    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
-    mountpoint = tmp_path / "mnt"
-    mountpoint.mkdir()
-    mounted = mounts.attempt(model, *common, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
-    assert mounted.returncode == 0 and mounted.stderr == "", mounted.stderr
-    still_verifies(mountpoint / ".tensorfs" / "model", model, public, sharded=False)
-    exported = mounts.run("export", "-q", *common, str(model), str(tmp_path / "exported"))
-    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
-    still_verifies(tmp_path / "exported", model, public, sharded=False)
+    verified_in_view_and_export(mounts, model, public, tmp_path)
 
 
 @pytest.mark.mount
@@ -1455,13 +1462,5 @@ def test_a_signed_folder_of_several_models_verifies_in_its_view_and_export(
         folders = ["style-a", "style-b"]
     (model / "README.md").write_text("# several models\n")
     sign(model, private)
-    common = ["--public-key", str(public), "--cache-dir", str(tmp_path / "cache")]
-    mountpoint = tmp_path / "mnt"
-    mountpoint.mkdir()
-    mounted = mounts.attempt(model, *common, "--log-file", str(mounts.log_file), mountpoint=mountpoint)
-    assert mounted.returncode == 0 and mounted.stderr == "", mounted.stderr
+    mountpoint = verified_in_view_and_export(mounts, model, public, tmp_path)
     assert sorted(os.listdir(mountpoint)) == [".tensorfs", *folders]
-    still_verifies(mountpoint / ".tensorfs" / "model", model, public, sharded=False)
-    exported = mounts.run("export", "-q", *common, str(model), str(tmp_path / "exported"))
-    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
-    still_verifies(tmp_path / "exported", model, public, sharded=False)
