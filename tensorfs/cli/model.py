@@ -297,10 +297,9 @@ def verify(
         return
     # The model first: its errors name it, not the manifest beside it.
     with source.open(selection, progress=not quiet) as model:
-        found = source.manifest(manifest_path, selection)
+        found = source.manifest(model, manifest_path)
         if found is None:
             raise TensorfsError(f"{source.directory}: no {DEFAULT_MANIFEST} here; name a manifest with --manifest FILE")
-        found = found.of_model(model)
         actual = hash_all(model, model.gate.integrity.hasher, progress=not quiet)
         problems = found.mismatches(model, actual, lambda name: f"does not match {found.label} (sha256 {actual[name]})")
         problems += found.coverage(model)

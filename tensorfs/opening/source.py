@@ -192,7 +192,7 @@ class Source:
             found = None
             if verify != "off" and manifest is not None:
                 given = None if isinstance(manifest, ManifestBeside) else manifest
-                found = self.manifest(given, selection)
+                found = self.manifest(model, given)
             if found is None and (manifest is ManifestBeside.REQUIRED or verify in ("open", "all")):
                 raise ManifestError(
                     f"{self.shown}: verifying needs a manifest: name one (--manifest FILE, verify=PATH), or put "
@@ -200,7 +200,6 @@ class Source:
                 )
             hasher = Hasher(model, self.cache.hashes())
             if found is not None:
-                found = found.of_model(model)
                 model.manifest_beside = found.beside
                 problems = found.coverage(model)
                 if problems:
@@ -285,8 +284,10 @@ class Source:
             there = False
         return Path(self.directory) / DEFAULT_MANIFEST if there else None
 
-    def manifest(self, given: Path | str | None = None, selection: Selection | None = None) -> Manifest | None:
-        """The manifest `given` (a file, a pipe, a URL), else the one beside the model if there is one.
+    def manifest(self, model: Model, given: Path | str | None = None) -> Manifest | None:
+        """The manifest of `model` (opened from this source): `given` (a file, a pipe, a URL), else the
+        one beside the model if there is one; its lines for the files beside the model set apart
+        (Manifest.of_model).
 
         It may list other tensors too when the source is one shard of a model, or a selection of it.
         """
@@ -294,8 +295,8 @@ class Source:
         if found is None:
             return None
         digests = read_manifest(found, self.remote, in_model=given is None)
-        lists_more = self.is_one_shard or not (selection or Selection()).everything
-        return Manifest(str(found), digests, lists_more)
+        lists_more = self.is_one_shard or not model.selection.everything
+        return Manifest(str(found), digests, lists_more).of_model(model)
 
     @property
     def folder(self) -> Path | str:
