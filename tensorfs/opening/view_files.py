@@ -40,6 +40,7 @@ from .source import Source, hash_all
 
 if TYPE_CHECKING:
     from ..views import ViewSpec
+    from ..views.companions import FolderFiles
 
 __all__ = [
     "LEFT_OUT", "Others", "ViewChoice", "ViewRequest", "ViewRule", "digests_beside", "is_weights_file", "open_others",
@@ -80,10 +81,12 @@ def is_weights_file(path: str) -> bool:
 class ViewRule:
     """Which files of a model's folder its view takes, by their paths there (views.FileRule: what
     the finders ask). `folder`: a view of the model's own folder (else synthesized); `components`:
-    the folders a synthesized view's models come from (a pipeline's components)."""
+    the folders a synthesized view's models come from (a pipeline's components); `only_weights`: the
+    weights files of the folder alone (what a manifest of the folder hashes: no companion opened)."""
 
     folder: bool
     components: tuple[str, ...] = ()
+    only_weights: bool = False
 
     def left_out(self, path: str) -> str | None:
         """Why a file or folder is never taken, nor looked into (None: it may be)."""
@@ -99,7 +102,7 @@ class ViewRule:
         if self.left_out(path) is not None:
             return False
         if self.folder:
-            return True
+            return not self.only_weights or is_weights_file(path)
         where, _, name = path.rpartition("/")
         if where in self.components:
             return not is_model_file(name)
@@ -157,14 +160,7 @@ def view_of(source: Source, model: Model, request: ViewRequest | None = None) ->
     # A signed model's files are those its signature names (at any depth, hidden ones too), itself too.
     wanted = None if signed is None else [name for name in (*signed.files, signed.path) if name not in (None, ".")]
     rule = ViewRule(folder=why is None, components=tuple(holding))
-    if isinstance(source.location, str):
-        from ..views.remote_files import find_remote_companions
-
-        found = find_remote_companions(source.location, source.remote, rule, own=weights, wanted=wanted or ())
-    else:
-        from ..views.local_files import find_companions
-
-        found = find_companions(source.location, rule, own=weights, wanted=wanted)
+    found = _found(source, model, rule, wanted)
     companions = found.companions
     if signed is not None:
         from ..views.signed import signed_companions
@@ -193,24 +189,9 @@ def view_of(source: Source, model: Model, request: ViewRequest | None = None) ->
                 "model's files, not the view's"
             )
         return spec, Others()
-    directory = source.folder
-    places = {relative_path(directory, shard.header.path): (0, k) for k, shard in enumerate(model.opened_shards())}
     integrity = model.gate.integrity
     manifest = integrity.label if integrity.expected is not None and signed is None else None
-    # Beside a model named by its file, other weights files are other models: not the folder's to open.
-    beside_it = [] if source.is_one_shard else [path for path in found.weights if path not in places]
-    others = open_others(
-        beside_it,
-        directory,
-        locate=source.in_folder,
-        layout=model.layout,
-        remote=source.cache.remote(source.remote),
-        headers=source.cache.headers,
-        signed=signed,
-        hashes=source.cache.hashes(),
-        manifest=manifest,
-        beside=model.manifest_beside,
-    )
+    places, others = _others(source, model, found.weights, signed, manifest)
     warnings += others.warnings
     weights_files = {**places, **others.places}
     spec = ViewSpec(
@@ -228,7 +209,8 @@ def digests_beside(
     named by its file, or a selection of one."""
     if source.is_one_shard or not model.selection.everything:
         return {}, []
-    _, others = view_of(source, model)
+    found = _found(source, model, ViewRule(folder=True, only_weights=True))
+    _, others = _others(source, model, found.weights, None, None)
     try:
         digests: dict[str, dict[str, str]] = {}
         for other in others.models:
@@ -237,6 +219,41 @@ def digests_beside(
         return digests, others.warnings
     finally:
         others.close()
+
+
+def _found(source: Source, model: Model, rule: ViewRule, wanted: list[str] | None = None) -> FolderFiles:
+    """The files of the model's folder the `rule` takes, found where the model is (views/)."""
+    if isinstance(source.location, str):
+        from ..views.remote_files import find_remote_companions
+
+        return find_remote_companions(source.location, source.remote, rule, own=model.shards, wanted=wanted or ())
+    from ..views.local_files import find_companions
+
+    return find_companions(source.location, rule, own=model.shards, wanted=wanted)
+
+
+def _others(
+    source: Source, model: Model, weights: list[str], signed: SignedModel | None, manifest: str | None
+) -> tuple[dict[str, tuple[int, int]], Others]:
+    """Where each of the model's own files is in its folder (ViewSpec.weights: model 0), and the other
+    `weights` files of the folder opened as models of their own (open_others)."""
+    directory = source.folder
+    places = {relative_path(directory, shard.header.path): (0, k) for k, shard in enumerate(model.opened_shards())}
+    # Beside a model named by its file, other weights files are other models: not the folder's to open.
+    beside_it = [] if source.is_one_shard else [path for path in weights if path not in places]
+    others = open_others(
+        beside_it,
+        directory,
+        locate=source.in_folder,
+        layout=model.layout,
+        remote=source.cache.remote(source.remote),
+        headers=source.cache.headers,
+        signed=signed,
+        hashes=source.cache.hashes(),
+        manifest=manifest,
+        beside=model.manifest_beside,
+    )
+    return places, others
 
 
 def _note(source: Source, model: Model) -> dict[str, str | None]:
