@@ -82,9 +82,7 @@ def open_location(path: Path | str, how: OpenWith) -> Model:
                 return opened
             beside = True
     if components:
-        if how.fallbacks is not None:
-            if opened is not None:
-                opened.close()
+        if how.fallbacks is not None:  # (a remote root of several models took none: `opened` is None)
             raise InvalidModelError([Problem(str(path), "a pipeline takes no fallback: name a component's folder")])
         whole = replace(how, selection=Selection(), fallbacks=None)
         opening = functools.partial(open_location, how=whole)
