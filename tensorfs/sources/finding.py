@@ -5,6 +5,7 @@ anything is made of it."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -82,7 +83,7 @@ def _choose(source: str, options: RemoteOptions, spec: StoreSpec, prefix: str, w
             return replace(choice, problem=f"over {MAX_LISTED} objects under this prefix; {choice.problem}")
         return choice
     try:
-        names = [path for path, *_ in _hub_files(source, options, 1)[0] if "/" not in path]
+        names = [path for path, *_ in _hub_files(source, options, 1, 0)[0] if "/" not in path]
     except AccessDenied:
         raise
     except (FileNotFoundError, RemoteError) as exc:  # no such repository or revision; or a mirror without the API
@@ -219,16 +220,18 @@ MAX_HUB_LISTING = 16 << 20
 """The most one answer of the Hub's listing API may hold."""
 
 
-def hub_listing(source: str, options: RemoteOptions, depth: int = 1) -> tuple[Listed, str | None] | None:
+def hub_listing(
+    source: str, options: RemoteOptions, depth: int = 1, folders: int = MAX_FOLDERS_LISTED
+) -> tuple[Listed, str | None] | None:
     """The files of a Hub model's directory and its folders, to `depth` levels (1: the directory's
     own), as its API lists them ({HF_ENDPOINT}/api/models/ORG/NAME/tree/REVISION/PATH), a listing a
-    folder, and what of them was left out (past MAX_FOLDERS_LISTED folders, MAX_LISTED files or the
-    listing's deadline; None: nothing); None for a source that is not on the Hub. RemoteError when
-    the listing fails."""
+    folder, and what of them was left out (past `folders` folders, MAX_LISTED files or the listing's
+    deadline; None: nothing); None for a source that is not on the Hub. RemoteError when the listing
+    fails."""
     if not source.startswith("hf://"):
         return None
     try:
-        return _hub_files(source, options, depth)
+        return _hub_files(source, options, depth, folders)
     except FileNotFoundError as exc:
         raise RemoteError(f"{exc}: the Hub's listing of the model's files is not there (404)") from None
 
@@ -244,7 +247,7 @@ def _hub_api(source: str, options: RemoteOptions) -> tuple[StoreSpec, str, str, 
     return api, repo, revision, directory
 
 
-def _hub_files(source: str, options: RemoteOptions, depth: int) -> tuple[Listed, str | None]:
+def _hub_files(source: str, options: RemoteOptions, depth: int, folders: int) -> tuple[Listed, str | None]:
     """hub_listing's files; FileNotFoundError (its URL) when the repository, its revision or the
     directory is not there, or the Hub's API is not (a mirror that serves files only)."""
     api, repo, revision, directory = _hub_api(source, options)
@@ -276,10 +279,10 @@ def _hub_files(source: str, options: RemoteOptions, depth: int) -> tuple[Listed,
         )
 
     items = listed(directory)[:MAX_LISTED]
-    todo = folders_in(items) if depth > 1 else []
+    todo = collections.deque(folders_in(items) if depth > 1 else [])
     done = 0  # folders listed, breadth first (the top's first: what a loader needs most lies there)
-    while todo and done < MAX_FOLDERS_LISTED and len(items) < MAX_LISTED and not deadline.passed():
-        found = listed(todo.pop(0))[: MAX_LISTED - len(items)]
+    while todo and done < folders and len(items) < MAX_LISTED and not deadline.passed():
+        found = listed(todo.popleft())[: MAX_LISTED - len(items)]
         items += found
         todo += folders_in(found)
         done += 1
@@ -287,7 +290,7 @@ def _hub_files(source: str, options: RemoteOptions, depth: int) -> tuple[Listed,
     if todo:
         where = ObjectRef(api, f"{repo}/tree/{revision}/{directory}".rstrip("/")).url
         cut = (
-            f"{printable(where)}: {len(todo)} folders not listed (past {MAX_FOLDERS_LISTED} folders, "
+            f"{printable(where)}: {len(todo)} folders not listed (past {folders} folders, "
             f"{MAX_LISTED:,} files or the listing's time): their files are left out"
         )
     entries: Listed = []
@@ -327,7 +330,7 @@ def pipeline_folders(source: str, options: RemoteOptions, *, own_weights: bool =
     try:
         if not exists(beside(source, PIPELINE_INDEX, options)):
             return None
-        hub = hub_listing(source, options, 2)
+        hub = hub_listing(source, options, 2, MAX_COMPONENTS)
         listed = listing_beside(source, options, 2) if hub is None else hub[0]
     except (RemoteError, FileNotFoundError):
         return None
