@@ -26,7 +26,7 @@ from ..caches.hashes import HashCache
 from ..caches.headers import HeaderCache
 from ..catalogue.tables import Shard, owners
 from ..errors import InvalidModelError, TensorfsError, printable
-from ..formats import is_weights_name, pytorch
+from ..formats import NAME, is_weights_name, pytorch
 from ..model import Model
 from ..proof.integrity import Hasher, Integrity
 from ..proof.manifest import DEFAULT_MANIFEST
@@ -387,11 +387,13 @@ def _expected(
     """What the manifest says of the model's tensors (`beside`: by file, then tensor), and the first
     tensor it says nothing of (None: it covers them all)."""
     values: dict[str, str] = {}
-    for name in model.sorted_names:
-        digest = beside.get(relative_path(directory, model.info(name).shard), {}).get(name)
-        if digest is None:
-            return values, name
-        values[name] = digest
+    for shard in model.opened_shards():  # (a file's path found once, not once a tensor)
+        listed = beside.get(relative_path(directory, shard.header.path), {})
+        for entry in shard.header.entries:
+            digest = listed.get(entry[NAME])
+            if digest is None:
+                return values, entry[NAME]
+            values[entry[NAME]] = digest
     return values, None
 
 
